@@ -1,0 +1,7 @@
+"""The ``memfit`` command line."""
+
+from __future__ import annotations
+
+
+def main(argv: list[str] | None = None) -> int:
+    raise SystemExit("not yet")

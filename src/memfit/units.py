@@ -1,0 +1,69 @@
+"""Formatting and parsing of byte sizes and counts; units appear only at the edges."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from memfit.errors import MemfitError
+
+GB = 10**9
+GiB = 2**30
+MiB = 2**20
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def format_bytes(n: int | None, *, binary: bool = True) -> str:
+    """``1.50 GiB`` (binary) or ``1.61 GB`` (decimal); ``unknown`` for None."""
+    if n is None:
+        return "unknown"
+    base, units = (1024, ["B", "KiB", "MiB", "GiB", "TiB"]) if binary else (
+        1000, ["B", "kB", "MB", "GB", "TB"])
+    sign = "-" if n < 0 else ""
+    value = float(abs(n))
+    for unit in units:
+        if value < base or unit == units[-1]:
+            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.2f} {unit}"
+        value /= base
+    raise AssertionError("unreachable")
+
+
+def parse_bytes(text: str, *, what: str = "size") -> int:
+    """Parse ``24GB``, ``80 GiB``, ``1.5e9``; raises MemfitError on anything else."""
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _SIZE_UNITS:
+        raise MemfitError(
+            f"{what} {text!r} is not a size; write a number of bytes or use a unit such as "
+            "24GB or 80GiB")
+    value = float(match.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise MemfitError(f"{what} must be positive, got {text!r}")
+    return int(value)
+
+
+def parse_count(text: str | float | int, *, what: str) -> int:
+    """Parse a positive count such as ``7.5e9``, ``7.5B``, ``350M``; raises MemfitError."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        s = str(text).strip().lower().replace("_", "").replace(",", "")
+        scale = 1.0
+        for suffix, factor in (("t", 1e12), ("b", 1e9), ("m", 1e6), ("k", 1e3)):
+            if s.endswith(suffix):
+                s, scale = s[:-1], factor
+                break
+        try:
+            value = float(s) * scale
+        except ValueError:
+            raise MemfitError(
+                f"{what} {text!r} is not a number; write e.g. 7.5e9 or 7.5B") from None
+    if not math.isfinite(value) or value <= 0:
+        raise MemfitError(f"{what} must be a positive number, got {text!r}")
+    return round(value)
