@@ -1,7 +1,51 @@
-"""The ``memfit`` command line."""
+"""The ``memfit`` command line: one file per subcommand, errors as one line with exit code 2."""
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
 
-def main(argv: list[str] | None = None) -> int:
-    raise SystemExit("not yet")
+from memfit.errors import MemfitError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (what is wrong and where to look), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"memfit: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from memfit import __version__
+    from memfit.cli import gpus, models, plan
+
+    parser = _Parser(prog="memfit", description="Predict, measure and reduce the GPU memory of "
+                     "PyTorch training and inference.")
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    plan.register(sub)
+    gpus.register(sub)
+    models.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except MemfitError as exc:
+        print(f"memfit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -93,7 +93,8 @@ class TransformerSpec:
                 f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
         if self.arch == "vision" and (self.image_size <= 0 or self.patch_size <= 0):
-            raise MemfitError(f"model {self.name!r}: a vision model needs image_size and patch_size")
+            raise MemfitError(
+                f"model {self.name!r}: a vision model needs image_size and patch_size")
         if self.arch != "vision" and self.vocab_size <= 0:
             raise MemfitError(f"model {self.name!r}: vocab_size must be positive")
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:

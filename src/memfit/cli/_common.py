@@ -1,0 +1,45 @@
+"""Helpers shared by the subcommands: number parsing and console output."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from memfit.errors import MemfitError
+
+
+def positive_int(text: str | None, flag: str) -> int | None:
+    """``--batch 4`` -> 4; anything not a positive integer is a MemfitError naming the flag."""
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise MemfitError(f"{flag} must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise MemfitError(f"{flag} must be a positive integer, got {text!r}")
+    return value
+
+
+def nonneg_int(text: str | None, flag: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise MemfitError(f"{flag} must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise MemfitError(f"{flag} must be an integer >= 0, got {text!r}")
+    return value
+
+
+def console() -> Console:
+    return Console(highlight=False, soft_wrap=False)
+
+
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2)
+    sys.stdout.write("\n")

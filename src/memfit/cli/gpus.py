@@ -1,0 +1,44 @@
+"""``memfit gpus``: the GPU catalog."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+from typing import Any
+
+from rich.table import Table
+
+from memfit.cli._common import console, print_json
+from memfit.units import format_bytes
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("gpus", help="list the GPU catalog", description=__doc__)
+    p.add_argument("--gpu-file", help="a JSON file adding or overriding catalog GPUs")
+    p.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    p.set_defaults(func=run)
+
+
+def _tf(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.gpus import list_gpus
+
+    gpus = list_gpus(args.gpu_file)
+    if args.json:
+        print_json([asdict(g) for g in gpus])
+        return 0
+    table = Table(title="GPU catalog (dense TFLOPS; usable = what PyTorch can allocate)",
+                  title_justify="left")
+    for col in ("name", "memory", "usable", "GB/s", "bf16 TF", "fp8 TF", "host link", "$/h"):
+        table.add_column(col, justify="left" if col in ("name", "memory", "host link")
+                         else "right")
+    for g in gpus:
+        price = "-" if g.price_per_hour is None else f"{g.price_per_hour:.2f}"
+        table.add_row(g.name, g.memory_label, format_bytes(g.usable_bytes),
+                      f"{g.bandwidth_gbps:,.0f}", _tf(g.tflops.get("bf16")),
+                      _tf(g.tflops.get("fp8")), g.host_link.kind, price)
+    console().print(table)
+    return 0

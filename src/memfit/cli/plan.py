@@ -1,0 +1,220 @@
+"""``memfit plan``: per-GPU memory of a training or inference step, and whether it fits."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.table import Table
+
+from memfit.categories import MemoryCategory
+from memfit.cli._common import console, nonneg_int, positive_int, print_json
+from memfit.errors import MemfitError
+from memfit.estimate.config import (
+    ATTENTIONS,
+    CHECKPOINTING,
+    KV_DTYPES,
+    MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    WEIGHT_QUANTS,
+    RunConfig,
+)
+from memfit.estimate.planner import Plan, plan
+from memfit.estimate.suggestions import suggest_changes
+from memfit.models.spec import ModelSpec, ParamCountSpec
+from memfit.units import format_bytes, parse_count
+
+EPILOG = """examples:
+  memfit plan llama-3-8b --gpu rtx-4090 --mode lora --batch 4 --seq 2048
+  memfit plan ./config.json --gpu h100-80gb --precision bf16-mixed --checkpointing full \\
+      --gpus 8 --zero 3
+  memfit plan --params 7.5e9 --precision fp16-mixed --optimizer adam --gpus 64 --zero 2
+  memfit plan llama-3-8b --mode inference --batch 8 --seq 4096 --new-tokens 512 --quant int4
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("plan", help="predict per-GPU memory of a step and whether it fits",
+                       description=__doc__, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help="a preset name (`memfit models`) or a local HF "
+                   "config.json (or a folder holding one)")
+    p.add_argument("--params", help="plan for a parameter count alone, e.g. 7.5e9 or 7.5B "
+                   "(model states only)")
+    p.add_argument("--gpu", help="GPU from the catalog (`memfit gpus`)")
+    p.add_argument("--gpu-file", help="a JSON file adding or overriding catalog GPUs")
+    p.add_argument("--mode", default="train", help=f"one of {', '.join(MODES)} (default train)")
+    p.add_argument("--precision", default="bf16-mixed",
+                   help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed)")
+    p.add_argument("--optimizer", default="adamw",
+                   help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    p.add_argument("--checkpointing", default="none",
+                   help=f"activation checkpointing: {', '.join(CHECKPOINTING)}")
+    p.add_argument("--attention", default="sdpa", help=f"one of {', '.join(ATTENTIONS)}")
+    p.add_argument("--batch", default="1", help="micro-batch per GPU (default 1)")
+    p.add_argument("--seq", help="sequence length (default: the model's, capped at 2048)")
+    p.add_argument("--grad-accum", default="1", help="micro-batches per optimizer step")
+    p.add_argument("--gpus", default="1", help="total GPUs (data x tensor x pipeline)")
+    p.add_argument("--zero", default="0", help="ZeRO stage 0-3 over data-parallel ranks")
+    p.add_argument("--fsdp", action="store_true", help="FSDP full sharding (same as --zero 3)")
+    p.add_argument("--tp", default="1", help="tensor-parallel size")
+    p.add_argument("--pp", default="1", help="pipeline-parallel size (1F1B)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: shard norms/dropouts along the sequence (Megatron SP)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="keep optimizer states in host memory")
+    p.add_argument("--offload-params", action="store_true",
+                   help="keep parameters in host memory (needs --zero 3)")
+    p.add_argument("--lora-rank", default="16", help="LoRA rank (default 16)")
+    p.add_argument("--lora-targets", default="q,k,v,o",
+                   help="comma list of q,k,v,o,gate,up,down, or 'all' (default q,k,v,o)")
+    p.add_argument("--quant", default="none",
+                   help=f"inference weight quantization: {', '.join(WEIGHT_QUANTS)}")
+    p.add_argument("--kv-cache-dtype", help=f"inference KV cache format: {', '.join(KV_DTYPES)}")
+    p.add_argument("--new-tokens", default="0", help="inference: tokens generated after the "
+                   "prompt (the KV cache holds seq + new tokens)")
+    p.add_argument("--method", default="analytic", choices=["analytic", "trace"],
+                   help="analytic formulas (default) or trace the real module on meta tensors")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def resolve(args: argparse.Namespace) -> tuple[ModelSpec, Any]:
+    """The model and GPU the arguments name."""
+    from memfit.gpus import get_gpu
+    from memfit.models import resolve_model
+
+    if args.model and args.params:
+        raise MemfitError("give a model or --params, not both")
+    if args.params:
+        params = parse_count(args.params, what="--params")
+        model: ModelSpec = ParamCountSpec(name=f"{params:,} parameters", params=params)
+    elif args.model:
+        model = resolve_model(args.model)
+    else:
+        raise MemfitError("name a model (`memfit models` lists presets; or a config.json path) "
+                          "or give --params N")
+    gpu = get_gpu(args.gpu, args.gpu_file) if args.gpu else None
+    if args.gpu_file and not args.gpu:
+        raise MemfitError("--gpu-file adds GPUs to the catalog; also name one with --gpu")
+    return model, gpu
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    zero = nonneg_int(args.zero, "--zero")
+    if args.fsdp:
+        if zero not in (0, 3):
+            raise MemfitError(f"--fsdp means ZeRO-3; it conflicts with --zero {zero}")
+        zero = 3
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    if targets == ("all",):
+        targets = ("q", "k", "v", "o", "gate", "up", "down")
+    return RunConfig(
+        mode=args.mode, precision=args.precision, optimizer=args.optimizer,
+        checkpointing=args.checkpointing, attention=args.attention,
+        batch=positive_int(args.batch, "--batch") or 1,
+        seq=positive_int(args.seq, "--seq"),
+        grad_accum=positive_int(args.grad_accum, "--grad-accum") or 1,
+        gpus=positive_int(args.gpus, "--gpus") or 1,
+        zero=zero or 0,
+        tp=positive_int(args.tp, "--tp") or 1,
+        pp=positive_int(args.pp, "--pp") or 1,
+        sequence_parallel=args.sequence_parallel,
+        offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
+        lora_rank=positive_int(args.lora_rank, "--lora-rank") or 16,
+        lora_targets=targets,
+        weight_quant=args.quant, kv_cache_dtype=args.kv_cache_dtype,
+        new_tokens=nonneg_int(args.new_tokens, "--new-tokens") or 0,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    model, gpu = resolve(args)
+    config = run_config(args)
+    if args.method == "trace":
+        from memfit.cli.trace_plan import run_trace
+
+        return run_trace(args, model, config, gpu)
+    result = plan(model, config, gpu)
+    suggestions = suggest_changes(result) if result.fits is False or result.tight else []
+    if args.json:
+        out = result.to_dict()
+        out["suggestions"] = [
+            {"change": s.change, "saved_bytes": s.saved_bytes,
+             "total_bytes": s.plan.total_bytes, "fits": s.plan.fits} for s in suggestions]
+        print_json(out)
+        return 0
+    render(result, suggestions)
+    return 0
+
+
+def _describe(p: Plan) -> str:
+    r = p.run
+    parts = [r.mode, r.precision]
+    if r.training:
+        parts += [r.optimizer, f"checkpointing {r.checkpointing}"]
+    parts.append(f"batch {r.batch}")
+    if p.seq:
+        parts.append(f"seq {p.seq}")
+    if r.grad_accum > 1:
+        parts.append(f"grad-accum {r.grad_accum}")
+    if r.gpus > 1:
+        parts.append(f"{r.gpus} GPUs (dp {r.dp}, tp {r.tp}, pp {r.pp}, zero {r.zero})")
+    if r.mode in ("lora", "qlora"):
+        parts.append(f"rank {r.lora_rank} on {','.join(r.lora_targets)}")
+    if r.mode == "inference":
+        if r.weight_quant != "none":
+            parts.append(f"weights {r.weight_quant}")
+        if r.new_tokens:
+            parts.append(f"+{r.new_tokens} new tokens")
+    return ", ".join(parts)
+
+
+def render(p: Plan, suggestions: list[Any]) -> None:
+    out = console()
+    params = p.model.param_count()
+    gpu = f" on {p.gpu.label}" if p.gpu else ""
+    out.print(f"[bold]{p.model.name}[/bold] ({params / 1e9:.2f}B params){gpu}")
+    out.print(_describe(p))
+    table = Table(title="Memory per GPU" + (f" (pipeline stage {p.stage})" if p.run.pp > 1
+                                            else ""), title_justify="left")
+    table.add_column("category")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    total = p.total_bytes
+    for category, nbytes in p.breakdown.items():
+        if category is MemoryCategory.ACTIVATIONS and not p.activations_known:
+            table.add_row(category.value, "unknown", "")
+            continue
+        share = f"{100 * nbytes / total:.1f}%" if total else ""
+        table.add_row(category.value, format_bytes(nbytes), share)
+    table.add_section()
+    table.add_row("[bold]total[/bold]", f"[bold]{format_bytes(total)}[/bold]", "")
+    if p.capacity_bytes is not None:
+        table.add_row("usable on GPU", format_bytes(p.capacity_bytes), "")
+    out.print(table)
+    if p.host_bytes:
+        out.print(f"host memory for offloaded states: {format_bytes(p.host_bytes)} per GPU")
+    if p.fits is None:
+        out.print("no --gpu given: add one to see whether it fits")
+    elif p.fits:
+        style = "yellow" if p.tight else "green"
+        tight = " (tight: under 5% headroom; fragmentation may push it over)" if p.tight else ""
+        out.print(f"[{style}]fits[/{style}] with {format_bytes(p.headroom_bytes)} headroom"
+                  f"{tight}")
+    else:
+        out.print(f"[red]does not fit[/red]: {format_bytes(-(p.headroom_bytes or 0))} over")
+    for note in p.notes:
+        out.print(f"note: {note}")
+    if suggestions:
+        sug = Table(title="What would save memory (one change each)", title_justify="left")
+        sug.add_column("change")
+        sug.add_column("saves", justify="right")
+        sug.add_column("new total", justify="right")
+        sug.add_column("fits", justify="center")
+        for s in suggestions:
+            fits = {True: "yes", False: "no", None: "?"}[s.plan.fits]
+            sug.add_row(s.change, format_bytes(s.saved_bytes), format_bytes(s.plan.total_bytes),
+                        fits)
+        out.print(sug)

@@ -1,0 +1,197 @@
+"""Activation memory of a transformer step, adapted from Korthikanti et al. 2022.
+
+"Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198, §4) counts
+the bytes a GPT block saves for backward with 16-bit activations: sbh(34 + 5as/h) without
+parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor parallelism t, (sbh/t)(34 + 5as/h) with
+sequence parallelism, 34sbh/t with selective recompute, and 2sbh (the block input) with full
+recompute. Here the same accounting is done term by term, so that it holds for each
+architecture's real shapes: any activation width e (2 bytes for 16-bit, 4 for fp32), GQA (fewer
+K/V heads), SwiGLU/GeGLU MLPs (four f-wide tensors instead of two), MoE (each token runs through
+k experts), extra norms (Gemma-2) and no dropout (modern LLMs train without it, so no masks).
+For a GPT-2-shaped block with dropout, e = 2 and eager attention the terms add up to exactly
+Korthikanti's 34sbh + 5as²b (a test checks this).
+
+Known limitations: the logits/loss terms assume Hugging Face's loss (logits upcast to fp32 then
+log-softmax); fused/chunked losses (Liger) need far less. Kernel workspaces are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.estimate.config import RunConfig
+from memfit.models.spec import TransformerSpec
+
+FORMAT_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+MASK_BYTES = 1  # dropout masks are torch.bool
+LSE_BYTES = 4  # fused attention saves a fp32 logsumexp per query row and head
+INDEX_BYTES = 8  # token ids and labels are int64
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTerms:
+    """Bytes one block saves for backward, split by what tensor parallelism divides."""
+
+    replicated: int
+    """Norm inputs, the attention and MLP block inputs, dropout masks (Korthikanti's 10sbh)."""
+    split: int
+    """Q/K/V, attention scores, the MLP's wide tensors (Korthikanti's 24sbh + 5as²b)."""
+    attention_scores: int
+    """The s×s part of ``split`` (what selective recompute drops)."""
+
+    def per_gpu(self, tp: int, sequence_parallel: bool) -> int:
+        replicated = -(-self.replicated // tp) if sequence_parallel else self.replicated
+        return replicated + -(-self.split // tp)
+
+
+def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
+                attention: str) -> LayerTerms:
+    """Bytes one block saves for backward (Korthikanti §4.1, term by term)."""
+    s, b, e, h = seq, batch, act_bytes, spec.hidden_size
+    sbh = s * b * h
+    hidden_dropout = spec.dropout > 0
+    attn_dropout = spec.attention_dropout > 0 and attention == "eager"
+
+    replicated = spec.norms_per_layer * e * sbh  # each norm saves its input (LN: 2sbh each)
+    replicated += e * sbh  # input of the QKV projection (the norm's output)
+    replicated += e * sbh  # input of the MLP's first projection
+    if hidden_dropout:
+        replicated += 2 * MASK_BYTES * sbh  # residual dropout masks after attention and MLP
+
+    split = e * s * b * (spec.q_dim + spec.kv_dim)  # Q and K, kept for QK^T
+    split += e * s * b * spec.kv_dim  # V, kept for softmax(QK^T) V
+    split += e * s * b * spec.q_dim  # input of the output projection
+    scores = 0
+    if attention == "eager":
+        a_ss_b = spec.num_heads * s * s * b
+        scores = e * a_ss_b  # softmax output
+        if attn_dropout:
+            scores += MASK_BYTES * a_ss_b + e * a_ss_b  # dropout mask and its output
+    else:
+        split += LSE_BYTES * spec.num_heads * s * b  # flash/memory-efficient: logsumexp only
+    split += scores
+
+    f = spec.intermediate_size
+    # GeLU MLP keeps the GeLU input and the second projection's input (Korthikanti's 16sbh);
+    # a gated MLP keeps the gate and up outputs, act(gate) and the product: 4 f-wide tensors.
+    wide = 2 if spec.mlp == "gelu" else 4
+    mlp = wide * e * s * b * f
+    if spec.is_moe:
+        k = spec.experts_per_token
+        # Each token visits k experts: k copies of the dispatched input, k expert MLPs, and the
+        # router's fp32 probabilities (softmax over experts).
+        mlp = k * mlp + k * e * sbh + 4 * s * b * spec.num_experts
+    split += mlp
+    return LayerTerms(replicated=replicated, split=split, attention_scores=scores)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Activations:
+    """Activation and temporary bytes per GPU at the backward peak."""
+
+    activations: int
+    temporaries: int
+    per_layer: int
+    """One block's saved bytes on this GPU, without recompute."""
+    notes: tuple[str, ...] = ()
+
+
+def input_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int) -> int:
+    """Saved bytes before the first block: the batch itself and the embedding's outputs."""
+    s, b, e, h = seq, batch, act_bytes, spec.hidden_size
+    if spec.arch == "vision":
+        return 4 * b * spec.num_channels * spec.image_size**2  # fp32 pixels
+    total = INDEX_BYTES * s * b  # input ids
+    if spec.arch == "decoder":
+        total += INDEX_BYTES * s * b  # labels
+    if spec.dropout > 0:
+        total += MASK_BYTES * s * b * h  # embedding dropout
+    if spec.arch == "encoder":
+        total += e * s * b * h  # embedding LayerNorm input
+    return total
+
+
+def output_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int, tp: int) -> int:
+    """Saved bytes after the last block: final norm, head, logits and loss."""
+    s, b, e, h = seq, batch, act_bytes, spec.hidden_size
+    if spec.arch == "vision":
+        return e * s * b * h + e * b * h  # final norm input, classifier input (class token)
+    if spec.arch == "encoder":
+        return e * b * h if spec.pooler else 0
+    total = 2 * e * s * b * h  # final norm input, LM head input
+    vocab = -(-spec.vocab_size // tp)  # vocab-parallel head under tensor parallelism
+    logits = e * s * b * vocab
+    upcast = 4 * s * b * vocab if e != 4 else 0  # HF upcasts logits to fp32 for the loss
+    log_softmax = 4 * s * b * vocab  # cross-entropy saves its fp32 log-softmax output
+    return total + logits + upcast + log_softmax
+
+
+def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
+                         stage: int = 0) -> Activations:
+    """Saved activations on one pipeline stage plus the largest backward temporary."""
+    e = FORMAT_BYTES[run.compute_format]
+    s, b, h = seq, run.batch, spec.hidden_size
+    terms = layer_terms(spec, seq=s, batch=b, act_bytes=e, attention=run.attention)
+    per_layer = terms.per_gpu(run.tp, run.sequence_parallel)
+    layers = -(-spec.num_layers // run.pp)
+    notes: list[str] = []
+
+    if run.checkpointing == "full":
+        # Only each block's input is kept (Korthikanti's 2sbh); during backward one block is
+        # recomputed, so its full activations exist once.
+        block_input = e * s * b * h
+        if run.sequence_parallel:
+            block_input = -(-block_input // run.tp)
+        saved = layers * block_input + per_layer
+    elif run.checkpointing == "selective":
+        scores = -(-terms.attention_scores // run.tp)
+        saved = layers * (per_layer - scores) + scores
+    else:
+        saved = layers * per_layer
+
+    # 1F1B: stage i holds activations of min(pp - i, micro-batches) micro-batches at once.
+    in_flight = min(run.pp - stage, run.grad_accum)
+    if run.pp > 1:
+        notes.append(f"pipeline 1F1B: stage {stage} holds {in_flight} micro-batches in flight")
+    first, last = stage == 0, stage == run.pp - 1
+    activations = in_flight * saved
+    if first:
+        activations += in_flight * input_terms(spec, seq=s, batch=b, act_bytes=e)
+    if last:
+        activations += output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.tp)
+
+    # Largest transient in backward: at the loss, the fp32 gradient of the logits (and its
+    # 16-bit cast); inside a block, the gradients of the MLP's wide tensors.
+    vocab = -(-spec.vocab_size // run.tp) if spec.arch == "decoder" and last else 0
+    loss_grad = (4 + (e if e != 4 else 0)) * s * b * vocab
+    f_local = -(-spec.intermediate_size // run.tp)
+    block_grad = 2 * e * s * b * f_local + 2 * e * s * b * h
+    if run.attention == "eager":
+        block_grad += -(-terms.attention_scores // run.tp)
+    temporaries = max(loss_grad, block_grad)
+    return Activations(activations=activations, temporaries=temporaries, per_layer=per_layer,
+                       notes=tuple(notes))
+
+
+def inference_activations(spec: TransformerSpec, run: RunConfig, seq: int) -> Activations:
+    """Prefill working set: nothing is saved for backward, so the peak is one block's transient
+    tensors plus the logits of the last position (HF generate computes only those)."""
+    e = FORMAT_BYTES[run.compute_format]
+    s, b, h, tp = seq, run.batch, spec.hidden_size, run.tp
+    residual = 2 * e * s * b * h  # residual stream + normed copy
+    qkv = -(-e * s * b * (spec.q_dim + 2 * spec.kv_dim) // tp)
+    attn_out = -(-e * s * b * spec.q_dim // tp)
+    scores = -(-2 * e * spec.num_heads * s * s * b // tp) if run.attention == "eager" else 0
+    f_local = -(-spec.intermediate_size // tp)
+    wide = 2 if spec.mlp == "gelu" else 3
+    k = spec.experts_per_token if spec.is_moe else 1
+    mlp = wide * e * s * b * f_local * k
+    block = residual + max(qkv + attn_out + scores, mlp)
+    if spec.arch == "decoder":
+        vocab = -(-spec.vocab_size // tp)
+        head = (e + 4) * b * vocab  # last-position logits and their fp32 copy for sampling
+    else:
+        head = 0
+    inputs = INDEX_BYTES * s * b if spec.arch != "vision" else (
+        4 * b * spec.num_channels * spec.image_size**2)
+    return Activations(activations=block + head + inputs, temporaries=0, per_layer=block)

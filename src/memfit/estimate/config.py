@@ -1,0 +1,143 @@
+"""How the model is run: mode, precision, optimizer, checkpointing, batch and parallelism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from memfit.errors import MemfitError, suggest
+
+Mode = Literal["train", "lora", "qlora", "inference"]
+Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16", "fp8"]
+Optimizer = Literal["adam", "adamw", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion"]
+Checkpointing = Literal["none", "selective", "full"]
+Attention = Literal["sdpa", "flash", "eager"]
+WeightQuant = Literal["none", "int8", "int4"]
+KvDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8"]
+
+MODES: tuple[str, ...] = get_args(Mode)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
+CHECKPOINTING: tuple[str, ...] = get_args(Checkpointing)
+ATTENTIONS: tuple[str, ...] = get_args(Attention)
+WEIGHT_QUANTS: tuple[str, ...] = get_args(WeightQuant)
+KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
+
+
+def _check_choice(what: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise MemfitError(
+            f"unknown {what} {value!r}{suggest(value, valid)}; valid: {', '.join(valid)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One training or inference step, per the user's options.
+
+    Validation happens here, once, so every estimator can trust the values.
+    """
+
+    mode: Mode = "train"
+    """train: all weights trained. lora/qlora: frozen base (16-bit / 4-bit NF4) + adapters.
+    inference: weights + KV cache + prefill activations, no gradients."""
+    precision: Precision = "bf16-mixed"
+    """fp32; fp16-mixed/bf16-mixed (16-bit compute, fp32 master weights held by the optimizer,
+    16Ψ bytes with Adam per the ZeRO paper); bf16/fp16 (pure: states in 16-bit too);
+    fp8 (fp8 matmuls, bf16-mixed storage; needs a GPU with fp8)."""
+    optimizer: Optimizer = "adamw"
+    checkpointing: Checkpointing = "none"
+    """none; selective (recompute attention scores, Korthikanti et al.); full (keep block inputs
+    only, recompute one block at a time)."""
+    attention: Attention = "sdpa"
+    """sdpa/flash: fused attention, no s×s score matrix kept; eager: scores and softmax kept."""
+    batch: int = 1
+    """Micro-batch per GPU (per data-parallel rank)."""
+    seq: int | None = None
+    """Tokens per sample (prompt length for inference); None: the model's default."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (pipeline parallelism uses them as its micro-batches)."""
+    gpus: int = 1
+    zero: int = 0
+    """ZeRO stage 0-3 over the data-parallel ranks (3 = FSDP full sharding)."""
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    """With tp > 1: shard norms/dropouts along the sequence too (Megatron SP)."""
+    offload_optimizer: bool = False
+    """Optimizer states (and fp32 masters) live in host memory (ZeRO-Offload)."""
+    offload_params: bool = False
+    """Parameters live in host memory and are fetched per block (ZeRO-Infinity; needs zero=3)."""
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
+    weight_quant: WeightQuant = "none"
+    """Inference: weight-only quantization of the linear layers."""
+    kv_cache_dtype: KvDtype | None = None
+    """Inference: KV cache format; None follows the compute precision."""
+    new_tokens: int = 0
+    """Inference: tokens generated after the prompt (KV cache holds seq + new_tokens)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("checkpointing policy", self.checkpointing, CHECKPOINTING)
+        _check_choice("attention implementation", self.attention, ATTENTIONS)
+        _check_choice("weight quantization", self.weight_quant, WEIGHT_QUANTS)
+        if self.kv_cache_dtype is not None:
+            _check_choice("KV cache dtype", self.kv_cache_dtype, KV_DTYPES)
+        for name in ("batch", "grad_accum", "gpus", "tp", "pp", "lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise MemfitError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                  f"got {value!r}")
+        if self.seq is not None and (not isinstance(self.seq, int) or self.seq <= 0):
+            raise MemfitError(f"--seq must be a positive integer, got {self.seq!r}")
+        if self.new_tokens < 0:
+            raise MemfitError(f"--new-tokens must be >= 0, got {self.new_tokens}")
+        if self.zero not in (0, 1, 2, 3):
+            raise MemfitError(f"--zero must be 0, 1, 2 or 3 (3 = FSDP full sharding), "
+                              f"got {self.zero}")
+        if self.gpus % (self.tp * self.pp):
+            raise MemfitError(
+                f"--gpus {self.gpus} is not divisible by tp x pp = {self.tp * self.pp}; "
+                "use a GPU count that is a multiple of --tp times --pp")
+        if self.offload_params and self.zero != 3:
+            raise MemfitError("parameter offload needs ZeRO-3 / FSDP: add --zero 3, "
+                              "or use --offload-optimizer alone")
+        if self.mode == "inference":
+            if self.zero:
+                raise MemfitError("ZeRO shards training state; it does not apply to "
+                                  "--mode inference (use --tp to split the model)")
+            if self.offload_optimizer:
+                raise MemfitError("--offload-optimizer needs a training mode; "
+                                  "inference has no optimizer")
+        elif self.weight_quant != "none":
+            raise MemfitError(f"--quant {self.weight_quant} is weight-only quantization for "
+                              "--mode inference; to train on a 4-bit base use --mode qlora")
+        if self.mode == "qlora" and self.precision in ("fp32",):
+            raise MemfitError("qlora computes in 16-bit; use --precision bf16-mixed or "
+                              "fp16-mixed")
+        bad = [t for t in self.lora_targets if t not in ("q", "k", "v", "o", "gate", "up", "down")]
+        if bad:
+            raise MemfitError(f"unknown LoRA target(s) {', '.join(bad)}; valid: q, k, v, o, "
+                              "gate, up, down (or 'all')")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks."""
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def training(self) -> bool:
+        return self.mode != "inference"
+
+    @property
+    def compute_format(self) -> str:
+        """Number format of activations and 16-bit copies of the weights."""
+        return {"fp32": "fp32", "fp16-mixed": "fp16", "fp16": "fp16", "bf16-mixed": "bf16",
+                "bf16": "bf16", "fp8": "bf16"}[self.precision]
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: 16-bit working weights + fp32 masters in the optimizer."""
+        return self.precision in ("fp16-mixed", "bf16-mixed", "fp8")

@@ -1,0 +1,194 @@
+"""The analytic planner: per-GPU bytes by category for a model, a run and a GPU.
+
+Pure functions of small frozen inputs (ModelSpec, RunConfig, GpuSpec); bytes are integers and
+units are formatted only at the edge (CLI, reports).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from memfit.categories import MemoryCategory, empty_breakdown
+from memfit.errors import MemfitError
+from memfit.estimate.activations import inference_activations, training_activations
+from memfit.estimate.config import RunConfig
+from memfit.estimate.kv_cache import kv_cache_bytes
+from memfit.estimate.model_states import model_states, split_params
+from memfit.gpus import GpuSpec
+from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
+from memfit.runtime import cuda_runtime_bytes
+
+# A plan whose headroom is below this share of the GPU is flagged "tight": the analytic planner
+# does not model allocator fragmentation (use the trace method for that).
+TIGHT_FRACTION = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The planner's answer for the most loaded GPU."""
+
+    model: ModelSpec
+    run: RunConfig
+    gpu: GpuSpec | None
+    seq: int | None
+    breakdown: dict[MemoryCategory, int]
+    """Bytes per category on the most loaded GPU; activations are 0 when unknown."""
+    activations_known: bool
+    host_bytes: int
+    """Host memory per GPU for offloaded states."""
+    runtime_parts: dict[str, int]
+    notes: tuple[str, ...] = field(default=())
+    stage: int = 0
+    """Pipeline stage of the most loaded GPU."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.breakdown.values())
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.gpu.usable_bytes if self.gpu else None
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        cap = self.capacity_bytes
+        return None if cap is None else cap - self.total_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        headroom = self.headroom_bytes
+        return None if headroom is None else headroom >= 0
+
+    @property
+    def tight(self) -> bool:
+        headroom, cap = self.headroom_bytes, self.capacity_bytes
+        return headroom is not None and cap is not None and 0 <= headroom < TIGHT_FRACTION * cap
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` contract (keys are stable; more may be added)."""
+        return {
+            "model": {"name": self.model.name, "params": self.model.param_count()},
+            "gpu": None if self.gpu is None else {
+                "name": self.gpu.name, "capacity_bytes": self.gpu.usable_bytes},
+            "per_gpu": {
+                "total_bytes": self.total_bytes,
+                "breakdown": {c.value: b for c, b in self.breakdown.items()},
+            },
+            "fits": self.fits,
+            "headroom_bytes": self.headroom_bytes,
+            "activations_known": self.activations_known,
+            "host_bytes": self.host_bytes,
+            "runtime_parts": dict(self.runtime_parts),
+            "seq": self.seq,
+            "stage": self.stage,
+            "run": {k: (list(v) if isinstance(v, tuple) else v)
+                    for k, v in self.run.__dict__.items()},
+            "notes": list(self.notes),
+        }
+
+
+def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> None:
+    """Conflicting options, caught up front with the way around."""
+    if gpu is not None:
+        if run.precision in ("bf16", "bf16-mixed") and not gpu.bf16:
+            raise MemfitError(
+                f"{gpu.label} has no bf16 support (compute capability "
+                f"{gpu.compute_capability}); use --precision fp16-mixed")
+        needs_fp8 = run.precision == "fp8" or run.kv_cache_dtype == "fp8"
+        if needs_fp8 and not gpu.fp8:
+            raise MemfitError(
+                f"{gpu.label} has no fp8 support; use bf16-mixed (or an fp8 GPU such as "
+                "h100-sxm-80gb, h200, l40s, l4, rtx-4090)")
+    elif run.precision == "fp8":
+        raise MemfitError("fp8 needs a GPU that supports it: add --gpu (e.g. --gpu h100-80gb)")
+    if isinstance(model, TransformerSpec):
+        if model.num_heads % run.tp:
+            raise MemfitError(
+                f"--tp {run.tp} does not divide {model.name}'s {model.num_heads} attention "
+                "heads; choose a tp that divides the head count")
+        if model.num_kv_heads % run.tp and run.tp % model.num_kv_heads:
+            raise MemfitError(
+                f"--tp {run.tp} and {model.name}'s {model.num_kv_heads} KV heads do not "
+                "divide one another; choose a tp that divides or is a multiple of them")
+        if run.pp > model.num_layers:
+            raise MemfitError(f"--pp {run.pp} exceeds {model.name}'s {model.num_layers} layers")
+
+
+def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int | None,
+                stage: int) -> Plan:
+    states = model_states(model, run, stage=stage)
+    breakdown = empty_breakdown()
+    breakdown[MemoryCategory.WEIGHTS] = states.weights
+    breakdown[MemoryCategory.GRADIENTS] = states.gradients
+    breakdown[MemoryCategory.OPTIMIZER_STATES] = states.optimizer_states
+    notes = list(states.notes)
+    known = isinstance(model, TransformerSpec)
+    dp = run.dp
+    if isinstance(model, TransformerSpec) and seq is not None:
+        if run.training:
+            acts = training_activations(model, run, seq, stage)
+        else:
+            acts = inference_activations(model, run, seq)
+            if model.arch == "decoder":
+                breakdown[MemoryCategory.KV_CACHE] = kv_cache_bytes(
+                    model, run, seq + run.new_tokens)
+        notes.extend(acts.notes)
+        breakdown[MemoryCategory.ACTIVATIONS] = acts.activations
+        temporaries = acts.temporaries
+        if run.training:
+            split = split_params(model, run, stage=stage)
+            compute_bytes = 2 if run.compute_format != "fp32" else 4
+            if run.zero == 3:
+                # FSDP/ZeRO-3: the current block is all-gathered and the next one prefetched;
+                # its full gradient exists before the reduce-scatter.
+                gathered = 2 * split.largest_layer * compute_bytes
+                temporaries += gathered + split.largest_layer * compute_bytes
+                notes.append("ZeRO-3: two gathered blocks + one block's unsharded gradients "
+                             "counted as temporaries")
+            elif dp > 1 and run.zero == 0:
+                # DDP copies gradients into its buckets unless gradient_as_bucket_view=True
+                # (torch.nn.parallel.DistributedDataParallel docs: the saving "will be equal to
+                # the total gradients size").
+                temporaries += breakdown[MemoryCategory.GRADIENTS]
+                notes.append("DDP gradient buckets: one extra copy of the gradients "
+                             "(gradient_as_bucket_view=False, PyTorch's default)")
+        breakdown[MemoryCategory.TEMPORARIES] = temporaries
+    elif run.training or isinstance(model, ParamCountSpec):
+        known = False
+        notes.append("activations unknown: only the parameter count is given; "
+                     "use a preset or config.json for activations")
+    runtime = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=run.gpus)
+    breakdown[MemoryCategory.RUNTIME] = sum(runtime.values())
+    return Plan(model=model, run=run, gpu=gpu, seq=seq, breakdown=breakdown,
+                activations_known=known, host_bytes=states.host_bytes, runtime_parts=runtime,
+                notes=tuple(dict.fromkeys(notes)), stage=stage)
+
+
+def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = None) -> Plan:
+    """Plan one step of ``model`` run as ``run`` on ``gpu``; returns the most loaded GPU.
+
+    >>> from memfit.models.spec import ParamCountSpec
+    >>> p = plan(ParamCountSpec(name="7.5B", params=7_500_000_000),
+    ...          RunConfig(precision="fp16-mixed", optimizer="adam", gpus=64, zero=3))
+    >>> p.breakdown[MemoryCategory.WEIGHTS] + p.breakdown[MemoryCategory.OPTIMIZER_STATES] > 0
+    True
+    """
+    run = run or RunConfig()
+    _check_compatible(model, run, gpu)
+    seq = None
+    if isinstance(model, TransformerSpec):
+        seq = run.seq or model.default_seq_len
+        if model.arch == "vision" and run.seq and run.seq != model.default_seq_len:
+            raise MemfitError(
+                f"{model.name} sees {model.default_seq_len} tokens per image "
+                f"({model.image_size}px / {model.patch_size}px patches + class token); "
+                "drop --seq for vision models")
+    stages = {0, run.pp - 1}
+    plans = [_plan_stage(model, run, gpu, seq, stage) for stage in sorted(stages)]
+    return max(plans, key=lambda p: p.total_bytes)
+
+
+def with_changes(p: Plan, **changes: Any) -> Plan:
+    """Re-plan with some run options changed (used by suggestions and searches)."""
+    return plan(p.model, replace(p.run, **changes), p.gpu)

@@ -1,0 +1,149 @@
+"""The CLI, in-process: outputs, the JSON contract, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memfit.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_table_lora_example(capsys) -> None:
+    code, out, err = run(capsys, "plan", "llama-3-8b", "--gpu", "rtx-4090", "--mode", "lora",
+                         "--batch", "4", "--seq", "2048")
+    assert code == 0, err
+    for category in ("weights", "gradients", "optimizer_states", "activations", "kv_cache",
+                     "temporaries", "runtime", "total"):
+        assert category in out
+    assert "fit" in out
+
+
+def test_plan_json_contract(capsys) -> None:
+    code, out, _ = run(capsys, "plan", "llama-3-8b", "--gpu", "h100-80gb", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["model"] == {"name": "llama-3-8b", "params": 8_030_261_248}
+    assert isinstance(data["gpu"]["capacity_bytes"], int)
+    breakdown = data["per_gpu"]["breakdown"]
+    assert set(breakdown) == {"weights", "gradients", "optimizer_states", "activations",
+                              "kv_cache", "temporaries", "runtime"}
+    assert all(isinstance(v, int) for v in breakdown.values())
+    assert data["per_gpu"]["total_bytes"] == sum(breakdown.values())
+    assert isinstance(data["fits"], bool)
+    assert data["headroom_bytes"] == data["gpu"]["capacity_bytes"] - data["per_gpu"][
+        "total_bytes"]
+
+
+def test_plan_json_without_gpu_uses_null(capsys) -> None:
+    code, out, _ = run(capsys, "plan", "--params", "7.5e9", "--precision", "fp16-mixed",
+                       "--optimizer", "adam", "--gpus", "64", "--zero", "2", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["gpu"] is None and data["fits"] is None and data["headroom_bytes"] is None
+    b = data["per_gpu"]["breakdown"]
+    # ZeRO-2: 2Ψ + 14Ψ/64 = 16.64 GB of model states (ZeRO paper)
+    assert (b["weights"] + b["gradients"] + b["optimizer_states"]) / 1e9 == pytest.approx(
+        16.64, abs=0.01)
+    assert b["activations"] == 0 and data["activations_known"] is False
+
+
+def test_params_only_table_says_unknown(capsys) -> None:
+    code, out, _ = run(capsys, "plan", "--params", "7.5e9")
+    assert code == 0
+    assert "unknown" in out
+
+
+def test_does_not_fit_lists_suggestions(capsys) -> None:
+    code, out, _ = run(capsys, "plan", "llama-3-8b", "--gpu", "rtx-4090", "--batch", "8",
+                       "--seq", "4096")
+    assert code == 0
+    assert "does not fit" in out
+    assert "--checkpointing full" in out or "--mode qlora" in out
+
+
+def test_config_json_and_zero3(capsys, tmp_path) -> None:
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+           "vocab_size": 128256, "max_position_embeddings": 8192, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = run(capsys, "plan", str(path), "--gpu", "h100-80gb", "--mode", "train",
+                         "--precision", "bf16-mixed", "--checkpointing", "full", "--gpus", "8",
+                         "--zero", "3", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["model"]["params"] == 8_030_261_248
+    assert data["fits"] is True
+
+
+def test_gpus_and_models_list(capsys) -> None:
+    code, out, _ = run(capsys, "gpus")
+    assert code == 0 and "h100" in out.lower() and "4090" in out
+    code, out, _ = run(capsys, "models")
+    assert code == 0 and "llama-3-8b" in out and "mixtral" in out
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["plan", "llama-9-8b"], "llama"),  # unknown model: suggests close names
+    (["plan", "llama-3-8b", "--gpu", "h1000"], "h100"),  # unknown GPU: suggests close names
+    (["plan", "llama-3-8b", "--batch", "0"], "--batch"),
+    (["plan", "llama-3-8b", "--batch", "four"], "--batch"),
+    (["plan", "llama-3-8b", "--seq", "-5"], "--seq"),
+    (["plan", "--params", "-7"], "--params"),
+    (["plan", "--params", "lots"], "--params"),
+    (["plan", "llama-3-8b", "--zero", "4", "--gpus", "8"], "--zero"),
+    (["plan", "llama-3-8b", "--precision", "fp13"], "precision"),
+    (["plan", "llama-3-8b", "--gpu", "v100-32gb", "--precision", "bf16-mixed"], "fp16-mixed"),
+    (["plan", "llama-3-8b", "--tp", "3", "--gpus", "3"], "heads"),
+    (["plan", "llama-3-8b", "--gpus", "6", "--tp", "4"], "divisible"),
+    (["plan", "./missing/config.json"], "config"),
+    (["plan"], "model"),
+    (["plan", "llama-3-8b", "--params", "7e9"], "not both"),
+    (["plan", "llama-3-8b", "--fsdp", "--zero", "2", "--gpus", "8"], "--fsdp"),
+    (["plan", "llama-3-8b", "--mode", "inference", "--zero", "1", "--gpus", "2"], "inference"),
+    (["plan", "--params", "7e9", "--mode", "lora"], "architecture"),
+    (["plan", "llama-3-8b", "--method", "magic"], "method"),
+    (["plan", "llama-3-8b", "--gpu", "t4", "--precision", "fp8"], "fp8"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv: list[str], needle: str) -> None:
+    code, out, err = run_or_exit(capsys, argv)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert needle.lower() in lines[0].lower()
+    assert "Traceback" not in err
+
+
+def test_malformed_config_file(capsys, tmp_path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    code, _, err = run_or_exit(capsys, ["plan", str(bad)])
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    unsupported = tmp_path / "u.json"
+    unsupported.write_text(json.dumps({"model_type": "t5"}))
+    code, _, err = run_or_exit(capsys, ["plan", str(unsupported)])
+    assert code == 2 and "llama" in err
+
+
+def test_malformed_gpu_file(capsys, tmp_path) -> None:
+    bad = tmp_path / "gpus.json"
+    bad.write_text("[1, 2")
+    code, _, err = run_or_exit(capsys, ["plan", "gpt2", "--gpu", "h100", "--gpu-file", str(bad)])
+    assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def run_or_exit(capsys, argv: list[str]) -> tuple[int, str, str]:
+    """argparse errors raise SystemExit; everything else returns a code."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
