@@ -1,12 +1,44 @@
 """The GPU catalog: capacity, bandwidth, FLOPS, links and price, loaded from a data file.
 
 The catalog ships as ``memfit/data/gpus.json`` (data, not code). Users add or override entries with
-their own JSON file (``--gpu-file`` or ``$MEMFIT_GPU_FILE``) in the same format.
+their own JSON file in the same format: passed explicitly (``--gpu-file``), else named by
+``$MEMFIT_GPU_FILE``, else ``~/.config/memfit/gpus.json`` (``$XDG_CONFIG_HOME`` is honoured) when it
+exists. A user entry whose name (or alias) is already in the catalog overrides only the fields it
+gives; any other name adds a GPU and must give every required field. User files are parsed with
+``json.loads`` only and validated strictly: every problem is one ``MemfitError`` line naming the
+file, the entry and the fix.
+
+Example::
+
+    >>> from memfit.gpus import get_gpu
+    >>> gpu = get_gpu("h100")
+    >>> gpu.name, gpu.memory_bytes == 81559 * 2**20, gpu.supports("fp8")
+    ('h100-sxm-80gb', True, True)
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import MemfitError, suggest
+
+__all__ = ["GpuSpec", "Link", "get_gpu", "list_gpus", "load_catalog", "user_gpu_file"]
+
+ENV_VAR = "MEMFIT_GPU_FILE"
+TFLOPS_KEYS = ("fp32", "tf32", "fp16", "bf16", "fp8")
+"""Formats with a dense peak TFLOPS figure in every entry (None: unsupported)."""
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
+"""What ``GpuSpec.supports`` answers for (``-mixed``/``-true`` suffixes are accepted)."""
+MEMORY_BASES = ("driver", "driver-sister-board", "marketing", "user")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,6 +49,8 @@ class Link:
     """e.g. "PCIe 5.0 x16", "NVLink 4"."""
     gbps: float
     """Bandwidth in GB/s (1e9 bytes/s) per direction."""
+    generation: int | None = None
+    """PCIe or NVLink generation (4 for PCIe 4.0 or NVLink 4); None when not applicable."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +58,9 @@ class GpuSpec:
     """One GPU model.
 
     Known limitations: FLOPS are dense peak datasheet figures (no sparsity); real matmuls reach
-    60-80% of them. Prices are typical on-demand cloud prices at the stated date.
+    60-80% of them. Prices are typical on-demand cloud prices at the stated date. ``usable_bytes``
+    equals ``memory_bytes`` unless PyTorch's ``total_memory`` was measured for that board; the CUDA
+    context and library workspaces still come out of it (the planner's ``runtime`` category).
     """
 
     name: str
@@ -53,3 +89,377 @@ class GpuSpec:
     price_date: str | None
     sources: tuple[str, ...] = ()
     aliases: tuple[str, ...] = field(default=())
+    memory_basis: str = "driver"
+    """Where ``memory_bytes`` comes from: ``driver`` (reported for this board),
+    ``driver-sister-board`` (reported for a board with the same GPU and memory stacks),
+    ``marketing`` (the label's decimal GB: a conservative fallback), ``user`` (a user file)."""
+    notes: str = ""
+    """Caveats for this entry: where a figure comes from, what is approximate."""
+
+    def supports(self, precision: str) -> bool:
+        """Whether the GPU computes in ``precision`` (fp32, tf32, fp16, bf16, fp8; a ``-mixed`` or
+        ``-true`` suffix is ignored). fp32 and fp16 are always supported.
+
+        >>> get_gpu("v100-16gb").supports("bf16-mixed")
+        False
+        """
+        key = precision.strip().lower().replace("_", "-")
+        for suffix in ("-mixed", "-true"):
+            key = key.removesuffix(suffix)
+        if key in ("fp32", "fp16"):
+            return True
+        if key == "bf16":
+            return self.bf16
+        if key == "fp8":
+            return self.fp8
+        if key == "tf32":
+            return self.tflops.get("tf32") is not None
+        raise MemfitError(f"unknown precision {precision!r}{suggest(key, PRECISIONS)}; "
+                          f"valid: {', '.join(PRECISIONS)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Lookup
+
+
+def _key(name: str) -> str:
+    """Lower-case kebab key: ``H100_SXM 80GB`` -> ``h100-sxm-80gb``."""
+    return re.sub(r"[\s_\-]+", "-", name.strip().lower()).strip("-")
+
+
+def user_gpu_file(extra_file: str | Path | None = None) -> Path | None:
+    """The user catalog file in effect: ``extra_file``, else ``$MEMFIT_GPU_FILE``, else
+    ``$XDG_CONFIG_HOME/memfit/gpus.json`` (default ``~/.config``) when it exists, else None."""
+    if extra_file is not None and str(extra_file) != "":
+        return Path(extra_file).expanduser()
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    default = Path(config_home) / "memfit" / "gpus.json"
+    return default if default.is_file() else None
+
+
+def load_catalog(extra_file: str | Path | None = None) -> dict[str, GpuSpec]:
+    """Every GPU by canonical name: the built-in catalog merged with the user file in effect
+    (see ``user_gpu_file``). The built-in part is parsed once and cached.
+
+    >>> catalog = load_catalog()
+    >>> catalog["a100-sxm-80gb"].bandwidth_gbps
+    2039.0
+    """
+    path = user_gpu_file(extra_file)
+    if path is None:
+        return dict(_builtin())
+    return _merge(_builtin_raw(), _read_user_file(path), str(path))
+
+
+def list_gpus(extra_file: str | Path | None = None) -> list[GpuSpec]:
+    """The catalog in file order (built-in first, then user additions)."""
+    return list(load_catalog(extra_file).values())
+
+
+def get_gpu(name: str, extra_file: str | Path | None = None) -> GpuSpec:
+    """Look up a GPU by canonical name or alias (case-insensitive; ``_`` and spaces read as ``-``).
+
+    >>> get_gpu("RTX_4090").name
+    'rtx-4090'
+    """
+    catalog = load_catalog(extra_file)
+    index = _index(catalog)
+    canonical = index.get(_key(name))
+    if canonical is None:
+        hint = suggest(_key(name), _spellings(catalog))
+        raise MemfitError(
+            f"unknown GPU {name!r}{hint}; run `memfit gpus` to list the catalog, or pass "
+            f"--gpu-file FILE (or set ${ENV_VAR}) to add your own")
+    return catalog[canonical]
+
+
+def _spellings(catalog: Mapping[str, GpuSpec]) -> list[str]:
+    """Names then aliases for suggestions ("h10" should find "h100"), one per spelling that
+    differs only in dashes ("rtx4090" is left out when "rtx-4090" is there)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    names = [spec.name for spec in catalog.values()]
+    for key in names + [a for spec in catalog.values() for a in spec.aliases]:
+        if key.replace("-", "") not in seen:
+            seen.add(key.replace("-", ""))
+            out.append(key)
+    return out
+
+
+def _index(catalog: Mapping[str, GpuSpec]) -> dict[str, str]:
+    index: dict[str, str] = {}
+    for spec in catalog.values():
+        for key in (spec.name, *spec.aliases):
+            index.setdefault(_key(key), spec.name)
+    return index
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and validation
+
+
+@cache
+def _builtin_text() -> str:
+    return resources.files("memfit").joinpath("data/gpus.json").read_text(encoding="utf-8")
+
+
+@cache
+def _builtin_raw() -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The packaged entries, validated, as (canonical name, raw dict) pairs in file order."""
+    try:
+        entries = _entries(json.loads(_builtin_text()), "gpus.json (built-in)")
+        for entry in entries:
+            _validate_entry(entry, "gpus.json (built-in)", new=True)
+    except MemfitError as exc:  # a broken packaged file is our bug, not the user's
+        raise RuntimeError(str(exc)) from None
+    return tuple((_key(entry["name"]), entry) for entry in entries)
+
+
+@cache
+def _builtin() -> dict[str, GpuSpec]:
+    try:
+        specs = {name: _build(entry, "gpus.json (built-in)") for name, entry in _builtin_raw()}
+        _check_unique_names(specs, "gpus.json (built-in)")
+    except MemfitError as exc:
+        raise RuntimeError(str(exc)) from None
+    return specs
+
+
+def _read_user_file(path: Path) -> list[dict[str, Any]]:
+    where = str(path)
+    if not path.is_file():
+        raise MemfitError(f"GPU file {where} does not exist; pass an existing JSON file to "
+                          f"--gpu-file (or fix ${ENV_VAR})")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MemfitError(f"cannot read GPU file {where}: {exc}; check the path and that it is "
+                          f"UTF-8 text") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MemfitError(f"GPU file {where} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                          f"column {exc.colno}; fix the syntax (a JSON object with a \"gpus\" "
+                          f"list)") from None
+    return _entries(data, where)
+
+
+def _entries(data: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(data, dict):
+        unknown = set(data) - {"version", "notes", "gpus"}
+        if unknown:
+            raise MemfitError(f"{where}: unknown top-level keys {sorted(unknown)}; a GPU file is "
+                              f"{{\"gpus\": [...]}} (optionally with \"version\" and \"notes\")")
+        data = data.get("gpus")
+    if not isinstance(data, list) or not data:
+        raise MemfitError(f"{where}: expected a JSON object with a non-empty \"gpus\" list of GPU "
+                          f"entries; see `memfit gpus` for the fields")
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict):
+            raise MemfitError(f"{where}: entry {i} of \"gpus\" is {type(entry).__name__}, not an "
+                              f"object; write each GPU as {{\"name\": ..., ...}}")
+        if not isinstance(entry.get("name"), str) or not _key(entry["name"]):
+            raise MemfitError(f"{where}: entry {i} of \"gpus\" has no \"name\" string; give each "
+                              f"GPU a name such as \"my-gpu-48gb\"")
+    return [dict(e) for e in data]
+
+
+_REQUIRED_NEW = ("name", "memory_bytes", "bandwidth_gbps", "tflops", "bf16", "fp8", "host_link")
+_OPTIONAL = ("label", "vendor", "memory_label", "usable_bytes", "compute_capability", "gpu_link",
+             "price_per_hour", "price_source", "price_date", "sources", "aliases", "memory_basis",
+             "notes")
+_FIELDS = (*_REQUIRED_NEW, *_OPTIONAL)
+
+
+def _validate_entry(entry: dict[str, Any], where: str, *, new: bool) -> None:
+    """Raise MemfitError for the first problem in ``entry`` (``new``: every required field)."""
+    gpu = entry["name"]
+    for key in entry:
+        if key not in _FIELDS:
+            raise MemfitError(f"{where}: GPU {gpu!r} has unknown field {key!r}"
+                              f"{suggest(key, _FIELDS)}; valid fields: {', '.join(_FIELDS)}")
+    if new:
+        missing = [k for k in _REQUIRED_NEW if k not in entry]
+        if missing:
+            raise MemfitError(f"{where}: new GPU {gpu!r} is missing required field(s) "
+                              f"{', '.join(missing)}; a new GPU needs {', '.join(_REQUIRED_NEW)} "
+                              f"(or use the name of a catalog GPU to override only some fields)")
+
+    def bad(fld: str, what: str) -> MemfitError:
+        return MemfitError(f"{where}: GPU {gpu!r} field {fld!r} must be {what}, got "
+                           f"{entry[fld]!r}; fix that value")
+
+    for fld in ("memory_bytes", "usable_bytes"):
+        if fld in entry and not (fld == "usable_bytes" and entry[fld] is None):
+            if not _is_number(entry[fld]) or entry[fld] <= 0 or not float(entry[fld]).is_integer():
+                raise bad(fld, "a positive whole number of bytes (e.g. 85520809984)")
+    if "bandwidth_gbps" in entry and (not _is_number(entry["bandwidth_gbps"])
+                                      or entry["bandwidth_gbps"] <= 0):
+        raise bad("bandwidth_gbps", "a positive number of GB/s")
+    if "price_per_hour" in entry and entry["price_per_hour"] is not None and (
+            not _is_number(entry["price_per_hour"]) or entry["price_per_hour"] < 0):
+        raise bad("price_per_hour", "a non-negative number of US dollars, or null")
+    for fld in ("bf16", "fp8"):
+        if fld in entry and not isinstance(entry[fld], bool):
+            raise bad(fld, "true or false")
+    for fld in ("label", "vendor", "memory_label", "notes"):
+        if fld in entry and not isinstance(entry[fld], str):
+            raise bad(fld, "a string")
+    for fld in ("compute_capability", "price_source", "price_date"):
+        if fld in entry and entry[fld] is not None and not isinstance(entry[fld], str):
+            raise bad(fld, "a string or null")
+    if entry.get("price_date") is not None and not re.fullmatch(
+            r"\d{4}-\d{2}(-\d{2})?", entry["price_date"]):
+        raise bad("price_date", "a date written YYYY-MM-DD (or YYYY-MM)")
+    for fld in ("sources", "aliases"):
+        if fld in entry and (not isinstance(entry[fld], list)
+                             or not all(isinstance(s, str) and s for s in entry[fld])):
+            raise bad(fld, "a list of non-empty strings")
+    if "memory_basis" in entry and entry["memory_basis"] not in MEMORY_BASES:
+        raise bad("memory_basis", f"one of {', '.join(MEMORY_BASES)}")
+    if "tflops" in entry:
+        tflops = entry["tflops"]
+        if not isinstance(tflops, dict):
+            raise bad("tflops", f"an object with keys {', '.join(TFLOPS_KEYS)}")
+        for k, v in tflops.items():
+            if k not in TFLOPS_KEYS:
+                raise MemfitError(f"{where}: GPU {gpu!r} tflops has unknown key {k!r}"
+                                  f"{suggest(k, TFLOPS_KEYS)}; valid: {', '.join(TFLOPS_KEYS)}")
+            if v is not None and (not _is_number(v) or v < 0):
+                raise MemfitError(f"{where}: GPU {gpu!r} tflops.{k} must be a non-negative "
+                                  f"number or null (unsupported), got {v!r}; fix that value")
+    for fld in ("host_link", "gpu_link"):
+        if fld not in entry or (fld == "gpu_link" and entry[fld] is None):
+            continue
+        link = entry[fld]
+        if not isinstance(link, dict):
+            raise bad(fld, "an object {\"kind\": str, \"gbps\": number}" +
+                      (" or null" if fld == "gpu_link" else ""))
+        for k in link:
+            if k not in ("kind", "gbps", "generation"):
+                raise MemfitError(f"{where}: GPU {gpu!r} {fld} has unknown key {k!r}; valid: "
+                                  f"kind, gbps, generation")
+        if "kind" in link and not isinstance(link["kind"], str):
+            raise MemfitError(f"{where}: GPU {gpu!r} {fld}.kind must be a string such as "
+                              f"\"PCIe 4.0 x16\", got {link['kind']!r}; fix that value")
+        if "gbps" in link and (not _is_number(link["gbps"]) or link["gbps"] <= 0):
+            raise MemfitError(f"{where}: GPU {gpu!r} {fld}.gbps must be a positive number of GB/s "
+                              f"per direction, got {link['gbps']!r}; fix that value")
+        gen = link.get("generation")
+        if gen is not None and (not _is_number(gen) or gen < 1 or not float(gen).is_integer()):
+            raise MemfitError(f"{where}: GPU {gpu!r} {fld}.generation must be a positive whole "
+                              f"number or null, got {gen!r}; fix that value")
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _link(raw: dict[str, Any] | None, where: str, gpu: str, fld: str) -> Link | None:
+    if raw is None:
+        return None
+    for k in ("kind", "gbps"):
+        if k not in raw:
+            raise MemfitError(f"{where}: GPU {gpu!r} {fld} is missing {k!r}; write it as "
+                              f"{{\"kind\": \"PCIe 4.0 x16\", \"gbps\": 31.5}}")
+    gen = raw.get("generation")
+    return Link(kind=raw["kind"], gbps=float(raw["gbps"]),
+                generation=None if gen is None else int(gen))
+
+
+def _build(entry: dict[str, Any], where: str) -> GpuSpec:
+    """A GpuSpec from a validated, merged raw entry; derives the optional fields' defaults."""
+    name = _key(entry["name"])
+    memory_bytes = int(entry["memory_bytes"])
+    usable = entry.get("usable_bytes")
+    usable_bytes = memory_bytes if usable is None else int(usable)
+    if usable_bytes > memory_bytes:
+        raise MemfitError(f"{where}: GPU {name!r} usable_bytes ({usable_bytes}) exceeds "
+                          f"memory_bytes ({memory_bytes}); usable memory cannot exceed the total, "
+                          f"fix one of them")
+    tflops_raw = entry["tflops"]
+    tflops = {k: (None if tflops_raw.get(k) is None else float(tflops_raw[k]))
+              for k in TFLOPS_KEYS}
+    host_link = _link(entry["host_link"], where, name, "host_link")
+    assert host_link is not None  # validated: host_link is required and not null
+    return GpuSpec(
+        name=name,
+        label=entry.get("label", name),
+        vendor=entry.get("vendor", "custom"),
+        memory_label=entry.get("memory_label", f"{memory_bytes / 1e9:.0f} GB"),
+        memory_bytes=memory_bytes,
+        usable_bytes=usable_bytes,
+        bandwidth_gbps=float(entry["bandwidth_gbps"]),
+        tflops=tflops,
+        bf16=entry["bf16"],
+        fp8=entry["fp8"],
+        compute_capability=entry.get("compute_capability"),
+        host_link=host_link,
+        gpu_link=_link(entry.get("gpu_link"), where, name, "gpu_link"),
+        price_per_hour=(None if entry.get("price_per_hour") is None
+                        else float(entry["price_per_hour"])),
+        price_source=entry.get("price_source"),
+        price_date=entry.get("price_date"),
+        sources=tuple(entry.get("sources", ())),
+        aliases=tuple(_key(a) for a in entry.get("aliases", ())),
+        memory_basis=entry.get("memory_basis", "user"),
+        notes=entry.get("notes", ""),
+    )
+
+
+def _merge(builtin: tuple[tuple[str, dict[str, Any]], ...], user: list[dict[str, Any]],
+           where: str) -> dict[str, GpuSpec]:
+    """Built-in raw entries overlaid with the user's: partial overrides by name or alias, nested
+    ``tflops``/links merged key by key; new names added after the built-in ones."""
+    merged: dict[str, dict[str, Any]] = {name: dict(entry) for name, entry in builtin}
+    index: dict[str, str] = {}
+    for name, entry in builtin:
+        for key in (name, *entry.get("aliases", ())):
+            index.setdefault(_key(key), name)
+    seen: set[str] = set()
+    for entry in user:
+        key = _key(entry["name"])
+        target = index.get(key, key if key in merged else None)
+        if target in seen or (target is None and key in seen):
+            raise MemfitError(f"{where}: GPU {entry['name']!r} appears twice; keep one entry per "
+                              f"GPU")
+        if target is not None:  # override an existing entry, field by field
+            _validate_entry(entry, where, new=False)
+            base = merged[target]
+            # Note: [stale provenance] a changed figure must not keep the built-in's provenance:
+            # a new total resets the derived usable bytes and the memory basis, a new price
+            # drops the built-in's source and date unless the user gives their own.
+            if "memory_bytes" in entry:
+                base.update(usable_bytes=None, memory_basis="user")
+            if "price_per_hour" in entry:
+                base.update(price_source=f"user file {where}", price_date=None)
+            for fld, value in entry.items():
+                if fld == "name":
+                    continue
+                if fld in ("tflops", "host_link", "gpu_link") and isinstance(value, dict) \
+                        and isinstance(base.get(fld), dict):
+                    base[fld] = {**base[fld], **value}
+                else:
+                    base[fld] = value
+            seen.add(target)
+        else:
+            _validate_entry(entry, where, new=True)
+            merged[key] = dict(entry, name=key)
+            seen.add(key)
+    specs = {name: _build(entry, where) for name, entry in merged.items()}
+    _check_unique_names(specs, where)
+    return specs
+
+
+def _check_unique_names(specs: Mapping[str, GpuSpec], where: str) -> None:
+    owner: dict[str, str] = {}
+    for spec in specs.values():
+        for key in (spec.name, *spec.aliases):
+            other = owner.setdefault(key, spec.name)
+            if other != spec.name:
+                raise MemfitError(f"{where}: name or alias {key!r} is used by both {other!r} and "
+                                  f"{spec.name!r}; give each GPU distinct names")
