@@ -113,7 +113,7 @@ def test_gpus_and_models_list(capsys) -> None:
     (["plan", "llama-3-8b", "--gpu", "t4", "--precision", "fp8"], "fp8"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv: list[str], needle: str) -> None:
-    code, out, err = run_or_exit(capsys, argv)
+    code, _, err = run_or_exit(capsys, argv)
     assert code == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err

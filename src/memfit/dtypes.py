@@ -6,7 +6,7 @@ from fractions import Fraction
 
 from memfit.errors import MemfitError, suggest
 
-# Fractions so that 4-bit formats stay exact: bytes = count * BYTES[fmt] is integral for even counts.
+# Fractions keep 4-bit formats exact: count * BYTES[fmt] is integral for even counts.
 BYTES_PER_ELEMENT: dict[str, Fraction] = {
     "fp32": Fraction(4),
     "tf32": Fraction(4),

@@ -28,6 +28,16 @@ LSE_BYTES = 4  # fused attention saves a fp32 logsumexp per query row and head
 INDEX_BYTES = 8  # token ids and labels are int64
 
 
+def norm_saved_bytes(spec: TransformerSpec, *, act_bytes: int, residual_bytes: int,
+                     trained: bool) -> int:
+    """Bytes per (token x hidden) a norm keeps: its input (Korthikanti's 2sbh per LayerNorm;
+    the fused LayerNorm's mean/rstd are negligible). Hugging Face's RMSNorm is plain PyTorch
+    ops, so when its weight is trained the normalised tensor is kept too, for the weight's
+    gradient."""
+    extra = act_bytes if spec.norm == "rmsnorm" and trained else 0
+    return residual_bytes + extra
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerTerms:
     """Bytes one block saves for backward, split by what tensor parallelism divides."""
@@ -45,22 +55,44 @@ class LayerTerms:
 
 
 def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
-                attention: str) -> LayerTerms:
-    """Bytes one block saves for backward (Korthikanti §4.1, term by term)."""
+                attention: str, trainable: frozenset[str] | None = None,
+                lora_rank: int = 0, residual_bytes: int | None = None) -> LayerTerms:
+    """Bytes one block saves for backward (Korthikanti §4.1, term by term).
+
+    ``trainable``: the linear roles whose weights get gradients (None: all). Autograd keeps a
+    linear layer's input only when its weight needs a gradient (``mm`` saves ``self`` for
+    ``mat2``'s gradient), so a frozen base (LoRA) does not keep the inputs of untargeted
+    projections; a LoRA adapter on a projection keeps that input (for A's gradient) and its
+    rank-r intermediate (for B's gradient).
+
+    ``residual_bytes``: width of the residual stream that the norms read (default
+    ``act_bytes``). Under PyTorch autocast it is 4: embeddings and residual adds run in fp32.
+    """
     s, b, e, h = seq, batch, act_bytes, spec.hidden_size
+
+    def keeps(*roles: str) -> bool:
+        return trainable is None or any(r in trainable for r in roles)
+
     sbh = s * b * h
     hidden_dropout = spec.dropout > 0
     attn_dropout = spec.attention_dropout > 0 and attention == "eager"
 
-    replicated = spec.norms_per_layer * e * sbh  # each norm saves its input (LN: 2sbh each)
-    replicated += e * sbh  # input of the QKV projection (the norm's output)
-    replicated += e * sbh  # input of the MLP's first projection
+    replicated = spec.norms_per_layer * norm_saved_bytes(
+        spec, act_bytes=e, residual_bytes=residual_bytes or e, trained=trainable is None) * sbh
+    if keeps("q", "k", "v"):
+        replicated += e * sbh  # input of the QKV projection (the norm's output)
+    if keeps("gate", "up"):
+        replicated += e * sbh  # input of the MLP's first projection
     if hidden_dropout:
         replicated += 2 * MASK_BYTES * sbh  # residual dropout masks after attention and MLP
 
-    split = e * s * b * (spec.q_dim + spec.kv_dim)  # Q and K, kept for QK^T
-    split += e * s * b * spec.kv_dim  # V, kept for softmax(QK^T) V
-    split += e * s * b * spec.q_dim  # input of the output projection
+    # Eager attention repeats GQA's K/V heads to all query heads before the matmuls, and the
+    # matmuls keep the repeated copies; fused kernels read the grouped K/V directly.
+    kv_width = spec.q_dim if attention == "eager" else spec.kv_dim
+    split = e * s * b * (spec.q_dim + kv_width)  # Q and K, kept for QK^T
+    split += e * s * b * kv_width  # V, kept for softmax(QK^T) V
+    if keeps("o"):
+        split += e * s * b * spec.q_dim  # input of the output projection
     scores = 0
     if attention == "eager":
         a_ss_b = spec.num_heads * s * s * b
@@ -75,6 +107,8 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     # GeLU MLP keeps the GeLU input and the second projection's input (Korthikanti's 16sbh);
     # a gated MLP keeps the gate and up outputs, act(gate) and the product: 4 f-wide tensors.
     wide = 2 if spec.mlp == "gelu" else 4
+    if not keeps("down"):
+        wide -= 1  # the down projection's input (GeLU output / gated product) is not kept
     mlp = wide * e * s * b * f
     if spec.is_moe:
         k = spec.experts_per_token
@@ -82,6 +116,10 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
         # router's fp32 probabilities (softmax over experts).
         mlp = k * mlp + k * e * sbh + 4 * s * b * spec.num_experts
     split += mlp
+    if trainable is not None and lora_rank:
+        # each adapter keeps its rank-r intermediate x·A for B's gradient
+        split += sum(e * s * b * lora_rank * shape.count for shape in spec.linear_shapes()
+                     if shape.role in trainable)
     return LayerTerms(replicated=replicated, split=split, attention_scores=scores)
 
 
@@ -111,19 +149,24 @@ def input_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int) 
     return total
 
 
-def output_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int, tp: int) -> int:
-    """Saved bytes after the last block: final norm, head, logits and loss."""
+def output_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int, tp: int,
+                 residual_bytes: int | None = None, trained: bool = True) -> int:
+    """Saved bytes after the last block: final norm, head input and the loss's log-softmax.
+
+    The logits themselves are not kept: HF upcasts them to fp32 and cross-entropy keeps only
+    its log-softmax output, so the 16-bit logits and the fp32 copy are transient (counted as
+    temporaries)."""
     s, b, e, h = seq, batch, act_bytes, spec.hidden_size
+    r = residual_bytes or e
     if spec.arch == "vision":
-        return e * s * b * h + e * b * h  # final norm input, classifier input (class token)
+        return r * s * b * h + e * b * h  # final norm input, classifier input (class token)
     if spec.arch == "encoder":
         return e * b * h if spec.pooler else 0
-    total = 2 * e * s * b * h  # final norm input, LM head input
+    total = norm_saved_bytes(spec, act_bytes=e, residual_bytes=r, trained=trained) * s * b * h
+    if trained:
+        total += e * s * b * h  # LM head input, for the head's weight gradient
     vocab = -(-spec.vocab_size // tp)  # vocab-parallel head under tensor parallelism
-    logits = e * s * b * vocab
-    upcast = 4 * s * b * vocab if e != 4 else 0  # HF upcasts logits to fp32 for the loss
-    log_softmax = 4 * s * b * vocab  # cross-entropy saves its fp32 log-softmax output
-    return total + logits + upcast + log_softmax
+    return total + 4 * s * b * vocab  # cross-entropy keeps its fp32 log-softmax output
 
 
 def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
@@ -131,7 +174,12 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     """Saved activations on one pipeline stage plus the largest backward temporary."""
     e = FORMAT_BYTES[run.compute_format]
     s, b, h = seq, run.batch, spec.hidden_size
-    terms = layer_terms(spec, seq=s, batch=b, act_bytes=e, attention=run.attention)
+    lora = run.mode in ("lora", "qlora")
+    # Under autocast the residual stream stays fp32 (fp32 embeddings and residual adds).
+    residual = 4 if run.mixed else e
+    terms = layer_terms(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
+                        trainable=frozenset(run.lora_targets) if lora else None,
+                        lora_rank=run.lora_rank if lora else 0, residual_bytes=residual)
     per_layer = terms.per_gpu(run.tp, run.sequence_parallel)
     layers = -(-spec.num_layers // run.pp)
     notes: list[str] = []
@@ -139,7 +187,7 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     if run.checkpointing == "full":
         # Only each block's input is kept (Korthikanti's 2sbh); during backward one block is
         # recomputed, so its full activations exist once.
-        block_input = e * s * b * h
+        block_input = residual * s * b * h
         if run.sequence_parallel:
             block_input = -(-block_input // run.tp)
         saved = layers * block_input + per_layer
@@ -158,7 +206,8 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     if first:
         activations += in_flight * input_terms(spec, seq=s, batch=b, act_bytes=e)
     if last:
-        activations += output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.tp)
+        activations += output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.tp,
+                                    residual_bytes=residual, trained=not lora)
 
     # Largest transient in backward: at the loss, the fp32 gradient of the logits (and its
     # 16-bit cast); inside a block, the gradients of the MLP's wide tensors.
