@@ -123,7 +123,7 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
     breakdown[MemoryCategory.GRADIENTS] = states.gradients
     breakdown[MemoryCategory.OPTIMIZER_STATES] = states.optimizer_states
     notes = list(states.notes)
-    if run.training and run.mixed:
+    if run.mode == "train" and run.mixed:
         notes.append("mixed precision counted as in the ZeRO paper: 16-bit weights and "
                      "gradients, fp32 masters with the optimizer; plain torch.autocast keeps "
                      "fp32 gradients (+2 bytes/param): use --method trace to model that")

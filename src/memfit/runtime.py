@@ -1,0 +1,381 @@
+"""Device memory outside the model's tensors: CUDA context, cuBLAS workspaces, NCCL buffers.
+
+Nothing here was measured in this project yet (no GPU in the sessions that wrote it): every
+number is either read from PyTorch's / NCCL's source (marked "from source") or an assumption
+(marked "assumed"), and each says which. Two kinds of bytes must not be mixed up:
+
+- Outside PyTorch's caching allocator (``cuda_context``, ``nccl``): the driver and libraries
+  allocate them themselves. ``torch.cuda.memory_reserved()`` does not count them, ``nvidia-smi``
+  does, and they reduce what the allocator can get before it runs out of memory.
+- Inside PyTorch's caching allocator (:data:`ALLOCATOR_PARTS`: ``cublas_workspace``,
+  ``cublaslt_workspace``): PyTorch allocates these workspaces through its own allocator
+  (``getNewWorkspace`` in ``aten/src/ATen/cuda/CublasHandlePool.cpp``), so they are part of
+  ``memory_allocated``/``max_memory_reserved``. A tracer should ``malloc`` them into
+  :class:`memfit.trace.allocator.CachingAllocatorSim` at the first matmul instead of adding
+  them on top.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+from memfit.errors import MemfitError, suggest
+
+__all__ = [
+    "ALLOCATOR_PARTS",
+    "CUDA_CONTEXT_BYTES",
+    "allocator_options_from_env",
+    "compute_capability_for",
+    "cublas_workspace_bytes",
+    "cublaslt_workspace_bytes",
+    "cuda_runtime_bytes",
+    "nccl_buffer_bytes",
+]
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+ALLOCATOR_PARTS = frozenset({"cublas_workspace", "cublaslt_workspace"})
+"""Parts of :func:`cuda_runtime_bytes` that PyTorch allocates through its caching allocator."""
+
+CUDA_CONTEXT_BYTES = 512 * MiB
+"""Assumed CUDA context + loaded kernels per GPU, outside PyTorch's allocator.
+
+Unmeasured here. Published observations put the context at about 300-600 MB per process
+(memfit's facts.md; more on CUDA before 11.7, whose eager module loading loads every kernel).
+PyTorch >= 2.4 ships CUDA >= 11.8, where lazy loading (``CUDA_MODULE_LOADING=LAZY``) is the
+default, and cuBLAS/cuDNN kernels are loaded on first use, so the figure grows a little after the
+first matmul or convolution. 512 MiB is the upper-middle of that range: a slight over-estimate
+costs little headroom, an under-estimate causes an out-of-memory error. Replace it with
+``nvidia-smi`` minus ``torch.cuda.memory_reserved()`` measured after one training step.
+"""
+
+# CublasHandlePool.cpp, parseChosenWorkspaceSize: default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
+# (two 4096 KiB + eight 16 KiB chunks) on CUDA, 32 MiB (":4096:8") on Hopper (major 9, since
+# pytorch#89027, torch 2.0) and, from pytorch#175344 (merged 2026-02-19; assumed first released
+# in torch 2.11), also Blackwell (major 10 and 12).
+_CUBLAS_DEFAULT = 4096 * KiB * 2 + 16 * KiB * 8  # 8,519,680 bytes
+_CUBLAS_32MIB = 4096 * KiB * 8  # 33,554,432 bytes
+# ROCm: 32 MiB, 128 MiB on gfx94x/gfx95x (MI300/MI350 series); hipBLASLt 76 MiB.
+_HIPBLAS_DEFAULT = 32 * MiB
+_HIPBLAS_GFX94_95 = 128 * MiB
+_HIPBLASLT = 76 * MiB
+# parseCUDABlasLtWorkspaceSize: CUBLASLT_WORKSPACE_SIZE default 1024 KiB ("according to #73328").
+_CUBLASLT_DEFAULT = 1024 * KiB
+
+# NCCL src/init.cc: DEFAULT_BUFFSIZE (Simple) = 4 MiB; DEFAULT_LL128_BUFFSIZE =
+# 120 elems x 640 threads x 8 steps x 8 B = 4,915,200; DEFAULT_LL_BUFFSIZE =
+# 8 lines x 512 threads x 8 steps x 16 B = 524,288. One set per connection.
+_NCCL_CONNECTION_BYTES = (1 << 22) + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16  # 9,633,792
+_NCCL_CHANNELS = 16  # assumed; NCCL picks 2-32 by topology (NVLink H100 nodes use up to 32)
+_NCCL_CONNECTIONS_PER_CHANNEL = 2  # assumed: the ring's incoming link + one tree link
+
+# GPU name fragments -> compute capability (CUDA) or gfx target (ROCm). Most specific first.
+_ARCHITECTURES: tuple[tuple[str, str], ...] = (
+    ("gh200", "9.0"), ("gb200", "10.0"), ("gb300", "10.3"),
+    ("h100", "9.0"), ("h200", "9.0"), ("h800", "9.0"), ("h20", "9.0"),
+    ("b200", "10.0"), ("b100", "10.0"), ("b300", "10.3"),
+    ("rtxpro6000", "12.0"), ("rtx5090", "12.0"), ("rtx5080", "12.0"), ("5090", "12.0"),
+    ("a100", "8.0"), ("a800", "8.0"), ("a30", "8.0"),
+    ("a10g", "8.6"), ("a10", "8.6"), ("a40", "8.6"), ("a6000", "8.6"), ("3090", "8.6"),
+    ("l40", "8.9"), ("l4", "8.9"), ("4090", "8.9"), ("6000ada", "8.9"),
+    ("v100", "7.0"), ("t4", "7.5"),
+    ("mi300", "gfx942"), ("mi325", "gfx942"), ("mi350", "gfx950"), ("mi355", "gfx950"),
+    ("mi250", "gfx90a"), ("mi210", "gfx90a"),
+)
+
+
+def compute_capability_for(gpu_name: str) -> str:
+    """Compute capability (``"9.0"``) or ROCm gfx target of a GPU name such as ``h100-sxm-80gb``.
+
+    >>> compute_capability_for("NVIDIA H100 80GB HBM3"), compute_capability_for("a100-80gb")
+    ('9.0', '8.0')
+    """
+    key = re.sub(r"[^a-z0-9]", "", gpu_name.lower())
+    for fragment, arch in _ARCHITECTURES:
+        if fragment in key:
+            return arch
+    names = sorted({fragment for fragment, _ in _ARCHITECTURES})
+    raise MemfitError(
+        f"unknown GPU {gpu_name!r}{suggest(key, names)}; known families: {', '.join(names)}; "
+        "pass compute_capability='8.0' (or the GPU's value) instead")
+
+
+def _torch_version(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    match = re.match(r"^\s*(\d+)\.(\d+)", text)
+    if not match:
+        raise MemfitError(f"torch_version {text!r} is not a version; write e.g. '2.11' or "
+                          "'2.11.0+cu130' (torch.__version__)")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _major(arch: str) -> int | None:
+    return int(arch.split(".")[0]) if arch[0].isdigit() else None
+
+
+def cublas_workspace_bytes(compute_capability: str | None = None,
+                           torch_version: str | None = None) -> int:
+    """Default cuBLAS workspace PyTorch allocates per (cuBLAS handle, stream). From source.
+
+    ``CUBLAS_WORKSPACE_CONFIG`` unset: 8,519,680 bytes (``:4096:2:16:8``), 32 MiB on Hopper
+    (compute capability 9.x) and, from torch 2.11 (assumed release of pytorch#175344), on
+    Blackwell (10.x, 12.x). ROCm: 32 MiB, 128 MiB on gfx94x/gfx95x. ``None``: an unknown
+    CUDA GPU gets the non-Hopper default.
+
+    >>> cublas_workspace_bytes("8.0"), cublas_workspace_bytes("9.0")
+    (8519680, 33554432)
+    """
+    if compute_capability is None:
+        return _CUBLAS_DEFAULT
+    if compute_capability.startswith("gfx"):
+        return _HIPBLAS_GFX94_95 if compute_capability[:5] in ("gfx94", "gfx95") else (
+            _HIPBLAS_DEFAULT)
+    major = _major(compute_capability)
+    if major == 9:
+        return _CUBLAS_32MIB
+    version = _torch_version(torch_version)
+    if major in (10, 12) and version is not None and version >= (2, 11):
+        return _CUBLAS_32MIB
+    return _CUBLAS_DEFAULT
+
+
+def cublaslt_workspace_bytes(compute_capability: str | None = None) -> int:
+    """cuBLASLt workspace per (handle, stream), through the caching allocator. From source.
+
+    ``CUBLASLT_WORKSPACE_SIZE`` default 1024 KiB on CUDA (76 MiB hipBLASLt on ROCm). With
+    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` PyTorch reuses the cuBLAS workspace instead (0 extra);
+    that is not the default. Before persistent workspaces (older torch), the same 1 MiB was
+    allocated per cuBLASLt call and freed after it: same peak, so the same number is used.
+    """
+    if compute_capability is not None and compute_capability.startswith("gfx"):
+        return _HIPBLASLT
+    return _CUBLASLT_DEFAULT
+
+
+def nccl_buffer_bytes(num_gpus: int) -> int:
+    """Assumed NCCL communication buffers per GPU for one process group; 0 for one GPU.
+
+    Assumption (unmeasured): one communicator (the default process group), 16 channels, 2
+    connections per channel (ring + tree), each holding NCCL's default Simple (4 MiB), LL128
+    (4,915,200 B) and LL (524,288 B) buffers: 16 x 2 x 9,633,792 B = about 294 MiB. More
+    process groups (tensor + data parallel) multiply it; NVLink SHARP (NVLS, on NVSwitch
+    H100/H200 systems) adds more, and ``NCCL_NVLS_ENABLE=0`` / ``NCCL_BUFFSIZE`` reduce it.
+    """
+    if num_gpus <= 1:
+        return 0
+    return _NCCL_CHANNELS * _NCCL_CONNECTIONS_PER_CHANNEL * _NCCL_CONNECTION_BYTES
+
+
+def cuda_runtime_bytes(gpu_name: str | None = None, *, num_gpus: int = 1,
+                       torch_version: str | None = None, compute_capability: str | None = None,
+                       matmul_threads: int = 2) -> dict[str, int]:
+    """Runtime bytes per GPU, by part: ``cuda_context``, ``cublas_workspace``,
+    ``cublaslt_workspace``, ``nccl``.
+
+    ``cuda_context`` and ``nccl`` are assumptions (see :data:`CUDA_CONTEXT_BYTES`,
+    :func:`nccl_buffer_bytes`) and lie outside PyTorch's allocator. The workspaces come from
+    PyTorch's source and lie inside it (:data:`ALLOCATOR_PARTS`). PyTorch keeps one workspace
+    per (cuBLAS handle, stream) and one handle per thread, so a training step that runs matmuls
+    on the main thread (forward) and on autograd's device thread (backward) holds two of each:
+    ``matmul_threads=2`` (use 1 for inference). ``compute_capability`` overrides the lookup of
+    ``gpu_name``. Nothing here has been measured on a GPU yet.
+
+    >>> cuda_runtime_bytes("a100-80gb")["cublas_workspace"]
+    17039360
+    """
+    if num_gpus < 1:
+        raise MemfitError(f"num_gpus must be >= 1, got {num_gpus}")
+    if matmul_threads < 0:
+        raise MemfitError(f"matmul_threads must be >= 0, got {matmul_threads}")
+    arch = compute_capability
+    if arch is None and gpu_name is not None:
+        arch = compute_capability_for(gpu_name)
+    return {
+        "cuda_context": CUDA_CONTEXT_BYTES,
+        "cublas_workspace": matmul_threads * cublas_workspace_bytes(arch, torch_version),
+        "cublaslt_workspace": matmul_threads * cublaslt_workspace_bytes(arch),
+        "nccl": nccl_buffer_bytes(num_gpus),
+    }
+
+
+# ------------------------------------------------------------------ PYTORCH_CUDA_ALLOC_CONF
+
+_BOOL_KEYS = ("release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
+              "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
+              "pinned_use_background_threads", "graph_capture_record_stream_reuse")
+_INT_KEYS = ("pinned_num_register_threads", "pinned_reserve_segment_size_mb")
+_KNOWN_KEYS = ("backend", "expandable_segments", "garbage_collection_threshold",
+               "large_segment_size_mb", "max_non_split_rounding_mb", "max_split_size_mb",
+               "roundup_power2_divisions",
+               *_BOOL_KEYS, *_INT_KEYS)
+_SPECIAL = ",:[]"
+
+
+def _tokens(conf: str) -> list[str]:
+    """``ConfigTokenizer``: ``, : [ ]`` are tokens of their own; spaces are dropped."""
+    tokens: list[str] = []
+    word = ""
+    for ch in conf:
+        if ch in _SPECIAL:
+            if word:
+                tokens.append(word)
+                word = ""
+            tokens.append(ch)
+        elif ch != " ":
+            word += ch
+    if word:
+        tokens.append(word)
+    return tokens
+
+
+def _bad(conf: str, what: str) -> MemfitError:
+    return MemfitError(f"PYTORCH_CUDA_ALLOC_CONF {conf!r}: {what}; write comma-separated "
+                       "key:value pairs, e.g. 'expandable_segments:True,max_split_size_mb:128'")
+
+
+def allocator_options_from_env(conf: str) -> dict[str, Any]:
+    """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` string into
+    :class:`~memfit.trace.allocator.CachingAllocatorSim` keyword arguments.
+
+    Follows ``AcceleratorAllocatorConfig::parseArgs`` (``c10/core/AllocatorConfig.cpp``):
+    sizes in MiB become bytes (``max_split_size_mb`` and ``max_non_split_rounding_mb`` must be
+    >= 20; ``large_segment_size_mb``, newest PyTorch only, must be even here),
+    ``roundup_power2_divisions`` accepts one power of two or a list
+    ``[256:1,512:2,>:4]`` (interval start in MiB: divisions) expanded to the 16-entry table.
+    Options that do not change the simulated sizes (pinned memory, locks) are accepted and
+    dropped; ``garbage_collection_threshold`` is accepted with a warning (not modelled);
+    ``backend:cudaMallocAsync`` and unknown keys raise :class:`MemfitError`.
+
+    >>> allocator_options_from_env("expandable_segments:True,max_split_size_mb:128")
+    {'expandable_segments': True, 'max_split_size': 134217728}
+    """
+    tokens = _tokens(conf)
+    options: dict[str, Any] = {}
+    i = 0
+
+    def value_at(j: int, key: str) -> str:
+        if j >= len(tokens) or tokens[j] in _SPECIAL:
+            raise _bad(conf, f"expected a value after {key}:")
+        return tokens[j]
+
+    while i < len(tokens):
+        key = tokens[i]
+        if key in _SPECIAL:
+            raise _bad(conf, f"expected an option name, found {key!r}")
+        if key not in _KNOWN_KEYS:
+            hint = suggest(key, _KNOWN_KEYS) or f"; valid: {', '.join(sorted(_KNOWN_KEYS))}"
+            raise _bad(conf, f"unknown option {key!r}{hint}")
+        if i + 1 >= len(tokens) or tokens[i + 1] != ":":
+            raise _bad(conf, f"expected ':' after {key}")
+        i += 2
+        if key == "roundup_power2_divisions" and i < len(tokens) and tokens[i] == "[":
+            table, i = _parse_divisions_list(conf, tokens, i)
+            options["roundup_power2_divisions"] = table
+        else:
+            value = value_at(i, key)
+            _apply(conf, options, key, value)
+        i += 1
+        if i < len(tokens):
+            if tokens[i] != ",":
+                raise _bad(conf, f"expected ',' after the value of {key}, found {tokens[i]!r}")
+            i += 1
+            if i == len(tokens):
+                raise _bad(conf, "trailing ','")
+    return options
+
+
+def _as_int(conf: str, key: str, value: str) -> int:
+    if not value.isdigit():
+        raise _bad(conf, f"{key} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def _as_bool(conf: str, key: str, value: str) -> bool:
+    if value in ("True", "true"):
+        return True
+    if value in ("False", "false"):
+        return False
+    raise _bad(conf, f"{key} must be True or False, got {value!r}")
+
+
+def _apply(conf: str, options: dict[str, Any], key: str, value: str) -> None:
+    if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+        mb = _as_int(conf, key, value)
+        if mb < 20:  # kLargeBuffer / kMB
+            raise _bad(conf, f"{key} must be >= 20 (MiB), got {mb}")
+        name = "max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding_size"
+        options[name] = mb * MiB
+    elif key == "large_segment_size_mb":
+        mb = _as_int(conf, key, value)
+        if mb == 0 or mb % 2:
+            raise _bad(conf, f"large_segment_size_mb must be a positive multiple of 2 (MiB), "
+                             f"got {mb}")
+        options["large_segment_size"] = mb * MiB
+    elif key == "expandable_segments":
+        options["expandable_segments"] = _as_bool(conf, key, value)
+    elif key == "roundup_power2_divisions":
+        divisions = _as_int(conf, key, value)
+        if divisions == 0 or divisions & (divisions - 1):
+            raise _bad(conf, f"roundup_power2_divisions must be a power of two, got {divisions}")
+        options["roundup_power2_divisions"] = [divisions] * 16
+    elif key == "garbage_collection_threshold":
+        try:
+            threshold = float(value)
+        except ValueError:
+            raise _bad(conf, f"garbage_collection_threshold must be a number, got {value!r}"
+                       ) from None
+        if not 0.0 < threshold < 1.0:
+            raise _bad(conf, f"garbage_collection_threshold must be in (0.0, 1.0), got {value}")
+        warnings.warn("garbage_collection_threshold is not modelled by memfit's allocator "
+                      "simulator (it acts only with a memory fraction); it is ignored",
+                      stacklevel=3)
+    elif key == "backend":
+        if value == "cudaMallocAsync":
+            raise _bad(conf, "backend:cudaMallocAsync is not modelled (memfit simulates the "
+                             "native caching allocator); remove it or use backend:native")
+        if value != "native":
+            raise _bad(conf, f"backend must be native or cudaMallocAsync, got {value!r}")
+    elif key in _BOOL_KEYS:
+        _as_bool(conf, key, value)
+    else:  # _INT_KEYS
+        _as_int(conf, key, value)
+
+
+def _parse_divisions_list(conf: str, tokens: list[str], i: int) -> tuple[list[int], int]:
+    """``parseRoundUpPower2Divisions``' list form; returns (table, index of the ']')."""
+    table = [0] * 16
+    first = True
+    last_index = 0
+    i += 1  # past '['
+    while i < len(tokens) and tokens[i] != "]":
+        boundary = tokens[i]
+        if i + 2 >= len(tokens) or tokens[i + 1] != ":":
+            raise _bad(conf, f"roundup_power2_divisions entries are size_mb:divisions, got "
+                             f"{boundary!r}")
+        divisions = _as_int(conf, "roundup_power2_divisions", tokens[i + 2])
+        if divisions & (divisions - 1):
+            raise _bad(conf, f"roundup_power2_divisions must be powers of two or 0, got "
+                             f"{divisions}")
+        if boundary == ">":
+            table[last_index + 1:] = [divisions] * (15 - last_index)
+        else:
+            size_mb = _as_int(conf, "roundup_power2_divisions", boundary)
+            if size_mb == 0 or size_mb & (size_mb - 1):
+                raise _bad(conf, f"roundup_power2_divisions intervals must be powers of two "
+                                 f"(MiB), got {size_mb}")
+            index = min(size_mb.bit_length() - 1, 15)
+            if first:
+                table[:index] = [divisions] * index
+                first = False
+            table[index] = divisions
+            last_index = index
+        i += 3
+        if i < len(tokens) and tokens[i] == ",":
+            i += 1
+    if i >= len(tokens):
+        raise _bad(conf, "roundup_power2_divisions list has no closing ']'")
+    return table, i
