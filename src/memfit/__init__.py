@@ -1,8 +1,38 @@
-"""memfit: predict, measure and reduce the GPU memory of PyTorch training and inference."""
+"""memfit: predict, measure and reduce the GPU memory of PyTorch training and inference.
+
+>>> import memfit
+>>> p = memfit.plan(memfit.resolve_model("gpt2"), memfit.RunConfig(batch=2, seq=512))
+>>> p.total_bytes > p.breakdown[memfit.MemoryCategory.WEIGHTS] > 0
+True
+"""
 
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
+from memfit.estimate.config import RunConfig
+from memfit.estimate.planner import Plan, plan
+from memfit.gpus import GpuSpec, get_gpu, list_gpus
+from memfit.models import ParamCountSpec, TransformerSpec, list_presets, resolve_model
+from memfit.models.build import build_model, example_inputs
+from memfit.trace import Estimate, estimate
 
 __version__ = "0.1.0"
 
-__all__ = ["MemfitError", "MemoryCategory", "__version__"]
+__all__ = [
+    "Estimate",
+    "GpuSpec",
+    "MemfitError",
+    "MemoryCategory",
+    "ParamCountSpec",
+    "Plan",
+    "RunConfig",
+    "TransformerSpec",
+    "__version__",
+    "build_model",
+    "estimate",
+    "example_inputs",
+    "get_gpu",
+    "list_gpus",
+    "list_presets",
+    "plan",
+    "resolve_model",
+]

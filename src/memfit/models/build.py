@@ -23,17 +23,20 @@ Forward contracts (both backends; the HF models return their ``ModelOutput`` ins
   pooler's output is not part of it: ``model.pool(hidden)`` gives it);
 - ViT: ``model(pixel_values, labels=None)`` -> logits ``[b, num_labels]`` or the cross-entropy.
 
-Use :func:`example_inputs` for keyword inputs of the right shapes.
+Use :func:`example_inputs` for keyword inputs of the right shapes. Hugging Face decoders are
+built with ``use_cache=False`` (a training step keeps no KV cache); set
+``model.config.use_cache = True`` to trace generation.
 
 Known limitations of the builtin models: numerics-only details are not reproduced (Gemma-2's
-``1 + w`` RMSNorm scaling, embedding scaling and soft-capping, sliding windows, RoPE scaling, the
-RoPE base, which is 10,000 everywhere); attention has no padding mask; MoE layers use a fixed
-expert capacity (see :class:`MoE`).
+``1 + w`` RMSNorm scaling, embedding scaling and soft-capping, sliding windows, RoPE scaling; the
+RoPE base is one published value per family); attention has no padding mask; MoE layers use a
+fixed expert capacity (see :class:`MoE`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 from collections.abc import Callable, Iterator
@@ -54,8 +57,13 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 # Normalisation epsilon per family (the published configs; numerics only).
 _NORM_EPS = {"gpt2": 1e-5, "bert": 1e-12, "vit": 1e-12, "qwen2": 1e-6, "gemma2": 1e-6}
 _DEFAULT_NORM_EPS = 1e-5
-_ROPE_THETA = 10_000.0
+# RoPE base per family: Llama-3, Mistral v0.2+, Mixtral, Qwen2.5 published values (numerics only).
+_ROPE_THETA = {"llama": 500_000.0, "mistral": 1e6, "mixtral": 1e6, "qwen2": 1e6}
+_DEFAULT_ROPE_THETA = 10_000.0
 _INIT_STD = 0.02  # GPT-2 / BERT / Llama initializer_range
+# Eager attention: Hugging Face's Llama-style models take the softmax in fp32; GPT-2, BERT and ViT
+# in the activations' dtype (the saved probabilities are twice as large in the first case).
+_FP32_SOFTMAX_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "gemma2", "phi3"})
 
 # enable_gqa appeared in torch 2.5; Hugging Face passes it under the same condition (no mask).
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -89,7 +97,7 @@ def _activation(spec: TransformerSpec) -> Callable[[torch.Tensor], torch.Tensor]
         return F.silu
     if spec.family in ("gpt2", "gemma2") or spec.mlp == "geglu":
         # GPT-2's "gelu_new" and Gemma's "gelu_pytorch_tanh" are the tanh approximation.
-        return lambda x: F.gelu(x, approximate="tanh")
+        return functools.partial(F.gelu, approximate="tanh")
     return F.gelu  # BERT, ViT: exact GeLU
 
 
@@ -98,16 +106,23 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, head_dim: int, theta: float = _ROPE_THETA) -> None:
+    def __init__(self, head_dim: int, theta: float = _DEFAULT_ROPE_THETA) -> None:
         super().__init__()
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        self.register_buffer("inv_freq", 1.0 / (theta**exponent), persistent=False)
+        # Computed on the CPU and moved: on meta, pow/div run as Python decompositions that import
+        # torch._dynamo on first use (a one-off second) for no benefit.
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        inv_freq = (1.0 / (theta**exponent)).to(torch.empty(()).device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(seq_len, device=x.device, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq.float()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)  # [s, head_dim]
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
+def _rope_theta(spec: TransformerSpec) -> float:
+    return _ROPE_THETA.get(spec.family, _DEFAULT_ROPE_THETA)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +144,7 @@ class Attention(nn.Module):
             spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.causal = causal
         self.eager = attn_implementation == "eager"
+        self.softmax_dtype = torch.float32 if spec.family in _FP32_SOFTMAX_FAMILIES else None
         self.dropout = spec.attention_dropout
         self.q_proj = nn.Linear(h, spec.q_dim, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(h, spec.kv_dim, bias=spec.qkv_bias)
@@ -163,7 +179,7 @@ class Attention(nn.Module):
             s = q.shape[-2]
             future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
             scores = scores.masked_fill(future, float("-inf"))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.softmax(scores, dim=-1, dtype=self.softmax_dtype).to(q.dtype)
         probs = F.dropout(probs, p=dropout_p)
         return probs @ v
 
@@ -300,7 +316,7 @@ class PreNormBlock(nn.Module):
             self.pre_feedforward_layernorm = _norm(spec)
             self.post_feedforward_layernorm = _norm(spec)
         self.mlp: nn.Module = MoE(spec, moe_capacity_factor) if spec.is_moe else Mlp(spec)
-        self.dropout = nn.Dropout(spec.dropout)
+        self.dropout = _dropout(spec.dropout)
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -326,7 +342,7 @@ class PostNormBlock(nn.Module):
         self.attention_norm = _norm(spec)
         self.mlp = Mlp(spec)
         self.mlp_norm = _norm(spec)
-        self.dropout = nn.Dropout(spec.dropout)
+        self.dropout = _dropout(spec.dropout)
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -342,11 +358,12 @@ class DecoderModel(nn.Module):
                  moe_capacity_factor: float | None) -> None:
         super().__init__()
         h = spec.hidden_size
-        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
-        self.embed_positions = (nn.Embedding(spec.max_position_embeddings, h)
+        self.embed_tokens = _embedding(spec.vocab_size, h)
+        self.embed_positions = (_embedding(spec.max_position_embeddings, h)
                                 if spec.position == "learned" else None)
-        self.rotary_emb = RotaryEmbedding(spec.head_dim) if spec.position == "rope" else None
-        self.dropout = nn.Dropout(spec.dropout)
+        self.rotary_emb = (RotaryEmbedding(spec.head_dim, _rope_theta(spec))
+                           if spec.position == "rope" else None)
+        self.dropout = _dropout(spec.dropout)
         self.layers = nn.ModuleList(
             PreNormBlock(spec, causal=True, attn_implementation=attn_implementation,
                          moe_capacity_factor=moe_capacity_factor)
@@ -376,7 +393,7 @@ class DecoderLM(nn.Module):
         self.model = DecoderModel(spec, attn_implementation=attn_implementation,
                                   moe_capacity_factor=moe_capacity_factor)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.apply(_init_weights)
+        _init_model(self)
         if spec.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -402,18 +419,19 @@ class BertEncoder(nn.Module):
         super().__init__()
         h = spec.hidden_size
         self.spec = spec
-        self.word_embeddings = nn.Embedding(spec.vocab_size, h)
-        self.position_embeddings = (nn.Embedding(spec.max_position_embeddings, h)
+        self.word_embeddings = _embedding(spec.vocab_size, h)
+        self.position_embeddings = (_embedding(spec.max_position_embeddings, h)
                                     if spec.position == "learned" else None)
-        self.rotary_emb = RotaryEmbedding(spec.head_dim) if spec.position == "rope" else None
-        self.token_type_embeddings = (nn.Embedding(spec.type_vocab_size, h)
+        self.rotary_emb = (RotaryEmbedding(spec.head_dim, _rope_theta(spec))
+                           if spec.position == "rope" else None)
+        self.token_type_embeddings = (_embedding(spec.type_vocab_size, h)
                                       if spec.type_vocab_size else None)
         self.embed_norm = _norm(spec)
-        self.dropout = nn.Dropout(spec.dropout)
+        self.dropout = _dropout(spec.dropout)
         self.layers = nn.ModuleList(PostNormBlock(spec, attn_implementation=attn_implementation)
                                     for _ in range(spec.num_layers))
         self.pooler = nn.Linear(h, h) if spec.pooler else None
-        self.apply(_init_weights)
+        _init_model(self)
 
     def forward(self, input_ids: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -449,19 +467,21 @@ class VisionTransformer(nn.Module):
                                      stride=spec.patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, h))
         self.position_embeddings = nn.Parameter(torch.zeros(1, spec.num_patches + 1, h))
-        self.dropout = nn.Dropout(spec.dropout)
+        self.dropout = _dropout(spec.dropout)
         self.layers = nn.ModuleList(
             PreNormBlock(spec, causal=False, attn_implementation=attn_implementation,
                          moe_capacity_factor=1.0)
             for _ in range(spec.num_layers))
         self.norm = _norm(spec)
         self.classifier = nn.Linear(h, spec.num_labels) if spec.num_labels else None
-        self.apply(_init_weights)
-        nn.init.trunc_normal_(self.cls_token, std=_INIT_STD)
-        nn.init.trunc_normal_(self.position_embeddings, std=_INIT_STD)
+        if _init_model(self):
+            nn.init.trunc_normal_(self.cls_token, std=_INIT_STD)
+            nn.init.trunc_normal_(self.position_embeddings, std=_INIT_STD)
 
     def forward(self, pixel_values: torch.Tensor,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
+        # Images arrive in fp32 whatever the weights are; cast them as Hugging Face's ViT does.
+        pixel_values = pixel_values.to(self.patch_embed.weight.dtype)
         x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2)  # [b, patches, h]
         x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         x = self.dropout(x + self.position_embeddings)
@@ -474,7 +494,28 @@ class VisionTransformer(nn.Module):
                                   "give no labels or set num_labels")
             return cls
         logits = self.classifier(cls)
-        return logits if labels is None else F.cross_entropy(logits.float(), labels)
+        return logits if labels is None else F.cross_entropy(logits, labels)
+
+
+def _dropout(p: float) -> nn.Module:
+    # No module at all for p = 0, so traces show no dropout op where nothing is dropped.
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+def _embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    # Note: [no init on meta] nn.Embedding's own reset_parameters runs normal_, whose meta
+    # implementation is a Python decomposition that imports torch._dynamo on first use (~1.5 s);
+    # passing the storage skips it, and _init_model initialises real tensors instead.
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+
+
+def _init_model(model: nn.Module) -> bool:
+    """Initialise real weights (see [no init on meta]); returns False on meta, where there is
+    nothing to initialise."""
+    if any(p.is_meta for p in model.parameters()):
+        return False
+    model.apply(_init_weights)
+    return True
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -523,7 +564,8 @@ def _hf_config(spec: TransformerSpec, hf: Any) -> Any:
             n_embd=spec.hidden_size, n_layer=spec.num_layers, n_head=spec.num_heads,
             n_inner=spec.intermediate_size, activation_function="gelu_new",
             resid_pdrop=spec.dropout, embd_pdrop=spec.dropout, attn_pdrop=spec.attention_dropout,
-            layer_norm_epsilon=eps, tie_word_embeddings=spec.tie_embeddings, use_cache=False)
+            layer_norm_epsilon=eps, tie_word_embeddings=spec.tie_embeddings, use_cache=False,
+            bos_token_id=None, eos_token_id=None)
     if spec.family in ("bert", "vit"):
         common = dict(
             hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
@@ -544,7 +586,7 @@ def _hf_config(spec: TransformerSpec, hf: Any) -> Any:
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings or 2048,
-        rms_norm_eps=eps, tie_word_embeddings=spec.tie_embeddings,
+        rms_norm_eps=eps, rope_theta=_rope_theta(spec), tie_word_embeddings=spec.tie_embeddings,
         attention_dropout=spec.attention_dropout, use_cache=False,
         pad_token_id=None, bos_token_id=None, eos_token_id=None)
     if spec.family == "llama":
@@ -639,6 +681,10 @@ def build_model(
     >>> model = build_model(spec, backend="builtin")          # meta, fp32
     >>> loss = model(**example_inputs(spec, batch=2, seq=128))
     """
+    if not isinstance(spec, TransformerSpec):
+        raise MemfitError(
+            f"model {getattr(spec, 'name', spec)!r} has no architecture (only a parameter count) "
+            "and cannot be built or traced; give a preset name or a config.json")
     if backend not in BACKENDS:
         raise MemfitError(f"unknown backend {backend!r}{suggest(backend, BACKENDS)}; "
                           f"valid: {', '.join(BACKENDS)}")

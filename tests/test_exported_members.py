@@ -1,0 +1,14 @@
+"""The public API is what we mean to export (httpx's tests/test_exported_members.py)."""
+
+import memfit
+
+
+def test_all_is_what_we_export() -> None:
+    exported = {name for name in dir(memfit) if not name.startswith("_")}
+    expected = set(memfit.__all__) - {"__version__"}
+    # every name in __all__ exists, and nothing public is left out of __all__ but submodules
+    assert expected <= exported
+    import types
+    extra = {n for n in exported - expected
+             if not isinstance(getattr(memfit, n), types.ModuleType)}
+    assert extra == set()
