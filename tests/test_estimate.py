@@ -235,3 +235,22 @@ def test_tp_must_divide_heads() -> None:
 def test_lora_needs_architecture() -> None:
     with pytest.raises(MemfitError, match="architecture"):
         plan(ParamCountSpec(name="7B", params=7 * 10**9), RunConfig(mode="lora"))
+
+
+def test_every_preset_plans_quickly_in_every_mode() -> None:
+    # The issue asks for "well under 100 ms" per preset; a generous bound keeps CI stable.
+    import time
+
+    from memfit.gpus import get_gpu
+    from memfit.models import list_presets
+
+    gpu = get_gpu("h100-80gb")
+    runs = [RunConfig(), RunConfig(mode="lora"), RunConfig(mode="qlora", checkpointing="full"),
+            RunConfig(mode="inference", precision="bf16", new_tokens=128),
+            RunConfig(gpus=8, zero=3, checkpointing="selective")]
+    for spec in list_presets():
+        for run in runs:
+            start = time.perf_counter()
+            p = plan(spec, run, gpu)
+            assert time.perf_counter() - start < 0.1, (spec.name, run)
+            assert p.total_bytes == sum(p.breakdown.values()) > 0
