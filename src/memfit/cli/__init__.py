@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from memfit import __version__
-    from memfit.cli import gpus, models, plan
+    from memfit.cli import gpus, models, plan, validate
 
     parser = _Parser(prog="memfit", description="Predict, measure and reduce the GPU memory of "
                      "PyTorch training and inference.")
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.register(sub)
     gpus.register(sub)
     models.register(sub)
+    validate.register(sub)
     return parser
 
 
