@@ -1,0 +1,84 @@
+"""Memory techniques, each applied with one call, composable in a documented order.
+
+Note: [composition order] Apply them in this order (each step's docstring says why):
+
+1. ``configure_allocator`` — before any CUDA work (the allocator reads its settings once).
+2. build the model; ``use_sdpa`` (attention kernels); ``apply_lora`` / ``apply_qlora``.
+3. ``apply_chunked_loss`` (replaces the LM head's loss).
+4. ``apply_activation_checkpointing`` (wraps blocks; checkpointed blocks keep their inputs in
+   the recompute closure, not as saved tensors).
+5. ``offload_activations`` (moves what checkpointing still saves).
+6. ``torch.compile``, then sharding (FSDP2) — as torchtitan: AC before compile before FSDP.
+7. ``make_optimizer`` over the trainable parameters; ``apply_precision`` around the loop;
+   ``accumulate`` inside it.
+8. Inference: ``quantize_weights`` on the eval model.
+"""
+
+from memfit.techniques.accumulation import (
+    AccumulatedStep,
+    AccumulationResult,
+    accumulate,
+    count_tokens,
+    split_batch,
+)
+from memfit.techniques.allocator import AllocatorSettings, configure_allocator
+from memfit.techniques.attention import sdpa_backends, set_attn_implementation, use_sdpa
+from memfit.techniques.checkpointing import (
+    Budget,
+    CheckpointPlan,
+    EveryK,
+    Full,
+    Policy,
+    Selective,
+    apply_activation_checkpointing,
+    remove_activation_checkpointing,
+)
+from memfit.techniques.loss import apply_chunked_loss, chunked_cross_entropy
+from memfit.techniques.offload import (
+    OffloadActivations,
+    apply_activation_offload,
+    offload_activations,
+)
+from memfit.techniques.optim import CPUOffloadOptimizer, make_optimizer
+from memfit.techniques.peft import LoRALinear, apply_lora, apply_qlora, trainable_parameters
+from memfit.techniques.precision import MasterWeights, MixedPrecision, apply_precision
+from memfit.techniques.quant import convert_qat, prepare_qat, quantize_weights, weight_bytes
+
+__all__ = [
+    "AccumulatedStep",
+    "AccumulationResult",
+    "AllocatorSettings",
+    "Budget",
+    "CPUOffloadOptimizer",
+    "CheckpointPlan",
+    "EveryK",
+    "Full",
+    "LoRALinear",
+    "MasterWeights",
+    "MixedPrecision",
+    "OffloadActivations",
+    "Policy",
+    "Selective",
+    "accumulate",
+    "apply_activation_checkpointing",
+    "apply_activation_offload",
+    "apply_chunked_loss",
+    "apply_lora",
+    "apply_precision",
+    "apply_qlora",
+    "chunked_cross_entropy",
+    "configure_allocator",
+    "convert_qat",
+    "count_tokens",
+    "make_optimizer",
+    "offload_activations",
+    "prepare_qat",
+    "quantize_weights",
+    "remove_activation_checkpointing",
+    "sdpa_backends",
+    "set_attn_implementation",
+    "split_batch",
+    "trainable_parameters",
+    "use_sdpa",
+    "weight_bytes",
+]

@@ -1,0 +1,180 @@
+"""Activation offload: keep the tensors saved for backward in (pinned) CPU memory, not on the GPU.
+
+>>> with offload_activations(min_bytes=2**20):          # around the forward (and loss)
+...     loss = model(**batch)
+>>> loss.backward()                                      # tensors come back as backward needs them
+>>> apply_activation_offload(model, min_bytes=2**20)     # or: every forward of ``model``
+
+Each tensor autograd saves in the forward passes through a pack hook
+(``torch.autograd.graph.saved_tensors_hooks``). A CUDA tensor of at least ``min_bytes`` is
+copied to a pinned CPU buffer and its GPU memory is released; in backward the unpack hook copies
+it back just before the op that needs it. With ``use_streams=True`` the device-to-host copies run
+on a side CUDA stream, overlapped with the forward's compute (``record_stream`` keeps the GPU
+block from being reused until its copy is done). Pinned memory makes the copies asynchronous.
+
+On the CPU there is nothing to gain (the "device" is host memory): CPU tensors are passed through
+untouched (no copy, no extra memory) and a warning says so once.
+
+Note: [offload after checkpointing] Apply activation checkpointing first. A checkpointed block
+saves no tensors through autograd: ``torch.utils.checkpoint`` keeps its inputs alive in the
+recompute closure and selective checkpointing caches its kept outputs in its own storage, so
+offload moves neither. It moves everything that is still saved the ordinary way: blocks left
+uncheckpointed (``EveryK``, ``Budget``), the embeddings, the head and the loss. Tensors recomputed
+in backward are made outside the forward's hooks and stay on the GPU, briefly.
+
+Known limitations: the host-to-device copy in backward is issued on the current stream when the
+tensor is needed (no prefetch), so backward waits for it; parameters (and, given ``model=``, any
+view of a parameter or buffer) are never offloaded; tensors smaller than ``min_bytes`` stay.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+
+__all__ = ["OffloadActivations", "OffloadStats", "apply_activation_offload",
+           "offload_activations"]
+
+log = logging.getLogger("memfit")
+
+_CPU_NOTE = ("memfit: offload_activations on CPU tensors saves nothing (the device is host "
+             "memory); they are kept as they are")
+
+
+@dataclass
+class OffloadStats:
+    """What the hooks did since the context was entered."""
+
+    offloaded: int = 0
+    """Tensors copied to the CPU."""
+    offloaded_bytes: int = 0
+    """Their bytes (the device memory freed until backward)."""
+    kept: int = 0
+    """Tensors left where they were (small, parameters, already on the CPU)."""
+
+
+class _Offloaded:
+    """A saved tensor's CPU copy (and the device to return it to)."""
+
+    __slots__ = ("cpu", "device")
+
+    def __init__(self, cpu: torch.Tensor, device: torch.device) -> None:
+        self.cpu, self.device = cpu, device
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """The saved-tensor hooks behind :func:`offload_activations` (a context manager).
+
+    Known limitations: see the module docstring.
+    """
+
+    def __init__(self, *, min_bytes: int = 1024, pin_memory: bool = True,
+                 use_streams: bool = True, model: nn.Module | None = None) -> None:
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise MemfitError(f"min_bytes must be a non-negative integer, got {min_bytes!r}; "
+                              "e.g. 2**20 to offload tensors of 1 MiB and more")
+        self.min_bytes = min_bytes
+        self.pin_memory = pin_memory
+        self.use_streams = use_streams
+        self.stats = OffloadStats()
+        self._exclude: set[int] = set()
+        if model is not None:
+            for t in (*model.parameters(), *model.buffers()):
+                self._exclude.add(t.untyped_storage().data_ptr())
+        self._stream: Any = None
+        self._warned = False
+        super().__init__(self._pack, self._unpack)
+
+    def _keep(self, t: torch.Tensor) -> bool:
+        if isinstance(t, nn.Parameter) or t.untyped_storage().nbytes() == 0:
+            return True
+        if t.numel() * t.element_size() < self.min_bytes:
+            return True
+        if t.device.type == "cpu":
+            if not self._warned:
+                self._warned = True
+                warnings.warn(_CPU_NOTE, stacklevel=4)
+            return True
+        if t.device.type == "meta":
+            return True
+        return t.untyped_storage().data_ptr() in self._exclude
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._keep(t):
+            self.stats.kept += 1
+            return t
+        self.stats.offloaded += 1
+        self.stats.offloaded_bytes += t.numel() * t.element_size()
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(t, FakeTensor):  # traced by memfit.estimate: model the copy, no streams
+            return _Offloaded(t.to("cpu"), t.device)
+        pin = self.pin_memory and t.is_cuda
+        # Same strides when dense (preserve_format), so the copy is one straight run of bytes.
+        cpu = torch.empty_like(t, device="cpu", pin_memory=pin)
+        if self.use_streams and t.is_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(t.device)
+            current = torch.cuda.current_stream(t.device)
+            self._stream.wait_stream(current)  # t is made on the compute stream
+            with torch.cuda.stream(self._stream):
+                cpu.copy_(t, non_blocking=pin)
+            t.record_stream(self._stream)  # no reuse of t's block before its copy is done
+        else:
+            cpu.copy_(t, non_blocking=pin)
+        return _Offloaded(cpu, t.device)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Offloaded):
+            return packed
+        if self._stream is not None:  # the host copy must be complete before it is read back
+            torch.cuda.current_stream(packed.device).wait_stream(self._stream)
+        return packed.cpu.to(packed.device, non_blocking=packed.cpu.is_pinned())
+
+
+def offload_activations(*, min_bytes: int = 1024, pin_memory: bool = True,
+                        use_streams: bool = True, model: nn.Module | None = None
+                        ) -> OffloadActivations:
+    """A context manager: tensors saved for backward inside it (CUDA, ``>= min_bytes``) are kept
+    in CPU memory until backward. ``model=``: never offload views of its parameters/buffers.
+
+    >>> with offload_activations(min_bytes=2**20) as off:
+    ...     loss = model(x).sum()
+    >>> loss.backward(); off.stats.offloaded_bytes
+    """
+    return OffloadActivations(min_bytes=min_bytes, pin_memory=pin_memory,
+                              use_streams=use_streams, model=model)
+
+
+def _offloaded_forward(forward: Any, hooks: OffloadActivations, *args: Any,
+                       **kwargs: Any) -> Any:
+    with hooks:  # saved_tensors_hooks can be entered again after each exit
+        return forward(*args, **kwargs)
+
+
+def apply_activation_offload(model: nn.Module, *, min_bytes: int = 1024,
+                             pin_memory: bool = True, use_streams: bool = True
+                             ) -> OffloadActivations:
+    """Offload the activations of every forward of ``model`` (in place: its ``forward`` runs
+    inside :func:`offload_activations`); returns the hooks (their ``stats``). Apply after
+    activation checkpointing (see Note: [offload after checkpointing]).
+
+    >>> apply_activation_checkpointing(model, EveryK(2))
+    >>> apply_activation_offload(model, min_bytes=2**20)
+    """
+    hooks = OffloadActivations(min_bytes=min_bytes, pin_memory=pin_memory,
+                               use_streams=use_streams, model=model)
+    # Wraps the forward the model has now, e.g. apply_chunked_loss's (apply that first).
+    model.forward = functools.partial(  # type: ignore[method-assign]
+        _offloaded_forward, model.forward, hooks)
+    log.info("memfit: activation offload to %s CPU memory, tensors >= %d bytes",
+             "pinned" if pin_memory else "pageable", min_bytes)
+    return hooks

@@ -1,0 +1,241 @@
+"""Activation offload: exact numerics, no cost on the CPU, real saving on a GPU, with AC."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit import estimate
+from memfit.errors import MemfitError
+from memfit.profile import measure_cpu_peak
+from memfit.techniques.checkpointing import EveryK, apply_activation_checkpointing
+from memfit.techniques.offload import (
+    OffloadActivations,
+    apply_activation_offload,
+    offload_activations,
+)
+
+DIM, VOCAB = 64, 256
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 4 * DIM)
+        self.fc2 = nn.Linear(4 * DIM, DIM)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+
+
+class Net(nn.Module):
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+    return logits.pow(2).mean()
+
+
+class HostCopies(OffloadActivations):
+    """Offload CPU tensors too (to another CPU buffer): runs the copy path without a GPU."""
+
+    def _keep(self, t: torch.Tensor) -> bool:
+        return isinstance(t, nn.Parameter) or t.numel() * t.element_size() < self.min_bytes
+
+
+def loss_and_grads(model: nn.Module, x: torch.Tensor, hooks: Any = None
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)  # the same dropout masks
+    with hooks if hooks is not None else warnings.catch_warnings():
+        loss = loss_fn(model(x))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_same(a: tuple[torch.Tensor, dict[str, torch.Tensor]],
+                b: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+    assert torch.equal(a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), name
+
+
+def saved_bytes(model: nn.Module, x: torch.Tensor, min_bytes: int) -> int:
+    """Bytes of the non-parameter tensors autograd saves that are >= min_bytes (an independent
+    count with plain hooks)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        nbytes = t.numel() * t.element_size()
+        if not isinstance(t, nn.Parameter) and nbytes >= min_bytes:
+            total += nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(model(x))
+    return total
+
+
+# -- exactness -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_copy_path_is_bit_exact_and_moves_what_is_saved(checkpoint: bool) -> None:
+    # Copying a tensor to host memory and back is exact; dropout masks are the same because the
+    # hooks draw no random numbers.
+    torch.manual_seed(0)
+    base = Net()
+    model = copy.deepcopy(base)
+    if checkpoint:
+        apply_activation_checkpointing(model, EveryK(2))
+    x = torch.randint(0, VOCAB, (4, 32))
+    hooks = HostCopies(min_bytes=4096)
+    assert_same(loss_and_grads(base, x), loss_and_grads(model, x, hooks))
+    assert hooks.stats.offloaded > 0 and hooks.stats.kept > 0  # the threshold keeps small ones
+    assert hooks.stats.offloaded_bytes == saved_bytes(model, x, 4096)
+    if checkpoint:
+        # Note: [offload after checkpointing]: checkpointed blocks save nothing through autograd.
+        assert hooks.stats.offloaded_bytes < saved_bytes(base, x, 4096)
+
+
+def test_cpu_tensors_pass_through_untouched_with_one_warning() -> None:
+    torch.manual_seed(0)
+    base = Net()
+    model = copy.deepcopy(base)
+    apply_activation_checkpointing(model, EveryK(2))
+    hooks = apply_activation_offload(model, min_bytes=0)
+    x = torch.randint(0, VOCAB, (4, 32))
+    with pytest.warns(UserWarning, match="saves nothing") as record:
+        got = loss_and_grads(model, x)
+    assert len([w for w in record if "saves nothing" in str(w.message)]) == 1
+    ref = copy.deepcopy(base)
+    apply_activation_checkpointing(ref, EveryK(2))
+    assert_same(loss_and_grads(ref, x), got)
+    assert hooks.stats.offloaded == 0 and hooks.stats.kept > 0
+
+
+def test_bad_threshold_raises() -> None:
+    with pytest.raises(MemfitError, match="min_bytes"):
+        offload_activations(min_bytes=-1)
+
+
+# -- measured and predicted effect on the CPU: none, by design -----------------------------------
+
+def train_step(model: nn.Module, x: torch.Tensor) -> Any:
+    gc.collect()
+
+    def run() -> None:
+        loss_fn(model(x)).backward()
+    return run
+
+
+def test_cpu_peak_is_unchanged_and_estimated() -> None:
+    # On the CPU offload must cost nothing: no copy is made, so the allocator sees exactly the
+    # same allocations as without it.
+    torch.manual_seed(0)
+    base = Net()
+    model = copy.deepcopy(base)
+    apply_activation_offload(model)
+    x = torch.randint(0, VOCAB, (8, 128))
+    real0 = measure_cpu_peak(train_step(base, x), base, x).peak_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real1 = measure_cpu_peak(train_step(model, x), model, x).peak_bytes
+        est = estimate(model, (x,), optimizer="sgd", loss_fn=loss_fn, device="cpu", steps=1)
+    assert real1 == real0
+    assert abs(est.peak_bytes - real1) <= 0.01 * real1, (est.peak_bytes, real1)
+
+
+@pytest.mark.xfail(not torch.backends.cuda.is_built(), strict=True, reason=(
+    "trace engine: on a CPU-only torch build a CUDA target is traced on fake CPU tensors, so the "
+    "offload hooks cannot tell device memory from host memory and predict no saving"))
+def test_estimate_predicts_the_cuda_saving() -> None:
+    torch.manual_seed(0)
+    base = Net()
+    model = copy.deepcopy(base)
+    apply_activation_offload(model, min_bytes=2**16)
+    x = torch.randint(0, VOCAB, (8, 128))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est0 = estimate(base, (x,), optimizer="sgd", loss_fn=loss_fn, device="cuda", steps=1)
+        est1 = estimate(model, (x,), optimizer="sgd", loss_fn=loss_fn, device="cuda", steps=1)
+    assert est1.peak_bytes < est0.peak_bytes
+
+
+# -- on a GPU --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_streams", [True, False])
+def test_cuda_offload_is_exact_and_saves_memory(use_streams: bool) -> None:
+    torch.manual_seed(0)
+    base = Net(layers=8).cuda()
+    model = copy.deepcopy(base)
+    x = torch.randint(0, VOCAB, (16, 512), device="cuda")
+    hooks = offload_activations(min_bytes=2**16, use_streams=use_streams, model=model)
+    assert_same(loss_and_grads(base, x), loss_and_grads(model, x, hooks))
+    assert hooks.stats.offloaded_bytes > 0
+
+    def peak(m: nn.Module, h: Any) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss_and_grads(m, x, h)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    # Saved activations per block ~ (1 + 4 + 4 + 1 + ...) * d * 4 bytes per token: all but the
+    # block being recomputed/consumed leave the GPU, so at least a third of the peak goes.
+    p0, p1 = peak(base, None), peak(model, offload_activations(min_bytes=2**16,
+                                                               use_streams=use_streams))
+    assert p1 <= 0.67 * p0, (p0, p1)
+
+
+def test_composes_with_chunked_loss_and_checkpointing_in_the_documented_order() -> None:
+    # Order: chunked loss (replaces the head's loss) -> checkpointing (wraps blocks) -> offload
+    # (wraps the whole forward). Every step keeps the math: gradients stay bit-exact.
+    from memfit.models.build import build_model, example_inputs
+    from memfit.models.spec import TransformerSpec
+    from memfit.techniques.loss import apply_chunked_loss
+
+    spec = TransformerSpec(name="t", family="llama", arch="decoder", hidden_size=32,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                           intermediate_size=64, vocab_size=512, norm="rmsnorm",
+                           position="rope", mlp="swiglu")
+    torch.manual_seed(0)
+    base = apply_chunked_loss(build_model(spec, backend="builtin", device="cpu"), chunk_size=16)
+    model = copy.deepcopy(base)
+    apply_activation_checkpointing(model, "selective")
+    hooks = apply_activation_offload(model, min_bytes=0)
+    inputs = example_inputs(spec, batch=2, seq=24, device="cpu")
+    results = []
+    for m in (base, model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = m(**inputs)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    assert_same(results[0], results[1])
+    assert hooks.stats.kept > 0  # the offload hooks saw the saved tensors
+    logits = model(input_ids=inputs["input_ids"])
+    assert logits.shape == (2, 24, 512)
