@@ -63,14 +63,10 @@ def traced_estimate(spec: TransformerSpec, run: RunConfig, gpu: GpuSpec | None) 
 
 
 def per_gpu_breakdown(est: Any) -> dict[MemoryCategory, int]:
-    """The estimate's breakdown at the peak, with the caching allocator's reserve beyond live
-    bytes (peak reserved - peak allocated) added to ``runtime``, so it sums to the total."""
+    """The estimate's breakdown at the peak with the caching allocator's reserve beyond live
+    bytes (peak reserved - peak allocated) added to ``runtime``: it sums to ``total_bytes``."""
     breakdown = {c: int(est.breakdown.get(c, 0)) for c in MemoryCategory}
-    breakdown[MemoryCategory.RUNTIME] = est.runtime_bytes + (
-        est.peak_reserved_bytes - est.peak_bytes)
-    live = sum(v for c, v in breakdown.items() if c is not MemoryCategory.RUNTIME)
-    if live != est.peak_bytes:  # rounding at the peak: keep the categories summing to the total
-        breakdown[MemoryCategory.TEMPORARIES] += est.peak_bytes - live
+    breakdown[MemoryCategory.RUNTIME] += est.peak_reserved_bytes - est.peak_bytes
     return breakdown
 
 

@@ -1,0 +1,149 @@
+"""Transient memory inside opaque CPU kernels, measured by running the kernel once for real.
+
+oneDNN-backed CPU kernels (convolution and its backward, the LSTM layer and its backward) allocate
+reordered copies of their inputs, weights and outputs and scratch buffers through PyTorch's CPU
+allocator while they run, and free them before returning. A fake kernel only produces the outputs,
+so these transients are invisible to the trace; how large they are depends on the oneDNN version
+and the CPU's instruction set (blocked layouts), so they are measured, not modelled: the op runs
+once on real zero tensors of the same shapes under the profiler, and the peak of its allocation
+events (outputs included) is cached per signature.
+
+Known limitations: only ops whose inputs total at most ``CALIBRATION_CAP_BYTES`` are measured
+(larger ones are assumed to need no transient), and none while a profiler is already running;
+only CPU targets use this. The first measurement starts the profiler (a second or two, once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import _disable_current_modes
+
+aten = torch.ops.aten
+
+OPAQUE_CPU_OPS = {
+    op for op in (
+        aten.convolution.default, aten.convolution_backward.default,
+        getattr(aten, "mkldnn_rnn_layer", None) and aten.mkldnn_rnn_layer.default,
+        getattr(aten, "mkldnn_rnn_layer_backward", None) and aten.mkldnn_rnn_layer_backward.default,
+    ) if op
+}
+# Always measured on CPU: these kernels reorder/convert inputs and keep scratch (flash attention
+# for CPU keeps per-thread buffers).
+OPAQUE_CPU_OPS |= {
+    op for op in (
+        getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+        and aten._scaled_dot_product_flash_attention_for_cpu.default,
+        getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+        and aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    ) if op
+}
+# Measured only in 16-bit formats: oneDNN's bf16/fp16 GEMMs allocate packed/fp32 buffers, the
+# fp32 ones do not.
+LOW_PRECISION_OPAQUE_CPU_OPS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten._addmm_activation.default, aten.addbmm.default,
+}
+CALIBRATION_CAP_BYTES = 64 * 2**20  # real kernels on real zeros: keep them small and quick
+
+
+def is_opaque(func: Any, args: Any) -> bool:
+    """Whether ``func`` on these arguments allocates memory it does not return (on CPU)."""
+    if func in OPAQUE_CPU_OPS:
+        return True
+    if func in LOW_PRECISION_OPAQUE_CPU_OPS:
+        return any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16)
+                   for a in args)
+    return False
+
+_cache: dict[Any, int | None] = {}
+_workspace: dict[Any, int] = {}
+
+
+def _signature(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.storage_offset())
+    if isinstance(x, list | tuple):
+        return tuple(_signature(v) for v in x)
+    return x
+
+
+def _real(x: Any, budget: list[int]) -> Any:
+    if isinstance(x, torch.Tensor):
+        size = x.untyped_storage().nbytes()
+        budget[0] += size
+        if budget[0] > CALIBRATION_CAP_BYTES:
+            raise _TooLarge
+        base = torch.zeros(max(size // max(x.element_size(), 1), 1), dtype=x.dtype)
+        return base.as_strided(x.shape, x.stride(), x.storage_offset())
+    if isinstance(x, list):
+        return [_real(v, budget) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_real(v, budget) for v in x)
+    return x
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def transient_peak(func: Any, args: Any, kwargs: dict[str, Any]) -> int | None:
+    """Peak bytes the real CPU kernel allocates while it runs (its outputs included), or None
+    when it was not measured (inputs too large)."""
+    key = (func, _signature(args), _signature(tuple(sorted(kwargs.items()))))
+    if key in _cache:
+        return _cache[key]
+    if torch.autograd.profiler._is_profiler_enabled:  # cannot nest a profiler inside another
+        return None
+    result: int | None
+    with _disable_current_modes():
+        try:
+            budget = [0]
+            real_args = _real(args, budget)
+            real_kwargs = {k: _real(v, budget) for k, v in kwargs.items()}
+        except _TooLarge:
+            result = None
+        else:
+            try:
+                if func is aten.mkldnn_rnn_layer_backward.default:
+                    real_args = _rnn_backward_args(real_args)
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                    out = func(*real_args, **real_kwargs)
+            except RuntimeError:  # a kernel refusing zeros (or this build): not measured
+                _cache[key] = None
+                return None
+            if func is aten.mkldnn_rnn_layer.default and isinstance(out[3], torch.Tensor):
+                _workspace[key] = out[3].untyped_storage().nbytes()
+            del out
+            running = peak = 0
+            events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                      if e.name() == "[memory]"]
+            for _, nbytes in sorted(events, key=lambda e: e[0]):
+                running += nbytes
+                peak = max(peak, running)
+            result = peak
+    _cache[key] = result
+    return result
+
+
+def rnn_workspace_bytes(args: Any, kwargs: dict[str, Any]) -> int | None:
+    """The real size of ``mkldnn_rnn_layer``'s workspace output (its meta kernel returns an empty
+    one, yet the real workspace is saved for backward), once ``transient_peak`` measured it."""
+    key = (aten.mkldnn_rnn_layer.default, _signature(args),
+           _signature(tuple(sorted(kwargs.items()))))
+    return _workspace.get(key)
+
+
+def _rnn_backward_args(a: Any) -> Any:
+    """Backward needs the workspace its forward really produced: run that forward first."""
+    (inp, w1, w2, w3, w4, hx, cx, _out, _hy, _cy, g_out, g_hy, g_cy, reverse, mode, hidden,
+     layers, has_biases, train, bidirectional, batch_sizes, batch_first, _ws) = a
+    with torch.enable_grad():  # the kernel returns its workspace only with grad mode on
+        out, hy, cy, ws = aten.mkldnn_rnn_layer.default(
+            inp, w1, w2, w3, w4, hx, cx, reverse, batch_sizes, mode, hidden, layers, has_biases,
+            bidirectional, batch_first, train)
+    g_out = torch.zeros_like(out) if g_out is not None else None
+    return (inp, w1, w2, w3, w4, hx, cx, out, hy, cy, g_out, g_hy, g_cy, reverse, mode, hidden,
+            layers, has_biases, train, bidirectional, batch_sizes, batch_first, ws)

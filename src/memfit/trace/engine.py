@@ -1,0 +1,468 @@
+"""Run the user's step on fake tensors that model the target device, and account every byte.
+
+The model is never changed: a structural copy whose parameters, buffers and tensor attributes are
+fake tensors on the target device (same shapes, strides and dtypes, no data) runs the real forward,
+loss, backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``, ``steps`` times. A
+:class:`~memfit.trace.tracker.TrackingFakeMode` records each storage created and freed; see
+``tracker.py`` for how categories are assigned and ``estimate.py`` for the result.
+
+Note: [CUDA target on a CPU-only torch] Fake CUDA tensors cannot run autograd on a CPU-only build
+(it has no CUDA device guard, and autograd aborts the process asking for one). So the CUDA step
+runs on fake CPU tensors with CUDA's behaviour layered on: its autocast lists (``autocast.py``),
+its attention kernels (``sdpa.py``), foreach optimizers (``optim.py``) and its caching allocator
+(``allocator.py``). ``USE_FAKE_CUDA`` switches CUDA builds to fake CUDA tensors (untested yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.categories import MemoryCategory
+from memfit.errors import MemfitError, suggest
+from memfit.gpus import GpuSpec
+from memfit.trace.autocast import target_autocast
+from memfit.trace.datadep import DataDependentSizes
+from memfit.trace.estimate import TRACKED, Estimate, ModuleMemory, TimelinePoint
+from memfit.trace.optim import OptimizerFactory, make_optimizer
+from memfit.trace.sdpa import CudaSdpaRouting
+from memfit.trace.tracker import Tracker, TrackingFakeMode
+
+# precision -> (autocast dtype, parameter dtype); "-mixed": autocast with fp32 parameters.
+PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    "fp32": (None, None),
+    "bf16-mixed": (torch.bfloat16, None),
+    "fp16-mixed": (torch.float16, None),
+    "bf16": (None, torch.bfloat16),
+    "fp16": (None, torch.float16),
+}
+DEVICES = ("cuda", "cpu")
+_CUDA_BLOCK = 512  # the CUDA caching allocator rounds every request up to 512 bytes
+_DEFAULT_CC = (8, 0)  # SDPA routing when no GPU is named: an A100-class GPU
+# Fake CUDA tensors (exact CUDA autocast lists) on CUDA builds of torch. Off until validated on a
+# GPU machine: the CPU stand-in path (see the module note) is the one the test suite covers.
+USE_FAKE_CUDA = False
+
+
+def _compute_capability(gpu: GpuSpec | None) -> tuple[int, int]:
+    if gpu is None or not gpu.compute_capability:
+        return _DEFAULT_CC
+    major, _, minor = gpu.compute_capability.partition(".")
+    return int(major), int(minor or 0)
+
+
+def _resolve_gpu(gpu: str | GpuSpec | None) -> GpuSpec | None:
+    if gpu is None or isinstance(gpu, GpuSpec):
+        return gpu
+    from memfit.gpus import get_gpu
+
+    return get_gpu(gpu)
+
+
+def _runtime(gpu: GpuSpec | None, num_gpus: int, training: bool
+             ) -> tuple[dict[str, int], frozenset[str], str | None]:
+    """Runtime parts by name and which of them the caching allocator holds."""
+    try:
+        from memfit.runtime import ALLOCATOR_PARTS, cuda_runtime_bytes
+    except ImportError:
+        return {}, frozenset(), ("CUDA runtime constants unavailable (memfit.runtime missing): "
+                                 "runtime not added")
+    # Matmuls run on the main thread (forward) and on autograd's device thread (backward), each
+    # with its own cuBLAS handle and workspaces.
+    parts = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=num_gpus,
+                               matmul_threads=2 if training else 1)
+    return dict(parts), frozenset(ALLOCATOR_PARTS) & set(parts), None
+
+
+# -- fake copies -------------------------------------------------------------------------------
+
+def _fake_like(t: torch.Tensor, device: str, dtype: torch.dtype | None) -> torch.Tensor:
+    dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+    if dt == t.dtype:
+        fake = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
+    else:
+        fake = torch.empty(t.shape, dtype=dt, device=device)
+    return fake
+
+
+def _fake_model(model: nn.Module, device: str, dtype: torch.dtype | None) -> nn.Module:
+    """A copy of ``model`` with fake tensors; tied parameters stay one object (one storage)."""
+    memo: dict[int, Any] = {}
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in memo:
+                fake = _fake_like(p, device, dtype)
+                memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+        for b in mod._buffers.values():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = _fake_like(b, device, dtype)
+        for v in _leaves_shallow(vars(mod).values()):
+            if id(v) not in memo:
+                memo[id(v)] = _fake_like(v, device, dtype).requires_grad_(
+                    v.requires_grad and v.is_floating_point())
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:  # deepcopy of arbitrary user state: say what to do
+        raise MemfitError(
+            f"cannot copy the model to trace it ({type(exc).__name__}: {exc}); the engine needs "
+            f"copy.deepcopy(model) to work: move unpicklable attributes (locks, open files) out "
+            f"of the module") from exc
+
+
+def _leaves_shallow(values: Any) -> Iterator[torch.Tensor]:
+    """Tensors among module attributes, also inside a list/tuple/dict attribute (one level), so
+    that deepcopy never copies real data."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, list | tuple):
+            yield from (t for t in v if isinstance(t, torch.Tensor))
+        elif isinstance(v, dict):
+            yield from (t for t in v.values() if isinstance(t, torch.Tensor))
+
+
+def _fake_inputs(inputs: Any, device: str, memo: dict[int, torch.Tensor],
+                 dtype: torch.dtype | None) -> Any:
+    """Fake copies of the inputs; floating ones in ``dtype`` for pure low-precision runs (the user
+    feeds a ``model.to(bf16)`` model bf16 inputs)."""
+    if isinstance(inputs, torch.Tensor):
+        if id(inputs) not in memo:
+            memo[id(inputs)] = _fake_like(inputs, device, dtype).requires_grad_(
+                inputs.requires_grad)
+        return memo[id(inputs)]
+    if isinstance(inputs, Mapping):
+        return {k: _fake_inputs(v, device, memo, dtype) for k, v in inputs.items()}
+    if isinstance(inputs, list | tuple):
+        return type(inputs)(_fake_inputs(v, device, memo, dtype) for v in inputs)
+    return inputs
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, list | tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss when none is given: a scalar output itself, else ``.loss`` / ``["loss"]`` when
+    present, else a scalar first element of a tuple (the ``return_dict=False`` convention), else
+    the sum of every floating-point tensor in the output."""
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output
+    if (isinstance(output, list | tuple) and output and isinstance(output[0], torch.Tensor)
+            and output[0].numel() == 1 and output[0].requires_grad):
+        return output[0]
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    leaves = [t for t in _leaves(output) if t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        raise MemfitError("the model output has no floating-point tensor that requires grad to "
+                          "backpropagate; pass loss_fn=... or optimizer=None for inference")
+    total = leaves[0].sum()
+    for t in leaves[1:]:
+        total = total + t.sum()
+    return total
+
+
+def _leaves(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _leaves(v)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, nn.Module):
+        for v in vars(obj).values():
+            yield from _leaves(v)
+
+
+# -- module attribution ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _module_hooks(model: nn.Module, tracker: Tracker) -> Iterator[None]:
+    handles = []
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any) -> None:
+            tracker.module_stack.append(name)
+        return hook
+
+    def post(name: str) -> Callable[..., None]:
+        def mark(_grad: Any) -> None:
+            tracker.backward_module = name
+
+        def hook(_mod: nn.Module, _args: Any, out: Any) -> None:
+            if tracker.module_stack:
+                tracker.module_stack.pop()
+            if torch.is_grad_enabled():
+                for t in _leaves(out) if not isinstance(out, torch.Tensor) else [out]:
+                    if t.requires_grad and t.grad_fn is not None:
+                        t.register_hook(mark)
+        return hook
+
+    for name, mod in model.named_modules():
+        handles.append(mod.register_forward_pre_hook(pre(name)))
+        handles.append(mod.register_forward_hook(post(name)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _count_cpu_rng_states(tracker: Tracker) -> Iterator[None]:
+    """torch.utils.checkpoint saves the CPU RNG state (a real 5 KB tensor) per checkpointed call;
+    count it on CPU targets, where it lives in the same memory."""
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        tracker.track(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+def _validate(optimizer: Any, precision: str, device: str, steps: int) -> None:
+    if precision not in PRECISIONS:
+        raise MemfitError(f"unknown precision {precision!r}{suggest(precision, PRECISIONS)}; "
+                          f"valid: {', '.join(PRECISIONS)}")
+    if device not in DEVICES:
+        raise MemfitError(f"unknown device {device!r}{suggest(device, DEVICES)}; valid: "
+                          f"{', '.join(DEVICES)} (the device to model, not where to run)")
+    if not isinstance(steps, int) or steps < 1:
+        raise MemfitError(f"steps must be a positive integer, got {steps!r}; use steps=2 to "
+                          f"cover optimizer-state creation and the steady state")
+
+
+def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory | None = "adamw",
+             precision: str = "fp32", loss_fn: Callable[[Any], torch.Tensor] | None = None,
+             device: str = "cuda", gpu: str | GpuSpec | None = None, steps: int = 2,
+             expandable_segments: bool = False, num_gpus: int = 1) -> Estimate:
+    """Trace ``steps`` training steps (or forward passes if ``optimizer=None``) of ``model`` on
+    ``inputs`` and predict their peak memory on ``device``.
+
+    >>> with torch.device("meta"):
+    ...     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    >>> est = estimate(model, torch.empty(32, 1024, device="meta"), device="cpu")
+    >>> est.peak_bytes > 4 * 4 * 1024 * 1024  # weights + grads + two Adam states
+    True
+    """
+    _validate(optimizer, precision, device, steps)
+    if not isinstance(model, nn.Module):
+        raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    autocast_dtype, param_dtype = PRECISIONS[precision]
+    spec = _resolve_gpu(gpu) if device == "cuda" else None
+    cuda_target = device == "cuda"
+    fake_device = ("cuda" if cuda_target and USE_FAKE_CUDA and torch.backends.cuda.is_built()
+                   else "cpu")
+    emulate_cuda = cuda_target and fake_device == "cpu"
+
+    allocator = None
+    if cuda_target:
+        from memfit.trace.allocator import CachingAllocatorSim
+
+        allocator = CachingAllocatorSim(expandable_segments=expandable_segments)
+    tracker = Tracker(fake_device, round_to=_CUDA_BLOCK if cuda_target else 1,
+                      allocator=allocator)
+    notes: list[str] = []
+
+    def warn(note: str) -> None:
+        if note not in notes:
+            notes.append(note)
+            warnings.warn(f"memfit: assumed {note}", stacklevel=3)
+
+    datadep = DataDependentSizes()
+    started = time.perf_counter()
+    fake_mode = TrackingFakeMode(tracker, datadep, warn, measure_cpu_kernels=not cuda_target)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fake_mode)
+        fmodel = _fake_model(model, fake_device, param_dtype)
+        finputs = _fake_inputs(inputs, fake_device, {}, param_dtype)
+        _register_baseline(tracker, fmodel, finputs)
+        params = [p for p in fmodel.parameters() if p.requires_grad]
+        training = optimizer is not None
+        opt = (make_optimizer(optimizer, params, cuda_target=cuda_target)
+               if training and params else None)
+        if training and not params:
+            raise MemfitError("the model has no parameter that requires grad; pass "
+                              "optimizer=None to estimate inference")
+        runtime: dict[str, int] = {}
+        in_allocator: frozenset[str] = frozenset()
+        if cuda_target:
+            runtime, in_allocator, note = _runtime(spec, num_gpus, training)
+            if note:
+                notes.append(note)
+            threads = ["forward", "backward"] if training else ["forward"]
+            for phase in threads:
+                fake_mode.matmul_workspaces[phase] = [
+                    runtime[name] // len(threads) for name in sorted(in_allocator)
+                    if runtime[name]]
+        fake_mode.tracking = True
+        stack.callback(tracker.close)  # runs last: frees after the trace are not recorded
+        stack.callback(setattr, fake_mode, "tracking", False)
+        stack.enter_context(_module_hooks(fmodel, tracker))
+        if cuda_target:
+            stack.enter_context(CudaSdpaRouting(_compute_capability(spec),
+                                                cuda_on_cpu=emulate_cuda))
+        else:
+            stack.enter_context(_count_cpu_rng_states(tracker))
+        owners = _owners(fmodel)
+        for step in range(steps):
+            tracker.step = step
+            tracker.phase = "forward"
+            grad_mode = torch.enable_grad() if training else torch.no_grad()
+            with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda):
+                out = _call(fmodel, finputs)
+                loss = (loss_fn or default_loss)(out) if training else None
+            tracker.end_forward()
+            if loss is not None and opt is not None:
+                tracker.phase = "backward"
+                tracker.backward_module = ""
+                loss.backward()
+                del loss, out
+                _mark_grads(tracker, params, owners)
+                tracker.phase = "optimizer"
+                opt.step()
+                _mark_states(tracker, opt, owners)
+                tracker.phase = "zero_grad"
+                opt.zero_grad(set_to_none=True)
+            else:
+                del loss, out
+    elapsed = time.perf_counter() - started
+    return _result(tracker, allocator, runtime, in_allocator, device=device, precision=precision,
+                   optimizer=optimizer, steps=steps, notes=notes, elapsed=elapsed)
+
+
+def _owners(model: nn.Module) -> dict[int, str]:
+    owners: dict[int, str] = {}
+    for name, mod in model.named_modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), name)
+    return owners
+
+
+def _register_baseline(tracker: Tracker, model: nn.Module, inputs: Any) -> None:
+    for name, mod in model.named_modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                tracker.track(p, MemoryCategory.WEIGHTS, name)
+        for b in mod._buffers.values():
+            if b is not None:
+                tracker.track(b, MemoryCategory.WEIGHTS, name)
+        for v in _leaves_shallow(vars(mod).values()):
+            tracker.track(v, MemoryCategory.WEIGHTS, name)
+    for t in _leaves(inputs):
+        tracker.track(t, MemoryCategory.ACTIVATIONS, "")
+
+
+def _mark_grads(tracker: Tracker, params: list[nn.Parameter], owners: dict[int, str]) -> None:
+    for p in params:
+        if p.grad is not None:
+            tracker.track(p.grad, MemoryCategory.GRADIENTS, owners.get(id(p), ""))
+
+
+def _mark_states(tracker: Tracker, opt: torch.optim.Optimizer, owners: dict[int, str]) -> None:
+    for p, state in opt.state.items():
+        for v in _leaves(state):
+            tracker.track(v, MemoryCategory.OPTIMIZER_STATES, owners.get(id(p), ""))
+
+
+def _result(tracker: Tracker, allocator: Any, runtime: dict[str, int],
+            in_allocator: frozenset[str], *, device: str,
+            precision: str, optimizer: Any, steps: int, notes: list[str],
+            elapsed: float) -> Estimate:
+    infos = tracker.infos
+    index = {cat: i for i, cat in enumerate(TRACKED)}
+    cat_of = [index[info.category()] for info in infos]
+    totals = [0] * len(TRACKED)
+    live: set[int] = set()
+    timeline: list[TimelinePoint] = []
+    at_peak: dict[str, dict[MemoryCategory, int]] = {}
+    activation: dict[str, int] = {}
+    for info in infos:
+        if info.saved and info.step == 0 and info.role is None:
+            activation[info.module] = activation.get(info.module, 0) + info.nbytes
+    size = tracker._size
+    events = tracker.events
+    replayed = 0
+
+    def replay(upto: int) -> None:
+        nonlocal replayed
+        for e in events[replayed:upto]:
+            if e >= 0:
+                totals[cat_of[e]] += size(infos[e].nbytes)
+                live.add(e)
+            else:
+                totals[cat_of[~e]] -= size(infos[~e].nbytes)
+                live.discard(~e)
+        replayed = upto
+
+    breakdown = {cat: 0 for cat in MemoryCategory}
+    peak_replayed = False
+    for i, (func, phase, step, module, n_events) in enumerate(tracker.ops):
+        if not peak_replayed and tracker.peak_events <= n_events:
+            replay(tracker.peak_events)
+            peak_replayed = True
+            for cat, v in zip(TRACKED, totals, strict=True):
+                breakdown[cat] = v
+            breakdown[MemoryCategory.TEMPORARIES] += tracker.peak_extra
+            for uid in live:
+                info = infos[uid]
+                per = at_peak.setdefault(info.module, {})
+                cat = info.category()
+                per[cat] = per.get(cat, 0) + size(info.nbytes)
+        replay(n_events)
+        timeline.append(TimelinePoint(i, str(func), phase, step, module, tuple(totals)))
+    if not peak_replayed:  # the peak is the baseline (nothing allocated by any op)
+        replay(tracker.peak_events)
+        for cat, v in zip(TRACKED, totals, strict=True):
+            breakdown[cat] = v
+        for uid in live:
+            info = infos[uid]
+            per = at_peak.setdefault(info.module, {})
+            per[info.category()] = per.get(info.category(), 0) + size(info.nbytes)
+    breakdown[MemoryCategory.RUNTIME] += sum(v for k, v in runtime.items()
+                                             if k not in in_allocator)
+    peak_bytes = tracker.peak
+    peak_reserved = peak_bytes
+    if allocator is not None:
+        peak_reserved = max(allocator.peak_reserved_bytes, peak_bytes)
+    if 0 <= tracker.peak_op < len(tracker.ops):
+        func, phase, step, module, _ = tracker.ops[tracker.peak_op]
+        peak_op, peak_phase, peak_step, peak_module = str(func), phase, step, module
+    else:
+        peak_op, peak_phase, peak_step, peak_module = "(before the first op)", "setup", 0, ""
+    names = set(at_peak) | set(activation)
+    modules = {name: ModuleMemory(name=name, at_peak=at_peak.get(name, {}),
+                                  activation_bytes=activation.get(name, 0)) for name in names}
+    opt_name = optimizer if isinstance(optimizer, str) or optimizer is None else getattr(
+        optimizer, "__name__", "custom")
+    return Estimate(peak_bytes=peak_bytes, peak_reserved_bytes=peak_reserved, breakdown=breakdown,
+                    runtime=runtime, device=device, precision=precision, optimizer=opt_name,
+                    steps=steps, peak_op=peak_op, peak_phase=peak_phase, peak_step=peak_step,
+                    peak_module=peak_module, timeline=timeline, modules=modules,
+                    num_ops=len(tracker.ops), trace_seconds=elapsed, assumptions=tuple(notes),
+                    runtime_in_allocator=in_allocator)

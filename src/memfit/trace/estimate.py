@@ -1,0 +1,162 @@
+"""The result of tracing a step: peak, breakdown, timeline and per-module attribution."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+from memfit.categories import MemoryCategory
+from memfit.units import format_bytes
+
+PHASES = ("forward", "backward", "optimizer", "zero_grad")
+"""Phase tags of timeline points, in the order a training step runs them."""
+
+# The categories tracked per op. RUNTIME here is only what lives inside the caching allocator
+# (cuBLAS workspaces); the CUDA context and NCCL buffers are added on top at the end.
+TRACKED = (MemoryCategory.WEIGHTS, MemoryCategory.GRADIENTS, MemoryCategory.OPTIMIZER_STATES,
+           MemoryCategory.ACTIVATIONS, MemoryCategory.KV_CACHE, MemoryCategory.TEMPORARIES,
+           MemoryCategory.RUNTIME)
+
+
+@dataclass(frozen=True, slots=True)
+class TimelinePoint:
+    """Live bytes right after one traced op."""
+
+    index: int
+    """Position of the op in the trace (0-based, over all steps)."""
+    op: str
+    """The aten op, e.g. ``aten.mm.default``."""
+    phase: str
+    """One of ``forward``, ``backward``, ``optimizer``, ``zero_grad``."""
+    step: int
+    """Training step (0-based)."""
+    module: str
+    """Dotted name of the innermost module running the op (``""``: the model itself / none)."""
+    bytes: tuple[int, ...]
+    """Live bytes per category, in the order of ``TRACKED``."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes)
+
+    def by_category(self) -> dict[MemoryCategory, int]:
+        return dict(zip(TRACKED, self.bytes, strict=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleMemory:
+    """Bytes attributed to one module (its own tensors, not its children's)."""
+
+    name: str
+    at_peak: dict[MemoryCategory, int]
+    """Bytes live at the peak that this module created (or owns: weights, their gradients and
+    optimizer states)."""
+    activation_bytes: int
+    """Bytes this module created in the forward pass that were still alive when it ended
+    (saved for backward), summed over all calls in the first step."""
+
+    @property
+    def peak_total(self) -> int:
+        return sum(self.at_peak.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """Peak memory of a traced training or inference step.
+
+    ``peak_bytes`` and ``peak_reserved_bytes`` compare to ``torch.cuda.max_memory_allocated`` and
+    ``max_memory_reserved`` on CUDA (512-byte-rounded blocks and the caching allocator's segments),
+    and to the profiler's allocator events on CPU (exact bytes, no cache, so reserved == peak).
+    ``total_bytes`` adds the runtime (CUDA context, library workspaces) for "does it fit".
+
+    Known limitations: memory that kernels allocate internally without returning it (cuBLAS and
+    flash-attention workspaces, oneDNN scratch) is not seen; data-dependent sizes (nonzero,
+    masked_select, unique) follow the assumption stated in the warning the engine emits.
+    """
+
+    peak_bytes: int
+    peak_reserved_bytes: int
+    breakdown: dict[MemoryCategory, int]
+    """Live bytes per category at the peak; ``RUNTIME`` holds all runtime constants (those inside
+    the allocator, which ``peak_bytes`` includes, and those outside it, which it does not)."""
+    runtime: dict[str, int]
+    """Named runtime constants (CUDA context, cuBLAS workspaces, NCCL), empty for CPU."""
+    device: str
+    precision: str
+    optimizer: str | None
+    steps: int
+    peak_op: str
+    peak_phase: str
+    peak_step: int
+    peak_module: str
+    timeline: list[TimelinePoint] = field(repr=False)
+    modules: dict[str, ModuleMemory] = field(repr=False)
+    num_ops: int = 0
+    trace_seconds: float = 0.0
+    assumptions: tuple[str, ...] = ()
+    """What the engine assumed where the real run depends on data (warned once each)."""
+    runtime_in_allocator: frozenset[str] = frozenset()
+    """Names in ``runtime`` allocated through the caching allocator (cuBLAS workspaces): they are
+    part of ``peak_bytes`` and ``peak_reserved_bytes``, as in torch's allocator statistics."""
+
+    @property
+    def runtime_bytes(self) -> int:
+        return sum(self.runtime.values())
+
+    @property
+    def runtime_outside_allocator_bytes(self) -> int:
+        return sum(v for k, v in self.runtime.items() if k not in self.runtime_in_allocator)
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak reserved plus the runtime outside the allocator (CUDA context, NCCL): what the
+        device must hold for the step to fit."""
+        return self.peak_reserved_bytes + self.runtime_outside_allocator_bytes
+
+    def top_modules(self, n: int = 8) -> list[ModuleMemory]:
+        """Modules holding the most bytes at the peak."""
+        return sorted(self.modules.values(), key=lambda m: m.peak_total, reverse=True)[:n]
+
+    def __str__(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        buf = io.StringIO()
+        console = Console(file=buf, width=100, force_terminal=False, color_system=None)
+        title = (f"memfit trace: {self.device}, {self.precision}, "
+                 f"optimizer={self.optimizer or 'none (inference)'}, steps={self.steps}")
+        summary = Table(title=title, show_header=False)
+        summary.add_column("what")
+        summary.add_column("bytes", justify="right")
+        summary.add_row("peak allocated", format_bytes(self.peak_bytes))
+        summary.add_row("peak reserved", format_bytes(self.peak_reserved_bytes))
+        if self.runtime:
+            summary.add_row("runtime outside the allocator",
+                            format_bytes(self.runtime_outside_allocator_bytes))
+            summary.add_row("total (reserved + runtime)", format_bytes(self.total_bytes))
+        summary.add_row("peak at", f"{self.peak_op} ({self.peak_phase}, step {self.peak_step}"
+                        + (f", module {self.peak_module}" if self.peak_module else "") + ")")
+        console.print(summary)
+        cats = Table(title="at the peak, by category")
+        cats.add_column("category")
+        cats.add_column("bytes", justify="right")
+        cats.add_column("share", justify="right")
+        total = max(1, sum(v for k, v in self.breakdown.items() if k is not MemoryCategory.RUNTIME))
+        for cat, nbytes in self.breakdown.items():
+            if nbytes:
+                share = "" if cat is MemoryCategory.RUNTIME else f"{100 * nbytes / total:.1f}%"
+                cats.add_row(cat.value, format_bytes(nbytes), share)
+        console.print(cats)
+        top = self.top_modules()
+        if top:
+            mods = Table(title="top modules at the peak")
+            mods.add_column("module")
+            mods.add_column("at peak", justify="right")
+            mods.add_column("saved activations", justify="right")
+            for m in top:
+                mods.add_row(m.name or "(top level / loss)", format_bytes(m.peak_total),
+                             format_bytes(m.activation_bytes))
+            console.print(mods)
+        for note in self.assumptions:
+            console.print(f"assumed: {note}")
+        return buf.getvalue().rstrip() + "\n"

@@ -1,0 +1,258 @@
+"""Storage-level accounting of one traced run: every allocation and free, in order.
+
+A fake tensor mode sees each op; every output whose storage is new is an allocation (views
+share their base's storage and in-place ops return it, so neither counts twice), and a weakref
+callback on the storage records the free when the last tensor using it dies. Categories are decided
+after the run, from what each storage turned out to be (a parameter, a ``.grad``, an optimizer
+state, a forward tensor still alive when the forward ended...), so the breakdown at the peak is
+exact even though the peak happens before some roles are known (e.g. Adam's states created in the
+first step).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+
+from memfit.categories import MemoryCategory
+from memfit.trace.cpu_kernels import is_opaque, rnn_workspace_bytes, transient_peak
+from memfit.trace.datadep import ASSUMPTION, DATA_DEPENDENT, DataDependentSizes
+
+_FORWARD = "forward"
+aten = torch.ops.aten
+_PRIM_DEVICE = torch.ops.prim.device.default
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+            aten._addmm_activation.default, aten.addmv.default, aten.mv.default}
+
+
+class StorageInfo:
+    """One allocation: its size and what it was created by."""
+
+    __slots__ = ("handle", "module", "nbytes", "phase", "role", "saved", "step")
+
+    def __init__(self, nbytes: int, phase: str, step: int, module: str) -> None:
+        self.nbytes = nbytes
+        self.phase = phase
+        self.step = step
+        self.module = module
+        self.role: MemoryCategory | None = None
+        self.saved = False  # created in a forward and still alive when that forward ended
+        self.handle: int | None = None
+
+    def category(self) -> MemoryCategory:
+        if self.role is not None:
+            return self.role
+        if self.saved:
+            return MemoryCategory.ACTIVATIONS
+        return MemoryCategory.TEMPORARIES
+
+
+class Tracker:
+    """Allocation log of a traced run on one device type ("cpu" or "cuda")."""
+
+    def __init__(self, device_type: str, *, round_to: int = 1, allocator: Any = None) -> None:
+        self.device_type = device_type
+        self.round_to = round_to
+        self.allocator = allocator
+        self.infos: list[StorageInfo] = []
+        self.live: dict[int, int] = {}  # storage address (_cdata) -> uid
+        self._refs: dict[int, weakref.ref[Any]] = {}
+        # Event log: uid for an allocation, ~uid for a free.
+        self.events: list[int] = []
+        # One mark per op: (op, phase, step, module, number of events once the op returned).
+        self.ops: list[tuple[Any, str, int, str, int]] = []
+        self.phase = "setup"
+        self.step = 0
+        self.module_stack: list[str] = []
+        self.backward_module = ""
+        self.current = 0
+        self.peak = 0
+        self.peak_events = 0  # events replayed at the peak
+        self.peak_op = -1
+        self.peak_extra = 0  # transient bytes inside an opaque kernel at the peak (temporaries)
+        self.closed = False
+
+    @property
+    def module(self) -> str:
+        if self.phase == "backward":
+            return self.backward_module
+        return self.module_stack[-1] if self.module_stack else ""
+
+    def _size(self, nbytes: int) -> int:
+        r = self.round_to
+        return nbytes if r == 1 else -(-nbytes // r) * r
+
+    def track(self, t: torch.Tensor, role: MemoryCategory | None = None,
+              module: str | None = None) -> int | None:
+        """Record ``t``'s storage if it is new; return its uid (or None: other device/empty)."""
+        # A FakeTensor's ``.device`` is a dispatched op (prim.device); its attribute is not.
+        device = getattr(t, "fake_device", None) or t.device
+        if device.type != self.device_type:
+            return None
+        st = t.untyped_storage()
+        key = st._cdata
+        uid = self.live.get(key)
+        if uid is None:
+            nbytes = st.nbytes()
+            if nbytes == 0:
+                return None
+            uid = len(self.infos)
+            info = StorageInfo(nbytes, self.phase, self.step,
+                               self.module if module is None else module)
+            self.infos.append(info)
+            self.live[key] = uid
+            self._refs[uid] = weakref.ref(st, self._freer(uid, key))
+            self.events.append(uid)
+            if self.allocator is not None:
+                info.handle = self.allocator.malloc(nbytes)
+            self.current += self._size(nbytes)
+            if self.current > self.peak:
+                self.peak = self.current
+                self.peak_events = len(self.events)
+                self.peak_op = len(self.ops)
+                self.peak_extra = 0
+        if role is not None:
+            info = self.infos[uid]
+            info.role = role
+            if module is not None:
+                info.module = module
+        return uid
+
+    def _freer(self, uid: int, key: int) -> Any:
+        def free(_: Any) -> None:
+            if self.closed:
+                return
+            if self.live.get(key) == uid:
+                del self.live[key]
+            del self._refs[uid]
+            self.events.append(~uid)
+            info = self.infos[uid]
+            self.current -= self._size(info.nbytes)
+            if self.allocator is not None and info.handle is not None:
+                self.allocator.free(info.handle)
+        return free
+
+    def add_pseudo(self, nbytes: int, role: MemoryCategory, module: str = "") -> None:
+        """An allocation no tensor stands for (a library workspace) that lives to the end."""
+        info = StorageInfo(nbytes, self.phase, self.step, module)
+        info.role = role
+        uid = len(self.infos)
+        self.infos.append(info)
+        self.events.append(uid)
+        if self.allocator is not None:
+            info.handle = self.allocator.malloc(nbytes)
+        self.current += self._size(nbytes)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_events = len(self.events)
+            self.peak_op = len(self.ops)
+            self.peak_extra = 0
+
+    def transient(self, candidate: int) -> None:
+        """An op's kernel held ``candidate`` live bytes at its high point (see cpu_kernels.py)."""
+        if candidate > self.peak:
+            self.peak = candidate
+            self.peak_events = len(self.events)
+            self.peak_op = len(self.ops)
+            self.peak_extra = candidate - self.current
+
+    def end_forward(self) -> None:
+        """Mark forward-created storages alive now as saved activations."""
+        infos = self.infos
+        for uid in self.live.values():
+            info = infos[uid]
+            if info.phase == _FORWARD and info.step == self.step:
+                info.saved = True
+
+    def close(self) -> None:
+        self.closed = True
+        self._refs.clear()
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, list | tuple):
+        found: list[torch.Tensor] = []
+        for o in out:
+            found.extend(_tensors(o))
+        return found
+    return []
+
+
+class TrackingFakeMode(FakeTensorMode):
+    """A FakeTensorMode that records the new output storages of every top-level op.
+
+    Tracking inside the fake mode itself (rather than in a dispatch mode stacked on top) halves
+    the per-op cost: ``.device`` queries and the fake mode's own re-dispatches (decompositions,
+    depth > 0) pass straight through, and only ops the program called are recorded.
+    """
+
+    def __init__(self, tracker: Tracker, datadep: DataDependentSizes, warn: Any, *,
+                 measure_cpu_kernels: bool = False) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+        self.measure_cpu_kernels = measure_cpu_kernels
+        self.tracker = tracker
+        self.datadep = datadep
+        self.warn = warn
+        self.tracking = False
+        self._depth = 0
+        # phase -> byte sizes of the workspaces a matmul first run in that phase allocates
+        # (cuBLAS keeps one per handle, and the backward runs on another thread: another handle).
+        self.matmul_workspaces: dict[str, list[int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _PRIM_DEVICE or not self.tracking or self._depth:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        self._depth += 1
+        try:
+            return self._tracked(func, types, args, kwargs or {})
+        finally:
+            self._depth -= 1
+
+    def _run(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _tracked(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        tracker = self.tracker
+        if self.matmul_workspaces and func in _MATMULS:
+            for nbytes in self.matmul_workspaces.pop(tracker.phase, []):
+                tracker.add_pseudo(nbytes, MemoryCategory.RUNTIME)
+        if func in DATA_DEPENDENT:
+            try:
+                out = self._run(func, types, args, kwargs)
+            except (DynamicOutputShapeException, DataDependentOutputException, RuntimeError):
+                with self:  # the answer is made of fake tensors
+                    out = self.datadep.handle(func, args, kwargs)
+                if out is None:
+                    raise
+                self.warn(ASSUMPTION)
+        elif self.measure_cpu_kernels and is_opaque(func, args):
+            within = transient_peak(func, args, kwargs)
+            before = tracker.current
+            out = self._run(func, types, args, kwargs)
+            if func is aten.mkldnn_rnn_layer.default:
+                ws = rnn_workspace_bytes(args, kwargs)
+                if ws:
+                    with self:
+                        workspace = torch.empty(ws, dtype=torch.uint8, device=out[3].device)
+                    out = (*out[:3], workspace)
+            for t in _tensors(out):
+                tracker.track(t)
+            if within is not None:
+                tracker.transient(before + within)
+        else:
+            out = self._run(func, types, args, kwargs)
+        for t in _tensors(out):
+            tracker.track(t)
+        tracker.ops.append((func, tracker.phase, tracker.step, tracker.module,
+                            len(tracker.events)))
+        self.datadep.observe(func, args, kwargs, out)
+        return out

@@ -1,0 +1,309 @@
+"""The trace engine's CPU peak against the real CPU run, measured with the profiler (within 1%).
+
+Each model kind runs for real (random weights, real data) under ``measure_cpu_peak`` (profiler
+allocator events + bytes alive before the run) and is traced by ``estimate(..., device="cpu")``
+on the same module; the two peaks must agree within 1%.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memfit.profile import measure_cpu_peak
+from memfit.trace import estimate
+
+TOLERANCE = 0.01
+
+
+# -- model kinds ---------------------------------------------------------------------------------
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 64, heads: int = 4, layers: int = 2,
+                 ckpt: bool = False) -> None:
+        super().__init__()
+        self.ckpt = ckpt
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
+        return self.head(self.ln(x))
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(64, 48, batch_first=True)
+        self.head = nn.Linear(48, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(x)
+        h, _ = self.gru(h)
+        return self.head(h[:, -1])
+
+
+class UNet(nn.Module):
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+
+        def block(i: int, o: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.GroupNorm(4, o), nn.SiLU())
+
+        self.down1, self.down2 = block(3, c), block(c, 2 * c)
+        self.mid = block(2 * c, 2 * c)
+        self.up2, self.up1 = block(4 * c, c), block(2 * c, c)
+        self.out = nn.Conv2d(c, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d1 = self.down1(x)
+        d2 = self.down2(F.max_pool2d(d1, 2))
+        m = self.mid(F.max_pool2d(d2, 2))
+        u2 = self.up2(torch.cat([F.interpolate(m, scale_factor=2.0), d2], 1))
+        u1 = self.up1(torch.cat([F.interpolate(u2, scale_factor=2.0), d1], 1))
+        return self.out(u1)
+
+
+class TopKMoE(nn.Module):
+    def __init__(self, dim: int = 64, experts: int = 4, k: int = 2, hidden: int = 128) -> None:
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim))
+            for _ in range(experts))
+        self.head = nn.Linear(dim, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        tokens = x.reshape(-1, d)
+        weights, chosen = torch.topk(self.router(tokens).softmax(-1), self.k, dim=-1)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(chosen == e)
+            y = expert(tokens[token_idx]) * weights[token_idx, slot, None]
+            out = out.index_add(0, token_idx, y.to(out.dtype))
+        return self.head(out.view(b, s, d))
+
+
+# Balanced routing by construction: the real run selects exactly what the engine assumes
+# (every expert gets tokens * k / experts), so the comparison tests the accounting, not luck.
+class BalancedRouter(nn.Module):
+    def __init__(self, tokens: int, experts: int) -> None:
+        super().__init__()
+        bias = torch.zeros(tokens, experts)
+        for t in range(tokens):
+            bias[t, t % experts] = 10.0
+            bias[t, (t + 1) % experts] = 5.0
+        self.register_buffer("bias", bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens[:, :1] * 0 + self.bias
+
+
+def _moe(tokens: int) -> TopKMoE:
+    m = TopKMoE()
+    m.router = BalancedRouter(tokens, 4)  # type: ignore[assignment]
+    return m
+
+
+def mse(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def lm_loss(out: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1).float(), torch.zeros(out.shape[0] * out.shape[1],
+                                                                     dtype=torch.long))
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]],
+                       Callable[[Any], torch.Tensor]]] = {
+    "cnn-batchnorm": (ConvBN, lambda: (torch.randn(8, 3, 32, 32),), mse),
+    "transformer-sdpa": (TinyGPT, lambda: (torch.randint(0, 256, (4, 64)),), mse),
+    "lstm-gru": (Recurrent, lambda: (torch.randn(8, 10, 32),), mse),
+    "unet-groupnorm": (UNet, lambda: (torch.randn(2, 3, 32, 32),), mse),
+    "topk-moe": (lambda: _moe(4 * 32), lambda: (torch.randn(4, 32, 64),), mse),
+    "checkpointed-transformer": (lambda: TinyGPT(ckpt=True),
+                                 lambda: (torch.randint(0, 256, (4, 64)),), mse),
+}
+
+
+# More kinds, also run with SGD-momentum and as inference (optimizer=None).
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x)
+
+
+class Conv1dNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv1d(8, 32, 5, padding=2), nn.BatchNorm1d(32), nn.Dropout(0.1), nn.ReLU(),
+            nn.Conv1d(32, 32, 3, groups=32, padding=1), nn.AvgPool1d(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Deconv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(4, 16, 3, stride=2, padding=1), nn.LeakyReLU(),
+                                 nn.ConvTranspose2d(16, 4, 4, stride=2, padding=1), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 32, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class ReentrantCheckpoint(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(checkpoint(self.inner, x, use_reentrant=True))
+
+
+class EmaBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.register_buffer("ema", torch.zeros(32))
+        self.register_buffer("scratch", torch.zeros(1000), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(y.mean(0), alpha=0.1)
+        return y * self.ema
+
+
+MORE_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]] = {
+    "transformer-encoder": (Encoder, lambda: (torch.randn(4, 16, 64),)),
+    "conv1d-bn-dropout": (Conv1dNet, lambda: (torch.randn(8, 8, 64),)),
+    "conv-transpose": (Deconv, lambda: (torch.randn(4, 4, 32, 32),)),
+    "sdpa-bool-mask": (MaskedAttention, lambda: (torch.randn(2, 32, 64),
+                                                 torch.ones(32, 32, dtype=torch.bool).tril())),
+    "reentrant-checkpoint": (ReentrantCheckpoint,
+                             lambda: (torch.randn(16, 64, requires_grad=True),)),
+    "buffers": (EmaBuffers, lambda: (torch.randn(16, 32),)),
+}
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+}
+
+
+def real_peak(model: nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[[Any], torch.Tensor],
+              autocast: torch.dtype | None, steps: int = 2, optimizer: str | None = "adamw") -> int:
+    """The real step on CPU, measured with the profiler; the loop the engine simulates: forward
+    and loss under autocast, backward, drop output and loss, step, zero_grad(set_to_none)."""
+    opt = OPTIMIZERS[optimizer](model.parameters()) if optimizer else None
+
+    def step() -> None:
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16,
+                                enabled=autocast is not None), torch.set_grad_enabled(
+                                    opt is not None):
+                out = model(*inputs)
+                loss = loss_fn(out) if opt is not None else None
+            if opt is not None and loss is not None:
+                loss.backward()
+            del loss, out
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    return measure_cpu_peak(step, model, inputs).peak_bytes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("kind", list(CASES))
+def test_cpu_peak_within_1_percent(kind: str, precision: str) -> None:
+    make_model, make_inputs, loss_fn = CASES[kind]
+    torch.manual_seed(0)
+    model, inputs = make_model(), make_inputs()
+    est = estimate(model, inputs, optimizer="adamw", precision=precision, loss_fn=loss_fn,
+                   device="cpu", steps=2)
+    real = real_peak(model, inputs, loss_fn, torch.bfloat16 if precision == "bf16-mixed" else None)
+    error = (est.peak_bytes - real) / real
+    print(f"{kind} {precision}: estimate {est.peak_bytes} real {real} error {100 * error:+.3f}%")
+    assert abs(error) <= TOLERANCE, (kind, precision, est.peak_bytes, real)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", None])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("kind", list(MORE_CASES))
+def test_more_kinds_within_1_percent(kind: str, precision: str, optimizer: str | None) -> None:
+    make_model, make_inputs = MORE_CASES[kind]
+    torch.manual_seed(0)
+    model, inputs = make_model(), make_inputs()
+    est = estimate(model, inputs, optimizer=optimizer, precision=precision, loss_fn=mse,
+                   device="cpu", steps=2)
+    real = real_peak(model, inputs, mse, torch.bfloat16 if precision == "bf16-mixed" else None,
+                     optimizer=optimizer)
+    error = (est.peak_bytes - real) / real
+    print(f"{kind} {precision} {optimizer}: estimate {est.peak_bytes} real {real} "
+          f"error {100 * error:+.3f}%")
+    assert abs(error) <= TOLERANCE, (kind, precision, optimizer, est.peak_bytes, real)
