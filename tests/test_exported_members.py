@@ -12,3 +12,12 @@ def test_all_is_what_we_export() -> None:
     extra = {n for n in exported - expected
              if not isinstance(getattr(memfit, n), types.ModuleType)}
     assert extra == set()
+
+
+def test_profile_and_watch_are_functions() -> None:
+    # memfit.profile is the context manager, not the subpackage it lives in
+    assert callable(memfit.profile) and callable(memfit.watch)
+    import importlib
+
+    assert importlib.import_module("memfit.profile.cpu").measure_cpu_peak
+    assert callable(memfit.profile)  # importing the subpackage does not rebind the name

@@ -13,6 +13,8 @@ from memfit.estimate.planner import Plan, plan
 from memfit.gpus import GpuSpec, get_gpu, list_gpus
 from memfit.models import ParamCountSpec, TransformerSpec, list_presets, resolve_model
 from memfit.models.build import build_model, example_inputs
+from memfit.monitor import watch
+from memfit.profile.session import profile
 from memfit.trace import Estimate, estimate
 
 __version__ = "0.1.0"
@@ -34,5 +36,7 @@ __all__ = [
     "list_gpus",
     "list_presets",
     "plan",
+    "profile",
     "resolve_model",
+    "watch",
 ]

@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from memfit import __version__
-    from memfit.cli import gpus, models, plan, validate
+    from memfit.cli import gpus, models, monitor, plan, profile, validate
 
     parser = _Parser(prog="memfit", description="Predict, measure and reduce the GPU memory of "
                      "PyTorch training and inference.")
@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.register(sub)
     gpus.register(sub)
     models.register(sub)
+    profile.register(sub)
+    monitor.register(sub)
     validate.register(sub)
     return parser
 

@@ -1,0 +1,187 @@
+"""What a profiled run measured: peak, breakdown at the peak, timeline, modules, top tensors.
+
+These are plain frozen dataclasses with integer bytes; units are formatted only by the reports.
+``ProfileResult.to_dict()`` is the ``--json`` schema; its keys ``device``, ``peak_bytes``,
+``peak_reserved_bytes`` and ``breakdown`` are stable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from memfit.categories import MemoryCategory
+
+if TYPE_CHECKING:
+    from memfit.trace.estimate import Estimate
+
+SCHEMA_VERSION = 1
+
+TRACKED = (MemoryCategory.WEIGHTS, MemoryCategory.GRADIENTS, MemoryCategory.OPTIMIZER_STATES,
+           MemoryCategory.ACTIVATIONS, MemoryCategory.KV_CACHE, MemoryCategory.TEMPORARIES)
+"""Categories a live tensor can be in, in the order of ``MeasuredPoint.bytes``."""
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredPoint:
+    """Live tracked bytes right after one op of the profiled run (or a user mark)."""
+
+    index: int
+    """Position of the op in the run (0-based)."""
+    op: str
+    """The aten op (``aten.mm.default``), or ``mark: <label>`` for :meth:`Profiler.mark`."""
+    phase: str
+    """``forward``, ``backward``, ``optimizer`` or ``other``."""
+    module: str
+    """Dotted name of the innermost module running the op (``""``: none)."""
+    bytes: tuple[int, ...]
+    """Live bytes per category, in the order of ``TRACKED``."""
+    allocated: int | None = None
+    """CUDA only: ``torch.cuda.memory_allocated()`` after the op."""
+    reserved: int | None = None
+    """CUDA only: ``torch.cuda.memory_reserved()`` after the op."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes)
+
+    def by_category(self) -> dict[MemoryCategory, int]:
+        return dict(zip(TRACKED, self.bytes, strict=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorRecord:
+    """One storage live at the peak."""
+
+    nbytes: int
+    category: MemoryCategory
+    module: str
+    phase: str
+    op: str
+    """The op that allocated it (``baseline``: alive when profiling began)."""
+    shape: tuple[int, ...]
+    dtype: str
+    stack: tuple[tuple[str, int, str], ...] = ()
+    """Python frames (file, line, function), innermost first; empty unless ``stacks=True``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleUsage:
+    """Bytes live at the peak attributed to one module: what it created, and the weights,
+    gradients and optimizer states of its own parameters."""
+
+    name: str
+    at_peak: dict[MemoryCategory, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.at_peak.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileResult:
+    """The measurement of one profiled run.
+
+    On CPU, ``peak_bytes`` is the peak of tracked live bytes (every tensor storage alive when
+    profiling began plus every storage an op allocated, minus those freed); ``peak_reserved_bytes``
+    is None (the CPU allocator keeps no cache). On CUDA, ``peak_bytes`` and
+    ``peak_reserved_bytes`` are ``torch.cuda.max_memory_allocated/reserved`` over the run, and
+    ``breakdown`` sums to ``tracked_peak_bytes`` (512-byte rounded storages at the tracked peak);
+    the difference is memory no tensor owns (library workspaces).
+    """
+
+    device: str
+    peak_bytes: int
+    peak_reserved_bytes: int | None
+    breakdown: dict[MemoryCategory, int]
+    """Live bytes per category at the peak (every category present)."""
+    tracked_peak_bytes: int
+    baseline_bytes: int
+    """Bytes of the storages alive when profiling began."""
+    peak_index: int
+    """Index of the timeline point at the peak (-1: the peak is the baseline)."""
+    peak_op: str
+    peak_phase: str
+    peak_module: str
+    num_ops: int
+    timeline: list[MeasuredPoint] = field(repr=False)
+    modules: list[ModuleUsage] = field(repr=False)
+    top_tensors: list[TensorRecord] = field(repr=False)
+    marks: list[tuple[int, str]] = field(default_factory=list)
+    """``(timeline index, label)`` of each :meth:`Profiler.mark`."""
+    cuda: dict[str, Any] | None = None
+    """CUDA allocator facts: end-of-run stats and fragmentation (None on CPU)."""
+    allocator_peak_bytes: int | None = None
+    """CPU with ``allocator_events=True``: baseline plus the peak of the profiler's allocator
+    events, an independent cross-check that also sees kernel-internal allocations."""
+    stacks: bool = False
+    seconds: float = 0.0
+    torch_version: str = ""
+
+    def to_dict(self, *, estimate: Estimate | None = None,
+                max_points: int = 1000) -> dict[str, Any]:
+        """The ``--json`` document; ``estimate`` adds ``predicted`` next to the measurement."""
+        from memfit import __version__
+
+        points = downsample(self.timeline, max_points, keep=self.peak_index)
+        doc: dict[str, Any] = {
+            "schema": SCHEMA_VERSION,
+            "memfit_version": __version__,
+            "torch_version": self.torch_version,
+            "device": self.device,
+            "peak_bytes": self.peak_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "breakdown": {cat.value: self.breakdown.get(cat, 0) for cat in MemoryCategory},
+            "tracked_peak_bytes": self.tracked_peak_bytes,
+            "baseline_bytes": self.baseline_bytes,
+            "allocator_peak_bytes": self.allocator_peak_bytes,
+            "peak": {"index": self.peak_index, "op": self.peak_op, "phase": self.peak_phase,
+                     "module": self.peak_module},
+            "num_ops": self.num_ops,
+            "seconds": round(self.seconds, 6),
+            "modules": [{"name": m.name, "total": m.total,
+                         "at_peak": {c.value: v for c, v in m.at_peak.items()}}
+                        for m in self.modules],
+            "top_tensors": [{"nbytes": t.nbytes, "category": t.category.value,
+                             "module": t.module, "phase": t.phase, "op": t.op,
+                             "shape": list(t.shape), "dtype": t.dtype,
+                             "stack": [list(f) for f in t.stack]} for t in self.top_tensors],
+            "marks": [{"index": i, "label": label} for i, label in self.marks],
+            "timeline": {"categories": [c.value for c in TRACKED],
+                         "points": [point_dict(p) for p in points]},
+            "cuda": self.cuda,
+        }
+        if estimate is not None:
+            doc["predicted"] = {
+                "device": estimate.device,
+                "peak_bytes": estimate.peak_bytes,
+                "peak_reserved_bytes": estimate.peak_reserved_bytes,
+                "breakdown": {cat.value: estimate.breakdown.get(cat, 0)
+                              for cat in MemoryCategory},
+            }
+        return doc
+
+
+def point_dict(p: MeasuredPoint) -> dict[str, Any]:
+    d: dict[str, Any] = {"i": p.index, "op": p.op, "phase": p.phase, "module": p.module,
+                         "bytes": list(p.bytes)}
+    if p.allocated is not None:
+        d["allocated"] = p.allocated
+        d["reserved"] = p.reserved
+    return d
+
+
+def downsample(points: list[MeasuredPoint], n: int, *, keep: int = -1) -> list[MeasuredPoint]:
+    """At most about ``n`` points: in each bucket the one with the most live bytes (so no peak is
+    lost), always keeping the point at index ``keep``."""
+    if len(points) <= n:
+        return list(points)
+    size = -(-len(points) // n)
+    out: list[MeasuredPoint] = []
+    for start in range(0, len(points), size):
+        bucket = points[start:start + size]
+        best = max(bucket, key=lambda p: p.total)
+        if 0 <= keep - start < len(bucket):
+            best = bucket[keep - start]
+        out.append(best)
+    return out

@@ -1,0 +1,753 @@
+"""Profile a real run: every tensor storage, by category and module, over the whole run.
+
+``with memfit.profile() as prof: <train>`` records, while the block runs:
+
+- every new tensor storage an op returns (a ``TorchDispatchMode`` sees each aten op, forward,
+  backward and optimizer alike), and its free (a weakref callback on the storage);
+- what each storage turned out to be: a parameter or buffer of a module that ran (weights), a
+  ``.grad`` (gradients, seen by post-accumulate-grad hooks and before each optimizer step), an
+  optimizer's ``state`` (optimizer states, after each step), a tensor autograd saved for
+  backward or an input of the outermost module (activations, via ``saved_tensors_hooks``);
+  anything else is a temporary. Roles are decided after the run, so the breakdown at the peak is
+  exact even if the peak came before a role was known;
+- the innermost module running each op (global module hooks; in backward, the module whose
+  output gradient was computed last), and with ``stacks=True`` the Python stack of each
+  allocation.
+
+Baseline: memory allocated before the block counts. By default (``baseline="gc"``) every tensor
+reachable from the garbage collector at entry (``gc.get_objects()``: tensors, parameters, module
+buffers, optimizer states, ``.grad``) is registered as live with its role, by storage (views and
+tied weights count once); tensors held only by C++ (e.g. a graph saved from an earlier forward)
+are not reachable and are not counted. ``baseline=(model, optimizer, batch)`` counts only those
+objects at entry; any other model or optimizer is counted from the moment it is first used (a
+module's forward, an optimizer step), which is what ``memfit profile`` relies on (the script
+creates everything after profiling began).
+
+On CUDA the allocator is read too: ``max_memory_allocated/reserved`` over the run (peak stats
+are reset at entry), allocated and reserved after every op, fragmentation at the end, and a
+``_record_memory_history`` snapshot for https://pytorch.org/memory_viz.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import pickle
+import sys
+import time
+import warnings
+import weakref
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.categories import MemoryCategory
+from memfit.errors import MemfitError
+from memfit.profile.result import (
+    TRACKED,
+    MeasuredPoint,
+    ModuleUsage,
+    ProfileResult,
+    TensorRecord,
+)
+
+if TYPE_CHECKING:
+    from memfit.trace.estimate import Estimate
+
+PHASES = ("other", "forward", "backward", "optimizer")
+_OTHER, _FORWARD, _BACKWARD, _OPTIMIZER = range(4)
+_CAT_INDEX = {cat: i for i, cat in enumerate(TRACKED)}
+# Lower wins: a parameter saved for backward stays a weight, a .grad saved stays a gradient.
+_PRIORITY = {MemoryCategory.WEIGHTS: 0, MemoryCategory.GRADIENTS: 1,
+             MemoryCategory.OPTIMIZER_STATES: 2, MemoryCategory.KV_CACHE: 3,
+             MemoryCategory.ACTIVATIONS: 4, MemoryCategory.TEMPORARIES: 5}
+_BASELINE_OP = -1
+_MARK_OP = -2
+_TOP_TENSORS = 12
+_STACK_DEPTH = 8
+_SKIP_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep
+                   for m in (torch, sys.modules["memfit"]))
+_in_backward = getattr(torch._C, "_current_graph_task_id", None)
+
+
+class _Storage:
+    __slots__ = ("dtype", "module", "nbytes", "op", "phase", "role", "shape", "stack")
+
+    def __init__(self, nbytes: int, op: int, phase: int, module: int,
+                 shape: torch.Size, dtype: torch.dtype, stack: int) -> None:
+        self.nbytes = nbytes
+        self.op = op
+        self.phase = phase
+        self.module = module
+        self.shape = shape
+        self.dtype = dtype
+        self.stack = stack
+        self.role = MemoryCategory.TEMPORARIES
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, prof: Profiler) -> None:
+        super().__init__()
+        self.prof = prof
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.prof._after_op(func, out)
+        return out
+
+
+class Profiler:
+    """Measures the memory of the code run inside it; see :func:`profile`.
+
+    Known limitations: only memory owned by tensor storages is categorised (kernel-internal
+    scratch is not; on CUDA it shows as the gap between ``peak_bytes`` and ``tracked_peak_bytes``,
+    on CPU ``allocator_events=True`` measures it); memory of other threads' ops that do not inherit
+    the dispatch mode, of DataLoader worker processes, and of ``torch.compile``-d regions (which
+    run below the dispatch mode) is not tracked; the KV cache is not recognised (it counts as
+    temporaries or activations).
+    """
+
+    def __init__(self, *, device: str = "auto", stacks: bool = False,
+                 record_history: bool = True, allocator_events: bool = False,
+                 baseline: str | Sequence[object] = "gc",
+                 max_history_entries: int = 100_000) -> None:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda"):
+            raise MemfitError(f"profile device {device!r} is not supported; valid values: "
+                              "auto, cpu, cuda")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise MemfitError("profile device 'cuda' requested but CUDA is not available; use "
+                              "device='cpu' (or 'auto')")
+        if isinstance(baseline, str) and baseline != "gc":
+            raise MemfitError(f"baseline {baseline!r} is not supported; pass 'gc' (every tensor "
+                              "alive at entry) or the objects to count, e.g. (model, optimizer)")
+        self.baseline = baseline
+        self.device = device
+        self.stacks = stacks
+        self.record_history = record_history and device == "cuda"
+        self.allocator_events = allocator_events and device == "cpu"
+        self.max_history_entries = max_history_entries
+        self._round = 512 if device == "cuda" else 1
+        self._cuda = device == "cuda"
+        self._infos: list[_Storage] = []
+        self._live: dict[int, int] = {}          # StorageImpl address -> uid
+        self._refs: dict[int, weakref.ref[Any]] = {}
+        self._events = array("q")                # uid for an allocation, ~uid for a free
+        self._op_events = array("q")             # events recorded once op i returned
+        self._op_func = array("l")
+        self._op_phase = array("b")
+        self._op_module = array("l")
+        self._op_alloc = array("q")
+        self._op_reserved = array("q")
+        self._funcs: dict[Any, int] = {}
+        self._func_names: list[str] = []
+        self._module_names: list[str] = [""]
+        self._module_index: dict[str, int] = {"": 0}
+        self._stacks: dict[tuple[tuple[str, int, str], ...], int] = {(): 0}
+        self._stack_list: list[tuple[tuple[str, int, str], ...]] = [()]
+        self._marks: list[tuple[int, str]] = []
+        self._current = 0
+        self._peak = 0
+        self._peak_events = 0
+        self._baseline = 0
+        self._module_stack: list[int] = []
+        self._backward_module = 0
+        self._in_optimizer = 0
+        self._names: dict[int, str] = {}       # id(module) -> dotted name
+        self._num_roots = 0
+        self._param_hooks: list[Any] = []
+        self._seen_params: set[int] = set()
+        self._param_owner: dict[int, str] = {}
+        self._exit: contextlib.ExitStack | None = None
+        self._closed = False
+        self._start = 0.0
+        self.first_call: tuple[nn.Module, tuple[Any, ...]] | None = None
+        """The outermost module called first with grad enabled, and its positional arguments
+        with tensors replaced by :class:`TensorSpec` (``--predict`` traces it)."""
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.result: ProfileResult | None = None
+        self._snapshot: dict[str, Any] | None = None
+        self._kineto: Any = None
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> Profiler:
+        if self._exit is not None or self._closed:
+            raise MemfitError("a memfit.profile() object can be entered once; create a new one")
+        stack = contextlib.ExitStack()
+        try:
+            self._setup(stack)
+        except BaseException:
+            stack.close()
+            raise
+        self._exit = stack
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._exit is not None
+        elapsed = time.perf_counter() - self._start
+        try:
+            self._exit.close()
+        finally:
+            self._exit = None
+        self._closed = True
+        self.result = self._build(elapsed)
+        self._refs.clear()
+
+    def mark(self, label: str) -> None:
+        """Add a labelled point to the timeline now (e.g. ``prof.mark("after forward")``)."""
+        if self._exit is None:
+            raise MemfitError("prof.mark() works only inside the `with memfit.profile() as "
+                              "prof:` block")
+        self._record(_MARK_OP, len(self._events))
+        self._marks.append((len(self._op_events) - 1, str(label)))
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._require().peak_bytes
+
+    @property
+    def breakdown(self) -> dict[MemoryCategory, int]:
+        return self._require().breakdown
+
+    def to_dict(self, *, estimate: Estimate | None = None) -> dict[str, Any]:
+        return self._require().to_dict(estimate=estimate)
+
+    def save_json(self, path: str | os.PathLike[str], *,
+                  estimate: Estimate | None = None) -> None:
+        """Write the ``--json`` document to ``path``."""
+        import json
+
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(estimate=estimate), f, indent=2)
+            f.write("\n")
+
+    def report(self, path: str | os.PathLike[str], *, estimate: Estimate | None = None,
+               title: str = "memfit profile") -> None:
+        """Write the self-contained offline HTML report to ``path``."""
+        from memfit.report.html import write_html
+
+        write_html(path, self._require(), estimate=estimate, title=title)
+
+    def save_png(self, path: str | os.PathLike[str]) -> None:
+        """Write the timeline as a PNG (needs ``pip install 'memfit[report]'``)."""
+        from memfit.report.png import write_png
+
+        write_png(path, self._require())
+
+    def save_snapshot(self, path: str | os.PathLike[str]) -> None:
+        """CUDA: write the allocator history snapshot (drag it onto https://pytorch.org/memory_viz)."""
+        if self._snapshot is None:
+            raise MemfitError("no CUDA memory snapshot was recorded; profile on CUDA with "
+                              "record_history=True to get one")
+        with open(path, "wb") as f:
+            pickle.dump(self._snapshot, f)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _require(self) -> ProfileResult:
+        if self.result is None:
+            raise MemfitError("the profile has no result yet; read it after the `with "
+                              "memfit.profile() as prof:` block has ended")
+        return self.result
+
+    def _setup(self, stack: contextlib.ExitStack) -> None:
+        from torch.nn.modules import module as module_mod
+        from torch.optim import optimizer as optim_mod
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            if self.record_history:
+                torch.cuda.memory._record_memory_history(max_entries=self.max_history_entries)
+                stack.callback(self._stop_history)
+        self._register_baseline()
+        stack.callback(self._drop_param_hooks)
+        stack.enter_context(_removing(module_mod.register_module_forward_pre_hook(self._pre)))
+        stack.enter_context(_removing(module_mod.register_module_forward_hook(self._post)))
+        stack.enter_context(_removing(optim_mod.register_optimizer_step_pre_hook(
+            self._opt_pre)))
+        stack.enter_context(_removing(optim_mod.register_optimizer_step_post_hook(
+            self._opt_post)))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        if self.allocator_events:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as kineto_profile
+
+            self._kineto = stack.enter_context(kineto_profile(
+                activities=[ProfilerActivity.CPU], profile_memory=True))
+        stack.enter_context(_Mode(self))
+        self._start = time.perf_counter()
+
+    def _stop_history(self) -> None:
+        torch.cuda.synchronize()
+        self._snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _register_baseline(self) -> None:
+        modules: list[nn.Module] = []
+        optimizers: list[torch.optim.Optimizer] = []
+        tensors: list[torch.Tensor] = []
+        if isinstance(self.baseline, str):
+            with warnings.catch_warnings():  # isinstance() on deprecated attributes warns
+                warnings.simplefilter("ignore")
+                objects: Iterable[object] = gc.get_objects()
+                _sort_objects(objects, tensors, modules, optimizers, recurse=False)
+        else:
+            _sort_objects(self.baseline, tensors, modules, optimizers, recurse=True)
+            for m in modules:
+                tensors.extend(m.parameters())
+                tensors.extend(b for b in m.buffers())
+        for t in tensors:
+            if _is_fake(t):
+                continue
+            uid = self._track(t, _BASELINE_OP)
+            if uid is None:
+                continue
+            if isinstance(t, nn.Parameter):
+                self._set_role(uid, MemoryCategory.WEIGHTS)
+                if t.grad is not None:
+                    self._mark(t.grad, MemoryCategory.GRADIENTS)
+        for m in modules:
+            for b in m._buffers.values():
+                if b is not None:
+                    self._mark(b, MemoryCategory.WEIGHTS)
+        for opt in optimizers:
+            self._opt_post(opt, (), {})
+        self._baseline = self._current
+
+    def _drop_param_hooks(self) -> None:
+        for h in self._param_hooks:
+            h.remove()
+        self._param_hooks.clear()
+
+    # -- tracking -------------------------------------------------------------------------------
+
+    def _track(self, t: torch.Tensor, op: int,
+               where: tuple[int, int] | None = None) -> int | None:
+        # Note: [per-op cost] this runs for every op output; `is_cpu`/`is_cuda` are cheaper
+        # than building `t.device`.
+        if not (t.is_cuda if self._cuda else t.is_cpu):
+            return None
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, or a subclass without storage
+            return None
+        key = st._cdata
+        uid = self._live.get(key)
+        if uid is not None:
+            return uid
+        nbytes = st.nbytes()
+        if nbytes == 0:
+            return None
+        uid = len(self._infos)
+        phase, module = self._where() if where is None else where
+        self._infos.append(_Storage(nbytes, op, phase, module, t.shape, t.dtype,
+                                    self._stack() if self.stacks else 0))
+        self._live[key] = uid
+        self._refs[uid] = weakref.ref(st, self._freer(uid, key))
+        self._events.append(uid)
+        r = self._round
+        self._current += nbytes if r == 1 else -(-nbytes // r) * r
+        if self._current > self._peak:
+            self._peak = self._current
+            self._peak_events = len(self._events)
+        return uid
+
+    def _freer(self, uid: int, key: int) -> Any:
+        def free(_: Any) -> None:
+            if self._closed:
+                return
+            if self._live.get(key) == uid:
+                del self._live[key]
+            self._refs.pop(uid, None)
+            self._events.append(~uid)
+            nbytes = self._infos[uid].nbytes
+            r = self._round
+            self._current -= nbytes if r == 1 else -(-nbytes // r) * r
+        return free
+
+    def _set_role(self, uid: int, role: MemoryCategory, owner: str | None = None) -> None:
+        info = self._infos[uid]
+        if _PRIORITY[role] < _PRIORITY[info.role]:
+            info.role = role
+            if owner is not None:
+                info.module = self._module_id(owner)
+        elif role is info.role and owner is not None and role is not MemoryCategory.ACTIVATIONS:
+            info.module = self._module_id(owner)
+
+    def _mark(self, t: Any, role: MemoryCategory, owner: str | None = None) -> None:
+        if isinstance(t, torch.Tensor):
+            uid = self._track(t, _BASELINE_OP)
+            if uid is not None:
+                self._set_role(uid, role, owner)
+
+    def _after_op(self, func: Any, out: Any) -> None:
+        fid = self._funcs.get(func)
+        if fid is None:
+            fid = self._funcs[func] = len(self._func_names)
+            self._func_names.append(str(func))
+        where = self._where()
+        if isinstance(out, torch.Tensor):
+            self._track(out, fid, where)
+        elif isinstance(out, list | tuple):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._track(o, fid, where)
+                elif isinstance(o, list | tuple):
+                    for p in o:
+                        if isinstance(p, torch.Tensor):
+                            self._track(p, fid, where)
+        self._record(fid, len(self._events), where)
+
+    def _record(self, fid: int, n_events: int, where: tuple[int, int] | None = None) -> None:
+        phase, module = self._where() if where is None else where
+        self._op_events.append(n_events)
+        self._op_func.append(fid)
+        self._op_phase.append(phase)
+        self._op_module.append(module)
+        if self._cuda:
+            self._op_alloc.append(torch.cuda.memory_allocated())
+            self._op_reserved.append(torch.cuda.memory_reserved())
+
+    def _where(self) -> tuple[int, int]:
+        """(phase, module index) of the op running now."""
+        backward = _in_backward is not None and _in_backward() != -1
+        if self._module_stack:
+            module = self._module_stack[-1]
+        else:
+            module = self._backward_module if backward else 0
+        if self._in_optimizer:
+            return _OPTIMIZER, module
+        if backward:
+            return _BACKWARD, module
+        return (_FORWARD if self._module_stack else _OTHER), module
+
+    def _module_id(self, name: str) -> int:
+        idx = self._module_index.get(name)
+        if idx is None:
+            idx = self._module_index[name] = len(self._module_names)
+            self._module_names.append(name)
+        return idx
+
+    def _stack(self) -> int:
+        frames: list[tuple[str, int, str]] = []
+        f: FrameType | None = sys._getframe(3)
+        while f is not None and len(frames) < _STACK_DEPTH:
+            code = f.f_code
+            if not code.co_filename.startswith(_SKIP_DIRS):
+                frames.append((code.co_filename, f.f_lineno, code.co_name))
+            f = f.f_back
+        key = tuple(frames)
+        idx = self._stacks.get(key)
+        if idx is None:
+            idx = self._stacks[key] = len(self._stack_list)
+            self._stack_list.append(key)
+        return idx
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def _name_of(self, mod: nn.Module) -> str:
+        name = self._names.get(id(mod))
+        return type(mod).__name__ if name is None else name
+
+    def _pre(self, mod: nn.Module, args: Any) -> None:
+        if not self._module_stack:
+            if id(mod) not in self._names:
+                self._discover(mod)
+            for a in _leaves(args):
+                self._mark(a, MemoryCategory.ACTIVATIONS)
+            if self.first_call is None and torch.is_grad_enabled():
+                # Shapes only: holding the tensors would change what is measured.
+                self.first_call = (mod, tuple(_spec(a) for a in args))
+        self._module_stack.append(self._module_id(self._name_of(mod)))
+
+    def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if self._module_stack:
+            idx = self._module_stack.pop()
+            if torch.is_grad_enabled():
+                for t in _leaves(out):
+                    if t.requires_grad and t.grad_fn is not None:
+                        t.register_hook(self._backward_marker(idx))
+
+    def _backward_marker(self, idx: int) -> Any:
+        def mark(_grad: Any) -> None:
+            self._backward_module = idx
+        return mark
+
+    def _discover(self, root: nn.Module) -> None:
+        """Name the modules of a newly seen top-level module and mark its parameters and buffers
+        as weights. The first model's modules are named as in ``named_modules()`` (the model
+        itself is ``""``); a second, unrelated one gets its class name as a prefix."""
+        prefix = type(root).__name__ if self._num_roots else ""
+        self._num_roots += 1
+        for mod_name, mod in root.named_modules():
+            name = ".".join(x for x in (prefix, mod_name) if x)
+            name = self._names.setdefault(id(mod), name)
+            for p in mod._parameters.values():
+                if p is None:
+                    continue
+                self._param_owner.setdefault(id(p), name)
+                self._mark(p, MemoryCategory.WEIGHTS, name)
+                if p.grad is not None:
+                    self._mark(p.grad, MemoryCategory.GRADIENTS, name)
+                if id(p) not in self._seen_params and p.requires_grad:
+                    self._seen_params.add(id(p))
+                    self._param_hooks.append(
+                        p.register_post_accumulate_grad_hook(self._grad_hook))
+            for b in mod._buffers.values():
+                if b is not None:
+                    self._mark(b, MemoryCategory.WEIGHTS, name)
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        self._mark(p.grad, MemoryCategory.GRADIENTS, self._param_owner.get(id(p)))
+
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._in_optimizer += 1
+        if not any(o is opt for o in self.optimizers):
+            self.optimizers.append(opt)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                self._mark(p, MemoryCategory.WEIGHTS, self._param_owner.get(id(p)))
+                if p.grad is not None:
+                    self._mark(p.grad, MemoryCategory.GRADIENTS, self._param_owner.get(id(p)))
+
+    def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._in_optimizer:
+            self._in_optimizer -= 1
+        for p, state in opt.state.items():
+            for v in _leaves(state):
+                self._mark(v, MemoryCategory.OPTIMIZER_STATES, self._param_owner.get(id(p)))
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._mark(t, MemoryCategory.ACTIVATIONS)
+        return t
+
+    # -- result ---------------------------------------------------------------------------------
+
+    def _build(self, elapsed: float) -> ProfileResult:
+        infos = self._infos
+        r = self._round
+        size = [(i.nbytes if r == 1 else -(-i.nbytes // r) * r) for i in infos]
+        cat = [_CAT_INDEX[i.role] for i in infos]
+        totals = [0] * len(TRACKED)
+        live: set[int] = set()
+        events = self._events
+        done = 0
+
+        def replay(upto: int) -> None:
+            nonlocal done
+            for e in events[done:upto]:
+                if e >= 0:
+                    totals[cat[e]] += size[e]
+                    live.add(e)
+                else:
+                    totals[cat[~e]] -= size[~e]
+                    live.discard(~e)
+            done = upto
+
+        names = self._func_names
+        cuda = self.device == "cuda"
+        timeline: list[MeasuredPoint] = []
+        peak_index = -1
+        at_peak: set[int] | None = None
+        breakdown = {c: 0 for c in MemoryCategory}
+        baseline_events = self._op_events[0] if self._op_events else len(events)
+        if self._peak_events <= baseline_events:
+            replay(self._peak_events)
+            at_peak = set(live)
+            for c, v in zip(TRACKED, totals, strict=True):
+                breakdown[c] = v
+        for i, n_events in enumerate(self._op_events):
+            if at_peak is None and self._peak_events <= n_events:
+                replay(self._peak_events)
+                at_peak = set(live)
+                peak_index = i
+                for c, v in zip(TRACKED, totals, strict=True):
+                    breakdown[c] = v
+            replay(n_events)
+            fid = self._op_func[i]
+            op = "mark" if fid == _MARK_OP else names[fid]
+            timeline.append(MeasuredPoint(
+                i, op, PHASES[self._op_phase[i]], self._module_names[self._op_module[i]],
+                tuple(totals), self._op_alloc[i] if cuda else None,
+                self._op_reserved[i] if cuda else None))
+        if at_peak is None:  # the peak came after the last op (e.g. an allocation in a hook)
+            replay(self._peak_events)
+            at_peak = set(live)
+            peak_index = len(timeline) - 1
+            for c, v in zip(TRACKED, totals, strict=True):
+                breakdown[c] = v
+        for i, label in self._marks:
+            old = timeline[i]
+            timeline[i] = MeasuredPoint(old.index, f"mark: {label}", old.phase, old.module,
+                                        old.bytes, old.allocated, old.reserved)
+        per_module: dict[str, dict[MemoryCategory, int]] = {}
+        for uid in at_peak:
+            info = infos[uid]
+            per = per_module.setdefault(self._module_names[info.module], {})
+            per[info.role] = per.get(info.role, 0) + size[uid]
+        modules = sorted((ModuleUsage(name=n, at_peak=v) for n, v in per_module.items()),
+                         key=lambda m: m.total, reverse=True)
+        top = sorted(at_peak, key=lambda u: size[u], reverse=True)[:_TOP_TENSORS]
+        top_tensors = [self._record_of(u) for u in top]
+        peak_point = timeline[peak_index] if peak_index >= 0 else None
+        peak_bytes = self._peak
+        reserved: int | None = None
+        cuda_facts: dict[str, Any] | None = None
+        if cuda:
+            peak_bytes = torch.cuda.max_memory_allocated()
+            reserved = torch.cuda.max_memory_reserved()
+            cuda_facts = _cuda_facts()
+        return ProfileResult(
+            device=self.device, peak_bytes=peak_bytes, peak_reserved_bytes=reserved,
+            breakdown=breakdown, tracked_peak_bytes=self._peak, baseline_bytes=self._baseline,
+            peak_index=peak_index, peak_op=peak_point.op if peak_point else "baseline",
+            peak_phase=peak_point.phase if peak_point else "other",
+            peak_module=peak_point.module if peak_point else "", num_ops=len(timeline),
+            timeline=timeline, modules=modules, top_tensors=top_tensors, marks=self._marks,
+            cuda=cuda_facts, allocator_peak_bytes=self._allocator_peak(), stacks=self.stacks,
+            seconds=elapsed, torch_version=torch.__version__)
+
+    def _record_of(self, uid: int) -> TensorRecord:
+        info = self._infos[uid]
+        op = "baseline" if info.op == _BASELINE_OP else self._func_names[info.op]
+        return TensorRecord(nbytes=info.nbytes, category=info.role,
+                            module=self._module_names[info.module], phase=PHASES[info.phase],
+                            op=op, shape=tuple(info.shape),
+                            dtype=str(info.dtype).removeprefix("torch."),
+                            stack=self._stack_list[info.stack])
+
+    def _allocator_peak(self) -> int | None:
+        if self._kineto is None:
+            return None
+        deltas: list[tuple[int, int]] = []
+        for event in self._kineto.profiler.kineto_results.events():
+            if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
+                deltas.append((event.start_ns(), event.nbytes()))
+        deltas.sort(key=lambda d: d[0])
+        running = peak = 0
+        for _, nbytes in deltas:
+            running += nbytes
+            peak = max(peak, running)
+        return self._baseline + peak
+
+
+def profile(*, device: str = "auto", stacks: bool = False, record_history: bool = True,
+            allocator_events: bool = False,
+            baseline: str | Sequence[object] = "gc") -> Profiler:
+    """Measure the memory of the code in a ``with`` block, by category, module and tensor.
+
+    ``device``: ``auto`` (CUDA if available), ``cpu`` or ``cuda``. ``stacks``: record the Python
+    stack of every allocation (slower; shown for the top tensors at the peak). ``record_history``
+    (CUDA): keep an allocator history for :meth:`Profiler.save_snapshot`. ``allocator_events``
+    (CPU): also run the PyTorch profiler's allocator events as a cross-check
+    (``allocator_peak_bytes``). ``baseline``: what alive at entry counts, ``"gc"`` (every tensor
+    the garbage collector can reach) or the objects to count, e.g. ``(model, optimizer, batch)``
+    (modules, optimizers, tensors, and dicts/lists of them); a model or optimizer not listed is
+    still counted, from the moment it is first used.
+
+    >>> import torch, memfit.profile.session as s
+    >>> model = torch.nn.Linear(256, 256)
+    >>> with s.profile(device="cpu") as prof:
+    ...     model(torch.randn(32, 256)).sum().backward()
+    >>> prof.breakdown[MemoryCategory.WEIGHTS] == (256 * 256 + 256) * 4
+    True
+    """
+    return Profiler(device=device, stacks=stacks, record_history=record_history,
+                    allocator_events=allocator_events, baseline=baseline)
+
+
+@contextlib.contextmanager
+def _removing(handle: Any) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, dtype and requires_grad of an argument of the first model call."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    def meta(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="meta").requires_grad_(
+            self.requires_grad)
+
+
+def _spec(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return TensorSpec(tuple(a.shape), a.dtype, a.requires_grad)
+    if isinstance(a, list | tuple):
+        return type(a)(_spec(v) for v in a)
+    if isinstance(a, dict):
+        return {k: _spec(v) for k, v in a.items()}
+    return a
+
+
+def _sort_objects(objects: Iterable[object], tensors: list[torch.Tensor],
+                  modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
+                  recurse: bool) -> None:
+    for obj in objects:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+        elif isinstance(obj, nn.Module):
+            modules.append(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            optimizers.append(obj)
+        elif recurse and isinstance(obj, dict):
+            _sort_objects(obj.values(), tensors, modules, optimizers, recurse=True)
+        elif recurse and isinstance(obj, list | tuple | set):
+            _sort_objects(obj, tensors, modules, optimizers, recurse=True)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensor (or another subclass) whose storage is not really on its device."""
+    try:
+        return t.untyped_storage().device.type != t.device.type
+    except (RuntimeError, NotImplementedError):
+        return True
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _leaves(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _leaves(v)
+
+
+def _cuda_facts() -> dict[str, Any]:
+    stats = torch.cuda.memory_stats()
+    reserved = int(stats.get("reserved_bytes.all.current", 0))
+    allocated = int(stats.get("allocated_bytes.all.current", 0))
+    inactive = int(stats.get("inactive_split_bytes.all.current", 0))
+    return {
+        "device_name": torch.cuda.get_device_name(),
+        "total_bytes": torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+        "allocated_bytes": allocated,
+        "reserved_bytes": reserved,
+        "inactive_split_bytes": inactive,
+        "fragmentation": (inactive / reserved) if reserved else 0.0,
+        "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "num_ooms": int(stats.get("num_ooms", 0)),
+    }
