@@ -115,6 +115,27 @@ def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> 
             raise MemfitError(f"--pp {run.pp} exceeds {model.name}'s {model.num_layers} layers")
 
 
+# Parameter-sized temporaries of one foreach optimizer step, in state-dtype elements per
+# trainable parameter (torch/optim/adamw.py _multi_tensor_adamw: exp_avg_sq.sqrt() is taken out
+# of place; Adafactor's variance estimate and Lion's update direction likewise). SGD updates in
+# place; bitsandbytes' 8-bit step is one fused kernel.
+STEP_TEMPORARIES_PER_PARAM: dict[str, int] = {
+    "adam": 1, "adamw": 1, "lion": 1, "adafactor": 1,
+    "sgd": 0, "sgd-momentum": 0, "adamw-8bit": 0,
+}
+
+
+def optimizer_step_temporaries(model: ModelSpec, run: RunConfig, stage: int) -> int:
+    """Device bytes of the optimizer step's temporaries on one GPU (0 when offloaded)."""
+    if not run.training or run.offload_optimizer:
+        return 0
+    trainable = split_params(model, run, stage=stage).trainable
+    if run.zero >= 1:
+        trainable = -(-trainable // run.dp)
+    state_bytes = 2 if run.precision in ("bf16", "fp16") else 4
+    return STEP_TEMPORARIES_PER_PARAM[run.optimizer] * state_bytes * trainable
+
+
 def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int | None,
                 stage: int) -> Plan:
     states = model_states(model, run, stage=stage)
@@ -162,6 +183,16 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
         known = False
         notes.append("activations unknown: only the parameter count is given; "
                      "use a preset or config.json for activations")
+    step_temporaries = optimizer_step_temporaries(model, run, stage)
+    backward_peak = (breakdown[MemoryCategory.ACTIVATIONS]
+                     + breakdown[MemoryCategory.TEMPORARIES])
+    if step_temporaries > backward_peak:
+        # The optimizer step runs after backward has freed the activations; its foreach
+        # temporaries are the peak when they outgrow activations + backward temporaries.
+        breakdown[MemoryCategory.ACTIVATIONS] = 0
+        breakdown[MemoryCategory.TEMPORARIES] = step_temporaries
+        notes.append("peak in the optimizer step: PyTorch's default foreach implementation "
+                     "makes a parameter-sized temporary (fused=True avoids it)")
     runtime = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=run.gpus)
     breakdown[MemoryCategory.RUNTIME] = sum(runtime.values())
     return Plan(model=model, run=run, gpu=gpu, seq=seq, breakdown=breakdown,
