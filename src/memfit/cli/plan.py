@@ -200,7 +200,8 @@ def render(p: Plan, suggestions: list[Any]) -> None:
         out.print("no --gpu given: add one to see whether it fits")
     elif p.fits:
         style = "yellow" if p.tight else "green"
-        tight = " (tight: under 5% headroom; fragmentation may push it over)" if p.tight else ""
+        tight = (" (tight: under 10% headroom; allocator fragmentation may push it over: "
+                 "check with --method trace)") if p.tight else ""
         out.print(f"[{style}]fits[/{style}] with {format_bytes(p.headroom_bytes)} headroom"
                   f"{tight}")
     else:
