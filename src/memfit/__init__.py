@@ -9,7 +9,7 @@ True
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
 from memfit.estimate.config import RunConfig
-from memfit.estimate.planner import Plan, plan
+from memfit.estimate.planner import MemoryPlan, plan
 from memfit.gpus import GpuSpec, get_gpu, list_gpus
 from memfit.models import ParamCountSpec, TransformerSpec, list_presets, resolve_model
 from memfit.models.build import build_model, example_inputs
@@ -24,8 +24,8 @@ __all__ = [
     "GpuSpec",
     "MemfitError",
     "MemoryCategory",
+    "MemoryPlan",
     "ParamCountSpec",
-    "Plan",
     "RunConfig",
     "TransformerSpec",
     "__version__",

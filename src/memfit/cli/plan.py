@@ -20,7 +20,7 @@ from memfit.estimate.config import (
     WEIGHT_QUANTS,
     RunConfig,
 )
-from memfit.estimate.planner import Plan, plan
+from memfit.estimate.planner import MemoryPlan, plan
 from memfit.estimate.suggestions import suggest_changes
 from memfit.models.spec import ModelSpec, ParamCountSpec
 from memfit.units import format_bytes, parse_count
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(p: Plan) -> str:
+def _describe(p: MemoryPlan) -> str:
     r = p.run
     parts = [r.mode, r.precision]
     if r.training:
@@ -171,7 +171,7 @@ def _describe(p: Plan) -> str:
     return ", ".join(parts)
 
 
-def render(p: Plan, suggestions: list[Any]) -> None:
+def render(p: MemoryPlan, suggestions: list[Any]) -> None:
     out = console()
     params = p.model.param_count()
     gpu = f" on {p.gpu.label}" if p.gpu else ""

@@ -27,7 +27,7 @@ TIGHT_FRACTION = 0.10
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class MemoryPlan:
     """The planner's answer for the most loaded GPU."""
 
     model: ModelSpec
@@ -139,7 +139,7 @@ def optimizer_step_temporaries(model: ModelSpec, run: RunConfig, stage: int) -> 
 
 
 def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int | None,
-                stage: int) -> Plan:
+                stage: int) -> MemoryPlan:
     states = model_states(model, run, stage=stage)
     breakdown = empty_breakdown()
     breakdown[MemoryCategory.WEIGHTS] = states.weights
@@ -197,12 +197,12 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
                      "makes a parameter-sized temporary (fused=True avoids it)")
     runtime = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=run.gpus)
     breakdown[MemoryCategory.RUNTIME] = sum(runtime.values())
-    return Plan(model=model, run=run, gpu=gpu, seq=seq, breakdown=breakdown,
+    return MemoryPlan(model=model, run=run, gpu=gpu, seq=seq, breakdown=breakdown,
                 activations_known=known, host_bytes=states.host_bytes, runtime_parts=runtime,
                 notes=tuple(dict.fromkeys(notes)), stage=stage)
 
 
-def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = None) -> Plan:
+def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = None) -> MemoryPlan:
     """Plan one step of ``model`` run as ``run`` on ``gpu``; returns the most loaded GPU.
 
     >>> from memfit.models.spec import ParamCountSpec
@@ -226,6 +226,6 @@ def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = N
     return max(plans, key=lambda p: p.total_bytes)
 
 
-def with_changes(p: Plan, **changes: Any) -> Plan:
+def with_changes(p: MemoryPlan, **changes: Any) -> MemoryPlan:
     """Re-plan with some run options changed (used by suggestions and searches)."""
     return plan(p.model, replace(p.run, **changes), p.gpu)

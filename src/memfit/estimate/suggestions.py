@@ -10,18 +10,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.estimate.planner import Plan, with_changes
+from memfit.estimate.planner import MemoryPlan, with_changes
 
 
 @dataclass(frozen=True, kw_only=True)
 class Suggestion:
     change: str
     """The option change, as a CLI flag."""
-    plan: Plan
+    plan: MemoryPlan
     saved_bytes: int
 
 
-def _candidates(p: Plan) -> list[tuple[str, dict[str, Any]]]:
+def _candidates(p: MemoryPlan) -> list[tuple[str, dict[str, Any]]]:
     run, gpu = p.run, p.gpu
     out: list[tuple[str, dict[str, Any]]] = []
     if run.training:
@@ -61,7 +61,7 @@ def _candidates(p: Plan) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def suggest_changes(p: Plan, limit: int = 6) -> list[Suggestion]:
+def suggest_changes(p: MemoryPlan, limit: int = 6) -> list[Suggestion]:
     """Single-option changes that shrink the plan, those that fit first, biggest saving first."""
     found: list[Suggestion] = []
     for label, changes in _candidates(p):

@@ -40,6 +40,14 @@ OPAQUE_CPU_OPS |= {
         and aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     ) if op
 }
+# Losses whose CPU kernels compute the elementwise loss into a temporary before reducing it (the
+# fake kernels return only the reduced result).
+OPAQUE_CPU_OPS |= {
+    getattr(aten, name).default for name in (
+        "mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+        "binary_cross_entropy_with_logits", "soft_margin_loss", "multilabel_margin_loss_forward",
+        "multi_margin_loss", "kl_div") if hasattr(aten, name)
+}
 # Measured only in 16-bit formats: oneDNN's bf16/fp16 GEMMs allocate packed/fp32 buffers, the
 # fp32 ones do not.
 LOW_PRECISION_OPAQUE_CPU_OPS = {
@@ -144,6 +152,7 @@ def _rnn_backward_args(a: Any) -> Any:
         out, hy, cy, ws = aten.mkldnn_rnn_layer.default(
             inp, w1, w2, w3, w4, hx, cx, reverse, batch_sizes, mode, hidden, layers, has_biases,
             bidirectional, batch_first, train)
-    g_out = torch.zeros_like(out) if g_out is not None else None
+    # g_out keeps the strides the traced gradient has (a batch_first LSTM's output gradient
+    # arrives transposed, and the kernel then makes a contiguous copy of it).
     return (inp, w1, w2, w3, w4, hx, cx, out, hy, cy, g_out, g_hy, g_cy, reverse, mode, hidden,
             layers, has_biases, train, bidirectional, batch_sizes, batch_first, ws)

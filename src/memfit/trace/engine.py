@@ -242,6 +242,36 @@ def _count_cpu_rng_states(tracker: Tracker) -> Iterator[None]:
         torch.get_rng_state = original
 
 
+@contextlib.contextmanager
+def _eager_library_paths() -> Iterator[None]:
+    """Make libraries that branch on "is this a FakeTensor?" take their eager path.
+
+    Note: [libraries that detect fake tensors] Hugging Face transformers treats a FakeTensor as
+    "being traced by torch.compile/export" (``transformers.utils.import_utils.is_fake_tensor``,
+    used by ``is_tracing``) and then skips its data-dependent shortcuts: it materialises a causal
+    mask for SDPA instead of passing ``is_causal=True`` when the attention mask is all ones, and
+    assumes packed sequences. The real eager step takes the shortcut, so the trace must too: the
+    check answers False for the duration of the trace, and the data-dependent ``.all()`` it then
+    evaluates is answered by ``datadep.py`` (``True``: no padding, no packing).
+    """
+    import sys
+
+    module = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(module, "is_fake_tensor", None)
+    if module is None or original is None:
+        yield
+        return
+
+    def is_fake_tensor(_x: Any) -> bool:
+        return False
+
+    module.is_fake_tensor = is_fake_tensor  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        module.is_fake_tensor = original  # type: ignore[attr-defined]
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 def _validate(optimizer: Any, precision: str, device: str, steps: int) -> None:
@@ -259,9 +289,16 @@ def _validate(optimizer: Any, precision: str, device: str, steps: int) -> None:
 def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory | None = "adamw",
              precision: str = "fp32", loss_fn: Callable[[Any], torch.Tensor] | None = None,
              device: str = "cuda", gpu: str | GpuSpec | None = None, steps: int = 2,
-             expandable_segments: bool = False, num_gpus: int = 1) -> Estimate:
+             expandable_segments: bool = False, num_gpus: int = 1,
+             keep_output: bool = False) -> Estimate:
     """Trace ``steps`` training steps (or forward passes if ``optimizer=None``) of ``model`` on
     ``inputs`` and predict their peak memory on ``device``.
+
+    ``keep_output``: whether the model's output stays referenced through the backward, as in a
+    loop that writes ``out = model(x); loss = loss_fn(out); loss.backward()``. The default
+    (False) models ``loss_fn(model(x)).backward()`` (Hugging Face Trainer, Lightning): during the
+    backward only what the loss's autograd graph saved is alive, e.g. not the logits that a
+    cross-entropy (which saves its log-softmax) was computed from.
 
     >>> with torch.device("meta"):
     ...     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
@@ -323,6 +360,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
         stack.callback(tracker.close)  # runs last: frees after the trace are not recorded
         stack.callback(setattr, fake_mode, "tracking", False)
         stack.enter_context(_module_hooks(fmodel, tracker))
+        stack.enter_context(_eager_library_paths())
         if cuda_target:
             stack.enter_context(CudaSdpaRouting(_compute_capability(spec),
                                                 cuda_on_cpu=emulate_cuda))
@@ -336,6 +374,8 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
             with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda):
                 out = _call(fmodel, finputs)
                 loss = (loss_fn or default_loss)(out) if training else None
+            if not keep_output:
+                out = None
             tracker.end_forward()
             if loss is not None and opt is not None:
                 tracker.phase = "backward"
