@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit._tensors import tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
 from memfit.profile.result import (
@@ -463,7 +464,7 @@ class Profiler:
         if not self._module_stack:
             if id(mod) not in self._names:
                 self._discover(mod)
-            for a in _leaves(args):
+            for a in tensor_leaves(args):
                 self._mark(a, MemoryCategory.ACTIVATIONS)
             if self.first_call is None and torch.is_grad_enabled():
                 # Shapes only: holding the tensors would change what is measured.
@@ -474,7 +475,7 @@ class Profiler:
         if self._module_stack:
             idx = self._module_stack.pop()
             if torch.is_grad_enabled():
-                for t in _leaves(out):
+                for t in tensor_leaves(out):
                     if t.requires_grad and t.grad_fn is not None:
                         t.register_hook(self._backward_marker(idx))
 
@@ -524,7 +525,7 @@ class Profiler:
         if self._in_optimizer:
             self._in_optimizer -= 1
         for p, state in opt.state.items():
-            for v in _leaves(state):
+            for v in tensor_leaves(state):
                 self._mark(v, MemoryCategory.OPTIMIZER_STATES, self._param_owner.get(id(p)))
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -723,17 +724,6 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _leaves(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _leaves(v)
 
 
 def _cuda_facts() -> dict[str, Any]:

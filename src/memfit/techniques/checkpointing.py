@@ -40,7 +40,7 @@ import contextlib
 import copy
 import functools
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -53,6 +53,7 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.flop_counter import FlopCounterMode
 
+from memfit._tensors import tensor_leaves
 from memfit.errors import MemfitError, suggest
 
 __all__ = [
@@ -467,17 +468,6 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _leaves(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _leaves(v)
-
-
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
     device = "cpu" if t.device.type == "meta" else t.device
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
@@ -514,7 +504,7 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
                                kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
             block = current[-1] if current else -1
-            for t in _leaves(out if isinstance(out, tuple | list) else [out]):
+            for t in tensor_leaves(out if isinstance(out, tuple | list) else [out]):
                 alive.append(t)
                 key = _storage_key(t)
                 if key not in producer and key not in constant:
@@ -538,7 +528,7 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
     def pre(i: int) -> Callable[..., None]:
         def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
             current.append(i)
-            for t in _leaves((args, kwargs)):
+            for t in tensor_leaves((args, kwargs)):
                 key = _storage_key(t)
                 if key not in constant and not any(key in p.inputs for p in profiles):
                     profiles[i].inputs[key] = t.untyped_storage().nbytes()
@@ -562,7 +552,7 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
                     weights.append(memo[id(b)])
         fmodel = copy.deepcopy(model, memo)
         finputs = _fake_tree(inputs, {})
-        for t in [*weights, *_leaves(finputs)]:
+        for t in [*weights, *tensor_leaves(finputs)]:
             constant.add(_storage_key(t))
         fmods = dict(fmodel.named_modules())
         handles = []
@@ -592,7 +582,7 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
     # Note: [checkpoint RNG state] checkpoint(preserve_rng_state=True) keeps a copy of the CPU
     # generator's state per checkpointed call (``torch.get_rng_state()``, about 5 KB): device
     # memory when the model runs on the CPU, host memory otherwise.
-    on_cpu = any(t.device.type == "cpu" for t in _leaves(finputs))
+    on_cpu = any(t.device.type == "cpu" for t in tensor_leaves(finputs))
     rng = torch.get_rng_state().untyped_storage().nbytes() if on_cpu else 0
     for i, p in enumerate(profiles):
         if rng:
