@@ -1,0 +1,381 @@
+"""Find the largest batch that fits: seeded by the trace engine, settled by real trial steps.
+
+>>> batch = memfit.find_batch_size(model, lambda b: make_inputs(b, seq=2048), budget_bytes=2**30,
+...                                device="cpu")
+
+1. **Seed**: :func:`memfit.estimate` predicts the peak of the step on meta tensors; a search over
+   the predictions gives the largest batch predicted to fit (skipped when ``start`` is given).
+2. **Verify both ways**: real trial steps from the seed. A batch fits if the trial finished
+   without ``torch.OutOfMemoryError`` and its measured peak is within the budget (CPU: the
+   profiler's allocator events, :func:`memfit.profile.cpu.measure_cpu_peak`; CUDA:
+   ``torch.cuda.max_memory_reserved``). From a seed that fits it grows (+1, +2, +4, ...) until a
+   batch does not; from one that does not it shrinks the same way; a bisection between the last
+   fit and the first miss ends at ``b`` with ``b`` fitting and ``b + 1`` not (or ``max_batch``).
+3. **Longest sequence**: ``make_batch(batch_size)`` should build a batch at the longest length the
+   loader can emit (e.g. padding to ``max_length``): memory grows with the sequence, and padding
+   semantics are model specific, so memfit does not invent them. A DataLoader-like iterable is
+   also accepted: its first ``scan_batches`` batches are scanned, the one with the most elements
+   per sample (the longest) is kept, and its rows are repeated to make any batch size.
+4. **Train vs eval**: ``mode="train"`` runs two training steps (forward, ``loss_fn``, backward,
+   a fresh optimizer's step, ``zero_grad``: the second step holds the optimizer states during
+   the forward, the first creates them); ``mode="eval"`` runs one forward under
+   ``torch.no_grad()`` in ``model.eval()``, with no optimizer. The weights, the gradients and the
+   train/eval mode are restored afterwards.
+5. **Distributed**: with ``torch.distributed`` initialised, rank 0 searches and broadcasts the
+   result; the other ranks run no trial (ranks have the same memory in data parallelism).
+
+Known limitations: the budget is for the step alone (a trial's peak counts the model, the
+batch, and what the step allocates; on CUDA the caching allocator's reserved bytes, which
+include other tensors already alive); trials assume memory grows with the batch size (the
+bisection needs monotonic fits); FSDP/tensor-parallel ranks whose memory differs are not
+modelled.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError, suggest
+from memfit.profile.cpu import measure_cpu_peak
+from memfit.trace import default_loss, estimate
+from memfit.trace.optim import OptimizerFactory, make_optimizer
+
+__all__ = ["MODES", "find_batch_size"]
+
+log = logging.getLogger("memfit")
+
+MODES = ("train", "eval")
+_TRAIN_STEPS = 2  # the second step holds optimizer states while activations are alive
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _leaves(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _leaves(v)]
+    return []
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
+
+
+def _rows(batch: Any) -> int:
+    leaves = [t for t in _leaves(batch) if t.dim() > 0]
+    if not leaves:
+        raise MemfitError("a batch must hold tensors with the batch size first; make_batch "
+                          "returned none")
+    return int(leaves[0].shape[0])
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, list | tuple):
+        return model(*batch)
+    return model(batch)
+
+
+class _Source:
+    """Batches of any size at the longest length: from ``make_batch(b)`` or a loader's longest
+    batch with its rows repeated."""
+
+    def __init__(self, make_batch: Any, device: torch.device, scan_batches: int) -> None:
+        self.device = device
+        self.make: Callable[[int], Any] | None = None
+        self.longest: Any = None
+        if callable(make_batch):
+            self.make = make_batch
+            self.template = self._to_device(make_batch(1))
+        elif isinstance(make_batch, Iterable):
+            best, best_len = None, -1
+            for i, batch in enumerate(make_batch):
+                if i >= scan_batches:
+                    break
+                length = max((t.numel() // max(1, t.shape[0]) for t in _leaves(batch)
+                              if t.dim() > 0), default=0)
+                if length > best_len:
+                    best, best_len = batch, length
+            if best is None:
+                raise MemfitError("the loader passed as make_batch yielded no batch; pass a "
+                                  "non-empty DataLoader or a callable make_batch(batch_size)")
+            self.longest = self._to_device(best)
+            self.template = self.longest
+        else:
+            raise MemfitError(f"make_batch must be a callable batch_size -> batch or a "
+                              f"DataLoader-like iterable, not {type(make_batch).__name__}")
+        _rows(self.template)
+
+    def _to_device(self, batch: Any) -> Any:
+        return _map(batch, lambda t: t.to(self.device))
+
+    def real(self, rows: int) -> Any:
+        if self.make is not None:
+            batch = self._to_device(self.make(rows))
+            if _rows(batch) != rows:
+                raise MemfitError(f"make_batch({rows}) returned a batch of {_rows(batch)}; it "
+                                  "must return exactly the batch size it is asked for")
+            return batch
+        n = _rows(self.longest)
+        index = torch.arange(rows, device=self.device) % n
+        return _map(self.longest, lambda t: t.index_select(0, index) if t.dim() > 0 else t)
+
+    def meta(self, rows: int) -> Any:
+        return _map(self.template, lambda t: torch.empty(
+            (rows, *t.shape[1:]) if t.dim() > 0 else (), dtype=t.dtype, device="meta"))
+
+
+class _Trials:
+    """Real trial steps, each answering "does this batch size fit?" once."""
+
+    def __init__(self, model: nn.Module, source: _Source, *, budget: int, train: bool,
+                 optimizer: str | OptimizerFactory, loss_fn: Callable[[Any], torch.Tensor],
+                 log_trials: bool) -> None:
+        self.model = model
+        self.source = source
+        self.budget = budget
+        self.train = train
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.log = log_trials
+        self.cuda = source.device.type == "cuda"
+        self.results: dict[int, bool] = {}
+        self.peaks: dict[int, int | None] = {}
+
+    def _step(self, batch: Any) -> None:
+        if not self.train:
+            with torch.no_grad():
+                _call(self.model, batch)
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = make_optimizer(self.optimizer, params, cuda_target=self.cuda)
+        for _ in range(_TRAIN_STEPS):
+            self.loss_fn(_call(self.model, batch)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def _measure(self, rows: int) -> int | None:
+        """The trial's peak bytes, or None when it ran out of memory."""
+        batch = None
+        try:
+            batch = self.source.real(rows)
+            if self.cuda:
+                torch.cuda.synchronize(self.source.device)
+                torch.cuda.reset_peak_memory_stats(self.source.device)
+                self._step(batch)
+                torch.cuda.synchronize(self.source.device)
+                return int(torch.cuda.max_memory_reserved(self.source.device))
+            return measure_cpu_peak(functools.partial(self._step, batch), self.model,
+                                    batch).peak_bytes
+        except torch.OutOfMemoryError:
+            return None
+        finally:
+            batch = None
+            for p in self.model.parameters():
+                p.grad = None
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
+
+    def fits(self, rows: int) -> bool:
+        if rows not in self.results:
+            peak = self._measure(rows)
+            self.peaks[rows] = peak
+            self.results[rows] = peak is not None and peak <= self.budget
+            if self.log:
+                what = "out of memory" if peak is None else f"peak {peak} B"
+                log.info("memfit batch-size: batch %d: %s, budget %d B: %s", rows, what,
+                         self.budget, "fits" if self.results[rows] else "does not fit")
+        return self.results[rows]
+
+
+def _largest(fits: Callable[[int], bool], seed: int, max_batch: int) -> int | None:
+    """The largest ``b`` in [1, max_batch] with ``fits(b)`` and not ``fits(b + 1)``, searching
+    from ``seed`` with steps 1, 2, 4, ... then bisecting; None when ``fits(1)`` is False."""
+    seed = min(max(seed, 1), max_batch)
+    step = 1
+    if fits(seed):
+        lo = seed
+        while True:
+            if lo >= max_batch:
+                return lo
+            probe = min(max_batch, lo + step)
+            if not fits(probe):
+                hi = probe
+                break
+            lo, step = probe, step * 2
+    else:
+        hi = seed
+        while True:
+            if hi <= 1:
+                return None
+            probe = max(1, hi - step)
+            if fits(probe):
+                lo = probe
+                break
+            hi, step = probe, step * 2
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _predicted_seed(model: nn.Module, source: _Source, *, budget: int, train: bool,
+                    optimizer: str | OptimizerFactory, loss_fn: Callable[[Any], torch.Tensor],
+                    max_batch: int) -> int:
+    target = "cuda" if source.device.type == "cuda" else "cpu"
+    cache: dict[int, bool] = {}
+
+    def predicted_fits(rows: int) -> bool:
+        if rows not in cache:
+            est = estimate(model, source.meta(rows), optimizer=optimizer if train else None,
+                           loss_fn=loss_fn, device=target, steps=_TRAIN_STEPS if train else 1)
+            peak = est.peak_reserved_bytes if target == "cuda" else est.peak_bytes
+            cache[rows] = peak <= budget
+        return cache[rows]
+
+    if not predicted_fits(1):
+        return 1
+    lo = 1
+    while lo < max_batch and predicted_fits(min(max_batch, lo * 2)):
+        lo = min(max_batch, lo * 2)
+    if lo == max_batch:
+        return lo
+    hi = min(max_batch, lo * 2)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if predicted_fits(mid) else (lo, mid)
+    return lo
+
+
+def _validate(model: Any, mode: str, budget_bytes: Any, start: Any, max_batch: Any,
+              optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if mode not in MODES:
+        raise MemfitError(f"unknown mode {mode!r}{suggest(str(mode), MODES)}; valid: "
+                          f"{', '.join(MODES)}")
+    for name, value in (("budget_bytes", budget_bytes), ("start", start),
+                        ("max_batch", max_batch)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise MemfitError(f"{name} must be a positive integer or None, got {value!r}")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise MemfitError("optimizer must be a name (e.g. 'adamw') or a callable params -> "
+                          "Optimizer: trial steps build a fresh one so yours keeps its state")
+
+
+def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterable[Any], *,
+                    budget_bytes: int | None = None, device: str | torch.device | None = None,
+                    optimizer: str | OptimizerFactory = "adamw",
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None, mode: str = "train",
+                    start: int | None = None, max_batch: int = 4096, scan_batches: int = 64,
+                    log: bool = True) -> int:
+    """The largest batch size whose step fits in ``budget_bytes`` (see :mod:`memfit.batch_size`).
+
+    ``make_batch(batch_size)`` returns a batch (a tensor, or a tuple/list/dict of tensors with
+    the batch size first; called with the model's inputs as ``model(*batch)`` / ``model(**batch)``)
+    at the longest sequence length, or pass a DataLoader-like iterable. ``loss_fn(output)`` turns
+    the output into the loss (default :func:`memfit.trace.default_loss`). ``optimizer`` is a name
+    (``"adamw"``, ``"sgd"``, ...) or a callable ``params -> Optimizer``. ``device`` must be where
+    the model is (default: there); batches are moved to it. ``budget_bytes`` is required on CPU;
+    on CUDA it defaults to the free memory plus what PyTorch already reserved.
+
+    >>> find_batch_size(model, lambda b: torch.randn(b, 512), budget_bytes=64 * 2**20,
+    ...                 device="cpu")
+    37
+    """
+    _validate(model, mode, budget_bytes, start, max_batch, optimizer)
+    model_device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if model_device.type == "meta":
+        raise MemfitError("find_batch_size runs real trial steps; materialise the model on its "
+                          "device first (memfit.estimate predicts meta models)")
+    dev = torch.device(device) if device is not None else model_device
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev != model_device:
+        raise MemfitError(f"the model is on {model_device} but device={dev}; move the model "
+                          f"(model.to({str(dev)!r})) or pass device={str(model_device)!r}")
+    dist = torch.distributed
+    distributed = dist.is_available() and dist.is_initialized()
+    result = 0
+    error: BaseException | None = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            result = _search(model, make_batch, dev, budget_bytes=budget_bytes,
+                             optimizer=optimizer, loss_fn=loss_fn or default_loss,
+                             train=mode == "train", start=start, max_batch=max_batch,
+                             scan_batches=scan_batches, log_trials=log)
+        except BaseException as exc:  # re-raised below, after the other ranks are told
+            if not distributed:
+                raise
+            error = exc
+    if distributed:
+        # Rank 0 decides (0 means it failed) so every rank uses the same batch size.
+        value = torch.tensor([result], dtype=torch.long,
+                             device=dev if dist.get_backend() == "nccl" else "cpu")
+        dist.broadcast(value, src=0)
+        if error is not None:
+            raise error
+        result = int(value.item())
+        if result < 1:
+            raise MemfitError("rank 0 could not find a batch size that fits (see its error); "
+                              "lower the budget's demands on rank 0 and retry")
+    return result
+
+
+def _search(model: nn.Module, make_batch: Any, dev: torch.device, *, budget_bytes: int | None,
+            optimizer: str | OptimizerFactory, loss_fn: Callable[[Any], torch.Tensor],
+            train: bool, start: int | None, max_batch: int, scan_batches: int,
+            log_trials: bool) -> int:
+    if budget_bytes is None:
+        if dev.type != "cuda":
+            raise MemfitError(f"budget_bytes is required on {dev.type}: there is no device "
+                              f"memory to read; pass e.g. budget_bytes=8 * 2**30")
+        free, _ = torch.cuda.mem_get_info(dev)
+        budget_bytes = int(free + torch.cuda.memory_reserved(dev))
+    was_training = model.training
+    saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} \
+        if train else None
+    model.train(train)
+    try:
+        source = _Source(make_batch, dev, scan_batches)
+        seed = start if start is not None else _predicted_seed(
+            model, source, budget=budget_bytes, train=train, optimizer=optimizer,
+            loss_fn=loss_fn, max_batch=max_batch)
+        trials = _Trials(model, source, budget=budget_bytes, train=train, optimizer=optimizer,
+                         loss_fn=loss_fn, log_trials=log_trials)
+        found = _largest(trials.fits, seed, max_batch)
+        if found is None:
+            peak = trials.peaks.get(1)
+            what = "runs out of memory" if peak is None else f"peaks at {peak} B"
+            raise MemfitError(f"even batch size 1 {what}, over the budget of {budget_bytes} B; "
+                              f"raise budget_bytes, or reduce memory (activation checkpointing, "
+                              f"a smaller optimizer, lower precision)")
+        if log_trials:
+            log.info("memfit batch-size: %s batch %d fits %d B (seed %d, %d trials)",
+                     "train" if train else "eval", found, budget_bytes, seed,
+                     len(trials.results))
+        return found
+    finally:
+        if saved is not None:
+            with torch.no_grad():
+                model.load_state_dict(saved)
+        for p in model.parameters():
+            p.grad = None
+        model.train(was_training)

@@ -1,0 +1,437 @@
+"""An OOM guard for training steps: split the micro-batch before or after running out of memory.
+
+>>> step = memfit.guard(model, optimizer, sum_loss, micro_batch_size=32, budget_bytes=8 * 2**30)
+>>> for batch in loader:
+...     loss = step(batch)            # fwd/bwd over micro-batches, optimizer step, zero_grad
+
+``loss_fn(model, micro_batch)`` returns the **sum** of the micro-batch's per-item losses (e.g.
+``F.cross_entropy(..., reduction="sum")``), the contract of
+:func:`memfit.techniques.accumulation.accumulate`: each micro-batch's sum is divided by the item
+count of the whole batch (``count_fn``, default: the batch dimension), so the accumulated gradient
+is the large batch's gradient whatever the micro-batch size. Put ``torch.autocast`` inside
+``loss_fn`` for mixed precision; with ``scaler`` (a ``torch.amp.GradScaler``) the losses are
+scaled before backward and the optimizer steps through ``scaler.step`` / ``scaler.update``.
+
+Two defences, both keeping the effective batch:
+
+- **Predictive**: with a budget (``budget_bytes``, or on CUDA the device's free memory plus what
+  PyTorch's allocator already reserved), a batch whose micro-batch shapes were not seen yet is
+  first predicted (``predict``; default :func:`memfit.estimate` of a training step of one
+  micro-batch on meta tensors, cached by shape) and its micro-batch halved until it is predicted
+  to fit. This cap holds for that shape only: short sequences keep the large micro-batch.
+- **Recovery**: on ``torch.OutOfMemoryError`` during a forward or backward, the attempt's
+  gradients are dropped (``.grad = None``: nothing is counted twice), normalisation buffers
+  (BatchNorm running statistics) and the RNG are restored to their state at the start of the
+  step, memory is released (``gc.collect()``, ``torch.cuda.empty_cache()``), the micro-batch is
+  halved and the *same* batch is run again from its first sample. The optimizer and the loss
+  scaler only act once the whole batch succeeded: no sample is skipped, no step doubled or lost,
+  no ``scaler.update()`` for a failed attempt. At micro-batch 1 the guard gives up with a
+  ``torch.OutOfMemoryError`` saying so. Any other exception propagates untouched (after dropping
+  the partial gradients and restoring the RNG and normalisation buffers), leaving weights and
+  optimizer as they were.
+
+Note: [exactness] A retried batch's weights equal those of an uninterrupted run that used the
+micro-batch size the retry ended with, bit for bit: the retry starts from ``.grad = None``, the
+same RNG state and the same normalisation buffers. Compared with the original micro-batch size
+they agree only to floating-point summation order (a matmul over 8 rows and two over 4 rows
+added together round differently): a few fp32 ulps per step (tests use rtol=1e-5).
+
+Known limitations: an OOM inside ``optimizer.step()`` is not retried (the step may have updated
+part of the weights and states; splitting the micro-batch would not reduce its memory anyway):
+it is re-raised as ``torch.OutOfMemoryError`` naming the optimizer. Under DDP, recovery keeps the
+ranks in step only if the OOM strikes before the last micro-batch's backward (the one that
+all-reduces gradients; the item count is all-reduced once per batch, not per attempt); all ranks
+must also agree on the micro-batch count of a batch, which a single rank's recovery does not
+arrange. Buffers other than normalisation statistics are not restored.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.techniques.accumulation import _sync_gradients, split_batch
+
+__all__ = ["GuardedStep", "Recovery", "guard"]
+
+log = logging.getLogger("memfit")
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+CountFn = Callable[[Any], int | torch.Tensor]
+Predict = Callable[[Any], int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recovery:
+    """One change of micro-batch size made by the guard."""
+
+    step: int
+    """Index of the step (0-based count of :class:`GuardedStep` calls) it happened in."""
+    reason: str
+    """``"oom"`` (a ``torch.OutOfMemoryError`` was caught), ``"predicted"`` (the prediction
+    exceeded the budget) or ``"grow"`` (grown back after clean steps)."""
+    batch_size: int
+    """Samples in the batch being run."""
+    old_micro_batch_size: int
+    new_micro_batch_size: int
+    predicted_bytes: int | None = None
+    """For ``"predicted"``: the predicted peak at the old micro-batch size."""
+
+    def __str__(self) -> str:
+        what = {"oom": "out of memory", "grow": "clean steps, growing back",
+                "predicted": f"predicted peak {self.predicted_bytes} B over the budget"}
+        accum = -(-self.batch_size // self.new_micro_batch_size)
+        return (f"memfit guard: step {self.step}: {what[self.reason]} at micro-batch "
+                f"{self.old_micro_batch_size}; micro-batch {self.new_micro_batch_size} "
+                f"({accum} accumulation steps for batch {self.batch_size})")
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _leaves(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _leaves(v)]
+    return []
+
+
+def _batch_size(batch: Any) -> int:
+    leaves = _leaves(batch)
+    if not leaves or leaves[0].dim() == 0:
+        raise MemfitError(f"cannot find the batch dimension of a {type(batch).__name__}; pass a "
+                          "tensor, or a tuple/list/dict of tensors with the batch size first")
+    return int(leaves[0].shape[0])
+
+
+def _signature(batch: Any) -> tuple[Any, ...]:
+    """What the predictive cap is cached by: every tensor's shape without the batch dimension,
+    and its dtype."""
+    return tuple((tuple(t.shape[1:]), t.dtype) for t in _leaves(batch))
+
+
+def _meta(batch: Any, rows: int) -> Any:
+    """A meta-device copy of ``batch`` with ``rows`` in the batch dimension."""
+    if isinstance(batch, torch.Tensor):
+        return torch.empty((rows, *batch.shape[1:]), dtype=batch.dtype, device="meta")
+    if isinstance(batch, Mapping):
+        return {k: _meta(v, rows) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_meta(v, rows) for v in batch)
+    return batch
+
+
+class _LossStep(nn.Module):
+    """``forward(micro_batch)`` is ``loss_fn(model, micro_batch)``: what the engine traces."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.model, batch)
+
+
+def default_predict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    loss_fn: LossFn, device: torch.device) -> Predict:
+    """``predict(meta_micro_batch) -> bytes``: :func:`memfit.estimate` of one training step of
+    ``loss_fn(model, micro_batch)`` with an optimizer of ``optimizer``'s class and defaults.
+    The CUDA prediction counts reserved bytes (the caching allocator's segments)."""
+    from memfit.trace import estimate
+
+    opt_class = type(optimizer)
+    defaults = dict(optimizer.defaults)
+
+    def make_opt(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return opt_class(params, **defaults)
+
+    target = "cuda" if device.type == "cuda" else "cpu"
+
+    def predict(meta_batch: Any) -> int:
+        est = estimate(_LossStep(model, loss_fn), (meta_batch,), optimizer=make_opt,
+                       device=target)
+        return est.peak_reserved_bytes if target == "cuda" else est.peak_bytes
+
+    return predict
+
+
+class GuardedStep:
+    """A training step over a whole batch that survives running out of memory.
+
+    ``step(batch)`` splits ``batch`` into micro-batches of :attr:`micro_batch_size` (fewer where
+    a prediction capped that shape), accumulates exact large-batch gradients, steps the optimizer
+    (through ``scaler`` when given), sets the gradients to ``None``, and returns the batch's mean
+    loss as a float (sum of per-item losses / item count; under ``torch.distributed`` this
+    rank's share of the global mean). See :mod:`memfit.guard` for what happens on OOM.
+
+    Known limitations: see :mod:`memfit.guard`; the guard owns ``.grad``: gradients present
+    before a step are discarded.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
+                 micro_batch_size: int | None = None, scaler: Any = None,
+                 budget_bytes: int | None = None, predict: Predict | None = None,
+                 count_fn: CountFn | None = None, grow_after: int | None = None,
+                 log: bool = True) -> None:
+        if not isinstance(model, nn.Module):
+            raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        if not callable(loss_fn):
+            raise MemfitError("loss_fn must be a callable (model, micro_batch) -> sum of the "
+                              "micro-batch's per-item losses")
+        for name, value in (("micro_batch_size", micro_batch_size),
+                            ("budget_bytes", budget_bytes), ("grow_after", grow_after)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise MemfitError(f"{name} must be a positive integer or None, got {value!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.scaler = scaler
+        self.count_fn = count_fn or _batch_size
+        self.micro_batch_size: int | None = micro_batch_size
+        """Current micro-batch size; ``None`` until the first batch when not given (then the
+        first batch's size: no split until memory says otherwise)."""
+        self.budget_bytes = budget_bytes
+        self.grow_after = grow_after
+        """Double the micro-batch back (up to its first value) after this many consecutive
+        steps without an OOM; ``None`` (default) never grows: an OOM usually comes back."""
+        self.log = log
+        self.recoveries: list[Recovery] = []
+        self.history: list[int] = []
+        """The micro-batch size each completed step ended with (retries included)."""
+        self.steps = 0
+        self._initial: int | None = micro_batch_size
+        self._clean = 0
+        self._caps: dict[tuple[Any, ...], int] = {}
+        self._predicted: dict[tuple[tuple[Any, ...], int], int] = {}
+        self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._predict = predict
+        self._predict_given = predict is not None
+        self._scaler_ready = False
+        self._predict_failed = False
+
+    # -- budget and prediction -------------------------------------------------------------------
+
+    def _budget(self) -> int | None:
+        if self._predict_failed:
+            return None
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        if self._device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self._device)
+            return int(free + torch.cuda.memory_reserved(self._device))
+        return None
+
+    def _predicted_bytes(self, sig: tuple[Any, ...], batch: Any, rows: int) -> int:
+        key = (sig, rows)
+        if key not in self._predicted:
+            if self._predict is None:
+                self._predict = default_predict(self.model, self.optimizer, self.loss_fn,
+                                                self._device)
+            try:
+                self._predicted[key] = int(self._predict(_meta(batch, rows)))
+            except Exception as exc:  # the engine's failure must not stop training
+                if self._predict_given:
+                    raise
+                # The engine cannot trace this step: say so once and rely on recovery alone.
+                if self.log:
+                    log.warning("memfit guard: cannot predict the step's peak (%s); splitting "
+                                "only on out-of-memory errors", exc)
+                self._predict_failed = True
+                self._predicted[key] = 0
+        return self._predicted[key]
+
+    def _micro_for(self, batch: Any, size: int) -> int:
+        assert self.micro_batch_size is not None
+        micro = min(self.micro_batch_size, size)
+        sig = _signature(batch)
+        if sig in self._caps:
+            return min(micro, self._caps[sig])
+        budget = self._budget()
+        if budget is None:
+            return micro
+        cap = micro
+        while True:
+            predicted = self._predicted_bytes(sig, batch, cap)
+            if predicted <= budget or cap == 1:
+                break
+            new = cap // 2
+            self._record(Recovery(step=self.steps, reason="predicted", batch_size=size,
+                                  old_micro_batch_size=cap, new_micro_batch_size=new,
+                                  predicted_bytes=predicted))
+            cap = new
+        self._caps[sig] = cap
+        return cap
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def _record(self, event: Recovery) -> None:
+        self.recoveries.append(event)
+        if self.log:
+            log.warning("%s", event)
+
+    def _drop_grads(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def _release(self) -> None:
+        gc.collect()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        norms = [(m, {k: copy.deepcopy(v) for k, v in m._buffers.items()})
+                 for m in self.model.modules()
+                 if isinstance(m, nn.modules.batchnorm._NormBase) and m.training]
+        cuda = (torch.cuda.get_rng_state(self._device) if self._device.type == "cuda"
+                else None)
+        return torch.get_rng_state(), cuda, norms
+
+    def _restore(self, snapshot: tuple[Any, ...]) -> None:
+        cpu, cuda, norms = snapshot
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self._device)
+        with torch.no_grad():
+            for mod, buffers in norms:
+                for k, v in buffers.items():
+                    if v is not None:
+                        mod._buffers[k].copy_(v)  # type: ignore[union-attr]
+
+    def _count(self, batch: Any) -> tuple[int, float]:
+        num_items = int(self.count_fn(batch))
+        world = 1
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+            total = torch.tensor(num_items, dtype=torch.long)
+            if dist.get_backend() == "nccl":
+                total = total.cuda()
+            dist.all_reduce(total)
+            num_items = int(total.item())
+        if num_items <= 0:
+            raise MemfitError("the batch contains no items to average over (all labels "
+                              "ignored?); check count_fn and the labels")
+        return num_items, world / num_items
+
+    def _attempt(self, batch: Any, micro: int, num_items_scale: float) -> torch.Tensor:
+        parts = split_batch(batch, micro)
+        loss_sum: torch.Tensor | None = None
+        for i, part in enumerate(parts):
+            with _sync_gradients(self.model, sync=i == len(parts) - 1):
+                loss = self.loss_fn(self.model, part)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise MemfitError("loss_fn must return a scalar tensor: the sum of the "
+                                      "micro-batch's per-item losses (reduction='sum')")
+                scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+                (scaled * num_items_scale).backward()
+            detached = loss.detach().float()
+            loss_sum = detached if loss_sum is None else loss_sum + detached
+            del loss, scaled
+        assert loss_sum is not None
+        return loss_sum
+
+    def __call__(self, batch: Any) -> float:
+        size = _batch_size(batch)
+        if self.micro_batch_size is None:
+            self.micro_batch_size = self._initial = size
+        # Counting once per batch (not per attempt) keeps collectives in step across retries.
+        num_items, scale = self._count(batch)
+        if self.scaler is not None and not self._scaler_ready:
+            # GradScaler creates its scale and growth tracker at the first scale(); an OOM
+            # between the two would leave it half made, so make them before any attempt.
+            self.scaler.scale(torch.ones((), device=self._device))
+            self._scaler_ready = True
+        snapshot = self._snapshot()
+        self._drop_grads()
+        micro = self._micro_for(batch, size)
+        retried = False
+        while True:
+            try:
+                loss_sum = self._attempt(batch, micro, scale)
+                break
+            except torch.OutOfMemoryError:
+                pass  # recover below, once the exception and its frames are released
+            except BaseException:
+                self._drop_grads()
+                self._restore(snapshot)
+                raise
+            self._drop_grads()
+            self._restore(snapshot)
+            self._release()
+            if micro == 1:
+                raise torch.OutOfMemoryError(
+                    f"memfit guard: out of memory at micro-batch 1 (step {self.steps}, batch "
+                    f"{size}); one sample does not fit: enable activation checkpointing, a "
+                    f"smaller optimizer state or lower precision (memfit.fit searches these)")
+            new = micro // 2
+            self._record(Recovery(step=self.steps, reason="oom", batch_size=size,
+                                  old_micro_batch_size=micro, new_micro_batch_size=new))
+            micro = new
+            self.micro_batch_size = min(self.micro_batch_size, micro)
+            self._caps = {k: min(v, micro) for k, v in self._caps.items()}
+            retried = True
+        try:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        except torch.OutOfMemoryError as exc:
+            raise torch.OutOfMemoryError(
+                f"memfit guard: out of memory in the optimizer step "
+                f"({type(self.optimizer).__name__}, step {self.steps}); weights may be partly "
+                f"updated, so the guard does not "
+                f"retry; use a smaller optimizer state (8-bit, offload) or fewer parameters"
+            ) from exc
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._drop_grads()
+        self.history.append(micro)
+        self._clean = 0 if retried else self._clean + 1
+        self._maybe_grow(size)
+        self.steps += 1
+        return float(loss_sum.item()) / num_items
+
+    def _maybe_grow(self, size: int) -> None:
+        assert self.micro_batch_size is not None and self._initial is not None
+        if (self.grow_after is None or self._clean < self.grow_after
+                or self.micro_batch_size >= self._initial):
+            return
+        new = min(self._initial, self.micro_batch_size * 2)
+        self._record(Recovery(step=self.steps, reason="grow", batch_size=size,
+                              old_micro_batch_size=self.micro_batch_size,
+                              new_micro_batch_size=new))
+        self.micro_batch_size = new
+        self._caps.clear()
+        self._clean = 0
+
+
+def guard(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
+          micro_batch_size: int | None = None, scaler: Any = None,
+          budget_bytes: int | None = None, predict: Predict | None = None,
+          count_fn: CountFn | None = None, grow_after: int | None = None,
+          log: bool = True) -> GuardedStep:
+    """Wrap a training step so that running out of memory splits the micro-batch instead of
+    crashing (see :mod:`memfit.guard`).
+
+    ``loss_fn(model, micro_batch) -> sum of per-item losses``; ``count_fn(micro_batch)`` counts
+    those items (default: the batch dimension). ``predict(meta_micro_batch) -> bytes`` gets a
+    meta-device copy of a micro-batch (same structure, shapes and dtypes) and returns its
+    predicted peak; it is called only when a budget is known (``budget_bytes``, or CUDA).
+
+    >>> step = guard(model, torch.optim.AdamW(model.parameters()), sum_loss, micro_batch_size=8)
+    >>> loss = step((x, y))          # the batch's mean loss; step.recoveries lists any splits
+    """
+    return GuardedStep(model, optimizer, loss_fn, micro_batch_size=micro_batch_size,
+                       scaler=scaler, budget_bytes=budget_bytes, predict=predict,
+                       count_fn=count_fn, grow_after=grow_after, log=log)
