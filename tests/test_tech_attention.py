@@ -119,10 +119,6 @@ def test_estimate_predicts_builtin(impl: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_HF, reason="needs transformers")
-@pytest.mark.xfail(strict=True, reason=(
-    "trace engine: a Hugging Face Llama (transformers 5.x) traced on CPU over-predicts the real "
-    "peak (by ~20% with SDPA, ~2% eager, 2 layers, seq 256); memfit's builtin Llama with the same "
-    "shapes is exact, so the gap is in how the HF model runs under fake tensors"))
 def test_estimate_predicts_hf_sdpa() -> None:
     model, inputs = model_and_inputs("transformers", "sdpa")
     est = estimate(model, inputs, optimizer="adamw", loss_fn=loss_of, device="cpu", steps=2)

@@ -254,12 +254,7 @@ def test_partial_policies_sit_between_none_and_full(real_peaks: dict[str, int]) 
 
 @pytest.mark.parametrize("name", [
     "none", "selective", "every-2",
-    pytest.param("full", marks=pytest.mark.xfail(strict=True, reason=(
-        "trace engine: over-predicts full checkpointing on this model by 680,704 B (7.1%) at "
-        "b8 s128. In the backward of each checkpointed block it holds one fc1-output-sized "
-        "tensor (262,144 B at b4 s64) more than the real run, from before the block's "
-        "recompute; the same with torch.utils.checkpoint called directly, so not specific to "
-        "memfit's wrapping; reported to the lead"))),
+    "full",
 ])
 def test_estimate_predicts_the_peak(name: str, real_peaks: dict[str, int]) -> None:
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))

@@ -172,9 +172,6 @@ def test_estimate_predicts_the_chunked_peak() -> None:
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trace engine: over-predicts Hugging Face LlamaForCausalLM's step on CPU by 2,621,440 B, with "
-    "or without the chunked loss (+1.8% dense, +9.7% chunked on this model); builtin is exact"))
 def test_estimate_predicts_the_chunked_peak_hf() -> None:
     pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -211,11 +211,6 @@ def test_estimate_predicts_offload_device_saving() -> None:
 
 
 @pytest.mark.skipif(not HAS_BNB, reason="needs bitsandbytes")
-@pytest.mark.xfail(strict=True, reason=(
-    "the trace engine's adamw-8bit emulation (trace/optim.py) counts the 8-bit states but not "
-    "bitsandbytes' CPU step temporaries (several fp32 copies of each parameter while it is "
-    "updated: measured ~1.3 MB here, ~21 MB for a 1024x1024 matrix); bitsandbytes' own step "
-    "cannot run on fake tensors (it reads a tensor value)"))
 def test_estimate_predicts_8bit() -> None:
     real, _ = real_peak("adamw-8bit", backend_8bit="bitsandbytes")
     pred = predicted_peak("adamw-8bit")

@@ -188,10 +188,6 @@ def test_estimate_predicts_lora(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", quant_backends)
-@pytest.mark.xfail(strict=True, reason=(
-    "trace engine: 4-bit tensor subclasses are not modelled; a bitsandbytes Params4bit cannot be "
-    "re-created around a fake tensor (RuntimeError in the fake copy) and a torchao NF4Tensor is "
-    "faked as a plain tensor of its reported dtype (fp32: 8x the real bytes)"))
 def test_estimate_predicts_qlora(backend: str) -> None:
     qlora, model = resident_bytes(lambda: apply_qlora(net(), rank=RANK, quant_backend=backend))
     real = step_peak(model, qlora)

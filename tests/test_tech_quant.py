@@ -131,9 +131,6 @@ def test_int8_forward_peak_is_lower() -> None:
 
 # -- predicted effect -------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trace engine: torchao's quantized weights (Int8Tensor subclasses) are faked as plain "
-    "tensors of their reported dtype (fp32), so the estimate equals the fp32 model's"))
 def test_estimate_predicts_int8_inference() -> None:
     held, model = resident(True)
     x = x_in()

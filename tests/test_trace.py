@@ -143,8 +143,11 @@ def test_cuda_bf16_mixed_saves_bf16_activations() -> None:
     def loss(o: torch.Tensor) -> torch.Tensor:
         return o.float().sum()
 
-    mixed = estimate(model, x, precision="bf16-mixed", device="cuda", loss_fn=loss)
-    fp32 = estimate(model, x, precision="fp32", device="cuda", loss_fn=loss)
+    # keep_output: the loop holds the output through the backward, so it is alive at the end
+    # of the forward.
+    mixed = estimate(model, x, precision="bf16-mixed", device="cuda", loss_fn=loss,
+                     keep_output=True)
+    fp32 = estimate(model, x, precision="fp32", device="cuda", loss_fn=loss, keep_output=True)
     assert _end_of_forward(mixed)[ACT] == (2 + 1 + 2 + 1 + 1) * MiB + 512
     assert _end_of_forward(fp32)[ACT] == (2 + 2 + 2) * MiB + 512
     assert mixed.peak_reserved_bytes >= mixed.peak_bytes
@@ -197,14 +200,15 @@ def test_cuda_autocast_runs_layer_norm_in_fp32() -> None:
     # CUDA autocast's fp32 list includes layer_norm (CPU autocast's does not). Linear(1024) then
     # LayerNorm on x [512, 1024] fp32: at the end of the forward the live activations are the
     # input (2 MiB), its bf16 cast (1 MiB, saved for the weight's grad), the fp32 cast of the bf16
-    # hidden that layer_norm saves (2 MiB), the fp32 output (2 MiB), layer_norm's fp32 mean and
-    # rstd (512 floats each: 2 KiB) and the loss (one 512-byte block). The bf16 hidden itself is
-    # not saved by anything and dies after the cast.
+    # hidden that layer_norm saves (2 MiB), layer_norm's fp32 mean and rstd (512 floats each:
+    # 2 KiB) and the loss (one 512-byte block). The bf16 hidden itself is not saved by anything
+    # and dies after the cast; the fp32 output (2 MiB) is not saved by the sum and dies with the
+    # model output (keep_output=False).
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.LayerNorm(1024))
     x = torch.empty(512, 1024, device="meta")
     est = estimate(model, x, precision="bf16-mixed", device="cuda", loss_fn=lambda o: o.sum())
-    assert _end_of_forward(est)[ACT] == (2 + 1 + 2 + 2) * MiB + 2 * 2048 + 512
+    assert _end_of_forward(est)[ACT] == (2 + 1 + 2) * MiB + 2 * 2048 + 512
 
 
 
@@ -212,12 +216,14 @@ def test_module_attribution_of_saved_activations() -> None:
     # Linear(256->512), ReLU, Linear(512->256) on x [64, 256] fp32: the first Linear's output is
     # not saved (ReLU saves its own output, addmm saves its input), so it is freed in the
     # forward; ReLU's output (64*512*4) is saved; the last Linear's output (64*256*4) is the
-    # model output, alive when the forward ends.
+    # model output: the sum does not save it, so it is alive when the forward ends only if the
+    # loop keeps the output (keep_output=True).
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
-    est = estimate(model, torch.empty(64, 256), optimizer="sgd", device="cpu",
-                   loss_fn=lambda o: o.sum())
-    assert est.modules["1"].activation_bytes == 64 * 512 * 4
-    assert est.modules["2"].activation_bytes == 64 * 256 * 4
+    for keep_output, output_bytes in ((False, 0), (True, 64 * 256 * 4)):
+        est = estimate(model, torch.empty(64, 256), optimizer="sgd", device="cpu",
+                       loss_fn=lambda o: o.sum(), keep_output=keep_output)
+        assert est.modules["1"].activation_bytes == 64 * 512 * 4
+        assert est.modules["2"].activation_bytes == output_bytes
     assert "0" not in est.modules or est.modules["0"].activation_bytes == 0
     assert {"forward", "backward", "optimizer"} <= {p.phase for p in est.timeline} <= set(PHASES)
     assert est.peak_phase in {"forward", "backward", "optimizer"}

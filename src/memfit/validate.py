@@ -344,7 +344,8 @@ def run_config(config: Config, *, size: str, device: str, gpu: str | None,
     _checkpoint(meta_model, config.checkpointing)
     est = estimate(meta_model, meta_inputs, optimizer=OPTIMIZERS[config.optimizer],
                    precision=config.precision, loss_fn=meta_loss, device=device,
-                   gpu=gpu if device == "cuda" else None, steps=steps)
+                   gpu=gpu if device == "cuda" else None, steps=steps,
+                   keep_output=True)  # _steps keeps ``out`` alive through backward
     return Result(config=config.name, device=device, measured_allocated=measured_alloc,
                   measured_reserved=measured_res, predicted_allocated=est.peak_bytes,
                   predicted_reserved=est.peak_reserved_bytes, seconds_real=real_seconds,

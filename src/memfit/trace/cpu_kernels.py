@@ -54,6 +54,9 @@ LOW_PRECISION_OPAQUE_CPU_OPS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
     aten._addmm_activation.default, aten.addbmm.default,
 }
+# Op namespaces of torch itself; ops of any other (custom kernels of libraries) are measured.
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "profiler", "_c10d_functional",
+                               "c10d", "rngprims", "higher_order", "debugprims"})
 CALIBRATION_CAP_BYTES = 64 * 2**20  # real kernels on real zeros: keep them small and quick
 
 
@@ -61,6 +64,8 @@ def is_opaque(func: Any, args: Any) -> bool:
     """Whether ``func`` on these arguments allocates memory it does not return (on CPU)."""
     if func in OPAQUE_CPU_OPS:
         return True
+    if getattr(func, "namespace", "aten") not in _TORCH_NAMESPACES:
+        return True  # a library's own kernel (bitsandbytes' dequantize...): scratch unknown
     if func in LOW_PRECISION_OPAQUE_CPU_OPS:
         return any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16)
                    for a in args)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
@@ -84,6 +86,15 @@ def _runtime(gpu: GpuSpec | None, num_gpus: int, training: bool
 # -- fake copies -------------------------------------------------------------------------------
 
 def _fake_like(t: torch.Tensor, device: str, dtype: torch.dtype | None) -> torch.Tensor:
+    if is_traceable_wrapper_subclass(t):
+        # A tensor subclass that stores other tensors (torchao's Int8Tensor / NF4Tensor, float8
+        # weights...): fake its inner tensors, as stored (quantized data, scales), and rebuild
+        # the subclass around them, so its bytes are the real ones and its own ops (dequantizing
+        # temporaries) run.
+        names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        inner = {name: _fake_like(getattr(t, name), device, None) for name in names}
+        return type(t).__tensor_unflatten__(  # type: ignore[attr-defined, no-any-return]
+            inner, ctx, t.size(), t.stride())
     dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
     if dt == t.dtype:
         fake = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
@@ -99,7 +110,9 @@ def _fake_model(model: nn.Module, device: str, dtype: torch.dtype | None) -> nn.
         for p in mod._parameters.values():
             if p is not None and id(p) not in memo:
                 fake = _fake_like(p, device, dtype)
-                memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+                memo[id(p)] = param = nn.Parameter(fake, requires_grad=p.requires_grad)
+                if type(p) is not nn.Parameter and vars(p):
+                    param.__dict__.update(_fake_state(vars(p), device, memo))
         for b in mod._buffers.values():
             if b is not None and id(b) not in memo:
                 memo[id(b)] = _fake_like(b, device, dtype)
@@ -114,6 +127,38 @@ def _fake_model(model: nn.Module, device: str, dtype: torch.dtype | None) -> nn.
             f"cannot copy the model to trace it ({type(exc).__name__}: {exc}); the engine needs "
             f"copy.deepcopy(model) to work: move unpicklable attributes (locks, open files) out "
             f"of the module") from exc
+
+
+def _fake_state(state: dict[str, Any], device: str, memo: dict[int, Any]) -> dict[str, Any]:
+    """The attributes of a Parameter subclass (bitsandbytes' ``Params4bit.quant_state``: absmax,
+    code...), copied with their tensors faked (a fake parameter is a plain Parameter: the subclass
+    cannot wrap a fake tensor, so its state travels as attributes)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo:
+                memo[id(value)] = _fake_like(value, device, None)
+            out[key] = memo[id(value)]
+        elif hasattr(value, "__dict__") and not isinstance(value, type | nn.Module) and any(
+                isinstance(v, torch.Tensor) or hasattr(v, "__dict__")
+                for v in vars(value).values()):
+            clone = copy.copy(value)
+            clone.__dict__.update(_fake_state(vars(value), device, memo))
+            out[key] = clone
+        else:
+            out[key] = value
+    return out
+
+
+def _state_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors among a Parameter subclass's attributes (see ``_fake_state``)."""
+    if depth > 2 or not hasattr(obj, "__dict__"):
+        return
+    for v in vars(obj).values():
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif not isinstance(v, type | nn.Module):
+            yield from _state_tensors(v, depth + 1)
 
 
 def _leaves_shallow(values: Any) -> Iterator[torch.Tensor]:
@@ -340,8 +385,12 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
         _register_baseline(tracker, fmodel, finputs)
         params = [p for p in fmodel.parameters() if p.requires_grad]
         training = optimizer is not None
-        opt = (make_optimizer(optimizer, params, cuda_target=cuda_target)
-               if training and params else None)
+        # Built outside the fake mode: an optimizer's constructor may compute constants from
+        # real values (bitsandbytes' quantization maps call .tolist()); states made from the fake
+        # parameters are still fake (fake tensors dispatch to their own mode).
+        with unset_fake_temporarily():
+            opt = (make_optimizer(optimizer, params, cuda_target=cuda_target)
+                   if training and params else None)
         if training and not params:
             raise MemfitError("the model has no parameter that requires grad; pass "
                               "optimizer=None to estimate inference")
@@ -409,6 +458,8 @@ def _register_baseline(tracker: Tracker, model: nn.Module, inputs: Any) -> None:
         for p in mod._parameters.values():
             if p is not None:
                 tracker.track(p, MemoryCategory.WEIGHTS, name)
+                for t in _state_tensors(p):
+                    tracker.track(t, MemoryCategory.WEIGHTS, name)
         for b in mod._buffers.values():
             if b is not None:
                 tracker.track(b, MemoryCategory.WEIGHTS, name)

@@ -10,11 +10,13 @@ Optimizers torch does not ship are emulated with the same state memory:
 - ``adamw-8bit``: bitsandbytes-style 8-bit blockwise states: two uint8 states per parameter
   (2 bytes/param) plus one fp32 absmax per 256-element block per state; the update is computed
   through a dequantized fp32 copy of one parameter at a time (the temporary bitsandbytes' kernels
-  keep in registers is not counted on CUDA).
+  keep in registers is not counted on CUDA). On a CPU target with bitsandbytes installed,
+  bitsandbytes' own ``AdamW8bit`` runs instead (its CPU step's temporaries are then counted).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -73,6 +75,17 @@ class AdamW8bit(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])
 
 
+def _adamw_8bit(params: list[torch.nn.Parameter], *, cpu_target: bool) -> torch.optim.Optimizer:
+    """bitsandbytes' own ``AdamW8bit`` for a CPU target when it is installed (its CPU step makes
+    fp32 copies of each parameter's states while it updates it, which the emulation does not
+    model); the emulation otherwise, and for CUDA, where the update is one fused kernel."""
+    if cpu_target and importlib.util.find_spec("bitsandbytes") is not None:
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, lr=1e-3)  # type: ignore[no-any-return]
+    return AdamW8bit(params)
+
+
 def _torch_optimizer(name: str) -> type[torch.optim.Optimizer]:
     cls = getattr(torch.optim, name, None)
     if cls is None:
@@ -89,7 +102,7 @@ def _named(name: str, foreach: bool | None) -> OptimizerFactory:
         "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3, **kw),
         "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, **kw),
         "adafactor": lambda ps: _torch_optimizer("Adafactor")(ps, lr=1e-2, **kw),
-        "adamw-8bit": lambda ps: AdamW8bit(ps),
+        "adamw-8bit": lambda ps: _adamw_8bit(ps, cpu_target=foreach is None),
         "lion": lambda ps: Lion(ps),
     }
     try:

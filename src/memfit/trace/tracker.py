@@ -7,10 +7,16 @@ after the run, from what each storage turned out to be (a parameter, a ``.grad``
 state, a forward tensor still alive when the forward ended...), so the breakdown at the peak is
 exact even though the peak happens before some roles are known (e.g. Adam's states created in the
 first step).
+
+Where real tensors behave differently from fake ones, the real behaviour is modelled:
+- autograd sums two gradients of one input in place when it holds the only reference, but never
+  for tensor subclasses (fake tensors): see ``_gradient_accumulation``;
+- a tensor subclass that stores other tensors (quantized weights) is its inner tensors' storages.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -20,6 +26,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.categories import MemoryCategory
 from memfit.trace.cpu_kernels import is_opaque, rnn_workspace_bytes, transient_peak
@@ -91,7 +98,14 @@ class Tracker:
 
     def track(self, t: torch.Tensor, role: MemoryCategory | None = None,
               module: str | None = None) -> int | None:
-        """Record ``t``'s storage if it is new; return its uid (or None: other device/empty)."""
+        """Record ``t``'s storage if it is new; return its uid (or None: other device/empty).
+
+        A tensor subclass that stores other tensors is recorded as those tensors' storages."""
+        if is_traceable_wrapper_subclass(t):
+            uid = None
+            for name in t.__tensor_flatten__()[0]:  # type: ignore[attr-defined]
+                uid = self.track(getattr(t, name), role, module)
+            return uid
         # A FakeTensor's ``.device`` is a dispatched op (prim.device); its attribute is not.
         device = getattr(t, "fake_device", None) or t.device
         if device.type != self.device_type:
@@ -176,6 +190,65 @@ class Tracker:
         self._refs.clear()
 
 
+_ADD = aten.add.Tensor
+_ENGINE_FRAME = "_engine_run_backward"  # torch.autograd.graph: the Python frame above the engine
+# Frames between the engine and this mode: fake-tensor dispatch and torch._dynamo's disable wrapper.
+_DISPATCH_FILES = ("fake_tensor.py", "tracker.py", "_python_dispatch.py", "eval_frame.py",
+                   "_compile.py")
+
+
+def _called_by_autograd_engine() -> bool:
+    """Whether the op being dispatched was called by autograd's C++ engine itself (not by a
+    Python backward): the nearest Python frame outside torch's dispatch code is the engine's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.endswith(_DISPATCH_FILES):
+            return frame.f_code.co_name == _ENGINE_FRAME
+        frame = frame.f_back
+    return False
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """``is_non_overlapping_and_dense``: the elements fill the storage span exactly, in some
+    order of the dimensions."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride(), strict=True)
+                                if s != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _accumulates_in_place(t: Any, other: Any) -> bool:
+    if not isinstance(t, torch.Tensor) or not isinstance(other, torch.Tensor):
+        return False
+    if t.shape != torch.broadcast_shapes(t.shape, other.shape) or t.dtype != torch.promote_types(
+            t.dtype, other.dtype) or not _dense(t):
+        return False
+    # One tensor holds the storage, plus the storage's Python object the tracker made.
+    return bool(torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2)
+
+
+def _gradient_accumulation(args: Any) -> tuple[Any, Any]:
+    """Autograd's input buffer sums two gradients for the same input in place into one of them
+    when it holds the only reference (``input_buffer.cpp``: ``accumulate``), but never for
+    tensor subclasses such as fake tensors, which always get an out-of-place ``add``. Model
+    the real tensors: run ``add_`` on the operand the real engine would reuse."""
+    if torch.is_grad_enabled() or len(args) != 2 or not _called_by_autograd_engine():
+        return _ADD, args
+    a, b = args
+    if _accumulates_in_place(a, b):
+        return _ADD_, (a, b)
+    if _accumulates_in_place(b, a):
+        return _ADD_, (b, a)
+    return _ADD, args
+
+
+_ADD_ = aten.add_.Tensor
+
+
 def _tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
@@ -222,6 +295,8 @@ class TrackingFakeMode(FakeTensorMode):
 
     def _tracked(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         tracker = self.tracker
+        if func is _ADD and tracker.phase == "backward" and not kwargs:
+            func, args = _gradient_accumulation(args)
         if self.matmul_workspaces and func in _MATMULS:
             for nbytes in self.matmul_workspaces.pop(tracker.phase, []):
                 tracker.add_pseudo(nbytes, MemoryCategory.RUNTIME)
