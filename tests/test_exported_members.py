@@ -21,3 +21,9 @@ def test_profile_and_watch_are_functions() -> None:
 
     assert importlib.import_module("memfit.profile.cpu").measure_cpu_peak
     assert callable(memfit.profile)  # importing the subpackage does not rebind the name
+
+
+def test_fit_and_guard_are_functions() -> None:
+    # memfit.fit / memfit.guard are the functions of issue 5, not their modules
+    assert callable(memfit.fit) and callable(memfit.guard) and callable(memfit.find_batch_size)
+    assert memfit.Plan.__module__ == "memfit.fit.plan"

@@ -6,11 +6,14 @@
 True
 """
 
+from memfit.batch_size import find_batch_size
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
 from memfit.estimate.config import RunConfig
 from memfit.estimate.planner import MemoryPlan, plan
+from memfit.fit import Plan, fit
 from memfit.gpus import GpuSpec, get_gpu, list_gpus
+from memfit.guard import GuardedStep, guard
 from memfit.models import ParamCountSpec, TransformerSpec, list_presets, resolve_model
 from memfit.models.build import build_model, example_inputs
 from memfit.monitor import watch
@@ -22,17 +25,22 @@ __version__ = "0.1.0"
 __all__ = [
     "Estimate",
     "GpuSpec",
+    "GuardedStep",
     "MemfitError",
     "MemoryCategory",
     "MemoryPlan",
     "ParamCountSpec",
+    "Plan",
     "RunConfig",
     "TransformerSpec",
     "__version__",
     "build_model",
     "estimate",
     "example_inputs",
+    "find_batch_size",
+    "fit",
     "get_gpu",
+    "guard",
     "list_gpus",
     "list_presets",
     "plan",

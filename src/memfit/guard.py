@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -149,7 +150,11 @@ def default_predict(model: nn.Module, optimizer: torch.optim.Optimizer,
     from memfit.trace import estimate
 
     opt_class = type(optimizer)
-    defaults = dict(optimizer.defaults)
+    # Keep only the defaults the constructor takes: some optimizers record extra keys in
+    # ``defaults`` (torch's AdamW stores ``decoupled_weight_decay``, which AdamW() rejects).
+    accepted = inspect.signature(opt_class.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
 
     def make_opt(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return opt_class(params, **defaults)

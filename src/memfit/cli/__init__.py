@@ -21,13 +21,14 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from memfit import __version__
-    from memfit.cli import gpus, models, monitor, plan, profile, validate
+    from memfit.cli import fit, gpus, models, monitor, plan, profile, validate
 
     parser = _Parser(prog="memfit", description="Predict, measure and reduce the GPU memory of "
                      "PyTorch training and inference.")
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     plan.register(sub)
+    fit.register(sub)
     gpus.register(sub)
     models.register(sub)
     profile.register(sub)

@@ -1,0 +1,196 @@
+"""The fit search against an exhaustive measured grid (issue 5's targets).
+
+    python bench/fit.py [--device cpu|cuda] [--model gpt2] [--seq 512] [--global-batch 32]
+                        [--budget 12GB] [--steps 3] [--out PATH]
+
+For one model and memory budget:
+
+1. ``memfit.fit`` searches (timed: target <= 60 s) and, on CUDA, measures its top candidates
+   (``measure=True``; OOM trials counted: target 0).
+2. The exhaustive grid: every precision x checkpointing (none/selective/full) x micro-batch
+   (divisors of the global batch) with the user's optimizer, each applied with
+   ``memfit.fit.apply`` and timed for real. A config "fits" if it ran without the OOM guard
+   splitting its micro-batch (CUDA: with ``torch.cuda.set_per_process_memory_fraction`` at the
+   budget) and, on the CPU, if its measured peak (profiler allocator events) is within budget.
+3. "Turn everything on": full checkpointing, micro-batch 1, optimizer states offloaded (CUDA),
+   bf16-mixed where supported.
+
+Reports throughput (samples/s) of the chosen config over the best of the grid (target >= 0.95)
+and over everything-on (target >= 1.3). On CPU a small model runs so the script is exercised;
+the targets are for a GPU. Writes ``bench/results/fit-<device>-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.fit import FitConfig, fit
+from memfit.fit.apply import apply_config
+from memfit.fit.measure import real_batch
+from memfit.profile.cpu import measure_cpu_peak
+from memfit.units import parse_bytes
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class SmallNet(nn.Module):
+    """CPU stand-in: activations dominate the parameters, so budgets force trade-offs."""
+
+    def __init__(self, d: int = 64, n: int = 6, classes: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[_Block(d) for _ in range(n)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.blocks(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _model(args: argparse.Namespace) -> tuple[nn.Module, Any]:
+    if args.device == "cpu":
+        torch.manual_seed(0)
+        return SmallNet(), (torch.randn(2, 128, 64), torch.randint(0, 16, (2, 128)))
+    from memfit.models import resolve_model
+    from memfit.models.build import build_model, example_inputs
+
+    spec = resolve_model(args.model)
+    model = build_model(spec, device="cpu")
+    return model, example_inputs(spec, batch=1, seq=args.seq, device="cpu")
+
+
+def _time_config(model: nn.Module, sample: Any, cfg: FitConfig, global_batch: int,
+                 device: str, budget: int, steps: int) -> dict[str, Any]:
+    trial = copy.deepcopy(model).to(device)
+    batch = real_batch(sample, global_batch, device)
+    row: dict[str, Any] = {"config": cfg.label()}
+    try:
+        _, opt, step = apply_config(trial, cfg, log_recoveries=False)
+        step(batch)  # warm-up (optimizer state created)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            peak = None
+        else:
+            peak = measure_cpu_peak(lambda: step(batch), trial, opt, batch).peak_bytes
+        times = []
+        for _ in range(steps):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step(batch)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        if device == "cuda":
+            peak = torch.cuda.max_memory_reserved()
+        split = len(getattr(step, "recoveries", ()))
+        row.update(step_s=statistics.median(times), peak_bytes=peak, recoveries=split,
+                   fits=split == 0 and peak is not None and peak <= budget)
+    except torch.OutOfMemoryError:
+        row.update(step_s=None, peak_bytes=None, recoveries=None, fits=False, error="OOM")
+    finally:
+        del trial
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if row.get("step_s"):
+        row["samples_per_s"] = global_batch / row["step_s"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--global-batch", type=int, default=None)
+    parser.add_argument("--budget", default=None, help="default: CPU 12MB, CUDA 12GB")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    cpu = args.device == "cpu"
+    global_batch = args.global_batch or (16 if cpu else 32)
+    budget = parse_bytes(args.budget or ("12MB" if cpu else "12GB"), what="--budget")
+    model, sample = _model(args)
+    gpu = None
+    if not cpu:
+        from memfit.gpus import list_gpus
+
+        name = torch.cuda.get_device_name()
+        gpu = next((g.name for g in list_gpus() if g.label.lower() in name.lower()
+                    or name.lower() in g.label.lower()), "h100-sxm-80gb")
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+
+    started = time.perf_counter()
+    plan = fit(model, sample, global_batch=global_batch, budget_bytes=budget, gpu=gpu,
+               device=args.device, measure=not cpu, progress=False)
+    search_s = time.perf_counter() - started
+    print(plan)
+
+    precisions = ["fp32", "bf16-mixed"]
+    per = [m for m in range(1, global_batch + 1) if global_batch % m == 0]
+    grid = [FitConfig(precision=p, checkpointing=c, micro_batch=m, accumulation=global_batch // m)
+            for p in precisions for c in ("none", "selective", "full") for m in per]
+    rows = [_time_config(model, sample, cfg, global_batch, args.device, budget, args.steps)
+            for cfg in grid]
+    for r in rows:
+        print(f"  {r['config']:<48} fits={r['fits']!s:<5} step={r.get('step_s')}")
+    chosen = _time_config(model, sample, plan.config, global_batch, args.device, budget,
+                          args.steps)
+    everything = FitConfig(precision="bf16-mixed", checkpointing="full", micro_batch=1,
+                           accumulation=global_batch, offload_states=not cpu)
+    on = _time_config(model, sample, everything, global_batch, args.device, budget, args.steps)
+    fitting = [r for r in rows if r["fits"]]
+    best = max(fitting, key=lambda r: r["samples_per_s"]) if fitting else None
+    result = {
+        "device": torch.cuda.get_device_name() if not cpu else platform.processor() or "cpu",
+        "torch": torch.__version__, "python": platform.python_version(),
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "date": dt.date.today().isoformat(), "budget_bytes": budget,
+        "global_batch": global_batch, "search_seconds": search_s, "plan": plan.to_dict(),
+        "chosen_measured": chosen, "grid": rows, "best_of_grid": best,
+        "everything_on": on,
+        "ratio_vs_best": (chosen["samples_per_s"] / best["samples_per_s"]
+                          if best and chosen.get("samples_per_s") else None),
+        "ratio_vs_everything_on": (chosen["samples_per_s"] / on["samples_per_s"]
+                                   if on.get("samples_per_s") and chosen.get("samples_per_s")
+                                   else None),
+        "oom_trials": plan.oom_trials, "chosen_fits_measured": chosen["fits"],
+        "targets": {"ratio_vs_best": 0.95, "ratio_vs_everything_on": 1.3,
+                    "search_seconds": 60, "oom_trials": 0},
+    }
+    print(f"search {search_s:.1f} s; chosen {plan.config.label()}; vs best of grid "
+          f"{result['ratio_vs_best']}; vs everything on {result['ratio_vs_everything_on']}; "
+          f"OOM trials {plan.oom_trials}; chosen fits (measured) {chosen['fits']}")
+    out = Path(args.out or f"bench/results/fit-{args.device}-{result['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

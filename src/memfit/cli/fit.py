@@ -1,0 +1,128 @@
+"""``memfit fit``: search the fastest training configuration that fits, print or save the plan.
+
+The model is a preset name (`memfit models`), a Hugging Face config.json, or ``module:factory``:
+memfit imports ``module`` (from the current directory or the Python path) and calls
+``factory()`` with no arguments. The factory returns ``(model, sample_batch)`` (a sample batch as
+the model takes it: tensor, tuple -> ``model(*batch)``, dict -> ``model(**batch)``; any batch size)
+or a model alone that carries its sample as ``model.sample_batch``. The model's own output must
+be (or contain) its loss, or a tensor whose sum is backpropagated (see ``memfit.estimate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from memfit.cli._common import positive_int, print_json
+from memfit.errors import MemfitError
+from memfit.units import parse_bytes
+
+EPILOG = """examples:
+  memfit fit gpt2 --gpu a100-40gb --global-batch 256 --seq 1024
+  memfit fit mypkg.train:make --budget 2GB --device cpu --global-batch 64 --save plan.json
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("fit", help="find the fastest configuration that fits a GPU or a budget",
+                       description=__doc__, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="preset name, config.json, or module:factory")
+    p.add_argument("--gpu", help="GPU from the catalog (`memfit gpus`)")
+    p.add_argument("--budget", help="memory budget, e.g. 2GB or 1.5GiB (with --gpu: the smaller)")
+    p.add_argument("--global-batch", required=True, help="samples per optimizer step")
+    p.add_argument("--seq", help="sequence length for presets/config.json (default: the model's, "
+                   "capped at 2048)")
+    p.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")
+    p.add_argument("--gpus", default="1", help="number of GPUs (data parallel; sharding searched)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="target device (default: cuda with --gpu, else cpu)")
+    p.add_argument("--measure", action="store_true",
+                   help="time real steps of the top candidates and pick the fastest measured")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--save", help="write the plan to this JSON file (memfit.Plan.load reads it)")
+    p.set_defaults(func=run)
+
+
+def _load_factory(target: str) -> tuple[Any, Any]:
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise MemfitError(f"{target!r}: write module:factory, e.g. mypkg.train:make_model")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise MemfitError(f"cannot import module {module_name!r} ({exc}); run from the folder "
+                          "holding it or install it") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise MemfitError(f"{module_name} has no callable {attr!r}; define def {attr}(): return "
+                          "model, sample_batch")
+    made = factory()
+    import torch
+
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
+        return made[0], made[1]
+    if isinstance(made, torch.nn.Module):
+        sample = getattr(made, "sample_batch", None)
+        if sample is None:
+            raise MemfitError(f"{target} returned a model alone; return (model, sample_batch) or "
+                              "set model.sample_batch")
+        return made, sample
+    raise MemfitError(f"{target} returned {type(made).__name__}; return (model, sample_batch) "
+                      "or a model with a sample_batch attribute")
+
+
+def _load_preset(name: str, seq: int | None) -> tuple[Any, Any]:
+    from memfit.models import resolve_model
+    from memfit.models.build import build_model, example_inputs
+
+    spec = resolve_model(name)
+    model = build_model(spec, device="meta")
+    if spec.arch != "vision" and seq is None:
+        seq = min(spec.default_seq_len, 2048)
+    return model, example_inputs(spec, batch=1, seq=None if spec.arch == "vision" else seq)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.fit import fit
+
+    global_batch = positive_int(args.global_batch, "--global-batch")
+    num_gpus = positive_int(args.gpus, "--gpus")
+    seq = positive_int(args.seq, "--seq")
+    budget = parse_bytes(args.budget, what="--budget") if args.budget else None
+    if args.gpu is None and budget is None:
+        raise MemfitError("give --gpu NAME (see `memfit gpus`) or --budget SIZE (e.g. 2GB)")
+    device = args.device or ("cuda" if args.gpu else "cpu")
+    if ":" in args.model and not Path(args.model).exists():
+        model, sample = _load_factory(args.model)
+    else:
+        model, sample = _load_preset(args.model, seq)
+    if args.measure:
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise MemfitError("--measure runs real steps and needs a real model: use "
+                              "module:factory returning a model with weights")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise MemfitError("--measure on cuda needs a GPU; drop --measure or use "
+                                  "--device cpu")
+    if global_batch is None or num_gpus is None:  # argparse requires/defaults them
+        raise MemfitError("--global-batch and --gpus must be positive integers")
+    plan = fit(model, sample, optimizer=args.optimizer, global_batch=global_batch,
+               gpu=args.gpu, budget_bytes=budget, device=device, num_gpus=num_gpus,
+               measure=args.measure)
+    if args.save:
+        plan.save(args.save)
+    if args.json:
+        print_json(plan.to_dict())
+    else:
+        sys.stdout.write(str(plan))
+        if args.save:
+            print(f"saved to {args.save}")
+    return 0

@@ -1,0 +1,184 @@
+"""Step-time model: FLOPs at a calibrated rate, memory traffic, transfers and launch overhead.
+
+``step_seconds`` for one candidate = per micro-batch ``max(compute + traffic + transfers,
+dispatch)`` times the accumulation, plus the optimizer step and, with several GPUs, the gradient
+and parameter communication. The terms:
+
+- compute: the FLOPs of forward + backward (``FlopCounterMode`` on the meta model with the
+  technique applied, so checkpointing's recompute is counted exactly) at the catalog's dense peak
+  for the precision times an efficiency factor: the measured bf16 matmul ceiling over the
+  datasheet peak (shared/facts.md: A100 ~271 of 312 TFLOPS = 0.87, H100 ~794 of 989 = 0.80, H200
+  ~790 of 989 = 0.80; 0.80 for GPUs without a measurement). On ``device="cpu"`` the rate is this
+  machine's measured matmul FLOP/s (measured once, ~0.1 s).
+- traffic: activations are written in the forward, read in the backward and their gradients
+  written: ``3 x`` the bytes the step would save without checkpointing (checkpointing keeps less
+  but writes as much, and its recompute writes again in proportion to the FLOPs it adds), at the
+  memory bandwidth; the optimizer step reads and writes parameters, gradients and states once.
+- transfers: activation offload moves the saved bytes to the host and back; state offload moves
+  gradients down and parameters up each step, at the catalog's ``host_link.gbps`` (no overlap
+  assumed: an upper bound on the cost).
+- communication: ring all-reduce of the gradients (``2 (N-1)/N`` of their bytes) for DDP, ZeRO-1
+  and ZeRO-2; ZeRO-3/FSDP adds an all-gather of the parameters in forward and backward (``3 x``
+  ``(N-1)/N``), at ``gpu_link.gbps``.
+- dispatch: eager PyTorch launches every op from Python (~8 us per op on CUDA, measured on this
+  machine for the CPU). On CUDA launches overlap the kernels (the step takes the longer of the
+  two); on the CPU they add up. Either way small micro-batches pay more of it.
+
+Known limitations: attention kernels are counted at the matmul rate; no compute/transfer overlap
+is modelled; the CPU optimizer step of state offload runs at an assumed 20 GB/s host bandwidth.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from memfit.gpus import GpuSpec
+
+__all__ = ["Rates", "StepCost", "cpu_rates", "gpu_rates", "step_cost"]
+
+# Measured matmul ceiling / datasheet peak (shared/facts.md, bf16 8192^3 matmuls).
+MATMUL_EFFICIENCY = {"a100": 271 / 312, "h100": 794 / 989, "h200": 790 / 989}
+DEFAULT_EFFICIENCY = 0.80
+CUDA_LAUNCH_S = 8e-6
+HOST_OPTIMIZER_BYTES_PER_S = 20e9
+_TFLOPS_KEY = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rates:
+    """What one device sustains."""
+
+    flops: dict[str, float]
+    """Achievable matmul FLOP/s by precision (only the supported ones)."""
+    bandwidth: float
+    """Device memory bytes/s."""
+    host_link: float
+    """Host<->device bytes/s per direction (CPU: a memory copy)."""
+    gpu_link: float | None
+    """GPU<->GPU bytes/s per direction; None: no link."""
+    launch_s: float
+    """Seconds per eager op dispatch."""
+    async_launch: bool = True
+    """Whether dispatch overlaps the work (CUDA streams) or adds to it (CPU)."""
+    source: str
+    """Where the numbers come from, for the report."""
+
+
+def _efficiency(gpu: GpuSpec) -> float:
+    for prefix, eff in MATMUL_EFFICIENCY.items():
+        if gpu.name.startswith(prefix):
+            return eff
+    return DEFAULT_EFFICIENCY
+
+
+def gpu_rates(gpu: GpuSpec) -> Rates:
+    """Rates of ``gpu`` from the catalog (dense peak x measured matmul efficiency)."""
+    eff = _efficiency(gpu)
+    flops = {}
+    for precision, key in _TFLOPS_KEY.items():
+        tflops = gpu.tflops.get(key)
+        if tflops and gpu.supports(precision):
+            flops[precision] = tflops * 1e12 * eff
+    return Rates(flops=flops, bandwidth=gpu.bandwidth_gbps * 1e9,
+                 host_link=gpu.host_link.gbps * 1e9,
+                 gpu_link=gpu.gpu_link.gbps * 1e9 if gpu.gpu_link else None,
+                 launch_s=CUDA_LAUNCH_S,
+                 source=f"{gpu.name}: catalog peak TFLOPS x {eff:.2f} (measured matmul "
+                        f"ceiling / peak), {gpu.bandwidth_gbps:g} GB/s, host link "
+                        f"{gpu.host_link.gbps:g} GB/s")
+
+
+def _best_seconds(fn: object, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()  # type: ignore[operator]
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def cpu_rates() -> Rates:
+    """This machine's CPU, measured once per process: a 512^3 matmul per dtype, a 32 MB copy and
+    the dispatch time of a tiny op."""
+    n = 512
+    flops: dict[str, float] = {}
+    for precision, dtype in (("fp32", torch.float32), ("bf16-mixed", torch.bfloat16)):
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)  # warm-up (thread pool, oneDNN primitives)
+        flops[precision] = 2 * n**3 / _best_seconds(lambda a=a, b=b: torch.mm(a, b), 5)
+    flops["bf16"] = flops["bf16-mixed"]
+    src = torch.empty(8 * 2**20)
+    dst = torch.empty_like(src)
+    copy_s = _best_seconds(lambda: dst.copy_(src), 3)
+    bandwidth = 2 * src.nbytes / copy_s  # read + write
+    tiny = torch.ones(4)
+    launch = _best_seconds(lambda: [tiny.add(1) for _ in range(100)], 3) / 100
+    return Rates(flops=flops, bandwidth=bandwidth, host_link=bandwidth / 2, gpu_link=None,
+                 launch_s=launch, async_launch=False,
+                 source=f"this CPU, measured: fp32 matmul {flops['fp32'] / 1e9:.0f} GFLOP/s, "
+                        f"bf16 {flops['bf16-mixed'] / 1e9:.0f} GFLOP/s, copy "
+                        f"{bandwidth / 1e9:.1f} GB/s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """Predicted seconds of one optimizer step, by term."""
+
+    compute_s: float
+    traffic_s: float
+    transfer_s: float
+    comm_s: float
+    dispatch_s: float
+    optimizer_s: float
+    async_launch: bool = True
+
+    @property
+    def total_s(self) -> float:
+        work = self.compute_s + self.traffic_s + self.transfer_s
+        launch = max(work, self.dispatch_s) if self.async_launch else work + self.dispatch_s
+        return launch + self.optimizer_s + self.comm_s
+
+    def to_dict(self) -> dict[str, float]:
+        return {"compute_s": self.compute_s, "traffic_s": self.traffic_s,
+                "transfer_s": self.transfer_s, "comm_s": self.comm_s,
+                "dispatch_s": self.dispatch_s, "optimizer_s": self.optimizer_s,
+                "async_launch": self.async_launch, "total_s": self.total_s}
+
+
+def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation: int,
+              activation_traffic_bytes: int, offloaded_bytes: int, ops_per_micro: int,
+              param_bytes: int, grad_bytes: int, state_bytes: int, offload_activations: bool,
+              offload_states: bool, sharding: str, num_gpus: int) -> StepCost:
+    """Seconds of one optimizer step of a candidate (see the module docstring for each term).
+
+    ``micro_flops``: forward + backward (+ recompute) FLOPs of one micro-batch;
+    ``activation_traffic_bytes``: activation bytes one micro-batch writes in its forward (and
+    recompute); ``offloaded_bytes``: what activation offload moves to the host per micro-batch."""
+    rate = rates.flops[precision]
+    compute = accumulation * micro_flops / rate
+    traffic = accumulation * 3 * activation_traffic_bytes / rates.bandwidth
+    transfer = 0.0
+    if offload_activations:
+        transfer += accumulation * 2 * offloaded_bytes / rates.host_link
+    model_bytes = param_bytes + grad_bytes + state_bytes
+    if offload_states:
+        transfer += (grad_bytes + param_bytes) / rates.host_link
+        optimizer = model_bytes * 2 / HOST_OPTIMIZER_BYTES_PER_S
+    else:
+        optimizer = model_bytes * 2 / rates.bandwidth
+    comm = 0.0
+    if num_gpus > 1:
+        link = rates.gpu_link or rates.host_link
+        ring = (num_gpus - 1) / num_gpus
+        comm = 2 * ring * grad_bytes / link
+        if sharding == "zero3":
+            comm += 2 * ring * param_bytes / link
+    dispatch = accumulation * ops_per_micro * rates.launch_s
+    return StepCost(compute_s=compute, traffic_s=traffic, transfer_s=transfer, comm_s=comm,
+                    dispatch_s=dispatch, optimizer_s=optimizer, async_launch=rates.async_launch)

@@ -1,0 +1,64 @@
+"""Time real optimizer steps of the top candidates (``fit(..., measure=True)``)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.fit.plan import Candidate
+
+__all__ = ["measure_candidates", "real_batch"]
+
+
+def real_batch(sample: Any, size: int, device: str) -> Any:
+    """A batch of ``size`` like ``sample``: its rows repeated (cycled) on ``device``."""
+    if isinstance(sample, torch.Tensor):
+        idx = torch.arange(size) % sample.shape[0]
+        return sample[idx].to(device)
+    if isinstance(sample, dict):
+        return {k: real_batch(v, size, device) for k, v in sample.items()}
+    if isinstance(sample, list | tuple):
+        return type(sample)(real_batch(v, size, device) for v in sample)
+    return sample
+
+
+def measure_candidates(model: nn.Module, sample: Any, candidates: Sequence[Candidate], *,
+                       device: str, global_batch: int, loss_fn: Any = None, steps: int = 3
+                       ) -> dict[int, tuple[float, int]]:
+    """``(seconds per step, OOM recoveries)`` of each candidate: the best of ``steps`` timed
+    steps after one warm-up, on a copy of ``model``, and how many times the OOM guard had to
+    split the micro-batch (a misprediction). Every candidate here was predicted to fit: this
+    never launches one that was not."""
+    from memfit.fit.apply import apply_config, call_model
+
+    sum_loss = None
+    if loss_fn is not None:
+        def sum_loss(m: nn.Module, b: Any) -> torch.Tensor:
+            from memfit.techniques.accumulation import _batch_size
+
+            return loss_fn(call_model(m, b)) * _batch_size(b)
+
+    batch = real_batch(sample, global_batch, device)
+    results: dict[int, tuple[float, int]] = {}
+    for i, cand in enumerate(candidates):
+        trial = copy.deepcopy(model).to(device)
+        _, _, step = apply_config(trial, cand.config, loss_fn=sum_loss, log_recoveries=False)
+        best = float("inf")
+        for _ in range(steps + 1):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step(batch)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        results[i] = (best, len(getattr(step, "recoveries", ())))
+        del trial, step
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results

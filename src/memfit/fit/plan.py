@@ -1,0 +1,242 @@
+"""The result of a fit search: the chosen configuration, runners-up and why others were rejected.
+
+Known limitations: a plan is valid for the model, sample shapes, budget and global batch it was
+searched with; ``apply`` does not re-check that the model is the same one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.fit.config import FitConfig
+from memfit.fit.cost import StepCost
+from memfit.units import format_bytes
+
+__all__ = ["Candidate", "Plan", "Rejected"]
+
+FORMAT = "memfit-plan/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A configuration predicted to fit, with its predicted peak and step time."""
+
+    config: FitConfig
+    peak_bytes: int
+    cost: StepCost
+    traced: bool = True
+    """Whether this micro-batch was traced (False: scaled from a traced one)."""
+    measured_s: float | None = None
+    """Seconds per optimizer step, measured (``measure=True``)."""
+
+    @property
+    def step_s(self) -> float:
+        return self.cost.total_s
+
+    def with_measured(self, seconds: float) -> Candidate:
+        return dataclasses.replace(self, measured_s=seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "peak_bytes": self.peak_bytes,
+                "cost": self.cost.to_dict(), "traced": self.traced,
+                "measured_s": self.measured_s}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Candidate:
+        if not isinstance(data, dict):
+            raise MemfitError("plan file: each candidate must be a JSON object")
+        try:
+            cost: dict[str, Any] = {k: float(v) for k, v in data["cost"].items()
+                                    if k not in ("total_s", "async_launch")}
+            cost["async_launch"] = bool(data["cost"].get("async_launch", True))
+            return cls(config=FitConfig.from_dict(data["config"]),
+                       peak_bytes=int(data["peak_bytes"]), cost=StepCost(**cost),
+                       traced=bool(data.get("traced", True)),
+                       measured_s=(None if data.get("measured_s") is None
+                                   else float(data["measured_s"])))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, MemfitError):
+                raise
+            raise MemfitError(f"plan file: malformed candidate ({exc!s}); re-create it with "
+                              "memfit fit --save") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejected:
+    """A configuration (or a family of them) that was not chosen, and why."""
+
+    what: str
+    reason: str
+    peak_bytes: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What :func:`memfit.fit` chose.
+
+    >>> plan = memfit.fit(model, batch, global_batch=64, budget_bytes=2**30, device="cpu")
+    >>> print(plan)
+    >>> model, optimizer, step = plan.apply(model)
+    >>> plan.save("plan.json"); memfit.Plan.load("plan.json") == plan
+    True
+    """
+
+    chosen: Candidate
+    runners_up: tuple[Candidate, ...]
+    rejected: tuple[Rejected, ...]
+    budget_bytes: int
+    global_batch: int
+    num_gpus: int
+    device: str
+    gpu: str | None
+    rates_source: str
+    headroom: float = 0.0
+    """Share of ``budget_bytes`` the search kept free (a candidate fits if its predicted peak is
+    at most ``budget_bytes * (1 - headroom)``)."""
+    oom_trials: int = 0
+    """With ``measure=True``: times the OOM guard split a measured candidate's micro-batch."""
+    search_seconds: float = 0.0
+    traces: int = 0
+    candidates_considered: int = 0
+
+    @property
+    def config(self) -> FitConfig:
+        return self.chosen.config
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.chosen.peak_bytes
+
+    @property
+    def step_seconds(self) -> float:
+        return self.chosen.step_s
+
+    # -- applying ---------------------------------------------------------------------------
+
+    def apply(self, model: nn.Module, *, loss_fn: Any = None, log: bool = True
+              ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        """Apply the chosen configuration to ``model`` (in place) and return ``(model,
+        optimizer, step)``; ``step(batch) -> loss`` runs one optimizer step on a global batch
+        (split into the plan's micro-batches, OOM-guarded by :func:`memfit.guard.guard`).
+
+        ``loss_fn(model, micro_batch)`` returns the sum of per-item losses (default: the model's
+        own loss times the micro-batch size)."""
+        from memfit.fit.apply import apply_config
+
+        return apply_config(model, self.config, loss_fn=loss_fn, budget_bytes=self.budget_bytes,
+                            log_recoveries=log)
+
+    # -- rendering --------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        buf = io.StringIO()
+        console = Console(file=buf, width=120, force_terminal=False, color_system=None)
+        where = self.gpu or self.device
+        console.print(f"memfit fit: {where}, budget {format_bytes(self.budget_bytes)} "
+                      f"({self.headroom:.0%} kept free), global "
+                      f"batch {self.global_batch}"
+                      + (f" on {self.num_gpus} GPUs" if self.num_gpus > 1 else "")
+                      + f"  (searched {self.candidates_considered} configurations, "
+                        f"{self.traces} traces, {self.search_seconds:.1f} s)")
+        table = Table(title="fastest configurations that fit")
+        for col in ("", "configuration", "peak", "headroom", "step (pred.)", "vs chosen",
+                    "measured"):
+            table.add_column(col, justify="left" if col in ("", "configuration") else "right")
+        best = self.chosen.step_s
+        for i, cand in enumerate((self.chosen, *self.runners_up)):
+            table.add_row("chosen" if i == 0 else f"#{i + 1}", cand.config.label(),
+                          format_bytes(cand.peak_bytes),
+                          f"{100 * (1 - cand.peak_bytes / self.budget_bytes):.0f}%",
+                          _seconds(cand.step_s),
+                          "" if i == 0 else f"{cand.step_s / best:.2f}x",
+                          _seconds(cand.measured_s) if cand.measured_s is not None else "")
+        console.print(table)
+        c = self.chosen.cost
+        console.print(f"predicted step of the chosen config: compute {_seconds(c.compute_s)}, "
+                      f"memory traffic {_seconds(c.traffic_s)}, transfers "
+                      f"{_seconds(c.transfer_s)}, communication {_seconds(c.comm_s)}, optimizer "
+                      f"{_seconds(c.optimizer_s)} (dispatch floor {_seconds(c.dispatch_s)})")
+        console.print(f"rates: {self.rates_source}")
+        if self.rejected:
+            rej = Table(title=f"rejected ({len(self.rejected)}; first 12)")
+            rej.add_column("configuration")
+            rej.add_column("why")
+            for r in self.rejected[:12]:
+                rej.add_row(r.what, r.reason)
+            console.print(rej)
+        return buf.getvalue().rstrip() + "\n"
+
+    # -- persistence ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "chosen": self.chosen.to_dict(),
+                "runners_up": [c.to_dict() for c in self.runners_up],
+                "rejected": [dataclasses.asdict(r) for r in self.rejected],
+                "budget_bytes": self.budget_bytes, "global_batch": self.global_batch,
+                "num_gpus": self.num_gpus, "device": self.device, "gpu": self.gpu,
+                "rates_source": self.rates_source, "headroom": self.headroom,
+                "oom_trials": self.oom_trials,
+                "search_seconds": self.search_seconds,
+                "traces": self.traces, "candidates_considered": self.candidates_considered}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan") -> Plan:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise MemfitError(f"{source}: not a memfit plan (expected a JSON object with "
+                              f"\"format\": \"{FORMAT}\"); create one with memfit fit --save")
+        try:
+            rejected = tuple(Rejected(what=str(r["what"]), reason=str(r["reason"]),
+                                      peak_bytes=r.get("peak_bytes"))
+                             for r in data.get("rejected", []))
+            return cls(chosen=Candidate.from_dict(data["chosen"]),
+                       runners_up=tuple(Candidate.from_dict(c)
+                                        for c in data.get("runners_up", [])),
+                       rejected=rejected, budget_bytes=int(data["budget_bytes"]),
+                       global_batch=int(data["global_batch"]), num_gpus=int(data["num_gpus"]),
+                       device=str(data["device"]), gpu=data.get("gpu"),
+                       rates_source=str(data.get("rates_source", "")),
+                       headroom=float(data.get("headroom", 0.0)),
+                       oom_trials=int(data.get("oom_trials", 0)),
+                       search_seconds=float(data.get("search_seconds", 0.0)),
+                       traces=int(data.get("traces", 0)),
+                       candidates_considered=int(data.get("candidates_considered", 0)))
+        except MemfitError as exc:
+            raise MemfitError(f"{source}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise MemfitError(f"{source}: malformed plan ({type(exc).__name__}: {exc}); "
+                              "re-create it with memfit fit --save") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan saved by :meth:`save` (JSON only, validated)."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise MemfitError(f"cannot read plan file {path}: {exc.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise MemfitError(f"plan file {path} is not valid JSON ({exc.msg} at line "
+                              f"{exc.lineno}); re-create it with memfit fit --save") from None
+        return cls.from_dict(data, source=f"plan file {path}")
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return ""
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"

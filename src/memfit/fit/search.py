@@ -1,0 +1,620 @@
+"""The fit search: every technique combination x micro-batch, memory from the trace engine, time
+from the cost model (:mod:`memfit.fit.cost`).
+
+Per technique combination, memory falls as the micro-batch shrinks and (in the cost model) time
+never rises as it grows, so the search binary-searches the largest micro-batch that fits (a
+micro-batch that does not fit rules out every larger one: monotonicity) and costs the smaller
+ones from the traced ones (FLOPs and saved activations scale linearly with the micro-batch).
+Traces are cached per (precision, checkpointing, optimizer, loss, attention, micro-batch).
+
+Activation offload, optimizer-state offload and ZeRO sharding are derived analytically from the
+trace's timeline (see ``_derive``), not traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import itertools
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from memfit.categories import MemoryCategory
+from memfit.errors import MemfitError, suggest
+from memfit.fit.apply import apply_techniques, call_model
+from memfit.fit.config import CHECKPOINTING, PRECISIONS, SHARDING, FitConfig
+from memfit.fit.cost import Rates, cpu_rates, gpu_rates, step_cost
+from memfit.fit.plan import Candidate, Plan, Rejected
+from memfit.gpus import GpuSpec, get_gpu
+from memfit.trace.estimate import TRACKED
+
+TRACKED_INDEX = {cat: i for i, cat in enumerate(TRACKED)}
+
+__all__ = ["SPACE_KEYS", "fit"]
+
+SPACE_KEYS = ("precision", "checkpointing", "micro_batch", "optimizer", "offload_states",
+              "offload_activations", "chunked_loss", "attention", "sharding")
+_EIGHT_BIT = {"adamw": "adamw-8bit", "adam": "adamw-8bit"}
+ENGINE_FAILED = "the trace engine could not run this combination"
+
+
+@dataclass(frozen=True)
+class _Traced:
+    peak: int
+    """Bytes compared to the budget (total on CUDA, peak on CPU)."""
+    weights: int
+    grads: int
+    states: int
+    peak_wo_states: int
+    """The step's peak with the optimizer's states and step on the host."""
+    peak_accum: int
+    """The peak when gradients of earlier micro-batches are alive during forward and backward
+    (accumulation > 1)."""
+    peak_accum_wo_states: int
+    activations_at_peak: int
+    largest_module_activations: int
+    saved_activations: int
+    ops_per_micro: int
+    checkpoint_modes: tuple[str | None, ...] | None
+    checkpoint_budget: int | None
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _leading(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise MemfitError("sample_batch tensors need a batch dimension first")
+        return int(batch.shape[0])
+    values = list(batch.values()) if isinstance(batch, dict) else batch
+    if isinstance(values, list | tuple):
+        for v in values:
+            if isinstance(v, torch.Tensor | dict | list | tuple):
+                return _leading(v)
+    raise MemfitError(f"sample_batch must be a tensor or a tuple/list/dict of tensors, not "
+                      f"{type(batch).__name__}")
+
+
+def _shaped(batch: Any, size: int) -> Any:
+    """Meta tensors like ``batch`` with a first dimension of ``size``."""
+    if isinstance(batch, torch.Tensor):
+        return torch.empty((size, *batch.shape[1:]), dtype=batch.dtype, device="meta")
+    if isinstance(batch, dict):
+        return {k: _shaped(v, size) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_shaped(v, size) for v in batch)
+    return batch
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _space(space: dict[str, Any] | None, defaults: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    out = dict(defaults)
+    for key, values in (space or {}).items():
+        if key not in SPACE_KEYS:
+            raise MemfitError(f"unknown search-space key {key!r}{suggest(key, SPACE_KEYS)}; "
+                              f"valid: {', '.join(SPACE_KEYS)}")
+        if not isinstance(values, list | tuple) or not values:
+            raise MemfitError(f"space[{key!r}] must be a non-empty list of values")
+        out[key] = list(values)
+    return out
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("memfit fit: searching", total=total)
+        yield lambda: bar.advance(task)
+
+
+def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global_batch: int,
+        gpu: str | GpuSpec | None = None, budget_bytes: int | None = None,
+        device: str = "cuda", loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        num_gpus: int = 1, measure: bool = False, space: dict[str, Any] | None = None,
+        progress: bool | None = None, top: int = 5, headroom: float = 0.05) -> Plan:
+    """Find the fastest training configuration of ``model`` that fits.
+
+    ``sample_batch``: one batch as the model takes it (tensor, tuple -> ``model(*b)``, dict ->
+    ``model(**b)``), any batch size: only shapes after the first dimension and dtypes are used.
+    ``global_batch``: samples per optimizer step (kept fixed: micro-batch x accumulation x GPUs).
+    The budget is ``budget_bytes``, else the GPU's usable memory (both: the smaller).
+    ``loss_fn(output) -> scalar`` as in :func:`memfit.estimate`. ``space`` narrows or widens a
+    dimension, e.g. ``{"precision": ["fp32"], "micro_batch": [4, 8]}``. ``measure=True`` times
+    real steps of the top candidates (only those predicted to fit) and picks the fastest.
+    ``headroom``: the share of the budget kept free for what the prediction misses (see Note:
+    [headroom]).
+
+    >>> plan = fit(model, (x, y), global_batch=64, budget_bytes=2**30, device="cpu")
+    >>> model, optimizer, step = plan.apply(model)
+    """
+    started = time.perf_counter()
+    if not isinstance(model, nn.Module):
+        raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if device not in ("cuda", "cpu"):
+        raise MemfitError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise MemfitError(f"global_batch must be a positive integer, got {global_batch!r}")
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise MemfitError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+    if global_batch % num_gpus:
+        raise MemfitError(f"global_batch {global_batch} is not divisible by num_gpus {num_gpus}; "
+                          "pick a multiple")
+    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if device == "cpu" and spec is not None:
+        raise MemfitError("device='cpu' takes budget_bytes, not gpu=; drop gpu or use "
+                          "device='cuda'")
+    if budget_bytes is not None and (isinstance(budget_bytes, bool)
+                                     or not isinstance(budget_bytes, int) or budget_bytes <= 0):
+        raise MemfitError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+    if spec is None and budget_bytes is None:
+        raise MemfitError("give a budget: gpu='a100-40gb' (see `memfit gpus`) or budget_bytes=...")
+    if isinstance(headroom, bool) or not isinstance(headroom, int | float) \
+            or not 0 <= headroom < 1:
+        raise MemfitError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
+    full_budget = min(b for b in (budget_bytes, spec.usable_bytes if spec else None) if b)
+    # Note: [headroom] A candidate must fit in the budget less 5%: the trace engine under-
+    # predicted a checkpointed CPU step by 4.3% when this was written (tests/test_fit.py
+    # measures the real peak), and the OOM guard, not a crash, handles the rest.
+    budget = int(full_budget * (1 - headroom))
+    rates: Rates = gpu_rates(spec) if spec is not None else cpu_rates()
+    if device == "cuda" and spec is None:
+        rates = gpu_rates(get_gpu("a100-40gb"))
+        rates = Rates(flops=rates.flops, bandwidth=rates.bandwidth, host_link=rates.host_link,
+                      gpu_link=rates.gpu_link, launch_s=rates.launch_s,
+                      source="no GPU named: A100-40GB rates assumed; " + rates.source)
+    per_gpu = global_batch // num_gpus
+    _leading(sample_batch)
+    base = _meta_copy(model)
+
+    rejected: list[Rejected] = []
+    defaults = _default_space(base, optimizer, device, spec, num_gpus, per_gpu, rejected)
+    dims = _space(space, defaults)
+    for m in dims["micro_batch"]:
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or per_gpu % m:
+            raise MemfitError(f"space micro_batch {m!r} must divide the per-GPU batch {per_gpu}")
+    micro_batches = sorted(set(dims["micro_batch"]))
+
+    traces: dict[tuple[Any, ...], _Traced | str] = {}
+    flops_at: dict[tuple[Any, ...], float] = {}
+
+    def trace(precision: str, ckpt: str, opt: str, chunked: bool, attention: str, m: int
+              ) -> _Traced | str:
+        key = (precision, ckpt, opt, chunked, attention, m)
+        if key not in traces:
+            traces[key] = _trace_one(base, sample_batch, precision=precision, ckpt=ckpt,
+                                     optimizer=opt, chunked=chunked, attention=attention, m=m,
+                                     per_gpu=per_gpu, device=device, gpu=spec, loss_fn=loss_fn,
+                                     num_gpus=num_gpus)
+        return traces[key]
+
+    def flops(ckpt: str, modes: Any, chunked: bool, attention: str, m: int) -> float:
+        key = (ckpt, modes, chunked, attention)
+        if key not in flops_at:
+            cfg = FitConfig(checkpointing=ckpt if ckpt != "budget" else "full",
+                            chunked_loss=chunked, attention=attention)
+            if ckpt == "budget":
+                cfg = FitConfig(checkpointing="budget", checkpoint_budget_bytes=1,
+                                checkpoint_modes=modes, chunked_loss=chunked, attention=attention)
+            try:
+                flops_at[key] = _count_flops(base, sample_batch, cfg, loss_fn)[0]
+            except RuntimeError:
+                # Some models cannot be recomputed under the FLOP counter (selective
+                # checkpointing's cache sees different ops): count the plain step and add the
+                # forward of the fully checkpointed share of the blocks (selective recomputes
+                # no matmul: + 0).
+                plain_total, plain_forward = _count_flops(
+                    base, sample_batch, FitConfig(chunked_loss=chunked, attention=attention),
+                    loss_fn)
+                share = (sum(mode == "full" for mode in modes) / len(modes)) if modes else 0.0
+                flops_at[key] = plain_total + share * plain_forward
+        return flops_at[key] * m
+
+    def activation_traffic(precision: str, opt: str, chunked: bool, attention: str,
+                           ref: _Traced, ref_m: int, m: int, micro_flops: float) -> int:
+        """Bytes of activations one micro-batch writes in the forward: what the step saves
+        without checkpointing (checkpointing saves less but writes the same, and its recompute
+        writes again, in proportion to the FLOPs it adds)."""
+        plain = next((v for k, v in traces.items() if k[:5] == (precision, "none", opt, chunked,
+                                                                 attention)
+                      and not isinstance(v, str)), None)
+        if plain is None:
+            return int(ref.saved_activations * m / ref_m)
+        plain_m = next(k[5] for k, v in traces.items() if v is plain)
+        plain_flops = flops("none", None, chunked, attention, m)
+        return int(plain.saved_activations * m / plain_m * micro_flops / max(plain_flops, 1.0))
+
+    combos = list(itertools.product(dims["precision"], dims["checkpointing"], dims["optimizer"],
+                                    dims["chunked_loss"], dims["attention"]))
+    def lower_bound(combo: tuple[Any, ...]) -> float:
+        """Seconds no configuration of ``combo`` can beat: its FLOPs at the achievable rate
+        (every other term of the cost model is >= 0; budget checkpointing recomputes >= 0)."""
+        precision, ckpt, _, chunked, attention = combo
+        if precision not in rates.flops:
+            return 0.0
+        plain = "none" if ckpt == "budget" else ckpt
+        return flops(plain, None, chunked, attention, per_gpu) / rates.flops[precision]
+
+    # Branch and bound: combinations in order of their lower bound; once ``top`` candidates are
+    # faster than the next bound, the rest cannot enter the table and are not traced.
+    bounds = {combo: lower_bound(combo) for combo in combos}
+    combos.sort(key=lambda c: bounds[c])
+    candidates: list[Candidate] = []
+    show = progress if progress is not None else _is_tty()
+    with _progress(len(combos), show) as advance:
+        for combo in combos:
+            precision, ckpt, opt, chunked, attention = combo
+            advance()
+            if len(candidates) >= top and bounds[combo] > 0:
+                kth = sorted(c.cost.total_s for c in candidates)[top - 1]
+                if bounds[combo] >= kth:
+                    rejected.append(Rejected(
+                        what=f"{precision}, ckpt={ckpt}, {opt}"
+                             + (", chunked-loss" if chunked else ""),
+                        reason=f"not traced: its compute alone ({bounds[combo] * 1e3:,.1f} ms) "
+                               f"is slower than the {top} fastest found ({kth * 1e3:,.1f} ms)"))
+                    continue
+            if precision not in rates.flops:
+                rejected.append(Rejected(what=f"precision {precision}", reason=(
+                    f"{precision} is not supported on "
+                    f"{spec.name if spec else device}")))
+                continue
+            largest = _largest_fitting(micro_batches, lambda m, p=precision, c=ckpt, o=opt,
+                                       ch=chunked, a=attention: trace(p, c, o, ch, a, m),
+                                       budget, dims, num_gpus, per_gpu)
+            for m in micro_batches:
+                t = trace(precision, ckpt, opt, chunked, attention, m) \
+                    if (precision, ckpt, opt, chunked, attention, m) in traces else None
+                what = FitConfig(precision=precision, checkpointing=ckpt if ckpt != "budget"
+                                 else "none", micro_batch=m, accumulation=per_gpu // m,
+                                 optimizer=opt, chunked_loss=chunked, attention=attention).label()
+                if isinstance(t, str):
+                    rejected.append(Rejected(what=what if ckpt != "budget"
+                                             else what + ", ckpt=budget", reason=t))
+                    continue
+                if largest is None or m > largest[0]:
+                    if t is None:
+                        continue  # pruned by monotonicity: reported once below
+                ref = t if t is not None else (largest[1] if largest else None)
+                if ref is None:
+                    continue
+                ref_m = m if t is not None else largest[0]  # type: ignore[index]
+                for off_s, off_a, shard in itertools.product(
+                        dims["offload_states"], dims["offload_activations"], dims["sharding"]):
+                    cfg = FitConfig(precision=precision, checkpointing=ckpt,
+                                    checkpoint_budget_bytes=ref.checkpoint_budget,
+                                    checkpoint_modes=ref.checkpoint_modes,
+                                    micro_batch=m, accumulation=per_gpu // m, optimizer=opt,
+                                    offload_states=off_s, offload_activations=off_a,
+                                    chunked_loss=chunked, attention=attention, sharding=shard)
+                    peak = _derive(ref, ref_m, m, off_s, off_a, shard, num_gpus, m < per_gpu)
+                    if peak > budget:
+                        rejected.append(Rejected(what=cfg.label(), reason=(
+                            f"predicted peak {peak / 2**20:,.2f} MiB > budget "
+                            f"{budget / 2**20:,.2f} MiB (after {headroom:.0%} headroom)"),
+                            peak_bytes=peak))
+                        continue
+                    micro_flops = flops(ckpt, ref.checkpoint_modes, chunked, attention, m)
+                    cost = step_cost(
+                        rates, precision=precision, micro_flops=micro_flops,
+                        accumulation=per_gpu // m,
+                        activation_traffic_bytes=activation_traffic(
+                            precision, opt, chunked, attention, ref, ref_m, m, micro_flops),
+                        offloaded_bytes=int(ref.saved_activations * m / ref_m),
+                        ops_per_micro=ref.ops_per_micro, param_bytes=ref.weights,
+                        grad_bytes=ref.grads, state_bytes=ref.states,
+                        offload_activations=off_a, offload_states=off_s, sharding=shard,
+                        num_gpus=num_gpus)
+                    candidates.append(Candidate(config=cfg, peak_bytes=peak, cost=cost,
+                                                traced=t is not None))
+            if largest is not None and largest[0] < micro_batches[-1]:
+                rejected.append(Rejected(
+                    what=f"{precision}, ckpt={ckpt}, {opt}, micro-batch > {largest[0]}",
+                    reason=f"micro-batch {_next(micro_batches, largest[0])} is predicted over "
+                           "budget; larger ones use more memory (monotonicity: not traced)"))
+            elif largest is None and not isinstance(
+                    traces.get((precision, ckpt, opt, chunked, attention, micro_batches[0])), str):
+                first = traces.get((precision, ckpt, opt, chunked, attention, micro_batches[0]))
+                smallest = None if isinstance(first, str) or first is None else min(
+                    _derive(first, micro_batches[0], micro_batches[0], s, a, z, num_gpus,
+                            micro_batches[0] < per_gpu)
+                    for s in dims["offload_states"] for a in dims["offload_activations"]
+                    for z in dims["sharding"])
+                rejected.append(Rejected(
+                    what=f"{precision}, ckpt={ckpt}, {opt}, any micro-batch",
+                    reason=f"micro-batch {micro_batches[0]} is predicted over the budget of "
+                           f"{budget:,} bytes even with every offload/sharding option",
+                    peak_bytes=smallest))
+    if not candidates:
+        smallest = min((r.peak_bytes for r in rejected if r.peak_bytes), default=None)
+        need = f"; the smallest predicted peak is {smallest:,} bytes" if smallest else ""
+        raise MemfitError(f"no configuration fits the budget of {budget:,} bytes"
+                          f"{need}; raise the budget (a bigger GPU, more GPUs), shorten the "
+                          "sequence, or shrink the model")
+    # Ties (same predicted time) go to fewer micro-batches, then the smaller peak.
+    candidates.sort(key=lambda c: (c.cost.total_s, c.config.accumulation, c.peak_bytes))
+    oom_trials = 0
+    if measure:
+        from memfit.fit.measure import measure_candidates
+
+        measured = measure_candidates(model, sample_batch, candidates[:top], device=device,
+                                      global_batch=per_gpu, loss_fn=loss_fn)
+        for i, (seconds, recoveries) in measured.items():
+            candidates[i] = candidates[i].with_measured(seconds)
+            oom_trials += recoveries
+        head = sorted(candidates[:top], key=lambda c: (c.measured_s is None,
+                                                        c.measured_s or 0.0))
+        candidates = head + candidates[top:]
+    return Plan(chosen=candidates[0], runners_up=tuple(candidates[1:top]),
+                rejected=tuple(rejected), budget_bytes=full_budget,
+                headroom=headroom, oom_trials=oom_trials, global_batch=global_batch,
+                num_gpus=num_gpus, device=device, gpu=spec.name if spec else None,
+                rates_source=rates.source, search_seconds=time.perf_counter() - started,
+                traces=sum(1 for v in traces.values() if not isinstance(v, str)),
+                candidates_considered=len(candidates) + len(rejected))
+
+
+def _is_tty() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
+
+
+def _next(values: list[int], after: int) -> int:
+    return next(v for v in values if v > after)
+
+
+def _largest_fitting(micro_batches: list[int], trace: Callable[[int], _Traced | str],
+                     budget: int, dims: dict[str, list[Any]], num_gpus: int, per_gpu: int
+                     ) -> tuple[int, _Traced] | None:
+    """Binary search over the sorted micro-batches for the largest whose most memory-saving
+    derived variant fits (memory grows with the micro-batch)."""
+    failed = False
+
+    def fits(m: int) -> _Traced | None:
+        nonlocal failed
+        t = trace(m)
+        if isinstance(t, str):
+            # A failure unrelated to size would fail at every micro-batch: stop searching.
+            failed = t.startswith(ENGINE_FAILED)
+            return None
+        low = min(_derive(t, m, m, s, a, z, num_gpus, m < per_gpu) for s in dims["offload_states"]
+                  for a in dims["offload_activations"] for z in dims["sharding"])
+        return t if low <= budget else None
+
+    # The largest first: it usually fits, and then one trace settles the combination.
+    top = fits(micro_batches[-1])
+    if top is not None:
+        return micro_batches[-1], top
+    lo, hi = 0, len(micro_batches) - 2
+    best: tuple[int, _Traced] | None = None
+    while lo <= hi and not failed:
+        mid = (lo + hi) // 2
+        t = fits(micro_batches[mid])
+        if t is not None:
+            best = (micro_batches[mid], t)
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _derive(t: _Traced, ref_m: int, m: int, offload_states: bool, offload_activations: bool,
+            sharding: str, num_gpus: int, accumulating: bool) -> int:
+    """Peak of a variant of the traced step (analytic, see the module docstring).
+
+    - smaller micro-batch than traced: activations scale with it (linear in the batch);
+    - activation offload: the activations at the peak leave the device except one module's;
+    - state offload: the peak of the step with no optimizer state on the device;
+    - ZeRO-1/2/3: states, + gradients, + weights divided over the GPUs (a gathered layer's
+      weights are added back for ZeRO-3)."""
+    shrink = t.activations_at_peak * (1 - m / ref_m)
+    if accumulating:
+        peak = (t.peak_accum_wo_states if offload_states else t.peak_accum) - shrink
+    else:
+        peak = (t.peak_wo_states if offload_states else t.peak) - shrink
+    acts = t.activations_at_peak * m / ref_m
+    if offload_activations:
+        peak -= max(0.0, acts - t.largest_module_activations * m / ref_m)
+    if num_gpus > 1 and sharding != "none":
+        keep = (num_gpus - 1) / num_gpus
+        saved = 0 if offload_states else t.states * keep
+        if sharding in ("zero2", "zero3"):
+            saved += t.grads * keep
+        if sharding == "zero3":
+            saved += t.weights * keep
+        peak -= saved
+    return int(peak)
+
+
+def _default_space(base: nn.Module, optimizer: str, device: str, spec: GpuSpec | None,
+                   num_gpus: int, per_gpu: int, rejected: list[Rejected]) -> dict[str, list[Any]]:
+    from memfit.techniques.checkpointing import find_blocks
+
+    if device == "cpu":
+        precisions = ["fp32", "bf16-mixed"]
+    else:
+        # Pure bf16 changes the math (updates under 2**-8 of a weight are lost), so it is
+        # searched only when asked for: space={"precision": [..., "bf16"]}.
+        precisions = [p for p in PRECISIONS
+                      if p != "bf16" and (spec is None or spec.supports(p))]
+        rejected.extend(Rejected(what=f"precision {p}", reason=f"{spec.name} has no {p}")
+                        for p in PRECISIONS if p not in precisions and p != "bf16"
+                        and spec is not None)
+        rejected.append(Rejected(what="precision bf16 (pure)", reason=(
+            "not searched by default: bf16 weights lose updates under 2**-8 of a weight; pass "
+            "space={'precision': ['bf16-mixed', 'bf16']} to include it")))
+    ckpts = list(CHECKPOINTING)
+    try:
+        find_blocks(base)
+    except MemfitError as exc:
+        ckpts = ["none"]
+        rejected.append(Rejected(what="activation checkpointing", reason=str(exc)))
+    optimizers = [optimizer]
+    eight = _EIGHT_BIT.get(optimizer)
+    if eight and device == "cuda":
+        if importlib.util.find_spec("bitsandbytes") or importlib.util.find_spec("torchao"):
+            optimizers.append(eight)
+        else:
+            rejected.append(Rejected(what=eight, reason="needs bitsandbytes or torchao: pip "
+                                     "install 'memfit[8bit]'"))
+    chunked = [False]
+    try:
+        from memfit.techniques import apply_chunked_loss
+
+        apply_chunked_loss(_meta_copy(base))
+        chunked.append(True)
+    except MemfitError as exc:
+        rejected.append(Rejected(what="chunked loss", reason=str(exc)))
+    return {"precision": precisions, "checkpointing": ckpts,
+            "micro_batch": _divisors(per_gpu), "optimizer": optimizers,
+            "offload_states": [False, True] if device == "cuda" else [False],
+            "offload_activations": [False, True] if device == "cuda" else [False],
+            "chunked_loss": chunked, "attention": ["model"],
+            "sharding": list(SHARDING) if num_gpus > 1 else ["none"]}
+
+
+def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optimizer: str,
+               chunked: bool, attention: str, m: int, per_gpu: int, device: str,
+               gpu: GpuSpec | None, loss_fn: Any, num_gpus: int) -> _Traced | str:
+    """Trace one combination at micro-batch ``m``; a string is why it cannot run."""
+    from memfit.techniques.checkpointing import Budget, apply_activation_checkpointing
+    from memfit.trace import estimate
+
+    model = _meta_copy(base)
+    inputs = _shaped(sample, m)
+    modes: tuple[str | None, ...] | None = None
+    ckpt_budget: int | None = None
+    # Note: [one traced step on CPU] The CPU has no caching allocator, so the second step's
+    # peak is the first's forward/backward plus the optimizer states that then exist; one traced
+    # step and that sum halve the search time. CUDA keeps two steps (allocator reuse matters).
+    steps = 1 if device == "cpu" else 2
+    try:
+        cfg = FitConfig(checkpointing="none", chunked_loss=chunked, attention=attention)
+        apply_techniques(model, cfg)
+        if ckpt == "budget":
+            from memfit.techniques.checkpointing import (
+                find_blocks,
+                predict_activation_bytes,
+                profile_blocks,
+            )
+
+            names = find_blocks(model)
+            profiles = profile_blocks(model, names, inputs)
+            floor = predict_activation_bytes(profiles, ["full"] * len(names))
+            ceiling = predict_activation_bytes(profiles, [None] * len(names))
+            ckpt_budget = max(1, (floor + ceiling) // 2)  # halfway: a real trade-off point
+            cp = apply_activation_checkpointing(model, Budget(ckpt_budget), inputs=inputs)
+            modes = tuple(cp.modes)
+        elif ckpt != "none":
+            cp = apply_activation_checkpointing(model, ckpt)
+            modes = tuple(cp.modes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            est = estimate(model, inputs, optimizer=optimizer, precision=precision,
+                           loss_fn=loss_fn, device=device, gpu=gpu if device == "cuda" else None,
+                           steps=steps, num_gpus=num_gpus)
+    except MemfitError as exc:
+        return str(exc)
+    except (RuntimeError, NotImplementedError) as exc:  # rejected with the reason, not hidden
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"{ENGINE_FAILED}: {first}"
+    cats = est.breakdown
+    outside = est.total_bytes - est.peak_reserved_bytes
+    reserve = est.peak_reserved_bytes - est.peak_bytes
+    no_opt = max((p.total - p.by_category()[MemoryCategory.OPTIMIZER_STATES]
+                  for p in est.timeline if p.phase != "optimizer"), default=0)
+    weights = cats.get(MemoryCategory.WEIGHTS, 0)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    no_opt = max(no_opt, weights + grads) + reserve + outside
+    states = max((p.by_category()[MemoryCategory.OPTIMIZER_STATES] for p in est.timeline),
+                 default=0)
+    peak = est.total_bytes if device == "cuda" else est.peak_bytes
+    if steps == 1:  # see Note: [one traced step on CPU]
+        final_states = est.timeline[-1].by_category()[MemoryCategory.OPTIMIZER_STATES] \
+            if est.timeline else 0
+        fwd_bwd = max((p.total for p in est.timeline if p.phase in ("forward", "backward")),
+                      default=0)
+        peak = max(peak, fwd_bwd + final_states)
+    saved = sum(mod.activation_bytes for mod in est.modules.values())
+    largest = max((mod.activation_bytes for mod in est.modules.values()), default=0)
+    # Accumulation: from the second micro-batch on, every gradient exists during the forward
+    # and backward (the traced step creates them one by one during its backward).
+    grad_i = TRACKED_INDEX[MemoryCategory.GRADIENTS]
+    state_i = TRACKED_INDEX[MemoryCategory.OPTIMIZER_STATES]
+    base_fb = max((p.total - p.bytes[grad_i] - p.bytes[state_i] for p in est.timeline
+                   if p.phase in ("forward", "backward")), default=0)
+    extra = reserve + outside
+    peak_accum = max(peak, base_fb + grads + states + extra)
+    peak_accum_wo = max(min(peak, no_opt), base_fb + grads + extra)
+    return _Traced(peak=peak, peak_accum=peak_accum, peak_accum_wo_states=peak_accum_wo,
+                   weights=weights, grads=grads, states=states,
+                   peak_wo_states=min(peak, no_opt),
+                   activations_at_peak=cats.get(MemoryCategory.ACTIVATIONS, 0),
+                   largest_module_activations=largest, saved_activations=saved,
+                   ops_per_micro=max(1, est.num_ops // max(1, est.steps)),
+                   checkpoint_modes=modes, checkpoint_budget=ckpt_budget)
+
+
+def _fake_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake CPU tensors (call inside a
+    ``FakeTensorMode``): models that branch on data (``.item()`` in Hugging Face's mask code)
+    see fake tensors and take their tracing path, which meta tensors cannot."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.zeros(b.shape, dtype=b.dtype, device="cpu")
+    return copy.deepcopy(model, memo)
+
+
+def _fake_inputs(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return torch.zeros(batch.shape, dtype=batch.dtype, device="cpu")
+    if isinstance(batch, dict):
+        return {k: _fake_inputs(v) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_fake_inputs(v) for v in batch)
+    return batch
+
+
+def _count_flops(base: nn.Module, sample: Any, cfg: FitConfig, loss_fn: Any
+                 ) -> tuple[float, float]:
+    """FLOPs of forward + backward (with recompute), and of the forward alone, of one sample,
+    on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.trace import default_loss
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _fake_copy(base)
+        apply_techniques(model, cfg)
+        inputs = _fake_inputs(_shaped(sample, 1))
+        with FlopCounterMode(display=False) as counter:
+            loss = (loss_fn or default_loss)(call_model(model, inputs))
+            forward = counter.get_total_flops()
+            loss.backward()
+    return float(counter.get_total_flops()), float(forward)
