@@ -321,3 +321,40 @@ def test_apply_bf16_mixed_trains_on_cpu() -> None:
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]  # same batch three times: AdamW lowers its loss
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_attention_backend_is_searched_for_an_eager_model() -> None:
+    # An eager-attention model keeps the s x s scores; the search must offer SDPA, and with a
+    # budget between the two peaks (measured here independently) SDPA is the one that fits.
+    from memfit.models.build import build_model, example_inputs
+    from memfit.models.spec import TransformerSpec
+
+    spec = TransformerSpec(name="tiny", family="llama", arch="decoder", hidden_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
+                           intermediate_size=128, vocab_size=256, max_position_embeddings=512)
+    torch.manual_seed(0)
+    inputs = example_inputs(spec, batch=4, seq=256, device="cpu")
+    inputs["input_ids"].random_(0, 256)
+    inputs["labels"].copy_(inputs["input_ids"])
+    batch = (inputs["input_ids"], inputs["labels"])
+
+    def peak(attn: str) -> int:
+        model = build_model(spec, backend="builtin", device="cpu", attn_implementation=attn)
+        opt = torch.optim.AdamW(model.parameters())
+
+        def step() -> None:
+            for _ in range(2):
+                model(*batch).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        return measure_cpu_peak(step, model, batch).peak_bytes
+
+    eager, sdpa = peak("eager"), peak("sdpa")
+    assert sdpa < eager
+    model = build_model(spec, backend="builtin", device="cpu", attn_implementation="eager")
+    budget = int((eager + sdpa) / 2 / 0.95)  # fit keeps 5% headroom
+    plan = fit(model, batch, global_batch=4, budget_bytes=budget, device="cpu",
+               space={"precision": ["fp32"], "checkpointing": ["none"], "micro_batch": [4]},
+               progress=False)
+    assert plan.config.attention == "sdpa"

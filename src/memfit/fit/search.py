@@ -449,6 +449,32 @@ def _derive(t: _Traced, ref_m: int, m: int, offload_states: bool, offload_activa
     return int(peak)
 
 
+def _uses_eager_attention(model: nn.Module) -> bool:
+    """Whether ``model`` runs eager attention that :func:`use_sdpa` can switch (Hugging Face
+    models by their config, memfit's builtin models by their attention modules)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "_attn_implementation"):
+        return config._attn_implementation == "eager"
+    from memfit.models.build import Attention
+
+    return any(isinstance(m, Attention) and m.eager for m in model.modules())
+
+
+def _attention_choices(base: nn.Module, rejected: list[Rejected]) -> list[str]:
+    """``["model"]``, plus ``"sdpa"`` when the model runs eager attention and can be switched
+    (SDPA never keeps the s x s scores, so it is searched, not assumed)."""
+    if not _uses_eager_attention(base):
+        return ["model"]
+    from memfit.techniques import use_sdpa
+
+    try:
+        use_sdpa(_meta_copy(base))
+    except MemfitError as exc:
+        rejected.append(Rejected(what="attention sdpa", reason=str(exc)))
+        return ["model"]
+    return ["model", "sdpa"]
+
+
 def _default_space(base: nn.Module, optimizer: str, device: str, spec: GpuSpec | None,
                    num_gpus: int, per_gpu: int, rejected: list[Rejected]) -> dict[str, list[Any]]:
     from memfit.techniques.checkpointing import find_blocks
@@ -492,7 +518,7 @@ def _default_space(base: nn.Module, optimizer: str, device: str, spec: GpuSpec |
             "micro_batch": _divisors(per_gpu), "optimizer": optimizers,
             "offload_states": [False, True] if device == "cuda" else [False],
             "offload_activations": [False, True] if device == "cuda" else [False],
-            "chunked_loss": chunked, "attention": ["model"],
+            "chunked_loss": chunked, "attention": _attention_choices(base, rejected),
             "sharding": list(SHARDING) if num_gpus > 1 else ["none"]}
 
 
