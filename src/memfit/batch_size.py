@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._tensors import tensor_leaves
 from memfit.errors import MemfitError, suggest
 from memfit.profile.cpu import measure_cpu_peak
 from memfit.trace import default_loss, estimate
@@ -55,16 +56,6 @@ MODES = ("train", "eval")
 _TRAIN_STEPS = 2  # the second step holds optimizer states while activations are alive
 
 
-def _leaves(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _leaves(v)]
-    if isinstance(obj, list | tuple):
-        return [t for v in obj for t in _leaves(v)]
-    return []
-
-
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -76,7 +67,7 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _rows(batch: Any) -> int:
-    leaves = [t for t in _leaves(batch) if t.dim() > 0]
+    leaves = [t for t in tensor_leaves(batch) if t.dim() > 0]
     if not leaves:
         raise MemfitError("a batch must hold tensors with the batch size first; make_batch "
                           "returned none")
@@ -107,7 +98,7 @@ class _Source:
             for i, batch in enumerate(make_batch):
                 if i >= scan_batches:
                     break
-                length = max((t.numel() // max(1, t.shape[0]) for t in _leaves(batch)
+                length = max((t.numel() // max(1, t.shape[0]) for t in tensor_leaves(batch)
                               if t.dim() > 0), default=0)
                 if length > best_len:
                     best, best_len = batch, length

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._tensors import tensor_leaves
 from memfit.errors import MemfitError
 from memfit.techniques.accumulation import _sync_gradients, split_batch
 
@@ -95,18 +96,8 @@ class Recovery:
                 f"({accum} accumulation steps for batch {self.batch_size})")
 
 
-def _leaves(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _leaves(v)]
-    if isinstance(obj, list | tuple):
-        return [t for v in obj for t in _leaves(v)]
-    return []
-
-
 def _batch_size(batch: Any) -> int:
-    leaves = _leaves(batch)
+    leaves = list(tensor_leaves(batch))
     if not leaves or leaves[0].dim() == 0:
         raise MemfitError(f"cannot find the batch dimension of a {type(batch).__name__}; pass a "
                           "tensor, or a tuple/list/dict of tensors with the batch size first")
@@ -116,7 +107,7 @@ def _batch_size(batch: Any) -> int:
 def _signature(batch: Any) -> tuple[Any, ...]:
     """What the predictive cap is cached by: every tensor's shape without the batch dimension,
     and its dtype."""
-    return tuple((tuple(t.shape[1:]), t.dtype) for t in _leaves(batch))
+    return tuple((tuple(t.shape[1:]), t.dtype) for t in tensor_leaves(batch))
 
 
 def _meta(batch: Any, rows: int) -> Any:

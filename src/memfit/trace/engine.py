@@ -27,6 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from memfit._tensors import tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
 from memfit.gpus import GpuSpec
@@ -211,7 +212,8 @@ def default_loss(output: Any) -> torch.Tensor:
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss
-    leaves = [t for t in _leaves(output) if t.is_floating_point() and t.requires_grad]
+    leaves = [t for t in tensor_leaves(output, objects=True)
+              if t.is_floating_point() and t.requires_grad]
     if not leaves:
         raise MemfitError("the model output has no floating-point tensor that requires grad to "
                           "backpropagate; pass loss_fn=... or optimizer=None for inference")
@@ -219,20 +221,6 @@ def default_loss(output: Any) -> torch.Tensor:
     for t in leaves[1:]:
         total = total + t.sum()
     return total
-
-
-def _leaves(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _leaves(v)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, nn.Module):
-        for v in vars(obj).values():
-            yield from _leaves(v)
 
 
 # -- module attribution ------------------------------------------------------------------------
@@ -254,7 +242,7 @@ def _module_hooks(model: nn.Module, tracker: Tracker) -> Iterator[None]:
             if tracker.module_stack:
                 tracker.module_stack.pop()
             if torch.is_grad_enabled():
-                for t in _leaves(out) if not isinstance(out, torch.Tensor) else [out]:
+                for t in tensor_leaves(out, objects=True):
                     if t.requires_grad and t.grad_fn is not None:
                         t.register_hook(mark)
         return hook
@@ -465,7 +453,7 @@ def _register_baseline(tracker: Tracker, model: nn.Module, inputs: Any) -> None:
                 tracker.track(b, MemoryCategory.WEIGHTS, name)
         for v in _leaves_shallow(vars(mod).values()):
             tracker.track(v, MemoryCategory.WEIGHTS, name)
-    for t in _leaves(inputs):
+    for t in tensor_leaves(inputs, objects=True):
         tracker.track(t, MemoryCategory.ACTIVATIONS, "")
 
 
@@ -477,7 +465,7 @@ def _mark_grads(tracker: Tracker, params: list[nn.Parameter], owners: dict[int, 
 
 def _mark_states(tracker: Tracker, opt: torch.optim.Optimizer, owners: dict[int, str]) -> None:
     for p, state in opt.state.items():
-        for v in _leaves(state):
+        for v in tensor_leaves(state, objects=True):
             tracker.track(v, MemoryCategory.OPTIMIZER_STATES, owners.get(id(p), ""))
 
 
