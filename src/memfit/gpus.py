@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import MemfitError, suggest
+from memfit.errors import MemfitError, read_json_file, suggest
 
 __all__ = ["GpuSpec", "Link", "get_gpu", "list_gpus", "load_catalog", "user_gpu_file"]
 
@@ -229,22 +229,9 @@ def _builtin() -> dict[str, GpuSpec]:
 
 
 def _read_user_file(path: Path) -> list[dict[str, Any]]:
-    where = str(path)
-    if not path.is_file():
-        raise MemfitError(f"GPU file {where} does not exist; pass an existing JSON file to "
-                          f"--gpu-file (or fix ${ENV_VAR})")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MemfitError(f"cannot read GPU file {where}: {exc}; check the path and that it is "
-                          f"UTF-8 text") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise MemfitError(f"GPU file {where} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                          f"column {exc.colno}; fix the syntax (a JSON object with a \"gpus\" "
-                          f"list)") from None
-    return _entries(data, where)
+    data = read_json_file(path, what="GPU file", fix=(
+        f"pass a JSON object with a \"gpus\" list to --gpu-file (or fix ${ENV_VAR})"))
+    return _entries(data, str(path))
 
 
 def _entries(data: Any, where: str) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, read_json_file
 from memfit.fit.config import FitConfig
 from memfit.fit.cost import StepCost
 from memfit.units import format_bytes
@@ -224,15 +224,8 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         """Read a plan saved by :meth:`save` (JSON only, validated)."""
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise MemfitError(f"cannot read plan file {path}: {exc.strerror}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise MemfitError(f"plan file {path} is not valid JSON ({exc.msg} at line "
-                              f"{exc.lineno}); re-create it with memfit fit --save") from None
+        data = read_json_file(path, what="plan file",
+                              fix="re-create it with memfit fit --save")
         return cls.from_dict(data, source=f"plan file {path}")
 
 

@@ -13,12 +13,11 @@ Multimodal configs (a nested ``text_config``) are not supported.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, read_json_file
 from memfit.models.spec import TransformerSpec
 
 _LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "gemma2", "phi3")
@@ -254,19 +253,9 @@ def load_hf_config(path: str | Path) -> TransformerSpec:
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise MemfitError(f"{path}: no such file; pass a Hugging Face config.json (or the "
-                          f"directory holding it) or a preset name (run `memfit models`)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MemfitError(f"{path}: cannot read the file ({exc}); pass a readable UTF-8 "
-                          f"config.json") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise MemfitError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column "
-                          f"{exc.colno}); pass a Hugging Face config.json") from None
+    data = read_json_file(path, what="config file", fix=(
+        "pass a Hugging Face config.json (or the directory holding it) or a preset name "
+        "(run `memfit models`)"))
     if not isinstance(data, dict):
         raise MemfitError(f"{path}: expected a JSON object, got {type(data).__name__}; pass a "
                           f"Hugging Face config.json")
