@@ -117,21 +117,10 @@ class Tracker:
             nbytes = st.nbytes()
             if nbytes == 0:
                 return None
-            uid = len(self.infos)
-            info = StorageInfo(nbytes, self.phase, self.step,
-                               self.module if module is None else module)
-            self.infos.append(info)
+            uid = self._allocate(StorageInfo(nbytes, self.phase, self.step,
+                                             self.module if module is None else module))
             self.live[key] = uid
             self._refs[uid] = weakref.ref(st, self._freer(uid, key))
-            self.events.append(uid)
-            if self.allocator is not None:
-                info.handle = self.allocator.malloc(nbytes)
-            self.current += self._size(nbytes)
-            if self.current > self.peak:
-                self.peak = self.current
-                self.peak_events = len(self.events)
-                self.peak_op = len(self.ops)
-                self.peak_extra = 0
         if role is not None:
             info = self.infos[uid]
             info.role = role
@@ -157,17 +146,22 @@ class Tracker:
         """An allocation no tensor stands for (a library workspace) that lives to the end."""
         info = StorageInfo(nbytes, self.phase, self.step, module)
         info.role = role
+        self._allocate(info)
+
+    def _allocate(self, info: StorageInfo) -> int:
+        """Record a new allocation: its event, the allocator model, the running peak."""
         uid = len(self.infos)
         self.infos.append(info)
         self.events.append(uid)
         if self.allocator is not None:
-            info.handle = self.allocator.malloc(nbytes)
-        self.current += self._size(nbytes)
+            info.handle = self.allocator.malloc(info.nbytes)
+        self.current += self._size(info.nbytes)
         if self.current > self.peak:
             self.peak = self.current
             self.peak_events = len(self.events)
             self.peak_op = len(self.ops)
             self.peak_extra = 0
+        return uid
 
     def transient(self, candidate: int) -> None:
         """An op's kernel held ``candidate`` live bytes at its high point (see cpu_kernels.py)."""
