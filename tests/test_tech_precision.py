@@ -69,8 +69,7 @@ def lm_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def mse(logits: torch.Tensor) -> torch.Tensor:
-    # In the output's dtype: with .float() the trace engine over-predicts bf16-mixed by one
-    # low-precision copy of the logits (see test_estimate_with_upcast_loss).
+    # In the output's dtype (test_estimate_with_upcast_loss covers the .float() variant).
     return logits.pow(2).mean()
 
 
