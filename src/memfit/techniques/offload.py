@@ -12,6 +12,11 @@ it back just before the op that needs it. With ``use_streams=True`` the device-t
 on a side CUDA stream, overlapped with the forward's compute (``record_stream`` keeps the GPU
 block from being reused until its copy is done). Pinned memory makes the copies asynchronous.
 
+A tensor saved by several nodes (a ReLU's output, saved by the ReLU and by the next matmul) is
+copied once. ``memfit.estimate(..., device="cuda")`` predicts the effect: the host copies are
+left out of the device peak and reported as ``Estimate.host_peak_bytes`` (see
+Note: [host memory in a CUDA trace] in ``memfit/trace/host.py``).
+
 On the CPU there is nothing to gain (the "device" is host memory): CPU tensors are passed through
 untouched (no copy, no extra memory) and a warning says so once.
 
@@ -32,13 +37,16 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.errors import MemfitError
+from memfit.trace.host import copy_to_device, copy_to_host, stands_for_device
 
 __all__ = ["OffloadActivations", "OffloadStats", "apply_activation_offload",
            "offload_activations"]
@@ -62,16 +70,23 @@ class OffloadStats:
 
 
 class _Offloaded:
-    """A saved tensor's CPU copy (and the device to return it to)."""
+    """A saved tensor's host copy (and the device to return it to)."""
 
-    __slots__ = ("cpu", "device")
+    __slots__ = ("cpu", "device", "traced")
 
-    def __init__(self, cpu: torch.Tensor, device: torch.device) -> None:
-        self.cpu, self.device = cpu, device
+    def __init__(self, cpu: torch.Tensor, device: torch.device, traced: bool) -> None:
+        self.cpu, self.device, self.traced = cpu, device, traced
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """The saved-tensor hooks behind :func:`offload_activations` (a context manager).
+
+    A tensor saved by several autograd nodes (an activation's output saved by it and by the next
+    matmul) is copied once: later saves of the same tensor, unmodified, share its host copy.
 
     Known limitations: see the module docstring.
     """
@@ -85,42 +100,56 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.pin_memory = pin_memory
         self.use_streams = use_streams
         self.stats = OffloadStats()
+        self.model = model
         self._exclude: set[int] = set()
-        if model is not None:
-            for t in (*model.parameters(), *model.buffers()):
-                self._exclude.add(t.untyped_storage().data_ptr())
+        # id(tensor) -> (weakref to it, its version when copied, the copy): one copy per tensor
+        self._copies: dict[int, tuple[weakref.ref[torch.Tensor], int, _Offloaded]] = {}
         self._stream: Any = None
         self._warned = False
         super().__init__(self._pack, self._unpack)
+
+    def __enter__(self) -> None:
+        # The model's storages now (it may have moved since the hooks were made).
+        if self.model is not None:
+            self._exclude = {_storage_key(t) for t in (*self.model.parameters(),
+                                                       *self.model.buffers())
+                             if not is_traceable_wrapper_subclass(t)}  # quantized: no storage
+        self._copies.clear()
+        super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._copies.clear()  # the packed copies live on in the autograd graph, not here
 
     def _keep(self, t: torch.Tensor) -> bool:
         if isinstance(t, nn.Parameter) or t.untyped_storage().nbytes() == 0:
             return True
         if t.numel() * t.element_size() < self.min_bytes:
             return True
-        if t.device.type == "cpu":
-            if not self._warned:
+        if not stands_for_device(t):  # host memory (the CPU itself) or meta
+            if t.device.type == "cpu" and not self._warned:
                 self._warned = True
                 warnings.warn(_CPU_NOTE, stacklevel=4)
             return True
-        if t.device.type == "meta":
-            return True
-        return t.untyped_storage().data_ptr() in self._exclude
+        return _storage_key(t) in self._exclude
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._keep(t):
             self.stats.kept += 1
             return t
+        seen = self._copies.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += t.numel() * t.element_size()
         from torch._subclasses.fake_tensor import FakeTensor
 
         if isinstance(t, FakeTensor):  # traced by memfit.estimate: model the copy, no streams
-            return _Offloaded(t.to("cpu"), t.device)
-        pin = self.pin_memory and t.is_cuda
-        # Same strides when dense (preserve_format), so the copy is one straight run of bytes.
-        cpu = torch.empty_like(t, device="cpu", pin_memory=pin)
-        if self.use_streams and t.is_cuda:
+            packed = _Offloaded(copy_to_host(t), t.device, traced=True)
+        elif self.use_streams and t.is_cuda:
+            pin = self.pin_memory
+            # Same strides when dense (preserve_format), so the copy is one straight run of bytes.
+            cpu = torch.empty_like(t, device="cpu", pin_memory=pin)
             if self._stream is None:
                 self._stream = torch.cuda.Stream(t.device)
             current = torch.cuda.current_stream(t.device)
@@ -128,13 +157,18 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             with torch.cuda.stream(self._stream):
                 cpu.copy_(t, non_blocking=pin)
             t.record_stream(self._stream)  # no reuse of t's block before its copy is done
+            packed = _Offloaded(cpu, t.device, traced=False)
         else:
-            cpu.copy_(t, non_blocking=pin)
-        return _Offloaded(cpu, t.device)
+            packed = _Offloaded(copy_to_host(t, pin_memory=self.pin_memory), t.device,
+                                traced=False)
+        self._copies[id(t)] = (weakref.ref(t), t._version, packed)
+        return packed
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Offloaded):
             return packed
+        if packed.traced:
+            return copy_to_device(packed.cpu, packed.device)
         if self._stream is not None:  # the host copy must be complete before it is read back
             torch.cuda.current_stream(packed.device).wait_stream(self._stream)
         return packed.cpu.to(packed.device, non_blocking=packed.cpu.is_pinned())

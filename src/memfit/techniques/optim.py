@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from memfit.errors import MemfitError, suggest
+from memfit.trace.host import host_memory
 
 __all__ = ["IMPLS", "OPTIMIZER_NAMES", "CPUOffloadOptimizer", "make_optimizer", "state_bytes"]
 
@@ -171,13 +172,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.host = torch.device(host)
         pin = torch.cuda.is_available() and any(p.is_cuda for p in self.device_params)
         self.host_params: list[torch.Tensor] = []
-        for p in self.device_params:
-            hp = torch.empty_like(p, device=self.host, pin_memory=pin)
-            hp.copy_(p.detach())
-            hp.requires_grad_(True)
-            self.host_params.append(hp)
+        # host_memory(): what is made here is host memory, also in a trace of a CUDA target
+        with host_memory():
+            for p in self.device_params:
+                hp = torch.empty_like(p, device=self.host, pin_memory=pin)
+                hp.copy_(p.detach())
+                hp.requires_grad_(True)
+                self.host_params.append(hp)
+            self.inner = optimizer_factory(self.host_params)
         self._pin = pin
-        self.inner = optimizer_factory(self.host_params)
         self.defaults = self.inner.defaults
         self._optimizer_step_pre_hooks: dict[int, Any] = {}
         self._optimizer_step_post_hooks: dict[int, Any] = {}
@@ -201,11 +204,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 hp.grad = None
                 continue
             if hp.grad is None:
-                hp.grad = torch.empty_like(hp, pin_memory=self._pin)
+                with host_memory():
+                    hp.grad = torch.empty_like(hp, pin_memory=self._pin)
             hp.grad.copy_(p.grad, non_blocking=self._pin)
         if self._pin:
             torch.cuda.synchronize()
-        self.inner.step()
+        with host_memory():  # the states and the step's temporaries
+            self.inner.step()
         for p, hp in zip(self.device_params, self.host_params, strict=True):
             if hp.grad is not None:
                 p.copy_(hp, non_blocking=self._pin)

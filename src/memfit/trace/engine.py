@@ -31,6 +31,7 @@ from memfit._tensors import tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
 from memfit.gpus import GpuSpec
+from memfit.trace import host
 from memfit.trace.autocast import target_autocast
 from memfit.trace.datadep import DataDependentSizes
 from memfit.trace.estimate import TRACKED, Estimate, ModuleMemory, TimelinePoint
@@ -355,7 +356,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
 
         allocator = CachingAllocatorSim(expandable_segments=expandable_segments)
     tracker = Tracker(fake_device, round_to=_CUDA_BLOCK if cuda_target else 1,
-                      allocator=allocator)
+                      allocator=allocator, host_split=cuda_target)
     notes: list[str] = []
 
     def warn(note: str) -> None:
@@ -368,6 +369,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
     fake_mode = TrackingFakeMode(tracker, datadep, warn, measure_cpu_kernels=not cuda_target)
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_mode)
+        stack.enter_context(host.tracing(tracker))
         fmodel = _fake_model(model, fake_device, param_dtype)
         finputs = _fake_inputs(inputs, fake_device, {}, param_dtype)
         _register_baseline(tracker, fmodel, finputs)
@@ -544,4 +546,4 @@ def _result(tracker: Tracker, allocator: Any, runtime: dict[str, int],
                     steps=steps, peak_op=peak_op, peak_phase=peak_phase, peak_step=peak_step,
                     peak_module=peak_module, timeline=timeline, modules=modules,
                     num_ops=len(tracker.ops), trace_seconds=elapsed, assumptions=tuple(notes),
-                    runtime_in_allocator=in_allocator)
+                    runtime_in_allocator=in_allocator, host_peak_bytes=tracker.host_peak)

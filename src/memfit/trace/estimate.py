@@ -98,6 +98,11 @@ class Estimate:
     runtime_in_allocator: frozenset[str] = frozenset()
     """Names in ``runtime`` allocated through the caching allocator (cuBLAS workspaces): they are
     part of ``peak_bytes`` and ``peak_reserved_bytes``, as in torch's allocator statistics."""
+    host_peak_bytes: int = 0
+    """Peak host (CPU) memory held by offloading on a CUDA target: activation offload's copies,
+    offloaded optimizer states and the host copies their step works on (tensor bytes, before
+    the pinned-memory allocator rounds them up). 0 for a CPU target, where it is device memory
+    and part of ``peak_bytes``."""
 
     @property
     def runtime_bytes(self) -> int:
@@ -134,6 +139,8 @@ class Estimate:
             summary.add_row("runtime outside the allocator",
                             format_bytes(self.runtime_outside_allocator_bytes))
             summary.add_row("total (reserved + runtime)", format_bytes(self.total_bytes))
+        if self.host_peak_bytes:
+            summary.add_row("host memory for offload (peak)", format_bytes(self.host_peak_bytes))
         summary.add_row("peak at", f"{self.peak_op} ({self.peak_phase}, step {self.peak_step}"
                         + (f", module {self.peak_module}" if self.peak_module else "") + ")")
         console.print(summary)

@@ -42,10 +42,12 @@ _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.
 class StorageInfo:
     """One allocation: its size and what it was created by."""
 
-    __slots__ = ("handle", "module", "nbytes", "phase", "role", "saved", "step")
+    __slots__ = ("handle", "host", "module", "nbytes", "phase", "role", "saved", "step")
 
-    def __init__(self, nbytes: int, phase: str, step: int, module: str) -> None:
+    def __init__(self, nbytes: int, phase: str, step: int, module: str,
+                 host: bool = False) -> None:
         self.nbytes = nbytes
+        self.host = host  # host memory of a device target: not part of the device's peak
         self.phase = phase
         self.step = step
         self.module = module
@@ -62,12 +64,21 @@ class StorageInfo:
 
 
 class Tracker:
-    """Allocation log of a traced run on one device type ("cpu" or "cuda")."""
+    """Allocation log of a traced run on one device type ("cpu" or "cuda").
 
-    def __init__(self, device_type: str, *, round_to: int = 1, allocator: Any = None) -> None:
+    ``host_split``: the target is a device with memory of its own (CUDA), so storages created as
+    host memory (see host.py) are kept out of the device's log and counted in ``host_peak``."""
+
+    def __init__(self, device_type: str, *, round_to: int = 1, allocator: Any = None,
+                 host_split: bool = False) -> None:
         self.device_type = device_type
         self.round_to = round_to
         self.allocator = allocator
+        self.host_split = host_split
+        self.host_depth = 0  # > 0 inside host.host_memory(): new storages are host memory
+        self._host_keys: dict[int, weakref.ref[Any]] = {}  # host storages made while not tracking
+        self.host_current = 0
+        self.host_peak = 0
         self.infos: list[StorageInfo] = []
         self.live: dict[int, int] = {}  # storage address (_cdata) -> uid
         self._refs: dict[int, weakref.ref[Any]] = {}
@@ -108,17 +119,18 @@ class Tracker:
             return uid
         # A FakeTensor's ``.device`` is a dispatched op (prim.device); its attribute is not.
         device = getattr(t, "fake_device", None) or t.device
-        if device.type != self.device_type:
-            return None
         st = t.untyped_storage()
         key = st._cdata
+        host = self.host_split and (self.host_depth > 0 or key in self._host_keys)
+        if device.type != self.device_type and not host:
+            return None
         uid = self.live.get(key)
         if uid is None:
             nbytes = st.nbytes()
             if nbytes == 0:
                 return None
             uid = self._allocate(StorageInfo(nbytes, self.phase, self.step,
-                                             self.module if module is None else module))
+                                             self.module if module is None else module, host))
             self.live[key] = uid
             self._refs[uid] = weakref.ref(st, self._freer(uid, key))
         if role is not None:
@@ -135,8 +147,11 @@ class Tracker:
             if self.live.get(key) == uid:
                 del self.live[key]
             del self._refs[uid]
-            self.events.append(~uid)
             info = self.infos[uid]
+            if info.host:
+                self.host_current -= info.nbytes
+                return
+            self.events.append(~uid)
             self.current -= self._size(info.nbytes)
             if self.allocator is not None and info.handle is not None:
                 self.allocator.free(info.handle)
@@ -152,6 +167,10 @@ class Tracker:
         """Record a new allocation: its event, the allocator model, the running peak."""
         uid = len(self.infos)
         self.infos.append(info)
+        if info.host:
+            self.host_current += info.nbytes
+            self.host_peak = max(self.host_peak, self.host_current)
+            return uid
         self.events.append(uid)
         if self.allocator is not None:
             info.handle = self.allocator.malloc(info.nbytes)
@@ -162,6 +181,22 @@ class Tracker:
             self.peak_op = len(self.ops)
             self.peak_extra = 0
         return uid
+
+    def mark_host(self, t: torch.Tensor) -> None:
+        """Remember ``t``'s storage as host memory (made inside host.host_memory() by an op the
+        fake mode does not track: building an optimizer, say) until it is freed."""
+        if not self.host_split or is_traceable_wrapper_subclass(t):
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self._host_keys:
+            self._host_keys[key] = weakref.ref(st, lambda _: self._host_keys.pop(key, None))
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage was recorded as host memory."""
+        key = t.untyped_storage()._cdata
+        uid = self.live.get(key)
+        return key in self._host_keys or (uid is not None and self.infos[uid].host)
 
     def transient(self, candidate: int) -> None:
         """An op's kernel held ``candidate`` live bytes at its high point (see cpu_kernels.py)."""
@@ -176,7 +211,7 @@ class Tracker:
         infos = self.infos
         for uid in self.live.values():
             info = infos[uid]
-            if info.phase == _FORWARD and info.step == self.step:
+            if info.phase == _FORWARD and info.step == self.step and not info.host:
                 info.saved = True
 
     def close(self) -> None:
@@ -276,8 +311,14 @@ class TrackingFakeMode(FakeTensorMode):
         self.matmul_workspaces: dict[str, list[int]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _PRIM_DEVICE or not self.tracking or self._depth:
+        if func is _PRIM_DEVICE or self._depth:
             return super().__torch_dispatch__(func, types, args, kwargs)
+        if not self.tracking:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.tracker.host_depth:
+                for t in _tensors(out):
+                    self.tracker.mark_host(t)
+            return out
         self._depth += 1
         try:
             return self._tracked(func, types, args, kwargs or {})
