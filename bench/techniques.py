@@ -557,6 +557,54 @@ def run_rows(ctx: Context, rows: Sequence[Row], steps: int, log: Callable[[str],
     return results
 
 
+# -- offload on a CUDA target, predicted (the CPU cannot show it: its host is its device) --------
+
+def _offload_variants(ctx: Context) -> list[tuple[str, nn.Module, Any]]:
+    def offloaded_states(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return make_optimizer(ps, "adamw", impl="for-loop", offload_states=True)
+
+    act = ctx.fresh()
+    apply_activation_offload(act, min_bytes=2**16)
+    ckpt_act = ctx.fresh()
+    apply_activation_checkpointing(ckpt_act, "full")
+    apply_activation_offload(ckpt_act, min_bytes=2**16)
+    both = ctx.fresh()
+    apply_activation_offload(both, min_bytes=2**16)
+    return [("baseline (fp32 AdamW)", ctx.fresh(), "adamw"),
+            ("activation offload", act, "adamw"),
+            ("optimizer-state CPU offload", ctx.fresh(), offloaded_states),
+            ("full ckpt + activation offload", ckpt_act, "adamw"),
+            ("activation + state offload", both, offloaded_states)]
+
+
+def cuda_predictions(ctx: Context) -> list[dict[str, Any]]:
+    """The trace engine's device and host peaks for the offload techniques on a CUDA target
+    (``memfit.estimate(..., device="cuda")``): predictions, not measurements."""
+    rows: list[dict[str, Any]] = []
+    for label, model, optimizer in _offload_variants(ctx):
+        with _quiet():
+            est = memfit.estimate(model, ctx.inputs, optimizer=optimizer, device="cuda",
+                                  steps=2)
+        rows.append({"technique": label, "device_peak_bytes": est.peak_bytes,
+                     "device_reserved_bytes": est.peak_reserved_bytes,
+                     "host_peak_bytes": est.host_peak_bytes, "peak_phase": est.peak_phase})
+    base = rows[0]["device_peak_bytes"]
+    for r in rows:
+        r["device_peak_rel"] = r["device_peak_bytes"] / base
+    return rows
+
+
+def format_predictions(rows: Sequence[dict[str, Any]]) -> str:
+    head = (f"{'technique (CUDA target, predicted)':36} {'device peak':>12} {'vs base':>7} "
+            f"{'reserved':>10} {'host peak':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['technique']:36} {_mib(r['device_peak_bytes']):>12} "
+                     f"{r['device_peak_rel']:7.3f} {_mib(r['device_reserved_bytes']):>10} "
+                     f"{_mib(r['host_peak_bytes']):>10}")
+    return "\n".join(lines)
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     head = (f"{'technique':32} {'peak':>10} {'vs base':>7} {'step ms':>8} {'vs base':>7} "
             f"{'predicted':>10} {'pred/meas':>9}  note")
@@ -651,6 +699,13 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, Any]
               + "; predicted: memfit.estimate (trace engine, 2 steps)")
     print(table)
     print(legend)
+    predictions: list[dict[str, Any]] = []
+    if args.device == "cpu":
+        predictions = cuda_predictions(ctx)
+        print()
+        print(format_predictions(predictions))
+        print("predicted by memfit.estimate(..., device='cuda'): peak allocated and reserved on "
+              "the device (cuBLAS workspaces included), and the host memory offload holds")
     seconds = time.perf_counter() - started
     print(f"({seconds:.0f} s in total)")
     report = {
@@ -666,6 +721,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, Any]
         "peak_method": ("profiler allocator events (setup + step) + inputs" if args.device == "cpu"
                         else "torch.cuda.max_memory_allocated"),
         "rows": results, "table": table, "legend": legend,
+        "cuda_predictions": predictions,
     }
     out = args.out or Path("bench/results") / (
         f"techniques-{args.device}{'-quick' if args.quick else ''}-{dt.date.today().isoformat()}"

@@ -358,3 +358,26 @@ def test_attention_backend_is_searched_for_an_eager_model() -> None:
                space={"precision": ["fp32"], "checkpointing": ["none"], "micro_batch": [4]},
                progress=False)
     assert plan.config.attention == "sdpa"
+
+
+def test_cuda_target_traces_checkpointed_attention_models() -> None:
+    # Every checkpointing candidate of an SDPA model on a CUDA target is traced, none rejected
+    # because the engine failed (the recompute in backward must use the same attention kernels).
+    from memfit.fit.search import ENGINE_FAILED
+    from memfit.models.build import build_model, example_inputs
+    from memfit.models.spec import TransformerSpec
+
+    spec = TransformerSpec(name="t", family="llama", arch="decoder", hidden_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
+                           intermediate_size=192, vocab_size=512)
+    torch.manual_seed(0)
+    model = build_model(spec, backend="builtin", device="cpu")
+    inputs = example_inputs(spec, batch=4, seq=64, device="cpu")
+    space = {"precision": ["fp32"], "checkpointing": ["none", "selective", "full"],
+             "micro_batch": [4], "optimizer": ["adamw"], "offload_states": [False],
+             "offload_activations": [False], "chunked_loss": [False]}
+    plan = fit(model, inputs, global_batch=4, gpu="a100-40gb", device="cuda", space=space,
+               progress=False, top=10)
+    assert not [r for r in plan.rejected if ENGINE_FAILED in r.reason]
+    traced = {c.config.checkpointing for c in (plan.chosen, *plan.runners_up)}
+    assert traced == {"none", "selective", "full"}

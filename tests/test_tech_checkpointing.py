@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from memfit import estimate
+from memfit import MemoryCategory, estimate
 from memfit.errors import MemfitError
 from memfit.models.build import build_model, example_inputs
 from memfit.models.spec import TransformerSpec
@@ -325,3 +325,27 @@ def test_budget_checkpoints_just_enough() -> None:
     exact = apply_activation_checkpointing(TinyGPT(), Budget(floor), inputs=(x,))
     assert exact.predicted_activation_bytes is not None
     assert exact.predicted_activation_bytes <= floor
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", EveryK(2)])
+def test_cuda_target_recomputes_with_cuda_attention_kernels(policy: Any) -> None:
+    # A CUDA target on a CPU-only torch routes attention to CUDA's kernels (memory-efficient
+    # attention on an A100-class GPU). Checkpointing recomputes the forward in backward, where the
+    # routing must still hold: otherwise the recompute takes the CPU kernel, saves different
+    # tensors, and torch.utils.checkpoint rejects the step.
+    spec = TransformerSpec(name="t", family="llama", arch="decoder", hidden_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
+                           intermediate_size=192, vocab_size=512)
+    inputs = example_inputs(spec, batch=2, seq=64, device="cpu")
+    torch.manual_seed(0)
+    plain = build_model(spec, backend="builtin", device="cpu")
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, policy)
+    base = estimate(plain, inputs, optimizer="sgd", device="cuda", steps=1)
+    est = estimate(model, inputs, optimizer="sgd", device="cuda", steps=1)
+    ops = {(p.phase, p.op) for p in est.timeline if "attention" in p.op}
+    assert not any("for_cpu" in op for _, op in ops), ops
+    assert ("forward", "aten._scaled_dot_product_efficient_attention.default") in ops
+    if policy == "full":  # the whole block, attention included, runs again in backward
+        assert ("backward", "aten._scaled_dot_product_efficient_attention.default") in ops
+    assert est.breakdown[MemoryCategory.ACTIVATIONS] < base.breakdown[MemoryCategory.ACTIVATIONS]

@@ -419,7 +419,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
             if loss is not None and opt is not None:
                 tracker.phase = "backward"
                 tracker.backward_module = ""
-                loss.backward()
+                _backward(loss)
                 del loss, out
                 _mark_grads(tracker, params, owners)
                 tracker.phase = "optimizer"
@@ -432,6 +432,28 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
     elapsed = time.perf_counter() - started
     return _result(tracker, allocator, runtime, in_allocator, device=device, precision=precision,
                    optimizer=optimizer, steps=steps, notes=notes, elapsed=elapsed)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    """``loss.backward()``, run by autograd's engine while the trace's torch-function mode (the
+    CUDA SDPA routing) stays active.
+
+    ``Tensor.backward`` is itself a torch function: the mode's handler would run it with the mode
+    popped, so a forward that activation checkpointing recomputes in backward would take CPU
+    kernels where the original forward took CUDA's, and checkpoint's recompute check fails."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else (
+            f"a tensor of shape {tuple(loss.shape)}")
+        raise MemfitError(f"the loss must be a scalar tensor, got {what}; return e.g. "
+                          f"loss.mean() from loss_fn")
+    if not loss.requires_grad:
+        raise MemfitError("the loss does not require grad (nothing to backpropagate); check "
+                          "that the model has trainable parameters, or pass optimizer=None")
+    grad = torch.ones_like(loss, memory_format=torch.preserve_format)
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:  # torch < 2.3
+        run = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
+    run((loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 def _owners(model: nn.Module) -> dict[int, str]:
