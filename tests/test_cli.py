@@ -147,3 +147,32 @@ def run_or_exit(capsys, argv: list[str]) -> tuple[int, str, str]:
         code = int(exc.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def test_plan_method_trace_json_and_optimizer_offload(capsys) -> None:
+    # GPT-2 (124,439,808 parameters, published) traced on meta tensors for an A100, fp32 AdamW.
+    P = 124_439_808
+    common = ("plan", "gpt2", "--method", "trace", "--gpu", "a100-40gb", "--precision", "fp32",
+              "--batch", "1", "--seq", "64", "--json")
+    code, out, err = run(capsys, *common)
+    assert code == 0, err
+    plain = json.loads(out)
+    breakdown = plain["per_gpu"]["breakdown"]
+    assert plain["method"] == "trace" and plain["model"]["params"] == P
+    assert plain["per_gpu"]["total_bytes"] == sum(breakdown.values())
+    assert plain["host_peak_bytes"] == 0
+    code, out, err = run(capsys, *common, "--offload-optimizer")
+    assert code == 0, err
+    off = json.loads(out)
+    # AdamW's two fp32 states (8 B/param) leave the device...
+    assert off["per_gpu"]["breakdown"]["optimizer_states"] == 0
+    assert breakdown["optimizer_states"] >= 8 * P
+    assert plain["per_gpu"]["total_bytes"] - off["per_gpu"]["total_bytes"] >= 8 * P
+    # ...for the host, with a host copy of the parameters and of the gradients: 16 B/param
+    assert off["host_peak_bytes"] >= 16 * P
+
+
+def test_plan_method_trace_refuses_what_it_does_not_model(capsys) -> None:
+    code, _, err = run(capsys, "plan", "gpt2", "--method", "trace", "--mode", "lora")
+    assert code == 2
+    assert "--method trace does not model --mode lora" in err and "\n" not in err.strip()

@@ -141,6 +141,41 @@ def test_estimate_predicts_int8_inference() -> None:
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
 
 
+@pytest.mark.parametrize("scheme", ["int8-dynact-int4-weight", "int4-weight"])
+def test_qat_training_step_costs_memory_and_estimate_predicts_it(scheme: str) -> None:
+    # QAT trains through fake-quantized weights (and activations): each linear's forward makes a
+    # quantize-dequantize copy of its weight that autograd keeps, so a step peaks higher than
+    # plain fp32 training. The trace engine must see those temporaries.
+    def step_peak(qat: bool) -> tuple[int, int]:
+        torch.manual_seed(0)
+        model = mlp(3).train()
+        if qat:
+            prepare_qat(model, scheme, group_size=32)
+        x = torch.randn(64, DIM)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step()
+        gc.collect()
+        real = measure_cpu_peak(step, model, x).peak_bytes
+        est = estimate(model, x, optimizer="sgd", loss_fn=lambda o: o.pow(2).mean(),
+                       device="cpu", steps=2)
+        return real, est.peak_bytes
+
+    plain, _ = step_peak(False)
+    real, pred = step_peak(True)
+    # the fake-quantized fp32 copy of each 512x512 weight is saved for backward (F.linear keeps
+    # the weight it multiplied by to compute the input gradient)
+    assert real - plain >= 2 * DIM * DIM * 4
+    # 2%: the real step's torchao fake-quantize temporaries vary with the process's history
+    # (the same int8-dynact step measured 8,492,544 B in a fresh process and 8,410,368 B after
+    # the checkpointing tests); the prediction was 0.10% above the fresh-process measurement.
+    assert abs(pred - real) <= 0.02 * real, (pred, real)
+
+
 # -- errors and GPU ---------------------------------------------------------------------------
 
 def test_errors() -> None:

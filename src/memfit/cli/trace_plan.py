@@ -28,8 +28,8 @@ def _check_traceable(model: ModelSpec, run: RunConfig) -> TransformerSpec:
         unsupported.append("--gpus > 1 (sharding, tp, pp)")
     if run.mode in ("lora", "qlora"):
         unsupported.append(f"--mode {run.mode}")
-    if run.offload_optimizer or run.offload_params:
-        unsupported.append("offload")
+    if run.offload_params:
+        unsupported.append("--offload-params")
     if run.weight_quant != "none" or run.kv_cache_dtype is not None or run.new_tokens:
         unsupported.append("--quant / --kv-cache-dtype / --new-tokens")
     if run.precision == "fp8":
@@ -58,8 +58,24 @@ def traced_estimate(spec: TransformerSpec, run: RunConfig, gpu: GpuSpec | None) 
     if not training:
         model.eval()
         inputs.pop("labels", None)
-    return estimate(model, inputs, optimizer=run.optimizer if training else None,
-                    precision=run.precision, device="cuda", gpu=gpu, steps=2 if training else 1)
+    optimizer: Any = run.optimizer if training else None
+    if training and run.offload_optimizer:
+        optimizer = _offloaded(run.optimizer)
+    return estimate(model, inputs, optimizer=optimizer, precision=run.precision, device="cuda",
+                    gpu=gpu, steps=2 if training else 1)
+
+
+def _offloaded(name: str) -> Any:
+    """``--offload-optimizer``: the optimizer's states and step on the host
+    (``CPUOffloadOptimizer``), the step itself torch's CPU implementation, as it runs for real."""
+    from memfit.techniques.optim import CPUOffloadOptimizer
+    from memfit.trace.optim import make_optimizer
+
+    def factory(params: list[Any]) -> Any:
+        return CPUOffloadOptimizer(
+            params, lambda host: make_optimizer(name, host, cuda_target=False))
+    factory.__name__ = f"{name}+offload"
+    return factory
 
 
 def per_gpu_breakdown(est: Any) -> dict[MemoryCategory, int]:
@@ -87,6 +103,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
                         "breakdown": {c.value: b for c, b in breakdown.items()}},
             "peak_bytes": est.peak_bytes,
             "peak_reserved_bytes": est.peak_reserved_bytes,
+            "host_peak_bytes": est.host_peak_bytes,
             "fits": None if headroom is None else headroom >= 0,
             "headroom_bytes": headroom,
             "peak": {"op": est.peak_op, "phase": est.peak_phase, "module": est.peak_module},
@@ -115,6 +132,8 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     if capacity is not None:
         table.add_row("usable on GPU", format_bytes(capacity), "")
     out.print(table)
+    if est.host_peak_bytes:
+        out.print(f"host memory for offloaded states (peak): {format_bytes(est.host_peak_bytes)}")
     out.print(f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
               f"({est.peak_phase}, step {est.peak_step})")
     if headroom is not None:
