@@ -381,3 +381,27 @@ def test_cuda_target_traces_checkpointed_attention_models() -> None:
     assert not [r for r in plan.rejected if ENGINE_FAILED in r.reason]
     traced = {c.config.checkpointing for c in (plan.chosen, *plan.runners_up)}
     assert traced == {"none", "selective", "full"}
+
+
+def test_offload_candidates_carry_the_traced_peak() -> None:
+    # The search derives offload variants from the trace without offload, then traces the ones
+    # that reach the table with the offload applied: their peak is what memfit.estimate says
+    # for that exact setup (activation offload after checkpointing, states on the host).
+    import memfit
+    from memfit.techniques import apply_activation_offload, make_optimizer
+
+    model, batch = make(4)
+    space = {"precision": ["fp32"], "checkpointing": ["none"], "micro_batch": [4],
+             "optimizer": ["adamw"], "offload_states": [False, True],
+             "offload_activations": [True], "chunked_loss": [False]}
+    plan = fit(model, batch, global_batch=4, gpu="a100-40gb", device="cuda", space=space,
+               progress=False, top=10)
+    got = {c.config.offload_states: c.peak_bytes for c in (plan.chosen, *plan.runners_up)}
+    assert set(got) == {False, True}
+    for offload_states in (False, True):
+        traced = copy.deepcopy(model)
+        apply_activation_offload(traced)
+        est = memfit.estimate(
+            traced, batch, device="cuda", gpu="a100-40gb", steps=2,
+            optimizer=lambda ps, o=offload_states: make_optimizer(ps, "adamw", offload_states=o))
+        assert got[offload_states] == est.total_bytes, offload_states

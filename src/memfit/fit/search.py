@@ -7,14 +7,17 @@ micro-batch that does not fit rules out every larger one: monotonicity) and cost
 ones from the traced ones (FLOPs and saved activations scale linearly with the micro-batch).
 Traces are cached per (precision, checkpointing, optimizer, loss, attention, micro-batch).
 
-Activation offload, optimizer-state offload and ZeRO sharding are derived analytically from the
-trace's timeline (see ``_derive``), not traced.
+Activation offload, optimizer-state offload and ZeRO sharding are first derived analytically
+from the trace's timeline (see ``_derive``); the offload configurations that reach the table are
+then traced with the offload applied, and that peak replaces the derived one (Note: [offload is
+verified by a trace]). ZeRO sharding stays analytic.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import itertools
 import time
@@ -354,7 +357,48 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                           f"{need}; raise the budget (a bigger GPU, more GPUs), shorten the "
                           "sequence, or shrink the model")
     # Ties (same predicted time) go to fewer micro-batches, then the smaller peak.
-    candidates.sort(key=lambda c: (c.cost.total_s, c.config.accumulation, c.peak_bytes))
+    def order(c: Candidate) -> tuple[float, int, int]:
+        return c.cost.total_s, c.config.accumulation, c.peak_bytes
+
+    candidates.sort(key=order)
+    # Note: [offload is verified by a trace] The search derives offload variants from the
+    # trace without offload (``_derive``); the ones that reach the table are traced with the
+    # offload applied (the engine keeps host copies out of the device peak), and their traced
+    # peak replaces the derived one, or rejects them.
+    verified: set[int] = set()
+    while True:
+        pending = [i for i, c in enumerate(candidates[:top]) if id(c) not in verified and
+                   (c.config.offload_activations or c.config.offload_states)
+                   and c.config.sharding == "none"]
+        if not pending:
+            break
+        i = pending[0]
+        c = candidates[i]
+        cfg = c.config
+        t = _trace_one(base, sample_batch, precision=cfg.precision, ckpt=cfg.checkpointing,
+                       optimizer=cfg.optimizer, chunked=cfg.chunked_loss,
+                       attention=cfg.attention, m=cfg.micro_batch, per_gpu=per_gpu,
+                       device=device, gpu=spec, loss_fn=loss_fn, num_gpus=num_gpus,
+                       offload_activations=cfg.offload_activations,
+                       offload_states=cfg.offload_states)
+        if isinstance(t, str):
+            rejected.append(Rejected(what=cfg.label(), reason=t))
+            del candidates[i]
+            continue
+        peak = t.peak_accum if cfg.accumulation > 1 else t.peak
+        if peak > budget:
+            rejected.append(Rejected(what=cfg.label(), reason=(
+                f"traced with offload: peak {peak / 2**20:,.2f} MiB > budget "
+                f"{budget / 2**20:,.2f} MiB (after {headroom:.0%} headroom)"), peak_bytes=peak))
+            del candidates[i]
+            continue
+        candidates[i] = dataclasses.replace(c, peak_bytes=peak, traced=True)
+        verified.add(id(candidates[i]))
+        candidates.sort(key=order)
+    if not candidates:
+        raise MemfitError(f"no configuration fits the budget of {budget:,} bytes once offload "
+                          "is traced; raise the budget, shorten the sequence, or shrink the "
+                          "model")
     oom_trials = 0
     if measure:
         from memfit.fit.measure import measure_candidates
@@ -524,8 +568,12 @@ def _default_space(base: nn.Module, optimizer: str, device: str, spec: GpuSpec |
 
 def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optimizer: str,
                chunked: bool, attention: str, m: int, per_gpu: int, device: str,
-               gpu: GpuSpec | None, loss_fn: Any, num_gpus: int) -> _Traced | str:
-    """Trace one combination at micro-batch ``m``; a string is why it cannot run."""
+               gpu: GpuSpec | None, loss_fn: Any, num_gpus: int,
+               offload_activations: bool = False, offload_states: bool = False
+               ) -> _Traced | str:
+    """Trace one combination at micro-batch ``m``; a string is why it cannot run. With the
+    offload options, the step runs with them as ``Plan.apply`` sets them up (activation offload
+    after checkpointing; the optimizer's states and step on the host)."""
     from memfit.techniques.checkpointing import Budget, apply_activation_checkpointing
     from memfit.trace import estimate
 
@@ -557,9 +605,14 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
         elif ckpt != "none":
             cp = apply_activation_checkpointing(model, ckpt)
             modes = tuple(cp.modes)
+        if offload_activations:
+            from memfit.techniques.offload import apply_activation_offload
+
+            apply_activation_offload(model)
+        traced_optimizer: Any = _host_optimizer(optimizer) if offload_states else optimizer
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            est = estimate(model, inputs, optimizer=optimizer, precision=precision,
+            est = estimate(model, inputs, optimizer=traced_optimizer, precision=precision,
                            loss_fn=loss_fn, device=device, gpu=gpu if device == "cuda" else None,
                            steps=steps, num_gpus=num_gpus)
     except MemfitError as exc:
@@ -602,6 +655,19 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
                    largest_module_activations=largest, saved_activations=saved,
                    ops_per_micro=max(1, est.num_ops // max(1, est.steps)),
                    checkpoint_modes=modes, checkpoint_budget=ckpt_budget)
+
+
+def _host_optimizer(name: str) -> Any:
+    """``make_optimizer(..., offload_states=True)`` as the trace engine builds it: the states
+    and the step on the host, torch's CPU implementation of the update."""
+    from memfit.techniques.optim import CPUOffloadOptimizer
+    from memfit.trace.optim import make_optimizer as traced_optimizer
+
+    def factory(params: list[Any]) -> torch.optim.Optimizer:
+        return CPUOffloadOptimizer(
+            params, lambda host: traced_optimizer(name, host, cuda_target=False))
+    factory.__name__ = f"{name}+offload"
+    return factory
 
 
 def _fake_copy(model: nn.Module) -> nn.Module:
