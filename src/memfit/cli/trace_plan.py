@@ -60,22 +60,11 @@ def traced_estimate(spec: TransformerSpec, run: RunConfig, gpu: GpuSpec | None) 
         inputs.pop("labels", None)
     optimizer: Any = run.optimizer if training else None
     if training and run.offload_optimizer:
-        optimizer = _offloaded(run.optimizer)
+        from memfit.trace.optim import offloaded
+
+        optimizer = offloaded(run.optimizer)
     return estimate(model, inputs, optimizer=optimizer, precision=run.precision, device="cuda",
                     gpu=gpu, steps=2 if training else 1)
-
-
-def _offloaded(name: str) -> Any:
-    """``--offload-optimizer``: the optimizer's states and step on the host
-    (``CPUOffloadOptimizer``), the step itself torch's CPU implementation, as it runs for real."""
-    from memfit.techniques.optim import CPUOffloadOptimizer
-    from memfit.trace.optim import make_optimizer
-
-    def factory(params: list[Any]) -> Any:
-        return CPUOffloadOptimizer(
-            params, lambda host: make_optimizer(name, host, cuda_target=False))
-    factory.__name__ = f"{name}+offload"
-    return factory
 
 
 def per_gpu_breakdown(est: Any) -> dict[MemoryCategory, int]:

@@ -576,6 +576,7 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
     after checkpointing; the optimizer's states and step on the host)."""
     from memfit.techniques.checkpointing import Budget, apply_activation_checkpointing
     from memfit.trace import estimate
+    from memfit.trace.optim import offloaded
 
     model = _meta_copy(base)
     inputs = _shaped(sample, m)
@@ -609,7 +610,7 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
             from memfit.techniques.offload import apply_activation_offload
 
             apply_activation_offload(model)
-        traced_optimizer: Any = _host_optimizer(optimizer) if offload_states else optimizer
+        traced_optimizer: Any = offloaded(optimizer) if offload_states else optimizer
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             est = estimate(model, inputs, optimizer=traced_optimizer, precision=precision,
@@ -655,19 +656,6 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
                    largest_module_activations=largest, saved_activations=saved,
                    ops_per_micro=max(1, est.num_ops // max(1, est.steps)),
                    checkpoint_modes=modes, checkpoint_budget=ckpt_budget)
-
-
-def _host_optimizer(name: str) -> Any:
-    """``make_optimizer(..., offload_states=True)`` as the trace engine builds it: the states
-    and the step on the host, torch's CPU implementation of the update."""
-    from memfit.techniques.optim import CPUOffloadOptimizer
-    from memfit.trace.optim import make_optimizer as traced_optimizer
-
-    def factory(params: list[Any]) -> torch.optim.Optimizer:
-        return CPUOffloadOptimizer(
-            params, lambda host: traced_optimizer(name, host, cuda_target=False))
-    factory.__name__ = f"{name}+offload"
-    return factory
 
 
 def _fake_copy(model: nn.Module) -> nn.Module:

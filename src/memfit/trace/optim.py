@@ -130,3 +130,16 @@ def make_optimizer(spec: str | OptimizerFactory, params: list[torch.nn.Parameter
                           f"callable params -> Optimizer, not {type(spec).__name__}")
     name = spec.lower().replace("_", "-")
     return _named(name, True if cuda_target else None)(params)
+
+
+def offloaded(name: str) -> OptimizerFactory:
+    """The optimizer ``name`` with its states and step on the host, as
+    ``memfit.techniques.make_optimizer(..., offload_states=True)`` runs it: a
+    ``CPUOffloadOptimizer`` whose inner optimizer is torch's CPU implementation."""
+    from memfit.techniques.optim import CPUOffloadOptimizer
+
+    def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return CPUOffloadOptimizer(
+            params, lambda host: make_optimizer(name, host, cuda_target=False))
+    factory.__name__ = f"{name}+offload"
+    return factory
