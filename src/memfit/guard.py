@@ -38,11 +38,20 @@ added together round differently): a few fp32 ulps per step (tests use rtol=1e-5
 
 Known limitations: an OOM inside ``optimizer.step()`` is not retried (the step may have updated
 part of the weights and states; splitting the micro-batch would not reduce its memory anyway):
-it is re-raised as ``torch.OutOfMemoryError`` naming the optimizer. Under DDP, recovery keeps the
-ranks in step only if the OOM strikes before the last micro-batch's backward (the one that
-all-reduces gradients; the item count is all-reduced once per batch, not per attempt); all ranks
-must also agree on the micro-batch count of a batch, which a single rank's recovery does not
-arrange. Buffers other than normalisation statistics are not restored.
+it is re-raised as ``torch.OutOfMemoryError`` naming the optimizer. Buffers other than
+normalisation statistics are not restored. FSDP is not covered by the cross-rank agreement
+below (its gradient reduce-scatter runs inside backward).
+
+Note: [OOM agreement under DDP] With a ``DistributedDataParallel`` model, an OOM on one rank must
+not leave the others blocked in a gradient all-reduce it never joins. So the ranks agree on the
+micro-batch size at the start of each batch (the smallest any rank wants), run every micro-batch
+under ``no_sync``, and then agree on the outcome (one small all-reduce): if any rank ran out of
+memory, every rank drops its gradients, restores its state and retries the same batch at half
+the micro-batch; if any rank raised another error, the others raise too instead of waiting.
+Once all succeeded, the gradients are all-reduced in one flat buffer per dtype and averaged, as
+DDP would (DDP's communication hooks are bypassed, and the all-reduce no longer overlaps the
+backward). Parameters without a gradient on a rank contribute zeros. DDP's buffer broadcast
+(``broadcast_buffers``) is done by the guard before each batch, where every rank reaches it.
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ __all__ = ["GuardedStep", "Recovery", "guard"]
 log = logging.getLogger("memfit")
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+_OK, _OOM, _ERROR = 0, 1, 2  # an attempt's outcome, agreed across DDP ranks by its maximum
 CountFn = Callable[[Any], int | torch.Tensor]
 Predict = Callable[[Any], int]
 
@@ -78,8 +88,9 @@ class Recovery:
     step: int
     """Index of the step (0-based count of :class:`GuardedStep` calls) it happened in."""
     reason: str
-    """``"oom"`` (a ``torch.OutOfMemoryError`` was caught), ``"predicted"`` (the prediction
-    exceeded the budget) or ``"grow"`` (grown back after clean steps)."""
+    """``"oom"`` (a ``torch.OutOfMemoryError`` was caught), ``"oom-other-rank"`` (another DDP
+    rank ran out of memory), ``"predicted"`` (the prediction exceeded the budget) or ``"grow"``
+    (grown back after clean steps)."""
     batch_size: int
     """Samples in the batch being run."""
     old_micro_batch_size: int
@@ -88,7 +99,8 @@ class Recovery:
     """For ``"predicted"``: the predicted peak at the old micro-batch size."""
 
     def __str__(self) -> str:
-        what = {"oom": "out of memory", "grow": "clean steps, growing back",
+        what = {"oom": "out of memory", "oom-other-rank": "out of memory on another rank",
+                "grow": "clean steps, growing back",
                 "predicted": f"predicted peak {self.predicted_bytes} B over the budget"}
         accum = -(-self.batch_size // self.new_micro_batch_size)
         return (f"memfit guard: step {self.step}: {what[self.reason]} at micro-batch "
@@ -319,11 +331,60 @@ class GuardedStep:
                               "ignored?); check count_fn and the labels")
         return num_items, world / num_items
 
-    def _attempt(self, batch: Any, micro: int, num_items_scale: float) -> torch.Tensor:
+    # -- agreement across DDP ranks (Note: [OOM agreement under DDP]) ---------------------------
+
+    def _ddp(self) -> bool:
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        from torch.nn.parallel import DistributedDataParallel
+
+        return isinstance(self.model, DistributedDataParallel)
+
+    def _all_reduce(self, value: int, op: Any) -> int:
+        dist = torch.distributed
+        t = torch.tensor([value], dtype=torch.long)
+        if dist.get_backend() == "nccl":
+            t = t.to(self._device)
+        dist.all_reduce(t, op=op)
+        return int(t.item())
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers to every rank before the batch, as DDP does before each forward
+        (``broadcast_buffers``), here at a point every rank reaches: DDP's own broadcast is
+        switched off for the attempts, where a rank that ran out of memory would miss it."""
+        model: Any = self.model
+        if model.broadcast_buffers:
+            for b in model.module.buffers():
+                torch.distributed.broadcast(b, src=0)
+        model.require_forward_param_sync = False
+
+    def _all_reduce_grads(self) -> None:
+        """Average the gradients over the ranks, as DDP's reducer would."""
+        dist = torch.distributed
+        world = dist.get_world_size()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for p in params:
+            assert p.grad is not None
+            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        for grads in groups.values():
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat)
+            flat.div_(world)
+            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads),
+                                  strict=True):
+                g.copy_(reduced)
+
+    def _attempt(self, batch: Any, micro: int, num_items_scale: float,
+                 sync_last: bool = True) -> torch.Tensor:
         parts = split_batch(batch, micro)
         loss_sum: torch.Tensor | None = None
         for i, part in enumerate(parts):
-            with _sync_gradients(self.model, sync=i == len(parts) - 1):
+            with _sync_gradients(self.model, sync=sync_last and i == len(parts) - 1):
                 loss = self.loss_fn(self.model, part)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise MemfitError("loss_fn must return a scalar tensor: the sum of the "
@@ -347,20 +408,39 @@ class GuardedStep:
             # between the two would leave it half made, so make them before any attempt.
             self.scaler.scale(torch.ones((), device=self._device))
             self._scaler_ready = True
+        ddp = self._ddp()
+        if ddp:
+            self._sync_buffers()
         snapshot = self._snapshot()
         self._drop_grads()
         micro = self._micro_for(batch, size)
+        if ddp:
+            micro = self._all_reduce(micro, torch.distributed.ReduceOp.MIN)
         retried = False
         while True:
+            outcome = _OK
             try:
-                loss_sum = self._attempt(batch, micro, scale)
-                break
+                loss_sum = self._attempt(batch, micro, scale, sync_last=not ddp)
             except torch.OutOfMemoryError:
-                pass  # recover below, once the exception and its frames are released
+                outcome = _OOM  # recover below, once the exception and its frames are released
             except BaseException:
                 self._drop_grads()
                 self._restore(snapshot)
+                if ddp:  # the other ranks must not wait for this one
+                    self._all_reduce(_ERROR, torch.distributed.ReduceOp.MAX)
                 raise
+            if outcome == _OOM:
+                self._drop_grads()
+                self._release()
+            agreed = self._all_reduce(outcome, torch.distributed.ReduceOp.MAX) if ddp \
+                else outcome
+            if agreed == _ERROR:
+                self._drop_grads()
+                self._restore(snapshot)
+                raise RuntimeError(f"memfit guard: another rank raised an error in step "
+                                   f"{self.steps}; see its log")
+            if agreed == _OK:
+                break
             self._drop_grads()
             self._restore(snapshot)
             self._release()
@@ -370,12 +450,16 @@ class GuardedStep:
                     f"{size}); one sample does not fit: enable activation checkpointing, a "
                     f"smaller optimizer state or lower precision (memfit.fit searches these)")
             new = micro // 2
-            self._record(Recovery(step=self.steps, reason="oom", batch_size=size,
-                                  old_micro_batch_size=micro, new_micro_batch_size=new))
+            self._record(Recovery(step=self.steps,
+                                  reason="oom" if outcome == _OOM else "oom-other-rank",
+                                  batch_size=size, old_micro_batch_size=micro,
+                                  new_micro_batch_size=new))
             micro = new
             self.micro_batch_size = min(self.micro_batch_size, micro)
             self._caps = {k: min(v, micro) for k, v in self._caps.items()}
             retried = True
+        if ddp:
+            self._all_reduce_grads()
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
