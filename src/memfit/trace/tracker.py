@@ -321,7 +321,11 @@ class TrackingFakeMode(FakeTensorMode):
             return out
         self._depth += 1
         try:
-            return self._tracked(func, types, args, kwargs or {})
+            # Below the Python API: torch-function modes (the CUDA SDPA routing) have nothing to
+            # say about the fake kernels or this bookkeeping, and would otherwise handle each of
+            # its tensor-method calls.
+            with torch._C.DisableTorchFunction():
+                return self._tracked(func, types, args, kwargs or {})
         finally:
             self._depth -= 1
 
