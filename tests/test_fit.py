@@ -405,3 +405,7 @@ def test_offload_candidates_carry_the_traced_peak() -> None:
             traced, batch, device="cuda", gpu="a100-40gb", steps=2,
             optimizer=lambda ps, o=offload_states: make_optimizer(ps, "adamw", offload_states=o))
         assert got[offload_states] == est.total_bytes, offload_states
+        host = next(c.host_bytes for c in (plan.chosen, *plan.runners_up)
+                    if c.config.offload_states == offload_states)
+        assert host == est.host_peak_bytes > 0
+    assert "host (offload)" in str(plan)

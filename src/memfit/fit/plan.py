@@ -37,6 +37,9 @@ class Candidate:
     """Whether this micro-batch was traced (False: scaled from a traced one)."""
     measured_s: float | None = None
     """Seconds per optimizer step, measured (``measure=True``)."""
+    host_bytes: int = 0
+    """Host memory that offload holds at the step's peak (pinned on CUDA), from the trace with
+    the offload applied; 0 without offload."""
 
     @property
     def step_s(self) -> float:
@@ -48,7 +51,7 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict(), "peak_bytes": self.peak_bytes,
                 "cost": self.cost.to_dict(), "traced": self.traced,
-                "measured_s": self.measured_s}
+                "measured_s": self.measured_s, "host_bytes": self.host_bytes}
 
     @classmethod
     def from_dict(cls, data: Any) -> Candidate:
@@ -62,7 +65,8 @@ class Candidate:
                        peak_bytes=int(data["peak_bytes"]), cost=StepCost(**cost),
                        traced=bool(data.get("traced", True)),
                        measured_s=(None if data.get("measured_s") is None
-                                   else float(data["measured_s"])))
+                                   else float(data["measured_s"])),
+                       host_bytes=int(data.get("host_bytes", 0)))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, MemfitError):
                 raise
@@ -151,17 +155,21 @@ class Plan:
                       + f"  (searched {self.candidates_considered} configurations, "
                         f"{self.traces} traces, {self.search_seconds:.1f} s)")
         table = Table(title="fastest configurations that fit")
+        shown = (self.chosen, *self.runners_up)
+        host = any(c.host_bytes for c in shown)
         for col in ("", "configuration", "peak", "headroom", "step (pred.)", "vs chosen",
-                    "measured"):
+                    "measured", *(("host (offload)",) if host else ())):
             table.add_column(col, justify="left" if col in ("", "configuration") else "right")
         best = self.chosen.step_s
-        for i, cand in enumerate((self.chosen, *self.runners_up)):
+        for i, cand in enumerate(shown):
             table.add_row("chosen" if i == 0 else f"#{i + 1}", cand.config.label(),
                           format_bytes(cand.peak_bytes),
                           f"{100 * (1 - cand.peak_bytes / self.budget_bytes):.0f}%",
                           _seconds(cand.step_s),
                           "" if i == 0 else f"{cand.step_s / best:.2f}x",
-                          _seconds(cand.measured_s) if cand.measured_s is not None else "")
+                          _seconds(cand.measured_s) if cand.measured_s is not None else "",
+                          *((format_bytes(cand.host_bytes) if cand.host_bytes else "",)
+                            if host else ()))
         console.print(table)
         c = self.chosen.cost
         console.print(f"predicted step of the chosen config: compute {_seconds(c.compute_s)}, "

@@ -68,6 +68,8 @@ class _Traced:
     ops_per_micro: int
     checkpoint_modes: tuple[str | None, ...] | None
     checkpoint_budget: int | None
+    host_peak: int = 0
+    """Host memory the step's offload holds at its peak (traced with offload only)."""
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -392,7 +394,8 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                 f"{budget / 2**20:,.2f} MiB (after {headroom:.0%} headroom)"), peak_bytes=peak))
             del candidates[i]
             continue
-        candidates[i] = dataclasses.replace(c, peak_bytes=peak, traced=True)
+        candidates[i] = dataclasses.replace(c, peak_bytes=peak, traced=True,
+                                            host_bytes=t.host_peak)
         verified.add(id(candidates[i]))
         candidates.sort(key=order)
     if not candidates:
@@ -655,7 +658,8 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
                    activations_at_peak=cats.get(MemoryCategory.ACTIVATIONS, 0),
                    largest_module_activations=largest, saved_activations=saved,
                    ops_per_micro=max(1, est.num_ops // max(1, est.steps)),
-                   checkpoint_modes=modes, checkpoint_budget=ckpt_budget)
+                   checkpoint_modes=modes, checkpoint_budget=ckpt_budget,
+                   host_peak=est.host_peak_bytes)
 
 
 def _fake_copy(model: nn.Module) -> nn.Module:
