@@ -10,6 +10,13 @@ Assumption (stated in a warning, once per trace):
 - ``bincount``: ``minlength`` bins if given, else one per input element.
 - ``.item()`` / ``.tolist()`` of a computed tensor: 1 (``True`` for booleans), so ``if x.any()``
   takes the branch that does the work.
+
+Known values: the integer and boolean inputs the user passes as real tensors (an attention mask,
+token ids) keep their values next to their fake copies, and so do small integer/boolean tensors
+computed only from known ones and from factories (``arange``, ``ones``...): such ops also run on
+the real values. A data-dependent answer about a known tensor is then the real one: Hugging Face's
+"is the attention mask all ones?" check sees the padding of a padded batch, and the trace takes
+the masked attention path the real step takes.
 """
 
 from __future__ import annotations
@@ -38,15 +45,82 @@ _PRESERVING = {
 _PRESERVING.discard(None)
 
 
+# Known values are propagated for integer/boolean tensors up to this many elements (the real ops
+# run on the CPU next to the fake ones).
+KNOWN_NUMEL_LIMIT = 1 << 24
+_FACTORIES = {
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
+    aten.zeros.default, aten.full.default, aten.scalar_tensor.default, aten.ones_like.default,
+    aten.zeros_like.default, aten.full_like.default,
+}
+_EXACT = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _knowable(t: Any) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype in _EXACT
+            and t.numel() <= KNOWN_NUMEL_LIMIT)
+
+
 class DataDependentSizes:
-    """Tracks top-k-derived masks and answers data-dependent ops (see the module docstring)."""
+    """Tracks top-k-derived masks and known values, and answers data-dependent ops (see the
+    module docstring)."""
 
     def __init__(self) -> None:
         self.density = WeakIdKeyDictionary()
+        self.known = WeakIdKeyDictionary()  # fake tensor -> its real value (CPU tensor)
         self.used = False
+
+    def know(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """Record the real value of a fake input (integer/boolean inputs given as real
+        tensors)."""
+        if _knowable(real) and real.device.type == "cpu":
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():  # a real copy (a clone in the fake mode is fake)
+                self.known[fake] = real.detach().clone()
+
+    def _propagate(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """Run ``func`` on the real values when every tensor argument has one."""
+        outs = [o for o in (out if isinstance(out, list | tuple) else (out,))
+                if isinstance(o, torch.Tensor)]
+        if not outs or not all(_knowable(o) for o in outs):
+            return
+        flat, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if tensors:
+            if not all(t in self.known for t in tensors):
+                return
+        elif func not in _FACTORIES:
+            return
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        def real(a: Any) -> Any:
+            if isinstance(a, torch.Tensor):
+                return self.known[a]
+            if isinstance(a, torch.device):
+                return torch.device("cpu")
+            return a
+
+        try:
+            with unset_fake_temporarily():
+                r_args, r_kwargs = torch.utils._pytree.tree_map(real, (args, kwargs))
+                if "device" in r_kwargs:
+                    r_kwargs["device"] = "cpu"
+                r_out = func(*r_args, **r_kwargs)
+        except Exception:  # a value that cannot be computed stays unknown
+            return
+        r_outs = [o for o in (r_out if isinstance(r_out, list | tuple) else (r_out,))
+                  if isinstance(o, torch.Tensor)]
+        for o, r in zip(outs, r_outs, strict=False):
+            if o.shape == r.shape:
+                self.known[o] = r
 
     # -- tagging ---------------------------------------------------------------------------
     def observe(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        if self.known:
+            self._propagate(func, args, kwargs, out)
+        elif func in _FACTORIES and _knowable(out):
+            self._propagate(func, args, kwargs, out)
         if func is aten.topk.default:
             x = args[0]
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
@@ -75,6 +149,15 @@ class DataDependentSizes:
                         self.density[o] = d
 
     # -- answering ---------------------------------------------------------------------------
+    def known_answer(self, func: Any, args: Any) -> Any:
+        """The real answer of ``.item()`` on a tensor whose value is known, else None."""
+        if func is not aten._local_scalar_dense.default or args[0] not in self.known:
+            return None
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return self.known[args[0]].item()
+
     def _count(self, mask: torch.Tensor) -> int:
         self.used = True
         d = self.density.get(mask, 1.0) if isinstance(mask, torch.Tensor) else 1.0
@@ -132,8 +215,8 @@ class DataDependentSizes:
             n = kwargs.get("output_size") or repeats.numel()
             return torch.empty((n,), dtype=torch.long, device=repeats.device)
         if func is aten._local_scalar_dense.default:
-            self.used = True
             x = args[0]
+            self.used = True
             if x.dtype == torch.bool:
                 return True
             return 1.0 if x.is_floating_point() else 1

@@ -87,6 +87,12 @@ def _runtime(gpu: GpuSpec | None, num_gpus: int, training: bool
 
 # -- fake copies -------------------------------------------------------------------------------
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(t))
+
+
 def _fake_like(t: torch.Tensor, device: str, dtype: torch.dtype | None) -> torch.Tensor:
     if is_traceable_wrapper_subclass(t):
         # A tensor subclass that stores other tensors (torchao's Int8Tensor / NF4Tensor, float8
@@ -286,7 +292,9 @@ def _eager_library_paths() -> Iterator[None]:
     mask for SDPA instead of passing ``is_causal=True`` when the attention mask is all ones, and
     assumes packed sequences. The real eager step takes the shortcut, so the trace must too: the
     check answers False for the duration of the trace, and the data-dependent ``.all()`` it then
-    evaluates is answered by ``datadep.py`` (``True``: no padding, no packing).
+    evaluates is answered by ``datadep.py``: from the real values when the attention mask was
+    given as a real tensor (a padded batch takes the masked path, as for real), else ``True``
+    (no padding, no packing; an assumption the engine states).
     """
     import sys
 
@@ -371,7 +379,11 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
         stack.enter_context(fake_mode)
         stack.enter_context(host.tracing(tracker))
         fmodel = _fake_model(model, fake_device, param_dtype)
-        finputs = _fake_inputs(inputs, fake_device, {}, param_dtype)
+        memo: dict[int, torch.Tensor] = {}
+        finputs = _fake_inputs(inputs, fake_device, memo, param_dtype)
+        for real in tensor_leaves(inputs, objects=True):
+            if id(real) in memo and real.device.type == "cpu" and not _is_fake(real):
+                datadep.know(memo[id(real)], real)  # e.g. an attention mask's padding
         _register_baseline(tracker, fmodel, finputs)
         params = [p for p in fmodel.parameters() if p.requires_grad]
         training = optimizer is not None
