@@ -3,6 +3,7 @@ step (see Note: [composition order] in :mod:`memfit.techniques`)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -86,26 +87,101 @@ def apply_techniques(model: nn.Module, config: FitConfig) -> None:
         apply_activation_offload(model)
 
 
+# Optimizers that ZeRO can shard: torch's own (ZeroRedundancyOptimizer and FSDP2 run them on
+# shards); the 8-bit ones and the host-offloaded one need whole, single-device parameters.
+SHARDABLE_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
+
+
+def check_shardable(config: FitConfig) -> str | None:
+    """Why ``config``'s sharding cannot be applied with its optimizer, or None."""
+    if config.sharding == "none":
+        return None
+    if config.offload_states or config.optimizer not in SHARDABLE_OPTIMIZERS:
+        what = config.optimizer + ("+offload" if config.offload_states else "")
+        return (f"{config.sharding} shards torch's optimizers ({', '.join(SHARDABLE_OPTIMIZERS)})"
+                f"; {what} needs whole parameters on one device")
+    return None
+
+
+def shard(model: nn.Module, config: FitConfig, num_gpus: int) -> nn.Module:
+    """Apply the plan's ZeRO stage with torch.distributed (Note: [sharded plans]): ``zero1``
+    wraps the model in DDP (the optimizer is then a ``ZeroRedundancyOptimizer``); ``zero2`` and
+    ``zero3`` shard each block and the root with FSDP2's ``fully_shard``, keeping the gathered
+    parameters from forward to backward (``reshard_after_forward=False``, FSDP's SHARD_GRAD_OP)
+    or freeing them after each block's forward (full sharding)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise MemfitError(
+            f"the plan shards ({config.sharding}) over {num_gpus} GPUs: start one process per "
+            f"GPU (torchrun --nproc-per-node {num_gpus} train.py), call "
+            "torch.distributed.init_process_group() and then plan.apply(model) in every rank")
+    world = dist.get_world_size()
+    if world != num_gpus:
+        raise MemfitError(f"the plan was searched for {num_gpus} GPUs but torch.distributed "
+                          f"has {world} ranks; re-run memfit fit with --gpus {world}")
+    device = next(model.parameters()).device
+    if config.sharding == "zero1":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None)
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        raise MemfitError(f"{config.sharding} needs FSDP2 (torch.distributed.fsdp.fully_shard, "
+                          "torch >= 2.6); upgrade torch") from None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memfit.techniques.checkpointing import find_blocks
+
+    mesh = init_device_mesh(device.type, (world,))
+    reshard = config.sharding == "zero3"
+    for name in find_blocks(model):
+        fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model
+
+
+def _optimizer(model: nn.Module, config: FitConfig) -> torch.optim.Optimizer:
+    from memfit.techniques import make_optimizer
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, config.optimizer, offload_states=config.offload_states)
+    if config.sharding != "zero1":
+        return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    # The same optimizer class and settings (those its constructor takes: AdamW's defaults
+    # also hold internal flags), each rank holding the states of its share.
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return ZeroRedundancyOptimizer(params, optimizer_class=cls,  # type: ignore[return-value]
+                                   **settings)
+
+
 def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: SumLossFn | None = None,
-                 budget_bytes: int | None = None, log_recoveries: bool = True
-                 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+                 budget_bytes: int | None = None, log_recoveries: bool = True,
+                 num_gpus: int = 1) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """Apply ``config`` to ``model`` (in place) and return ``(model, optimizer, step)`` where
-    ``step = memfit.guard.guard(...)`` runs one optimizer step on a global batch.
+    ``step = memfit.guard.guard(...)`` runs one optimizer step on a global batch. A sharded
+    ``config`` needs torch.distributed initialised with ``num_gpus`` ranks (see :func:`shard`);
+    the returned model is then the DDP/FSDP2 one.
 
     ``loss_fn(model, micro_batch)`` must return the **sum** of per-item losses (the guard
     normalises over the whole batch); the default is the model's own loss times the micro-batch
     size (exact when the model's loss is a mean over the batch's items)."""
     from memfit.guard import guard
-    from memfit.techniques import apply_precision, make_optimizer
+    from memfit.techniques import apply_precision
 
-    if config.sharding != "none":
-        raise MemfitError(f"the plan shards ({config.sharding}); applying sharding needs "
-                          "torch.distributed: wrap the model with FSDP2 yourself (memfit applies "
-                          "single-process plans only)")
+    why = check_shardable(config)
+    if why:
+        raise MemfitError(f"cannot apply this plan: {why}; re-run memfit fit")
     apply_techniques(model, config)
     mp = apply_precision(model, config.precision if config.precision != "bf16" else "bf16")
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, config.optimizer, offload_states=config.offload_states)
+    if config.sharding != "none":
+        model = shard(model, config, num_gpus)
+    optimizer = _optimizer(model, config)
     base = loss_fn or default_sum_loss
 
     def loss_under_autocast(m: nn.Module, batch: Any) -> torch.Tensor:

@@ -137,7 +137,7 @@ class Plan:
         from memfit.fit.apply import apply_config
 
         return apply_config(model, self.config, loss_fn=loss_fn, budget_bytes=self.budget_bytes,
-                            log_recoveries=log)
+                            log_recoveries=log, num_gpus=self.num_gpus)
 
     # -- rendering --------------------------------------------------------------------------
 

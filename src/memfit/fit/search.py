@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
-from memfit.fit.apply import apply_techniques, call_model
+from memfit.fit.apply import apply_techniques, call_model, check_shardable
 from memfit.fit.config import CHECKPOINTING, PRECISIONS, SHARDING, FitConfig
 from memfit.fit.cost import Rates, cpu_rates, gpu_rates, step_cost
 from memfit.fit.plan import Candidate, Plan, Rejected
@@ -314,6 +314,10 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                                     micro_batch=m, accumulation=per_gpu // m, optimizer=opt,
                                     offload_states=off_s, offload_activations=off_a,
                                     chunked_loss=chunked, attention=attention, sharding=shard)
+                    why = check_shardable(cfg)
+                    if why:
+                        rejected.append(Rejected(what=cfg.label(), reason=why))
+                        continue
                     peak = _derive(ref, ref_m, m, off_s, off_a, shard, num_gpus, m < per_gpu)
                     if peak > budget:
                         rejected.append(Rejected(what=cfg.label(), reason=(

@@ -1,0 +1,110 @@
+"""Applying sharded fit plans (ZeRO-1 with DDP + ZeroRedundancyOptimizer, ZeRO-2/3 with FSDP2)
+on one gloo rank: the training step is the unsharded one, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.fit import FitConfig
+from memfit.fit.apply import apply_config
+
+D, C = 16, 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, 4 * D)
+        self.down = nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(self.blocks(x)), y)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, D, generator=g), torch.randint(0, C, (8,), generator=g)
+
+
+def config(sharding: str, optimizer: str = "adamw") -> FitConfig:
+    return FitConfig(precision="fp32", checkpointing="full", micro_batch=4, accumulation=2,
+                     optimizer=optimizer, sharding=sharding)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def train(sharding: str, steps: int = 2) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _, step = apply_config(model, config(sharding), num_gpus=1, log_recoveries=False)
+        for _ in range(steps):
+            step(batch())
+    inner = getattr(model, "module", model)  # DDP wraps; FSDP2 shards in place
+    return {name: full(p.detach()).clone() for name, p in inner.named_parameters()}
+
+
+@pytest.mark.slow
+def test_sharded_plans_train_like_the_unsharded_one(one_rank: None) -> None:
+    pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2 (torch >= 2.6)")
+    want = train("none")
+    for sharding in ("zero1", "zero2", "zero3"):
+        got = train(sharding)
+        assert got.keys() == want.keys(), sharding
+        for name in want:
+            assert torch.equal(got[name], want[name]), (sharding, name)
+
+
+def test_sharded_plan_wraps_the_model(one_rank: None) -> None:
+    pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2 (torch >= 2.6)")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, opt, _ = apply_config(Net(), config("zero1"), num_gpus=1, log_recoveries=False)
+    assert isinstance(model, DistributedDataParallel)
+    assert isinstance(opt, ZeroRedundancyOptimizer)
+    model, opt, _ = apply_config(Net(), config("zero3"), num_gpus=1, log_recoveries=False)
+    assert type(model).__name__.startswith("FSDP")  # fully_shard's dynamic class
+    assert all(type(model.blocks[i]).__name__.startswith("FSDP") for i in range(3))
+
+
+def test_sharded_plan_errors(one_rank: None) -> None:
+    with pytest.raises(MemfitError, match=r"searched for 2 GPUs but torch\.distributed has 1"):
+        apply_config(Net(), config("zero3"), num_gpus=2)
+    with pytest.raises(MemfitError, match="needs whole parameters on one device"):
+        apply_config(Net(), config("zero2", optimizer="adamw-8bit"), num_gpus=1)
+
+
+def test_sharded_plan_without_distributed_says_how_to_launch() -> None:
+    with pytest.raises(MemfitError, match="torchrun --nproc-per-node 2"):
+        apply_config(copy.deepcopy(Net()), config("zero3"), num_gpus=2)
