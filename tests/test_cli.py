@@ -173,6 +173,33 @@ def test_plan_method_trace_json_and_optimizer_offload(capsys) -> None:
 
 
 def test_plan_method_trace_refuses_what_it_does_not_model(capsys) -> None:
+    code, _, err = run(capsys, "plan", "gpt2", "--method", "trace", "--mode", "qlora")
+    assert code == 2
+    assert "--method trace does not model --mode qlora" in err and "\n" not in err.strip()
     code, _, err = run(capsys, "plan", "gpt2", "--method", "trace", "--mode", "lora")
     assert code == 2
-    assert "--method trace does not model --mode lora" in err and "\n" not in err.strip()
+    assert "no q_proj, k_proj, v_proj, o_proj layers" in err and "\n" not in err.strip()
+
+
+def test_plan_method_trace_lora(capsys, tmp_path) -> None:
+    # A small Llama: 4 layers, hidden 256, 8 heads (2 KV heads of 32), MLP 512, vocab 1000.
+    h, kv, ffn, vocab, layers, r = 256, 64, 512, 1000, 4, 8
+    cfg = {"model_type": "llama", "hidden_size": h, "num_hidden_layers": layers,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": ffn,
+           "vocab_size": vocab, "max_position_embeddings": 512, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = run(capsys, "plan", str(path), "--method", "trace", "--mode", "lora",
+                         "--lora-rank", str(r), "--gpu", "a100-40gb", "--batch", "2", "--seq",
+                         "128", "--json")
+    assert code == 0, err
+    b = json.loads(out)["per_gpu"]["breakdown"]
+    # Base in bf16: embeddings, head, per layer q/o (h x h), k/v (h x kv), 3 MLP matrices and
+    # 2 norms, plus the final norm. Adapters in fp32: r x (in + out) for q, k, v, o per layer.
+    base = 2 * vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h) + h
+    adapters = layers * r * ((h + h) + (h + kv) + (h + kv) + (h + h))
+    tensors = 2 + layers * (7 + 2) + 1 + layers * 8  # each rounded up to 512 bytes at most
+    assert 2 * base + 4 * adapters <= b["weights"] <= 2 * base + 4 * adapters + 512 * tensors
+    # AdamW keeps two fp32 states for the adapters only; no gradient for the frozen base.
+    assert 8 * adapters <= b["optimizer_states"] <= 8 * adapters + 2 * 512 * layers * 8
+    assert b["gradients"] <= 4 * adapters + 512 * layers * 8
