@@ -108,3 +108,29 @@ def test_sharded_plan_errors(one_rank: None) -> None:
 def test_sharded_plan_without_distributed_says_how_to_launch() -> None:
     with pytest.raises(MemfitError, match="torchrun --nproc-per-node 2"):
         apply_config(copy.deepcopy(Net()), config("zero3"), num_gpus=2)
+
+
+def test_guard_does_not_retry_an_oom_under_fsdp_with_several_ranks(
+        one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One rank cannot rerun a batch alone under FSDP (the others would wait in its all-gathers):
+    # the guard says so instead of retrying. A second rank is pretended (the check reads the
+    # world size); with one real rank a retry would be safe.
+    pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2 (torch >= 2.6)")
+    from memfit.guard import guard
+
+    torch.manual_seed(0)
+    model, _, _ = apply_config(Net(), config("zero3"), num_gpus=1, log_recoveries=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_fn(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if b[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("injected")
+        return m(*b) * b[0].shape[0]
+
+    step = guard(model, opt, loss_fn, micro_batch_size=8, log=False)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
+    with pytest.raises(torch.OutOfMemoryError, match="under FSDP with 2 ranks"):
+        step(batch())
+    monkeypatch.undo()
+    assert step(batch()) > 0  # one real rank: the guard retries at micro-batch 2
+    assert step.history == [2]

@@ -39,8 +39,9 @@ added together round differently): a few fp32 ulps per step (tests use rtol=1e-5
 Known limitations: an OOM inside ``optimizer.step()`` is not retried (the step may have updated
 part of the weights and states; splitting the micro-batch would not reduce its memory anyway):
 it is re-raised as ``torch.OutOfMemoryError`` naming the optimizer. Buffers other than
-normalisation statistics are not restored. FSDP is not covered by the cross-rank agreement
-below (its gradient reduce-scatter runs inside backward).
+normalisation statistics are not restored. Under FSDP with several ranks an OOM is not retried
+(each block's forward and backward all-gather its parameters, so one rank cannot rerun a batch
+alone): it is re-raised saying so, and only the predictive defence splits batches there.
 
 Note: [OOM agreement under DDP] With a ``DistributedDataParallel`` model, an OOM on one rank must
 not leave the others blocked in a gradient all-reduce it never joins. So the ranks agree on the
@@ -341,6 +342,21 @@ class GuardedStep:
 
         return isinstance(self.model, DistributedDataParallel)
 
+    def _fsdp_ranks(self) -> int:
+        """The number of ranks when the model is sharded with FSDP (FSDP2 or FSDP1), else 0."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0
+        try:
+            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        except ImportError:  # torch < 2.6: no FSDP2
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            kinds: tuple[type, ...] = (FullyShardedDataParallel,)
+        else:
+            kinds = (FSDPModule, FullyShardedDataParallel)
+        return dist.get_world_size() if isinstance(self.model, kinds) else 0
+
     def _all_reduce(self, value: int, op: Any) -> int:
         dist = torch.distributed
         t = torch.tensor([value], dtype=torch.long)
@@ -432,6 +448,14 @@ class GuardedStep:
             if outcome == _OOM:
                 self._drop_grads()
                 self._release()
+                ranks = self._fsdp_ranks()
+                if ranks > 1:
+                    self._restore(snapshot)
+                    raise torch.OutOfMemoryError(
+                        f"memfit guard: out of memory under FSDP with {ranks} ranks (step "
+                        f"{self.steps}, micro-batch {micro}); a retry on this rank alone would "
+                        "desynchronise the ranks' all-gathers, so the guard does not retry; "
+                        "lower the micro-batch (memfit fit with a smaller budget) and restart")
             agreed = self._all_reduce(outcome, torch.distributed.ReduceOp.MAX) if ddp \
                 else outcome
             if agreed == _ERROR:
