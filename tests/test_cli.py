@@ -173,9 +173,9 @@ def test_plan_method_trace_json_and_optimizer_offload(capsys) -> None:
 
 
 def test_plan_method_trace_refuses_what_it_does_not_model(capsys) -> None:
-    code, _, err = run(capsys, "plan", "gpt2", "--method", "trace", "--mode", "qlora")
+    code, _, err = run(capsys, "plan", "gpt2", "--method", "trace", "--gpus", "2")
     assert code == 2
-    assert "--method trace does not model --mode qlora" in err and "\n" not in err.strip()
+    assert "--method trace does not model --gpus > 1" in err and "\n" not in err.strip()
     code, _, err = run(capsys, "plan", "gpt2", "--method", "trace", "--mode", "lora")
     assert code == 2
     assert "no q_proj, k_proj, v_proj, o_proj layers" in err and "\n" not in err.strip()
@@ -203,3 +203,32 @@ def test_plan_method_trace_lora(capsys, tmp_path) -> None:
     # AdamW keeps two fp32 states for the adapters only; no gradient for the frozen base.
     assert 8 * adapters <= b["optimizer_states"] <= 8 * adapters + 2 * 512 * layers * 8
     assert b["gradients"] <= 4 * adapters + 512 * layers * 8
+
+
+def test_plan_method_trace_qlora(capsys, tmp_path) -> None:
+    # The same small Llama as above. Every linear layer but the head is stored in NF4 (torchao:
+    # 4-bit codes n/2 bytes, one int8 scale per 64 weights, one bf16 factor per 256 scales, a
+    # bf16 mean and the 16-entry bf16 codebook); embeddings, norms and the head stay bf16;
+    # adapters (rank 8 on q, k, v, o) are fp32.
+    h, kv, ffn, vocab, layers, r = 256, 64, 512, 1000, 4, 8
+    cfg = {"model_type": "llama", "hidden_size": h, "num_hidden_layers": layers,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": ffn,
+           "vocab_size": vocab, "max_position_embeddings": 512, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = run(capsys, "plan", str(path), "--method", "trace", "--mode", "qlora",
+                         "--lora-rank", str(r), "--gpu", "a100-40gb", "--batch", "2", "--seq",
+                         "128", "--json")
+    assert code == 0, err
+    b = json.loads(out)["per_gpu"]["breakdown"]
+
+    def nf4(n: int) -> int:
+        return n // 2 + n // 64 + 2 * (n // 64 // 256) + 2 + 2 * 16
+
+    linears = [h * h, h * kv, h * kv, h * h, h * ffn, h * ffn, h * ffn]
+    bf16 = 2 * (2 * vocab * h + layers * 2 * h + h)
+    adapters = layers * r * ((h + h) + (h + kv) + (h + kv) + (h + h))
+    exact = bf16 + layers * sum(nf4(n) for n in linears) + 4 * adapters
+    tensors = 3 + layers * (2 + 7 * 5 + 8)  # each rounded up to 512 bytes at most
+    assert exact <= b["weights"] <= exact + 512 * tensors
+    assert 8 * adapters <= b["optimizer_states"] <= 8 * adapters + 2 * 512 * layers * 8

@@ -26,8 +26,6 @@ def _check_traceable(model: ModelSpec, run: RunConfig) -> TransformerSpec:
     unsupported = []
     if run.gpus > 1:
         unsupported.append("--gpus > 1 (sharding, tp, pp)")
-    if run.mode == "qlora":
-        unsupported.append("--mode qlora (4-bit weights need real data to quantize)")
     if run.offload_params:
         unsupported.append("--offload-params")
     if run.weight_quant != "none" or run.kv_cache_dtype is not None or run.new_tokens:
@@ -48,15 +46,15 @@ def traced_estimate(spec: TransformerSpec, run: RunConfig, gpu: GpuSpec | None) 
 
     attn = "eager" if run.attention == "eager" else "sdpa"
     model = build_model(spec, device="meta", attn_implementation=attn)
-    if run.mode == "lora":
-        _apply_lora(model, run)
+    if run.mode in ("lora", "qlora"):
+        _apply_adapters(model, run)
     if run.checkpointing != "none":
         from memfit.techniques.checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, policy=run.checkpointing)
     seq = None if spec.arch == "vision" else (run.seq or spec.default_seq_len)
     inputs = example_inputs(spec, batch=run.batch, seq=seq, device="meta")
-    training = run.mode in ("train", "lora")
+    training = run.mode in ("train", "lora", "qlora")
     if not training:
         model.eval()
         inputs.pop("labels", None)
@@ -69,22 +67,38 @@ def traced_estimate(spec: TransformerSpec, run: RunConfig, gpu: GpuSpec | None) 
                     gpu=gpu, steps=2 if training else 1)
 
 
-def _apply_lora(model: Any, run: RunConfig) -> None:
+def _apply_adapters(model: Any, run: RunConfig) -> None:
     """``--mode lora``: the base frozen in bf16 (as the analytic plan counts it: 16-bit), fp32
-    adapters of rank ``--lora-rank`` on the ``*_proj`` layers ``--lora-targets`` names."""
+    adapters of rank ``--lora-rank`` on the ``*_proj`` layers ``--lora-targets`` names.
+    ``--mode qlora``: those layers' weights in NF4 (torchao's ``NF4Tensor``, which quantizes
+    meta tensors: bitsandbytes needs real weights; both store 4.1 bits per weight) and fp32
+    adapters; the rest of the base in bf16."""
     import torch
 
-    from memfit.techniques.peft import apply_lora
+    from memfit.techniques.peft import apply_lora, apply_qlora
 
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = [f"{t}_proj" for t in run.lora_targets]
     missing = [t for t in targets if t not in names]
     if missing:
-        raise MemfitError(f"--method trace --mode lora: this model has no {', '.join(missing)} "
-                          "layers (it names its projections differently); use the default "
-                          "analytic method")
+        raise MemfitError(f"--method trace --mode {run.mode}: this model has no "
+                          f"{', '.join(missing)} layers (it names its projections differently); "
+                          "use the default analytic method")
     model.to(torch.bfloat16)
-    apply_lora(model, rank=run.lora_rank, targets=targets, backend="builtin")
+    if run.mode == "qlora":
+        # As a 4-bit load does (transformers' load_in_4bit): every linear layer but the head is
+        # NF4, with or without an adapter.
+        from torch import nn
+
+        from memfit.techniques.peft import NF4Linear, _replace
+
+        for name, mod in list(model.named_modules()):
+            if (type(mod) is nn.Linear and name.rsplit(".", 1)[-1] not in targets
+                    and not name.endswith("lm_head")):
+                _replace(model, name, NF4Linear(mod))
+        apply_qlora(model, rank=run.lora_rank, targets=targets, quant_backend="torchao")
+    else:
+        apply_lora(model, rank=run.lora_rank, targets=targets, backend="builtin")
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # adapters train in fp32 under autocast
