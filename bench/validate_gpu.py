@@ -1,5 +1,6 @@
-"""Validate the trace engine on a real GPU: >= 40 configs (7 families x precision x
-checkpointing x optimizer/batch), predicted vs torch.cuda.max_memory_allocated/reserved.
+"""Validate the trace engine on a real GPU: 56 configs (7 families x precision x
+checkpointing x optimizer/batch, and 8 with activation or optimizer-state offload), predicted vs
+torch.cuda.max_memory_allocated/reserved.
 
     python bench/validate_gpu.py                 # on a CUDA machine
     python bench/validate_gpu.py --device cpu    # the same matrix, small sizes, on the CPU

@@ -217,11 +217,15 @@ class Config:
     optimizer: str
     checkpointing: str
     batch: int
+    offload: str = "none"
+    """``"activations"`` (``apply_activation_offload``, tensors >= 64 KiB) or ``"states"``
+    (the optimizer's states and step on the host: ``CPUOffloadOptimizer``)."""
 
     @property
     def name(self) -> str:
         return (f"{self.family}/{self.precision}/{self.optimizer}/ckpt-{self.checkpointing}"
-                f"/b{self.batch}")
+                f"/b{self.batch}" + (f"/offload-{self.offload}" if self.offload != "none"
+                                     else ""))
 
 
 def matrix(size: str, *, families: list[str] | None = None) -> list[Config]:
@@ -240,6 +244,13 @@ def matrix(size: str, *, families: list[str] | None = None) -> list[Config]:
             continue  # no repeated blocks to checkpoint
         configs.append(Config(family=family, precision=precision, optimizer=opt,
                               checkpointing=ckpt, batch=batch))
+    # Offload (predicted with host memory kept out of the device's peak): the decoder families,
+    # bf16-mixed AdamW, with and without checkpointing.
+    for family, ckpt, offload in itertools.product(("llama", "gpt2"), ("none", "full"),
+                                                   ("activations", "states")):
+        if family in names:
+            configs.append(Config(family=family, precision="bf16-mixed", optimizer="adamw",
+                                  checkpointing=ckpt, batch=batches[0], offload=offload))
     return configs
 
 
@@ -279,11 +290,23 @@ class Result:
         return out
 
 
-def _checkpoint(model: nn.Module, policy: str) -> None:
-    if policy != "none":
+def _techniques(model: nn.Module, config: Config) -> Callable[[Any], torch.optim.Optimizer]:
+    """Apply the config's checkpointing and activation offload to ``model`` (in that order, as
+    documented) and return its optimizer factory."""
+    if config.checkpointing != "none":
         from memfit.techniques.checkpointing import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model, policy=policy)
+        apply_activation_checkpointing(model, policy=config.checkpointing)
+    if config.offload == "activations":
+        from memfit.techniques.offload import apply_activation_offload
+
+        apply_activation_offload(model, min_bytes=2**16)
+    factory = OPTIMIZERS[config.optimizer]
+    if config.offload == "states":
+        from memfit.techniques.optim import CPUOffloadOptimizer
+
+        return lambda ps: CPUOffloadOptimizer(ps, factory)
+    return factory
 
 
 def _steps(model: nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[[Any], torch.Tensor],
@@ -316,19 +339,23 @@ def _measure(config: Config, factory: Factory, device: str,
     if device == "cuda":
         _reset_cuda()
     model, inputs, loss_fn = factory(device)
-    _checkpoint(model, config.checkpointing)
-    opt = OPTIMIZERS[config.optimizer](model.parameters())
+    make_optimizer = _techniques(model, config)
     start = time.perf_counter()
     if device == "cuda":
+        opt = make_optimizer(list(model.parameters()))
         _steps(model, inputs, loss_fn, opt, config.precision, device, steps)
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(),
                 time.perf_counter() - start)
     from memfit.profile.cpu import measure_cpu_peak
 
-    peak = measure_cpu_peak(
-        lambda: _steps(model, inputs, loss_fn, opt, config.precision, device, steps),
-        model, inputs)
+    def run() -> None:
+        # The optimizer is built inside the measurement: what it allocates up front (the host
+        # copies of an offloaded optimizer) is part of the run, as in the trace.
+        opt = make_optimizer(list(model.parameters()))
+        _steps(model, inputs, loss_fn, opt, config.precision, device, steps)
+
+    peak = measure_cpu_peak(run, model, inputs)
     return peak.peak_bytes, None, time.perf_counter() - start
 
 
@@ -341,8 +368,7 @@ def run_config(config: Config, *, size: str, device: str, gpu: str | None,
     measured_alloc, measured_res, real_seconds = _measure(config, factory, device, steps)
     torch.manual_seed(0)
     meta_model, meta_inputs, meta_loss = factory("meta")
-    _checkpoint(meta_model, config.checkpointing)
-    est = estimate(meta_model, meta_inputs, optimizer=OPTIMIZERS[config.optimizer],
+    est = estimate(meta_model, meta_inputs, optimizer=_techniques(meta_model, config),
                    precision=config.precision, loss_fn=meta_loss, device=device,
                    gpu=gpu if device == "cuda" else None, steps=steps,
                    keep_output=True)  # _steps keeps ``out`` alive through backward

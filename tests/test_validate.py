@@ -1,0 +1,32 @@
+"""`memfit validate`'s matrix and runner, on the CPU (small sizes): the configs it holds, and the
+offload configs predicted against real runs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from memfit.validate import matrix, run_config
+
+
+def test_matrix_holds_every_family_and_the_offload_configs() -> None:
+    configs = matrix("small")
+    # 7 families x 2 precisions x 2 checkpointing x 2 (optimizer, batch), less full
+    # checkpointing for the 2 families without repeated blocks (2 x 2 each), plus 2 decoder
+    # families x 2 checkpointing x 2 offload kinds.
+    assert len(configs) == 7 * 8 - 2 * 4 + 2 * 2 * 2
+    assert len({c.name for c in configs}) == len(configs)
+    assert {c.offload for c in configs} == {"none", "activations", "states"}
+
+
+@pytest.mark.parametrize("offload", ["activations", "states"])
+def test_offload_configs_match_real_cpu_runs(offload: str) -> None:
+    # On the CPU, activation offload moves nothing (host memory is the device's) and state
+    # offload adds the host copies of parameters and gradients: both must be predicted.
+    config = next(c for c in matrix("small", families=["llama"])
+                  if c.offload == offload and c.checkpointing == "full")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = run_config(config, size="small", device="cpu", gpu=None)
+    assert abs(result.error_allocated) <= 0.01, result
