@@ -47,7 +47,7 @@ _PRESERVING.discard(None)
 
 # Known values are propagated for integer/boolean tensors up to this many elements (the real ops
 # run on the CPU next to the fake ones).
-KNOWN_NUMEL_LIMIT = 1 << 24
+KNOWN_NUMEL_LIMIT = 1 << 22  # 32 MiB of int64 at most per tensor
 _FACTORIES = {
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
     aten.zeros.default, aten.full.default, aten.scalar_tensor.default, aten.ones_like.default,
