@@ -136,6 +136,15 @@ def test_cpu_tensors_pass_through_untouched_with_one_warning() -> None:
     assert hooks.stats.offloaded == 0 and hooks.stats.kept > 0
 
 
+def test_context_manager_gives_its_stats() -> None:
+    torch.manual_seed(0)
+    model, x = relu_mlp(2, 32), torch.randn(64, 32)
+    with HostCopies(min_bytes=64 * 32 * 4) as off:  # activations (8 KiB), not weights (4 KiB)
+        loss = model(x).sum()
+    loss.backward()
+    assert off.stats.offloaded == 3  # x and the two ReLU outputs, each copied once
+
+
 def test_bad_threshold_raises() -> None:
     with pytest.raises(MemfitError, match="min_bytes"):
         offload_activations(min_bytes=-1)

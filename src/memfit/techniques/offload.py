@@ -108,7 +108,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._warned = False
         super().__init__(self._pack, self._unpack)
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> OffloadActivations:  # ``with offload_activations() as off:``
         # The model's storages now (it may have moved since the hooks were made).
         if self.model is not None:
             self._exclude = {_storage_key(t) for t in (*self.model.parameters(),
@@ -116,6 +116,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                              if not is_traceable_wrapper_subclass(t)}  # quantized: no storage
         self._copies.clear()
         super().__enter__()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
