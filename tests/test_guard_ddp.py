@@ -7,6 +7,9 @@ Note: [OOM agreement under DDP] in memfit/guard.py.
 from __future__ import annotations
 
 import datetime
+import os
+import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -35,41 +38,55 @@ def sum_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 
 def worker(rank: int, store_path: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    code = 0
+    try:
+        scenarios(rank, out_dir)
+        dist.barrier()  # both ranks are done before either tears its process group down
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # No interpreter teardown: gloo's background threads can make it abort (std::terminate)
+        # after the work is done; the exit code says how the work went.
+        os._exit(code)
+
+
+def scenarios(rank: int, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from memfit.guard import guard
 
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        for scenario in ("oom", "error"):
-            model = DDP(make_model())
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for scenario in ("oom", "error"):
+        model = DDP(make_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-            def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                        scenario: str = scenario) -> torch.Tensor:
-                # rank 1 "runs out of memory" on micro-batches larger than 2 (before its
-                # forward: it misses whatever collective the forward would make)
-                if scenario == "oom" and rank == 1 and batch[0].shape[0] > 2:
-                    raise torch.OutOfMemoryError("injected")
-                if scenario == "error" and rank == 1:
-                    raise ValueError("injected bug")
-                return sum_loss(m, batch)
+        def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                    scenario: str = scenario) -> torch.Tensor:
+            # rank 1 "runs out of memory" on micro-batches larger than 2 (before its
+            # forward: it misses whatever collective the forward would make)
+            if scenario == "oom" and rank == 1 and batch[0].shape[0] > 2:
+                raise torch.OutOfMemoryError("injected")
+            if scenario == "error" and rank == 1:
+                raise ValueError("injected bug")
+            return sum_loss(m, batch)
 
-            step = guard(model, opt, loss_fn, micro_batch_size=BATCH, log=False)
-            try:
-                for batch in rank_batches(rank):
-                    step(batch)
-            except (RuntimeError, ValueError) as exc:
-                Path(out_dir, f"{scenario}-error{rank}.txt").write_text(
-                    f"{type(exc).__name__}: {exc}")
-                continue
-            state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-            torch.save({"state": state, "history": step.history,
-                        "reasons": [r.reason for r in step.recoveries]},
-                       Path(out_dir, f"{scenario}-rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        step = guard(model, opt, loss_fn, micro_batch_size=BATCH, log=False)
+        try:
+            for batch in rank_batches(rank):
+                step(batch)
+        except (RuntimeError, ValueError) as exc:
+            Path(out_dir, f"{scenario}-error{rank}.txt").write_text(
+                f"{type(exc).__name__}: {exc}")
+            continue
+        state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        torch.save({"state": state, "history": step.history,
+                    "reasons": [r.reason for r in step.recoveries]},
+                   Path(out_dir, f"{scenario}-rank{rank}.pt"))
 
 
 def reference() -> dict[str, torch.Tensor]:
