@@ -39,7 +39,7 @@ from torch import nn
 
 from memfit.fit import FitConfig, fit
 from memfit.fit.apply import apply_config
-from memfit.fit.measure import real_batch
+from memfit.fit.measure import real_batch, time_steps
 from memfit.profile.cpu import measure_cpu_peak
 from memfit.units import parse_bytes
 
@@ -93,15 +93,7 @@ def _time_config(model: nn.Module, sample: Any, cfg: FitConfig, global_batch: in
             peak = None
         else:
             peak = measure_cpu_peak(lambda: step(batch), trial, opt, batch).peak_bytes
-        times = []
-        for _ in range(steps):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            step(batch)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        times = time_steps(step, batch, device=device, steps=steps)
         if device == "cuda":
             peak = torch.cuda.max_memory_reserved()
         split = len(getattr(step, "recoveries", ()))

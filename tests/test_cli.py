@@ -181,19 +181,29 @@ def test_plan_method_trace_refuses_what_it_does_not_model(capsys) -> None:
     assert "no q_proj, k_proj, v_proj, o_proj layers" in err and "\n" not in err.strip()
 
 
-def test_plan_method_trace_lora(capsys, tmp_path) -> None:
-    # A small Llama: 4 layers, hidden 256, 8 heads (2 KV heads of 32), MLP 512, vocab 1000.
-    h, kv, ffn, vocab, layers, r = 256, 64, 512, 1000, 4, 8
-    cfg = {"model_type": "llama", "hidden_size": h, "num_hidden_layers": layers,
-           "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": ffn,
-           "vocab_size": vocab, "max_position_embeddings": 512, "tie_word_embeddings": False}
+# A small Llama: 4 layers, hidden 256, 8 heads (2 KV heads of 32), MLP 512, vocab 1000; LoRA
+# rank 8 on q, k, v, o.
+SMALL_H, SMALL_KV, SMALL_FFN, SMALL_VOCAB, SMALL_LAYERS, SMALL_R = 256, 64, 512, 1000, 4, 8
+
+
+def trace_small_llama(capsys, tmp_path, mode: str) -> dict[str, int]:
+    cfg = {"model_type": "llama", "hidden_size": SMALL_H, "num_hidden_layers": SMALL_LAYERS,
+           "num_attention_heads": 8, "num_key_value_heads": 2,
+           "intermediate_size": SMALL_FFN, "vocab_size": SMALL_VOCAB,
+           "max_position_embeddings": 512, "tie_word_embeddings": False}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    code, out, err = run(capsys, "plan", str(path), "--method", "trace", "--mode", "lora",
-                         "--lora-rank", str(r), "--gpu", "a100-40gb", "--batch", "2", "--seq",
-                         "128", "--json")
+    code, out, err = run(capsys, "plan", str(path), "--method", "trace", "--mode", mode,
+                         "--lora-rank", str(SMALL_R), "--gpu", "a100-40gb", "--batch", "2",
+                         "--seq", "128", "--json")
     assert code == 0, err
-    b = json.loads(out)["per_gpu"]["breakdown"]
+    return json.loads(out)["per_gpu"]["breakdown"]  # type: ignore[no-any-return]
+
+
+def test_plan_method_trace_lora(capsys, tmp_path) -> None:
+    h, kv, ffn, vocab, layers, r = (SMALL_H, SMALL_KV, SMALL_FFN, SMALL_VOCAB, SMALL_LAYERS,
+                                    SMALL_R)
+    b = trace_small_llama(capsys, tmp_path, "lora")
     # Base in bf16: embeddings, head, per layer q/o (h x h), k/v (h x kv), 3 MLP matrices and
     # 2 norms, plus the final norm. Adapters in fp32: r x (in + out) for q, k, v, o per layer.
     base = 2 * vocab * h + layers * (2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h) + h
@@ -206,21 +216,13 @@ def test_plan_method_trace_lora(capsys, tmp_path) -> None:
 
 
 def test_plan_method_trace_qlora(capsys, tmp_path) -> None:
-    # The same small Llama as above. Every linear layer but the head is stored in NF4 (torchao:
+    # The small Llama above. Every linear layer but the head is stored in NF4 (torchao:
     # 4-bit codes n/2 bytes, one int8 scale per 64 weights, one bf16 factor per 256 scales, a
     # bf16 mean and the 16-entry bf16 codebook); embeddings, norms and the head stay bf16;
     # adapters (rank 8 on q, k, v, o) are fp32.
-    h, kv, ffn, vocab, layers, r = 256, 64, 512, 1000, 4, 8
-    cfg = {"model_type": "llama", "hidden_size": h, "num_hidden_layers": layers,
-           "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": ffn,
-           "vocab_size": vocab, "max_position_embeddings": 512, "tie_word_embeddings": False}
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg))
-    code, out, err = run(capsys, "plan", str(path), "--method", "trace", "--mode", "qlora",
-                         "--lora-rank", str(r), "--gpu", "a100-40gb", "--batch", "2", "--seq",
-                         "128", "--json")
-    assert code == 0, err
-    b = json.loads(out)["per_gpu"]["breakdown"]
+    h, kv, ffn, vocab, layers, r = (SMALL_H, SMALL_KV, SMALL_FFN, SMALL_VOCAB, SMALL_LAYERS,
+                                    SMALL_R)
+    b = trace_small_llama(capsys, tmp_path, "qlora")
 
     def nf4(n: int) -> int:
         return n // 2 + n // 64 + 2 * (n // 64 // 256) + 2 + 2 * 16

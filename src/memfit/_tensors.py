@@ -1,4 +1,5 @@
-"""Walking nested containers for the tensors inside (one helper for every part of memfit)."""
+"""Walking nested containers for the tensors inside, and calling a model on a batch (one helper
+each for every part of memfit)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,25 @@ def tensor_leaves(obj: Any, *, objects: bool = False) -> Iterator[torch.Tensor]:
     elif objects and hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
         for v in vars(obj).values():
             yield from tensor_leaves(v, objects=objects)
+
+
+def call_model(model: torch.nn.Module, batch: Any) -> Any:
+    """``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple/list, else
+    ``model(batch)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, list | tuple):
+        return model(*batch)
+    return model(batch)
+
+
+def meta_batch(batch: Any, rows: int) -> Any:
+    """Meta tensors like those in ``batch`` (nested mappings / lists / tuples) with ``rows`` in
+    the first (batch) dimension; non-tensor leaves as they are."""
+    if isinstance(batch, torch.Tensor):
+        return torch.empty((rows, *batch.shape[1:]), dtype=batch.dtype, device="meta")
+    if isinstance(batch, Mapping):
+        return {k: meta_batch(v, rows) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(meta_batch(v, rows) for v in batch)
+    return batch

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit._tensors import tensor_leaves
+from memfit._tensors import call_model, tensor_leaves
 from memfit.errors import MemfitError, suggest
 from memfit.profile.cpu import measure_cpu_peak
 from memfit.trace import default_loss, estimate
@@ -72,14 +72,6 @@ def _rows(batch: Any) -> int:
         raise MemfitError("a batch must hold tensors with the batch size first; make_batch "
                           "returned none")
     return int(leaves[0].shape[0])
-
-
-def _call(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, list | tuple):
-        return model(*batch)
-    return model(batch)
 
 
 class _Source:
@@ -151,12 +143,12 @@ class _Trials:
     def _step(self, batch: Any) -> None:
         if not self.train:
             with torch.no_grad():
-                _call(self.model, batch)
+                call_model(self.model, batch)
             return
         params = [p for p in self.model.parameters() if p.requires_grad]
         opt = make_optimizer(self.optimizer, params, cuda_target=self.cuda)
         for _ in range(_TRAIN_STEPS):
-            self.loss_fn(_call(self.model, batch)).backward()
+            self.loss_fn(call_model(self.model, batch)).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 

@@ -7,6 +7,7 @@ with code 2, never a traceback. Messages say what is wrong, the valid values, an
 from __future__ import annotations
 
 import difflib
+import importlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +24,18 @@ def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:
     if not close:
         return ""
     return " (did you mean " + ", ".join(repr(c) for c in close) + "?)"
+
+
+def require(module: str, extra: str, what: str) -> Any:
+    """Import an optional dependency, or say in one line which extra installs it.
+
+    >>> bnb = require("bitsandbytes", "bnb", "optimizer 'adamw-8bit'")
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MemfitError(f"{what} needs {module.split('.')[0]}, which is not installed; run "
+                          f"pip install 'memfit[{extra}]'") from None
 
 
 def read_json_file(path: str | Path, *, what: str, fix: str) -> Any:

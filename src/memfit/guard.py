@@ -59,16 +59,15 @@ from __future__ import annotations
 
 import copy
 import gc
-import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from memfit._tensors import tensor_leaves
+from memfit._tensors import meta_batch, tensor_leaves
 from memfit.errors import MemfitError
 from memfit.techniques.accumulation import _sync_gradients, split_batch
 
@@ -123,17 +122,6 @@ def _signature(batch: Any) -> tuple[Any, ...]:
     return tuple((tuple(t.shape[1:]), t.dtype) for t in tensor_leaves(batch))
 
 
-def _meta(batch: Any, rows: int) -> Any:
-    """A meta-device copy of ``batch`` with ``rows`` in the batch dimension."""
-    if isinstance(batch, torch.Tensor):
-        return torch.empty((rows, *batch.shape[1:]), dtype=batch.dtype, device="meta")
-    if isinstance(batch, Mapping):
-        return {k: _meta(v, rows) for k, v in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(_meta(v, rows) for v in batch)
-    return batch
-
-
 class _LossStep(nn.Module):
     """``forward(micro_batch)`` is ``loss_fn(model, micro_batch)``: what the engine traces."""
 
@@ -151,22 +139,19 @@ def default_predict(model: nn.Module, optimizer: torch.optim.Optimizer,
     """``predict(meta_micro_batch) -> bytes``: :func:`memfit.estimate` of one training step of
     ``loss_fn(model, micro_batch)`` with an optimizer of ``optimizer``'s class and defaults.
     The CUDA prediction counts reserved bytes (the caching allocator's segments)."""
+    from memfit.techniques.optim import constructor_settings
     from memfit.trace import estimate
 
     opt_class = type(optimizer)
-    # Keep only the defaults the constructor takes: some optimizers record extra keys in
-    # ``defaults`` (torch's AdamW stores ``decoupled_weight_decay``, which AdamW() rejects).
-    accepted = inspect.signature(opt_class.__init__).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    defaults = constructor_settings(optimizer)
 
     def make_opt(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return opt_class(params, **defaults)
 
     target = "cuda" if device.type == "cuda" else "cpu"
 
-    def predict(meta_batch: Any) -> int:
-        est = estimate(_LossStep(model, loss_fn), (meta_batch,), optimizer=make_opt,
+    def predict(micro: Any) -> int:
+        est = estimate(_LossStep(model, loss_fn), (micro,), optimizer=make_opt,
                        device=target)
         return est.peak_reserved_bytes if target == "cuda" else est.peak_bytes
 
@@ -247,7 +232,7 @@ class GuardedStep:
                 self._predict = default_predict(self.model, self.optimizer, self.loss_fn,
                                                 self._device)
             try:
-                self._predicted[key] = int(self._predict(_meta(batch, rows)))
+                self._predicted[key] = int(self._predict(meta_batch(batch, rows)))
             except Exception as exc:  # the engine's failure must not stop training
                 if self._predict_given:
                     raise

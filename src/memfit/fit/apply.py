@@ -3,7 +3,6 @@ step (see Note: [composition order] in :mod:`memfit.techniques`)."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._tensors import call_model
 from memfit.errors import MemfitError
 from memfit.fit.config import FitConfig
 from memfit.techniques.checkpointing import BlockProfile, Mode, Policy
@@ -35,15 +35,6 @@ class FixedModes(Policy):
             raise MemfitError(f"the plan checkpoints {len(self.modes)} blocks but this model has "
                               f"{len(blocks)}; apply the plan to the model it was made for")
         return list(self.modes)
-
-
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple/list, else ``model(batch)``."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, list | tuple):
-        return model(*batch)
-    return model(batch)
 
 
 def default_sum_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -151,13 +142,11 @@ def _optimizer(model: nn.Module, config: FitConfig) -> torch.optim.Optimizer:
         return optimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    # The same optimizer class and settings (those its constructor takes: AdamW's defaults
-    # also hold internal flags), each rank holding the states of its share.
-    cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return ZeroRedundancyOptimizer(params, optimizer_class=cls,  # type: ignore[return-value]
-                                   **settings)
+    from memfit.techniques.optim import constructor_settings
+
+    # The same optimizer class and settings, each rank holding the states of its share.
+    return ZeroRedundancyOptimizer(  # type: ignore[return-value]
+        params, optimizer_class=type(optimizer), **constructor_settings(optimizer))
 
 
 def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: SumLossFn | None = None,

@@ -27,6 +27,20 @@ def real_batch(sample: Any, size: int, device: str) -> Any:
     return sample
 
 
+def time_steps(step: Any, batch: Any, *, device: str, steps: int) -> list[float]:
+    """Wall seconds of ``steps`` calls of ``step(batch)``, each synchronised on CUDA."""
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def measure_candidates(model: nn.Module, sample: Any, candidates: Sequence[Candidate], *,
                        device: str, global_batch: int, loss_fn: Any = None, steps: int = 3
                        ) -> dict[int, tuple[float, int]]:
@@ -48,15 +62,7 @@ def measure_candidates(model: nn.Module, sample: Any, candidates: Sequence[Candi
     for i, cand in enumerate(candidates):
         trial = copy.deepcopy(model).to(device)
         _, _, step = apply_config(trial, cand.config, loss_fn=sum_loss, log_recoveries=False)
-        best = float("inf")
-        for _ in range(steps + 1):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            step(batch)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
+        best = min(time_steps(step, batch, device=device, steps=steps + 1))
         results[i] = (best, len(getattr(step, "recoveries", ())))
         del trial, step
         if device == "cuda":

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from memfit._tensors import meta_batch
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
 from memfit.fit.apply import apply_techniques, call_model, check_shardable
@@ -94,17 +95,6 @@ def _leading(batch: Any) -> int:
                 return _leading(v)
     raise MemfitError(f"sample_batch must be a tensor or a tuple/list/dict of tensors, not "
                       f"{type(batch).__name__}")
-
-
-def _shaped(batch: Any, size: int) -> Any:
-    """Meta tensors like ``batch`` with a first dimension of ``size``."""
-    if isinstance(batch, torch.Tensor):
-        return torch.empty((size, *batch.shape[1:]), dtype=batch.dtype, device="meta")
-    if isinstance(batch, dict):
-        return {k: _shaped(v, size) for k, v in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(_shaped(v, size) for v in batch)
-    return batch
 
 
 def _divisors(n: int) -> list[int]:
@@ -586,7 +576,7 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
     from memfit.trace.optim import offloaded
 
     model = _meta_copy(base)
-    inputs = _shaped(sample, m)
+    inputs = meta_batch(sample, m)
     modes: tuple[str | None, ...] | None = None
     ckpt_budget: int | None = None
     # Note: [one traced step on CPU] The CPU has no caching allocator, so the second step's
@@ -700,7 +690,7 @@ def _count_flops(base: nn.Module, sample: Any, cfg: FitConfig, loss_fn: Any
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _fake_copy(base)
         apply_techniques(model, cfg)
-        inputs = _fake_inputs(_shaped(sample, 1))
+        inputs = _fake_inputs(meta_batch(sample, 1))
         with FlopCounterMode(display=False) as counter:
             loss = (loss_fn or default_loss)(call_model(model, inputs))
             forward = counter.get_total_flops()

@@ -53,7 +53,7 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.flop_counter import FlopCounterMode
 
-from memfit._tensors import tensor_leaves
+from memfit._tensors import call_model, tensor_leaves
 from memfit.errors import MemfitError, suggest
 
 __all__ = [
@@ -473,14 +473,6 @@ def _fake_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
 
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, list | tuple):
-        return model(*inputs)
-    return model(inputs)
-
-
 def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list[BlockProfile]:
     """Measure each block's saved activations and FLOPs by running ``model``'s forward once on
     fake tensors (a structural copy: the model is not touched, nothing real is allocated).
@@ -564,7 +556,7 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
         try:
             with (torch.enable_grad(), flops, Producers(),
                   torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
-                out = _call(fmodel, finputs)
+                out = call_model(fmodel, finputs)
                 del out
         finally:
             for h in handles:

@@ -33,15 +33,17 @@ keep fp32 states (bitsandbytes' and torchao's ``min_8bit_size``).
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from memfit.errors import MemfitError, suggest
+from memfit.errors import MemfitError, require, suggest
 from memfit.trace.host import host_memory
 
-__all__ = ["IMPLS", "OPTIMIZER_NAMES", "CPUOffloadOptimizer", "make_optimizer", "state_bytes"]
+__all__ = ["IMPLS", "OPTIMIZER_NAMES", "CPUOffloadOptimizer", "constructor_settings",
+           "make_optimizer", "state_bytes"]
 
 OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "adafactor", "adamw-8bit", "adam-8bit")
 IMPLS = ("foreach", "fused", "for-loop")
@@ -50,14 +52,6 @@ BACKENDS_8BIT = ("auto", "bitsandbytes", "torchao")
 _TORCH_CLASSES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adafactor": "Adafactor"}
 _FUSED = frozenset({"adamw", "adam", "sgd"})
 _DEFAULT_LR = {"sgd": 1e-2, "adafactor": 1e-2}
-
-
-def _import(module: str, extra: str, what: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise MemfitError(f"{what} needs {module.split('.')[0]}, which is not installed; run "
-                          f"pip install 'memfit[{extra}]'") from None
 
 
 def _impl_kwargs(name: str, impl: str | None) -> dict[str, Any]:
@@ -93,9 +87,9 @@ def _eight_bit(name: str, params: list[Any], backend: str, kw: dict[str, Any]) -
             raise MemfitError(f"optimizer {name!r} needs bitsandbytes or torchao; run "
                               "pip install 'memfit[bnb]' or pip install 'memfit[quant]'")
     if backend == "bitsandbytes":
-        bnb = _import("bitsandbytes", "bnb", f"optimizer {name!r}")
+        bnb = require("bitsandbytes", "bnb", f"optimizer {name!r}")
         return getattr(bnb.optim, cls)(params, **kw)
-    optim = _import("torchao.optim", "quant", f"optimizer {name!r}")
+    optim = require("torchao.optim", "quant", f"optimizer {name!r}")
     return getattr(optim, cls)(params, **kw)
 
 
@@ -231,6 +225,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"CPUOffloadOptimizer({self.inner!r})"
+
+
+def constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.defaults`` restricted to what its class's constructor takes, to build another
+    optimizer like it: some record extra keys (torch's AdamW stores ``decoupled_weight_decay``,
+    which ``AdamW()`` rejects)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    return {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
 
 
 def state_bytes(optimizer: torch.optim.Optimizer, *, device: str | None = None) -> int:

@@ -27,12 +27,11 @@ import importlib
 import logging
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
-from memfit.errors import MemfitError, suggest
+from memfit.errors import MemfitError, require, suggest
 
 __all__ = ["LORA_BACKENDS", "QUANT_BACKENDS", "LoRALinear", "NF4Linear", "apply_lora",
            "apply_qlora", "trainable_parameters"]
@@ -83,7 +82,7 @@ class NF4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        _import("torchao", "quant", "QLoRA with quant_backend='torchao'")
+        require("torchao", "quant", "QLoRA with quant_backend='torchao'")
         nf4 = None
         # torchao >= 0.15 moved NF4 from torchao.dtypes into the quantization workflows
         for path in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor",
@@ -105,14 +104,6 @@ class NF4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self._linear_nf4(x, self.weight)
         return out + self.bias if self.bias is not None else out
-
-
-def _import(module: str, extra: str, what: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise MemfitError(f"{what} needs {module.split('.')[0]}, which is not installed; run "
-                          f"pip install 'memfit[{extra}]'") from None
 
 
 def _installed(module: str) -> bool:
@@ -195,7 +186,7 @@ def apply_lora(model: nn.Module, *, rank: int = 8, alpha: float = 16.0,
     if backend == "auto":
         backend = "peft" if _installed("peft") else "builtin"
     if backend == "peft":
-        peft = _import("peft", "peft", "apply_lora(backend='peft')")
+        peft = require("peft", "peft", "apply_lora(backend='peft')")
         config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
                                  target_modules=names)
         model = peft.inject_adapter_in_model(config, model)
@@ -213,7 +204,7 @@ def apply_lora(model: nn.Module, *, rank: int = 8, alpha: float = 16.0,
 
 
 def _bnb_4bit(linear: nn.Linear) -> nn.Module:
-    bnb = _import("bitsandbytes", "bnb", "QLoRA with quant_backend='bitsandbytes'")
+    bnb = require("bitsandbytes", "bnb", "QLoRA with quant_backend='bitsandbytes'")
     device = linear.weight.device
     layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features,
                               bias=linear.bias is not None, compute_dtype=linear.weight.dtype,

@@ -22,7 +22,6 @@ real quantized layers, which compute the same values the fake-quantized model di
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import MemfitError, suggest
+from memfit.errors import MemfitError, require, suggest
 
 __all__ = ["QAT_SCHEMES", "WEIGHT_ONLY_DTYPES", "convert_qat", "prepare_qat",
            "quantize_weights", "tensor_bytes", "weight_bytes"]
@@ -45,11 +44,7 @@ FilterFn = Callable[[nn.Module, str], bool]
 
 
 def _torchao(module: str = "torchao.quantization") -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise MemfitError("quantization needs torchao, which is not installed; run "
-                          "pip install 'memfit[quant]'") from None
+    return require(module, "quant", "quantization")
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

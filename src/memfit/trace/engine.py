@@ -27,7 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memfit._tensors import tensor_leaves
+from memfit._tensors import call_model, tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
 from memfit.gpus import GpuSpec
@@ -195,14 +195,6 @@ def _fake_inputs(inputs: Any, device: str, memo: dict[int, torch.Tensor],
     if isinstance(inputs, list | tuple):
         return type(inputs)(_fake_inputs(v, device, memo, dtype) for v in inputs)
     return inputs
-
-
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, list | tuple):
-        return model(*inputs)
-    return model(inputs)
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -423,7 +415,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
             tracker.phase = "forward"
             grad_mode = torch.enable_grad() if training else torch.no_grad()
             with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda):
-                out = _call(fmodel, finputs)
+                out = call_model(fmodel, finputs)
                 loss = (loss_fn or default_loss)(out) if training else None
             if not keep_output:
                 out = None
