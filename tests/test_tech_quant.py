@@ -170,10 +170,11 @@ def test_qat_training_step_costs_memory_and_estimate_predicts_it(scheme: str) ->
     # the fake-quantized fp32 copy of each 512x512 weight is saved for backward (F.linear keeps
     # the weight it multiplied by to compute the input gradient)
     assert real - plain >= 2 * DIM * DIM * 4
-    # 2%: the real step's torchao fake-quantize temporaries vary with the process's history
-    # (the same int8-dynact step measured 8,492,544 B in a fresh process and 8,410,368 B after
-    # the checkpointing tests); the prediction was 0.10% above the fresh-process measurement.
-    assert abs(pred - real) <= 0.02 * real, (pred, real)
+    # the trace engine's 1% target; the prediction is 0.10% above the measurement for both
+    # schemes. (This test allowed 2% while the measurement drifted with the process's history:
+    # Python's cycle collector freeing torchao's garbage mid-step, and stale allocator frees.
+    # measure_cpu_peak now pauses the collector and drops those frees.)
+    assert abs(pred - real) <= 0.01 * real, (pred, real)
 
 
 # -- errors and GPU ---------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memfit._tensors import tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
+from memfit.profile.cpu import allocator_deltas, running_peak
 from memfit.profile.result import (
     TRACKED,
     MeasuredPoint,
@@ -630,15 +631,7 @@ class Profiler:
     def _allocator_peak(self) -> int | None:
         if self._kineto is None:
             return None
-        deltas: list[tuple[int, int]] = []
-        for event in self._kineto.profiler.kineto_results.events():
-            if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
-                deltas.append((event.start_ns(), event.nbytes()))
-        deltas.sort(key=lambda d: d[0])
-        running = peak = 0
-        for _, nbytes in deltas:
-            running += nbytes
-            peak = max(peak, running)
+        peak, _ = running_peak(allocator_deltas(self._kineto))
         return self._baseline + peak
 
 

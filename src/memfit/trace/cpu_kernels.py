@@ -21,6 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memfit.profile.cpu import allocator_deltas, running_peak
+
 aten = torch.ops.aten
 
 OPAQUE_CPU_OPS = {
@@ -130,13 +132,7 @@ def transient_peak(func: Any, args: Any, kwargs: dict[str, Any]) -> int | None:
             if func is aten.mkldnn_rnn_layer.default and isinstance(out[3], torch.Tensor):
                 _workspace[key] = out[3].untyped_storage().nbytes()
             del out
-            running = peak = 0
-            events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                      if e.name() == "[memory]"]
-            for _, nbytes in sorted(events, key=lambda e: e[0]):
-                running += nbytes
-                peak = max(peak, running)
-            result = peak
+            result, _ = running_peak(allocator_deltas(prof))
     _cache[key] = result
     return result
 
