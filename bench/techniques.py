@@ -565,6 +565,8 @@ def _offload_variants(ctx: Context) -> list[tuple[str, nn.Module, Any]]:
 
     act = ctx.fresh()
     apply_activation_offload(act, min_bytes=2**16)
+    act_sync = ctx.fresh()
+    apply_activation_offload(act_sync, min_bytes=2**16, prefetch=False)
     ckpt_act = ctx.fresh()
     apply_activation_checkpointing(ckpt_act, "full")
     apply_activation_offload(ckpt_act, min_bytes=2**16)
@@ -572,6 +574,7 @@ def _offload_variants(ctx: Context) -> list[tuple[str, nn.Module, Any]]:
     apply_activation_offload(both, min_bytes=2**16)
     return [("baseline (fp32 AdamW)", ctx.fresh(), "adamw"),
             ("activation offload", act, "adamw"),
+            ("activation offload, no prefetch", act_sync, "adamw"),
             ("optimizer-state CPU offload", ctx.fresh(), offloaded_states),
             ("full ckpt + activation offload", ckpt_act, "adamw"),
             ("activation + state offload", both, offloaded_states)]

@@ -114,6 +114,7 @@ def test_copy_path_is_bit_exact_and_moves_what_is_saved(checkpoint: bool) -> Non
     hooks = HostCopies(min_bytes=4096)
     assert_same(loss_and_grads(base, x), loss_and_grads(model, x, hooks))
     assert hooks.stats.offloaded > 0 and hooks.stats.kept > 0  # the threshold keeps small ones
+    assert hooks.stats.prefetched > 0  # prefetched copies served backward, exactly
     assert hooks.stats.offloaded_bytes == saved_bytes(model, x, 4096)
     if checkpoint:
         # Note: [offload after checkpointing]: checkpointed blocks save nothing through autograd.
@@ -182,7 +183,8 @@ def relu_mlp(layers: int, dim: int) -> nn.Module:
                            for m in (nn.Linear(dim, dim, bias=False), nn.ReLU())])
 
 
-def test_estimate_predicts_the_cuda_saving_and_the_host_memory() -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_estimate_predicts_the_cuda_saving_and_the_host_memory(prefetch: bool) -> None:
     # L blocks of Linear(d, d) -> ReLU on a (B, d) input, fp32, plain SGD (no state). Every
     # activation is A = B*d*4 bytes = 1 MiB (a multiple of CUDA's 512-byte blocks); a weight
     # is W = d*d*4 = 16 KiB, under min_bytes, so it stays.
@@ -190,13 +192,14 @@ def test_estimate_predicts_the_cuda_saving_and_the_host_memory() -> None:
     #   outputs (saved by each ReLU and the next Linear) plus one gradient: (L + 2) A.
     #   With offload, each saved ReLU output leaves the device once its block has run; in the
     #   backward a Linear's node holds the incoming gradient, its input brought back and the
-    #   input gradient it computes, besides x: 4 A.
+    #   input gradient it computes, besides x: 4 A. Prefetch adds the tensor saved before its
+    #   input, already on its way back: 5 A.
     #   Host: one copy of x and of each ReLU output (saved twice, copied once): (L + 1) A.
     L, d, B = 8, 64, 4096
     A, W = B * d * 4, d * d * 4
     base = relu_mlp(L, d)
     model = copy.deepcopy(base)
-    apply_activation_offload(model, min_bytes=2**16)
+    hooks = apply_activation_offload(model, min_bytes=2**16, prefetch=prefetch)
     x = torch.randn(B, d)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -207,29 +210,30 @@ def test_estimate_predicts_the_cuda_saving_and_the_host_memory() -> None:
                   for e in (est0, est1))
     # weights L*W, plus at most L*W of weight gradients and a few 512-byte scalars
     assert (L + 2) * A + L * W <= dev0 <= (L + 2) * A + 2 * L * W + 8 * 512, dev0 / A
-    assert 4 * A + L * W <= dev1 <= 4 * A + 2 * L * W + 8 * 512, dev1 / A
+    held = 5 if prefetch else 4
+    assert held * A + L * W <= dev1 <= held * A + 2 * L * W + 8 * 512, dev1 / A
     assert est1.host_peak_bytes == (L + 1) * A
     assert est0.host_peak_bytes == 0
+    # every copy but the first saved (x) is prefetched, in each traced step
+    assert hooks.stats.prefetched == (L if prefetch else 0) * hooks.stats.offloaded // (L + 1)
 
 
 class MetaHost(OffloadActivations):
     """Offload CPU tensors to the meta device, a "host" whose memory costs nothing, and bring
     them back as new CPU tensors: the CPU allocator then sees exactly what a GPU's sees with
-    real offload (copy out and free; allocate again when backward needs it). The values are
-    lost, so this is for measuring memory only."""
+    real offload (copy out and free; allocate again when backward needs it, or ahead of need
+    when prefetching). The values are lost, so this is for measuring memory only."""
 
     def _keep(self, t: torch.Tensor) -> bool:
         return isinstance(t, nn.Parameter) or t.numel() * t.element_size() < self.min_bytes
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
+    def _fetch(self, packed: Any, *, ahead: bool) -> torch.Tensor:
         return torch.empty_like(packed.cpu, device=packed.device)
 
 
-@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("offload", ["none", "offload", "offload+prefetch"])
 def test_cuda_prediction_matches_the_same_allocations_measured_on_the_cpu(
-        offload: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        offload: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # An independent measurement of the device side of offload without a GPU: the CPU
     # allocator's events (profiler) for a run that offloads to the meta device (MetaHost).
     # The CUDA-target prediction must match it up to CUDA's 512-byte rounding of the few
@@ -241,7 +245,8 @@ def test_cuda_prediction_matches_the_same_allocations_measured_on_the_cpu(
     L, d, B = 6, 64, 2048
     torch.manual_seed(0)
     model, x = relu_mlp(L, d), torch.randn(B, d)
-    hooks = MetaHost(min_bytes=2**16) if offload else None
+    prefetch = offload == "offload+prefetch"
+    hooks = MetaHost(min_bytes=2**16, prefetch=prefetch) if offload != "none" else None
 
     def step() -> None:
         with hooks if hooks is not None else contextlib.nullcontext():
@@ -253,15 +258,15 @@ def test_cuda_prediction_matches_the_same_allocations_measured_on_the_cpu(
     model.zero_grad(set_to_none=True)
     monkeypatch.undo()
     traced = copy.deepcopy(model)
-    if offload:
-        apply_activation_offload(traced, min_bytes=2**16)
+    if hooks is not None:
+        apply_activation_offload(traced, min_bytes=2**16, prefetch=prefetch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = estimate(traced, (x,), optimizer="sgd", device="cuda", steps=1)
     pred = est.peak_bytes - sum(est.runtime[k] for k in est.runtime_in_allocator)
     assert abs(pred - real) <= 8 * 512, (pred, real)
-    if offload:
-        assert hooks is not None and hooks.stats.offloaded == L + 1
+    if hooks is not None:
+        assert (hooks.stats.offloaded, hooks.stats.prefetched) == (L + 1, L if prefetch else 0)
 
 
 def test_a_tensor_saved_twice_is_copied_once() -> None:
@@ -300,15 +305,18 @@ def test_a_tensor_saved_twice_is_copied_once() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("use_streams", [True, False])
-def test_cuda_offload_is_exact_and_saves_memory(use_streams: bool) -> None:
+@pytest.mark.parametrize(("use_streams", "prefetch"), [(True, True), (True, False),
+                                                     (False, False)])
+def test_cuda_offload_is_exact_and_saves_memory(use_streams: bool, prefetch: bool) -> None:
     torch.manual_seed(0)
     base = Net(layers=8).cuda()
     model = copy.deepcopy(base)
     x = torch.randint(0, VOCAB, (16, 512), device="cuda")
-    hooks = offload_activations(min_bytes=2**16, use_streams=use_streams, model=model)
+    hooks = offload_activations(min_bytes=2**16, use_streams=use_streams, prefetch=prefetch,
+                                model=model)
     assert_same(loss_and_grads(base, x), loss_and_grads(model, x, hooks))
     assert hooks.stats.offloaded_bytes > 0
+    assert (hooks.stats.prefetched > 0) == prefetch
 
     def peak(m: nn.Module, h: Any) -> int:
         torch.cuda.synchronize()
@@ -319,8 +327,8 @@ def test_cuda_offload_is_exact_and_saves_memory(use_streams: bool) -> None:
 
     # Saved activations per block ~ (1 + 4 + 4 + 1 + ...) * d * 4 bytes per token: all but the
     # block being recomputed/consumed leave the GPU, so at least a third of the peak goes.
-    p0, p1 = peak(base, None), peak(model, offload_activations(min_bytes=2**16,
-                                                               use_streams=use_streams))
+    p0, p1 = peak(base, None), peak(model, offload_activations(
+        min_bytes=2**16, use_streams=use_streams, prefetch=prefetch))
     assert p1 <= 0.67 * p0, (p0, p1)
 
 
