@@ -411,15 +411,19 @@ def test_offload_candidates_carry_the_traced_peak() -> None:
     assert "host (offload)" in str(plan)
 
 
-@pytest.mark.parametrize(("micro_batch", "checkpointing"), [
-    (16, "none"), (4, "none"), (16, "full"), (8, "full"), (16, "selective"), (4, "selective")])
-def test_predicted_peak_matches_the_applied_step_measured(micro_batch: int,
+@pytest.mark.parametrize(("precision", "micro_batch", "checkpointing"), [
+    ("fp32", 16, "none"), ("fp32", 4, "none"), ("fp32", 16, "full"), ("fp32", 8, "full"),
+    ("fp32", 16, "selective"), ("fp32", 4, "selective"), ("bf16-mixed", 16, "none"),
+    ("bf16-mixed", 4, "full"), ("bf16-mixed", 16, "selective")])
+def test_predicted_peak_matches_the_applied_step_measured(precision: str, micro_batch: int,
                                                           checkpointing: str) -> None:
     # Each configuration alone in the space: the plan's peak (traced, or derived for the
     # accumulating micro-batches) against the profiler's measurement of the step Plan.apply
     # builds, the optimizer's states already made. Within the trace engine's 1% target.
+    # (Before: 4 x 4 accumulation 6.8% low, the whole batch left out; bf16-mixed 2-3% low, the
+    # CPU kernels' scratch inside ops left out of the one-step derivation.)
     model, batch = make(16)
-    space = {"precision": ["fp32"], "micro_batch": [micro_batch],
+    space = {"precision": [precision], "micro_batch": [micro_batch],
              "checkpointing": [checkpointing], "chunked_loss": [False]}
     plan = fit(model, batch, global_batch=16, budget_bytes=2**30, device="cpu", space=space,
                progress=False)

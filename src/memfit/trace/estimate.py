@@ -98,6 +98,9 @@ class Estimate:
     runtime_in_allocator: frozenset[str] = frozenset()
     """Names in ``runtime`` allocated through the caching allocator (cuBLAS workspaces): they are
     part of ``peak_bytes`` and ``peak_reserved_bytes``, as in torch's allocator statistics."""
+    phase_peaks: dict[tuple[int, str], int] = field(default_factory=dict, repr=False)
+    """Peak bytes allocated within each ``(step, phase)``, including the transients inside ops
+    (a CPU kernel's scratch) that ``timeline``, the bytes after each op, does not show."""
     host_peak_bytes: int = 0
     """Peak host (CPU) memory held by offloading on a CUDA target: activation offload's copies,
     offloaded optimizer states and the host copies their step works on (tensor bytes, before

@@ -95,6 +95,7 @@ class Tracker:
         self.peak_events = 0  # events replayed at the peak
         self.peak_op = -1
         self.peak_extra = 0  # transient bytes inside an opaque kernel at the peak (temporaries)
+        self.phase_peaks: dict[tuple[int, str], int] = {}  # (step, phase) -> its high point
         self.closed = False
 
     @property
@@ -175,6 +176,9 @@ class Tracker:
         if self.allocator is not None:
             info.handle = self.allocator.malloc(info.nbytes)
         self.current += self._size(info.nbytes)
+        key = (self.step, self.phase)
+        if self.current > self.phase_peaks.get(key, 0):
+            self.phase_peaks[key] = self.current
         if self.current > self.peak:
             self.peak = self.current
             self.peak_events = len(self.events)
@@ -200,6 +204,9 @@ class Tracker:
 
     def transient(self, candidate: int) -> None:
         """An op's kernel held ``candidate`` live bytes at its high point (see cpu_kernels.py)."""
+        key = (self.step, self.phase)
+        if candidate > self.phase_peaks.get(key, 0):
+            self.phase_peaks[key] = candidate
         if candidate > self.peak:
             self.peak = candidate
             self.peak_events = len(self.events)
