@@ -407,6 +407,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
         if cuda_target:
             stack.enter_context(CudaSdpaRouting(_compute_capability(spec),
                                                 cuda_on_cpu=emulate_cuda))
+            stack.enter_context(host.traced_save_on_cpu())
         else:
             stack.enter_context(_count_cpu_rng_states(tracker))
         owners = _owners(fmodel)

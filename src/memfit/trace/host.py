@@ -25,7 +25,8 @@ import torch
 if TYPE_CHECKING:
     from memfit.trace.tracker import Tracker
 
-__all__ = ["copy_to_device", "copy_to_host", "host_memory", "stands_for_device"]
+__all__ = ["copy_to_device", "copy_to_host", "host_memory", "stands_for_device",
+           "traced_save_on_cpu"]
 
 _ACTIVE: list[Tracker] = []  # the tracker of the trace running now (the engine is not reentrant)
 
@@ -95,3 +96,35 @@ def copy_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tens
         return host.clone()
     return host.to(device, non_blocking=host.is_pinned() if not _is_fake(host) else False)
 
+
+
+@contextlib.contextmanager
+def traced_save_on_cpu() -> Iterator[None]:
+    """Make the ``torch.autograd.graph.save_on_cpu`` contexts created inside (during a trace of a
+    CUDA target) keep their copies as host memory, as on the GPU. On the fake CPU tensors that
+    stand for CUDA memory, its ``tensor.cpu()`` returns the tensor itself and would move
+    nothing. torch's class is patched for the duration only, and restored on exit.
+
+    Known limitation: a ``save_on_cpu`` made before the trace started keeps torch's hooks.
+    """
+    cls = torch.autograd.graph.save_on_cpu
+    original = cls.__init__
+
+    def __init__(self: torch.autograd.graph.save_on_cpu, pin_memory: bool = False,
+                 device_type: str = "cuda") -> None:
+        def pack(t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
+            if not stands_for_device(t):
+                return (None, t)
+            return (t.device, copy_to_host(t, pin_memory=pin_memory))
+
+        def unpack(packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tensor:
+            device, t = packed
+            return t if device is None else copy_to_device(t, device)
+
+        torch.autograd.graph.saved_tensors_hooks.__init__(self, pack, unpack)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__init__ = original  # type: ignore[method-assign]
