@@ -38,6 +38,7 @@ from memfit.fit.config import CHECKPOINTING, PRECISIONS, SHARDING, FitConfig
 from memfit.fit.cost import Rates, cpu_rates, gpu_rates, step_cost
 from memfit.fit.plan import Candidate, Plan, Rejected
 from memfit.gpus import GpuSpec, get_gpu
+from memfit.trace.allocator import round_size
 from memfit.trace.estimate import TRACKED
 
 TRACKED_INDEX = {cat: i for i, cat in enumerate(TRACKED)}
@@ -467,13 +468,12 @@ def _largest_fitting(micro_batches: list[int], trace: Callable[[int], _Traced | 
 
 
 def _batch_bytes(batch: Any, device: str) -> int:
-    """Bytes of a batch's distinct tensors (CUDA rounds each block up to 512 bytes)."""
+    """Bytes of a batch's distinct tensors (on CUDA, as the caching allocator rounds them)."""
     seen: dict[int, int] = {}
     for t in tensor_leaves(batch):
         nbytes = t.untyped_storage().nbytes()
-        if device == "cuda":
-            nbytes = -(-nbytes // 512) * 512
-        seen[int(t.untyped_storage()._cdata)] = nbytes
+        seen[int(t.untyped_storage()._cdata)] = (round_size(nbytes) if device == "cuda" and nbytes
+                                                 else nbytes)
     return sum(seen.values())
 
 
