@@ -50,11 +50,20 @@ OPAQUE_CPU_OPS |= {
         "binary_cross_entropy_with_logits", "soft_margin_loss", "multilabel_margin_loss_forward",
         "multi_margin_loss", "kl_div") if hasattr(aten, name)
 }
-# Measured only in 16-bit formats: oneDNN's bf16/fp16 GEMMs allocate packed/fp32 buffers, the
-# fp32 ones do not.
+# Measured only in 16-bit formats (the fp32 kernels return what they allocate):
+# - GEMMs: where oneDNN runs bf16/fp16 GEMMs (CPUs with AVX-512 bf16/fp16 or AMX) it allocates
+#   packed and fp32 buffers (14 KB for a 16x32 @ 32x32 bf16 addmm on an AVX-512 EPYC); where it
+#   does not (AVX2), the kernel allocates nothing. Which path a CPU takes is only known by running
+#   the kernel, so it is measured, never assumed;
+# - mean and sum into fp32: the CPU kernel casts a bf16/fp16 input to fp32 before reducing it
+#   (aten/src/ATen/native/ReduceOps.cpp: mean_out, "cast_fp32 -> sum -> div"; sum_out through
+#   ReduceOpsUtils.h: make_reduction, self.to(in_dtype)), an input-sized fp32 temporary. (Left
+#   out, a bf16-mixed step whose peak is a mean was predicted 11.6% low on AVX2, where no GEMM
+#   scratch hid it.)
 LOW_PRECISION_OPAQUE_CPU_OPS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
     aten._addmm_activation.default, aten.addbmm.default,
+    aten.mean.default, aten.mean.dim, aten.sum.default, aten.sum.dim_IntList,
 }
 # Op namespaces of torch itself; ops of any other (custom kernels of libraries) are measured.
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "profiler", "_c10d_functional",
@@ -71,7 +80,30 @@ def is_opaque(func: Any, args: Any) -> bool:
     if func in LOW_PRECISION_OPAQUE_CPU_OPS:
         return any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16)
                    for a in args)
-    return False
+    return _mixed_float_dtypes(func, args)
+
+
+# Ops that convert between dtypes themselves (no promotion temporaries), and seeded random ops,
+# which must not run for real here (they would advance the process's generator).
+_CONVERTING = {aten._to_copy.default, aten.copy_.default, aten.copy.default,
+               aten._foreach_copy_.default}
+
+
+def _mixed_float_dtypes(func: Any, args: Any) -> bool:
+    """An op on floating tensors of more than one dtype (a bf16 activation times an fp32 buffer
+    under autocast, an fp32 residual plus a bf16 branch): on the CPU, TensorIterator makes a
+    converted copy of each input whose dtype is not the common one before it computes
+    (aten/src/ATen/TensorIterator.cpp: TensorIteratorBase::compute_types, "Promotes inputs by
+    creating temporaries of the correct dtype", CPU only), and the fake kernel returns only the
+    output. Zero-dimensional tensors take part in promotion as scalars (at most a few bytes)."""
+    if func in _CONVERTING or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return False
+    dtypes = set()
+    for a in args:
+        for t in a if isinstance(a, list | tuple) else (a,):
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.is_floating_point():
+                dtypes.add(t.dtype)
+    return len(dtypes) > 1
 
 _cache: dict[Any, int | None] = {}
 _workspace: dict[Any, int] = {}

@@ -574,4 +574,5 @@ def _result(tracker: Tracker, allocator: Any, runtime: dict[str, int],
                     peak_module=peak_module, timeline=timeline, modules=modules,
                     num_ops=len(tracker.ops), trace_seconds=elapsed, assumptions=tuple(notes),
                     runtime_in_allocator=in_allocator, host_peak_bytes=tracker.host_peak,
-                    phase_peaks=dict(tracker.phase_peaks))
+                    phase_peaks=dict(tracker.phase_peaks),
+                    op_peaks=dict(tracker.op_peaks))

@@ -101,6 +101,9 @@ class Estimate:
     phase_peaks: dict[tuple[int, str], int] = field(default_factory=dict, repr=False)
     """Peak bytes allocated within each ``(step, phase)``, including the transients inside ops
     (a CPU kernel's scratch) that ``timeline``, the bytes after each op, does not show."""
+    op_peaks: dict[int, int] = field(default_factory=dict, repr=False)
+    """The high point inside an op, by its ``timeline`` index, for the ops whose kernel's
+    transients were measured (CPU targets): live bytes before the op plus the kernel's peak."""
     host_peak_bytes: int = 0
     """Peak host (CPU) memory held by offloading on a CUDA target: activation offload's copies,
     offloaded optimizer states and the host copies their step works on (tensor bytes, before

@@ -96,6 +96,7 @@ class Tracker:
         self.peak_op = -1
         self.peak_extra = 0  # transient bytes inside an opaque kernel at the peak (temporaries)
         self.phase_peaks: dict[tuple[int, str], int] = {}  # (step, phase) -> its high point
+        self.op_peaks: dict[int, int] = {}  # op index -> high point inside that op's kernel
         self.closed = False
 
     @property
@@ -207,6 +208,8 @@ class Tracker:
         key = (self.step, self.phase)
         if candidate > self.phase_peaks.get(key, 0):
             self.phase_peaks[key] = candidate
+        op = len(self.ops)  # this op's index (it is appended once it returns)
+        self.op_peaks[op] = max(candidate, self.op_peaks.get(op, 0))
         if candidate > self.peak:
             self.peak = candidate
             self.peak_events = len(self.events)
