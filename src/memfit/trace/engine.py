@@ -32,7 +32,7 @@ from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
 from memfit.gpus import GpuSpec
 from memfit.trace import host
-from memfit.trace.autocast import target_autocast
+from memfit.trace.autocast import cuda_autocast_emulation, target_autocast
 from memfit.trace.datadep import DataDependentSizes
 from memfit.trace.estimate import TRACKED, Estimate, ModuleMemory, TimelinePoint
 from memfit.trace.optim import OptimizerFactory, make_optimizer
@@ -408,6 +408,10 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
             stack.enter_context(CudaSdpaRouting(_compute_capability(spec),
                                                 cuda_on_cpu=emulate_cuda))
             stack.enter_context(host.traced_save_on_cpu())
+            if emulate_cuda and autocast_dtype is not None:
+                # For the whole step, so that checkpoint's recompute in backward sees it too;
+                # see Note: [autocast in the recompute] in autocast.py.
+                stack.enter_context(cuda_autocast_emulation())
         else:
             stack.enter_context(_count_cpu_rng_states(tracker))
         owners = _owners(fmodel)
