@@ -79,22 +79,39 @@ class _CudaAutocastOnCpu(TorchFunctionMode):
 
 
 @contextmanager
+def cuda_autocast_emulation() -> Iterator[None]:
+    """CUDA's autocast lists on fake CPU tensors for the whole traced step.
+
+    Note: [autocast in the recompute] The mode stays on through forward, backward and optimizer,
+    and acts only while CPU autocast is enabled (``torch.is_autocast_enabled("cpu")``), the state
+    that stands for CUDA autocast here. Activation checkpointing re-runs a forward during backward
+    under the autocast *state* it recorded (``torch/utils/checkpoint.py: _get_autocast_kwargs``,
+    restored by ``CheckpointFunction.backward`` (reentrant) and ``recompute_fn`` in
+    ``_checkpoint_without_reentrant_generator``); it does not restore torch-function modes. A mode
+    entered only around the forward would be gone in the recompute, which would then take CPU's
+    lists and save tensors of other dtypes ("Recomputed values ... have different metadata").
+    Keyed on the state, the recompute sees exactly the forward's policies, for every checkpoint
+    flavour (reentrant, non-reentrant, selective) and whoever wraps the blocks.
+    """
+    with _CudaAutocastOnCpu():
+        yield
+
+
+@contextmanager
 def target_autocast(device: str, dtype: torch.dtype | None, *,
                     emulate_cuda: bool) -> Iterator[None]:
     """Autocast for ``device`` ("cpu" or "cuda") at ``dtype``; no-op when ``dtype`` is None.
 
-    ``emulate_cuda``: the target is CUDA but tensors are fake CPU tensors (CPU-only torch build).
+    ``emulate_cuda``: the target is CUDA but tensors are fake CPU tensors (CPU-only torch build):
+    this enters CPU autocast, and :func:`cuda_autocast_emulation`, which the caller keeps active
+    for the whole step, applies CUDA's lists while it is on.
     """
     if dtype is None:
         yield
         return
     if device == "cpu" or emulate_cuda:
         with torch.autocast("cpu", dtype=dtype):
-            if emulate_cuda:
-                with _CudaAutocastOnCpu():
-                    yield
-            else:
-                yield
+            yield
         return
     prev_enabled = torch.is_autocast_enabled("cuda")
     prev_dtype = torch.get_autocast_dtype("cuda")

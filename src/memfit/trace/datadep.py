@@ -214,6 +214,8 @@ class DataDependentSizes:
             repeats = args[0]
             n = kwargs.get("output_size") or repeats.numel()
             return torch.empty((n,), dtype=torch.long, device=repeats.device)
+        if func is aten._ctc_loss.Tensor:
+            return self._ctc_loss(*args[:4])
         if func is aten._local_scalar_dense.default:
             x = args[0]
             self.used = True
@@ -221,6 +223,26 @@ class DataDependentSizes:
                 return True
             return 1.0 if x.is_floating_point() else 1
         return None
+
+    def _ctc_loss(self, log_probs: torch.Tensor, targets: torch.Tensor, _input_lengths: Any,
+                  target_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """CTC loss with lengths given as tensors: its ``log_alpha`` (saved for backward) is
+        [batch, time, 2 * max(target_lengths) + 1] (``aten/src/ATen/native/LossCTC.cpp:
+        ctc_loss_cpu_template``; ``native/cuda/LossCTC.cu: ctc_loss_gpu_template`` the same).
+        The maximum is read from the known lengths (computed from real labels), else bounded by
+        the targets' padded length."""
+        if target_lengths in self.known:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                longest = int(self.known[target_lengths].max().item())
+        else:
+            self.used = True
+            longest = targets.shape[-1] if targets.dim() == 2 else targets.numel()
+        time, batch = log_probs.shape[0], (log_probs.shape[1] if log_probs.dim() == 3 else 1)
+        dt = log_probs.dtype
+        return (torch.empty((batch,), dtype=dt, device=log_probs.device),
+                torch.empty((batch, time, 2 * longest + 1), dtype=dt, device=log_probs.device))
 
 
 DATA_DEPENDENT = {
@@ -230,6 +252,6 @@ DATA_DEPENDENT = {
         getattr(aten, "_unsafe_index_put", None) and aten._unsafe_index_put.default,
         aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
         aten._unique.default, aten.bincount.default, aten.repeat_interleave.Tensor,
-        aten._local_scalar_dense.default,
+        aten._local_scalar_dense.default, aten._ctc_loss.Tensor,
     ) if op
 }

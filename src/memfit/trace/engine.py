@@ -32,7 +32,7 @@ from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
 from memfit.gpus import GpuSpec
 from memfit.trace import host
-from memfit.trace.autocast import target_autocast
+from memfit.trace.autocast import cuda_autocast_emulation, target_autocast
 from memfit.trace.datadep import DataDependentSizes
 from memfit.trace.estimate import TRACKED, Estimate, ModuleMemory, TimelinePoint
 from memfit.trace.optim import OptimizerFactory, make_optimizer
@@ -306,6 +306,64 @@ def _eager_library_paths() -> Iterator[None]:
         module.is_fake_tensor = original  # type: ignore[attr-defined]
 
 
+@contextlib.contextmanager
+def _grouped_mm_rule() -> Iterator[None]:
+    """Fake tensors take ``aten._grouped_mm`` (the mixture-of-experts matmul) with the dtypes the
+    real kernels take.
+
+    Note: [grouped_mm on fake tensors] torch's meta function (``torch/_meta_registrations.py:
+    _meta_grouped_mm_common``) still requires bf16 inputs, while the kernels it describes accept
+    fp32, bf16 and fp16 (``aten/src/ATen/native/GroupedMMUtils.h: _grouped_mm_validate_inputs``;
+    ``aten/src/ATen/native/cuda/GroupedBlas.cpp: _grouped_mm_cuda`` runs bf16 on sm90/sm100 with
+    CUTLASS and everything else through ``_grouped_mm_fallback``, one ``mm_out`` per group into
+    the same output; the CPU kernel runs that fallback too). transformers' MoE layers call it
+    with fp32 weights under fp32 and under autocast (``integrations/moe.py: _grouped_mm`` casts
+    the input to the weight dtype), so every MoE model failed to trace. The rule here makes the
+    output as ``create_grouped_gemm_output_tensor`` (GroupedMMUtils.h) does on CUDA and CPU (not
+    ROCm): dtype ``out_dtype`` or the input's, last dimension's stride padded to 16 bytes.
+    """
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    ops = {torch.ops.aten._grouped_mm.default}
+    allowed = (torch.float32, torch.bfloat16, torch.float16)
+
+    def rule(fake_mode: Any, func: Any, mat_a: torch.Tensor, mat_b: torch.Tensor,
+             offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> Any:
+        for name, m in (("mat_a", mat_a), ("mat_b", mat_b)):
+            if m.dtype not in allowed:
+                raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, "
+                                   f"got {m.dtype}")
+        if mat_a.dim() not in (2, 3) or mat_b.dim() not in (2, 3):
+            raise RuntimeError("mat_a and mat_b have to be 2 or 3d")
+        a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+        if not (a2 and b2) and mat_a.shape[-1] != mat_b.shape[-2]:
+            raise RuntimeError("contraction dimension of mat_a and mat_b must match")
+        if a2 and b2:
+            size = [offs.shape[0] if offs is not None else 1, mat_a.shape[0], mat_b.shape[1]]
+        elif a2:
+            size = [mat_a.shape[0], mat_b.shape[-1]]
+        elif b2:
+            size = [mat_a.shape[1], mat_b.shape[1]]
+        else:
+            size = [mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1]]
+        dtype = out_dtype or mat_a.dtype
+        align = 16 // dtype.itemsize
+        padded = -(-size[-1] // align) * align
+        stride = [padded, 1] if a2 != b2 else [size[1] * padded, padded, 1]
+        with in_kernel_invocation_manager(fake_mode):
+            out = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+        return FakeTensor(fake_mode, out, mat_a.device)
+
+    entry = (ops.__contains__, rule)
+    fake_impls.op_implementations_checks.insert(0, entry)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(entry)
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 def _validate(optimizer: Any, precision: str, device: str, steps: int) -> None:
@@ -370,6 +428,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_mode)
         stack.enter_context(host.tracing(tracker))
+        stack.enter_context(_grouped_mm_rule())
         fmodel = _fake_model(model, fake_device, param_dtype)
         memo: dict[int, torch.Tensor] = {}
         finputs = _fake_inputs(inputs, fake_device, memo, param_dtype)
@@ -408,6 +467,10 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
             stack.enter_context(CudaSdpaRouting(_compute_capability(spec),
                                                 cuda_on_cpu=emulate_cuda))
             stack.enter_context(host.traced_save_on_cpu())
+            if emulate_cuda and autocast_dtype is not None:
+                # For the whole step, so that checkpoint's recompute in backward sees it too;
+                # see Note: [autocast in the recompute] in autocast.py.
+                stack.enter_context(cuda_autocast_emulation())
         else:
             stack.enter_context(_count_cpu_rng_states(tracker))
         owners = _owners(fmodel)
