@@ -414,3 +414,14 @@ def test_routing_holds_in_checkpoint_recompute() -> None:
     assert any("native_dropout." in op for op in backward)
     assert any("_scaled_dot_product_flash_attention." in op for op in backward)
     assert not any("bernoulli" in op for op in backward)
+
+
+def test_routing_accepts_keyword_inputs() -> None:
+    """``F.scaled_dot_product_attention(query=..., key=..., value=...)`` is routed like the
+    positional call (meta tensors: the fused ops' meta kernels give the shapes)."""
+    from memfit.trace.sdpa import CudaRouting
+
+    q = torch.empty(1, 4, 32, 64, dtype=BF16, device="meta")
+    with CudaRouting(A100, cuda_on_cpu=False):
+        out = F.scaled_dot_product_attention(query=q, key=q, value=q, is_causal=True)
+    assert out.shape == q.shape and out.dtype == BF16

@@ -363,6 +363,10 @@ def _host_device(args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]
     return args, kwargs
 
 
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")  # F.scaled_dot_product_attention's parameters, in order
+
+
 class CudaRouting(TorchFunctionMode):
     """CUDA's choice of kernels on the CPU stand-in: ``F.scaled_dot_product_attention`` calls go to
     :func:`cuda_sdpa`, and (``cuda_on_cpu``) ``dropout`` takes CUDA's fused kernel
@@ -408,16 +412,16 @@ class CudaRouting(TorchFunctionMode):
             if kwargs or len(args) > 1:
                 args, kwargs = _host_device(args, kwargs)
         if func is F.scaled_dot_product_attention:
-            args = list(args)
-            device = args[0].device.type
+            call = dict(zip(_SDPA_ARGS, args, strict=False))
+            call.update(kwargs)
+            device = call["query"].device.type
             if torch.is_autocast_enabled(device):
                 # SDPA is on autocast's lower-precision list: cast first, then choose the kernel.
                 low = torch.get_autocast_dtype(device)
-                args = [a.to(low) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                        for a in args]
-                kwargs = {k: (a.to(low) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                              else a) for k, a in kwargs.items()}
-            return cuda_sdpa(*args, **kwargs, compute_capability=self.compute_capability)
+                call = {k: (a.to(low) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                            else a) for k, a in call.items()}
+            return cuda_sdpa(call.pop("query"), call.pop("key"), call.pop("value"), **call,
+                             compute_capability=self.compute_capability)
         return func(*args, **kwargs)
 
 
