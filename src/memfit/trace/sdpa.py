@@ -415,7 +415,7 @@ class CudaRouting(TorchFunctionMode):
             call = dict(zip(_SDPA_ARGS, args, strict=False))
             call.update(kwargs)
             device = call["query"].device.type
-            if torch.is_autocast_enabled(device):
+            if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
                 # SDPA is on autocast's lower-precision list: cast first, then choose the kernel.
                 low = torch.get_autocast_dtype(device)
                 call = {k: (a.to(low) if isinstance(a, torch.Tensor) and a.is_floating_point()
