@@ -126,7 +126,6 @@ ROUTES: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
     ("math-only", {}, {"cc": H100, "enabled": (MATH,)}, MATH),
     # a user-set priority order (sdpa_kernel(..., set_priority=True)) is followed as given
     ("user-order", {}, {"cc": H100, "order": (EFFICIENT, FLASH, MATH, CUDNN)}, EFFICIENT),
-    # check_tensor_shapes: fused kernels need 4-D inputs
 ]
 
 
@@ -144,6 +143,16 @@ def test_choose_cuda_backend(inputs: dict[str, Any], opts: dict[str, Any], expec
         requires_grad=opts.get("grad", True), enabled=opts.get("enabled", ALL),
         order=opts.get("order"), release=opts.get("release", R211))
     assert got == expected
+
+
+def test_mask_with_strided_last_dim_takes_math() -> None:
+    """``sdp_utils_cpp.h: check_last_dim_stride_equals_1_dense``: on GPUs the mask's last
+    dimension must have stride 1 (a mask broadcast along it is refused by the fused kernels)."""
+    q, k, v = qkv(dtype=FP32)
+    m = torch.empty(2, 1, 64, 1, dtype=torch.bool, device="meta").expand(2, 1, 64, 64)
+    assert choose_cuda_backend(q, k, v, m, A100, enabled=ALL, release=R211) == MATH
+    assert choose_cuda_backend(q, k, v, m.contiguous(), A100, enabled=ALL,
+                               release=R211) == EFFICIENT
 
 
 def test_three_dimensional_inputs_take_math() -> None:

@@ -138,9 +138,12 @@ def _heads_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: boo
     return hk > 0 and hv > 0 and hq % hk == 0 and hq % hv == 0
 
 
-def _last_dim_contiguous(*ts: torch.Tensor, ignore_singleton: bool) -> bool:
-    """``sdp_utils_cpp.h: check_last_dim_stride_equals_1_dense``."""
-    return all(t.stride(-1) == 1 or (ignore_singleton and t.shape[-1] == 1) for t in ts)
+def _last_dim_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor | None, *, ignore_singleton: bool) -> bool:
+    """``sdp_utils_cpp.h: check_last_dim_stride_equals_1_dense``: q, k, v (unless head_dim is 1,
+    where allowed) and, on GPUs, the mask have stride 1 in their last dimension."""
+    qkv = all(t.stride(-1) == 1 for t in (q, k, v)) or (ignore_singleton and q.shape[-1] == 1)
+    return qkv and (mask is None or mask.stride(-1) == 1)
 
 
 def _mask_shape_ok(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -179,11 +182,11 @@ def can_use_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return False
     return (_heads_ok(q, k, v, enable_gqa, supports_gqa=True)  # backend_supports_gqa = true
             and q.shape[-2] > 0 and k.shape[-2] > 0  # check_nonzero_sequence_lengths_dense
-            and _last_dim_contiguous(q, k, v, ignore_singleton=True))
+            and _last_dim_contiguous(q, k, v, None, ignore_singleton=True))
 
 
 def can_use_efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cc: tuple[int, int], *, enable_gqa: bool,
+                      attn_mask: torch.Tensor | None, cc: tuple[int, int], *, enable_gqa: bool,
                       release: tuple[int, int] | None = None) -> bool:
     """``sdp_utils.cpp: can_use_mem_efficient_attention``, filter by filter."""
     if not _in_sm_range(cc, (5, 0), (12, 1)):  # check_mem_efficient_hardware_support
@@ -194,7 +197,7 @@ def can_use_efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return False
     gqa = (release or torch_release()) >= EFFICIENT_GQA_SINCE
     if not (q.shape[-2] > 0 and k.shape[-2] > 0
-            and _last_dim_contiguous(q, k, v, ignore_singleton=False)
+            and _last_dim_contiguous(q, k, v, attn_mask, ignore_singleton=False)
             and _heads_ok(q, k, v, enable_gqa, supports_gqa=gqa)):
         return False
     dtypes = (torch.float16, torch.float32, torch.bfloat16) if cc >= (8, 0) else (
@@ -218,7 +221,7 @@ def can_use_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if dropout_p * 16.0 != math.floor(dropout_p * 16.0):  # check_cudnn_dropout
         return False
     if not (q.shape[-2] > 0 and k.shape[-2] > 0
-            and _last_dim_contiguous(q, k, v, ignore_singleton=True)
+            and _last_dim_contiguous(q, k, v, attn_mask, ignore_singleton=True)
             and _heads_ok(q, k, v, enable_gqa, supports_gqa=True, requires_same_num_heads=False)):
         return False
     # check_cudnn_tensor_shapes: batch and heads <= 65535; head dims <= 128 (192/128 on sm90 and
@@ -264,7 +267,7 @@ def choose_cuda_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 q, k, v, attn_mask, compute_capability, dropout_p=dropout_p,
                 is_causal=is_causal, enable_gqa=enable_gqa, requires_grad=requires_grad):
             return FLASH
-        if backend == EFFICIENT and can_use_efficient(q, k, v, compute_capability,
+        if backend == EFFICIENT and can_use_efficient(q, k, v, attn_mask, compute_capability,
                                                       enable_gqa=enable_gqa, release=release):
             return EFFICIENT
         if backend == CUDNN and can_use_cudnn(q, k, v, attn_mask, compute_capability,
