@@ -24,6 +24,7 @@ from memfit.trace import estimate
 from memfit.trace.sdpa import (
     CUDNN,
     CUDNN_ORDER,
+    CUDNN_PREFERRED_SINCE,
     DEFAULT_ORDER,
     EFFICIENT,
     FLASH,
@@ -31,6 +32,7 @@ from memfit.trace.sdpa import (
     choose_cuda_backend,
     minimum_gemm_alignment,
     priority_order,
+    torch_release,
 )
 
 ALL = (FLASH, EFFICIENT, MATH, CUDNN)
@@ -251,8 +253,8 @@ def test_gqa_keys_and_values_stay_unexpanded(gpu: str, monkeypatch: pytest.Monke
     assert forward_saved(mha, "0") - forward_saved(gqa, "0") == 2 * 24 * 256 * 128 * 2
     ops = {str(p.op) for p in gqa.timeline}
     assert not any("repeat_interleave" in op or "index_select" in op for op in ops)
-    assert any(("_flash_attention" if gpu.startswith("a100") else "_cudnn_attention") in op
-               for op in ops)
+    cudnn = gpu.startswith("h100") and torch_release() >= CUDNN_PREFERRED_SINCE
+    assert any(("_cudnn_attention" if cudnn else "_flash_attention") in op for op in ops)
 
 
 def test_math_path_expands_gqa_itself() -> None:
