@@ -295,11 +295,12 @@ class Kernel(nn.Module):
                                               attn_mask=inputs.get("m"), **self.kwargs)
 
 
-def kernel_estimate(inputs: dict[str, torch.Tensor], precision: str, **kwargs: Any) -> Any:
+def kernel_estimate(inputs: dict[str, torch.Tensor], precision: str, gpu: str = "a100-sxm-80gb",
+                    **kwargs: Any) -> Any:
     with torch.device("meta"):
         model = nn.Sequential(Kernel(**kwargs))
     return estimate(model, (inputs,), optimizer="sgd", precision=precision, device="cuda",
-                    gpu="a100-sxm-80gb", steps=1, loss_fn=lambda out: out.float().sum())
+                    gpu=gpu, steps=1, loss_fn=lambda out: out.float().sum())
 
 
 def masked_saved(s: int, mask_dtype: torch.dtype) -> int:
@@ -344,6 +345,26 @@ def test_flash_pads_head_dim_to_multiple_of_8(head_dim: int) -> None:
     copies = 3 if padded != head_dim else 0
     expected = (copies + 1) * b * h * L * padded * 2 + b * h * L * 4 + rng
     assert forward_saved(est, "0") == expected
+
+
+@pytest.mark.skipif(torch_release() < CUDNN_PREFERRED_SINCE,
+                    reason="cuDNN attention is preferred from torch 2.11")
+def test_cudnn_attention_saves_output_and_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an H100 (``sdp_utils.cpp: check_prefer_cudnn_attention``) a bf16 call without a mask
+    takes cuDNN, which keeps (``_meta_registrations.py:
+    meta__scaled_dot_product_cudnn_attention``) the output [B, H, L, Dv] and float32 softmax
+    stats [B, H, L, 1] besides its RNG seed and offset; grouped-query K/V stay unexpanded. B=2,
+    H=8 (2 KV heads), L=S=128, D=64."""
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    b, h, L, d = 2, 8, 128, 64
+    q = torch.zeros(b, h, L, d, dtype=BF16, device="meta", requires_grad=True)
+    k, v = (torch.zeros(b, 2, L, d, dtype=BF16, device="meta", requires_grad=True)
+            for _ in range(2))
+    est = kernel_estimate({"q": q, "k": k, "v": v}, "bf16", gpu="h100-sxm-80gb",
+                          enable_gqa=True)
+    rng = 2 * 8  # the seed and offset: int64 scalars in the meta registration
+    assert forward_saved(est, "0") == b * h * L * d * 2 + b * h * L * 4 + rng
+    assert any("_cudnn_attention" in p.op for p in est.timeline)
 
 
 def aten_flash_meta(t: list[torch.Tensor]) -> Any:
