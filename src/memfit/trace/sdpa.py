@@ -3,8 +3,13 @@
 On a CPU target nothing is routed: torch's own CPU selection runs on the fake tensors' metadata
 (flash-attention-for-CPU or math) exactly as in the real run.
 
-On a CUDA target the choice and the inputs each kernel receives follow PyTorch's source, read at
-release 2.11 (the GPU machines' torch) and on ``main`` (differences noted where they matter):
+On a CUDA target the choice and the inputs each kernel receives follow PyTorch's source: the
+``sdp_utils.cpp`` of ``main`` (commit 001f694a, 2026), the ``sdp_utils_cpp.h`` header shipped with
+the installed torch 2.13, ``attention.cpp`` as of 2.5-2.8 (its ``preprocess_mask`` and
+``pad_last_dim`` unchanged since 2.3), and, for what changed around 2.11 (the GPU machines'
+release), the pull requests that changed it (pytorch#169849/#171627: cuDNN priority;
+pytorch#191085: memory-efficient GQA, after 2.13). The v2.11.0 tag itself could not be fetched
+here (the repository snapshot is over the size limit); differences are noted where they matter:
 
 - ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: ``select_sdp_backend`` tries the
   backends in ``priority_order`` and takes the first whose ``can_use_*`` filters all pass
