@@ -611,3 +611,39 @@ def test_trace_runs_with_the_gpus_capacity() -> None:
         oom = estimate(model, x, device="cuda", gpu=tiny)
     assert any("does not fit" in a for a in oom.assumptions)
     assert oom.peak_reserved_bytes > 100 * MiB
+
+
+def test_offload_prefetch_uses_the_side_streams_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """memfit's activation offload copies back ahead of need on a side stream
+    (``torch.cuda.stream(self._h2d)``) and hands the copy to the compute stream with
+    ``record_stream``: the copies come from that stream's own pool (``get_free_block`` matches
+    the stream) and return to it once the compute stream is done (``free`` ->
+    ``insert_events``). 8 x (Linear(64, 64) -> ReLU) on (4096, 64) fp32: every offloaded
+    activation is 1 MiB (small pool). At most two are on the side stream at once (the one in
+    use and the next, prefetched), so that stream holds exactly one 2 MiB small segment."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from memfit.techniques.offload import apply_activation_offload
+    from memfit.trace import estimate
+
+    made: list[CachingAllocatorSim] = []
+    for_gpu = CachingAllocatorSim.for_gpu.__func__  # type: ignore[attr-defined]
+
+    def keep(cls: type[CachingAllocatorSim], *args: object, **kwargs: object
+             ) -> CachingAllocatorSim:
+        made.append(for_gpu(cls, *args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(CachingAllocatorSim, "for_gpu", classmethod(keep))
+    model = nn.Sequential(*(m for _ in range(8) for m in (nn.Linear(64, 64, bias=False),
+                                                          nn.ReLU())))
+    apply_activation_offload(model, min_bytes=2**16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        estimate(model, (torch.randn(4096, 64),), optimizer="sgd", device="cuda", steps=2)
+    side = [s for s in made[-1].snapshot() if s["stream"] != 0]
+    assert [(s["stream"], s["segment_type"], s["total_size"]) for s in side] == [
+        (2, "small", 2 * MiB)]
