@@ -126,6 +126,7 @@ def test_context_depends_on_cuda_version_and_lazy_loading() -> None:
     assert not lazy_module_loading("11.6") and not lazy_module_loading("12.4", env="EAGER")
     assert cuda_context_bytes() == cuda_context_bytes("12.8") == 400 * MiB
     assert cuda_context_bytes("11.2") == 1685 * MiB  # no lazy loading before 11.7
+    assert cuda_context_bytes("cu112") == 1685 * MiB and cuda_context_bytes("cu128") == 400 * MiB
     assert cuda_context_bytes("10.1") == 719 * MiB
     # no CUDA 12 eager figure: the largest eager figure of all (documented fallback)
     assert cuda_context_bytes("12.8", lazy=False) == 1685 * MiB

@@ -1,8 +1,10 @@
 """Device memory outside the model's tensors: CUDA context, cuBLAS workspaces, NCCL buffers.
 
 Nothing here was measured in this project yet (no GPU in the sessions that wrote it): every
-number is either read from PyTorch's / NCCL's source (marked "from source") or an assumption
-(marked "assumed"), and each says which. Two kinds of bytes must not be mixed up:
+number is read from PyTorch's / NCCL's source (marked "from source"), taken from a published
+measurement (the CUDA context: :data:`CONTEXT_MEASUREMENTS`, each with its URL and quoted line),
+or an assumption (marked "assumed"), and each says which. Two kinds of bytes must not be mixed
+up:
 
 - Outside PyTorch's caching allocator (``cuda_context``, ``nccl``): the driver and libraries
   allocate them themselves. ``torch.cuda.memory_reserved()`` does not count them, ``nvidia-smi``
@@ -125,11 +127,13 @@ eager loading."""
 def _cuda_version(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
-    match = re.match(r"^\s*(?:cu)?(\d+)\.?(\d)?", text)
+    match = re.match(r"^\s*(?:(\d+)\.(\d+)|cu(\d+)(\d))\b", text)  # "12.8" or "cu128"
     if not match:
         raise MemfitError(f"cuda_version {text!r} is not a CUDA version; write e.g. '12.8' "
-                          "(torch.version.cuda)")
-    return int(match.group(1)), int(match.group(2) or 0)
+                          "(torch.version.cuda) or 'cu128'")
+    major, minor = (match.group(1), match.group(2)) if match.group(1) else (
+        match.group(3), match.group(4))
+    return int(major), int(minor)
 
 
 def lazy_module_loading(cuda_version: str | None = None, env: str | None = None) -> bool:

@@ -34,11 +34,21 @@ Rules modelled
 - ``free`` / ``free_block`` / ``try_merge_blocks``: a freed block merges with a free neighbour
   (previous and next block of the same segment) and goes back to its pool; nothing is returned
   to the device.
-- ``malloc`` then ``alloc_block``: when no cached block fits, a new segment is allocated. If the
-  device is full (here: ``reserved + segment > capacity``): ``release_available_cached_blocks``
-  (only with ``max_split_size``: free oversize cached segments) and retry, then
-  ``release_cached_blocks`` (free every wholly free segment, all streams) and retry, then raise
-  (:class:`SimulatedOOM`, the simulated ``torch.OutOfMemoryError``).
+- ``malloc`` then ``alloc_block``: when no cached block fits, first
+  ``garbage_collect_cached_blocks`` (only after ``set_per_process_memory_fraction``, here
+  ``allowed_memory_maximum``, with ``garbage_collection_threshold`` set: above threshold x
+  allowed bytes reserved, free whole cached large segments at least as old as the average,
+  age = large-pool searches since cached), then a new segment is allocated. If the device is
+  full (``reserved + segment > capacity``, or ``> allowed_memory_maximum``):
+  ``release_available_cached_blocks`` (only with ``max_split_size``: free the oversize cached
+  segment at the search point, else oversize segments from the largest down) and retry, then
+  ``release_cached_blocks`` (complete deferred frees, free every wholly free segment, all
+  streams) and retry, then raise (:class:`SimulatedOOM`, the simulated
+  ``torch.OutOfMemoryError``). :meth:`CachingAllocatorSim.for_gpu` gives the capacity of a GPU.
+- ``recordStream`` / ``free`` -> ``insert_events`` / ``process_events``: a block used on other
+  streams leaves ``allocated_bytes`` when freed but is cached again only when those streams'
+  events complete: here at :meth:`CachingAllocatorSim.process_events` (the trace calls it as
+  each op starts) or at ``release_cached_blocks``.
 - ``emptyCache`` -> ``release_cached_blocks``: frees only segments that are entirely free; a
   segment with any live block stays reserved.
 - Expandable segments (``expandable_segments:True``; ``find_expandable_block``,
@@ -57,11 +67,11 @@ Known limitations
 - Addresses are simulated: new segments get increasing addresses. Real ``cudaMalloc`` may
   reuse a freed range at a lower address, which can change which of two equal-size free blocks
   best fit picks; sizes and counts are unaffected.
-- Not modelled: ``record_stream`` / cross-stream event deferral (a freed block is reusable at
-  once), ``garbage_collection_threshold`` (needs ``set_per_process_memory_fraction``), CUDA graph
-  private pools and ``MemPool``, ``cudaMallocAsync`` backend, the device's own granularity
-  beyond whole segments. ``capacity`` models the bytes the allocator may hold (device memory
-  minus CUDA context and other processes), not a memory fraction.
+- Not modelled: CUDA graph private pools and ``MemPool``, the ``cudaMallocAsync`` backend, the
+  device's own granularity beyond whole segments, when exactly a side stream's event
+  completes (the caller decides, with :meth:`~CachingAllocatorSim.process_events`).
+  ``capacity`` is the bytes the allocator may hold (device memory minus CUDA context and other
+  processes); ``allowed_memory_maximum`` is a memory fraction's limit.
 - ``release_available_cached_blocks`` frees only unsplit segments (PyTorch's also assumes
   oversize cached blocks are whole segments, which its split rule guarantees).
 """
@@ -243,8 +253,11 @@ class CachingAllocatorSim:
     ``capacity`` is the bytes the allocator may reserve before ``cudaMalloc`` fails (None:
     unlimited).
 
-    Known limitations: see the module docstring (simulated addresses, no ``record_stream``, no
-    CUDA graph pools, no garbage-collection threshold).
+    ``garbage_collection_threshold`` (0-1) acts only with ``allowed_memory_maximum`` (the bytes
+    ``torch.cuda.set_per_process_memory_fraction`` allows), as in PyTorch.
+
+    Known limitations: see the module docstring (simulated addresses, no CUDA graph pools,
+    side-stream events complete at :meth:`process_events`).
     """
 
     def __init__(self, *, expandable_segments: bool = False, capacity: int | None = None,

@@ -96,7 +96,10 @@ class Tracker:
         self.peak = 0
         self.peak_events = 0  # events replayed at the peak
         self.peak_op = -1
-        self.peak_extra = 0  # transient bytes inside an opaque kernel at the peak (temporaries)
+        # Bytes at the peak beyond the storages' sizes (counted as temporaries): transient
+        # scratch inside an opaque CPU kernel, or on CUDA the allocator's whole-block excess
+        # (Note: [peak in allocator blocks]).
+        self.peak_extra = 0
         self.phase_peaks: dict[tuple[int, str], int] = {}  # (step, phase) -> its high point
         self.closed = False
         self.stream = 0  # CUDA stream new device storages are allocated on (0: the compute one)
