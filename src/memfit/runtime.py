@@ -526,6 +526,8 @@ def _parse_divisions_list(conf: str, tokens: list[str], i: int) -> tuple[list[in
             raise _bad(conf, f"roundup_power2_divisions must be powers of two or 0, got "
                              f"{divisions}")
         if boundary == ">":
+            # AcceleratorAllocatorConfig::parseRoundUpPower2Divisions (torch >= 2.9): from
+            # last_index + 1 on; torch <= 2.8 filled from last_index, overwriting that entry.
             table[last_index + 1:] = [divisions] * (15 - last_index)
         else:
             size_mb = _as_int(conf, "roundup_power2_divisions", boundary)
