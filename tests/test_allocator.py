@@ -647,3 +647,38 @@ def test_offload_prefetch_uses_the_side_streams_pool(monkeypatch: pytest.MonkeyP
     side = [s for s in made[-1].snapshot() if s["stream"] != 0]
     assert [(s["stream"], s["segment_type"], s["total_size"]) for s in side] == [
         (2, "small", 2 * MiB)]
+
+
+def test_pytorch_max_split_expandable() -> None:
+    """PyTorch's ``test/test_cuda.py: test_max_split_expandable``: a 120 MiB memory fraction,
+    ``max_split_size_mb:40``; 40 MiB blocks alternately in plain and expandable segments fit
+    three times, the fourth raises OutOfMemoryError; after freeing them, 120 MiB fits
+    (``release_cached_blocks`` with expandable segments in the free list)."""
+    sim = CachingAllocatorSim(max_split_size=40 * MiB, allowed_memory_maximum=120 * MiB)
+    a = sim.malloc(40 * MiB)
+    sim.expandable_segments = True  # _set_allocator_settings("expandable_segments:True,...")
+    b = sim.malloc(40 * MiB)
+    sim.expandable_segments = False
+    c = sim.malloc(40 * MiB)
+    assert sim.reserved_bytes == 120 * MiB
+    with pytest.raises(SimulatedOOM):
+        sim.malloc(40 * MiB)
+    for h in (a, b, c):
+        sim.free(h)
+    sim.malloc(120 * MiB)
+    assert (sim.allocated_bytes, sim.reserved_bytes) == (120 * MiB, 120 * MiB)
+
+
+def test_pytorch_set_per_process_memory_fraction() -> None:
+    """PyTorch's ``test/test_cuda.py: test_set_per_process_memory_fraction`` on an 80 GiB
+    device with fraction 0.5 (``alloc_block``: ``total_allocated_memory + size >
+    allowed_memory_maximum`` fails): with a 4 KiB tensor alive (a 2 MiB small segment),
+    int(0.499 x total) - max_memory_reserved bytes fit; int(0.5 x total) bytes do not."""
+    total = 80 * 2**30
+    sim = CachingAllocatorSim(allowed_memory_maximum=int(total * 0.5))
+    sim.malloc(1024 * 4)
+    sim.empty_cache()
+    sim.free(sim.malloc(int(total * 0.499) - sim.peak_reserved_bytes))
+    sim.empty_cache()
+    with pytest.raises(SimulatedOOM):
+        sim.malloc(int(total * 0.5))
