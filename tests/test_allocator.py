@@ -461,3 +461,224 @@ def test_speed_of_malloc_free_pairs() -> None:
     print(f"\nCachingAllocatorSim: {n / elapsed:,.0f} malloc/free pairs per second")
     assert elapsed < 10.0
     assert len(held) == 140
+
+
+# ------------------------------------------------------------------ release under pressure
+def test_oom_release_frees_several_oversize_blocks_largest_first() -> None:
+    """``CUDACachingAllocator.cpp: release_available_cached_blocks``: no cached block >=
+    max(request, max_split_size) -> free oversize blocks from the largest down until their
+    sizes reach that key, then ``alloc_block`` again (no full ``release_cached_blocks``)."""
+    sim = CachingAllocatorSim(capacity=100 * MiB, max_split_size=32 * MiB)
+    h1, h2 = sim.malloc(40 * MiB), sim.malloc(40 * MiB)
+    sim.free(h1)
+    sim.free(h2)
+    # 60 MiB: no cached block fits; 80 + 60 > 100 -> key max(60, 32) = 60: free 40 (40 < 60),
+    # then the other 40 (80 >= 60); the 60 MiB segment fits
+    sim.malloc(60 * MiB)
+    assert (sim.reserved_bytes, sim.peak_reserved_bytes) == (60 * MiB, 80 * MiB)
+    assert (sim.num_alloc_retries, sim.num_device_free) == (0, 2)
+
+
+# ------------------------------------------------------------------ garbage collection
+def _aged_cache(**options: object) -> CachingAllocatorSim:
+    """a (12 MiB) cached after the first large-pool search, b and c (20 MiB each) after the
+    third: at the fourth search a is 3 searches old, b and c 1."""
+    sim = CachingAllocatorSim(**options)  # type: ignore[arg-type]
+    a = sim.malloc(12 * MiB)  # search 1, segment 12
+    sim.free(a)
+    b = sim.malloc(20 * MiB)  # search 2: 12 < 20, new segment
+    c = sim.malloc(20 * MiB)  # search 3: new segment; reserved 52 MiB
+    sim.free(b)
+    sim.free(c)
+    sim.malloc(24 * MiB)  # search 4: nothing cached fits
+    return sim
+
+
+def test_garbage_collection_frees_the_oldest_cached_segments() -> None:
+    """``CUDACachingAllocator.cpp: garbage_collect_cached_blocks`` (run by ``malloc`` on a
+    cache miss when ``set_fraction`` and ``garbage_collection_threshold() > 0``): reserved 52 MiB
+    > 0.5 x 100 MiB -> reclaim 2 MiB, freeing unsplit large blocks whose age
+    (``Block::gc_count``: large-pool ``get_free_block`` calls since cached) is >= the mean:
+    ages 3, 1, 1 (mean 5/3) -> only a's 12 MiB segment goes. 52 - 12 + 24 = 64 MiB."""
+    sim = _aged_cache(garbage_collection_threshold=0.5, allowed_memory_maximum=100 * MiB)
+    assert sim.reserved_bytes == 64 * MiB
+    assert sorted(s["total_size"] for s in sim.snapshot()) == [20 * MiB, 20 * MiB, 24 * MiB]
+
+
+def test_garbage_collection_needs_a_memory_fraction() -> None:
+    """``garbage_collect_cached_blocks`` runs only under ``set_fraction``
+    (``torch.cuda.set_per_process_memory_fraction``, here ``allowed_memory_maximum``); a
+    threshold alone changes nothing: 52 + 24 = 76 MiB."""
+    assert _aged_cache(garbage_collection_threshold=0.5).reserved_bytes == 76 * MiB
+    assert _aged_cache(allowed_memory_maximum=100 * MiB).reserved_bytes == 76 * MiB
+    # the fraction is a hard limit too (alloc_block: total + size > allowed_memory_maximum)
+    with pytest.raises(SimulatedOOM):
+        _aged_cache(allowed_memory_maximum=60 * MiB).malloc(40 * MiB)
+    with pytest.raises(MemfitError, match=r"\(0.0, 1.0\)"):
+        CachingAllocatorSim(garbage_collection_threshold=1.0)
+
+
+# ------------------------------------------------------------------ streams
+def test_each_stream_has_its_own_pools() -> None:
+    """``get_free_block``: ``BlockComparatorSize`` orders by stream first and the found block
+    must be on the request's stream, so a block cached by stream 1 never serves stream 0."""
+    sim = CachingAllocatorSim()
+    sim.free(sim.malloc(12 * MiB, stream=1))
+    sim.malloc(12 * MiB, stream=0)
+    assert sim.reserved_bytes == 24 * MiB
+    assert sorted(s["stream"] for s in sim.snapshot()) == [0, 1]
+
+
+def test_record_stream_defers_the_free_until_events_complete() -> None:
+    """``free``: a block with ``stream_uses`` (``recordStream``) leaves allocated_bytes at
+    once but is cached only when its events complete (``insert_events`` then
+    ``process_events``); ``release_cached_blocks`` starts with
+    ``synchronize_and_free_events``."""
+    sim = CachingAllocatorSim()
+    a = sim.malloc(12 * MiB)
+    sim.record_stream(a, 1)
+    sim.free(a)
+    assert (sim.allocated_bytes, sim.pending_free_bytes) == (0, 12 * MiB)
+    b = sim.malloc(12 * MiB)  # a's block is not reusable yet: a second segment
+    assert sim.reserved_bytes == 24 * MiB
+    sim.process_events()
+    sim.malloc(12 * MiB)  # now a's block serves it
+    assert sim.reserved_bytes == 24 * MiB
+    sim.record_stream(b, 0)  # its own stream: nothing to wait for
+    sim.free(b)
+    assert sim.pending_free_bytes == 0
+    c = sim.malloc(12 * MiB)
+    sim.record_stream(c, 2)
+    sim.free(c)
+    sim.empty_cache()  # synchronizes: c's segment is freed too
+    assert (sim.reserved_bytes, sim.pending_free_bytes) == (12 * MiB, 0)
+
+
+# ------------------------------------------------------------------ the trace's peak
+def test_trace_peak_counts_whole_unsplit_blocks() -> None:
+    """``max_memory_allocated`` counts block sizes (``alloc_found_block``), and ``should_split``
+    keeps a large block whole when the rest is <= 1 MiB. Forward of Linear(1024, 9088) on
+    (256, 1024) fp32, hand-computed:
+    weight 35.5 MiB -> 36 MiB segment, rest 0.5 MiB: unsplit, 36 MiB allocated;
+    input 1 MiB -> small pool (2 MiB segment); at the first matmul the cuBLAS workspace
+    8,519,680 B -> new 20 MiB segment, split; the cuBLASLt 1 MiB -> the small segment's rest;
+    output 256 x 9088 x 4 = 8.875 MiB -> the workspace segment's 11.875 MiB rest, split.
+    Allocated 36 + 1 + 8.125 + 1 + 8.875 = 55 MiB (the 512-rounded sizes sum to 54.5);
+    reserved 36 + 2 + 20 = 58 MiB."""
+    import torch
+    from torch import nn
+
+    from memfit.trace import estimate
+
+    with torch.device("meta"):
+        model = nn.Linear(1024, 9088, bias=False)
+    x = torch.empty(256, 1024, device="meta")
+    est = estimate(model, x, device="cuda", gpu="a100-80gb", optimizer=None, steps=1)
+    assert (est.peak_bytes, est.peak_reserved_bytes) == (55 * MiB, 58 * MiB)
+    # the breakdown adds up to the peak (the whole-block excess counts as temporaries)
+    assert sum(est.breakdown.values()) - est.runtime_outside_allocator_bytes == 55 * MiB
+
+
+def test_trace_runs_with_the_gpus_capacity() -> None:
+    """``malloc``: with the GPU's capacity the trace frees cached blocks and retries
+    (``release_cached_blocks``) before it would run out of memory, so the predicted reserved
+    stays within the capacity when the step fits; when it does not, the estimate says so (a
+    warning and an assumption) and goes on as on an unlimited GPU."""
+    import dataclasses
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from memfit.gpus import get_gpu
+    from memfit.runtime import CUDA_CONTEXT_BYTES
+    from memfit.trace import estimate
+
+    with torch.device("meta"):
+        model = nn.Sequential(*(m for i in range(6) for m in (
+            nn.Linear(1024 + 96 * i, 1024 + 96 * (i + 1)), nn.ReLU())))
+    x = torch.empty(3000, 1024, device="meta")
+    a100 = get_gpu("a100-80gb")
+    free = estimate(model, x, device="cuda", gpu=a100)
+    capacity = free.peak_reserved_bytes - 18 * MiB
+    small = dataclasses.replace(a100, usable_bytes=CUDA_CONTEXT_BYTES + capacity)
+    tight = estimate(model, x, device="cuda", gpu=small)
+    assert tight.peak_reserved_bytes <= capacity < free.peak_reserved_bytes
+    assert not any("does not fit" in a for a in tight.assumptions)
+    tiny = dataclasses.replace(a100, usable_bytes=CUDA_CONTEXT_BYTES + 100 * MiB)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        oom = estimate(model, x, device="cuda", gpu=tiny)
+    assert any("does not fit" in a for a in oom.assumptions)
+    assert oom.peak_reserved_bytes > 100 * MiB
+
+
+def test_offload_prefetch_uses_the_side_streams_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """memfit's activation offload copies back ahead of need on a side stream
+    (``torch.cuda.stream(self._h2d)``) and hands the copy to the compute stream with
+    ``record_stream``: the copies come from that stream's own pool (``get_free_block`` matches
+    the stream) and return to it once the compute stream is done (``free`` ->
+    ``insert_events``). 8 x (Linear(64, 64) -> ReLU) on (4096, 64) fp32: every offloaded
+    activation is 1 MiB (small pool). At most two are on the side stream at once (the one in
+    use and the next, prefetched), so that stream holds exactly one 2 MiB small segment."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from memfit.techniques.offload import apply_activation_offload
+    from memfit.trace import estimate
+
+    made: list[CachingAllocatorSim] = []
+    for_gpu = CachingAllocatorSim.for_gpu.__func__  # type: ignore[attr-defined]
+
+    def keep(cls: type[CachingAllocatorSim], *args: object, **kwargs: object
+             ) -> CachingAllocatorSim:
+        made.append(for_gpu(cls, *args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(CachingAllocatorSim, "for_gpu", classmethod(keep))
+    model = nn.Sequential(*(m for _ in range(8) for m in (nn.Linear(64, 64, bias=False),
+                                                          nn.ReLU())))
+    apply_activation_offload(model, min_bytes=2**16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        estimate(model, (torch.randn(4096, 64),), optimizer="sgd", device="cuda", steps=2)
+    side = [s for s in made[-1].snapshot() if s["stream"] != 0]
+    assert [(s["stream"], s["segment_type"], s["total_size"]) for s in side] == [
+        (2, "small", 2 * MiB)]
+
+
+def test_pytorch_max_split_expandable() -> None:
+    """PyTorch's ``test/test_cuda.py: test_max_split_expandable``: a 120 MiB memory fraction,
+    ``max_split_size_mb:40``; 40 MiB blocks alternately in plain and expandable segments fit
+    three times, the fourth raises OutOfMemoryError; after freeing them, 120 MiB fits
+    (``release_cached_blocks`` with expandable segments in the free list)."""
+    sim = CachingAllocatorSim(max_split_size=40 * MiB, allowed_memory_maximum=120 * MiB)
+    a = sim.malloc(40 * MiB)
+    sim.expandable_segments = True  # _set_allocator_settings("expandable_segments:True,...")
+    b = sim.malloc(40 * MiB)
+    sim.expandable_segments = False
+    c = sim.malloc(40 * MiB)
+    assert sim.reserved_bytes == 120 * MiB
+    with pytest.raises(SimulatedOOM):
+        sim.malloc(40 * MiB)
+    for h in (a, b, c):
+        sim.free(h)
+    sim.malloc(120 * MiB)
+    assert (sim.allocated_bytes, sim.reserved_bytes) == (120 * MiB, 120 * MiB)
+
+
+def test_pytorch_set_per_process_memory_fraction() -> None:
+    """PyTorch's ``test/test_cuda.py: test_set_per_process_memory_fraction`` on an 80 GiB
+    device with fraction 0.5 (``alloc_block``: ``total_allocated_memory + size >
+    allowed_memory_maximum`` fails): with a 4 KiB tensor alive (a 2 MiB small segment),
+    int(0.499 x total) - max_memory_reserved bytes fit; int(0.5 x total) bytes do not."""
+    total = 80 * 2**30
+    sim = CachingAllocatorSim(allowed_memory_maximum=int(total * 0.5))
+    sim.malloc(1024 * 4)
+    sim.empty_cache()
+    sim.free(sim.malloc(int(total * 0.499) - sim.peak_reserved_bytes))
+    sim.empty_cache()
+    with pytest.raises(SimulatedOOM):
+        sim.malloc(int(total * 0.5))

@@ -3,17 +3,25 @@ PYTORCH_CUDA_ALLOC_CONF parser."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from memfit.errors import MemfitError
 from memfit.runtime import (
+    ALLOC_CONF_VARIABLES,
     ALLOCATOR_PARTS,
+    CONTEXT_MEASUREMENTS,
     CUDA_CONTEXT_BYTES,
+    allocator_capacity,
+    allocator_options,
     allocator_options_from_env,
     compute_capability_for,
     cublas_workspace_bytes,
     cublaslt_workspace_bytes,
+    cuda_context_bytes,
     cuda_runtime_bytes,
+    lazy_module_loading,
     nccl_buffer_bytes,
 )
 from memfit.trace.allocator import CachingAllocatorSim
@@ -95,6 +103,47 @@ def test_cuda_context_is_within_the_published_range() -> None:
     # facts.md: the CUDA context costs about 300-600 MB outside PyTorch's allocator
     assert 300 * 10**6 <= CUDA_CONTEXT_BYTES <= 600 * 10**6
     assert cuda_runtime_bytes()["cuda_context"] == CUDA_CONTEXT_BYTES
+
+
+def test_context_measurements_are_derived_from_their_quotes() -> None:
+    """Each constant is the quoted figure minus the allocator's segment for the tensor the
+    measurement made (allocator.py: a 6,400,000 B tensor reserves a 20 MiB segment, a 4 B one
+    a 2 MiB segment)."""
+    for m in CONTEXT_MEASUREMENTS:
+        assert m.source.startswith("https://github.com/pytorch/pytorch/")
+        figures = [int(f.replace(",", "")) for f in re.findall(r"\d[\d,]*", m.quote)]
+        assert any(f in (m.context_bytes + 20 * MiB, m.context_bytes // MiB + 2,
+                         m.context_bytes // MiB) for f in figures), m
+    assert 20 * 16 * 50 * 100 * 4 == 6_400_000  # torch.randn(20, 16, 50, 100): 1-10 MiB
+
+
+def test_context_depends_on_cuda_version_and_lazy_loading() -> None:
+    """PyTorch sets CUDA_MODULE_LOADING=LAZY unless the user set it
+    (``aten/src/ATen/cuda/detail/CUDAHooks.cpp: CUDAHooks::init``); CUDA honours it from 11.7.
+    Lazy: the largest lazy figure, 400 MiB (pytorch#109888). Eager: CUDA 11.1 on an RTX 3090
+    measured 1,687 MiB with a 2 MiB segment (pytorch#55277); CUDA 10.1: 721 - 2 MiB."""
+    assert lazy_module_loading() and lazy_module_loading("12.8") and lazy_module_loading("11.7")
+    assert not lazy_module_loading("11.6") and not lazy_module_loading("12.4", env="EAGER")
+    assert cuda_context_bytes() == cuda_context_bytes("12.8") == 400 * MiB
+    assert cuda_context_bytes("11.2") == 1685 * MiB  # no lazy loading before 11.7
+    assert cuda_context_bytes("cu112") == 1685 * MiB and cuda_context_bytes("cu128") == 400 * MiB
+    assert cuda_context_bytes("10.1") == 719 * MiB
+    # no CUDA 12 eager figure: the largest eager figure of all (documented fallback)
+    assert cuda_context_bytes("12.8", lazy=False) == 1685 * MiB
+    assert cuda_context_bytes("11.7", lazy=True) == 400 * MiB
+    assert cuda_runtime_bytes(cuda_version="11.2")["cuda_context"] == 1685 * MiB
+    with pytest.raises(MemfitError, match="CUDA version"):
+        cuda_context_bytes("twelve")
+
+
+def test_allocator_capacity_is_total_memory_minus_the_runtime_outside() -> None:
+    """The allocator can reserve ``total_memory`` minus the CUDA context and NCCL buffers; the
+    cuBLAS workspaces are inside it (``getNewWorkspace`` allocates through the allocator)."""
+    total = 80 * 2**30
+    assert allocator_capacity(total) == total - 400 * MiB
+    assert allocator_capacity(total, "h100", num_gpus=8) == total - 400 * MiB - 308_281_344
+    with pytest.raises(MemfitError, match="cannot hold"):
+        allocator_capacity(100 * MiB)
 
 
 def test_nccl_buffers() -> None:
@@ -187,8 +236,41 @@ def test_pytorch_allocator_settings_expectations() -> None:
 def test_parse_accepts_but_drops_unmodelled_options() -> None:
     assert allocator_options_from_env(
         "backend:native,pinned_use_cuda_host_register:True,pinned_num_register_threads:8") == {}
-    with pytest.warns(UserWarning, match="not modelled"):
-        assert allocator_options_from_env("garbage_collection_threshold:0.6") == {}
+
+
+def test_parse_garbage_collection_threshold() -> None:
+    """``parseGarbageCollectionThreshold``: a double in (0.0, 1.0), kept for the simulator
+    (which acts on it only with a memory fraction, as ``garbage_collect_cached_blocks``)."""
+    opts = allocator_options_from_env("garbage_collection_threshold:0.6,max_split_size_mb:64")
+    assert opts == {"garbage_collection_threshold": 0.6, "max_split_size": 64 * MiB}
+    sim = CachingAllocatorSim(**opts, allowed_memory_maximum=100 * MiB)
+    assert sim.garbage_collection_threshold == 0.6
+
+
+def test_booleans_are_exactly_true_or_false() -> None:
+    """``c10/core/AllocatorConfig.h: ConfigTokenizer::toBool`` accepts "True" or "False"
+    only (case-sensitive); memfit rejects "true" as PyTorch does."""
+    assert allocator_options_from_env("expandable_segments:True") == {
+        "expandable_segments": True}
+    with pytest.raises(MemfitError, match="True or False"):
+        allocator_options_from_env("expandable_segments:true")
+
+
+def test_the_environment_is_read_like_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch >= 2.9 reads PYTORCH_ALLOC_CONF first, then PYTORCH_CUDA_ALLOC_CONF
+    (``c10/core/AllocatorConfig.cpp``); an explicit string wins over both."""
+    for name in ALLOC_CONF_VARIABLES:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    assert allocator_options() == {}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    assert allocator_options() == {"max_split_size": 64 * MiB}
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert allocator_options() == {"expandable_segments": True}
+    assert allocator_options("roundup_power2_divisions:4") == {
+        "roundup_power2_divisions": [4] * 16}
+    sim = CachingAllocatorSim.for_gpu(None)
+    assert sim.expandable_segments and sim.capacity is None
 
 
 @pytest.mark.parametrize(("conf", "message"), [

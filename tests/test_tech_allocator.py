@@ -25,8 +25,11 @@ OLD, NEW = "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    monkeypatch.delenv(OLD, raising=False)
-    monkeypatch.delenv(NEW, raising=False)
+    # setenv first: monkeypatch then restores the variables (unset) after the test, so what
+    # configure_allocator writes cannot reach other tests' estimates (they read the variable).
+    for name in (OLD, NEW):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     return monkeypatch
 
@@ -123,13 +126,19 @@ class Widening(nn.Module):
 
 def test_estimate_predicts_less_reserved_with_expandable_segments(
         clean_env: pytest.MonkeyPatch) -> None:
-    settings = configure_allocator(expandable_segments=True)
+    """The trace reads PYTORCH_CUDA_ALLOC_CONF as the allocator does at CUDA start
+    (``c10/core/AllocatorConfig.cpp: AcceleratorAllocatorConfig::parseArgs``), so the setting
+    made by configure_allocator reaches ``estimate`` without an argument too."""
     with torch.device("meta"):
         model = Widening()
     x = torch.empty(3000, 1024, device="meta")
     plain = estimate(model, x, device="cuda", gpu="a100-80gb")
+    settings = configure_allocator(expandable_segments=True)
     expandable = estimate(model, x, device="cuda", gpu="a100-80gb", **settings.estimate_kwargs())
-    assert expandable.peak_bytes == plain.peak_bytes  # allocated bytes do not change
+    from_env = estimate(model, x, device="cuda", gpu="a100-80gb")
+    assert from_env.peak_reserved_bytes == expandable.peak_reserved_bytes
+    # should_split splits every expandable block (remainder >= 512): never more allocated
+    assert expandable.peak_bytes <= plain.peak_bytes
     assert plain.peak_bytes <= expandable.peak_reserved_bytes < plain.peak_reserved_bytes
 
 

@@ -1,8 +1,10 @@
 """Device memory outside the model's tensors: CUDA context, cuBLAS workspaces, NCCL buffers.
 
 Nothing here was measured in this project yet (no GPU in the sessions that wrote it): every
-number is either read from PyTorch's / NCCL's source (marked "from source") or an assumption
-(marked "assumed"), and each says which. Two kinds of bytes must not be mixed up:
+number is read from PyTorch's / NCCL's source (marked "from source"), taken from a published
+measurement (the CUDA context: :data:`CONTEXT_MEASUREMENTS`, each with its URL and quoted line),
+or an assumption (marked "assumed"), and each says which. Two kinds of bytes must not be mixed
+up:
 
 - Outside PyTorch's caching allocator (``cuda_context``, ``nccl``): the driver and libraries
   allocate them themselves. ``torch.cuda.memory_reserved()`` does not count them, ``nvidia-smi``
@@ -17,20 +19,28 @@ number is either read from PyTorch's / NCCL's source (marked "from source") or a
 
 from __future__ import annotations
 
+import os
 import re
-import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import MemfitError, suggest
 
 __all__ = [
     "ALLOCATOR_PARTS",
+    "ALLOC_CONF_VARIABLES",
+    "CONTEXT_MEASUREMENTS",
     "CUDA_CONTEXT_BYTES",
+    "ContextMeasurement",
+    "allocator_capacity",
+    "allocator_options",
     "allocator_options_from_env",
     "compute_capability_for",
     "cublas_workspace_bytes",
     "cublaslt_workspace_bytes",
+    "cuda_context_bytes",
     "cuda_runtime_bytes",
+    "lazy_module_loading",
     "nccl_buffer_bytes",
 ]
 
@@ -40,17 +50,131 @@ MiB = 1 << 20
 ALLOCATOR_PARTS = frozenset({"cublas_workspace", "cublaslt_workspace"})
 """Parts of :func:`cuda_runtime_bytes` that PyTorch allocates through its caching allocator."""
 
-CUDA_CONTEXT_BYTES = 512 * MiB
-"""Assumed CUDA context + loaded kernels per GPU, outside PyTorch's allocator.
 
-Unmeasured here. Published observations put the context at about 300-600 MB per process
-(memfit's facts.md; more on CUDA before 11.7, whose eager module loading loads every kernel).
-PyTorch >= 2.4 ships CUDA >= 11.8, where lazy loading (``CUDA_MODULE_LOADING=LAZY``) is the
-default, and cuBLAS/cuDNN kernels are loaded on first use, so the figure grows a little after the
-first matmul or convolution. 512 MiB is the upper-middle of that range: a slight over-estimate
-costs little headroom, an under-estimate causes an out-of-memory error. Replace it with
-``nvidia-smi`` minus ``torch.cuda.memory_reserved()`` measured after one training step.
-"""
+
+@dataclass(frozen=True)
+class ContextMeasurement:
+    """One published measurement of the device memory a PyTorch process holds outside its
+    caching allocator (CUDA context + loaded kernels + library handles)."""
+
+    source: str
+    """Where it was published (URL)."""
+    quote: str
+    """The line quoted from it."""
+    cuda: str
+    """CUDA version of the PyTorch build (``"11.7"``), as stated there."""
+    lazy: bool
+    """Whether CUDA's lazy module loading was on."""
+    gpu: str
+    """The GPU, or ``"not stated"``."""
+    context_bytes: int
+    """The context: the figure minus what PyTorch's allocator held (derivation in ``how``)."""
+    how: str
+
+
+# The published figures, each with the allocator's part taken out (a tensor of n bytes reserves
+# a 2 MiB small segment if n <= 1 MiB, else a 20 MiB segment below 10 MiB: allocator.py).
+CONTEXT_MEASUREMENTS: tuple[ContextMeasurement, ...] = (
+    ContextMeasurement(
+        source="https://github.com/pytorch/pytorch/pull/86509",
+        quote="which shows a memory usage of: 287,047,680 bytes",
+        cuda="11.7", lazy=True, gpu="not stated",
+        context_bytes=287_047_680 - 20 * MiB,
+        how="cudaMemGetInfo total - free after torch.randn(20, 16, 50, 100).cuda() (6,400,000 B: "
+            "one 20 MiB segment) with PyTorch's default CUDA_MODULE_LOADING=LAZY"),
+    ContextMeasurement(
+        source="https://github.com/pytorch/pytorch/pull/86509",
+        quote="which shows 666,632,192 bytes",
+        cuda="11.7", lazy=False, gpu="not stated",
+        context_bytes=666_632_192 - 20 * MiB,
+        how="the same with CUDA_MODULE_LOADING=DEFAULT (eager loading in CUDA 11.7)"),
+    ContextMeasurement(
+        source="https://github.com/pytorch/pytorch/issues/109888",
+        quote="The first CUDA operation will create the CUDA context which uses around 400MB if "
+              "CUDA >= 11.7 is used and lazy module loading enabled (default in PyTorch)",
+        cuda="11.7", lazy=True, gpu="not stated",
+        context_bytes=400 * MiB,
+        how="a PyTorch maintainer's figure (ptrblck); MB read as MiB, the larger reading"),
+    ContextMeasurement(
+        source="https://github.com/pytorch/pytorch/issues/55277",
+        quote="|1.8.2+cu111|0.9.2+cu111|3090|1687| 133% |",
+        cuda="11.1", lazy=False, gpu="RTX 3090",
+        context_bytes=(1687 - 2) * MiB,
+        how="nvidia-smi MiB after torch.Tensor(1).cuda() (one 2 MiB small segment); CUDA 11.1 "
+            "has no lazy loading"),
+    ContextMeasurement(
+        source="https://github.com/pytorch/pytorch/issues/55277",
+        quote="|1.8.2+cu101|0.9.2+cu101|1080|721| 0 |",
+        cuda="10.1", lazy=False, gpu="GTX 1080",
+        context_bytes=(721 - 2) * MiB,
+        how="nvidia-smi MiB after torch.Tensor(1).cuda() (one 2 MiB small segment)"),
+)
+"""Published CUDA-context measurements the context model takes its constants from.
+
+Also consistent with them, without a number to take: "Before CUDA 11.7, *all* kernels were
+loaded into the context once the library was loaded, which took >1000MB"
+(https://github.com/pytorch/pytorch/issues/107667, ptrblck)."""
+
+_LAZY_FROM = (11, 7)  # CUDA 11.7 added lazy loading; PyTorch sets it (CUDAHooks::init, 1.13)
+
+CUDA_CONTEXT_BYTES = max(m.context_bytes for m in CONTEXT_MEASUREMENTS if m.lazy)
+"""CUDA context per GPU with lazy module loading (PyTorch's default since 1.13 on CUDA >= 11.7),
+outside PyTorch's allocator: the largest published lazy-loading figure, 400 MiB
+(:data:`CONTEXT_MEASUREMENTS`). See :func:`cuda_context_bytes` for other CUDA versions and
+eager loading."""
+
+
+def _cuda_version(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    match = re.match(r"^\s*(?:(\d+)\.(\d+)|cu(\d+)(\d))\b", text)  # "12.8" or "cu128"
+    if not match:
+        raise MemfitError(f"cuda_version {text!r} is not a CUDA version; write e.g. '12.8' "
+                          "(torch.version.cuda) or 'cu128'")
+    major, minor = (match.group(1), match.group(2)) if match.group(1) else (
+        match.group(3), match.group(4))
+    return int(major), int(minor)
+
+
+def lazy_module_loading(cuda_version: str | None = None, env: str | None = None) -> bool:
+    """Whether CUDA loads kernels lazily in a PyTorch process.
+
+    PyTorch sets ``CUDA_MODULE_LOADING=LAZY`` when the user has not set it
+    (``aten/src/ATen/cuda/detail/CUDAHooks.cpp: CUDAHooks::init``, ``c10::utils::set_env(
+    "CUDA_MODULE_LOADING", "LAZY", false)``, since pytorch#86509 in 1.13); CUDA honours it from
+    11.7. ``env``: the variable's value (``EAGER`` turns it off); ``cuda_version`` None: a
+    current build (>= 11.7).
+
+    >>> lazy_module_loading("12.8"), lazy_module_loading("11.2"), lazy_module_loading(env="EAGER")
+    (True, False, False)
+    """
+    version = _cuda_version(cuda_version)
+    if version is not None and version < _LAZY_FROM:
+        return False
+    return (env or "LAZY").strip().upper() != "EAGER"
+
+
+def cuda_context_bytes(cuda_version: str | None = None, *, lazy: bool | None = None) -> int:
+    """CUDA context per GPU outside PyTorch's allocator, from :data:`CONTEXT_MEASUREMENTS`.
+
+    Lazy loading (:func:`lazy_module_loading`): the largest lazy figure (400 MiB). Eager: the
+    largest eager figure for the same CUDA major version (11.x: 1,685 MiB on an RTX 3090, CUDA
+    11.1; 10.x: 719 MiB), else the largest of all. The GPU is not a parameter: the figures do not
+    cover enough GPUs to model it, and the largest figure is taken so that the context is not
+    under-counted on a GPU with more SMs (their local-memory reservation grows with the SM count).
+
+    >>> cuda_context_bytes() >> 20, cuda_context_bytes("11.2") >> 20
+    (400, 1685)
+    """
+    if lazy is None:
+        lazy = lazy_module_loading(cuda_version)
+    version = _cuda_version(cuda_version)
+    same = [m for m in CONTEXT_MEASUREMENTS if m.lazy == lazy]
+    if not lazy and version is not None:
+        major = [m for m in same if _cuda_version(m.cuda)[0] == version[0]]  # type: ignore[index]
+        same = major or same
+    return max(m.context_bytes for m in same)
+
 
 # CublasHandlePool.cpp, parseChosenWorkspaceSize: default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
 # (two 4096 KiB + eight 16 KiB chunks) on CUDA, 32 MiB (":4096:8") on Hopper (major 9, since
@@ -172,12 +296,14 @@ def nccl_buffer_bytes(num_gpus: int) -> int:
 
 def cuda_runtime_bytes(gpu_name: str | None = None, *, num_gpus: int = 1,
                        torch_version: str | None = None, compute_capability: str | None = None,
-                       matmul_threads: int = 2) -> dict[str, int]:
+                       matmul_threads: int = 2, cuda_version: str | None = None,
+                       lazy_loading: bool | None = None) -> dict[str, int]:
     """Runtime bytes per GPU, by part: ``cuda_context``, ``cublas_workspace``,
     ``cublaslt_workspace``, ``nccl``.
 
-    ``cuda_context`` and ``nccl`` are assumptions (see :data:`CUDA_CONTEXT_BYTES`,
-    :func:`nccl_buffer_bytes`) and lie outside PyTorch's allocator. The workspaces come from
+    ``cuda_context`` (published measurements: :func:`cuda_context_bytes` of ``cuda_version``
+    and ``lazy_loading``, default a current lazy-loading build) and ``nccl`` (an assumption:
+    :func:`nccl_buffer_bytes`) lie outside PyTorch's allocator. The workspaces come from
     PyTorch's source and lie inside it (:data:`ALLOCATOR_PARTS`). PyTorch keeps one workspace
     per (cuBLAS handle, stream) and one handle per thread, so a training step that runs matmuls
     on the main thread (forward) and on autograd's device thread (backward) holds two of each:
@@ -195,14 +321,51 @@ def cuda_runtime_bytes(gpu_name: str | None = None, *, num_gpus: int = 1,
     if arch is None and gpu_name is not None:
         arch = compute_capability_for(gpu_name)
     return {
-        "cuda_context": CUDA_CONTEXT_BYTES,
+        "cuda_context": cuda_context_bytes(cuda_version, lazy=lazy_loading),
         "cublas_workspace": matmul_threads * cublas_workspace_bytes(arch, torch_version),
         "cublaslt_workspace": matmul_threads * cublaslt_workspace_bytes(arch),
         "nccl": nccl_buffer_bytes(num_gpus),
     }
 
 
+def allocator_capacity(usable_bytes: int, gpu_name: str | None = None, *, num_gpus: int = 1,
+                       cuda_version: str | None = None, lazy_loading: bool | None = None) -> int:
+    """Bytes PyTorch's caching allocator can reserve before ``cudaMalloc`` fails: the device's
+    ``total_memory`` (``GpuSpec.usable_bytes``) minus what :func:`cuda_runtime_bytes` puts
+    outside the allocator (CUDA context, NCCL). The capacity for
+    :class:`memfit.trace.allocator.CachingAllocatorSim`.
+
+    >>> allocator_capacity(80 * 2**30) == 80 * 2**30 - CUDA_CONTEXT_BYTES
+    True
+    """
+    parts = cuda_runtime_bytes(gpu_name, num_gpus=num_gpus, cuda_version=cuda_version,
+                               lazy_loading=lazy_loading)
+    outside = sum(v for k, v in parts.items() if k not in ALLOCATOR_PARTS)
+    if usable_bytes <= outside:
+        raise MemfitError(f"a GPU of {usable_bytes} bytes cannot hold its CUDA runtime "
+                          f"({outside} bytes outside the allocator); check the GPU's memory")
+    return usable_bytes - outside
+
+
 # ------------------------------------------------------------------ PYTORCH_CUDA_ALLOC_CONF
+
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""Read in this order (torch >= 2.9 reads ``PYTORCH_ALLOC_CONF`` first, ``c10/core/
+AllocatorConfig.cpp: AcceleratorAllocatorConfig::parseArgs`` via ``getAllocatorConfigEnv``)."""
+
+
+def allocator_options(conf: str | None = None) -> dict[str, Any]:
+    """:class:`~memfit.trace.allocator.CachingAllocatorSim` keyword arguments for ``conf``, or,
+    when ``conf`` is None, for the environment's ``PYTORCH_ALLOC_CONF`` /
+    ``PYTORCH_CUDA_ALLOC_CONF`` (the first one set), as the allocator reads it at CUDA start.
+
+    >>> allocator_options("max_split_size_mb:128")
+    {'max_split_size': 134217728}
+    """
+    if conf is None:
+        conf = next((os.environ[v] for v in ALLOC_CONF_VARIABLES if v in os.environ), "")
+    return allocator_options_from_env(conf)
+
 
 _BOOL_KEYS = ("release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
               "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
@@ -247,8 +410,9 @@ def allocator_options_from_env(conf: str) -> dict[str, Any]:
     ``roundup_power2_divisions`` accepts one power of two or a list
     ``[256:1,512:2,>:4]`` (interval start in MiB: divisions) expanded to the 16-entry table.
     Options that do not change the simulated sizes (pinned memory, locks) are accepted and
-    dropped; ``garbage_collection_threshold`` is accepted with a warning (not modelled);
-    ``backend:cudaMallocAsync`` and unknown keys raise :class:`MemfitError`.
+    dropped; ``garbage_collection_threshold`` is kept (it acts only with a memory fraction,
+    ``CachingAllocatorSim(allowed_memory_maximum=...)``); ``backend:cudaMallocAsync`` and unknown
+    keys raise :class:`MemfitError`.
 
     >>> allocator_options_from_env("expandable_segments:True,max_split_size_mb:128")
     {'expandable_segments': True, 'max_split_size': 134217728}
@@ -295,9 +459,10 @@ def _as_int(conf: str, key: str, value: str) -> int:
 
 
 def _as_bool(conf: str, key: str, value: str) -> bool:
-    if value in ("True", "true"):
+    # c10/core/AllocatorConfig.h: ConfigTokenizer::toBool accepts exactly "True" or "False"
+    if value == "True":
         return True
-    if value in ("False", "false"):
+    if value == "False":
         return False
     raise _bad(conf, f"{key} must be True or False, got {value!r}")
 
@@ -330,9 +495,9 @@ def _apply(conf: str, options: dict[str, Any], key: str, value: str) -> None:
                        ) from None
         if not 0.0 < threshold < 1.0:
             raise _bad(conf, f"garbage_collection_threshold must be in (0.0, 1.0), got {value}")
-        warnings.warn("garbage_collection_threshold is not modelled by memfit's allocator "
-                      "simulator (it acts only with a memory fraction); it is ignored",
-                      stacklevel=3)
+        # Acts only after set_per_process_memory_fraction (CachingAllocatorSim's
+        # allowed_memory_maximum): garbage_collect_cached_blocks runs under `set_fraction`.
+        options["garbage_collection_threshold"] = threshold
     elif key == "backend":
         if value == "cudaMallocAsync":
             raise _bad(conf, "backend:cudaMallocAsync is not modelled (memfit simulates the "
@@ -361,6 +526,8 @@ def _parse_divisions_list(conf: str, tokens: list[str], i: int) -> tuple[list[in
             raise _bad(conf, f"roundup_power2_divisions must be powers of two or 0, got "
                              f"{divisions}")
         if boundary == ">":
+            # AcceleratorAllocatorConfig::parseRoundUpPower2Divisions (torch >= 2.9): from
+            # last_index + 1 on; torch <= 2.8 filled from last_index, overwriting that entry.
             table[last_index + 1:] = [divisions] * (15 - last_index)
         else:
             size_mb = _as_int(conf, "roundup_power2_divisions", boundary)

@@ -61,7 +61,9 @@ class AllocatorSettings:
     variable; at runtime, the option given): for ``memfit.estimate(expandable_segments=...)``."""
 
     def estimate_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :func:`memfit.estimate` that model these settings."""
+        """Keyword arguments for :func:`memfit.estimate` that model these settings. (When
+        applied through the environment, ``estimate`` reads the variable itself too:
+        :meth:`memfit.trace.allocator.CachingAllocatorSim.for_gpu`.)"""
         return {"expandable_segments": self.expandable_segments}
 
 

@@ -51,12 +51,21 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.errors import MemfitError
-from memfit.trace.host import copy_to_device, copy_to_host, stands_for_device
+from memfit.trace.host import (
+    copy_to_device,
+    copy_to_host,
+    record_stream,
+    side_stream,
+    stands_for_device,
+)
 
 __all__ = ["OffloadActivations", "OffloadStats", "apply_activation_offload",
            "offload_activations"]
 
 log = logging.getLogger("memfit")
+
+# Stream ids of the side streams in a trace's allocator model (0 is the compute stream).
+_D2H_STREAM, _H2D_STREAM = 1, 2
 
 _CPU_NOTE = ("memfit: offload_activations on CPU tensors saves nothing (the device is host "
              "memory); they are kept as they are")
@@ -165,8 +174,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         from torch._subclasses.fake_tensor import FakeTensor
 
         prev = self._last
-        if isinstance(t, FakeTensor):  # traced by memfit.estimate: model the copy, no streams
+        if isinstance(t, FakeTensor):  # traced by memfit.estimate: model the copy and streams
             packed = _Offloaded(copy_to_host(t), t.device, traced=True, prev=prev)
+            if self.use_streams:
+                record_stream(t, _D2H_STREAM)  # as t.record_stream(self._stream) below
         elif self.use_streams and t.is_cuda:
             pin = self.pin_memory
             # Same strides when dense (preserve_format), so the copy is one straight run of bytes.
@@ -205,7 +216,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _fetch(self, packed: _Offloaded, *, ahead: bool) -> torch.Tensor:
         """A device copy of ``packed``'s host copy; ``ahead``: on the prefetch stream."""
         if packed.traced:
-            return copy_to_device(packed.cpu, packed.device)
+            if not ahead:
+                return copy_to_device(packed.cpu, packed.device)
+            with side_stream(_H2D_STREAM):  # made on the prefetch stream: its own pool
+                t = copy_to_device(packed.cpu, packed.device)
+            record_stream(t, 0)  # as _arrived: used and freed on the compute stream
+            return t
         pinned = packed.cpu.is_pinned()
         if ahead and self._stream is not None:
             if self._h2d is None:

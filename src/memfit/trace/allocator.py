@@ -34,11 +34,21 @@ Rules modelled
 - ``free`` / ``free_block`` / ``try_merge_blocks``: a freed block merges with a free neighbour
   (previous and next block of the same segment) and goes back to its pool; nothing is returned
   to the device.
-- ``malloc`` then ``alloc_block``: when no cached block fits, a new segment is allocated. If the
-  device is full (here: ``reserved + segment > capacity``): ``release_available_cached_blocks``
-  (only with ``max_split_size``: free oversize cached segments) and retry, then
-  ``release_cached_blocks`` (free every wholly free segment, all streams) and retry, then raise
-  (:class:`SimulatedOOM`, the simulated ``torch.OutOfMemoryError``).
+- ``malloc`` then ``alloc_block``: when no cached block fits, first
+  ``garbage_collect_cached_blocks`` (only after ``set_per_process_memory_fraction``, here
+  ``allowed_memory_maximum``, with ``garbage_collection_threshold`` set: above threshold x
+  allowed bytes reserved, free whole cached large segments at least as old as the average,
+  age = large-pool searches since cached), then a new segment is allocated. If the device is
+  full (``reserved + segment > capacity``, or ``> allowed_memory_maximum``):
+  ``release_available_cached_blocks`` (only with ``max_split_size``: free the oversize cached
+  segment at the search point, else oversize segments from the largest down) and retry, then
+  ``release_cached_blocks`` (complete deferred frees, free every wholly free segment, all
+  streams) and retry, then raise (:class:`SimulatedOOM`, the simulated
+  ``torch.OutOfMemoryError``). :meth:`CachingAllocatorSim.for_gpu` gives the capacity of a GPU.
+- ``recordStream`` / ``free`` -> ``insert_events`` / ``process_events``: a block used on other
+  streams leaves ``allocated_bytes`` when freed but is cached again only when those streams'
+  events complete: here at :meth:`CachingAllocatorSim.process_events` (the trace calls it as
+  each op starts) or at ``release_cached_blocks``.
 - ``emptyCache`` -> ``release_cached_blocks``: frees only segments that are entirely free; a
   segment with any live block stays reserved.
 - Expandable segments (``expandable_segments:True``; ``find_expandable_block``,
@@ -57,11 +67,11 @@ Known limitations
 - Addresses are simulated: new segments get increasing addresses. Real ``cudaMalloc`` may
   reuse a freed range at a lower address, which can change which of two equal-size free blocks
   best fit picks; sizes and counts are unaffected.
-- Not modelled: ``record_stream`` / cross-stream event deferral (a freed block is reusable at
-  once), ``garbage_collection_threshold`` (needs ``set_per_process_memory_fraction``), CUDA graph
-  private pools and ``MemPool``, ``cudaMallocAsync`` backend, the device's own granularity
-  beyond whole segments. ``capacity`` models the bytes the allocator may hold (device memory
-  minus CUDA context and other processes), not a memory fraction.
+- Not modelled: CUDA graph private pools and ``MemPool``, the ``cudaMallocAsync`` backend, the
+  device's own granularity beyond whole segments, when exactly a side stream's event
+  completes (the caller decides, with :meth:`~CachingAllocatorSim.process_events`).
+  ``capacity`` is the bytes the allocator may hold (device memory minus CUDA context and other
+  processes); ``allowed_memory_maximum`` is a memory fraction's limit.
 - ``release_available_cached_blocks`` frees only unsplit segments (PyTorch's also assumes
   oversize cached blocks are whole segments, which its split rule guarantees).
 """
@@ -202,8 +212,8 @@ class _Pool:
 
 
 class _Block:
-    __slots__ = ("addr", "allocated", "mapped", "next", "pool", "prev", "requested", "segment",
-                 "size")
+    __slots__ = ("addr", "allocated", "gc_base", "mapped", "next", "pool", "prev", "requested",
+                 "segment", "size", "stream_uses")
 
     def __init__(self, addr: int, size: int, pool: _Pool, segment: _Segment,
                  mapped: bool = True) -> None:
@@ -214,6 +224,8 @@ class _Block:
         self.mapped = mapped
         self.allocated = False
         self.requested = 0
+        self.gc_base = 0  # get_free_blocks_call_count when cached (Block::gc_count_base)
+        self.stream_uses: set[int] = set()  # other streams recorded by record_stream
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
@@ -241,18 +253,32 @@ class CachingAllocatorSim:
     ``capacity`` is the bytes the allocator may reserve before ``cudaMalloc`` fails (None:
     unlimited).
 
-    Known limitations: see the module docstring (simulated addresses, no ``record_stream``, no
-    CUDA graph pools, no garbage-collection threshold).
+    ``garbage_collection_threshold`` (0-1) acts only with ``allowed_memory_maximum`` (the bytes
+    ``torch.cuda.set_per_process_memory_fraction`` allows), as in PyTorch.
+
+    Known limitations: see the module docstring (simulated addresses, no CUDA graph pools,
+    side-stream events complete at :meth:`process_events`).
     """
 
     def __init__(self, *, expandable_segments: bool = False, capacity: int | None = None,
                  max_split_size: int | None = None,
                  max_non_split_rounding_size: int | None = None,
                  roundup_power2_divisions: int | Sequence[int] | None = None,
-                 large_segment_size: int | None = None) -> None:
-        if capacity is not None and capacity <= 0:
-            raise MemfitError(f"capacity must be a positive number of bytes or None, got "
-                              f"{capacity!r}")
+                 large_segment_size: int | None = None,
+                 garbage_collection_threshold: float | None = None,
+                 allowed_memory_maximum: int | None = None) -> None:
+        for name, value in (("capacity", capacity),
+                            ("allowed_memory_maximum", allowed_memory_maximum)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value <= 0):
+                raise MemfitError(f"{name} must be a positive number of bytes or None, got "
+                                  f"{value!r}")
+        if garbage_collection_threshold is not None and not (
+                isinstance(garbage_collection_threshold, int | float)
+                and 0.0 < garbage_collection_threshold < 1.0):
+            # parseGarbageCollectionThreshold: "must be in (0.0, 1.0)"
+            raise MemfitError(f"garbage_collection_threshold must be in (0.0, 1.0) or None, got "
+                              f"{garbage_collection_threshold!r}; e.g. 0.8")
         for name, value in (("max_split_size", max_split_size),
                             ("max_non_split_rounding_size", max_non_split_rounding_size)):
             # parseMaxSplitSize / parseMaxNonSplitRoundingSize: "too small, must be >= 20"
@@ -271,6 +297,12 @@ class CachingAllocatorSim:
         self.max_non_split_rounding_size = (
             LARGE_BUFFER if max_non_split_rounding_size is None else max_non_split_rounding_size)
         self.roundup_power2_divisions = _divisions_table(roundup_power2_divisions)
+        self.garbage_collection_threshold = garbage_collection_threshold or 0.0
+        # setMemoryFraction: allowed_memory_maximum = fraction x total memory, set_fraction = true
+        self.allowed_memory_maximum = allowed_memory_maximum
+        self._gc_active = bool(allowed_memory_maximum and self.garbage_collection_threshold)
+        self._free_calls = {True: 0, False: 0}  # BlockPool::get_free_blocks_call_count
+        self._pending: list[_Block] = []  # freed, waiting on record_stream events
         self._pools: dict[tuple[int, bool], _Pool] = {}
         self._live: dict[int, _Block] = {}
         self._next_handle = 1
@@ -286,6 +318,25 @@ class CachingAllocatorSim:
         self.num_ooms = 0
         self.num_device_alloc = 0
         self.num_device_free = 0
+
+    @classmethod
+    def for_gpu(cls, gpu: Any = None, *, num_gpus: int = 1, conf: str | None = None,
+                expandable_segments: bool = False) -> CachingAllocatorSim:
+        """The simulator for a CUDA target: ``capacity`` from the GPU (``GpuSpec``; its
+        ``usable_bytes`` minus the runtime outside the allocator,
+        :func:`memfit.runtime.allocator_capacity`; None: unlimited) and the options of ``conf``,
+        a ``PYTORCH_CUDA_ALLOC_CONF`` string (None: read from the environment, as torch does).
+        ``expandable_segments=True`` turns expandable segments on whatever ``conf`` says.
+        """
+        from memfit.runtime import allocator_capacity, allocator_options
+
+        options = allocator_options(conf)
+        if expandable_segments:
+            options["expandable_segments"] = True
+        capacity = None
+        if gpu is not None:
+            capacity = allocator_capacity(gpu.usable_bytes, gpu.name, num_gpus=num_gpus)
+        return cls(capacity=capacity, **options)
 
     # ----------------------------------------------------------------- public counters
     @property
@@ -336,6 +387,7 @@ class CachingAllocatorSim:
             "num_ooms": self.num_ooms,
             "num_device_alloc": self.num_device_alloc,
             "num_device_free": self.num_device_free,
+            "pending_free_bytes": self.pending_free_bytes,
         }
 
     # ----------------------------------------------------------------- malloc / free
@@ -377,7 +429,7 @@ class CachingAllocatorSim:
             block.prev = front
             block.addr += size
             block.size = remaining
-            insort(pool.free, (remaining, block.addr, block))
+            self._insert_free(pool, block)
             block = front
         block.allocated = True
         block.requested = nbytes
@@ -390,8 +442,27 @@ class CachingAllocatorSim:
         self._live[handle] = block
         return handle
 
+    def record_stream(self, handle: int, stream: int) -> None:
+        """``Tensor.record_stream``: the block is also used on ``stream`` (``recordStream``).
+
+        Its free is then deferred (see :meth:`free`). The allocation's own stream is ignored.
+        """
+        block = self._live.get(handle)
+        if block is None:
+            raise MemfitError(f"record_stream of unknown or freed allocation handle {handle}; "
+                              "pass a live handle returned by malloc")
+        if stream != block.pool.stream:
+            block.stream_uses.add(stream)
+
     def free(self, handle: int) -> None:
-        """Free an allocation made by :meth:`malloc` (``free`` -> ``free_block``)."""
+        """Free an allocation made by :meth:`malloc` (``free`` -> ``free_block``).
+
+        ``allocated_bytes`` drops at once. A block used on other streams
+        (:meth:`record_stream`) is not reusable until those streams' events complete
+        (``free`` -> ``insert_events``); here that is the next :meth:`process_events`, or the
+        ``synchronize_and_free_events`` that ``release_cached_blocks`` (empty_cache, the
+        out-of-memory retry) starts with. Until then it stays reserved and cannot be reused.
+        """
         if handle == 0:
             return  # free(nullptr) is a no-op
         block = self._live.pop(handle, None)
@@ -402,6 +473,26 @@ class CachingAllocatorSim:
         self._allocated -= block.size
         self._requested -= block.requested
         block.requested = 0
+        if block.stream_uses:
+            block.stream_uses.clear()
+            self._pending.append(block)
+            return
+        self._free_block(block)
+
+    def process_events(self) -> None:
+        """``process_events`` / ``synchronize_and_free_events``: the events recorded for
+        deferred frees have completed; their blocks go back to their pools."""
+        pending, self._pending = self._pending, []
+        for block in pending:
+            self._free_block(block)
+
+    @property
+    def pending_free_bytes(self) -> int:
+        """Bytes of freed blocks still waiting on another stream's event (not reusable)."""
+        return sum(b.size for b in self._pending)
+
+    def _free_block(self, block: _Block) -> None:
+        """``free_block``: merge with free neighbours and return the block to its pool."""
         pool = block.pool
         prev = block.prev
         if prev is not None and not prev.allocated and prev.mapped:
@@ -418,15 +509,22 @@ class CachingAllocatorSim:
             block.next = nxt.next
             if block.next is not None:
                 block.next.prev = block
-        insort(pool.free, (block.size, block.addr, block))
+        self._insert_free(pool, block)
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: free every wholly free segment (unmap free pages)."""
         self._release_cached_blocks()
 
+    def _insert_free(self, pool: _Pool, block: _Block) -> None:
+        """``BlockPool::insert_into_blocks``: cache a free block, noting its gc age base."""
+        block.gc_base = self._free_calls[pool.is_small]
+        insort(pool.free, (block.size, block.addr, block))
+
     # ----------------------------------------------------------------- internals
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
         """``get_free_block``: best fit by (size, address), with the oversize rules."""
+        if self._gc_active:
+            self._free_calls[pool.is_small] += 1  # ++pool.get_free_blocks_call_count
         free = pool.free
         i = bisect_left(free, (size,))
         if i == len(free):
@@ -453,6 +551,8 @@ class CachingAllocatorSim:
 
     def _alloc_after_miss(self, pool: _Pool, size: int, nbytes: int) -> _Block:
         """``malloc``'s path when no cached block fits: allocate, release and retry, or OOM."""
+        if self._gc_active:
+            self._garbage_collect_cached_blocks()
         block = self._alloc_block(pool, size)
         if block is None and self._release_available_cached_blocks(pool, size):
             block = self._alloc_block(pool, size)
@@ -473,7 +573,7 @@ class CachingAllocatorSim:
         if self.expandable_segments:
             return self._try_allocate_expandable_block(pool, size)
         alloc_size = allocation_size(size, self.large_segment_size)
-        if self.capacity is not None and self._reserved + alloc_size > self.capacity:
+        if not self._fits(alloc_size):
             return None
         addr = self._next_addr
         self._next_addr += alloc_size
@@ -482,6 +582,50 @@ class CachingAllocatorSim:
         self.num_device_alloc += 1
         self._grow_reserved(alloc_size)
         return block
+
+    def _fits(self, nbytes: int) -> bool:
+        """``alloc_block``: the device has room (``capacity``) and, after
+        ``set_per_process_memory_fraction``, ``total_allocated_memory + size`` stays within
+        ``allowed_memory_maximum``."""
+        after = self._reserved + nbytes
+        if self.capacity is not None and after > self.capacity:
+            return False
+        return self.allowed_memory_maximum is None or after <= self.allowed_memory_maximum
+
+    def _garbage_collect_cached_blocks(self) -> None:
+        """``garbage_collect_cached_blocks``: above ``threshold x allowed_memory_maximum``
+        reserved, free whole cached large-pool segments whose age (``get_free_block`` calls on
+        the large pool since they were cached) is at least the average, in passes, until the
+        excess is reclaimed or a pass frees nothing."""
+        assert self.allowed_memory_maximum is not None
+        gc_threshold = int(self.garbage_collection_threshold * self.allowed_memory_maximum)
+        if self._reserved <= gc_threshold:
+            return
+        target = self._reserved - gc_threshold
+        now = self._free_calls[False]
+
+        def freeable() -> list[_Block]:
+            # large_blocks.blocks: every stream's large pool, in (stream, size, address) order
+            return [b for key in sorted(k for k in self._pools if not k[1])
+                    for _, _, b in self._pools[key].free
+                    if b.prev is None and b.next is None and not b.segment.expandable]
+
+        blocks = freeable()
+        total_age = sum(now - b.gc_base for b in blocks)
+        count = len(blocks)
+        reclaimed = 0
+        freed = True
+        while reclaimed < target and freed and count > 0:
+            age_threshold = total_age / count
+            freed = False
+            for block in freeable():
+                age = now - block.gc_base
+                if age >= age_threshold:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= age
+                    count -= 1
+                    self._release_block(block)
 
     def _grow_reserved(self, nbytes: int) -> None:
         self._reserved += nbytes
@@ -504,11 +648,11 @@ class CachingAllocatorSim:
         free = pool.free
         i = bisect_left(free, (key,))
         if i < len(free) and not free[i][2].segment.expandable:
-            block = free[i][2]
-            if block.prev is None and block.next is None:
-                self._release_block(block)
-                return True
-            return False
+            # The block at the search point (lower_bound of max(size, max_split_size)) is
+            # released as torch does, without a split check: a cached block >= max_split_size
+            # is always a whole segment (should_split never splits one off).
+            self._release_block(free[i][2])
+            return True
         released = 0
         j = i - 1  # from the largest block downwards
         while released < key and j >= 0 and free[j][0] >= max_split:
@@ -520,7 +664,10 @@ class CachingAllocatorSim:
         return released >= key
 
     def _release_cached_blocks(self) -> None:
-        """``release_cached_blocks`` -> ``release_blocks``: all pools, all streams."""
+        """``release_cached_blocks`` -> ``release_blocks``: all pools, all streams.
+
+        Starts with ``synchronize_and_free_events``: deferred frees complete first."""
+        self.process_events()
         for pool in self._pools.values():
             to_unmap = []
             for _, _, block in list(pool.free):
@@ -581,7 +728,7 @@ class CachingAllocatorSim:
         page = segment.page
         offset = block.addr - segment.base
         mapped = -(-(offset + size) // page) * page - offset
-        if self.capacity is not None and self._reserved + mapped > self.capacity:
+        if not self._fits(mapped):
             return False  # cuMemCreate out of memory
         pool = block.pool
         del pool.unmapped[bisect_left(pool.unmapped, (block.addr,))]
@@ -597,7 +744,7 @@ class CachingAllocatorSim:
             block.size = mapped
         self._try_merge(block, block.prev)
         self._try_merge(block, block.next)
-        insort(pool.free, (block.size, block.addr, block))
+        self._insert_free(pool, block)
         self.num_device_alloc += 1
         self._grow_reserved(mapped)
         return True
@@ -619,7 +766,7 @@ class CachingAllocatorSim:
                 block.prev.next = before
             before.next = block
             block.prev = before
-            insort(pool.free, (before.size, before.addr, before))
+            self._insert_free(pool, before)
         block_end = block.addr + block.size
         if block_end > end:
             after = _Block(end, block_end - end, pool, segment)
@@ -628,7 +775,7 @@ class CachingAllocatorSim:
                 block.next.prev = after
             after.prev = block
             block.next = after
-            insort(pool.free, (after.size, after.addr, after))
+            self._insert_free(pool, after)
         block.addr = begin
         block.size = end - begin
         block.mapped = False

@@ -412,7 +412,8 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
     if cuda_target:
         from memfit.trace.allocator import CachingAllocatorSim
 
-        allocator = CachingAllocatorSim(expandable_segments=expandable_segments)
+        allocator = CachingAllocatorSim.for_gpu(spec, num_gpus=num_gpus,
+                                                expandable_segments=expandable_segments)
     tracker = Tracker(fake_device, round_to=_CUDA_BLOCK if cuda_target else 1,
                       allocator=allocator, host_split=cuda_target)
     notes: list[str] = []

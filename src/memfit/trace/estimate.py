@@ -65,7 +65,10 @@ class Estimate:
     """Peak memory of a traced training or inference step.
 
     ``peak_bytes`` and ``peak_reserved_bytes`` compare to ``torch.cuda.max_memory_allocated`` and
-    ``max_memory_reserved`` on CUDA (512-byte-rounded blocks and the caching allocator's segments),
+    ``max_memory_reserved`` on CUDA (the caching allocator model's block sizes, after its split
+    rules, and its segments, with the GPU's capacity and ``PYTORCH_CUDA_ALLOC_CONF``; a block
+    handed out whole above its 512-rounded request counts whole, and the excess is in the
+    ``TEMPORARIES`` of ``breakdown``),
     and to the profiler's allocator events on CPU (exact bytes, no cache, so reserved == peak).
     ``total_bytes`` adds the runtime (CUDA context, library workspaces) for "does it fit".
 

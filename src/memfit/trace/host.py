@@ -25,8 +25,8 @@ import torch
 if TYPE_CHECKING:
     from memfit.trace.tracker import Tracker
 
-__all__ = ["copy_to_device", "copy_to_host", "host_memory", "stands_for_device",
-           "traced_save_on_cpu"]
+__all__ = ["copy_to_device", "copy_to_host", "host_memory", "record_stream", "side_stream",
+           "stands_for_device", "traced_save_on_cpu"]
 
 _ACTIVE: list[Tracker] = []  # the tracker of the trace running now (the engine is not reentrant)
 
@@ -96,6 +96,25 @@ def copy_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tens
         return host.clone()
     return host.to(device, non_blocking=host.is_pinned() if not _is_fake(host) else False)
 
+
+def record_stream(t: torch.Tensor, stream: int) -> None:
+    """In a trace of a CUDA target: ``t.record_stream(stream)`` for the caching-allocator model
+    (its free waits for ``stream``; Note: [record_stream in a trace] in tracker.py)."""
+    tracker = _tracker()
+    if tracker is not None and tracker.host_split:
+        tracker.record_stream(t, stream)
+
+
+@contextlib.contextmanager
+def side_stream(stream: int) -> Iterator[None]:
+    """In a trace of a CUDA target: device tensors made inside come from CUDA stream
+    ``stream``'s own allocator pools (``torch.cuda.stream(s)``); else nothing."""
+    tracker = _tracker()
+    if tracker is None or not tracker.host_split:
+        yield
+        return
+    with tracker.on_stream(stream):
+        yield
 
 
 @contextlib.contextmanager

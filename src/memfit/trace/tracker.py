@@ -16,8 +16,10 @@ Where real tensors behave differently from fake ones, the real behaviour is mode
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -94,10 +96,15 @@ class Tracker:
         self.peak = 0
         self.peak_events = 0  # events replayed at the peak
         self.peak_op = -1
-        self.peak_extra = 0  # transient bytes inside an opaque kernel at the peak (temporaries)
+        # Bytes at the peak beyond the storages' sizes (counted as temporaries): transient
+        # scratch inside an opaque CPU kernel, or on CUDA the allocator's whole-block excess
+        # (Note: [peak in allocator blocks]).
+        self.peak_extra = 0
         self.phase_peaks: dict[tuple[int, str], int] = {}  # (step, phase) -> its high point
         self.op_peaks: dict[int, int] = {}  # op index -> high point inside that op's kernel
         self.closed = False
+        self.stream = 0  # CUDA stream new device storages are allocated on (0: the compute one)
+        self.oom: Any = None  # the first SimulatedOOM of the allocator model (then unlimited)
 
     @property
     def module(self) -> str:
@@ -174,18 +181,72 @@ class Tracker:
             self.host_peak = max(self.host_peak, self.host_current)
             return uid
         self.events.append(uid)
-        if self.allocator is not None:
-            info.handle = self.allocator.malloc(info.nbytes)
         self.current += self._size(info.nbytes)
+        level = self.current
+        if self.allocator is not None:
+            info.handle = self._malloc(info.nbytes)
+            # Note: [peak in allocator blocks] On CUDA the peak is the allocator's
+            # allocated_bytes (max_memory_allocated): whole block sizes. A block that
+            # should_split does not split (large pool, remainder <= 1 MiB or request >=
+            # max_split_size) is handed out and counted whole, above the 512-rounded request.
+            # That excess is carried as peak_extra (counted with the temporaries).
+            level = self.allocator.allocated_bytes
         key = (self.step, self.phase)
-        if self.current > self.phase_peaks.get(key, 0):
-            self.phase_peaks[key] = self.current
-        if self.current > self.peak:
-            self.peak = self.current
+        if level > self.phase_peaks.get(key, 0):
+            self.phase_peaks[key] = level
+        if level > self.peak:
+            self.peak = level
             self.peak_events = len(self.events)
             self.peak_op = len(self.ops)
-            self.peak_extra = 0
+            self.peak_extra = level - self.current
         return uid
+
+    def _malloc(self, nbytes: int) -> int:
+        """The allocator model's malloc on the current stream. A simulated out-of-memory (the
+        step would not fit the GPU) is remembered in ``oom`` and the trace goes on with an
+        unlimited device, so the estimate still says by how much it does not fit."""
+        from memfit.trace.allocator import SimulatedOOM
+
+        allocator = self.allocator
+        try:
+            return int(allocator.malloc(nbytes, self.stream))
+        except SimulatedOOM as error:
+            if self.oom is None:
+                self.oom = error
+            allocator.capacity = None
+            allocator.allowed_memory_maximum = None
+            return int(allocator.malloc(nbytes, self.stream))
+
+    def op_started(self) -> None:
+        """An op is about to run: the side-stream work recorded before it is done
+        (``process_events``): see Note: [record_stream in a trace]."""
+        if self.allocator is not None and self.allocator.pending_free_bytes:
+            self.allocator.process_events()
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: int) -> Iterator[None]:
+        """Allocate new device storages on CUDA stream ``stream`` (its own pools) inside."""
+        before, self.stream = self.stream, stream
+        try:
+            yield
+        finally:
+            self.stream = before
+
+    def record_stream(self, t: torch.Tensor, stream: int) -> None:
+        """``t.record_stream(stream)``: ``t``'s block is in use on ``stream`` too, so its free
+        waits for that stream.
+
+        Note: [record_stream in a trace] PyTorch frees such a block only once an event recorded
+        on ``stream`` at the free has completed (``insert_events``), and finds out at the next
+        ``malloc`` (``process_events``). The trace has no clock: it takes the side-stream work
+        (an offload copy) to be done by the time the next op starts, so the block is unusable
+        for the rest of the op that freed it (:meth:`op_started`).
+        """
+        if self.allocator is None or is_traceable_wrapper_subclass(t):
+            return
+        uid = self.live.get(t.untyped_storage()._cdata)
+        if uid is not None and self.infos[uid].handle is not None:
+            self.allocator.record_stream(self.infos[uid].handle, stream)
 
     def mark_host(self, t: torch.Tensor) -> None:
         """Remember ``t``'s storage as host memory (made inside host.host_memory() by an op the
@@ -319,6 +380,7 @@ class TrackingFakeMode(FakeTensorMode):
         # phase -> byte sizes of the workspaces a matmul first run in that phase allocates
         # (cuBLAS keeps one per handle, and the backward runs on another thread: another handle).
         self.matmul_workspaces: dict[str, list[int]] = {}
+        self._oom_noted: Any = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _PRIM_DEVICE or self._depth:
@@ -346,6 +408,7 @@ class TrackingFakeMode(FakeTensorMode):
         tracker = self.tracker
         if func is _ADD and tracker.phase == "backward" and not kwargs:
             func, args = _gradient_accumulation(args)
+        tracker.op_started()
         if self.matmul_workspaces and func in _MATMULS:
             for nbytes in self.matmul_workspaces.pop(tracker.phase, []):
                 tracker.add_pseudo(nbytes, MemoryCategory.RUNTIME)
@@ -379,6 +442,9 @@ class TrackingFakeMode(FakeTensorMode):
             out = self._run(func, types, args, kwargs)
         for t in _tensors(out):
             tracker.track(t)
+        if tracker.oom is not None and tracker.oom is not self._oom_noted:
+            self._oom_noted = tracker.oom
+            self.warn(f"an unlimited GPU from {func} on: the step does not fit ({tracker.oom})")
         tracker.ops.append((func, tracker.phase, tracker.step, tracker.module,
                             len(tracker.events)))
         self.datadep.observe(func, args, kwargs, out)
