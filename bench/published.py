@@ -540,12 +540,20 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [r["error_pct"] for r in results
               if r["quantity"] in ALLOCATOR_QUANTITIES and r.get("error_pct") is not None]
     failed = [r["id"] for r in results if r["error"]]
+    # nvidia-smi cases (whole steps, CUDA context included): reported, outside the targets
+    smi = [r["error_pct"] for r in results
+           if r["quantity"] == "nvidia-smi" and r.get("error_pct") is not None]
+    smi_stats = {} if not smi else {
+        "nvidia_smi_cases": len(smi),
+        "nvidia_smi_median_abs_error_pct": round(statistics.median(abs(e) for e in smi), 3),
+        "nvidia_smi_worst_under_prediction_pct": round(min(min(smi), 0.0), 3),
+        "nvidia_smi_worst_over_prediction_pct": round(max(max(smi), 0.0), 3)}
     if not errors:
-        return {"cases": 0, "failed": failed}
+        return {"cases": 0, "failed": failed, **smi_stats}
     abs_errors = [abs(e) for e in errors]
     worst_under = min(min(errors), 0.0)
     return {
-        "cases": len(errors), "failed": failed,
+        "cases": len(errors), "failed": failed, **smi_stats,
         "median_abs_error_pct": round(statistics.median(abs_errors), 3),
         "max_abs_error_pct": round(max(abs_errors), 3),
         "worst_under_prediction_pct": round(worst_under, 3),
@@ -585,6 +593,11 @@ def print_table(results: list[dict[str, Any]], summary: dict[str, Any],
               f"worst under-prediction {summary['worst_under_prediction_pct']}%", file=out)
         for target, met in summary["targets"].items():
             print(f"  [{'met' if met else 'NOT MET'}] {target}", file=out)
+    if summary.get("nvidia_smi_cases"):
+        print(f"nvidia-smi cases (outside the targets): {summary['nvidia_smi_cases']}; median "
+              f"|error| {summary['nvidia_smi_median_abs_error_pct']}%, range "
+              f"{summary['nvidia_smi_worst_under_prediction_pct']}% .. "
+              f"+{summary['nvidia_smi_worst_over_prediction_pct']}%", file=out)
 
 
 @contextlib.contextmanager
