@@ -1,0 +1,109 @@
+"""bench/published.py: its case files are well formed, and a few cases run end to end.
+
+The expected values here are the published figures themselves (each case's quote at its
+source), never memfit's output: PyTorch's ``test_allocator_settings`` asserts that
+``roundup_power2_divisions:4`` turns an 84 MiB request into ``power2_div(nbytes, 4)`` = 96 MiB;
+Liger-Kernel's table gives 1280.1259765625 MiB of ``max_memory_allocated`` for its cross-entropy
+baseline at V = 4096 and 80.01953125 MiB for its RMSNorm baseline at H = 1024.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "published.py"
+
+
+@pytest.fixture(scope="module")
+def published() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_published", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_published"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_case_file_is_well_formed(published: Any) -> None:
+    cases = published.load_cases()
+    problems = [p for case in cases for p in published.validate_case(case)]
+    assert problems == []
+    assert len(cases) >= 30
+    # every source is a commit-pinned repository file or a URL, and every quote is non-empty
+    for case in cases:
+        src = case["source"]
+        assert src.get("url") or (src["repo"] and src["path"] and len(src["commit"]) == 40)
+        assert case["quote"].strip()
+
+
+def test_liger_quotes_are_the_csv_rows_they_claim(published: Any) -> None:
+    # The quote of a table row carries the published number: the case's bytes must be it.
+    for case in published.load_cases():
+        if case["source"].get("path") != "benchmark/data/all_benchmark_data.csv":
+            continue
+        fields = case["quote"].split(",")
+        assert float(fields[8]) == case["published"]["value"]
+        assert round(float(fields[8]) * 2**20) == case["published"]["bytes"]
+        assert fields[3] == "memory" and fields[4] == "MB"
+
+
+@pytest.mark.parametrize(("problem", "expected"), [
+    ({"quote": "  "}, "empty quote"),
+    ({"source": {"repo": "a/b", "path": "x.py", "commit": "main"}}, "40-hex"),
+    ({"source": {"note": "somewhere"}}, "url or repo"),
+    ({"quantity": "vram"}, "quantity"),
+    ({"published": {"bytes": 0}}, "positive int"),
+])
+def test_validate_case_rejects_bad_cases(published: Any, problem: dict[str, Any],
+                                         expected: str) -> None:
+    case = copy.deepcopy(published.load_cases()[0])
+    case.update(problem)
+    assert any(expected in p for p in published.validate_case(case))
+    del case["config"]
+    assert any("missing 'config'" in p for p in published.validate_case(case))
+
+
+def _case(published: Any, case_id: str) -> dict[str, Any]:
+    return next(c for c in published.load_cases() if c["id"] == case_id)
+
+
+def test_allocator_case_roundup_power2_divisions(published: Any) -> None:
+    """test_cuda.py ``test_allocator_settings``: power2_div(4 * 21 MiB, 4) = 96 MiB."""
+    result = published.predict(_case(published, "pt-alloc-settings-roundup4-84MiB"))
+    assert result["published_bytes"] == 96 * 2**20
+    assert result["predicted_bytes"] == 96 * 2**20
+
+
+def test_allocator_case_graph_private_pool(published: Any) -> None:
+    """``test_graph_memory_stats...``: three live 10 MiB + 512 B blocks -> 3 x 12 MiB segments."""
+    result = published.predict(_case(published, "pt-graph-pool-10MiB+512-capture"))
+    assert result["published_bytes"] == 3 * 12 * 2**20
+    assert result["error"] is None and abs(result["error_pct"]) < 0.01
+
+
+def test_trace_cases_match_liger_table(published: Any) -> None:
+    """Two Liger-Kernel baselines traced end to end, within 0.5 % of the published value."""
+    for case_id, mib in (("liger-cross-entropy-V4096", 1280.1259765625),
+                         ("liger-rms-norm-H1024", 80.01953125)):
+        result = published.predict(_case(published, case_id))
+        assert result["error"] is None, result["error"]
+        assert result["published_bytes"] == round(mib * 2**20)
+        assert abs(result["error_pct"]) < 0.5, result
+
+
+def test_summary_flags_an_under_prediction(published: Any) -> None:
+    rows = [{"id": "a", "quantity": "max_memory_allocated", "error_pct": -4.0, "error": None},
+            {"id": "b", "quantity": "max_memory_allocated", "error_pct": 0.5, "error": None},
+            {"id": "c", "quantity": "nvidia-smi", "error_pct": -50.0, "error": None}]
+    summary = published.summarize(rows)
+    assert summary["cases"] == 2  # nvidia-smi is not an allocator statistic
+    assert summary["worst_under_prediction_pct"] == -4.0
+    targets = summary["targets"]
+    assert targets["never under-predicted by more than 3.0%"] is False
+    assert targets["median |error| <= 2.0%"] is False  # median of 4.0 and 0.5 is 2.25
