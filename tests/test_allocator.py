@@ -541,6 +541,8 @@ def test_record_stream_defers_the_free_until_events_complete() -> None:
     assert (sim.allocated_bytes, sim.pending_free_bytes) == (0, 12 * MiB)
     b = sim.malloc(12 * MiB)  # a's block is not reusable yet: a second segment
     assert sim.reserved_bytes == 24 * MiB
+    assert [blk["state"] for seg in sim.snapshot() for blk in seg["blocks"]] == [
+        "active_pending_free", "active_allocated"]
     sim.process_events()
     sim.malloc(12 * MiB)  # now a's block serves it
     assert sim.reserved_bytes == 24 * MiB
@@ -552,6 +554,23 @@ def test_record_stream_defers_the_free_until_events_complete() -> None:
     sim.free(c)
     sim.empty_cache()  # synchronizes: c's segment is freed too
     assert (sim.reserved_bytes, sim.pending_free_bytes) == (12 * MiB, 0)
+
+
+def test_a_pending_free_block_does_not_merge_with_its_neighbours() -> None:
+    """``try_merge_blocks`` refuses a block with ``event_count > 0`` (freed after
+    ``record_stream``, events outstanding): 3 MiB blocks a, b, c split off one 20 MiB segment;
+    a and c freed while b waits on stream 1 -> three free blocks (a, c + the 11 MiB rest) around
+    b; once the events complete, all merge back into the 20 MiB segment."""
+    sim = CachingAllocatorSim()
+    a, b, c = (sim.malloc(3 * MiB) for _ in range(3))
+    sim.record_stream(b, 1)
+    sim.free(b)
+    sim.free(a)
+    sim.free(c)
+    assert [(off // MiB, size // MiB, state) for off, size, state in blocks(sim)] == [
+        (0, 3, "inactive"), (3, 3, "active_pending_free"), (6, 14, "inactive")]
+    sim.process_events()
+    assert blocks(sim) == [(0, 20 * MiB, "inactive")]
 
 
 # ------------------------------------------------------------------ the trace's peak

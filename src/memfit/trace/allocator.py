@@ -212,8 +212,8 @@ class _Pool:
 
 
 class _Block:
-    __slots__ = ("addr", "allocated", "gc_base", "mapped", "next", "pool", "prev", "requested",
-                 "segment", "size", "stream_uses")
+    __slots__ = ("addr", "allocated", "gc_base", "mapped", "next", "pending", "pool", "prev",
+                 "requested", "segment", "size", "stream_uses")
 
     def __init__(self, addr: int, size: int, pool: _Pool, segment: _Segment,
                  mapped: bool = True) -> None:
@@ -226,6 +226,9 @@ class _Block:
         self.requested = 0
         self.gc_base = 0  # get_free_blocks_call_count when cached (Block::gc_count_base)
         self.stream_uses: set[int] = set()  # other streams recorded by record_stream
+        # Freed but waiting on those streams' events (event_count > 0): still not free, so it
+        # stays `allocated` for merging and searching, but no longer counts as allocated bytes.
+        self.pending = False
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
@@ -469,14 +472,16 @@ class CachingAllocatorSim:
         if block is None:
             raise MemfitError(f"free of unknown or already freed allocation handle {handle}; "
                               "pass a handle returned by malloc, once")
-        block.allocated = False
         self._allocated -= block.size
         self._requested -= block.requested
         block.requested = 0
         if block.stream_uses:
+            # insert_events: try_merge_blocks and the searches skip it until the events complete
             block.stream_uses.clear()
+            block.pending = True
             self._pending.append(block)
             return
+        block.allocated = False
         self._free_block(block)
 
     def process_events(self) -> None:
@@ -484,6 +489,7 @@ class CachingAllocatorSim:
         deferred frees have completed; their blocks go back to their pools."""
         pending, self._pending = self._pending, []
         for block in pending:
+            block.pending = block.allocated = False
             self._free_block(block)
 
     @property
@@ -812,13 +818,14 @@ class CachingAllocatorSim:
 
         Each segment: ``address``, ``total_size``, ``allocated_size``, ``requested_size``,
         ``stream``, ``segment_type`` ("small"/"large"), ``is_expandable`` and ``blocks``
-        (``address``, ``size``, ``requested_size``, ``state``: "active_allocated"/"inactive").
+        (``address``, ``size``, ``requested_size``, ``state``: "active_allocated",
+        "active_pending_free" (freed, waiting on another stream) or "inactive").
         An expandable segment is reported once per contiguous mapped range, as PyTorch does.
         """
         by_segment: dict[int, list[_Block]] = {}
         segments: dict[int, _Segment] = {}
         blocks = [b for pool in self._pools.values() for _, _, b in pool.free]
-        blocks += self._live.values()
+        blocks += [*self._live.values(), *self._pending]
         for block in blocks:
             key = id(block.segment)
             segments[key] = block.segment
@@ -844,13 +851,14 @@ def _segment_info(run: list[_Block], segment: _Segment) -> dict[str, Any]:
     return {
         "address": run[0].addr,
         "total_size": sum(b.size for b in run),
-        "allocated_size": sum(b.size for b in run if b.allocated),
+        "allocated_size": sum(b.size for b in run if b.allocated and not b.pending),
         "requested_size": sum(b.requested for b in run if b.allocated),
         "stream": pool.stream,
         "segment_type": "small" if pool.is_small else "large",
         "is_expandable": segment.expandable,
         "blocks": [{"address": b.addr, "size": b.size, "requested_size": b.requested,
-                    "state": "active_allocated" if b.allocated else "inactive"} for b in run],
+                    "state": ("active_pending_free" if b.pending else
+                              "active_allocated" if b.allocated else "inactive")} for b in run],
     }
 
 
