@@ -526,7 +526,28 @@ def predict(case: dict[str, Any]) -> dict[str, Any]:
         result["predicted_breakdown"] = breakdown
     if value is not None:
         result["error_pct"] = round(100.0 * (value - published) / published, 3)
+    if "plan" in case["config"]:
+        planned = predict_plan(case)
+        result["plan_predicted_bytes"] = planned
+        result["plan_error_pct"] = round(100.0 * (planned - published) / published, 3)
     return result
+
+
+def predict_plan(case: dict[str, Any]) -> int:
+    """The analytic planner's answer for a model-step case (``config["plan"]``: a memfit model
+    preset and RunConfig fields), in the case's quantity: for nvidia-smi, the plan's total with
+    its assumed CUDA context replaced by the context the source measured. Reported next to the
+    trace's prediction, to size the margin ``plan``'s "fits" keeps."""
+    import memfit
+
+    cfg = case["config"]
+    spec = cfg["plan"]
+    plan = memfit.plan(memfit.resolve_model(spec["model"]), memfit.RunConfig(**spec["run"]),
+                       gpu=memfit.get_gpu(cfg["gpu"]) if cfg.get("gpu") else None)
+    if case["quantity"] == "nvidia-smi" and "context_bytes_measured" in cfg:
+        return int(plan.total_bytes - plan.runtime_parts.get("cuda_context", 0)
+                   + cfg["context_bytes_measured"])
+    return int(plan.total_bytes)
 
 
 def _short_source(src: dict[str, Any]) -> str:
@@ -548,6 +569,11 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "nvidia_smi_median_abs_error_pct": round(statistics.median(abs(e) for e in smi), 3),
         "nvidia_smi_worst_under_prediction_pct": round(min(min(smi), 0.0), 3),
         "nvidia_smi_worst_over_prediction_pct": round(max(max(smi), 0.0), 3)}
+    plan_errors = [r["plan_error_pct"] for r in results if "plan_error_pct" in r]
+    if plan_errors:
+        smi_stats["plan_cases"] = len(plan_errors)
+        smi_stats["plan_worst_under_prediction_pct"] = round(min(min(plan_errors), 0.0), 3)
+        smi_stats["plan_worst_over_prediction_pct"] = round(max(max(plan_errors), 0.0), 3)
     if not errors:
         return {"cases": 0, "failed": failed, **smi_stats}
     abs_errors = [abs(e) for e in errors]
@@ -584,6 +610,9 @@ def print_table(results: list[dict[str, Any]], summary: dict[str, Any],
         print(f"{r['id']:<44} {r['kind']:<9} {r['quantity'][:22]:<22} "
               f"{_fmt_bytes(r['published_bytes']):>15} {_fmt_bytes(r['predicted_bytes']):>15} "
               f"{err:>8}", file=out)
+        if "plan_error_pct" in r:
+            print(f"    analytic plan: {_fmt_bytes(r['plan_predicted_bytes'])} "
+                  f"({r['plan_error_pct']:+.2f}%)", file=out)
         if r["error"]:
             print(f"    error: {r['error'][:200]}", file=out)
     print(file=out)
@@ -598,6 +627,10 @@ def print_table(results: list[dict[str, Any]], summary: dict[str, Any],
               f"|error| {summary['nvidia_smi_median_abs_error_pct']}%, range "
               f"{summary['nvidia_smi_worst_under_prediction_pct']}% .. "
               f"+{summary['nvidia_smi_worst_over_prediction_pct']}%", file=out)
+    if summary.get("plan_cases"):
+        print(f"analytic plan on the same model steps: {summary['plan_cases']} cases, "
+              f"{summary['plan_worst_under_prediction_pct']}% .. "
+              f"+{summary['plan_worst_over_prediction_pct']}%", file=out)
 
 
 @contextlib.contextmanager
