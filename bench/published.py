@@ -440,7 +440,81 @@ def build_hf_trainer_bert(cfg: dict[str, Any]) -> Step:
             "keep_output": False, "steps": 3}
 
 
+class _InjectGrads2(torch.autograd.Function):
+    """``torch.autograd.grad((a, b), ..., (da, db))`` as a scalar loss: its backward hands
+    ``da`` and ``db`` to ``a`` and ``b``."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, da: torch.Tensor,
+                db: torch.Tensor) -> torch.Tensor:
+        ctx.grads = (da, db)
+        return a.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (*ctx.grads, None, None)
+
+
+class _RopeStep(nn.Module):
+    """q and k as leaves in their transposed (1, heads, seq, head_dim) layout, as the benchmark
+    builds them (``randn(1, seq, heads, dim).transpose(1, 2)``); cos, sin, position ids, dq and
+    dk allocated before the measured function, as there."""
+
+    def __init__(self, seq: int, q_heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+
+        def transposed(heads: int) -> torch.Tensor:
+            return torch.empty(1, seq, heads, head_dim, dtype=dtype, device="meta").transpose(1, 2)
+
+        self.q = nn.Parameter(transposed(q_heads))
+        self.k = nn.Parameter(transposed(kv_heads))
+        self.register_buffer("dq", torch.empty_like(self.q))
+        self.register_buffer("dk", torch.empty_like(self.k))
+        self.register_buffer("pos_ids", torch.empty(1, seq, dtype=torch.long, device="meta"))
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2, device="meta"))
+        self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``LlamaRotaryEmbedding.forward`` (transformers 4.44, under ``torch.no_grad``), run
+        once before the measured iterations as ``cos, sin = rotary_emb(k, pos_ids)`` is: its
+        matmul makes the main thread's cuBLAS workspace, which stays allocated."""
+        with torch.no_grad():
+            inv = self.inv_freq[None, :, None].float().expand(self.pos_ids.shape[0], -1, 1)
+            freqs = (inv @ self.pos_ids[:, None, :].float()).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos().to(self.k.dtype), emb.sin().to(self.k.dtype)
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        if self.cos_sin is None:
+            self.cos_sin = self._rotary()
+        cos, sin = self.cos_sin
+        q_out, k_out = apply_rotary_pos_emb(self.q, self.k, cos, sin)
+        return q_out, k_out, self.dq, self.dk
+
+
+def build_liger_rope(cfg: dict[str, Any]) -> Step:
+    """``bench_memory_rope``: transformers' ``apply_rotary_pos_emb`` (q * cos + rotate_half(q) *
+    sin, the same in the installed version as in 2024's) on q (1, Hq, S, D) and k (1, Hkv, S,
+    D); ``full()`` = torch.autograd.grad((q_out, k_out), (q, k), (dq, dk), retain_graph=True):
+    the gradients are returned, not stored."""
+    hidden = cfg.get("hidden_size", cfg.get("H"))
+    seq = cfg.get("seq_len", cfg.get("T"))
+    heads = cfg["num_q_heads"]
+    model = _RetainGraph(_RopeStep(seq, heads, cfg["num_kv_heads"], hidden // heads,
+                                   _DTYPES[cfg["dtype"]]))
+
+    def loss_fn(out: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return _InjectGrads2.apply(*out)
+
+    return {"model": model, "inputs": (), "loss_fn": loss_fn, "optimizer": _ClearGrads,
+            "keep_output": True, "steps": 3}
+
+
 BUILDERS: dict[str, Callable[[dict[str, Any]], Step]] = {
+    "liger_rope": build_liger_rope,
     "hf_trainer_bert": build_hf_trainer_bert,
     "liger_rms_norm": build_liger_rms_norm,
     "liger_layer_norm": build_liger_layer_norm,
@@ -526,7 +600,28 @@ def predict(case: dict[str, Any]) -> dict[str, Any]:
         result["predicted_breakdown"] = breakdown
     if value is not None:
         result["error_pct"] = round(100.0 * (value - published) / published, 3)
+    if "plan" in case["config"]:
+        planned = predict_plan(case)
+        result["plan_predicted_bytes"] = planned
+        result["plan_error_pct"] = round(100.0 * (planned - published) / published, 3)
     return result
+
+
+def predict_plan(case: dict[str, Any]) -> int:
+    """The analytic planner's answer for a model-step case (``config["plan"]``: a memfit model
+    preset and RunConfig fields), in the case's quantity: for nvidia-smi, the plan's total with
+    its assumed CUDA context replaced by the context the source measured. Reported next to the
+    trace's prediction, to size the margin ``plan``'s "fits" keeps."""
+    import memfit
+
+    cfg = case["config"]
+    spec = cfg["plan"]
+    plan = memfit.plan(memfit.resolve_model(spec["model"]), memfit.RunConfig(**spec["run"]),
+                       gpu=memfit.get_gpu(cfg["gpu"]) if cfg.get("gpu") else None)
+    if case["quantity"] == "nvidia-smi" and "context_bytes_measured" in cfg:
+        return int(plan.total_bytes - plan.runtime_parts.get("cuda_context", 0)
+                   + cfg["context_bytes_measured"])
+    return int(plan.total_bytes)
 
 
 def _short_source(src: dict[str, Any]) -> str:
@@ -548,6 +643,11 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "nvidia_smi_median_abs_error_pct": round(statistics.median(abs(e) for e in smi), 3),
         "nvidia_smi_worst_under_prediction_pct": round(min(min(smi), 0.0), 3),
         "nvidia_smi_worst_over_prediction_pct": round(max(max(smi), 0.0), 3)}
+    plan_errors = [r["plan_error_pct"] for r in results if "plan_error_pct" in r]
+    if plan_errors:
+        smi_stats["plan_cases"] = len(plan_errors)
+        smi_stats["plan_worst_under_prediction_pct"] = round(min(min(plan_errors), 0.0), 3)
+        smi_stats["plan_worst_over_prediction_pct"] = round(max(max(plan_errors), 0.0), 3)
     if not errors:
         return {"cases": 0, "failed": failed, **smi_stats}
     abs_errors = [abs(e) for e in errors]
@@ -584,6 +684,9 @@ def print_table(results: list[dict[str, Any]], summary: dict[str, Any],
         print(f"{r['id']:<44} {r['kind']:<9} {r['quantity'][:22]:<22} "
               f"{_fmt_bytes(r['published_bytes']):>15} {_fmt_bytes(r['predicted_bytes']):>15} "
               f"{err:>8}", file=out)
+        if "plan_error_pct" in r:
+            print(f"    analytic plan: {_fmt_bytes(r['plan_predicted_bytes'])} "
+                  f"({r['plan_error_pct']:+.2f}%)", file=out)
         if r["error"]:
             print(f"    error: {r['error'][:200]}", file=out)
     print(file=out)
@@ -598,6 +701,10 @@ def print_table(results: list[dict[str, Any]], summary: dict[str, Any],
               f"|error| {summary['nvidia_smi_median_abs_error_pct']}%, range "
               f"{summary['nvidia_smi_worst_under_prediction_pct']}% .. "
               f"+{summary['nvidia_smi_worst_over_prediction_pct']}%", file=out)
+    if summary.get("plan_cases"):
+        print(f"analytic plan on the same model steps: {summary['plan_cases']} cases, "
+              f"{summary['plan_worst_under_prediction_pct']}% .. "
+              f"+{summary['plan_worst_over_prediction_pct']}%", file=out)
 
 
 @contextlib.contextmanager

@@ -107,3 +107,30 @@ def test_summary_flags_an_under_prediction(published: Any) -> None:
     targets = summary["targets"]
     assert targets["never under-predicted by more than 3.0%"] is False
     assert targets["median |error| <= 2.0%"] is False  # median of 4.0 and 0.5 is 2.25
+
+
+def test_fits_margin_covers_the_latest_published_results() -> None:
+    """planner.FITS_MARGIN must cover the analytic plan's worst under-prediction in the newest
+    bench/results/published-*.json (rerun ``python bench/published.py`` after model changes)."""
+    import json
+
+    from memfit.estimate import planner
+
+    results = sorted((BENCH.parent / "results").glob("published-*.json"))
+    assert results, "run python bench/published.py"
+    summary = json.loads(results[-1].read_text())["summary"]
+    worst = -summary["plan_worst_under_prediction_pct"] / 100
+    # planned <= cap * (1 - margin) and measured = planned / (1 - worst) must stay <= cap
+    assert planner.FITS_MARGIN >= worst
+    assert planner.FITS_MARGIN - worst < 0.01  # derived (rounded up to a percent), not padded
+
+
+def test_fits_keeps_the_margin() -> None:
+    import memfit
+    from memfit.estimate import planner
+
+    plan = memfit.plan(memfit.resolve_model("gpt2"), memfit.RunConfig(batch=1, seq=128),
+                       gpu=memfit.get_gpu("a100-80gb"))
+    cap = plan.capacity_bytes
+    assert plan.fits is (plan.headroom_bytes >= planner.FITS_MARGIN * cap)
+    assert plan.fits is True  # 124M parameters on 80 GB: far inside the margin

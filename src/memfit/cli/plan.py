@@ -204,6 +204,12 @@ def render(p: MemoryPlan, suggestions: list[Any]) -> None:
                  "check with --method trace)") if p.tight else ""
         out.print(f"[{style}]fits[/{style}] with {format_bytes(p.headroom_bytes)} headroom"
                   f"{tight}")
+    elif (p.headroom_bytes or 0) >= 0:
+        from memfit.estimate.planner import FITS_MARGIN
+
+        out.print(f"[red]does not fit[/red] with the {FITS_MARGIN:.0%} margin memfit keeps "
+                  f"(its worst under-prediction of published GPU measurements): "
+                  f"{format_bytes(p.headroom_bytes)} headroom")
     else:
         out.print(f"[red]does not fit[/red]: {format_bytes(-(p.headroom_bytes or 0))} over")
     for note in p.notes:
