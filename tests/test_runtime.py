@@ -59,9 +59,22 @@ def test_rocm_workspaces() -> None:
     assert cublaslt_workspace_bytes("gfx942") == 76 * MiB
 
 
-def test_cublaslt_default_is_1mib() -> None:
-    # parseCUDABlasLtWorkspaceSize: CUBLASLT_WORKSPACE_SIZE default 1024 KiB
-    assert cublaslt_workspace_bytes("9.0") == 1024 * KiB
+def test_cublaslt_workspace_by_torch_version() -> None:
+    # Before 2.11, parseCUDABlasLtWorkspaceSize: CUBLASLT_WORKSPACE_SIZE default 1024 KiB. From
+    # 2.11, cuBLASLt reuses the cuBLAS workspace by default (pytorch#168175;
+    # torch/backends/cuda/__init__.py: blas_workspace_size, "the default on open-source CUDA
+    # builds"): nothing beyond the cuBLAS workspace.
+    assert cublaslt_workspace_bytes("9.0", "2.10.0+cu128") == 1024 * KiB
+    assert cublaslt_workspace_bytes("9.0", "2.11.0+cu130") == 0
+    assert cublaslt_workspace_bytes("8.0", "2.13") == 0
+
+
+def test_torch_version_defaults_to_the_installed_one() -> None:
+    from importlib.metadata import version
+
+    installed = version("torch")
+    assert cublaslt_workspace_bytes("9.0") == cublaslt_workspace_bytes("9.0", installed)
+    assert cublas_workspace_bytes("10.0") == cublas_workspace_bytes("10.0", installed)
 
 
 def test_workspaces_through_the_allocator() -> None:
@@ -70,7 +83,7 @@ def test_workspaces_through_the_allocator() -> None:
     # - 8,519,680 is a 512 multiple, > 1 MiB and < 10 MiB -> 20 MiB segment, split
     #   (rest 12,451,840 > 1 MiB); the second fits in that rest, split again (rest 3,932,160)
     # - 1 MiB is small-pool -> one 2 MiB segment holds both
-    parts = cuda_runtime_bytes("A100-SXM4-80GB")
+    parts = cuda_runtime_bytes("A100-SXM4-80GB", torch_version="2.10")
     sim = CachingAllocatorSim()
     for _ in range(2):
         sim.malloc(parts["cublas_workspace"] // 2)
@@ -81,7 +94,7 @@ def test_workspaces_through_the_allocator() -> None:
 
 # ------------------------------------------------------------------ whole runtime
 def test_runtime_parts_for_one_a100() -> None:
-    parts = cuda_runtime_bytes("a100-80gb")
+    parts = cuda_runtime_bytes("a100-80gb", torch_version="2.10")
     assert set(parts) == {"cuda_context", "cublas_workspace", "cublaslt_workspace", "nccl"}
     assert parts["cublas_workspace"] == 2 * 8_519_680  # matmul_threads=2
     assert parts["cublaslt_workspace"] == 2 * MiB
@@ -90,9 +103,11 @@ def test_runtime_parts_for_one_a100() -> None:
 
 
 def test_runtime_for_inference_on_h100() -> None:
-    parts = cuda_runtime_bytes("NVIDIA H100 80GB HBM3", matmul_threads=1)
+    parts = cuda_runtime_bytes("NVIDIA H100 80GB HBM3", matmul_threads=1, torch_version="2.10")
     assert parts["cublas_workspace"] == 32 * MiB
     assert parts["cublaslt_workspace"] == 1 * MiB
+    unified = cuda_runtime_bytes("NVIDIA H100 80GB HBM3", matmul_threads=1, torch_version="2.11")
+    assert unified["cublas_workspace"] == 32 * MiB and unified["cublaslt_workspace"] == 0
 
 
 def test_compute_capability_override() -> None:
@@ -110,7 +125,8 @@ def test_context_measurements_are_derived_from_their_quotes() -> None:
     measurement made (allocator.py: a 6,400,000 B tensor reserves a 20 MiB segment, a 4 B one
     a 2 MiB segment)."""
     for m in CONTEXT_MEASUREMENTS:
-        assert m.source.startswith("https://github.com/pytorch/pytorch/")
+        assert m.source.startswith(("https://github.com/pytorch/pytorch/",
+                                    "https://huggingface.co/docs/transformers/"))
         figures = [int(f.replace(",", "")) for f in re.findall(r"\d[\d,]*", m.quote)]
         assert any(f in (m.context_bytes + 20 * MiB, m.context_bytes // MiB + 2,
                          m.context_bytes // MiB) for f in figures), m

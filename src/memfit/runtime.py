@@ -108,6 +108,14 @@ CONTEXT_MEASUREMENTS: tuple[ContextMeasurement, ...] = (
         cuda="10.1", lazy=False, gpu="GTX 1080",
         context_bytes=(721 - 2) * MiB,
         how="nvidia-smi MiB after torch.Tensor(1).cuda() (one 2 MiB small segment)"),
+    ContextMeasurement(
+        source="https://huggingface.co/docs/transformers/model_memory_anatomy "
+               "(huggingface/transformers docs/source/en/model_memory_anatomy.md @ 249ef816)",
+        quote="GPU memory occupied: 1343 MB.",
+        cuda="11.2", lazy=False, gpu="Tesla V100-SXM2 16GB",
+        context_bytes=(1343 - 2) * MiB,
+        how="pynvml used memory (MiB) after torch.ones((1, 1)).to('cuda') (one 2 MiB small "
+            "segment); the page's runs are on CUDA 11.2, before lazy loading"),
 )
 """Published CUDA-context measurements the context model takes its constants from.
 
@@ -227,7 +235,20 @@ def compute_capability_for(gpu_name: str) -> str:
         "pass compute_capability='8.0' (or the GPU's value) instead")
 
 
+def _installed_torch() -> str | None:
+    """The installed torch's version, read without importing torch (the analytic path must stay
+    fast): the GPU job is assumed to run the same release as this environment."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return None
+
+
 def _torch_version(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        text = _installed_torch()
     if text is None:
         return None
     match = re.match(r"^\s*(\d+)\.(\d+)", text)
@@ -247,8 +268,10 @@ def cublas_workspace_bytes(compute_capability: str | None = None,
 
     ``CUBLAS_WORKSPACE_CONFIG`` unset: 8,519,680 bytes (``:4096:2:16:8``), 32 MiB on Hopper
     (compute capability 9.x) and, from torch 2.11 (assumed release of pytorch#175344), on
-    Blackwell (10.x, 12.x). ROCm: 32 MiB, 128 MiB on gfx94x/gfx95x. ``None``: an unknown
-    CUDA GPU gets the non-Hopper default.
+    Blackwell (10.x, 12.x). ROCm: 32 MiB, 128 MiB on gfx94x/gfx95x. ``compute_capability``
+    None: an unknown CUDA GPU gets the non-Hopper default. ``torch_version`` None: the installed
+    torch's version; with no torch installed, Blackwell gets the larger (2.11+) workspace, so
+    that the runtime is not under-counted.
 
     >>> cublas_workspace_bytes("8.0"), cublas_workspace_bytes("9.0")
     (8519680, 33554432)
@@ -262,21 +285,30 @@ def cublas_workspace_bytes(compute_capability: str | None = None,
     if major == 9:
         return _CUBLAS_32MIB
     version = _torch_version(torch_version)
-    if major in (10, 12) and version is not None and version >= (2, 11):
+    if major in (10, 12) and (version is None or version >= (2, 11)):
         return _CUBLAS_32MIB
     return _CUBLAS_DEFAULT
 
 
-def cublaslt_workspace_bytes(compute_capability: str | None = None) -> int:
-    """cuBLASLt workspace per (handle, stream), through the caching allocator. From source.
+def cublaslt_workspace_bytes(compute_capability: str | None = None,
+                             torch_version: str | None = None) -> int:
+    """cuBLASLt workspace per (handle, stream) beyond the cuBLAS one, through the caching
+    allocator. From source.
 
-    ``CUBLASLT_WORKSPACE_SIZE`` default 1024 KiB on CUDA (76 MiB hipBLASLt on ROCm). With
-    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` PyTorch reuses the cuBLAS workspace instead (0 extra);
-    that is not the default. Before persistent workspaces (older torch), the same 1 MiB was
-    allocated per cuBLASLt call and freed after it: same peak, so the same number is used.
+    From torch 2.11 on CUDA: 0. cuBLASLt reuses the cuBLAS workspace
+    (``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` on by default in open-source builds: pytorch#168175,
+    merged January 2026, assumed first released in 2.11; the installed 2.13's
+    ``torch/backends/cuda/__init__.py: blas_workspace_size`` says "the default on open-source
+    CUDA builds"). Before: ``CUBLASLT_WORKSPACE_SIZE``'s default 1024 KiB (pytorch#73439), and
+    before persistent workspaces (pytorch#156495) the same 1 MiB per cuBLASLt call, freed after
+    it: same peak, so the same number is used. ROCm keeps a separate 76 MiB hipBLASLt workspace.
+    ``torch_version`` None: the installed torch's version.
     """
     if compute_capability is not None and compute_capability.startswith("gfx"):
         return _HIPBLASLT
+    version = _torch_version(torch_version)
+    if version is not None and version >= (2, 11):
+        return 0
     return _CUBLASLT_DEFAULT
 
 
@@ -323,7 +355,7 @@ def cuda_runtime_bytes(gpu_name: str | None = None, *, num_gpus: int = 1,
     return {
         "cuda_context": cuda_context_bytes(cuda_version, lazy=lazy_loading),
         "cublas_workspace": matmul_threads * cublas_workspace_bytes(arch, torch_version),
-        "cublaslt_workspace": matmul_threads * cublaslt_workspace_bytes(arch),
+        "cublaslt_workspace": matmul_threads * cublaslt_workspace_bytes(arch, torch_version),
         "nccl": nccl_buffer_bytes(num_gpus),
     }
 
