@@ -214,8 +214,9 @@ def test_estimate_predicts_the_cuda_saving_and_the_host_memory(prefetch: bool) -
     assert held * A + L * W <= dev1 <= held * A + 2 * L * W + 8 * 512, dev1 / A
     assert est1.host_peak_bytes == (L + 1) * A
     assert est0.host_peak_bytes == 0
-    # every copy but the first saved (x) is prefetched, in each traced step
-    assert hooks.stats.prefetched == (L if prefetch else 0) * hooks.stats.offloaded // (L + 1)
+    # the prefetch itself is seen in the bytes above (5 A against 4 A); the user's hooks ran
+    # nothing: estimate traces a copy of the model and leaves the original untouched
+    assert (hooks.stats.offloaded, hooks.stats.prefetched) == (0, 0)
 
 
 class MetaHost(OffloadActivations):
