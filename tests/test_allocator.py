@@ -11,7 +11,6 @@ release_cached_blocks (only wholly free segments), expandable segments (2 MiB / 
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -449,17 +448,16 @@ def test_random_workload_keeps_accounting_consistent(expandable: bool,
     assert sim.reserved_bytes == 0
 
 
-def test_speed_of_malloc_free_pairs() -> None:
+def test_malloc_free_pairs_leak_nothing() -> None:
+    # (Their speed, a target, is timed in bench/speed_targets.py.)
     sim = CachingAllocatorSim()
     sizes = [512, 4096, 65536, 1 * MiB + 1, 3 * MiB, 12 * MiB, 64 * MiB]
     held = [sim.malloc(s) for s in sizes * 20]  # a realistic live set to search through
-    n = 100_000
-    start = time.perf_counter()
-    for i in range(n):
+    allocated, reserved = sim.allocated_bytes, sim.reserved_bytes
+    for i in range(10_000):
         sim.free(sim.malloc(sizes[i % len(sizes)]))
-    elapsed = time.perf_counter() - start
-    print(f"\nCachingAllocatorSim: {n / elapsed:,.0f} malloc/free pairs per second")
-    assert elapsed < 10.0
+    assert sim.allocated_bytes == allocated
+    assert sim.reserved_bytes - reserved <= 64 * MiB + 20 * MiB  # at most one more segment
     assert len(held) == 140
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-import time
 
 import pytest
 import torch
@@ -152,14 +151,12 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def test_8b_builtin_on_meta_is_fast_and_allocates_nothing() -> None:
+def test_8b_builtin_on_meta_allocates_nothing() -> None:
+    # (How long the build takes, a target, is timed in bench/speed_targets.py.)
     spec = FULL["llama"]  # 8.03e9 parameters = 32 GB in fp32 if anything were real
     rss_before = _rss_bytes()
-    start = time.perf_counter()
     model = build_model(spec, backend="builtin", device="meta", dtype=torch.bfloat16)
-    elapsed = time.perf_counter() - start
     rss_growth = _rss_bytes() - rss_before
-    assert elapsed < 2.0, f"building took {elapsed:.2f} s"
     assert rss_growth < 50 * 2**20, f"RSS grew by {rss_growth / 2**20:.0f} MiB"
     tensors = [*model.parameters(), *model.buffers()]
     assert all(t.is_meta for t in tensors)

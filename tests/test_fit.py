@@ -6,7 +6,6 @@ import argparse
 import copy
 import json
 import sys
-import time
 import warnings
 
 import pytest
@@ -176,12 +175,10 @@ def test_apply_matches_a_manual_loop_in_fp32(ckpt: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_search_is_fast_for_a_small_model() -> None:
+def test_search_traces_few_configs_for_a_small_model() -> None:
+    # (How long it takes, a target, is timed in bench/speed_targets.py.)
     model, batch = make(16)
-    fit(model, batch, global_batch=16, budget_bytes=2**30, device="cpu", progress=False)
-    started = time.perf_counter()
     plan = fit(model, batch, global_batch=16, budget_bytes=2**30, device="cpu", progress=False)
-    assert time.perf_counter() - started < 3.0
     assert plan.traces <= 8  # monotonicity: one trace per combination when the largest fits
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import pytest
@@ -185,12 +184,11 @@ def test_bad_inputs_raise_memfit_error() -> None:
         estimate(model, x, steps=0)
 
 
-def test_small_model_is_fast_and_prints() -> None:
+def test_small_model_prints() -> None:
+    # (Its speed, a target and not a unit test's business, is timed in bench/speed_targets.py.)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
-    start = time.perf_counter()
     est = estimate(model, torch.empty(32, 256), device="cuda", gpu="a100-80gb",
                    precision="bf16-mixed")
-    assert time.perf_counter() - start < 3.0
     text = str(est)
     assert "peak allocated" in text and "optimizer_states" in text
     assert est.total_bytes >= est.peak_reserved_bytes

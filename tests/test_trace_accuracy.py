@@ -387,6 +387,33 @@ def test_sequence_lstm_within_1_percent(precision: str, keep_output: bool) -> No
     assert abs(est.peak_bytes - real) <= TOLERANCE * real, (est.peak_bytes, real)
 
 
+class MixedDtypes(nn.Module):
+    """No GEMM (whose oneDNN scratch, on CPUs with AVX-512 bf16, hides smaller transients): a
+    bf16 tensor times an fp32 one (the CPU's TensorIterator converts the bf16 input to an fp32
+    temporary first), then a bf16 mean (the CPU kernel reduces an fp32 copy of its input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(256, 256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.bfloat16() * self.scale
+        return y.bfloat16().mean(0)
+
+
+def test_cpu_conversion_temporaries_within_1_percent() -> None:
+    # By hand, over x and the buffer (256 KiB each, fp32): inside the mul, x in bf16 (128 KiB),
+    # its fp32 copy and the output (256 KiB each): 1152 KiB; inside the mean, y (256 KiB), y in
+    # bf16 (128 KiB), its fp32 copy (256 KiB), the fp32 sums (1 KiB) and the bf16 result
+    # (0.5 KiB): 1153.5 KiB, the peak. Without the two temporaries the trace said 896.5 KiB.
+    torch.manual_seed(0)
+    model, inputs = MixedDtypes(), (torch.randn(256, 256),)
+    est = estimate(model, inputs, optimizer=None, loss_fn=mse, device="cpu", steps=1)
+    real = real_peak(model, inputs, mse, None, steps=1, optimizer=None)
+    assert real == 1153 * 1024 + 512
+    assert abs(est.peak_bytes - real) <= TOLERANCE * real, (est.peak_bytes, real)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_mse_loss_temporary_within_1_percent(precision: str) -> None:
     torch.manual_seed(0)
