@@ -68,6 +68,7 @@ TINY: dict[str, Any] = {
 }
 SEQ = 32
 BATCH = 2
+MAX_PARAMS = 30_000_000  # the real CPU step of the build check must stay small
 
 
 def _mapping(family: str) -> dict[str, Any]:
@@ -177,6 +178,11 @@ def run_one(family: str, model_type: str, cells: list[tuple[str, str, bool]] | N
         cls = _model_class(family, model_type)
         row["class"] = cls.__name__
         config = tiny_config(model_type)
+        with torch.device("meta"):
+            sized = sum(p.numel() for p in cls(config).parameters())
+        if sized > MAX_PARAMS:  # a field this sweep does not shrink keeps a full-size default
+            raise ValueError(f"not tiny: {sized:,} parameters with the sweep's sizes (more than "
+                             f"{MAX_PARAMS:,}); its config needs fields the sweep does not set")
         model = cls(config)
         batch = inputs_for(model, config, family)
         if check_real:
@@ -248,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--resume", default=None,
+                        help="a JSON-lines file: rows are appended as they finish and the ones "
+                             "already there are not run again")
     args = parser.parse_args(argv)
     import transformers
 
@@ -255,14 +264,22 @@ def main(argv: list[str] | None = None) -> int:
     todo = architectures(args.families.split(","), only)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
+    partial = Path(args.resume) if args.resume else None
+    if partial and partial.exists():  # rows already done (one JSON object per line)
+        rows = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+        done = {r["model_type"] for r in rows}
+        todo = [t for t in todo if t[1] not in done]
     with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=8) as pool:
         for row in pool.imap_unordered(_run, todo):
             rows.append(row)
+            if partial:
+                with partial.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
             bad = [k for k, v in row["cells"].items() if v not in ("ok", "n/a")]
             state = ("not buildable" if not row.get("buildable") else
                      f"{8 - len(bad) - list(row['cells'].values()).count('n/a')} ok, "
                      f"{len(bad)} failed")
-            print(f"[{len(rows)}/{len(todo)}] {row['model_type']:<28} {state}", flush=True)
+            print(f"[{len(rows)}] {row['model_type']:<28} {state}", flush=True)
     rows.sort(key=lambda r: (r["family"], r["model_type"]))
     summary = summarize(rows)
     print(f"\n{summary['buildable']} of {summary['architectures']} architectures buildable")
