@@ -65,6 +65,7 @@ TINY: dict[str, Any] = {
     # multi-head latent attention (DeepSeek-V2/V3 style)
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32,
     "q_lora_rank": 32,
+    "rotary_dim": 8,  # partial rotary (GPT-J, CodeGen): at most the tiny head_dim
 }
 SEQ = 32
 BATCH = 2
@@ -90,7 +91,8 @@ def _tiny_kwargs(cls: Any) -> dict[str, Any]:
     # Only fields holding a single int (lists such as Swin's per-stage num_heads keep theirs).
     kwargs = {k: v for k, v in TINY.items()
               if isinstance(getattr(default, k, None), int)
-              and not isinstance(getattr(default, k), bool)}
+              and not isinstance(getattr(default, k), bool)
+              and not isinstance(getattr(cls, k, None), property)}  # derived (Falcon's head_dim)
     if "qk_rope_head_dim" in kwargs and "head_dim" in kwargs:
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
     if isinstance(getattr(default, "num_heads", None), list | tuple):
