@@ -62,9 +62,14 @@ TINY: dict[str, Any] = {
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
     "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "image_size": 64, "max_source_positions": 32, "max_target_positions": 64,
+    # multi-head latent attention (DeepSeek-V2/V3 style)
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "rotary_dim": 8,  # partial rotary (GPT-J, CodeGen): at most the tiny head_dim
 }
 SEQ = 32
 BATCH = 2
+MAX_PARAMS = 30_000_000  # the real CPU step of the build check must stay small
 
 
 def _mapping(family: str) -> dict[str, Any]:
@@ -86,7 +91,10 @@ def _tiny_kwargs(cls: Any) -> dict[str, Any]:
     # Only fields holding a single int (lists such as Swin's per-stage num_heads keep theirs).
     kwargs = {k: v for k, v in TINY.items()
               if isinstance(getattr(default, k, None), int)
-              and not isinstance(getattr(default, k), bool)}
+              and not isinstance(getattr(default, k), bool)
+              and not isinstance(getattr(cls, k, None), property)}  # derived (Falcon's head_dim)
+    if "qk_rope_head_dim" in kwargs and "head_dim" in kwargs:
+        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
     if isinstance(getattr(default, "num_heads", None), list | tuple):
         # per-stage heads (Swin-like): the width must stay divisible by each stage's heads
         for key in ("embed_dim", "hidden_size"):
@@ -159,8 +167,10 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}{where}"
 
 
-def run_one(family: str, model_type: str) -> dict[str, Any]:
-    """Build check and the eight traces of one architecture."""
+def run_one(family: str, model_type: str, cells: list[tuple[str, str, bool]] | None = None,
+            check_real: bool = True) -> dict[str, Any]:
+    """Build check (a real step on the CPU, unless ``check_real=False``) and the traces of one
+    architecture in ``cells`` (default: all eight)."""
     from memfit.trace import estimate
 
     warnings.simplefilter("ignore")
@@ -170,20 +180,27 @@ def run_one(family: str, model_type: str) -> dict[str, Any]:
         cls = _model_class(family, model_type)
         row["class"] = cls.__name__
         config = tiny_config(model_type)
+        with torch.device("meta"):
+            sized = sum(p.numel() for p in cls(config).parameters())
+        if sized > MAX_PARAMS:  # a field this sweep does not shrink keeps a full-size default
+            raise ValueError(f"not tiny: {sized:,} parameters with the sweep's sizes (more than "
+                             f"{MAX_PARAMS:,}); its config needs fields the sweep does not set")
         model = cls(config)
         batch = inputs_for(model, config, family)
-        model.train()
-        out = model(**batch)
-        loss = out.loss if getattr(out, "loss", None) is not None else out[0].float().sum()
-        loss.backward()
-        del model, out, loss
+        if check_real:
+            model.train()
+            out = model(**batch)
+            loss = out.loss if getattr(out, "loss", None) is not None else out[0].float().sum()
+            loss.backward()
+            del out, loss
+        del model
     except Exception as exc:  # any failure means "not buildable with these inputs"
         row["buildable"] = False
         row["reason"] = _reason(exc)
         return row
     row["buildable"] = True
     row["supports_checkpointing"] = bool(getattr(cls, "supports_gradient_checkpointing", False))
-    for device, precision, ckpt in CELLS:
+    for device, precision, ckpt in cells or CELLS:
         key = f"{device}/{precision}/{'ckpt' if ckpt else 'plain'}"
         if ckpt and not row["supports_checkpointing"]:
             row["cells"][key] = "n/a"
@@ -239,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--resume", default=None,
+                        help="a JSON-lines file: rows are appended as they finish and the ones "
+                             "already there are not run again")
     args = parser.parse_args(argv)
     import transformers
 
@@ -246,14 +266,22 @@ def main(argv: list[str] | None = None) -> int:
     todo = architectures(args.families.split(","), only)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
+    partial = Path(args.resume) if args.resume else None
+    if partial and partial.exists():  # rows already done (one JSON object per line)
+        rows = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+        done = {r["model_type"] for r in rows}
+        todo = [t for t in todo if t[1] not in done]
     with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=8) as pool:
         for row in pool.imap_unordered(_run, todo):
             rows.append(row)
+            if partial:
+                with partial.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
             bad = [k for k, v in row["cells"].items() if v not in ("ok", "n/a")]
             state = ("not buildable" if not row.get("buildable") else
                      f"{8 - len(bad) - list(row['cells'].values()).count('n/a')} ok, "
                      f"{len(bad)} failed")
-            print(f"[{len(rows)}/{len(todo)}] {row['model_type']:<28} {state}", flush=True)
+            print(f"[{len(rows)}] {row['model_type']:<28} {state}", flush=True)
     rows.sort(key=lambda r: (r["family"], r["model_type"]))
     summary = summarize(rows)
     print(f"\n{summary['buildable']} of {summary['architectures']} architectures buildable")

@@ -101,3 +101,36 @@ def test_mixtral_traces_in_every_precision(precision: str, device: str) -> None:
         assert kept < fp32_floats
     else:
         assert kept > fp32_floats
+
+
+class SplitRouting(nn.Module):
+    """JetMoE-style routing: tokens per expert read with ``.tolist()``, then ``split``."""
+
+    def __init__(self, d: int = 16, experts: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = self.router(x).topk(self.k, dim=-1).indices
+        counts = torch.nn.functional.one_hot(idx.flatten(), len(self.experts)).sum(0).tolist()
+        routed = x.repeat_interleave(self.k, dim=0)
+        outs = [e(chunk) for e, chunk in zip(self.experts, routed.split(counts), strict=True)]
+        return torch.cat(outs).sum()
+
+
+def test_split_by_computed_counts_is_balanced() -> None:
+    """The counts are data: the trace assumes balanced routing (stated in the warning) and splits
+    the T*k = 64 routed rows evenly, 16 per expert; each expert's output [16, 16] fp32 is 1 KiB,
+    so the forward's outputs of the four experts add up to the whole routed batch."""
+    with torch.device("meta"):
+        model = SplitRouting()
+    x = torch.empty(32, 16, device="meta")
+    with pytest.warns(UserWarning, match="data-dependent"):
+        est = estimate(model, x, optimizer=None, device="cpu", steps=1)
+    expert_out = [p for p in est.timeline if p.module.startswith("experts.")
+                  and p.op == "aten.addmm.default"]
+    assert len(expert_out) == 4
+    grown = [p.total - est.timeline[p.index - 1].total for p in expert_out]
+    assert grown == [16 * 16 * 4] * 4

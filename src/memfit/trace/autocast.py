@@ -6,15 +6,24 @@
   tensors).
 - CUDA target on a CPU-only build (fake CUDA tensors cannot run autograd there: that build has
   no CUDA device guard): the step runs on fake CPU tensors under ``torch.autocast("cpu")``, and a
-  torch-function mode applies the ops where CUDA's lists differ from CPU's: CUDA runs these in
-  fp32 (``layer_norm``, ``group_norm``, ``softmax``, ``exp``, ``pow``, ``rsqrt``, ``sum``,
-  losses...),
-  CPU autocast leaves them in the input's lower precision.
+  torch-function mode applies CUDA's policy to every op whose CUDA policy differs from its CPU
+  policy (:data:`CUDA_RULES`), running the op with CPU autocast off, as CUDA's wrapper runs it
+  with autocast excluded (``aten/src/ATen/autocast_mode.h: WrapFunction_``,
+  ``ExcludeDispatchKeyGuard no_autocast``).
+
+The lists are torch's: ``aten/src/ATen/autocast_mode.h`` (``AT_FORALL_LOWER_PRECISION_FP``,
+``AT_FORALL_FP32``, ``AT_FORALL_FP32_SET_OPT_DTYPE``, ``AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE``,
+``AT_FORALL_PROMOTE``, registered for CUDA by ``TORCH_LIBRARY_IMPL(aten, Autocast, m)`` in
+``autocast_mode.cpp``) against ``TORCH_LIBRARY_IMPL(aten, AutocastCPU, m)`` there.
+``tests/test_autocast.py`` checks them against the installed torch itself: which ops carry an
+AutocastCUDA / AutocastCPU kernel (the dispatcher), and what each kernel does (fake CUDA tensors
+under CUDA autocast, which a CPU-only build runs for forward ops).
 
 Known limitations of the emulation: it sees calls made from Python (``F.layer_norm``,
-``Tensor.softmax``...), not ops inside C++ composites (e.g. the inside of ``F.rms_norm``, which
-upcasts to fp32 itself anyway); CUDA's fused fp16-to-fp32 softmax/log_softmax (no fp32 copy of
-fp16 input) is not modelled: the fp32 copy CUDA makes for bf16 input is counted for fp16 too.
+``Tensor.softmax``...), not ops inside C++ composites; CUDA's autocast cache of leaf weights'
+casts is not applied to the ops cast here (``mv``, ``addmv``, ``addr``, RNN cells...); CPU-only
+fp32 entries of linear algebra and FFT ops keep CPU's behaviour (CUDA runs them in the input
+dtype, or refuses bf16); CUDA's fused fp16-to-fp32 softmax/log_softmax is not modelled.
 """
 
 from __future__ import annotations
@@ -40,41 +49,128 @@ def _functions(*names: str) -> set[Callable[..., Any]]:
     return found
 
 
-# CUDA autocast's "fp32" policy (aten/src/ATen/autocast_mode.cpp): inputs cast to float32.
-_CUDA_FP32 = _functions(
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
-    "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus", "layer_norm",
-    "group_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
-    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
-    "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
-    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm",
-    "logsumexp", "interpolate", "upsample", "upsample_nearest", "upsample_bilinear",
-    "frobenius_norm", "nuclear_norm")
-# CUDA autocast's "fp32_set_opt_dtype" policy: run with dtype=float32 unless a dtype is given.
-_CUDA_FP32_OPT_DTYPE = _functions(
-    "softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod", "vector_norm", "matrix_norm")
+# CUDA policy -> the aten ops (their Python names) where CUDA's policy differs from CPU's.
+# lower_precision_fp on CUDA (AT_FORALL_LOWER_PRECISION_FP); CPU autocast has no kernel for these
+# and leaves fp32 inputs in fp32.
+CUDA_LOWER = ("mv", "addmv", "addr", "chain_matmul", "multi_dot", "einsum", "lstm_cell",
+              "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
+# fp32 on CUDA (AT_FORALL_FP32); CPU keeps the input's precision for these (its fp32 list is
+# mostly losses, which are fp32 on both and listed here too: the call is the same).
+CUDA_FP32 = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+             "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus",
+             "layer_norm", "group_norm", "rms_norm", "frobenius_norm", "nuclear_norm",
+             "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
+             "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss",
+             "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss",
+             "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits",
+             "dist", "pdist", "cdist", "renorm", "logsumexp", "interpolate", "upsample",
+             "upsample_nearest", "upsample_bilinear")
+# fp32_set_opt_dtype on CUDA (AT_FORALL_FP32_SET_OPT_DTYPE), and norm's fp32_append_dtype
+# (AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE): the op itself writes fp32 from 16-bit input, no
+# fp32 copy of the input (CPU's prod is "fp32": it copies).
+CUDA_FP32_OPT_DTYPE = ("softmax", "log_softmax", "cumsum", "cumprod", "sum", "prod",
+                       "vector_norm", "matrix_norm", "norm")
+# promote on CUDA (AT_FORALL_PROMOTE): mixed 16/32-bit inputs run in the widest; CPU has none.
+CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "tensordot",
+                "scatter_add", "grid_sample")
+# CPU-only fp32 entries with no CUDA autocast kernel (pools and pads in 3-D, padding modes,
+# trace): CUDA runs them in the input's dtype. F.pad covers reflection_/replication_pad*.
+CPU_ONLY = ("pad", "avg_pool3d", "max_pool3d", "adaptive_avg_pool3d", "adaptive_max_pool3d",
+            "fractional_max_pool2d", "fractional_max_pool3d", "max_unpool2d", "max_unpool3d",
+            "trace")
+
+CUDA_RULES: dict[str, tuple[str, ...]] = {
+    "lower_precision_fp": CUDA_LOWER, "fp32": CUDA_FP32, "fp32_set_opt_dtype": CUDA_FP32_OPT_DTYPE,
+    "promote": CUDA_PROMOTE, "none": CPU_ONLY}
+"""The emulation's rules by CUDA policy ("none": no CUDA autocast kernel, CPU's is undone)."""
+
+_POLICY: dict[Any, str] = {}
+for _policy, _names in CUDA_RULES.items():
+    for _fn in _functions(*_names):
+        _POLICY[_fn] = _policy
+_CROSS_ENTROPY = {F.cross_entropy}
 
 
-def _to_fp32(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.dtype in _LOW:
-        return x.float()
+def _cast(x: Any, to: torch.dtype, only: tuple[torch.dtype, ...]) -> Any:
+    if isinstance(x, torch.Tensor) and x.dtype in only and x.dtype != to:
+        return x.to(to)
     if isinstance(x, list | tuple):
-        return type(x)(_to_fp32(v) for v in x)
+        return type(x)(_cast(v, to, only) for v in x)
     return x
 
 
+def _floats(x: Any) -> Iterator[torch.dtype]:
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        yield x.dtype
+    elif isinstance(x, list | tuple):
+        for v in x:
+            yield from _floats(v)
+
+
+@contextmanager
+def _cpu_autocast_off() -> Iterator[None]:
+    torch.set_autocast_enabled("cpu", False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cpu", True)
+
+
+def _apply(policy: str, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Run ``func`` as CUDA autocast's ``WrapFunction_<policy>`` does (autocast_mode.h)."""
+    low = torch.get_autocast_dtype("cpu")
+    if policy == "lower_precision_fp":  # cached_cast(lower, arg): floating, not double
+        args = _cast(args, low, (torch.float32, torch.float16, torch.bfloat16))
+        kwargs = {k: _cast(v, low, (torch.float32, torch.float16, torch.bfloat16))
+                  for k, v in kwargs.items()}
+    elif policy == "fp32":
+        args, kwargs = _cast(args, torch.float32, _LOW), {
+            k: _cast(v, torch.float32, _LOW) for k, v in kwargs.items()}
+    elif policy == "fp32_set_opt_dtype":
+        if (kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor)
+                and args[0].is_floating_point() and args[0].dtype != torch.float64
+                and not any(isinstance(a, torch.dtype) for a in args)):
+            kwargs = {**kwargs, "dtype": torch.float32}
+    elif policy == "promote":
+        dtypes = set(_floats((args, tuple(kwargs.values()))))
+        if len(dtypes) > 1 and torch.float64 not in dtypes:
+            widest = torch.float32 if torch.float32 in dtypes else low
+            args = _cast(args, widest, (torch.float16, torch.bfloat16, torch.float32))
+            kwargs = {k: _cast(v, widest, (torch.float16, torch.bfloat16, torch.float32))
+                      for k, v in kwargs.items()}
+    with _cpu_autocast_off():
+        return func(*args, **kwargs)
+
+
+def _cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: Any = None,
+                   size_average: Any = None, ignore_index: int = -100, reduce: Any = None,
+                   reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+    """CUDA's ``cross_entropy_loss`` has no autocast kernel: its composite
+    (``aten/src/ATen/native/LossNLL.cpp: cross_entropy_loss``) calls ``log_softmax`` (CUDA:
+    fp32_set_opt_dtype, an fp32 result and no fp32 copy of the logits) then ``nll_loss`` (fp32).
+    CPU autocast's ``cross_entropy_loss`` is "fp32" and copies the logits to fp32 first. With
+    label smoothing (more ops in the composite) CPU's behaviour is kept."""
+    if label_smoothing:
+        return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce,
+                               reduction, label_smoothing)
+    dim = 1 if input.dim() >= 2 else 0
+    with _cpu_autocast_off():
+        logp = torch.log_softmax(input, dim, dtype=torch.float32)
+        return F.nll_loss(logp, target, weight, size_average, ignore_index, reduce, reduction)
+
+
 class _CudaAutocastOnCpu(TorchFunctionMode):
-    """Applies CUDA's fp32 autocast policies to fake CPU tensors (see the module docstring)."""
+    """Applies CUDA's autocast policies to fake CPU tensors (see the module docstring)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if torch.is_autocast_enabled("cpu"):
-            if func in _CUDA_FP32:
-                args, kwargs = _to_fp32(args), {k: _to_fp32(v) for k, v in kwargs.items()}
-            elif (func in _CUDA_FP32_OPT_DTYPE and kwargs.get("dtype") is None and args
-                  and isinstance(args[0], torch.Tensor) and args[0].dtype in _LOW
-                  and not any(isinstance(a, torch.dtype) for a in args)):
-                kwargs = {**kwargs, "dtype": torch.float32}
+            policy = _POLICY.get(func)
+            if policy is not None:
+                return _apply(policy, func, args, kwargs)
+            if func in _CROSS_ENTROPY and args and isinstance(args[0], torch.Tensor) and (
+                    args[0].dtype in _LOW):
+                return _cross_entropy(*args, **kwargs)
         return func(*args, **kwargs)
 
 

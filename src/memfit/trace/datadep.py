@@ -9,7 +9,8 @@ Assumption (stated in a warning, once per trace):
 - ``unique`` / ``unique_consecutive``: every element distinct (an upper bound).
 - ``bincount``: ``minlength`` bins if given, else one per input element.
 - ``.item()`` / ``.tolist()`` of a computed tensor: 1 (``True`` for booleans), so ``if x.any()``
-  takes the branch that does the work.
+  takes the branch that does the work; a ``split`` by such sizes that does not add up splits
+  evenly (balanced routing: each of E experts gets 1/E of the routed tokens).
 
 Known values: the integer and boolean inputs the user passes as real tensors (an attention mask,
 token ids) keep their values next to their fake copies, and so do small integer/boolean tensors
@@ -216,6 +217,14 @@ class DataDependentSizes:
             return torch.empty((n,), dtype=torch.long, device=repeats.device)
         if func is aten._ctc_loss.Tensor:
             return self._ctc_loss(*args[:4])
+        if func is aten.split_with_sizes.default and self.used:
+            # Sizes read from a computed tensor (``.tolist()`` answered 1 per element), e.g.
+            # tokens per expert in JetMoE-style routing: split evenly (balanced routing).
+            x, sizes = args[0], list(args[1])
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            total, parts = x.shape[dim], len(sizes)
+            even = [total // parts + (i < total % parts) for i in range(parts)]
+            return func(x, even, dim)
         if func is aten._local_scalar_dense.default:
             x = args[0]
             self.used = True
@@ -252,6 +261,6 @@ DATA_DEPENDENT = {
         getattr(aten, "_unsafe_index_put", None) and aten._unsafe_index_put.default,
         aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
         aten._unique.default, aten.bincount.default, aten.repeat_interleave.Tensor,
-        aten._local_scalar_dense.default, aten._ctc_loss.Tensor,
+        aten._local_scalar_dense.default, aten._ctc_loss.Tensor, aten.split_with_sizes.default,
     ) if op
 }

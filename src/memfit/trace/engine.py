@@ -504,8 +504,8 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
 
 
 def _backward(loss: torch.Tensor) -> None:
-    """``loss.backward()``, run by autograd's engine while the trace's torch-function mode (the
-    CUDA SDPA routing) stays active.
+    """``loss.backward()``, run by autograd's engine while the trace's torch-function modes (the
+    CUDA SDPA routing, the CUDA autocast emulation) stay active.
 
     ``Tensor.backward`` is itself a torch function: the mode's handler would run it with the mode
     popped, so a forward that activation checkpointing recomputes in backward would take CPU
