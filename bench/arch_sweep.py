@@ -66,6 +66,9 @@ TINY: dict[str, Any] = {
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32,
     "q_lora_rank": 32,
     "rotary_dim": 8,  # partial rotary (GPT-J, CodeGen): at most the tiny head_dim
+    # hybrids: an attention layer and an MoE layer within two layers (Jamba, Qwen3-Next)
+    "attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1,
+    "expert_layer_period": 2, "full_attention_interval": 2,
 }
 SEQ = 32
 BATCH = 2
@@ -93,6 +96,8 @@ def _tiny_kwargs(cls: Any) -> dict[str, Any]:
               if isinstance(getattr(default, k, None), int)
               and not isinstance(getattr(default, k), bool)
               and not isinstance(getattr(cls, k, None), property)}  # derived (Falcon's head_dim)
+    if hasattr(default, "use_cache"):
+        kwargs["use_cache"] = False  # a training step keeps no KV cache
     if "qk_rope_head_dim" in kwargs and "head_dim" in kwargs:
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
     if isinstance(getattr(default, "num_heads", None), list | tuple):
