@@ -125,6 +125,22 @@ def test_fits_margin_covers_the_latest_published_results() -> None:
     assert planner.FITS_MARGIN - worst < 0.01  # derived (rounded up to a percent), not padded
 
 
+def test_trace_margin_covers_the_published_evidence() -> None:
+    """The trace's "fits" margin covers its worst under-prediction of any published case, the
+    rough nvidia-smi ones included, and is that figure rounded up to a percent."""
+    import json
+
+    from memfit.trace.estimate import TRACE_FITS_MARGIN
+
+    results = sorted((BENCH.parent / "results").glob("published-*.json"))
+    assert results, "run python bench/published.py"
+    summary = json.loads(results[-1].read_text())["summary"]
+    worst = -min(summary["worst_under_prediction_pct"],
+                 summary["nvidia_smi_worst_under_prediction_pct"]) / 100
+    assert TRACE_FITS_MARGIN >= worst
+    assert TRACE_FITS_MARGIN - worst < 0.01
+
+
 def test_fits_keeps_the_margin() -> None:
     import memfit
     from memfit.estimate import planner
@@ -134,3 +150,22 @@ def test_fits_keeps_the_margin() -> None:
     cap = plan.capacity_bytes
     assert plan.fits is (plan.headroom_bytes >= planner.FITS_MARGIN * cap)
     assert plan.fits is True  # 124M parameters on 80 GB: far inside the margin
+
+
+def test_fit_keeps_the_trace_margin_on_cuda() -> None:
+    """``fit``'s default headroom: the trace's evidence-derived margin for a CUDA target, 5% for
+    the CPU, where applied steps measure within 0.5% of the plan (tests/test_fit.py)."""
+    import torch
+    from torch import nn
+
+    from memfit.fit import fit
+    from memfit.trace.estimate import TRACE_FITS_MARGIN
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    batch = (torch.empty(4, 64, device="meta"),)
+    space = {"precision": ["fp32"], "checkpointing": ["none"], "micro_batch": [4]}
+    cuda = fit(model, batch, global_batch=4, gpu="a100-80gb", space=space, progress=False)
+    cpu = fit(model, batch, global_batch=4, budget_bytes=2**30, device="cpu", space=space,
+              progress=False)
+    assert (cuda.headroom, cpu.headroom) == (TRACE_FITS_MARGIN, 0.05)

@@ -16,6 +16,7 @@ from memfit.estimate.config import RunConfig
 from memfit.estimate.planner import plan
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, TransformerSpec
+from memfit.trace.estimate import TRACE_FITS_MARGIN
 from memfit.units import format_bytes
 
 
@@ -130,7 +131,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             "peak_bytes": est.peak_bytes,
             "peak_reserved_bytes": est.peak_reserved_bytes,
             "host_peak_bytes": est.host_peak_bytes,
-            "fits": None if headroom is None else headroom >= 0,
+            "fits": None if headroom is None else headroom >= TRACE_FITS_MARGIN * capacity,
             "headroom_bytes": headroom,
             "peak": {"op": est.peak_op, "phase": est.peak_phase, "module": est.peak_module},
             "analytic_total_bytes": analytic.total_bytes,
@@ -162,9 +163,15 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
         out.print(f"host memory for offloaded states (peak): {format_bytes(est.host_peak_bytes)}")
     out.print(f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
               f"({est.peak_phase}, step {est.peak_step})")
-    if headroom is not None:
-        verdict = "[green]fits[/green]" if headroom >= 0 else "[red]does not fit[/red]"
-        out.print(f"{verdict}: headroom {format_bytes(headroom)}")
+    if headroom is not None and capacity is not None:
+        if headroom >= TRACE_FITS_MARGIN * capacity:
+            out.print(f"[green]fits[/green]: headroom {format_bytes(headroom)}")
+        elif headroom >= 0:
+            out.print(f"[red]does not fit[/red] with the {TRACE_FITS_MARGIN:.0%} margin memfit "
+                      f"keeps for the trace (its worst under-prediction of published GPU "
+                      f"measurements): headroom {format_bytes(headroom)}")
+        else:
+            out.print(f"[red]does not fit[/red]: {format_bytes(-headroom)} over")
     for note in est.assumptions:
         out.print(f"assumed: {note}")
     return 0

@@ -39,7 +39,7 @@ from memfit.fit.cost import Rates, cpu_rates, gpu_rates, step_cost
 from memfit.fit.plan import Candidate, Plan, Rejected
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.trace.allocator import round_size
-from memfit.trace.estimate import TRACKED
+from memfit.trace.estimate import TRACE_FITS_MARGIN, TRACKED
 
 TRACKED_INDEX = {cat: i for i, cat in enumerate(TRACKED)}
 
@@ -132,7 +132,7 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
         gpu: str | GpuSpec | None = None, budget_bytes: int | None = None,
         device: str = "cuda", loss_fn: Callable[[Any], torch.Tensor] | None = None,
         num_gpus: int = 1, measure: bool = False, space: dict[str, Any] | None = None,
-        progress: bool | None = None, top: int = 5, headroom: float = 0.05) -> Plan:
+        progress: bool | None = None, top: int = 5, headroom: float | None = None) -> Plan:
     """Find the fastest training configuration of ``model`` that fits.
 
     ``sample_batch``: one batch as the model takes it (tensor, tuple -> ``model(*b)``, dict ->
@@ -143,7 +143,7 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     dimension, e.g. ``{"precision": ["fp32"], "micro_batch": [4, 8]}``. ``measure=True`` times
     real steps of the top candidates (only those predicted to fit) and picks the fastest.
     ``headroom``: the share of the budget kept free for what the prediction misses (see Note:
-    [headroom]).
+    [headroom]); default 5% on CPU, :data:`memfit.trace.estimate.TRACE_FITS_MARGIN` on CUDA.
 
     >>> plan = fit(model, (x, y), global_batch=64, budget_bytes=2**30, device="cpu")
     >>> model, optimizer, step = plan.apply(model)
@@ -169,14 +169,17 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
         raise MemfitError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
     if spec is None and budget_bytes is None:
         raise MemfitError("give a budget: gpu='a100-40gb' (see `memfit gpus`) or budget_bytes=...")
+    if headroom is None:
+        headroom = TRACE_FITS_MARGIN if device == "cuda" else 0.05
     if isinstance(headroom, bool) or not isinstance(headroom, int | float) \
             or not 0 <= headroom < 1:
         raise MemfitError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
     full_budget = min(b for b in (budget_bytes, spec.usable_bytes if spec else None) if b)
-    # Note: [headroom] A candidate must fit in the budget less 5%. On the CPU the applied step
-    # measures 0.1-0.3% above the plan (tests/test_fit.py: the guard's own few KiB); the rest is
-    # for what a GPU adds that no CPU test shows (fragmentation beyond the allocator model,
-    # kernels' workspaces), and the OOM guard, not a crash, handles what is still missed.
+    # Note: [headroom] A candidate must fit in the budget less the headroom. On the CPU the
+    # applied step measures within 0.5% of the plan (tests/test_fit.py), so 5% is ample. On CUDA
+    # the default is the trace's margin, derived from its worst under-prediction of a published
+    # GPU measurement (TRACE_FITS_MARGIN); the OOM guard, not a crash, handles what is still
+    # missed.
     budget = int(full_budget * (1 - headroom))
     rates: Rates = gpu_rates(spec) if spec is not None else cpu_rates()
     if device == "cuda" and spec is None:

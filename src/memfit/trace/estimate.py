@@ -18,6 +18,16 @@ TRACKED = (MemoryCategory.WEIGHTS, MemoryCategory.GRADIENTS, MemoryCategory.OPTI
            MemoryCategory.RUNTIME)
 
 
+# A traced CUDA step "fits" when this share of the GPU stays free. Derived from evidence, not
+# chosen: the trace's worst under-prediction of a published GPU measurement
+# (bench/results/published-2026-11-23.json; python bench/published.py) is -14.2%, on a whole
+# bert-large step measured with nvidia-smi (fp16-mixed, eager attention, batch 4 x 512, V100:
+# traced 11,959 MiB, measured 13,939 MiB); on the 57 cases measured with the allocator's own
+# statistics it is 0.0%. Rounded up to the next percent. tests/test_bench_published.py checks that
+# it still covers the latest results.
+TRACE_FITS_MARGIN = 0.15
+
+
 @dataclass(frozen=True, slots=True)
 class TimelinePoint:
     """Live bytes right after one traced op."""
