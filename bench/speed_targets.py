@@ -67,32 +67,16 @@ def slowest_preset_plan() -> tuple[float, float]:
     return slowest
 
 
-class _Block(nn.Module):  # tests/test_fit.py's SeqNet, D = 32, T = 64, 8 classes
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class _SeqNet(nn.Module):
-    def __init__(self, d: int = 32, n: int = 4, classes: int = 8) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(*[_Block(d) for _ in range(n)])
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.blocks(x))
-        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
 def small_fit() -> None:
     from memfit.fit import fit
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fit import SmallNet  # bench/fit.py's model; at this size tests/test_fit.py's SeqNet
+
     torch.manual_seed(0)
     batch = (torch.randn(16, 64, 32), torch.randint(0, 8, (16, 64)))
-    fit(_SeqNet(), batch, global_batch=16, budget_bytes=2**30, device="cpu", progress=False)
+    fit(SmallNet(d=32, n=4, classes=8), batch, global_batch=16, budget_bytes=2**30,
+        device="cpu", progress=False)
 
 
 def meta_8b() -> None:
