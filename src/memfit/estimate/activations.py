@@ -9,7 +9,8 @@ architecture's real shapes: any activation width e (2 bytes for 16-bit, 4 for fp
 K/V heads), SwiGLU/GeGLU MLPs (four f-wide tensors instead of two), MoE (each token runs through
 k experts), extra norms (Gemma-2) and no dropout (modern LLMs train without it, so no masks).
 For a GPT-2-shaped block with dropout, e = 2 and eager attention the terms add up to exactly
-Korthikanti's 34sbh + 5as²b (a test checks this).
+Korthikanti's 34sbh + 5as²b (a test checks this). Under autocast the attention scores cost more
+than Korthikanti's 5 bytes per element: see Note: [eager scores under autocast].
 
 Known limitations: the logits/loss terms assume Hugging Face's loss (logits upcast to fp32 then
 log-softmax); fused/chunked losses (Liger) need far less. Kernel workspaces are not counted.
@@ -26,6 +27,18 @@ FORMAT_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 MASK_BYTES = 1  # dropout masks are torch.bool
 LSE_BYTES = 4  # fused attention saves a fp32 logsumexp per query row and head
 INDEX_BYTES = 8  # token ids and labels are int64
+SOFTMAX_AUTOCAST_BYTES = 4  # CUDA autocast runs softmax in fp32 (see the note below)
+
+# Note: [eager scores under autocast]
+# Korthikanti's 5as²b is for pure 16-bit activations: per score element the softmax output (2),
+# the dropout mask (1) and the dropout output (2), which the matmul with V keeps. Under CUDA
+# autocast (fp16-/bf16-mixed) softmax is on the fp32 list (aten/src/ATen/autocast_mode.h,
+# AT_FORALL_FP32_SET_OPT_DTYPE: softmax(x, dim, dtype=float)), so its output, which
+# softmax's backward keeps, is fp32 (4). Dropout on it is CUDA's native_dropout
+# (aten/src/ATen/native/Dropout.cpp: dropout -> native_dropout when is_fused_kernel_acceptable),
+# which keeps a bool mask (1); its fp32 output is not kept, but the matmul with V (autocast's
+# lower-precision list) casts it to 16-bit and keeps that copy (e). Without dropout the matmul
+# still keeps its own 16-bit cast of the softmax output: 4 + e, where pure 16-bit keeps one e.
 
 
 def norm_saved_bytes(spec: TransformerSpec, *, act_bytes: int, residual_bytes: int,
@@ -54,9 +67,29 @@ class LayerTerms:
         return replicated + -(-self.split // tp)
 
 
+def score_bytes_per_element(*, act_bytes: int, dropout: bool, autocast: bool) -> int:
+    """Bytes eager attention keeps for backward per element of the a×s×s score matrix.
+
+    Pure precision e: softmax output e (+ 1-byte dropout mask + dropout output e). Under
+    autocast: fp32 softmax output + the matmul's e-byte copy (+ the mask); see
+    Note: [eager scores under autocast].
+
+    >>> score_bytes_per_element(act_bytes=2, dropout=True, autocast=False)  # Korthikanti's 5
+    5
+    >>> score_bytes_per_element(act_bytes=2, dropout=True, autocast=True)
+    7
+    """
+    softmax_out = SOFTMAX_AUTOCAST_BYTES if autocast else act_bytes
+    mask = MASK_BYTES if dropout else 0
+    # the matmul with V keeps its own copy unless its input is the softmax output itself
+    matmul_in = act_bytes if (dropout or autocast) else 0
+    return softmax_out + mask + matmul_in
+
+
 def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
                 attention: str, trainable: frozenset[str] | None = None,
-                lora_rank: int = 0, residual_bytes: int | None = None) -> LayerTerms:
+                lora_rank: int = 0, residual_bytes: int | None = None,
+                autocast: bool = False) -> LayerTerms:
     """Bytes one block saves for backward (Korthikanti §4.1, term by term).
 
     ``trainable``: the linear roles whose weights get gradients (None: all). Autograd keeps a
@@ -67,6 +100,9 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
 
     ``residual_bytes``: width of the residual stream that the norms read (default
     ``act_bytes``). Under PyTorch autocast it is 4: embeddings and residual adds run in fp32.
+
+    ``autocast``: the step runs under CUDA autocast (fp16-/bf16-mixed), which keeps eager
+    attention's softmax output in fp32 (Note: [eager scores under autocast]).
     """
     s, b, e, h = seq, batch, act_bytes, spec.hidden_size
 
@@ -96,9 +132,8 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     scores = 0
     if attention == "eager":
         a_ss_b = spec.num_heads * s * s * b
-        scores = e * a_ss_b  # softmax output
-        if attn_dropout:
-            scores += MASK_BYTES * a_ss_b + e * a_ss_b  # dropout mask and its output
+        scores = score_bytes_per_element(act_bytes=e, dropout=attn_dropout,
+                                         autocast=autocast) * a_ss_b
     else:
         split += LSE_BYTES * spec.num_heads * s * b  # flash/memory-efficient: logsumexp only
     split += scores
@@ -179,7 +214,8 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     residual = 4 if run.mixed else e
     terms = layer_terms(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                         trainable=frozenset(run.lora_targets) if lora else None,
-                        lora_rank=run.lora_rank if lora else 0, residual_bytes=residual)
+                        lora_rank=run.lora_rank if lora else 0, residual_bytes=residual,
+                        autocast=run.mixed)
     per_layer = terms.per_gpu(run.tp, run.sequence_parallel)
     layers = -(-spec.num_layers // run.pp)
     notes: list[str] = []
