@@ -401,6 +401,35 @@ def test_dropout_keeps_a_one_byte_mask_on_cuda(dtype: torch.dtype, device: str) 
     assert forward_saved(est, "0.dropout") == n * per_element
 
 
+class SquareThroughDropout(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.scale  # mul by a parameter saves x
+        return y * F.dropout(y, self.p, True)  # saves y and the dropout's output
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_dropout_with_p_zero_returns_its_input_on_cuda(dtype: torch.dtype) -> None:
+    """``Dropout.cpp: _dropout_impl``: "if (p == 0 || !train || input.sym_numel() == 0) return
+    input;" — the same tensor, no copy (checked on real tensors here too). The last mul then
+    saves y twice, one storage: of what the forward made, y stays (64 Ki elements, besides
+    scalars under 512 B); a copy would add another 64 Ki elements."""
+    t = torch.randn(3, requires_grad=True)
+    assert F.dropout(t, 0.0, True) is t
+    n = 64 * 1024
+    with torch.device("meta"):
+        model = SquareThroughDropout(0.0).to(dtype)
+    x = torch.zeros(64, 1024, dtype=dtype, device="meta")
+    precision = "fp32" if dtype == FP32 else "bf16"
+    est = estimate(model, x, optimizer="sgd", precision=precision, device="cuda", steps=1,
+                   loss_fn=lambda out: out.float().sum())
+    assert n * dtype.itemsize <= forward_saved(est, "") < n * dtype.itemsize + 512
+
+
 def test_inplace_dropout_keeps_input_dtype_noise_on_cuda() -> None:
     """``Dropout.cpp: dropout_`` runs ``_dropout<true>`` (noise of the input's dtype) on CUDA
     too: only the out-of-place ``dropout`` has the fused path."""

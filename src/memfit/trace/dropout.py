@@ -39,6 +39,10 @@ def _dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     """``Dropout.cpp: dropout`` as it runs on a CUDA tensor."""
     if train and _is_fused_kernel_acceptable(x, p):
         return aten.native_dropout.default(x, p, train)[0]  # type: ignore[no-any-return]
+    if p == 0 or not train or x.numel() == 0:
+        # ``_dropout_impl``: "if (p == 0 || !train || input.sym_numel() == 0) return input;" —
+        # the input itself, no copy (the decomposition would copy it).
+        return x
     return aten.dropout.default.decompose(x, p, train)  # type: ignore[no-any-return]
 
 
