@@ -37,6 +37,12 @@ from memfit.models.spec import TransformerSpec
 B, S, H = 2, 64, 128  # every tensor a multiple of 512 bytes: no CUDA rounding in the trace
 
 
+def llama_like(family: str = "llama") -> TransformerSpec:
+    return TransformerSpec(
+        name=f"{family}-tiny", family=family, arch="decoder", hidden_size=H, num_layers=1,
+        num_heads=4, num_kv_heads=2, head_dim=H // 4, intermediate_size=3 * H, vocab_size=1000)
+
+
 def bert_like(heads: int, dropout: float) -> TransformerSpec:
     return TransformerSpec(
         name="bert-tiny", family="bert", arch="encoder", hidden_size=H, num_layers=1,
@@ -73,11 +79,13 @@ def test_autocast_scores_reach_training_activations() -> None:
     spec = bert_like(4, 0.1)
     mixed = RunConfig(precision="bf16-mixed", attention="eager", batch=B, seq=S)
     pure = RunConfig(precision="bf16", attention="eager", batch=B, seq=S)
-    # the residual stream (fp32 under autocast) differs too; the scores add 2 B per element
+    # the residual stream (fp32 under autocast) differs too, and BERT's separate query, key and
+    # value keep a bf16 input each (pure bf16: one shared); the scores add 2 B per element
     residual = spec.norms_per_layer * 2 * S * B * H
+    projection_inputs = 2 * 2 * S * B * H
     gap = (training_activations(spec, mixed, S).per_layer
            - training_activations(spec, pure, S).per_layer)
-    assert gap == residual + 2 * 4 * S * S * B
+    assert gap == residual + projection_inputs + 2 * 4 * S * S * B
     # selective recompute (Korthikanti) drops every layer's whole score term, fp32 softmax
     # output included, and holds one layer's during its backward
     deep = dataclasses.replace(spec, num_layers=3)
@@ -170,3 +178,101 @@ def test_eager_scores_match_the_trace_of_hf_bert_layer(precision: str) -> None:
 
     traced = traced_score_bytes(Layer, precision, 0.1)
     assert traced == pytest.approx(analytic(8) - analytic(4), rel=0.02)
+
+
+SBH = S * B * H
+
+
+@pytest.mark.parametrize(("spec", "precision", "targets", "per_sbh"), [
+    # 2 RMSNorms x (fp32 input 4 + normalised 4) + q, k, v casts 3 x 2 + gate, up casts 2 x 2
+    (llama_like(), "bf16-mixed", None, 2 * (4 + 4) + 3 * 2 + 2 * 2),
+    # pure bf16: fp32 upcast 4 + bf16 normalised 2 per norm; one shared input per block
+    (llama_like(), "bf16", None, 2 * (4 + 2) + 2 + 2),
+    (llama_like(), "fp32", None, 2 * (4 + 4) + 4 + 4),
+    # Phi-3's fused qkv_proj and gate_up_proj cast once each
+    (llama_like("phi3"), "bf16-mixed", None, 2 * (4 + 4) + 2 + 2),
+    # LoRA on q and v: frozen norms keep only the fp32 input; one cast per adapter
+    (llama_like(), "bf16-mixed", ("q", "v"), 2 * 4 + 2 * 2),
+    (llama_like(), "bf16", ("q", "v"), 2 * 4 + 2),
+    # BERT: LayerNorm inputs (fp32 residual), separate query/key/value, one GeLU MLP input,
+    # two 1-byte residual dropout masks
+    (bert_like(4, 0.1), "bf16-mixed", None, 2 * 4 + 3 * 2 + 2 + 2 * 1),
+    (bert_like(4, 0.1), "bf16", None, 2 * 2 + 2 + 2 + 2 * 1),
+])
+def test_replicated_bytes_by_hand(spec: TransformerSpec, precision: str,
+                                  targets: tuple[str, ...] | None, per_sbh: int) -> None:
+    run = RunConfig(precision=precision, batch=B, seq=S)
+    e = 4 if precision == "fp32" else 2
+    terms = layer_terms(spec, seq=S, batch=B, act_bytes=e, attention="sdpa",
+                        trainable=None if targets is None else frozenset(targets),
+                        residual_bytes=4 if run.mixed else e, autocast=run.mixed)
+    assert terms.replicated == per_sbh * SBH
+    if (spec.family, precision, targets) == ("llama", "bf16-mixed", None):
+        assert terms.replicated == 425_984  # 26 x 64 x 2 x 128
+
+
+def test_gpt2_fused_qkv_keeps_one_cast() -> None:
+    gpt2 = dataclasses.replace(bert_like(4, 0.1), family="gpt2", arch="decoder")
+    mixed = layer_terms(gpt2, seq=S, batch=B, act_bytes=2, attention="sdpa", residual_bytes=4,
+                        autocast=True)
+    bert = layer_terms(bert_like(4, 0.1), seq=S, batch=B, act_bytes=2, attention="sdpa",
+                       residual_bytes=4, autocast=True)
+    assert bert.replicated - mixed.replicated == 2 * 2 * SBH  # key's and value's casts
+
+
+def traced_layer_bytes(make: type[nn.Module], precision: str, batch: int) -> int:
+    """Activation bytes at the end of the traced forward, less the fp32 input tensor itself."""
+    x = torch.empty(batch, S, H, device="meta", requires_grad=True)
+    with torch.device("meta"):
+        model = make()
+    return traced_saved_bytes(model, x, precision) - x.numel() * 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers not installed")
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_layer_terms_match_the_trace_of_hf_layers(family: str, attention: str) -> None:
+    """A whole HF block under bf16-mixed: batch 4 minus batch 2 (the cached weight casts cancel).
+    The block's input is made a non-leaf (``x * 1.0``) as it is in a real stack: autocast would
+    cache the casts of a leaf that requires grad and keep one."""
+    from transformers import BertConfig, LlamaConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    class Bert(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            config = BertConfig(hidden_size=H, num_attention_heads=4, intermediate_size=4 * H,
+                                hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+            config._attn_implementation = attention
+            self.layer = BertLayer(config)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.layer(x * 1.0)
+            return (out[0] if isinstance(out, tuple) else out).float().sum()
+
+    class Llama(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            config = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=3 * H, vocab_size=1000)
+            config._attn_implementation = attention
+            self.layer = LlamaDecoderLayer(config, 0)
+            self.rope = LlamaRotaryEmbedding(config)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # position ids of batch 1, as LlamaModel makes them: cos/sin do not grow with batch
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+            out = self.layer(x * 1.0, position_embeddings=self.rope(x, positions))
+            return (out[0] if isinstance(out, tuple) else out).float().sum()
+
+    spec, make = (bert_like(4, 0.1), Bert) if family == "bert" else (llama_like(), Llama)
+
+    def analytic(batch: int) -> int:
+        terms = layer_terms(spec, seq=S, batch=batch, act_bytes=2, attention=attention,
+                            residual_bytes=4, autocast=True)
+        return terms.replicated + terms.split
+
+    traced = traced_layer_bytes(make, "bf16-mixed", 4) - traced_layer_bytes(make, "bf16-mixed", 2)
+    assert traced == pytest.approx(analytic(4) - analytic(2), rel=0.02)

@@ -10,7 +10,8 @@ K/V heads), SwiGLU/GeGLU MLPs (four f-wide tensors instead of two), MoE (each to
 k experts), extra norms (Gemma-2) and no dropout (modern LLMs train without it, so no masks).
 For a GPT-2-shaped block with dropout, e = 2 and eager attention the terms add up to exactly
 Korthikanti's 34sbh + 5as²b (a test checks this). Under autocast the attention scores cost more
-than Korthikanti's 5 bytes per element: see Note: [eager scores under autocast].
+than Korthikanti's 5 bytes per element (Note: [eager scores under autocast]), and separate
+projections keep one 16-bit input each (Note: [projection inputs under autocast]).
 
 Known limitations: the logits/loss terms assume Hugging Face's loss (logits upcast to fp32 then
 log-softmax); fused/chunked losses (Liger) need far less. Kernel workspaces are not counted.
@@ -28,6 +29,16 @@ MASK_BYTES = 1  # dropout masks are torch.bool
 LSE_BYTES = 4  # fused attention saves a fp32 logsumexp per query row and head
 INDEX_BYTES = 8  # token ids and labels are int64
 SOFTMAX_AUTOCAST_BYTES = 4  # CUDA autocast runs softmax in fp32 (see the note below)
+NORM_UPCAST_BYTES = 4  # Hugging Face's RMSNorm computes in fp32
+# Hugging Face model types whose q/k/v (gate/up) are one linear layer: GPT-2's c_attn Conv1D,
+# Phi-3's qkv_proj and gate_up_proj. The others (Llama, Mistral, Mixtral, Qwen2, Gemma-2, BERT,
+# ViT) have one nn.Linear per projection.
+FUSED_QKV_FAMILIES = frozenset({"gpt2", "phi3"})
+FUSED_GATE_UP_FAMILIES = frozenset({"phi3"})
+# Hugging Face model types whose eager attention runs softmax(..., dtype=torch.float32) and
+# casts back (Llama's eager_attention_forward and its copies), in any precision; GPT-2, BERT
+# and ViT call a plain softmax.
+SOFTMAX_FP32_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "gemma2", "phi3"})
 
 # Note: [eager scores under autocast]
 # Korthikanti's 5as²b is for pure 16-bit activations: per score element the softmax output (2),
@@ -39,16 +50,39 @@ SOFTMAX_AUTOCAST_BYTES = 4  # CUDA autocast runs softmax in fp32 (see the note b
 # which keeps a bool mask (1); its fp32 output is not kept, but the matmul with V (autocast's
 # lower-precision list) casts it to 16-bit and keeps that copy (e). Without dropout the matmul
 # still keeps its own 16-bit cast of the softmax output: 4 + e, where pure 16-bit keeps one e.
+# Models whose eager attention upcasts softmax itself (SOFTMAX_FP32_FAMILIES) keep the same
+# 4 + e (+ mask) in pure 16-bit too.
+
+# Note: [projection inputs under autocast]
+# Under CUDA autocast the residual stream is fp32 and so is every norm's output (layer_norm and
+# rms_norm are on the fp32 list; Hugging Face's RMSNorm returns its input's dtype). Each linear
+# layer (lower-precision list) casts that fp32 input to 16-bit itself, and mm keeps the cast for
+# its weight's gradient. autocast caches casts only of leaf tensors that require grad
+# (aten/src/ATen/autocast_mode.cpp: cached_cast, once is_eligible(arg): can_try_cache needs
+# arg.requires_grad() && arg.is_leaf()), i.e. the weights, never an activation. So separate
+# q, k and v projections keep three e-byte copies of the norm output (a fused QKV projection
+# one), and a gated MLP's separate gate and up projections two. With a frozen base (LoRA) only
+# the trained projections keep theirs (one per adapter). In pure 16-bit all of them keep the
+# same tensor. (MoE experts' gathered inputs are left at one copy each: not traced yet.)
 
 
-def norm_saved_bytes(spec: TransformerSpec, *, act_bytes: int, residual_bytes: int,
-                     trained: bool) -> int:
+def norm_saved_bytes(spec: TransformerSpec, *, residual_bytes: int, trained: bool) -> int:
     """Bytes per (token x hidden) a norm keeps: its input (Korthikanti's 2sbh per LayerNorm;
-    the fused LayerNorm's mean/rstd are negligible). Hugging Face's RMSNorm is plain PyTorch
-    ops, so when its weight is trained the normalised tensor is kept too, for the weight's
-    gradient."""
-    extra = act_bytes if spec.norm == "rmsnorm" and trained else 0
-    return residual_bytes + extra
+    the fused LayerNorm's mean/rstd are negligible).
+
+    Hugging Face's RMSNorm is plain PyTorch ops: it upcasts its input to fp32 (``pow`` keeps
+    that copy, 4 bytes, whatever the input's width) and, when its weight is trained, keeps the
+    normalised tensor for the weight's gradient, cast back to the input's dtype (the residual
+    stream's width; Gemma-2 multiplies in fp32, so 4).
+
+    >>> from memfit.models import get_preset
+    >>> norm_saved_bytes(get_preset("llama-3-8b"), residual_bytes=4, trained=True)
+    8
+    """
+    if spec.norm == "layernorm":
+        return residual_bytes
+    normalised = NORM_UPCAST_BYTES if spec.family == "gemma2" else residual_bytes
+    return NORM_UPCAST_BYTES + (normalised if trained else 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +136,8 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     ``act_bytes``). Under PyTorch autocast it is 4: embeddings and residual adds run in fp32.
 
     ``autocast``: the step runs under CUDA autocast (fp16-/bf16-mixed), which keeps eager
-    attention's softmax output in fp32 (Note: [eager scores under autocast]).
+    attention's softmax output in fp32 (Note: [eager scores under autocast]) and one 16-bit
+    input per separate projection (Note: [projection inputs under autocast]).
     """
     s, b, e, h = seq, batch, act_bytes, spec.hidden_size
 
@@ -114,11 +149,21 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     attn_dropout = spec.attention_dropout > 0 and attention == "eager"
 
     replicated = spec.norms_per_layer * norm_saved_bytes(
-        spec, act_bytes=e, residual_bytes=residual_bytes or e, trained=trainable is None) * sbh
-    if keeps("q", "k", "v"):
-        replicated += e * sbh  # input of the QKV projection (the norm's output)
-    if keeps("gate", "up"):
-        replicated += e * sbh  # input of the MLP's first projection
+        spec, residual_bytes=residual_bytes or e, trained=trainable is None) * sbh
+
+    def input_copies(roles: tuple[str, ...], fused: bool) -> int:
+        """Copies of a norm output that the projections reading it keep (see the note)."""
+        kept = [r for r in roles if keeps(r)]
+        if not kept:
+            return 0
+        return len(kept) if autocast and not fused else 1
+
+    # inputs of the Q/K/V projections (the norm's output)
+    replicated += input_copies(("q", "k", "v"), spec.family in FUSED_QKV_FAMILIES) * e * sbh
+    # input of the MLP's first projection(s); a GeLU MLP and an MoE router have one
+    gated_separately = (spec.mlp != "gelu" and not spec.is_moe
+                        and spec.family not in FUSED_GATE_UP_FAMILIES)
+    replicated += input_copies(("gate", "up"), not gated_separately) * e * sbh
     if hidden_dropout:
         replicated += 2 * MASK_BYTES * sbh  # residual dropout masks after attention and MLP
 
@@ -132,8 +177,9 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     scores = 0
     if attention == "eager":
         a_ss_b = spec.num_heads * s * s * b
+        fp32_softmax = autocast or (spec.family in SOFTMAX_FP32_FAMILIES and e < 4)
         scores = score_bytes_per_element(act_bytes=e, dropout=attn_dropout,
-                                         autocast=autocast) * a_ss_b
+                                         autocast=fp32_softmax) * a_ss_b
     else:
         split += LSE_BYTES * spec.num_heads * s * b  # flash/memory-efficient: logsumexp only
     split += scores
@@ -197,7 +243,7 @@ def output_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
         return r * s * b * h + e * b * h  # final norm input, classifier input (class token)
     if spec.arch == "encoder":
         return e * b * h if spec.pooler else 0
-    total = norm_saved_bytes(spec, act_bytes=e, residual_bytes=r, trained=trained) * s * b * h
+    total = norm_saved_bytes(spec, residual_bytes=r, trained=trained) * s * b * h
     if trained:
         total += e * s * b * h  # LM head input, for the head's weight gradient
     vocab = -(-spec.vocab_size // tp)  # vocab-parallel head under tensor parallelism
