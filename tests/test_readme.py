@@ -32,3 +32,24 @@ def test_python_api_example_runs() -> None:
     p = namespace["p"]
     assert est.peak_bytes > 0 and est.peak_reserved_bytes >= est.peak_bytes  # type: ignore[attr-defined]
     assert p.total_bytes > 0  # type: ignore[attr-defined]
+
+
+def test_the_first_commands_output_is_what_the_readme_shows() -> None:
+    """"A real output" is the main command's real output (row by row, trailing spaces aside), so
+    a change to the planner cannot leave the README's numbers behind."""
+    import os
+    import subprocess
+    import sys
+
+    text = README.read_text()
+    command = re.search(r"&& (memfit plan [^\n]+)\n```", text)
+    assert command is not None
+    section = text[text.index("### A real output"):]
+    shown = re.search(r"```\n(.*?)```", section, re.S)
+    assert shown is not None
+    args = command.group(1).split()[1:]
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys; from memfit.cli import main; sys.exit(main())", *args],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "100"}, check=True)
+    printed = [line.rstrip() for line in run.stdout.strip().splitlines()]
+    assert printed == [line.rstrip() for line in shown.group(1).strip().splitlines()]
