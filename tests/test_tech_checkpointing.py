@@ -349,3 +349,30 @@ def test_cuda_target_recomputes_with_cuda_attention_kernels(policy: Any) -> None
     if policy == "full":  # the whole block, attention included, runs again in backward
         assert ("backward", "aten._scaled_dot_product_efficient_attention.default") in ops
     assert est.breakdown[MemoryCategory.ACTIVATIONS] < base.breakdown[MemoryCategory.ACTIVATIONS]
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_hugging_face_model_with_a_kv_cache_is_exact(policy: str) -> None:
+    """A Hugging Face model built with ``use_cache=True`` (GPT-2's default): the recompute must
+    not append to the KV cache again. Under selective checkpointing that made torch's SAC raise
+    "aten.slice.Tensor encountered during backward but not found in storage" (transformers
+    slices K/V when they are longer than the queries). Loss and gradients equal the plain
+    step's exactly, and the cache is off, as HF's own ``gradient_checkpointing_enable`` does."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.config.use_cache
+    base = copy.deepcopy(model)
+    base.config.use_cache = False
+    apply_activation_checkpointing(model, policy)
+    assert model.config.use_cache is False
+    ids = torch.randint(0, 100, (2, 16))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref = base(input_ids=ids, labels=ids).loss
+    ref.backward()
+    assert torch.equal(loss, ref)
+    for p, q in zip(model.parameters(), base.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

@@ -406,11 +406,25 @@ def apply_activation_checkpointing(
                 raise MemfitError(f"checkpoint mode {mode!r} for block {name!r}; valid: 'full', "
                                   "'selective', None")
             _wrap(modules[name], mode)
+    if any(mode is not None for mode in modes):
+        _no_kv_cache(model)
     predicted = predict_activation_bytes(profiles, modes) if profiles else None
     plan = CheckpointPlan(blocks=tuple(names), modes=tuple(modes),
                           predicted_activation_bytes=predicted, profiles=tuple(profiles))
     log.info("memfit: %s", plan.summary())
     return plan
+
+
+def _no_kv_cache(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's KV cache, as its own ``gradient_checkpointing_enable`` does
+    ("`use_cache=True` is incompatible with gradient checkpointing"): the recompute would append
+    a block's keys and values to the cache a second time, so it would attend over twice the
+    length and, under selective checkpointing, run ops the forward did not (torch's SAC then
+    raises "encountered during backward but not found in storage")."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+        log.info("memfit: use_cache=False (a KV cache does not survive checkpoint's recompute)")
 
 
 # -- measuring blocks ------------------------------------------------------------------------------
