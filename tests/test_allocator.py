@@ -704,3 +704,32 @@ def test_pytorch_set_per_process_memory_fraction() -> None:
     sim.empty_cache()
     with pytest.raises(SimulatedOOM):
         sim.malloc(int(total * 0.5))
+
+
+def test_a_step_that_does_not_fit_counts_the_same_bytes() -> None:
+    """Past a simulated out-of-memory the trace goes on as on an unlimited GPU: the allocated
+    bytes and their categories are those of the unlimited trace. (The OOM record once kept its
+    traceback, whose optimizer frames held the first step's gradients alive after zero_grad:
+    gradients counted twice.)"""
+    import dataclasses
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from memfit.gpus import get_gpu
+    from memfit.trace import estimate
+
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+    x = torch.empty(64, 1024, device="meta")
+    roomy = get_gpu("a100-80gb")
+    tiny = dataclasses.replace(roomy, memory_bytes=512 * MiB, usable_bytes=512 * MiB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fits = estimate(model, x, optimizer="adamw", device="cuda", gpu=roomy)
+        over = estimate(model, x, optimizer="adamw", device="cuda", gpu=tiny)
+    assert any("does not fit" in note for note in over.assumptions)
+    assert not any("does not fit" in note for note in fits.assumptions)
+    assert over.peak_bytes == fits.peak_bytes
+    assert over.breakdown == fits.breakdown

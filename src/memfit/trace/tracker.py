@@ -212,7 +212,9 @@ class Tracker:
             return int(allocator.malloc(nbytes, self.stream))
         except SimulatedOOM as error:
             if self.oom is None:
-                self.oom = error
+                # Kept without its traceback: the frames it holds (the optimizer's, say) would
+                # keep their tensors (gradients) alive after the step freed them.
+                self.oom = error.with_traceback(None)
             allocator.capacity = None
             allocator.allowed_memory_maximum = None
             return int(allocator.malloc(nbytes, self.stream))
