@@ -127,7 +127,7 @@ def test_guard_does_not_retry_an_oom_under_fsdp_with_several_ranks(
             raise torch.OutOfMemoryError("injected")
         return m(*b) * b[0].shape[0]
 
-    step = guard(model, opt, loss_fn, micro_batch_size=8, log=False)
+    step = guard(model, opt, loss_fn, micro_batch_size=8, log=False, reduction="sum")
     monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
     with pytest.raises(torch.OutOfMemoryError, match="under FSDP with 2 ranks"):
         step(batch())

@@ -152,7 +152,7 @@ def guarded_run(seed: int, kind: str, fp16: bool, batches: list, micro: int,
     opt = make_optimizer(kind, model, injector)
     scaler = make_scaler(injector) if fp16 else None
     step = guard(model, opt, make_loss(fp16, injector), micro_batch_size=micro, scaler=scaler,
-                 log=False)
+                 log=False, reduction="sum")
     torch.manual_seed(1000 + seed)
     with injector:
         for batch in batches:
@@ -231,7 +231,7 @@ def test_scaler_state_is_untouched_by_failed_attempts():
     opt = make_optimizer("sgd", model, injector)
     scaler = make_scaler(injector)
     step = guard(model, opt, make_loss(True, injector), micro_batch_size=8, scaler=scaler,
-                 log=False)
+                 log=False, reduction="sum")
     with injector:
         step(batches[0])
     assert injector.fired == 1
@@ -250,7 +250,7 @@ def test_scaler_state_is_untouched_by_failed_attempts():
 def test_non_oom_error_propagates_and_changes_nothing():
     model = make_model(1)
     opt = make_optimizer("adamw", model)
-    step = guard(model, opt, make_loss(False), micro_batch_size=4, log=False)
+    step = guard(model, opt, make_loss(False), micro_batch_size=4, log=False, reduction="sum")
     step(make_batches(1, [8])[0])  # one real step so the optimizer has state
     weights = [p.detach().clone() for p in model.parameters()]
     state = {k: v.clone() for s in opt.state.values() for k, v in s.items()}
@@ -279,7 +279,8 @@ def test_oom_at_micro_batch_one_gives_up_with_a_clear_error():
     weights = [p.detach().clone() for p in model.parameters()]
     injector = OomInjector(always=True)
     opt = make_optimizer("sgd", model, injector)
-    step = guard(model, opt, make_loss(False, injector), micro_batch_size=4, log=False)
+    step = guard(model, opt, make_loss(False, injector), micro_batch_size=4, log=False,
+                 reduction="sum")
     with injector, pytest.raises(torch.OutOfMemoryError, match="micro-batch 1"):
         step(make_batches(2, [8])[0])
     assert [(r.old_micro_batch_size, r.new_micro_batch_size) for r in step.recoveries] == [
@@ -298,7 +299,7 @@ def test_oom_in_the_optimizer_step_is_not_retried():
             raise torch.OutOfMemoryError("injected in step")
 
     step = guard(model, Exploding(model.parameters(), lr=0.1), make_loss(False),
-                 micro_batch_size=4, log=False)
+                 micro_batch_size=4, log=False, reduction="sum")
     with pytest.raises(torch.OutOfMemoryError, match="optimizer step"):
         step(make_batches(4, [8])[0])
     assert step.recoveries == [] and all(p.grad is None for p in model.parameters())
@@ -308,7 +309,7 @@ def test_each_recovery_logs_one_line(caplog):
     model = make_model(5)
     injector = OomInjector({2})
     step = guard(model, make_optimizer("sgd", model, injector), make_loss(False, injector),
-                 micro_batch_size=8)
+                 micro_batch_size=8, reduction="sum")
     with caplog.at_level(logging.WARNING, logger="memfit"), injector:
         step(make_batches(5, [8])[0])
     lines = [r.getMessage() for r in caplog.records if "memfit guard" in r.getMessage()]
@@ -336,7 +337,7 @@ def test_batchnorm_statistics_are_restored_before_a_retry():
         return make_loss(False, injector)(model, batch)
 
     step = guard(model, make_optimizer("sgd", model, injector), loss_fn, micro_batch_size=4,
-                 log=False)
+                 log=False, reduction="sum")
     with injector:
         step(batch)
     assert injector.fired == 1 and step.history == [2]
@@ -360,7 +361,8 @@ def test_non_oom_error_leaves_normalisation_buffers_alone():
             raise KeyError("user bug")
         return loss
 
-    step = guard(model, make_optimizer("sgd", model), failing, micro_batch_size=4, log=False)
+    step = guard(model, make_optimizer("sgd", model), failing, micro_batch_size=4, log=False,
+                 reduction="sum")
     with pytest.raises(KeyError, match="user bug"):
         step(make_batches(11, [8])[0])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -392,7 +394,7 @@ def test_token_counts_normalise_over_the_whole_batch():
     model = lm()
     injector = OomInjector({4})
     step = guard(model, make_optimizer("sgd", model, injector), sum_loss, micro_batch_size=4,
-                 count_fn=lambda b: count_tokens(b["labels"]), log=False)
+                 count_fn=lambda b: count_tokens(b["labels"]), log=False, reduction="sum")
     with injector:
         loss = step(batch)
     assert injector.fired == 1 and step.history == [2]
@@ -438,7 +440,8 @@ def test_prediction_splits_new_shapes_ahead_of_time_and_is_cached():
 
     model = SeqModel()
     step = guard(model, torch.optim.SGD(model.parameters(), lr=0.1), seq_loss,
-                 micro_batch_size=8, budget_bytes=100 * 8 * 16, predict=predict, log=False)
+                 micro_batch_size=8, budget_bytes=100 * 8 * 16, predict=predict, log=False,
+                 reduction="sum")
     step(seq_batch(8, 16))      # 8 x 16 tokens fit
     step(seq_batch(8, 64))      # 4x the tokens: 8 -> 4 -> 2
     step(seq_batch(8, 64))      # cached: no new prediction
@@ -470,7 +473,8 @@ def test_default_prediction_uses_the_trace_engine():
     at8, at4 = peak(8), peak(4)
     assert at8 > at4
     model_step = guard(model, torch.optim.SGD(model.parameters(), lr=0.1), seq_loss,
-                       micro_batch_size=8, budget_bytes=(at8 + at4) // 2, log=False)
+                       micro_batch_size=8, budget_bytes=(at8 + at4) // 2, log=False,
+                       reduction="sum")
     model_step(seq_batch(8, 256))
     assert model_step.history == [4]
     assert model_step.recoveries[0].predicted_bytes == at8
@@ -480,14 +484,14 @@ def test_grow_back_after_clean_steps_is_opt_in():
     model = make_model(8)
     injector = OomInjector({2})
     step = guard(model, make_optimizer("sgd", model, injector), make_loss(False, injector),
-                 micro_batch_size=8, grow_after=2, log=False)
+                 micro_batch_size=8, grow_after=2, log=False, reduction="sum")
     with injector:
         for batch in make_batches(8, [8] * 4):
             step(batch)
     assert step.history == [4, 4, 4, 8]
     assert [r.reason for r in step.recoveries] == ["oom", "grow"]
     never = guard(model, make_optimizer("sgd", model), make_loss(False), micro_batch_size=2,
-                  log=False)
+                  log=False, reduction="sum")
     for batch in make_batches(8, [8] * 3):
         never(batch)
     assert never.history == [2, 2, 2]
@@ -499,14 +503,14 @@ def test_returns_the_mean_loss_of_the_whole_batch():
     with torch.no_grad():
         expected = F.cross_entropy(model(batch[0]), batch[1]).item()
     step = guard(model, make_optimizer("sgd", model), make_loss(False), micro_batch_size=5,
-                 log=False)
+                 log=False, reduction="sum")
     assert step(batch) == pytest.approx(expected, rel=1e-6)
     assert step.micro_batch_size == 5 and step.history == [5]
 
 
 def test_default_micro_batch_is_the_whole_batch():
     model = make_model(10)
-    step = guard(model, make_optimizer("sgd", model), make_loss(False), log=False)
+    step = guard(model, make_optimizer("sgd", model), make_loss(False), log=False, reduction="sum")
     step(make_batches(10, [6])[0])
     assert step.micro_batch_size == 6 and step.history == [6]
 
@@ -515,7 +519,8 @@ def test_default_micro_batch_is_the_whole_batch():
 def test_bad_micro_batch_size_is_a_memfit_error(bad):
     model = make_model(0)
     with pytest.raises(MemfitError, match="micro_batch_size must be a positive integer"):
-        guard(model, make_optimizer("sgd", model), make_loss(False), micro_batch_size=bad)
+        guard(model, make_optimizer("sgd", model), make_loss(False), micro_batch_size=bad,
+              reduction="sum")
 
 
 @pytest.mark.gpu
@@ -549,7 +554,7 @@ def test_real_cuda_oom_is_recovered():
     assert full > quarter
     total = torch.cuda.get_device_properties(0).total_memory
     model, opt = model_and_opt()
-    step = guard(model, opt, loss_fn, micro_batch_size=4096, log=False)
+    step = guard(model, opt, loss_fn, micro_batch_size=4096, log=False, reduction="sum")
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction((full + quarter) / 2 / total)
     try:
@@ -575,7 +580,7 @@ def test_a_default_prediction_that_fails_warns_once_and_training_goes_on(monkeyp
     monkeypatch.setattr(guard_module, "default_predict", untraceable)
     model = SeqModel()
     step = guard(model, torch.optim.SGD(model.parameters(), lr=0.1), seq_loss,
-                 micro_batch_size=4, budget_bytes=1)
+                 micro_batch_size=4, budget_bytes=1, reduction="sum")
     with caplog.at_level(logging.WARNING, logger="memfit"):
         step(seq_batch(8, 4))
         step(seq_batch(8, 9))
@@ -590,8 +595,115 @@ def test_a_given_predict_that_fails_raises():
         raise RuntimeError("my predictor is broken")
 
     step = guard(model, torch.optim.SGD(model.parameters(), lr=0.1), seq_loss,
-                 micro_batch_size=4, budget_bytes=1, predict=predict, log=False)
+                 micro_batch_size=4, budget_bytes=1, predict=predict, log=False, reduction="sum")
     weights = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="my predictor is broken"):
         step(seq_batch(8, 4))
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+
+
+# -- reduction: mean losses (the default) and sum losses give the full batch's SGD step ----------
+
+
+def mean_loss(injector: OomInjector | None = None):  # type: ignore[no-untyped-def]
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if injector is not None:
+            injector.armed = True
+        return F.cross_entropy(model(batch[0]), batch[1])  # reduction="mean", as people write it
+    return loss_fn
+
+
+def plain_sgd_step(seed: int, batch: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[nn.Module, float]:
+    """One SGD step on the full batch's mean loss, no guard, no split."""
+    model = make_model(seed, dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = F.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    return model, loss.item()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("fail_at", [set(), {3}], ids=["no-oom", "oom"])
+def test_reduction_gives_the_full_batch_step(reduction, fail_at):
+    batch = make_batches(21, [12])[0]
+    ref, ref_loss = plain_sgd_step(21, batch)
+    model = make_model(21, dropout=0.0)
+    injector = OomInjector(fail_at)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt.register_step_pre_hook(lambda *_: setattr(injector, "armed", False))
+    loss_fn = mean_loss(injector) if reduction == "mean" else make_loss(False, injector)
+    kwargs = {} if reduction == "mean" else {"reduction": "sum"}  # mean is the default
+    step = guard(model, opt, loss_fn, micro_batch_size=5, log=False, **kwargs)
+    with injector:
+        loss = step(batch)
+    # 12 rows as 5 + 5 + 2 (unequal shares), or after the OOM as 2 * 6
+    assert step.history == ([2] if fail_at else [5]) and injector.fired == len(fail_at)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_mean_loss_with_a_sum_reduction_is_not_the_default_silent_error():
+    """The issue's reproduction: a mean loss read as a sum divides twice; the default is right."""
+    batch = make_batches(22, [12])[0]
+    _, ref_loss = plain_sgd_step(22, batch)
+    model = make_model(22, dropout=0.0)
+    step = guard(model, torch.optim.SGD(model.parameters(), lr=0.5), mean_loss(),
+                 micro_batch_size=5, log=False)
+    assert step(batch) == pytest.approx(ref_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["avg", "none", None, "Mean"])
+def test_invalid_reduction_is_a_one_line_memfit_error(bad):
+    model = make_model(0)
+    with pytest.raises(MemfitError, match=r"reduction must be 'mean'.*or 'sum'") as info:
+        guard(model, make_optimizer("sgd", model), mean_loss(), reduction=bad)
+    assert "\n" not in str(info.value)
+
+
+def tiny_gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def gpt2_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 50, (4, 8), generator=g)
+    labels = ids.clone()
+    labels[0, 3:] = -100  # padded rows: micro-batches hold unequal numbers of tokens
+    labels[2, 6:] = -100
+    labels[3, :] = -100  # a row with nothing to predict
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("micro", [4, 2, 1])
+def test_hf_causal_lm_loss_with_causal_lm_count_is_the_full_batch_step(micro):
+    from memfit.guard import causal_lm_count
+
+    batch = gpt2_batch()
+    ref = tiny_gpt2()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    ref_opt.step()
+    model = tiny_gpt2()
+    step = guard(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda m, b: m(**b).loss,
+                 micro_batch_size=micro, count_fn=causal_lm_count, log=False)
+    assert causal_lm_count(batch) == 2 + 5 + 7 + 0
+    assert step(batch) == pytest.approx(ref_loss.item(), rel=1e-5)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_mean_with_token_labels_and_no_count_fn_is_refused():
+    model = tiny_gpt2()
+    step = guard(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda m, b: m(**b).loss,
+                 micro_batch_size=2, log=False)
+    with pytest.raises(MemfitError, match=r"count_fn=causal_lm_count \(from memfit\.guard import"):
+        step(gpt2_batch())

@@ -75,7 +75,7 @@ def scenarios(rank: int, out_dir: str) -> None:
                 raise ValueError("injected bug")
             return sum_loss(m, batch)
 
-        step = guard(model, opt, loss_fn, micro_batch_size=BATCH, log=False)
+        step = guard(model, opt, loss_fn, micro_batch_size=BATCH, log=False, reduction="sum")
         try:
             for batch in rank_batches(rank):
                 step(batch)

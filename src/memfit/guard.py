@@ -1,16 +1,32 @@
 """An OOM guard for training steps: split the micro-batch before or after running out of memory.
 
->>> step = memfit.guard(model, optimizer, sum_loss, micro_batch_size=32, budget_bytes=8 * 2**30)
+>>> step = memfit.guard(model, optimizer, lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+...                      micro_batch_size=32, budget_bytes=8 * 2**30)
 >>> for batch in loader:
 ...     loss = step(batch)            # fwd/bwd over micro-batches, optimizer step, zero_grad
 
-``loss_fn(model, micro_batch)`` returns the **sum** of the micro-batch's per-item losses (e.g.
-``F.cross_entropy(..., reduction="sum")``), the contract of
-:func:`memfit.techniques.accumulation.accumulate`: each micro-batch's sum is divided by the item
-count of the whole batch (``count_fn``, default: the batch dimension), so the accumulated gradient
-is the large batch's gradient whatever the micro-batch size. Put ``torch.autocast`` inside
-``loss_fn`` for mixed precision; with ``scaler`` (a ``torch.amp.GradScaler``) the losses are
-scaled before backward and the optimizer steps through ``scaler.step`` / ``scaler.update``.
+``loss_fn(model, micro_batch)`` returns a scalar loss, reduced as ``reduction`` says, so that the
+accumulated gradient is the whole batch's gradient whatever the micro-batch size:
+
+- ``reduction="mean"`` (default): the loss is the **mean** over the micro-batch's items
+  (``F.cross_entropy(logits, y)``, a Hugging Face model's ``.loss``). Each micro-batch's loss is
+  weighted by its share of the batch's items, ``count_fn(micro) / count_fn(batch)``, so the
+  gradient and the returned loss are those of the full batch's mean loss. ``count_fn`` must
+  count the items the loss averages over; the default counts rows (the batch dimension), exact
+  for per-sample losses. A Hugging Face causal LM's ``.loss`` averages over *tokens* whose
+  shifted label is not -100: pass ``count_fn=causal_lm_count`` (``from memfit.guard import
+  causal_lm_count``). A dict batch with 2-D ``labels`` and no ``count_fn`` is refused: counting
+  rows would weight padded micro-batches wrongly, and the guard cannot tell which tokens the
+  model's loss counts. A micro-batch with no items (all labels ignored) is skipped.
+- ``reduction="sum"``: the loss is the **sum** of per-item losses
+  (``F.cross_entropy(..., reduction="sum")``), the contract of
+  :func:`memfit.techniques.accumulation.accumulate`; each micro-batch's sum is divided by the
+  batch's item count (``count_fn``).
+
+The guard cannot see how a returned scalar was reduced, so ``reduction`` is never inferred.
+Put ``torch.autocast`` inside ``loss_fn`` for mixed precision; with ``scaler`` (a
+``torch.amp.GradScaler``) the losses are scaled before backward and the optimizer steps through
+``scaler.step`` / ``scaler.update``.
 
 Two defences, both keeping the effective batch:
 
@@ -60,7 +76,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +87,7 @@ from memfit._tensors import meta_batch, tensor_leaves
 from memfit.errors import MemfitError
 from memfit.techniques.accumulation import _sync_gradients, split_batch
 
-__all__ = ["GuardedStep", "Recovery", "guard"]
+__all__ = ["GuardedStep", "Recovery", "causal_lm_count", "guard"]
 
 log = logging.getLogger("memfit")
 
@@ -79,6 +95,29 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 _OK, _OOM, _ERROR = 0, 1, 2  # an attempt's outcome, agreed across DDP ranks by its maximum
 CountFn = Callable[[Any], int | torch.Tensor]
 Predict = Callable[[Any], int]
+REDUCTIONS = ("mean", "sum")
+
+
+def causal_lm_count(batch: Any, *, ignore_index: int = -100) -> int:
+    """Tokens a Hugging Face causal LM's ``.loss`` averages over: ``labels[..., 1:]`` not equal
+    to ``ignore_index`` (the model shifts the labels left by one). ``count_fn`` for
+    ``reduction="mean"`` with ``loss_fn=lambda m, b: m(**b).loss``.
+
+    >>> causal_lm_count({"labels": torch.tensor([[5, 6, -100], [7, 8, 9]])})
+    3
+    """
+    labels = batch["labels"] if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        raise MemfitError("causal_lm_count needs a dict micro-batch with a 2-D 'labels' tensor "
+                          "(batch, sequence); pass your own count_fn for other batches")
+    return int((labels[..., 1:] != ignore_index).sum().item())
+
+
+def _check_reduction(reduction: Any) -> str:
+    if reduction not in REDUCTIONS:
+        raise MemfitError(f"reduction must be 'mean' (loss_fn returns the micro-batch's mean loss) "
+                          f"or 'sum' (the sum of its per-item losses), got {reduction!r}")
+    return reduction
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,8 +203,10 @@ class GuardedStep:
     ``step(batch)`` splits ``batch`` into micro-batches of :attr:`micro_batch_size` (fewer where
     a prediction capped that shape), accumulates exact large-batch gradients, steps the optimizer
     (through ``scaler`` when given), sets the gradients to ``None``, and returns the batch's mean
-    loss as a float (sum of per-item losses / item count; under ``torch.distributed`` this
-    rank's share of the global mean). See :mod:`memfit.guard` for what happens on OOM.
+    loss as a float (the batch's mean over its items, ``count_fn``; under
+    ``torch.distributed`` this rank's share of the global mean). ``reduction`` says whether
+    ``loss_fn`` returns a micro-batch's mean (default) or sum. See :mod:`memfit.guard` for
+    both and for what happens on OOM.
 
     Known limitations: see :mod:`memfit.guard`; the guard owns ``.grad``: gradients present
     before a step are discarded.
@@ -174,13 +215,14 @@ class GuardedStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
                  micro_batch_size: int | None = None, scaler: Any = None,
                  budget_bytes: int | None = None, predict: Predict | None = None,
-                 count_fn: CountFn | None = None, grow_after: int | None = None,
-                 log: bool = True) -> None:
+                 count_fn: CountFn | None = None, reduction: str = "mean",
+                 grow_after: int | None = None, log: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         if not callable(loss_fn):
-            raise MemfitError("loss_fn must be a callable (model, micro_batch) -> sum of the "
-                              "micro-batch's per-item losses")
+            raise MemfitError("loss_fn must be a callable (model, micro_batch) -> the "
+                              "micro-batch's loss (its mean, or its sum with reduction='sum')")
+        self.reduction = _check_reduction(reduction)
         for name, value in (("micro_batch_size", micro_batch_size),
                             ("budget_bytes", budget_bytes), ("grow_after", grow_after)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -191,6 +233,7 @@ class GuardedStep:
         self.loss_fn = loss_fn
         self.scaler = scaler
         self.count_fn = count_fn or _batch_size
+        self._count_given = count_fn is not None
         self.micro_batch_size: int | None = micro_batch_size
         """Current micro-batch size; ``None`` until the first batch when not given (then the
         first batch's size: no split until memory says otherwise)."""
@@ -302,6 +345,12 @@ class GuardedStep:
                         mod._buffers[k].copy_(v)  # type: ignore[union-attr]
 
     def _count(self, batch: Any) -> tuple[int, float]:
+        if self.reduction == "mean" and not self._count_given and isinstance(batch, Mapping) \
+                and isinstance(batch.get("labels"), torch.Tensor) and batch["labels"].dim() >= 2:
+            raise MemfitError("reduction='mean' with a 2-D 'labels' batch needs count_fn: the "
+                              "loss averages over tokens, not rows; for a Hugging Face causal "
+                              "LM's .loss pass count_fn=causal_lm_count (from memfit.guard "
+                              "import causal_lm_count)")
         num_items = int(self.count_fn(batch))
         world = 1
         dist = torch.distributed
@@ -382,21 +431,36 @@ class GuardedStep:
 
     def _attempt(self, batch: Any, micro: int, num_items_scale: float,
                  sync_last: bool = True) -> torch.Tensor:
+        """Forward and backward over the micro-batches; returns the sum of per-item losses."""
         parts = split_batch(batch, micro)
+        mean = self.reduction == "mean"
         loss_sum: torch.Tensor | None = None
         for i, part in enumerate(parts):
-            with _sync_gradients(self.model, sync=sync_last and i == len(parts) - 1):
+            last = i == len(parts) - 1
+            # Note: [mean weights] A mean loss times the micro-batch's item count is its sum, so
+            # both reductions become sum / (the batch's items) and the gradient is the batch's.
+            items = int(self.count_fn(part)) if mean else 1
+            if items == 0:
+                # A mean over no items is NaN; it weighs nothing, so it is skipped, unless this
+                # backward is the one that synchronises a sharded model's gradients.
+                if last and sync_last and (hasattr(self.model, "no_sync")
+                                           or hasattr(self.model, "set_requires_gradient_sync")):
+                    raise MemfitError("the last micro-batch has no items to average over "
+                                      "(all labels ignored?); use reduction='sum'")
+                continue
+            with _sync_gradients(self.model, sync=sync_last and last):
                 loss = self.loss_fn(self.model, part)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise MemfitError("loss_fn must return a scalar tensor: the sum of the "
-                                      "micro-batch's per-item losses (reduction='sum')")
+                    raise MemfitError(f"loss_fn must return a scalar tensor: the micro-batch's "
+                                      f"{'mean loss' if mean else 'sum of per-item losses'} "
+                                      f"(reduction={self.reduction!r})")
                 scaled = self.scaler.scale(loss) if self.scaler is not None else loss
-                (scaled * num_items_scale).backward()
-            detached = loss.detach().float()
+                (scaled * (num_items_scale * items)).backward()
+            detached = loss.detach().float() * items
             loss_sum = detached if loss_sum is None else loss_sum + detached
             del loss, scaled
-        assert loss_sum is not None
-        return loss_sum
+        # None: every micro-batch of this rank was empty (other DDP ranks hold the items)
+        return loss_sum if loss_sum is not None else torch.zeros(())
 
     def __call__(self, batch: Any) -> float:
         size = _batch_size(batch)
@@ -508,19 +572,27 @@ class GuardedStep:
 def guard(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
           micro_batch_size: int | None = None, scaler: Any = None,
           budget_bytes: int | None = None, predict: Predict | None = None,
-          count_fn: CountFn | None = None, grow_after: int | None = None,
-          log: bool = True) -> GuardedStep:
+          count_fn: CountFn | None = None, reduction: str = "mean",
+          grow_after: int | None = None, log: bool = True) -> GuardedStep:
     """Wrap a training step so that running out of memory splits the micro-batch instead of
     crashing (see :mod:`memfit.guard`).
 
-    ``loss_fn(model, micro_batch) -> sum of per-item losses``; ``count_fn(micro_batch)`` counts
-    those items (default: the batch dimension). ``predict(meta_micro_batch) -> bytes`` gets a
-    meta-device copy of a micro-batch (same structure, shapes and dtypes) and returns its
-    predicted peak; it is called only when a budget is known (``budget_bytes``, or CUDA).
+    ``loss_fn(model, micro_batch) -> scalar loss``: with ``reduction="mean"`` (default) the
+    micro-batch's mean over its items, weighted by ``count_fn(micro) / count_fn(batch)``; with
+    ``reduction="sum"`` the sum of its per-item losses, divided by ``count_fn(batch)``. Either
+    way the step's gradient is the whole batch's mean-loss gradient. ``count_fn(micro_batch)``
+    counts the items (default: the batch dimension; a Hugging Face causal LM's ``.loss``
+    averages over tokens: pass ``count_fn=causal_lm_count``). ``predict(meta_micro_batch) ->
+    bytes`` gets a meta-device copy of a micro-batch (same structure, shapes and dtypes) and
+    returns its predicted peak; it is called only when a budget is known (``budget_bytes``, or
+    CUDA).
 
-    >>> step = guard(model, torch.optim.AdamW(model.parameters()), sum_loss, micro_batch_size=8)
+    >>> step = guard(model, torch.optim.AdamW(model.parameters()),
+    ...              lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=8)
     >>> loss = step((x, y))          # the batch's mean loss; step.recoveries lists any splits
+    >>> hf = guard(gpt2, opt, lambda m, b: m(**b).loss, count_fn=causal_lm_count)
     """
     return GuardedStep(model, optimizer, loss_fn, micro_batch_size=micro_batch_size,
                        scaler=scaler, budget_bytes=budget_bytes, predict=predict,
-                       count_fn=count_fn, grow_after=grow_after, log=log)
+                       count_fn=count_fn, reduction=reduction, grow_after=grow_after,
+                       log=log)

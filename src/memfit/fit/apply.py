@@ -178,6 +178,7 @@ def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: SumLossFn | No
             return base(m, batch)
 
     step = guard(model, optimizer, loss_under_autocast, micro_batch_size=config.micro_batch,
-                 scaler=mp.scaler, budget_bytes=budget_bytes, log=log_recoveries)
+                 scaler=mp.scaler, budget_bytes=budget_bytes, reduction="sum",
+                 log=log_recoveries)
     log.info("memfit: applied plan %s", config.label())
     return model, optimizer, step
