@@ -234,3 +234,22 @@ def test_plan_method_trace_qlora(capsys, tmp_path) -> None:
     tensors = 3 + layers * (2 + 7 * 5 + 8)  # each rounded up to 512 bytes at most
     assert exact <= b["weights"] <= exact + 512 * tensors
     assert 8 * adapters <= b["optimizer_states"] <= 8 * adapters + 2 * 512 * layers * 8
+
+
+def test_fit_verdict_keeps_the_margin() -> None:
+    """One verdict for both methods: fits only with ``margin`` of the GPU free; inside the margin
+    it says so and shows the headroom; past the capacity it shows how far over."""
+    from rich.console import Console
+
+    from memfit.cli._common import print_fit_verdict
+
+    def verdict(total: int) -> str:
+        out = Console(record=True, width=200)
+        print_fit_verdict(out, 100 * 2**20, total, 0.15, "trace")
+        return out.export_text().strip()
+
+    assert verdict(85 * 2**20) == "fits with 15.00 MiB headroom"
+    assert verdict(86 * 2**20).startswith("does not fit with the 15% margin memfit keeps for the "
+                                          "trace")
+    assert verdict(86 * 2**20).endswith("14.00 MiB headroom")
+    assert verdict(110 * 2**20) == "does not fit: 10.00 MiB over"

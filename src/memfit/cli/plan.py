@@ -8,7 +8,7 @@ from typing import Any
 from rich.table import Table
 
 from memfit.categories import MemoryCategory
-from memfit.cli._common import console, nonneg_int, positive_int, print_json
+from memfit.cli._common import console, nonneg_int, positive_int, print_fit_verdict, print_json
 from memfit.errors import MemfitError
 from memfit.estimate.config import (
     ATTENTIONS,
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_trace(args, model, config, gpu)
     result = plan(model, config, gpu)
-    suggestions = suggest_changes(result) if result.fits is False or result.tight else []
+    suggestions = suggest_changes(result) if result.fits is False else []
     if args.json:
         out = result.to_dict()
         out["suggestions"] = [
@@ -196,22 +196,9 @@ def render(p: MemoryPlan, suggestions: list[Any]) -> None:
     out.print(table)
     if p.host_bytes:
         out.print(f"host memory for offloaded states: {format_bytes(p.host_bytes)} per GPU")
-    if p.fits is None:
-        out.print("no --gpu given: add one to see whether it fits")
-    elif p.fits:
-        style = "yellow" if p.tight else "green"
-        tight = (" (tight: under 10% headroom; allocator fragmentation may push it over: "
-                 "check with --method trace)") if p.tight else ""
-        out.print(f"[{style}]fits[/{style}] with {format_bytes(p.headroom_bytes)} headroom"
-                  f"{tight}")
-    elif (p.headroom_bytes or 0) >= 0:
-        from memfit.estimate.planner import FITS_MARGIN
+    from memfit.estimate.planner import FITS_MARGIN
 
-        out.print(f"[red]does not fit[/red] with the {FITS_MARGIN:.0%} margin memfit keeps "
-                  f"(its worst under-prediction of published GPU measurements): "
-                  f"{format_bytes(p.headroom_bytes)} headroom")
-    else:
-        out.print(f"[red]does not fit[/red]: {format_bytes(-(p.headroom_bytes or 0))} over")
+    print_fit_verdict(out, p.capacity_bytes, p.total_bytes, FITS_MARGIN, "analytic plan")
     for note in p.notes:
         out.print(f"note: {note}")
     if suggestions:

@@ -10,7 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from memfit.categories import MemoryCategory
-from memfit.cli._common import console, print_json
+from memfit.cli._common import console, print_fit_verdict, print_json
 from memfit.errors import MemfitError
 from memfit.estimate.config import RunConfig
 from memfit.estimate.planner import plan
@@ -163,15 +163,8 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
         out.print(f"host memory for offloaded states (peak): {format_bytes(est.host_peak_bytes)}")
     out.print(f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
               f"({est.peak_phase}, step {est.peak_step})")
-    if headroom is not None and capacity is not None:
-        if headroom >= TRACE_FITS_MARGIN * capacity:
-            out.print(f"[green]fits[/green]: headroom {format_bytes(headroom)}")
-        elif headroom >= 0:
-            out.print(f"[red]does not fit[/red] with the {TRACE_FITS_MARGIN:.0%} margin memfit "
-                      f"keeps for the trace (its worst under-prediction of published GPU "
-                      f"measurements): headroom {format_bytes(headroom)}")
-        else:
-            out.print(f"[red]does not fit[/red]: {format_bytes(-headroom)} over")
+    if capacity is not None:
+        print_fit_verdict(out, capacity, est.total_bytes, TRACE_FITS_MARGIN, "trace")
     for note in est.assumptions:
         out.print(f"assumed: {note}")
     return 0

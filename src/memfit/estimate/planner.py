@@ -19,11 +19,6 @@ from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
 from memfit.runtime import cuda_runtime_bytes
 
-# A plan whose headroom is below this share of the GPU is flagged "tight": the analytic planner
-# does not model the caching allocator's reserve beyond live bytes. The trace engine's allocator
-# model puts it at 8-11% of the total for 7B-class full fine-tunes at the optimizer step
-# (bench/results/trace-vs-analytic-cpu-2026-11-22.json; a prediction, not yet a GPU measurement).
-TIGHT_FRACTION = 0.10
 # "fits" keeps this share of the GPU free. Derived from evidence, not chosen: the analytic plan's
 # worst under-prediction of a published GPU measurement is -18.7% (bert-large, fp16-mixed, eager
 # attention, batch 4 x 512, Trainer on a V100: planned 11,335 MiB with the source's measured CUDA
@@ -73,11 +68,6 @@ class MemoryPlan:
         if headroom is None or cap is None:
             return None
         return headroom >= FITS_MARGIN * cap
-
-    @property
-    def tight(self) -> bool:
-        headroom, cap = self.headroom_bytes, self.capacity_bytes
-        return headroom is not None and cap is not None and 0 <= headroom < TIGHT_FRACTION * cap
 
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` contract (keys are stable; more may be added)."""
