@@ -1,0 +1,35 @@
+"""Suite-wide: the header of every run names the machine, so that a suite time is never quoted
+without the CPU model and instruction set it was measured on (CI machines differ: Intel or AMD,
+AVX-512 or AVX2 only)."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line() -> str:
+    """``AMD EPYC, 2 cores, ATen AVX512, oneDNN max ISA (unset)``: the CPU, its core count, and
+    the instruction set the kernels use (``torch.backends.cpu.get_cpu_capability`` follows
+    ``ATEN_CPU_CAPABILITY``)."""
+    import torch
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "(unset)")
+    return (f"{_cpu_model()}, {os.cpu_count()} cores, ATen {isa}, oneDNN max ISA {onednn}, "
+            f"torch {torch.__version__}")
+
+
+def pytest_report_header(config):
+    return f"machine: {machine_line()}"
