@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rich.table import Table
-
-from memfit.categories import MemoryCategory
 from memfit.cli._common import console, nonneg_int, positive_int, print_fit_verdict, print_json
 from memfit.errors import MemfitError
 from memfit.estimate.config import (
@@ -23,7 +20,7 @@ from memfit.estimate.config import (
 from memfit.estimate.planner import MemoryPlan, plan
 from memfit.estimate.suggestions import suggest_changes
 from memfit.models.spec import ModelSpec, ParamCountSpec
-from memfit.units import format_bytes, parse_count
+from memfit.units import parse_count
 
 EPILOG = """examples:
   memfit plan llama-3-8b --gpu rtx-4090 --mode lora --batch 4 --seq 2048
@@ -149,66 +146,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(p: MemoryPlan) -> str:
-    r = p.run
-    parts = [r.mode, r.precision]
-    if r.training:
-        parts += [r.optimizer, f"checkpointing {r.checkpointing}"]
-    parts.append(f"batch {r.batch}")
-    if p.seq:
-        parts.append(f"seq {p.seq}")
-    if r.grad_accum > 1:
-        parts.append(f"grad-accum {r.grad_accum}")
-    if r.gpus > 1:
-        parts.append(f"{r.gpus} GPUs (dp {r.dp}, tp {r.tp}, pp {r.pp}, zero {r.zero})")
-    if r.mode in ("lora", "qlora"):
-        parts.append(f"rank {r.lora_rank} on {','.join(r.lora_targets)}")
-    if r.mode == "inference":
-        if r.weight_quant != "none":
-            parts.append(f"weights {r.weight_quant}")
-        if r.new_tokens:
-            parts.append(f"+{r.new_tokens} new tokens")
-    return ", ".join(parts)
-
-
 def render(p: MemoryPlan, suggestions: list[Any]) -> None:
-    out = console()
-    params = p.model.param_count()
-    gpu = f" on {p.gpu.label}" if p.gpu else ""
-    out.print(f"[bold]{p.model.name}[/bold] ({params / 1e9:.2f}B params){gpu}")
-    out.print(_describe(p))
-    table = Table(title="Memory per GPU" + (f" (pipeline stage {p.stage})" if p.run.pp > 1
-                                            else ""), title_justify="left")
-    table.add_column("category")
-    table.add_column("bytes", justify="right")
-    table.add_column("share", justify="right")
-    total = p.total_bytes
-    for category, nbytes in p.breakdown.items():
-        if category is MemoryCategory.ACTIVATIONS and not p.activations_known:
-            table.add_row(category.value, "unknown", "")
-            continue
-        share = f"{100 * nbytes / total:.1f}%" if total else ""
-        table.add_row(category.value, format_bytes(nbytes), share)
-    table.add_section()
-    table.add_row("[bold]total[/bold]", f"[bold]{format_bytes(total)}[/bold]", "")
-    if p.capacity_bytes is not None:
-        table.add_row("usable on GPU", format_bytes(p.capacity_bytes), "")
-    out.print(table)
-    if p.host_bytes:
-        out.print(f"host memory for offloaded states: {format_bytes(p.host_bytes)} per GPU")
+    """The shared memory table (:meth:`MemoryPlan.table`), the fit verdict, the notes and the
+    suggestions."""
     from memfit.estimate.planner import FITS_MARGIN
 
-    print_fit_verdict(out, p.capacity_bytes, p.total_bytes, FITS_MARGIN, "analytic plan")
-    for note in p.notes:
-        out.print(f"note: {note}")
-    if suggestions:
-        sug = Table(title="What would save memory (one change each)", title_justify="left")
-        sug.add_column("change")
-        sug.add_column("saves", justify="right")
-        sug.add_column("new total", justify="right")
-        sug.add_column("fits", justify="center")
-        for s in suggestions:
-            fits = {True: "yes", False: "no", None: "?"}[s.plan.fits]
-            sug.add_row(s.change, format_bytes(s.saved_bytes), format_bytes(s.plan.total_bytes),
-                        fits)
-        out.print(sug)
+    p.table(suggestions).print(console(), verdict=lambda out: print_fit_verdict(
+        out, p.capacity_bytes, p.total_bytes, FITS_MARGIN, "analytic plan"))

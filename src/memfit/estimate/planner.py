@@ -6,6 +6,7 @@ units are formatted only at the edge (CLI, reports).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -15,9 +16,18 @@ from memfit.estimate.activations import inference_activations, training_activati
 from memfit.estimate.config import RunConfig
 from memfit.estimate.kv_cache import kv_cache_bytes
 from memfit.estimate.model_states import model_states, split_params
+from memfit.estimate.table import (
+    Column,
+    MemoryTable,
+    fit_verdict,
+    format_params,
+    reserve_not_modelled_note,
+    suggestion_rows,
+)
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
 from memfit.runtime import cuda_runtime_bytes
+from memfit.units import format_bytes
 
 # "fits" keeps this share of the GPU free. Derived from evidence, not chosen: the analytic plan's
 # worst under-prediction of a published GPU measurement is -18.7% (bert-large, fp16-mixed, eager
@@ -46,6 +56,9 @@ class MemoryPlan:
     notes: tuple[str, ...] = field(default=())
     stage: int = 0
     """Pipeline stage of the most loaded GPU."""
+    peak_phase: str = "backward"
+    """Where the planned peak is: ``backward`` (activations saved, backward temporaries),
+    ``optimizer`` (the optimizer step's temporaries outgrow them) or ``forward`` (inference)."""
 
     @property
     def total_bytes(self) -> int:
@@ -69,6 +82,64 @@ class MemoryPlan:
             return None
         return headroom >= FITS_MARGIN * cap
 
+    def describe(self) -> str:
+        """One line: the mode, precision, optimizer, batch and parallelism planned."""
+        r = self.run
+        parts = [r.mode, r.precision]
+        if r.training:
+            parts += [r.optimizer, f"checkpointing {r.checkpointing}"]
+        parts.append(f"batch {r.batch}")
+        if self.seq:
+            parts.append(f"seq {self.seq}")
+        if r.grad_accum > 1:
+            parts.append(f"grad-accum {r.grad_accum}")
+        if r.gpus > 1:
+            parts.append(f"{r.gpus} GPUs (dp {r.dp}, tp {r.tp}, pp {r.pp}, zero {r.zero})")
+        if r.mode in ("lora", "qlora"):
+            parts.append(f"rank {r.lora_rank} on {','.join(r.lora_targets)}")
+        if r.mode == "inference":
+            if r.weight_quant != "none":
+                parts.append(f"weights {r.weight_quant}")
+            if r.new_tokens:
+                parts.append(f"+{r.new_tokens} new tokens")
+        return ", ".join(parts)
+
+    def column(self, name: str = "bytes") -> Column:
+        """This plan's numbers as a column of the shared memory table."""
+        return Column(name=name, breakdown=dict(self.breakdown), allocator_reserve=None,
+                      activations_known=self.activations_known)
+
+    def table(self, suggestions: Sequence[Any] = ()) -> MemoryTable:
+        """The memory table ``memfit plan`` prints (and ``str(plan)``)."""
+        params = self.model.param_count()
+        gpu = f" on {self.gpu.label}" if self.gpu else ""
+        after = []
+        if self.host_bytes:
+            after.append(f"host memory for offloaded states: {format_bytes(self.host_bytes)} "
+                         "per GPU")
+        after += [f"note: {note}" for note in self.notes]
+        return MemoryTable(
+            title="Memory per GPU" + (f" (pipeline stage {self.stage})" if self.run.pp > 1
+                                      else ""),
+            columns=(self.column(),), capacity=self.capacity_bytes,
+            footnotes=(reserve_not_modelled_note(FITS_MARGIN),),
+            lines_before=(f"[bold]{self.model.name}[/bold] ({format_params(params)} params){gpu}",
+                          self.describe()),
+            lines_after=tuple(after), suggestions=suggestion_rows(suggestions))
+
+    def verdict(self) -> str:
+        """The fit verdict line (rich markup), as ``memfit plan`` prints it."""
+        return fit_verdict(self.capacity_bytes, self.total_bytes, FITS_MARGIN, "analytic plan")
+
+    def __str__(self) -> str:
+        return self.table().text(verdict=lambda out: out.print(self.verdict()))
+
+    def __repr__(self) -> str:
+        fits = {True: "fits", False: "does not fit", None: "no GPU"}[self.fits]
+        gpu = f" on {self.gpu.name}" if self.gpu else ""
+        return (f"<MemoryPlan {self.model.name}{gpu}: {self.describe()}; "
+                f"total {format_bytes(self.total_bytes)} per GPU, {fits}>")
+
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` contract (keys are stable; more may be added)."""
         return {
@@ -84,10 +155,11 @@ class MemoryPlan:
             "activations_known": self.activations_known,
             "host_bytes": self.host_bytes,
             "runtime_parts": dict(self.runtime_parts),
-            "seq": self.seq,
             "stage": self.stage,
-            "run": {k: (list(v) if isinstance(v, tuple) else v)
-                    for k, v in self.run.__dict__.items()},
+            # One source of truth for the sequence: the length planned (the model's default when
+            # --seq is not given), inside "run" with the other options.
+            "run": {**{k: (list(v) if isinstance(v, tuple) else v)
+                       for k, v in self.run.__dict__.items()}, "seq": self.seq},
             "notes": list(self.notes),
         }
 
@@ -187,6 +259,7 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
         known = False
         notes.append("activations unknown: only the parameter count is given; "
                      "use a preset or config.json for activations")
+    peak_phase = "backward" if run.training else "forward"
     step_temporaries = optimizer_step_temporaries(model, run, stage)
     backward_peak = (breakdown[MemoryCategory.ACTIVATIONS]
                      + breakdown[MemoryCategory.TEMPORARIES])
@@ -195,13 +268,14 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
         # temporaries are the peak when they outgrow activations + backward temporaries.
         breakdown[MemoryCategory.ACTIVATIONS] = 0
         breakdown[MemoryCategory.TEMPORARIES] = step_temporaries
+        peak_phase = "optimizer"
         notes.append("peak in the optimizer step: PyTorch's default foreach implementation "
                      "makes a parameter-sized temporary (fused=True avoids it)")
     runtime = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=run.gpus)
     breakdown[MemoryCategory.RUNTIME] = sum(runtime.values())
     return MemoryPlan(model=model, run=run, gpu=gpu, seq=seq, breakdown=breakdown,
                 activations_known=known, host_bytes=states.host_bytes, runtime_parts=runtime,
-                notes=tuple(dict.fromkeys(notes)), stage=stage)
+                notes=tuple(dict.fromkeys(notes)), stage=stage, peak_phase=peak_phase)
 
 
 def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = None) -> MemoryPlan:

@@ -1,0 +1,151 @@
+"""One memory table for both methods: ``print(plan)``, ``memfit plan`` and ``--method trace``
+(same rows, the allocator's reserve on its own row, footnotes where the methods count a
+category differently, suggestions for both)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from memfit.cli import main
+from memfit.estimate.config import RunConfig
+from memfit.estimate.planner import plan
+from memfit.models.spec import ParamCountSpec
+from memfit.units import format_bytes
+
+# A small Llama: 4 layers, hidden 256, 8 heads (2 KV heads of 32), MLP 512, vocab 1000, untied.
+H, KV, FFN, VOCAB, LAYERS = 256, 64, 512, 1000, 4
+# Parameters by hand: embeddings and head (vocab x h each), per layer q/o (h x h), k/v (h x kv),
+# three MLP matrices (h x ffn) and two RMSNorm weights (h), plus the final norm.
+PSI = 2 * VOCAB * H + LAYERS * (2 * H * H + 2 * H * KV + 3 * H * FFN + 2 * H) + H
+
+
+def small_llama(tmp_path) -> str:
+    cfg = {"model_type": "llama", "hidden_size": H, "num_hidden_layers": LAYERS,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": FFN,
+           "vocab_size": VOCAB, "max_position_embeddings": 512, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    """Table rows by their first cell (footnote marks dropped)."""
+    found = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if cells:
+            found[cells[0].split(" [")[0]] = cells[1:]
+    return found
+
+
+def test_print_plan_is_the_table_and_repr_is_short() -> None:
+    # 1e9 parameters, bf16-mixed AdamW (ZeRO paper): 2 + 2 + 12 bytes per parameter.
+    p = plan(ParamCountSpec(name="1B", params=10**9), RunConfig())
+    text = str(p)
+    table = rows(text)
+    assert table["weights"][0] == format_bytes(2 * 10**9)
+    assert table["gradients"][0] == format_bytes(2 * 10**9)
+    assert table["optimizer_states"][0] == format_bytes(12 * 10**9)
+    assert table["activations"][0] == "unknown"
+    assert table["allocator reserve"][0] == "not modelled"
+    assert "[1] not modelled by the analytic plan" in text
+    assert "no --gpu given" in text
+    r = repr(p)
+    assert r.startswith("<MemoryPlan 1B: train, bf16-mixed, adamw") and len(r) < 200
+    assert "breakdown=" not in r
+
+
+def test_plan_cli_prints_the_same_table_as_str(capsys) -> None:
+    code, out, err = run(capsys, "plan", "--params", "1e9", "--gpu", "h100-80gb")
+    assert code == 0, err
+    from memfit.gpus import get_gpu
+
+    p = plan(ParamCountSpec(name="1,000,000,000 parameters", params=10**9), RunConfig(),
+             get_gpu("h100-80gb"))
+    assert rows(out) == rows(str(p))
+
+
+def test_trace_table_rows_footnotes_and_model_state_identity(capsys, tmp_path) -> None:
+    """bf16-mixed AdamW, batch 2 x 128: the trace's peak is in the optimizer step, where every
+    model state is live. The trace holds fp32 parameters (4 B/param) and fp32 gradients
+    (4 B/param) as torch.autocast training does, plus AdamW's exp_avg and exp_avg_sq (8 B/param);
+    the analytic plan counts 2 + 2 + 12 B/param (ZeRO paper). Both sum to 16 B/param."""
+    path = small_llama(tmp_path)
+    common = ("plan", path, "--method", "trace", "--gpu", "a100-40gb", "--batch", "2", "--seq",
+              "128")
+    code, out, err = run(capsys, *common, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    b = data["per_gpu"]["breakdown"]
+    assert data["peak"]["phase"] == "optimizer"
+    # the reserve is its own number; the column sums to the total
+    reserve = data["per_gpu"]["allocator_reserve_bytes"]
+    assert reserve == data["peak_reserved_bytes"] - data["peak_bytes"]
+    assert data["per_gpu"]["total_bytes"] == sum(b.values()) + reserve
+    states = b["weights"] + b["gradients"] + b["optimizer_states"]
+    tensors = 2 + LAYERS * 9 + 1  # parameters; each tensor's blocks round up to 512 bytes
+    assert 16 * PSI <= states <= 16 * PSI + 4 * 512 * tensors
+    assert 4 * PSI <= b["weights"] <= 4 * PSI + 512 * tensors  # fp32 parameters
+
+    analytic = plan_of(path, RunConfig(batch=2, seq=128))
+    assert (analytic.breakdown["weights"] + analytic.breakdown["gradients"]
+            + analytic.breakdown["optimizer_states"]) == 16 * PSI
+    assert analytic.breakdown["weights"] == 2 * PSI
+
+    code, out, err = run(capsys, *common)
+    assert code == 0, err
+    table = rows(out)
+    assert table["allocator reserve"] == [format_bytes(reserve), "not modelled"]
+    assert table["weights"] == [format_bytes(b["weights"]), format_bytes(2 * PSI)]
+    assert table["total"][0] == format_bytes(data["per_gpu"]["total_bytes"])
+    assert "weights [2]" in out and "optimizer_states [2]" in out
+    assert "fp32 parameters and fp32 gradients, as torch.autocast" in out
+    assert f"trace {format_bytes(states)}, analytic {format_bytes(16 * PSI)}" in out.replace(
+        "\n", " ")
+    assert "fits with" in out  # the shared verdict (cli._common.print_fit_verdict)
+
+
+def plan_of(path: str, run_config: RunConfig):
+    from memfit.models import resolve_model
+
+    return plan(resolve_model(path), run_config)
+
+
+def test_trace_suggests_changes_when_it_does_not_fit(capsys, tmp_path) -> None:
+    """On a GPU of 500 MiB the traced step (about 474 MiB, most of it the CUDA runtime) leaves
+    less than the trace's 15% margin: the analytic suggestions come with it, their saving the
+    analytic re-plan's and their new total the trace's total minus that saving."""
+    path = small_llama(tmp_path)
+    gpus = tmp_path / "gpus.json"
+    gpus.write_text(json.dumps({"gpus": [{"name": "a100-sxm-40gb",
+                                          "memory_bytes": 500 * 2**20}]}))
+    common = ("plan", path, "--method", "trace", "--gpu", "a100-40gb", "--gpu-file", str(gpus),
+              "--batch", "2", "--seq", "128")
+    code, out, err = run(capsys, *common, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["fits"] is False and data["suggestions"]
+    base = plan_of(path, RunConfig(batch=2, seq=128))
+    flags = {"--checkpointing full": {"checkpointing": "full"},
+             "--offload-optimizer": {"offload_optimizer": True},
+             "--optimizer adamw-8bit": {"optimizer": "adamw-8bit"},
+             "--mode lora": {"mode": "lora"}, "--mode qlora": {"mode": "qlora"},
+             "--batch 1 --grad-accum 2": {"batch": 1, "grad_accum": 2}}
+    for s in data["suggestions"]:
+        assert s["total_bytes"] == data["per_gpu"]["total_bytes"] - s["saved_bytes"]
+        if s["change"] in flags:
+            alt = plan_of(path, dataclasses.replace(base.run, **flags[s["change"]]))
+            assert s["saved_bytes"] == base.total_bytes - alt.total_bytes
+    code, out, err = run(capsys, *common)
+    assert code == 0, err
+    assert "does not fit" in out and "What would save memory" in out
+    assert "applied to the trace's total" in out.replace("\n", " ")
