@@ -149,3 +149,46 @@ def test_trace_suggests_changes_when_it_does_not_fit(capsys, tmp_path) -> None:
     assert code == 0, err
     assert "does not fit" in out and "What would save memory" in out
     assert "applied to the trace's total" in out.replace("\n", " ")
+
+
+@pytest.mark.parametrize(("mode", "gpu", "chosen"), [
+    ("inference", "t4", "fp16"),  # no bf16 (compute capability 7.5): 16-bit weights
+    ("train", "t4", "fp16-mixed"),
+    ("lora", "v100-16gb", "fp16-mixed"),  # compute capability 7.0
+    ("inference", "h100-80gb", "bf16-mixed"),  # bf16 supported: the documented default
+    ("train", None, "bf16-mixed"),  # no GPU named
+])
+def test_default_precision_is_the_best_the_gpu_supports(capsys, mode, gpu, chosen) -> None:
+    argv = ["plan", "vit-b-16", "--mode", mode, *(["--gpu", gpu] if gpu else [])]
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["run"]["precision"] == chosen
+    said = [n for n in data["notes"] if n.startswith("precision ")]
+    if chosen == "bf16-mixed":
+        assert said == []
+    else:
+        assert len(said) == 1 and said[0].startswith(f"precision {chosen}: the best the ")
+        assert "no bf16" in said[0] and "give --precision" in said[0]
+    if mode == "inference":  # 16-bit weights either way: 2 bytes per parameter
+        assert data["per_gpu"]["breakdown"]["weights"] == 2 * data["model"]["params"]
+    code, out, err = run(capsys, *argv)  # the table says so in one line, before the table
+    assert code == 0, err
+    if chosen != "bf16-mixed":
+        said_at = out.index(f"\nprecision {chosen}: the best the")
+        assert said_at < out.index("Memory per GPU")
+    else:
+        assert "\nprecision " not in out
+
+
+def test_explicit_bf16_on_a_gpu_without_it_stays_an_error() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from memfit.cli import main; sys.exit(main())",
+         "plan", "vit-b-16", "--mode", "inference", "--gpu", "t4", "--precision", "bf16-mixed"],
+        capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "no bf16 support" in proc.stderr
+    assert "--precision fp16-mixed (fp16 for inference)" in proc.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from memfit.cli._common import console, nonneg_int, positive_int, print_fit_verdict, print_json
@@ -17,7 +18,7 @@ from memfit.estimate.config import (
     WEIGHT_QUANTS,
     RunConfig,
 )
-from memfit.estimate.planner import MemoryPlan, plan
+from memfit.estimate.planner import MemoryPlan, default_precision, plan
 from memfit.estimate.suggestions import suggest_changes
 from memfit.models.spec import ModelSpec, ParamCountSpec
 from memfit.units import parse_count
@@ -42,8 +43,9 @@ def register(sub: Any) -> None:
     p.add_argument("--gpu", help="GPU from the catalog (`memfit gpus`)")
     p.add_argument("--gpu-file", help="a JSON file adding or overriding catalog GPUs")
     p.add_argument("--mode", default="train", help=f"one of {', '.join(MODES)} (default train)")
-    p.add_argument("--precision", default="bf16-mixed",
-                   help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed)")
+    p.add_argument("--precision",
+                   help=f"one of {', '.join(PRECISIONS)} (default: bf16-mixed; on a GPU without "
+                   "bf16 such as v100 or t4, fp16-mixed to train and fp16 for inference)")
     p.add_argument("--optimizer", default="adamw",
                    help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     p.add_argument("--checkpointing", default="none",
@@ -126,14 +128,29 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     )
 
 
+def choose_precision(args: argparse.Namespace, gpu: Any) -> str | None:
+    """Without --precision: the best the GPU supports (:func:`default_precision`); returns the
+    line saying so when the GPU changed the choice from the documented bf16-mixed."""
+    if args.precision is not None:
+        return None
+    args.precision = default_precision(gpu, args.mode)
+    if args.precision == "bf16-mixed":
+        return None
+    return (f"precision {args.precision}: the best the {gpu.label} supports (no bf16: compute "
+            f"capability {gpu.compute_capability}); give --precision to choose another")
+
+
 def run(args: argparse.Namespace) -> int:
     model, gpu = resolve(args)
+    args.precision_note = choose_precision(args, gpu)
     config = run_config(args)
     if args.method == "trace":
         from memfit.cli.trace_plan import run_trace
 
         return run_trace(args, model, config, gpu)
     result = plan(model, config, gpu)
+    if args.precision_note:
+        result = dataclasses.replace(result, notes=(args.precision_note, *result.notes))
     suggestions = suggest_changes(result) if result.fits is False else []
     if args.json:
         out = result.to_dict()
@@ -151,5 +168,9 @@ def render(p: MemoryPlan, suggestions: list[Any]) -> None:
     suggestions."""
     from memfit.estimate.planner import FITS_MARGIN
 
-    p.table(suggestions).print(console(), verdict=lambda out: print_fit_verdict(
+    table = p.table(suggestions)
+    if p.notes and p.notes[0].startswith("precision "):  # the default chosen for this GPU
+        table = dataclasses.replace(table, lines_before=(*table.lines_before, p.notes[0]),
+                                    lines_after=table.lines_after[1:])
+    table.print(console(), verdict=lambda out: print_fit_verdict(
         out, p.capacity_bytes, p.total_bytes, FITS_MARGIN, "analytic plan"))

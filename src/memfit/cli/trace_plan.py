@@ -202,6 +202,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             "analytic_total_bytes": analytic.total_bytes,
             "trace_seconds": est.trace_seconds,
             "assumptions": list(est.assumptions),
+            "notes": [args.precision_note] if getattr(args, "precision_note", None) else [],
             "suggestions": [
                 {"change": s.change, "saved_bytes": s.saved_bytes, "total_bytes": s.total_bytes,
                  "fits": s.fits, "saving_from": "analytic"} for s in suggestions],
@@ -222,6 +223,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             f"[bold]{spec.name}[/bold] ({format_params(spec.param_count())} params) traced on meta "
             f"tensors{f' for {gpu.label}' if gpu else ' for CUDA'} in {est.trace_seconds:.1f} s",
             analytic.describe(),
+            *([args.precision_note] if getattr(args, "precision_note", None) else []),
             f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
             f"({est.peak_phase}, step {est.peak_step})"),
         lines_after=tuple(after), suggestions=tuple(suggestions),

@@ -149,6 +149,8 @@ class MemoryPlan:
             "per_gpu": {
                 "total_bytes": self.total_bytes,
                 "breakdown": {c.value: b for c, b in self.breakdown.items()},
+                # the trace's "peak reserved - peak allocated"; not modelled here
+                "allocator_reserve_bytes": None,
             },
             "fits": self.fits,
             "headroom_bytes": self.headroom_bytes,
@@ -164,13 +166,28 @@ class MemoryPlan:
         }
 
 
+def default_precision(gpu: GpuSpec | None, mode: str) -> str:
+    """The best precision ``gpu`` supports, for when the user names none: bf16-mixed where the
+    GPU has bf16 (compute capability 8.0 and up; also with no GPU named), else fp16-mixed for
+    training and fp16 for inference (V100, T4: 16-bit weights without fp32 masters).
+
+    >>> from memfit.gpus import get_gpu
+    >>> default_precision(get_gpu("t4"), "inference"), default_precision(get_gpu("t4"), "lora")
+    ('fp16', 'fp16-mixed')
+    """
+    if gpu is None or gpu.supports("bf16"):
+        return "bf16-mixed"
+    return "fp16" if mode == "inference" else "fp16-mixed"
+
+
 def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> None:
     """Conflicting options, caught up front with the way around."""
     if gpu is not None:
         if run.precision in ("bf16", "bf16-mixed") and not gpu.bf16:
             raise MemfitError(
                 f"{gpu.label} has no bf16 support (compute capability "
-                f"{gpu.compute_capability}); use --precision fp16-mixed")
+                f"{gpu.compute_capability}); use --precision fp16-mixed (fp16 for inference), "
+                "or leave --precision out for the best this GPU supports")
         needs_fp8 = run.precision == "fp8" or run.kv_cache_dtype == "fp8"
         if needs_fp8 and not gpu.fp8:
             raise MemfitError(
