@@ -192,3 +192,74 @@ def test_explicit_bf16_on_a_gpu_without_it_stays_an_error() -> None:
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "no bf16 support" in proc.stderr
     assert "--precision fp16-mixed (fp16 for inference)" in proc.stderr
+
+
+def test_this_needs_n_gpus_and_host_memory_per_node(capsys) -> None:
+    """Llama-3-70B (Ψ = 70,553,706,496 parameters) with full checkpointing and the optimizer
+    offloaded does not fit one H100: the fewest GPUs with ZeRO-3 that fit (checked against the
+    plans on N and N - 1 GPUs), and host memory per node = the per-GPU offloaded share of the
+    12Ψ bytes of fp32 masters + AdamW states (ZeRO-3 shards them before they are offloaded)
+    times the GPUs on a node (8 by default)."""
+    from dataclasses import replace
+
+    from memfit.gpus import get_gpu
+    from memfit.models import get_preset
+
+    psi = 70_553_706_496
+    code, out, err = run(capsys, "plan", "llama-3-70b", "--gpu", "h100-80gb", "--checkpointing",
+                         "full", "--offload-optimizer", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["fits"] is False and data["model"]["params"] == psi
+    s = data["scale_out"]
+    n = s["gpus"]
+    assert s["zero"] == 3 and s["flags"] == f"--gpus {n} --zero 3"
+    one = plan(get_preset("llama-3-70b"), RunConfig(checkpointing="full", offload_optimizer=True),
+               get_gpu("h100-80gb"))
+    assert plan(one.model, replace(one.run, gpus=n, zero=3), one.gpu).fits is True
+    assert plan(one.model, replace(one.run, gpus=n - 1, zero=3), one.gpu).fits is False
+    per_gpu = -(-12 * psi // n)
+    assert s["host_bytes_per_gpu"] == per_gpu
+    assert s["host_bytes_per_node"] == per_gpu * min(n, 8)
+    code, out, err = run(capsys, "plan", "llama-3-70b", "--gpu", "h100-80gb", "--checkpointing",
+                         "full", "--offload-optimizer", "--gpus-per-node", "4")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert f"this needs {n} GPUs (ZeRO-3 / FSDP: --gpus {n} --zero 3)" in text
+    assert f"{-(-n // 4)} nodes of 4 GPUs" in text
+    assert f"{format_bytes(per_gpu * 4)} per node ({format_bytes(per_gpu)} per GPU)" in text
+
+
+def test_no_gpu_count_helps_when_the_activations_alone_do_not_fit(capsys) -> None:
+    # Llama-3-70B, no checkpointing: one micro-batch's activations stay on every GPU whatever
+    # ZeRO shards.
+    code, out, err = run(capsys, "plan", "llama-3-70b", "--gpu", "h100-80gb", "--json")
+    assert code == 0, err
+    assert json.loads(out)["scale_out"] is None
+    code, out, err = run(capsys, "plan", "llama-3-70b", "--gpu", "h100-80gb")
+    assert "no number of GPUs up to 4096 holds this step with ZeRO-3" in " ".join(out.split())
+
+
+def test_inference_needs_the_fewest_gpus_over_tensor_and_pipeline_splits(capsys) -> None:
+    from dataclasses import replace
+
+    from memfit.gpus import get_gpu
+    from memfit.models import get_preset
+
+    argv = ("plan", "llama-3-70b", "--gpu", "h100-80gb", "--mode", "inference", "--batch", "8",
+            "--seq", "4096", "--new-tokens", "512", "--json")
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    s = json.loads(out)["scale_out"]
+    assert s["tp"] * s["pp"] == s["gpus"]
+    base = plan(get_preset("llama-3-70b"),
+                RunConfig(mode="inference", batch=8, seq=4096, new_tokens=512),
+                get_gpu("h100-80gb"))
+    assert plan(base.model, replace(base.run, gpus=s["gpus"], tp=s["tp"], pp=s["pp"]),
+                base.gpu).fits
+    for tp in (1, 2, 4, 8):  # the tps that divide 64 heads and 8 KV heads, within a node
+        for pp in range(1, 81):
+            if tp * pp < s["gpus"]:
+                fewer = plan(base.model, replace(base.run, gpus=tp * pp, tp=tp, pp=pp),
+                             base.gpu)
+                assert fewer.fits is False

@@ -18,7 +18,14 @@ from memfit.estimate.config import (
     WEIGHT_QUANTS,
     RunConfig,
 )
-from memfit.estimate.planner import MemoryPlan, default_precision, plan
+from memfit.estimate.planner import (
+    GPUS_PER_NODE,
+    MemoryPlan,
+    default_precision,
+    gpus_needed,
+    plan,
+    scale_out_line,
+)
 from memfit.estimate.suggestions import suggest_changes
 from memfit.models.spec import ModelSpec, ParamCountSpec
 from memfit.units import parse_count
@@ -57,6 +64,8 @@ def register(sub: Any) -> None:
     p.add_argument("--gpus", default="1", help="total GPUs (data x tensor x pipeline)")
     p.add_argument("--zero", default="0", help="ZeRO stage 0-3 over data-parallel ranks")
     p.add_argument("--fsdp", action="store_true", help="FSDP full sharding (same as --zero 3)")
+    p.add_argument("--gpus-per-node", default="8",
+                   help="GPUs per node, for host memory per node (default 8)")
     p.add_argument("--tp", default="1", help="tensor-parallel size")
     p.add_argument("--pp", default="1", help="pipeline-parallel size (1F1B)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -152,23 +161,31 @@ def run(args: argparse.Namespace) -> int:
     if args.precision_note:
         result = dataclasses.replace(result, notes=(args.precision_note, *result.notes))
     suggestions = suggest_changes(result) if result.fits is False else []
+    per_node = positive_int(args.gpus_per_node, "--gpus-per-node") or GPUS_PER_NODE
+    scale = gpus_needed(result, gpus_per_node=per_node) if result.fits is False else None
     if args.json:
         out = result.to_dict()
+        out["scale_out"] = None if scale is None else scale.to_dict()
         out["suggestions"] = [
             {"change": s.change, "saved_bytes": s.saved_bytes,
              "total_bytes": s.plan.total_bytes, "fits": s.plan.fits} for s in suggestions]
         print_json(out)
         return 0
-    render(result, suggestions)
+    render(result, suggestions, per_node,
+           scale_out_line(result, scale, gpus_per_node=per_node) if result.fits is False
+           else None)
     return 0
 
 
-def render(p: MemoryPlan, suggestions: list[Any]) -> None:
-    """The shared memory table (:meth:`MemoryPlan.table`), the fit verdict, the notes and the
-    suggestions."""
+def render(p: MemoryPlan, suggestions: list[Any], gpus_per_node: int = GPUS_PER_NODE,
+           scale_out: str | None = None) -> None:
+    """The shared memory table (:meth:`MemoryPlan.table`), the fit verdict, how many GPUs it
+    needs when one will not do, the notes and the suggestions."""
     from memfit.estimate.planner import FITS_MARGIN
 
-    table = p.table(suggestions)
+    table = p.table(suggestions, gpus_per_node=gpus_per_node)
+    if scale_out:
+        table = dataclasses.replace(table, lines_after=(scale_out, *table.lines_after))
     if p.notes and p.notes[0].startswith("precision "):  # the default chosen for this GPU
         table = dataclasses.replace(table, lines_before=(*table.lines_before, p.notes[0]),
                                     lines_after=table.lines_after[1:])

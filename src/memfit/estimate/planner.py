@@ -38,6 +38,9 @@ from memfit.units import format_bytes
 # checks that this margin still covers the latest results. Re-derive it when the bench changes.
 FITS_MARGIN = 0.19
 
+GPUS_PER_NODE = 8
+"""GPUs per node when the user does not say (DGX/HGX A100, H100, H200, B200 nodes)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
@@ -109,14 +112,20 @@ class MemoryPlan:
         return Column(name=name, breakdown=dict(self.breakdown), allocator_reserve=None,
                       activations_known=self.activations_known)
 
-    def table(self, suggestions: Sequence[Any] = ()) -> MemoryTable:
+    def table(self, suggestions: Sequence[Any] = (), *,
+              gpus_per_node: int = GPUS_PER_NODE) -> MemoryTable:
         """The memory table ``memfit plan`` prints (and ``str(plan)``)."""
         params = self.model.param_count()
         gpu = f" on {self.gpu.label}" if self.gpu else ""
         after = []
         if self.host_bytes:
+            per_node = ""
+            if self.run.gpus > 1:
+                on_node = min(self.run.gpus, gpus_per_node)
+                per_node = (f", {format_bytes(self.host_bytes * on_node)} per node of "
+                            f"{on_node} GPUs")
             after.append(f"host memory for offloaded states: {format_bytes(self.host_bytes)} "
-                         "per GPU")
+                         f"per GPU{per_node}")
         after += [f"note: {note}" for note in self.notes]
         return MemoryTable(
             title="Memory per GPU" + (f" (pipeline stage {self.stage})" if self.run.pp > 1
@@ -322,3 +331,144 @@ def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = N
 def with_changes(p: MemoryPlan, **changes: Any) -> MemoryPlan:
     """Re-plan with some run options changed (used by suggestions and searches)."""
     return plan(p.model, replace(p.run, **changes), p.gpu)
+
+MAX_GPUS = 4096
+"""The largest GPU count :func:`gpus_needed` tries."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleOut:
+    """The fewest GPUs that hold a step that does not fit on the planned count."""
+
+    plan: MemoryPlan
+    """The plan on ``plan.run.gpus`` GPUs; it fits with :data:`FITS_MARGIN`."""
+    strategy: str
+    """How the GPUs split the work, in words (e.g. ``ZeRO-3 / FSDP``)."""
+    gpus_per_node: int
+
+    @property
+    def gpus(self) -> int:
+        return self.plan.run.gpus
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """Host memory of one full node for what the plan offloads: the per-GPU offloaded
+        states times the GPUs on the node."""
+        return self.plan.host_bytes * min(self.gpus, self.gpus_per_node)
+
+    @property
+    def flags(self) -> str:
+        """The CLI options that give this plan."""
+        r = self.plan.run
+        out = [f"--gpus {r.gpus}"]
+        if r.zero:
+            out.append(f"--zero {r.zero}")
+        if r.tp > 1:
+            out.append(f"--tp {r.tp}")
+        if r.pp > 1:
+            out.append(f"--pp {r.pp}")
+        return " ".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.plan.run
+        return {"gpus": r.gpus, "zero": r.zero, "tp": r.tp, "pp": r.pp, "flags": self.flags,
+                "strategy": self.strategy, "per_gpu_total_bytes": self.plan.total_bytes,
+                "headroom_bytes": self.plan.headroom_bytes, "gpus_per_node": self.gpus_per_node,
+                "nodes": self.nodes, "host_bytes_per_gpu": self.plan.host_bytes,
+                "host_bytes_per_node": self.host_bytes_per_node}
+
+
+def _fits(model: ModelSpec, run: RunConfig, gpu: GpuSpec) -> MemoryPlan | None:
+    try:
+        p = plan(model, run, gpu)
+    except MemfitError:
+        return None  # e.g. a tp that does not divide the heads
+    return p if p.fits else None
+
+
+def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
+                max_gpus: int = MAX_GPUS) -> ScaleOut | None:
+    """The fewest GPUs on which ``p``'s step fits with :data:`FITS_MARGIN`, or None when none up
+    to ``max_gpus`` does (or no GPU is named).
+
+    Training keeps the given tensor and pipeline sizes and adds data-parallel ranks with the
+    given ZeRO stage, ZeRO-3 / FSDP when none is given: the sharded model states shrink with
+    the ranks, the activations of a micro-batch do not (ZeRO paper, Fig. 1). The per-GPU bytes
+    never grow with the ranks, so a bisection finds the fewest. Inference splits the model with
+    tensor parallelism within a node (a tp that divides the heads), then pipeline stages.
+
+    >>> from memfit.gpus import get_gpu
+    >>> from memfit.models import get_preset
+    >>> one = plan(get_preset("llama-3-8b"), RunConfig(checkpointing="full"), get_gpu("a100-40gb"))
+    >>> one.fits, gpus_needed(one).strategy
+    (False, 'ZeRO-3 / FSDP')
+    """
+    if p.gpu is None or gpus_per_node < 1:
+        return None
+    model, run, gpu = p.model, p.run, p.gpu
+    if run.training:
+        zero = run.zero or 3
+        step = run.tp * run.pp
+
+        def at(dp: int) -> MemoryPlan | None:
+            return _fits(model, replace(run, gpus=dp * step, zero=zero), gpu)
+
+        lo, hi = run.dp + 1, max_gpus // step
+        if hi < lo or at(hi) is None:
+            return None
+        while lo < hi:  # the fewest data-parallel ranks that fit
+            mid = (lo + hi) // 2
+            if at(mid) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        found = at(lo)
+        assert found is not None
+        strategy = {1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}[zero]
+        if step > 1:
+            strategy += f" with tp {run.tp} x pp {run.pp}"
+        return ScaleOut(plan=found, strategy=strategy, gpus_per_node=gpus_per_node)
+    heads = model.num_heads if isinstance(model, TransformerSpec) else 1
+    layers = model.num_layers if isinstance(model, TransformerSpec) else 1
+    tps = [t for t in range(1, min(heads, gpus_per_node) + 1) if heads % t == 0]
+    options = sorted((t * pp, pp, t) for t in tps for pp in range(1, layers + 1)
+                      if run.gpus < t * pp <= max_gpus)
+    for _, pp, t in options:
+        found = _fits(model, replace(run, gpus=t * pp, tp=t, pp=pp), gpu)
+        if found is not None:
+            strategy = " x ".join(([f"tensor parallel {t}"] if t > 1 else [])
+                                  + ([f"{pp} pipeline stages"] if pp > 1 else []))
+            return ScaleOut(plan=found, strategy=strategy, gpus_per_node=gpus_per_node)
+    return None
+
+
+def scale_out_line(p: MemoryPlan, scale: ScaleOut | None, *,
+                   gpus_per_node: int = GPUS_PER_NODE) -> str:
+    """The line ``memfit plan`` prints when ``p`` does not fit: how many GPUs it needs, or why
+    no count up to :data:`MAX_GPUS` will do."""
+    if scale is None:
+        if p.run.training:
+            zero = p.run.zero or 3
+            widest = plan(p.model, replace(p.run, gpus=MAX_GPUS // (p.run.tp * p.run.pp)
+                                           * p.run.tp * p.run.pp, zero=zero), p.gpu)
+            held = (widest.breakdown[MemoryCategory.ACTIVATIONS]
+                    + widest.breakdown[MemoryCategory.TEMPORARIES])
+            return (f"no number of GPUs up to {MAX_GPUS} holds this step with ZeRO-{zero}: the "
+                    f"activations and temporaries of one micro-batch ({format_bytes(held)} per "
+                    "GPU) do not shrink with more GPUs; try --checkpointing full, a smaller "
+                    "--batch, or --tp")
+        return (f"no tensor/pipeline split up to {MAX_GPUS} GPUs holds this step; try --quant, "
+                "--kv-cache-dtype or a smaller --batch")
+    q = scale.plan
+    line = (f"this needs {scale.gpus} GPUs ({scale.strategy}: {scale.flags}), "
+            f"{format_bytes(q.total_bytes)} per GPU, {format_bytes(q.headroom_bytes)} headroom")
+    if scale.gpus > gpus_per_node:
+        line += f"; {scale.nodes} nodes of {gpus_per_node} GPUs"
+    if q.host_bytes:
+        line += (f"; host memory for offloaded states {format_bytes(scale.host_bytes_per_node)} "
+                 f"per node ({format_bytes(q.host_bytes)} per GPU)")
+    return line
