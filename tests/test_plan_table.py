@@ -57,7 +57,7 @@ def test_print_plan_is_the_table_and_repr_is_short() -> None:
     assert table["optimizer_states"][0] == format_bytes(12 * 10**9)
     assert table["activations"][0] == "unknown"
     assert table["allocator reserve"][0] == "not modelled"
-    assert "[1] not modelled by the analytic plan" in text
+    assert "[1] not modelled by the analytic plan; its 19% fit margin" in text
     assert "no --gpu given" in text
     r = repr(p)
     assert r.startswith("<MemoryPlan 1B: train, bf16-mixed, adamw") and len(r) < 200
@@ -263,3 +263,53 @@ def test_inference_needs_the_fewest_gpus_over_tensor_and_pipeline_splits(capsys)
                 fewer = plan(base.model, replace(base.run, gpus=tp * pp, tp=tp, pp=pp),
                              base.gpu)
                 assert fewer.fits is False
+
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize(("name", "usable"), [
+    # cudaDeviceProp.totalGlobalMem (= torch's total_memory, torch/csrc/cuda/Module.cpp) as
+    # published: CUDA deviceQuery's exact bytes, or a MiB count truncated by mixbench / torch's
+    # repr (totalGlobalMem / (1024 * 1024)). Sources in gpus.json.
+    ("t4", 15_843_721_216),  # deviceQuery: 15110 MBytes (15843721216 bytes)
+    ("a100-sxm-40gb", 42_298_834_944),  # deviceQuery: 40339 MBytes (42298834944 bytes)
+    ("a100-pcie-80gb", 81049 * MiB),  # mixbench: Total global mem 81049 MB
+    ("a100-sxm-80gb", 81049 * MiB),  # the PCIe board's figure (same GA100 and HBM2e stacks)
+    ("rtx-3090", 24268 * MiB),  # torch repr: total_memory=24268MB
+])
+def test_catalog_usable_bytes_from_published_measurements(name, usable) -> None:
+    from memfit.gpus import get_gpu
+
+    gpu = get_gpu(name)
+    assert gpu.usable_bytes == usable and gpu.usable_measured
+    # the driver's total (nvidia-smi) is 1-2% more
+    assert 0.01 < 1 - gpu.usable_bytes / gpu.memory_bytes < 0.02
+    assert any(src.startswith("https://") and ("deviceQuery" in src or "total" in src.lower())
+               for src in gpu.sources)
+
+
+def test_the_table_says_when_the_capacity_is_the_drivers_total(capsys) -> None:
+    from memfit.gpus import get_gpu, list_gpus
+
+    for gpu in list_gpus():
+        assert gpu.usable_measured == (gpu.usable_bytes != gpu.memory_bytes)
+    assert not get_gpu("rtx-4090").usable_measured
+    code, out, err = run(capsys, "plan", "gpt2", "--gpu", "rtx-4090")
+    assert code == 0, err
+    assert "usable on GPU [2]" in out and "[2] the driver's total: PyTorch's total_memory" in out
+    code, out, err = run(capsys, "plan", "gpt2", "--gpu", "a100-40gb", "--json")
+    assert json.loads(out)["gpu"] == {"name": "a100-sxm-40gb", "capacity_bytes": 42_298_834_944,
+                                      "capacity_measured": True}
+    code, out, err = run(capsys, "plan", "gpt2", "--gpu", "a100-40gb")
+    assert "usable on GPU" in out and "driver's total" not in out
+
+
+def test_json_has_one_seq_the_one_planned(capsys) -> None:
+    # llama-3-8b's context is 8192 tokens; without --seq the plan uses it capped at 2048.
+    code, out, err = run(capsys, "plan", "llama-3-8b", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert "seq" not in data and data["run"]["seq"] == 2048
+    code, out, err = run(capsys, "plan", "llama-3-8b", "--seq", "512", "--json")
+    assert json.loads(out)["run"]["seq"] == 512

@@ -189,7 +189,8 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
         print_json({
             "method": "trace",
             "model": {"name": spec.name, "params": spec.param_count()},
-            "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity},
+            "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity,
+                                             "capacity_measured": gpu.usable_measured},
             "per_gpu": {"total_bytes": est.total_bytes,
                         "breakdown": {c.value: b for c, b in column.breakdown.items()},
                         "allocator_reserve_bytes": column.allocator_reserve},
@@ -217,6 +218,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     after += [f"assumed: {note}" for note in est.assumptions]
     table = MemoryTable(
         title="Memory per GPU: trace vs analytic", capacity=capacity,
+        capacity_is_driver_total=gpu is not None and not gpu.usable_measured,
         columns=(column, analytic.column("analytic")),
         footnotes=tuple(trace_footnotes(est, analytic, run)),
         lines_before=(

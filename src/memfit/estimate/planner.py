@@ -131,6 +131,7 @@ class MemoryPlan:
             title="Memory per GPU" + (f" (pipeline stage {self.stage})" if self.run.pp > 1
                                       else ""),
             columns=(self.column(),), capacity=self.capacity_bytes,
+            capacity_is_driver_total=self.gpu is not None and not self.gpu.usable_measured,
             footnotes=(reserve_not_modelled_note(FITS_MARGIN),),
             lines_before=(f"[bold]{self.model.name}[/bold] ({format_params(params)} params){gpu}",
                           self.describe()),
@@ -154,7 +155,9 @@ class MemoryPlan:
         return {
             "model": {"name": self.model.name, "params": self.model.param_count()},
             "gpu": None if self.gpu is None else {
-                "name": self.gpu.name, "capacity_bytes": self.gpu.usable_bytes},
+                "name": self.gpu.name, "capacity_bytes": self.gpu.usable_bytes,
+                # False: capacity_bytes is the driver's total, PyTorch's not measured
+                "capacity_measured": self.gpu.usable_measured},
             "per_gpu": {
                 "total_bytes": self.total_bytes,
                 "breakdown": {c.value: b for c, b in self.breakdown.items()},

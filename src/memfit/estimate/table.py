@@ -22,6 +22,8 @@ allocated): cached free blocks and the unused tails of split segments."""
 
 NOT_MODELLED = "not modelled"
 
+CAPACITY_ROW = "usable on GPU"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Column:
@@ -61,6 +63,8 @@ class MemoryTable:
     title: str
     columns: tuple[Column, ...]
     capacity: int | None
+    capacity_is_driver_total: bool = False
+    """The GPU's usable bytes are the driver's total, PyTorch's ``total_memory`` not measured."""
     footnotes: tuple[Footnote, ...] = ()
     suggestions: tuple[SuggestionRow, ...] = ()
     suggestions_title: str = "What would save memory (one change each)"
@@ -78,7 +82,7 @@ class MemoryTable:
         if one:
             table.add_column("share", justify="right")
         marks: dict[str, list[int]] = {}
-        for number, note in enumerate(self.footnotes, start=1):
+        for number, note in enumerate(self.all_footnotes(), start=1):
             for row in note.rows:
                 marks.setdefault(row, []).append(number)
 
@@ -110,7 +114,7 @@ class MemoryTable:
         totals = [f"[bold]{format_bytes(c.total)}[/bold]" for c in self.columns]
         table.add_row("[bold]total[/bold]", *totals, *([""] if one else []))
         if self.capacity is not None:
-            table.add_row("usable on GPU", format_bytes(self.capacity),
+            table.add_row(label(CAPACITY_ROW), format_bytes(self.capacity),
                           *([""] * (len(self.columns) - 1 + one)))
         return table
 
@@ -127,8 +131,15 @@ class MemoryTable:
             sug.add_row(s.change, format_bytes(s.saved_bytes), format_bytes(s.total_bytes), fits)
         return sug
 
+    def all_footnotes(self) -> tuple[Footnote, ...]:
+        if self.capacity is None or not self.capacity_is_driver_total:
+            return self.footnotes
+        return (*self.footnotes, Footnote(rows=(CAPACITY_ROW,), text=(
+            "the driver's total: PyTorch's total_memory for this GPU is not in the catalog "
+            "(1-2% less where measured)")))
+
     def footnote_lines(self) -> list[str]:
-        return [f"[{n}] {note.text}" for n, note in enumerate(self.footnotes, start=1)]
+        return [f"[{n}] {note.text}" for n, note in enumerate(self.all_footnotes(), start=1)]
 
     def print(self, out: Any, verdict: Any = None) -> None:
         """Print to a rich console: lines before, the table, footnotes, ``verdict(out)``, lines
@@ -163,8 +174,8 @@ def format_params(n: int) -> str:
 
 def reserve_not_modelled_note(margin: float) -> Footnote:
     return Footnote(rows=(RESERVE_ROW,), text=(
-        f"not modelled by the analytic plan: the allocator's cached, unused blocks fall inside "
-        f"its {margin:.0%} fit margin (--method trace models them)"))
+        f"not modelled by the analytic plan; its {margin:.0%} fit margin covers the allocator's "
+        "cache (--method trace models it)"))
 
 
 def fit_verdict(capacity: int | None, total: int, margin: float, method: str) -> str:
