@@ -149,6 +149,9 @@ def test_trace_suggests_changes_when_it_does_not_fit(capsys, tmp_path) -> None:
     assert code == 0, err
     assert "does not fit" in out and "What would save memory" in out
     assert "applied to the trace's total" in out.replace("\n", " ")
+    # how many GPUs: the trace models one, so the analytic plan answers (here none will do:
+    # the CUDA context and NCCL's buffers alone exceed 500 MiB less the margin)
+    assert "analytic plan: no number of GPUs up to 4096" in " ".join(out.split())
 
 
 @pytest.mark.parametrize(("mode", "gpu", "chosen"), [
@@ -179,6 +182,20 @@ def test_default_precision_is_the_best_the_gpu_supports(capsys, mode, gpu, chose
         assert said_at < out.index("Memory per GPU")
     else:
         assert "\nprecision " not in out
+
+
+def test_default_precision_with_the_trace(capsys) -> None:
+    # ViT-B/16 inference on a T4 traced in fp16: 16-bit weights, 2 bytes per parameter (each
+    # tensor's block rounded up to 512 bytes).
+    code, out, err = run(capsys, "plan", "vit-b-16", "--mode", "inference", "--gpu", "t4",
+                         "--method", "trace", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["run"]["precision"] == "fp16"
+    assert data["notes"][0].startswith("precision fp16: the best the NVIDIA T4 supports")
+    params = data["model"]["params"]
+    weights = data["per_gpu"]["breakdown"]["weights"]
+    assert 2 * params <= weights <= 2 * params + 512 * 300
 
 
 def test_explicit_bf16_on_a_gpu_without_it_stays_an_error() -> None:

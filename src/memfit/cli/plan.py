@@ -158,13 +158,13 @@ def run(args: argparse.Namespace) -> int:
 
         return run_trace(args, model, config, gpu)
     result = plan(model, config, gpu)
-    if args.precision_note:
-        result = dataclasses.replace(result, notes=(args.precision_note, *result.notes))
     suggestions = suggest_changes(result) if result.fits is False else []
     per_node = positive_int(args.gpus_per_node, "--gpus-per-node") or GPUS_PER_NODE
     scale = gpus_needed(result, gpus_per_node=per_node) if result.fits is False else None
     if args.json:
         out = result.to_dict()
+        if args.precision_note:
+            out["notes"] = [args.precision_note, *out["notes"]]
         out["scale_out"] = None if scale is None else scale.to_dict()
         out["suggestions"] = [
             {"change": s.change, "saved_bytes": s.saved_bytes,
@@ -173,12 +173,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     render(result, suggestions, per_node,
            scale_out_line(result, scale, gpus_per_node=per_node) if result.fits is False
-           else None)
+           else None, args.precision_note)
     return 0
 
 
 def render(p: MemoryPlan, suggestions: list[Any], gpus_per_node: int = GPUS_PER_NODE,
-           scale_out: str | None = None) -> None:
+           scale_out: str | None = None, precision_note: str | None = None) -> None:
     """The shared memory table (:meth:`MemoryPlan.table`), the fit verdict, how many GPUs it
     needs when one will not do, the notes and the suggestions."""
     from memfit.estimate.planner import FITS_MARGIN
@@ -186,8 +186,7 @@ def render(p: MemoryPlan, suggestions: list[Any], gpus_per_node: int = GPUS_PER_
     table = p.table(suggestions, gpus_per_node=gpus_per_node)
     if scale_out:
         table = dataclasses.replace(table, lines_after=(scale_out, *table.lines_after))
-    if p.notes and p.notes[0].startswith("precision "):  # the default chosen for this GPU
-        table = dataclasses.replace(table, lines_before=(*table.lines_before, p.notes[0]),
-                                    lines_after=table.lines_after[1:])
+    if precision_note:  # the precision chosen for this GPU, under the run's description
+        table = dataclasses.replace(table, lines_before=(*table.lines_before, precision_note))
     table.print(console(), verdict=lambda out: print_fit_verdict(
         out, p.capacity_bytes, p.total_bytes, FITS_MARGIN, "analytic plan"))

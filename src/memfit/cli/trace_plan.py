@@ -8,10 +8,17 @@ import dataclasses
 from typing import Any
 
 from memfit.categories import MemoryCategory
-from memfit.cli._common import console, print_fit_verdict, print_json
+from memfit.cli._common import console, positive_int, print_fit_verdict, print_json
 from memfit.errors import MemfitError
 from memfit.estimate.config import RunConfig
-from memfit.estimate.planner import FITS_MARGIN, MemoryPlan, plan
+from memfit.estimate.planner import (
+    FITS_MARGIN,
+    GPUS_PER_NODE,
+    MemoryPlan,
+    gpus_needed,
+    plan,
+    scale_out_line,
+)
 from memfit.estimate.suggestions import suggest_changes
 from memfit.estimate.table import (
     Column,
@@ -212,6 +219,12 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
         })
         return 0
     after = []
+    if suggestions and analytic.fits is False:
+        # The trace models one GPU; how many it needs comes from the analytic plan.
+        per_node = positive_int(getattr(args, "gpus_per_node", None),
+                                "--gpus-per-node") or GPUS_PER_NODE
+        scale = gpus_needed(analytic, gpus_per_node=per_node)
+        after.append("analytic plan: " + scale_out_line(analytic, scale, gpus_per_node=per_node))
     if est.host_peak_bytes:
         after.append(f"host memory for offloaded states (peak): "
                      f"{format_bytes(est.host_peak_bytes)}")
