@@ -57,7 +57,7 @@ def test_print_plan_is_the_table_and_repr_is_short() -> None:
     assert table["optimizer_states"][0] == format_bytes(12 * 10**9)
     assert table["activations"][0] == "unknown"
     assert table["allocator reserve"][0] == "not modelled"
-    assert "[1] not modelled by the analytic plan; its 19% fit margin" in text
+    assert "[1] not modelled here: the 19% fit margin" in text
     assert "no --gpu given" in text
     r = repr(p)
     assert r.startswith("<MemoryPlan 1B: train, bf16-mixed, adamw") and len(r) < 200
@@ -314,7 +314,7 @@ def test_the_table_says_when_the_capacity_is_the_drivers_total(capsys) -> None:
     assert not get_gpu("rtx-4090").usable_measured
     code, out, err = run(capsys, "plan", "gpt2", "--gpu", "rtx-4090")
     assert code == 0, err
-    assert "usable on GPU [2]" in out and "[2] the driver's total: PyTorch's total_memory" in out
+    assert "usable on GPU [2]" in out and "[2] the driver's total; PyTorch's total_memory" in out
     code, out, err = run(capsys, "plan", "gpt2", "--gpu", "a100-40gb", "--json")
     assert json.loads(out)["gpu"] == {"name": "a100-sxm-40gb", "capacity_bytes": 42_298_834_944,
                                       "capacity_measured": True}

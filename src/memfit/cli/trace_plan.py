@@ -163,7 +163,7 @@ def trace_footnotes(est: Any, analytic: MemoryPlan, run: RunConfig) -> list[Foot
         notes.append(Footnote(rows=("runtime",), text=(
             "the trace holds the cuBLAS workspaces in the caching allocator's blocks, rounded up "
             "to its block sizes, as torch.cuda.memory_reserved() counts them")))
-    notes.append(reserve_not_modelled_note(FITS_MARGIN))
+    notes.append(reserve_not_modelled_note(FITS_MARGIN, "by the analytic plan"))
     return notes
 
 

@@ -135,8 +135,8 @@ class MemoryTable:
         if self.capacity is None or not self.capacity_is_driver_total:
             return self.footnotes
         return (*self.footnotes, Footnote(rows=(CAPACITY_ROW,), text=(
-            "the driver's total: PyTorch's total_memory for this GPU is not in the catalog "
-            "(1-2% less where measured)")))
+            "the driver's total; PyTorch's total_memory for this GPU is not in the catalog "
+            "(1-2% less)")))
 
     def footnote_lines(self) -> list[str]:
         return [f"[{n}] {note.text}" for n, note in enumerate(self.all_footnotes(), start=1)]
@@ -172,10 +172,10 @@ def format_params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.1f}M"
 
 
-def reserve_not_modelled_note(margin: float) -> Footnote:
+def reserve_not_modelled_note(margin: float, where: str = "here") -> Footnote:
     return Footnote(rows=(RESERVE_ROW,), text=(
-        f"not modelled by the analytic plan; its {margin:.0%} fit margin covers the allocator's "
-        "cache (--method trace models it)"))
+        f"not modelled {where}: the {margin:.0%} fit margin covers the allocator's cache "
+        "(--method trace models it)"))
 
 
 def fit_verdict(capacity: int | None, total: int, margin: float, method: str) -> str:
