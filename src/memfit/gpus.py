@@ -95,6 +95,10 @@ class GpuSpec:
     ``marketing`` (the label's decimal GB: a conservative fallback), ``user`` (a user file)."""
     notes: str = ""
     """Caveats for this entry: where a figure comes from, what is approximate."""
+    usable_measured: bool = False
+    """Whether ``usable_bytes`` is PyTorch's ``total_memory`` (cudaDeviceProp.totalGlobalMem)
+    from a published measurement; False: it is the driver total ``memory_bytes`` (nvidia-smi),
+    about 1-2% more than PyTorch's total on the boards measured (A100, T4, RTX 3090)."""
 
     def supports(self, precision: str) -> bool:
         """Whether the GPU computes in ``precision`` (fp32, tf32, fp16, bf16, fp8; a ``-mixed`` or
@@ -395,6 +399,7 @@ def _build(entry: dict[str, Any], where: str) -> GpuSpec:
         aliases=tuple(_key(a) for a in entry.get("aliases", ())),
         memory_basis=entry.get("memory_basis", "user"),
         notes=entry.get("notes", ""),
+        usable_measured=usable is not None,
     )
 
 

@@ -49,17 +49,6 @@ def print_fit_verdict(out: Console, capacity: int | None, total: int, margin: fl
                       method: str) -> None:
     """The one line that says whether a planned step fits, keeping ``margin`` of the GPU free
     (the method's worst under-prediction of published GPU measurements; see the README)."""
-    from memfit.units import format_bytes
+    from memfit.estimate.table import fit_verdict
 
-    if capacity is None:
-        out.print("no --gpu given: add one to see whether it fits")
-        return
-    headroom = capacity - total
-    if headroom >= margin * capacity:
-        out.print(f"[green]fits[/green] with {format_bytes(headroom)} headroom")
-    elif headroom >= 0:
-        out.print(f"[red]does not fit[/red] with the {margin:.0%} margin memfit keeps for the "
-                  f"{method} (its worst under-prediction of published GPU measurements): "
-                  f"{format_bytes(headroom)} headroom")
-    else:
-        out.print(f"[red]does not fit[/red]: {format_bytes(-headroom)} over")
+    out.print(fit_verdict(capacity, total, margin, method))

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
-from rich.table import Table
-
-from memfit.categories import MemoryCategory
 from memfit.cli._common import console, nonneg_int, positive_int, print_fit_verdict, print_json
 from memfit.errors import MemfitError
 from memfit.estimate.config import (
@@ -20,10 +18,17 @@ from memfit.estimate.config import (
     WEIGHT_QUANTS,
     RunConfig,
 )
-from memfit.estimate.planner import MemoryPlan, plan
+from memfit.estimate.planner import (
+    GPUS_PER_NODE,
+    MemoryPlan,
+    default_precision,
+    gpus_needed,
+    plan,
+    scale_out_line,
+)
 from memfit.estimate.suggestions import suggest_changes
 from memfit.models.spec import ModelSpec, ParamCountSpec
-from memfit.units import format_bytes, parse_count
+from memfit.units import parse_count
 
 EPILOG = """examples:
   memfit plan llama-3-8b --gpu rtx-4090 --mode lora --batch 4 --seq 2048
@@ -45,8 +50,9 @@ def register(sub: Any) -> None:
     p.add_argument("--gpu", help="GPU from the catalog (`memfit gpus`)")
     p.add_argument("--gpu-file", help="a JSON file adding or overriding catalog GPUs")
     p.add_argument("--mode", default="train", help=f"one of {', '.join(MODES)} (default train)")
-    p.add_argument("--precision", default="bf16-mixed",
-                   help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed)")
+    p.add_argument("--precision",
+                   help=f"one of {', '.join(PRECISIONS)} (default: bf16-mixed; on a GPU without "
+                   "bf16 such as v100 or t4, fp16-mixed to train and fp16 for inference)")
     p.add_argument("--optimizer", default="adamw",
                    help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     p.add_argument("--checkpointing", default="none",
@@ -58,6 +64,8 @@ def register(sub: Any) -> None:
     p.add_argument("--gpus", default="1", help="total GPUs (data x tensor x pipeline)")
     p.add_argument("--zero", default="0", help="ZeRO stage 0-3 over data-parallel ranks")
     p.add_argument("--fsdp", action="store_true", help="FSDP full sharding (same as --zero 3)")
+    p.add_argument("--gpus-per-node", default="8",
+                   help="GPUs per node, for host memory per node (default 8)")
     p.add_argument("--tp", default="1", help="tensor-parallel size")
     p.add_argument("--pp", default="1", help="pipeline-parallel size (1F1B)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -129,8 +137,21 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     )
 
 
+def choose_precision(args: argparse.Namespace, gpu: Any) -> str | None:
+    """Without --precision: the best the GPU supports (:func:`default_precision`); returns the
+    line saying so when the GPU changed the choice from the documented bf16-mixed."""
+    if args.precision is not None:
+        return None
+    args.precision = default_precision(gpu, args.mode)
+    if args.precision == "bf16-mixed":
+        return None
+    return (f"precision {args.precision}: the best the {gpu.label} supports (no bf16: compute "
+            f"capability {gpu.compute_capability}); give --precision to choose another")
+
+
 def run(args: argparse.Namespace) -> int:
     model, gpu = resolve(args)
+    args.precision_note = choose_precision(args, gpu)
     config = run_config(args)
     if args.method == "trace":
         from memfit.cli.trace_plan import run_trace
@@ -138,77 +159,34 @@ def run(args: argparse.Namespace) -> int:
         return run_trace(args, model, config, gpu)
     result = plan(model, config, gpu)
     suggestions = suggest_changes(result) if result.fits is False else []
+    per_node = positive_int(args.gpus_per_node, "--gpus-per-node") or GPUS_PER_NODE
+    scale = gpus_needed(result, gpus_per_node=per_node) if result.fits is False else None
     if args.json:
         out = result.to_dict()
+        if args.precision_note:
+            out["notes"] = [args.precision_note, *out["notes"]]
+        out["scale_out"] = None if scale is None else scale.to_dict()
         out["suggestions"] = [
             {"change": s.change, "saved_bytes": s.saved_bytes,
              "total_bytes": s.plan.total_bytes, "fits": s.plan.fits} for s in suggestions]
         print_json(out)
         return 0
-    render(result, suggestions)
+    render(result, suggestions, per_node,
+           scale_out_line(result, scale, gpus_per_node=per_node) if result.fits is False
+           else None, args.precision_note)
     return 0
 
 
-def _describe(p: MemoryPlan) -> str:
-    r = p.run
-    parts = [r.mode, r.precision]
-    if r.training:
-        parts += [r.optimizer, f"checkpointing {r.checkpointing}"]
-    parts.append(f"batch {r.batch}")
-    if p.seq:
-        parts.append(f"seq {p.seq}")
-    if r.grad_accum > 1:
-        parts.append(f"grad-accum {r.grad_accum}")
-    if r.gpus > 1:
-        parts.append(f"{r.gpus} GPUs (dp {r.dp}, tp {r.tp}, pp {r.pp}, zero {r.zero})")
-    if r.mode in ("lora", "qlora"):
-        parts.append(f"rank {r.lora_rank} on {','.join(r.lora_targets)}")
-    if r.mode == "inference":
-        if r.weight_quant != "none":
-            parts.append(f"weights {r.weight_quant}")
-        if r.new_tokens:
-            parts.append(f"+{r.new_tokens} new tokens")
-    return ", ".join(parts)
-
-
-def render(p: MemoryPlan, suggestions: list[Any]) -> None:
-    out = console()
-    params = p.model.param_count()
-    gpu = f" on {p.gpu.label}" if p.gpu else ""
-    out.print(f"[bold]{p.model.name}[/bold] ({params / 1e9:.2f}B params){gpu}")
-    out.print(_describe(p))
-    table = Table(title="Memory per GPU" + (f" (pipeline stage {p.stage})" if p.run.pp > 1
-                                            else ""), title_justify="left")
-    table.add_column("category")
-    table.add_column("bytes", justify="right")
-    table.add_column("share", justify="right")
-    total = p.total_bytes
-    for category, nbytes in p.breakdown.items():
-        if category is MemoryCategory.ACTIVATIONS and not p.activations_known:
-            table.add_row(category.value, "unknown", "")
-            continue
-        share = f"{100 * nbytes / total:.1f}%" if total else ""
-        table.add_row(category.value, format_bytes(nbytes), share)
-    table.add_section()
-    table.add_row("[bold]total[/bold]", f"[bold]{format_bytes(total)}[/bold]", "")
-    if p.capacity_bytes is not None:
-        table.add_row("usable on GPU", format_bytes(p.capacity_bytes), "")
-    out.print(table)
-    if p.host_bytes:
-        out.print(f"host memory for offloaded states: {format_bytes(p.host_bytes)} per GPU")
+def render(p: MemoryPlan, suggestions: list[Any], gpus_per_node: int = GPUS_PER_NODE,
+           scale_out: str | None = None, precision_note: str | None = None) -> None:
+    """The shared memory table (:meth:`MemoryPlan.table`), the fit verdict, how many GPUs it
+    needs when one will not do, the notes and the suggestions."""
     from memfit.estimate.planner import FITS_MARGIN
 
-    print_fit_verdict(out, p.capacity_bytes, p.total_bytes, FITS_MARGIN, "analytic plan")
-    for note in p.notes:
-        out.print(f"note: {note}")
-    if suggestions:
-        sug = Table(title="What would save memory (one change each)", title_justify="left")
-        sug.add_column("change")
-        sug.add_column("saves", justify="right")
-        sug.add_column("new total", justify="right")
-        sug.add_column("fits", justify="center")
-        for s in suggestions:
-            fits = {True: "yes", False: "no", None: "?"}[s.plan.fits]
-            sug.add_row(s.change, format_bytes(s.saved_bytes), format_bytes(s.plan.total_bytes),
-                        fits)
-        out.print(sug)
+    table = p.table(suggestions, gpus_per_node=gpus_per_node)
+    if scale_out:
+        table = dataclasses.replace(table, lines_after=(scale_out, *table.lines_after))
+    if precision_note:  # the precision chosen for this GPU, under the run's description
+        table = dataclasses.replace(table, lines_before=(*table.lines_before, precision_note))
+    table.print(console(), verdict=lambda out: print_fit_verdict(
+        out, p.capacity_bytes, p.total_bytes, FITS_MARGIN, "analytic plan"))

@@ -7,13 +7,27 @@ import argparse
 import dataclasses
 from typing import Any
 
-from rich.table import Table
-
 from memfit.categories import MemoryCategory
-from memfit.cli._common import console, print_fit_verdict, print_json
+from memfit.cli._common import console, positive_int, print_fit_verdict, print_json
 from memfit.errors import MemfitError
 from memfit.estimate.config import RunConfig
-from memfit.estimate.planner import plan
+from memfit.estimate.planner import (
+    FITS_MARGIN,
+    GPUS_PER_NODE,
+    MemoryPlan,
+    gpus_needed,
+    plan,
+    scale_out_line,
+)
+from memfit.estimate.suggestions import suggest_changes
+from memfit.estimate.table import (
+    Column,
+    Footnote,
+    MemoryTable,
+    SuggestionRow,
+    format_params,
+    reserve_not_modelled_note,
+)
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, TransformerSpec
 from memfit.trace.estimate import TRACE_FITS_MARGIN
@@ -107,27 +121,86 @@ def _apply_adapters(model: Any, run: RunConfig) -> None:
 
 def per_gpu_breakdown(est: Any) -> dict[MemoryCategory, int]:
     """The estimate's breakdown at the peak with the caching allocator's reserve beyond live
-    bytes (peak reserved - peak allocated) added to ``runtime``: it sums to ``total_bytes``."""
+    bytes (peak reserved - peak allocated) added to ``runtime``: it sums to ``total_bytes``.
+    (The table shows the reserve on its own row: :func:`trace_column`.)"""
     breakdown = {c: int(est.breakdown.get(c, 0)) for c in MemoryCategory}
-    breakdown[MemoryCategory.RUNTIME] += est.peak_reserved_bytes - est.peak_bytes
+    breakdown[MemoryCategory.RUNTIME] += allocator_reserve(est)
     return breakdown
+
+
+def allocator_reserve(est: Any) -> int:
+    """Bytes the caching allocator holds beyond live tensors at the peak."""
+    return int(est.peak_reserved_bytes - est.peak_bytes)
+
+
+def trace_column(est: Any) -> Column:
+    """The trace as a column of the shared memory table: live bytes per category at the peak
+    (``runtime``: the CUDA context and NCCL outside the allocator, the cuBLAS workspaces inside
+    it) and the allocator's reserve on its own row; the column sums to ``est.total_bytes``."""
+    breakdown = {c: int(est.breakdown.get(c, 0)) for c in MemoryCategory}
+    return Column(name="trace", breakdown=breakdown, allocator_reserve=allocator_reserve(est))
+
+
+def trace_footnotes(est: Any, analytic: MemoryPlan, run: RunConfig) -> list[Footnote]:
+    """Where the trace and the analytic plan count a category differently, and why."""
+    notes = [Footnote(rows=("activations", "temporaries"), text=(
+        f"each column is what is live at its own peak: the trace's is in the {est.peak_phase} "
+        f"({est.peak_op}), the analytic plan's in the {analytic.peak_phase}"))]
+    if run.training and run.mixed:
+        states = (MemoryCategory.WEIGHTS, MemoryCategory.GRADIENTS,
+                  MemoryCategory.OPTIMIZER_STATES)
+        traced = sum(int(est.breakdown.get(c, 0)) for c in states)
+        planned = sum(analytic.breakdown[c] for c in states)
+        notes.append(Footnote(rows=tuple(c.value for c in states), text=(
+            "the trace holds fp32 parameters and fp32 gradients, as torch.autocast training "
+            "does; the analytic plan counts 16-bit weights and gradients and puts the fp32 "
+            "master copies under optimizer_states, as the ZeRO paper does: the same bytes in "
+            "different rows when every state is live at the peak (weights + gradients + "
+            f"optimizer_states: trace {format_bytes(traced)}, analytic "
+            f"{format_bytes(planned)})")))
+    if int(est.breakdown.get(MemoryCategory.RUNTIME, 0)) != analytic.breakdown[
+            MemoryCategory.RUNTIME]:
+        notes.append(Footnote(rows=("runtime",), text=(
+            "the trace holds the cuBLAS workspaces in the caching allocator's blocks, rounded up "
+            "to its block sizes, as torch.cuda.memory_reserved() counts them")))
+    notes.append(reserve_not_modelled_note(FITS_MARGIN, "by the analytic plan"))
+    return notes
+
+
+def trace_suggestions(est: Any, analytic: MemoryPlan, capacity: int | None,
+                      limit: int = 6) -> list[SuggestionRow]:
+    """The analytic plan's single-option changes with their saving applied to the trace's total
+    (no re-trace: a re-trace per change would take seconds to minutes each), judged with the
+    trace's fit margin. Empty when the trace fits or no GPU is given."""
+    if capacity is None or capacity - est.total_bytes >= TRACE_FITS_MARGIN * capacity:
+        return []
+    rows = []
+    for s in suggest_changes(analytic, limit=50):
+        total = est.total_bytes - s.saved_bytes
+        rows.append(SuggestionRow(change=s.change, saved_bytes=s.saved_bytes, total_bytes=total,
+                                  fits=capacity - total >= TRACE_FITS_MARGIN * capacity))
+    rows.sort(key=lambda r: (not r.fits, -r.saved_bytes))
+    return rows[:limit]
 
 
 def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
               gpu: GpuSpec | None) -> int:
     spec = _check_traceable(model, run)
     est = traced_estimate(spec, run, gpu)
-    breakdown = per_gpu_breakdown(est)
+    column = trace_column(est)
     analytic = plan(spec, run, gpu)
     capacity = gpu.usable_bytes if gpu else None
     headroom = None if capacity is None else capacity - est.total_bytes
+    suggestions = trace_suggestions(est, analytic, capacity)
     if args.json:
         print_json({
             "method": "trace",
             "model": {"name": spec.name, "params": spec.param_count()},
-            "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity},
+            "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity,
+                                             "capacity_measured": gpu.usable_measured},
             "per_gpu": {"total_bytes": est.total_bytes,
-                        "breakdown": {c.value: b for c, b in breakdown.items()}},
+                        "breakdown": {c.value: b for c, b in column.breakdown.items()},
+                        "allocator_reserve_bytes": column.allocator_reserve},
             "peak_bytes": est.peak_bytes,
             "peak_reserved_bytes": est.peak_reserved_bytes,
             "host_peak_bytes": est.host_peak_bytes,
@@ -137,34 +210,40 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             "analytic_total_bytes": analytic.total_bytes,
             "trace_seconds": est.trace_seconds,
             "assumptions": list(est.assumptions),
-            "run": {k: (list(v) if isinstance(v, tuple) else v)
-                    for k, v in dataclasses.asdict(run).items()},
+            "notes": [args.precision_note] if getattr(args, "precision_note", None) else [],
+            "suggestions": [
+                {"change": s.change, "saved_bytes": s.saved_bytes, "total_bytes": s.total_bytes,
+                 "fits": s.fits, "saving_from": "analytic"} for s in suggestions],
+            "run": {**{k: (list(v) if isinstance(v, tuple) else v)
+                       for k, v in dataclasses.asdict(run).items()}, "seq": analytic.seq},
         })
         return 0
-    out = console()
-    out.print(f"[bold]{spec.name}[/bold] traced on meta tensors"
-              f"{f' for {gpu.label}' if gpu else ' for CUDA'} in {est.trace_seconds:.1f} s")
-    table = Table(title="Memory per GPU: trace vs analytic", title_justify="left")
-    for col in ("category", "trace", "analytic"):
-        table.add_column(col, justify="left" if col == "category" else "right")
-    for category in MemoryCategory:
-        table.add_row(category.value, format_bytes(breakdown[category]),
-                      format_bytes(analytic.breakdown[category]))
-    table.add_section()
-    table.add_row("peak allocated", format_bytes(est.peak_bytes), "")
-    table.add_row("peak reserved", format_bytes(est.peak_reserved_bytes), "")
-    table.add_row("[bold]total[/bold] (reserved + runtime)",
-                  f"[bold]{format_bytes(est.total_bytes)}[/bold]",
-                  format_bytes(analytic.total_bytes))
-    if capacity is not None:
-        table.add_row("usable on GPU", format_bytes(capacity), "")
-    out.print(table)
+    after = []
+    if suggestions and analytic.fits is False:
+        # The trace models one GPU; how many it needs comes from the analytic plan.
+        per_node = positive_int(getattr(args, "gpus_per_node", None),
+                                "--gpus-per-node") or GPUS_PER_NODE
+        scale = gpus_needed(analytic, gpus_per_node=per_node)
+        after.append("analytic plan: " + scale_out_line(analytic, scale, gpus_per_node=per_node))
     if est.host_peak_bytes:
-        out.print(f"host memory for offloaded states (peak): {format_bytes(est.host_peak_bytes)}")
-    out.print(f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
-              f"({est.peak_phase}, step {est.peak_step})")
-    if capacity is not None:
-        print_fit_verdict(out, capacity, est.total_bytes, TRACE_FITS_MARGIN, "trace")
-    for note in est.assumptions:
-        out.print(f"assumed: {note}")
+        after.append(f"host memory for offloaded states (peak): "
+                     f"{format_bytes(est.host_peak_bytes)}")
+    after += [f"assumed: {note}" for note in est.assumptions]
+    table = MemoryTable(
+        title="Memory per GPU: trace vs analytic", capacity=capacity,
+        capacity_is_driver_total=gpu is not None and not gpu.usable_measured,
+        columns=(column, analytic.column("analytic")),
+        footnotes=tuple(trace_footnotes(est, analytic, run)),
+        lines_before=(
+            f"[bold]{spec.name}[/bold] ({format_params(spec.param_count())} params) traced on meta "
+            f"tensors{f' for {gpu.label}' if gpu else ' for CUDA'} in {est.trace_seconds:.1f} s",
+            analytic.describe(),
+            *([args.precision_note] if getattr(args, "precision_note", None) else []),
+            f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
+            f"({est.peak_phase}, step {est.peak_step})"),
+        lines_after=tuple(after), suggestions=tuple(suggestions),
+        suggestions_title="What would save memory (one change each; the saving is the analytic "
+                          "re-plan's, applied to the trace's total)")
+    table.print(console(), verdict=lambda out: print_fit_verdict(
+        out, capacity, est.total_bytes, TRACE_FITS_MARGIN, "trace"))
     return 0

@@ -6,6 +6,7 @@ units are formatted only at the edge (CLI, reports).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -15,9 +16,18 @@ from memfit.estimate.activations import inference_activations, training_activati
 from memfit.estimate.config import RunConfig
 from memfit.estimate.kv_cache import kv_cache_bytes
 from memfit.estimate.model_states import model_states, split_params
+from memfit.estimate.table import (
+    Column,
+    MemoryTable,
+    fit_verdict,
+    format_params,
+    reserve_not_modelled_note,
+    suggestion_rows,
+)
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
 from memfit.runtime import cuda_runtime_bytes
+from memfit.units import format_bytes
 
 # "fits" keeps this share of the GPU free. Derived from evidence, not chosen: the analytic plan's
 # worst under-prediction of a published GPU measurement is -18.7% (bert-large, fp16-mixed, eager
@@ -27,6 +37,9 @@ from memfit.runtime import cuda_runtime_bytes
 # "plan_worst_under_prediction_pct" (python bench/published.py); tests/test_bench_published.py
 # checks that this margin still covers the latest results. Re-derive it when the bench changes.
 FITS_MARGIN = 0.19
+
+GPUS_PER_NODE = 8
+"""GPUs per node when the user does not say (DGX/HGX A100, H100, H200, B200 nodes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +59,9 @@ class MemoryPlan:
     notes: tuple[str, ...] = field(default=())
     stage: int = 0
     """Pipeline stage of the most loaded GPU."""
+    peak_phase: str = "backward"
+    """Where the planned peak is: ``backward`` (activations saved, backward temporaries),
+    ``optimizer`` (the optimizer step's temporaries outgrow them) or ``forward`` (inference)."""
 
     @property
     def total_bytes(self) -> int:
@@ -69,27 +85,111 @@ class MemoryPlan:
             return None
         return headroom >= FITS_MARGIN * cap
 
+    def describe(self) -> str:
+        """One line: the mode, precision, optimizer, batch and parallelism planned."""
+        r = self.run
+        parts = [r.mode, r.precision]
+        if r.training:
+            parts += [r.optimizer, f"checkpointing {r.checkpointing}"]
+        parts.append(f"batch {r.batch}")
+        if self.seq:
+            parts.append(f"seq {self.seq}")
+        if r.grad_accum > 1:
+            parts.append(f"grad-accum {r.grad_accum}")
+        if r.gpus > 1:
+            parts.append(f"{r.gpus} GPUs (dp {r.dp}, tp {r.tp}, pp {r.pp}, zero {r.zero})")
+        if r.mode in ("lora", "qlora"):
+            parts.append(f"rank {r.lora_rank} on {','.join(r.lora_targets)}")
+        if r.mode == "inference":
+            if r.weight_quant != "none":
+                parts.append(f"weights {r.weight_quant}")
+            if r.new_tokens:
+                parts.append(f"+{r.new_tokens} new tokens")
+        return ", ".join(parts)
+
+    def column(self, name: str = "bytes") -> Column:
+        """This plan's numbers as a column of the shared memory table."""
+        return Column(name=name, breakdown=dict(self.breakdown), allocator_reserve=None,
+                      activations_known=self.activations_known)
+
+    def table(self, suggestions: Sequence[Any] = (), *,
+              gpus_per_node: int = GPUS_PER_NODE) -> MemoryTable:
+        """The memory table ``memfit plan`` prints (and ``str(plan)``)."""
+        params = self.model.param_count()
+        gpu = f" on {self.gpu.label}" if self.gpu else ""
+        after = []
+        if self.host_bytes:
+            per_node = ""
+            if self.run.gpus > 1:
+                on_node = min(self.run.gpus, gpus_per_node)
+                per_node = (f", {format_bytes(self.host_bytes * on_node)} per node of "
+                            f"{on_node} GPUs")
+            after.append(f"host memory for offloaded states: {format_bytes(self.host_bytes)} "
+                         f"per GPU{per_node}")
+        after += [f"note: {note}" for note in self.notes]
+        return MemoryTable(
+            title="Memory per GPU" + (f" (pipeline stage {self.stage})" if self.run.pp > 1
+                                      else ""),
+            columns=(self.column(),), capacity=self.capacity_bytes,
+            capacity_is_driver_total=self.gpu is not None and not self.gpu.usable_measured,
+            footnotes=(reserve_not_modelled_note(FITS_MARGIN),),
+            lines_before=(f"[bold]{self.model.name}[/bold] ({format_params(params)} params){gpu}",
+                          self.describe()),
+            lines_after=tuple(after), suggestions=suggestion_rows(suggestions))
+
+    def verdict(self) -> str:
+        """The fit verdict line (rich markup), as ``memfit plan`` prints it."""
+        return fit_verdict(self.capacity_bytes, self.total_bytes, FITS_MARGIN, "analytic plan")
+
+    def __str__(self) -> str:
+        return self.table().text(verdict=lambda out: out.print(self.verdict()))
+
+    def __repr__(self) -> str:
+        fits = {True: "fits", False: "does not fit", None: "no GPU"}[self.fits]
+        gpu = f" on {self.gpu.name}" if self.gpu else ""
+        return (f"<MemoryPlan {self.model.name}{gpu}: {self.describe()}; "
+                f"total {format_bytes(self.total_bytes)} per GPU, {fits}>")
+
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` contract (keys are stable; more may be added)."""
         return {
             "model": {"name": self.model.name, "params": self.model.param_count()},
             "gpu": None if self.gpu is None else {
-                "name": self.gpu.name, "capacity_bytes": self.gpu.usable_bytes},
+                "name": self.gpu.name, "capacity_bytes": self.gpu.usable_bytes,
+                # False: capacity_bytes is the driver's total, PyTorch's not measured
+                "capacity_measured": self.gpu.usable_measured},
             "per_gpu": {
                 "total_bytes": self.total_bytes,
                 "breakdown": {c.value: b for c, b in self.breakdown.items()},
+                # the trace's "peak reserved - peak allocated"; not modelled here
+                "allocator_reserve_bytes": None,
             },
             "fits": self.fits,
             "headroom_bytes": self.headroom_bytes,
             "activations_known": self.activations_known,
             "host_bytes": self.host_bytes,
             "runtime_parts": dict(self.runtime_parts),
-            "seq": self.seq,
             "stage": self.stage,
-            "run": {k: (list(v) if isinstance(v, tuple) else v)
-                    for k, v in self.run.__dict__.items()},
+            # One source of truth for the sequence: the length planned (the model's default when
+            # --seq is not given), inside "run" with the other options.
+            "run": {**{k: (list(v) if isinstance(v, tuple) else v)
+                       for k, v in self.run.__dict__.items()}, "seq": self.seq},
             "notes": list(self.notes),
         }
+
+
+def default_precision(gpu: GpuSpec | None, mode: str) -> str:
+    """The best precision ``gpu`` supports, for when the user names none: bf16-mixed where the
+    GPU has bf16 (compute capability 8.0 and up; also with no GPU named), else fp16-mixed for
+    training and fp16 for inference (V100, T4: 16-bit weights without fp32 masters).
+
+    >>> from memfit.gpus import get_gpu
+    >>> default_precision(get_gpu("t4"), "inference"), default_precision(get_gpu("t4"), "lora")
+    ('fp16', 'fp16-mixed')
+    """
+    if gpu is None or gpu.supports("bf16"):
+        return "bf16-mixed"
+    return "fp16" if mode == "inference" else "fp16-mixed"
 
 
 def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> None:
@@ -98,7 +198,8 @@ def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> 
         if run.precision in ("bf16", "bf16-mixed") and not gpu.bf16:
             raise MemfitError(
                 f"{gpu.label} has no bf16 support (compute capability "
-                f"{gpu.compute_capability}); use --precision fp16-mixed")
+                f"{gpu.compute_capability}); use --precision fp16-mixed (fp16 for inference), "
+                "or leave --precision out for the best this GPU supports")
         needs_fp8 = run.precision == "fp8" or run.kv_cache_dtype == "fp8"
         if needs_fp8 and not gpu.fp8:
             raise MemfitError(
@@ -187,6 +288,7 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
         known = False
         notes.append("activations unknown: only the parameter count is given; "
                      "use a preset or config.json for activations")
+    peak_phase = "backward" if run.training else "forward"
     step_temporaries = optimizer_step_temporaries(model, run, stage)
     backward_peak = (breakdown[MemoryCategory.ACTIVATIONS]
                      + breakdown[MemoryCategory.TEMPORARIES])
@@ -195,13 +297,14 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
         # temporaries are the peak when they outgrow activations + backward temporaries.
         breakdown[MemoryCategory.ACTIVATIONS] = 0
         breakdown[MemoryCategory.TEMPORARIES] = step_temporaries
+        peak_phase = "optimizer"
         notes.append("peak in the optimizer step: PyTorch's default foreach implementation "
                      "makes a parameter-sized temporary (fused=True avoids it)")
     runtime = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=run.gpus)
     breakdown[MemoryCategory.RUNTIME] = sum(runtime.values())
     return MemoryPlan(model=model, run=run, gpu=gpu, seq=seq, breakdown=breakdown,
                 activations_known=known, host_bytes=states.host_bytes, runtime_parts=runtime,
-                notes=tuple(dict.fromkeys(notes)), stage=stage)
+                notes=tuple(dict.fromkeys(notes)), stage=stage, peak_phase=peak_phase)
 
 
 def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = None) -> MemoryPlan:
@@ -231,3 +334,144 @@ def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = N
 def with_changes(p: MemoryPlan, **changes: Any) -> MemoryPlan:
     """Re-plan with some run options changed (used by suggestions and searches)."""
     return plan(p.model, replace(p.run, **changes), p.gpu)
+
+MAX_GPUS = 4096
+"""The largest GPU count :func:`gpus_needed` tries."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleOut:
+    """The fewest GPUs that hold a step that does not fit on the planned count."""
+
+    plan: MemoryPlan
+    """The plan on ``plan.run.gpus`` GPUs; it fits with :data:`FITS_MARGIN`."""
+    strategy: str
+    """How the GPUs split the work, in words (e.g. ``ZeRO-3 / FSDP``)."""
+    gpus_per_node: int
+
+    @property
+    def gpus(self) -> int:
+        return self.plan.run.gpus
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """Host memory of one full node for what the plan offloads: the per-GPU offloaded
+        states times the GPUs on the node."""
+        return self.plan.host_bytes * min(self.gpus, self.gpus_per_node)
+
+    @property
+    def flags(self) -> str:
+        """The CLI options that give this plan."""
+        r = self.plan.run
+        out = [f"--gpus {r.gpus}"]
+        if r.zero:
+            out.append(f"--zero {r.zero}")
+        if r.tp > 1:
+            out.append(f"--tp {r.tp}")
+        if r.pp > 1:
+            out.append(f"--pp {r.pp}")
+        return " ".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.plan.run
+        return {"gpus": r.gpus, "zero": r.zero, "tp": r.tp, "pp": r.pp, "flags": self.flags,
+                "strategy": self.strategy, "per_gpu_total_bytes": self.plan.total_bytes,
+                "headroom_bytes": self.plan.headroom_bytes, "gpus_per_node": self.gpus_per_node,
+                "nodes": self.nodes, "host_bytes_per_gpu": self.plan.host_bytes,
+                "host_bytes_per_node": self.host_bytes_per_node}
+
+
+def _fits(model: ModelSpec, run: RunConfig, gpu: GpuSpec) -> MemoryPlan | None:
+    try:
+        p = plan(model, run, gpu)
+    except MemfitError:
+        return None  # e.g. a tp that does not divide the heads
+    return p if p.fits else None
+
+
+def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
+                max_gpus: int = MAX_GPUS) -> ScaleOut | None:
+    """The fewest GPUs on which ``p``'s step fits with :data:`FITS_MARGIN`, or None when none up
+    to ``max_gpus`` does (or no GPU is named).
+
+    Training keeps the given tensor and pipeline sizes and adds data-parallel ranks with the
+    given ZeRO stage, ZeRO-3 / FSDP when none is given: the sharded model states shrink with
+    the ranks, the activations of a micro-batch do not (ZeRO paper, Fig. 1). The per-GPU bytes
+    never grow with the ranks, so a bisection finds the fewest. Inference splits the model with
+    tensor parallelism within a node (a tp that divides the heads), then pipeline stages.
+
+    >>> from memfit.gpus import get_gpu
+    >>> from memfit.models import get_preset
+    >>> one = plan(get_preset("llama-3-8b"), RunConfig(checkpointing="full"), get_gpu("a100-40gb"))
+    >>> one.fits, gpus_needed(one).strategy
+    (False, 'ZeRO-3 / FSDP')
+    """
+    if p.gpu is None or gpus_per_node < 1:
+        return None
+    model, run, gpu = p.model, p.run, p.gpu
+    if run.training:
+        zero = run.zero or 3
+        step = run.tp * run.pp
+
+        def at(dp: int) -> MemoryPlan | None:
+            return _fits(model, replace(run, gpus=dp * step, zero=zero), gpu)
+
+        lo, hi = run.dp + 1, max_gpus // step
+        if hi < lo or at(hi) is None:
+            return None
+        while lo < hi:  # the fewest data-parallel ranks that fit
+            mid = (lo + hi) // 2
+            if at(mid) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        found = at(lo)
+        assert found is not None
+        strategy = {1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}[zero]
+        if step > 1:
+            strategy += f" with tp {run.tp} x pp {run.pp}"
+        return ScaleOut(plan=found, strategy=strategy, gpus_per_node=gpus_per_node)
+    heads = model.num_heads if isinstance(model, TransformerSpec) else 1
+    layers = model.num_layers if isinstance(model, TransformerSpec) else 1
+    tps = [t for t in range(1, min(heads, gpus_per_node) + 1) if heads % t == 0]
+    options = sorted((t * pp, pp, t) for t in tps for pp in range(1, layers + 1)
+                      if run.gpus < t * pp <= max_gpus)
+    for _, pp, t in options:
+        found = _fits(model, replace(run, gpus=t * pp, tp=t, pp=pp), gpu)
+        if found is not None:
+            strategy = " x ".join(([f"tensor parallel {t}"] if t > 1 else [])
+                                  + ([f"{pp} pipeline stages"] if pp > 1 else []))
+            return ScaleOut(plan=found, strategy=strategy, gpus_per_node=gpus_per_node)
+    return None
+
+
+def scale_out_line(p: MemoryPlan, scale: ScaleOut | None, *,
+                   gpus_per_node: int = GPUS_PER_NODE) -> str:
+    """The line ``memfit plan`` prints when ``p`` does not fit: how many GPUs it needs, or why
+    no count up to :data:`MAX_GPUS` will do."""
+    if scale is None:
+        if p.run.training:
+            zero = p.run.zero or 3
+            widest = plan(p.model, replace(p.run, gpus=MAX_GPUS // (p.run.tp * p.run.pp)
+                                           * p.run.tp * p.run.pp, zero=zero), p.gpu)
+            held = (widest.breakdown[MemoryCategory.ACTIVATIONS]
+                    + widest.breakdown[MemoryCategory.TEMPORARIES])
+            return (f"no number of GPUs up to {MAX_GPUS} holds this step with ZeRO-{zero}: the "
+                    f"activations and temporaries of one micro-batch ({format_bytes(held)} per "
+                    "GPU) do not shrink with more GPUs; try --checkpointing full, a smaller "
+                    "--batch, or --tp")
+        return (f"no tensor/pipeline split up to {MAX_GPUS} GPUs holds this step; try --quant, "
+                "--kv-cache-dtype or a smaller --batch")
+    q = scale.plan
+    line = (f"this needs {scale.gpus} GPUs ({scale.strategy}: {scale.flags}), "
+            f"{format_bytes(q.total_bytes)} per GPU, {format_bytes(q.headroom_bytes)} headroom")
+    if scale.gpus > gpus_per_node:
+        line += f"; {scale.nodes} nodes of {gpus_per_node} GPUs"
+    if q.host_bytes:
+        line += (f"; host memory for offloaded states {format_bytes(scale.host_bytes_per_node)} "
+                 f"per node ({format_bytes(q.host_bytes)} per GPU)")
+    return line
