@@ -1,0 +1,302 @@
+"""Progress of long work on stderr: what is done, what is left, an honest ETA.
+
+>>> with Progress("validating", total=len(configs), unit="configs") as bar:
+...     for config in configs:
+...         bar.phase(f"{config.name}: real run")
+...         run(config)
+...         bar.advance()
+
+Rules (issue 12, "Long work must show progress"):
+
+- Output goes to **stderr**, only when stderr is a terminal; never under ``--json`` or
+  ``--quiet`` (the CLI passes ``progress=False``). ``MEMFIT_PROGRESS=0`` silences it from the
+  environment (or ``os.environ`` in Python), ``MEMFIT_PROGRESS=1`` forces it on. A ``progress=``
+  argument, where a function takes one, wins over both: ``True`` shows, ``False`` hides, ``None``
+  (the default) decides by the rules above (:func:`should_show`).
+- The **ETA** is shown only once a unit of work has finished, and is the average time per
+  finished unit (weighted, when the caller knows that units differ in cost) times what is left,
+  counted down from the last finished unit. Until then, and when the total is unknown, the line
+  shows a spinner, the time elapsed, and the name of the sub-phase running now with its own
+  elapsed time, so a long single unit never looks stuck at "6% -:--:--".
+- A ``Progress`` entered while another is showing does not open a second display: its phases
+  and counts appear as the outer one's sub-phase (e.g. ``fit`` tracing a candidate shows the
+  trace's layer). So library calls can report progress without knowing who called them.
+- The display is transient: it is erased when the work ends; results are printed by the caller.
+
+Known limitations: the display redraws four times a second from a background thread; a
+C/C++ library writing to fd 2 while it draws can garble one frame (memfit silences the
+profiler's lines around its own runs, see :mod:`memfit._noise`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["ENV", "Progress", "current", "should_show"]
+
+ENV = "MEMFIT_PROGRESS"
+"""Environment variable: ``0``/``false``/``off`` hides progress, ``1``/``true``/``on`` shows it."""
+
+_OFF = frozenset({"0", "false", "no", "off", "quiet"})
+_ON = frozenset({"1", "true", "yes", "on", "force"})
+
+_stack: list[Progress] = []
+_stack_lock = threading.RLock()
+
+
+def should_show(progress: bool | None = None) -> bool:
+    """Whether long work shows progress: ``progress`` when given, else ``$MEMFIT_PROGRESS``,
+    else whether stderr is a terminal."""
+    if progress is not None:
+        return bool(progress)
+    env = os.environ.get(ENV, "").strip().lower()
+    if env in _OFF:
+        return False
+    if env in _ON:
+        return True
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False
+
+
+def current() -> Progress | None:
+    """The innermost active progress display, if any."""
+    with _stack_lock:
+        return _stack[-1] if _stack else None
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds + 0.5))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Progress:
+    """A progress line (and optionally a view above it) for one piece of long work.
+
+    ``total``: the work in weight units (default one unit per item; ``None`` when unknown);
+    ``items``: how many items make up the work when the weights are not one per item (shown as
+    ``done/items unit``); ``unit``: what an item is ("configs", "candidates"); ``progress``:
+    see :func:`should_show`; ``console``: a :class:`rich.console.Console` to draw on (default:
+    stderr; tests pass ``Console(file=..., force_terminal=True)``).
+
+    Known limitations: weights are the caller's estimate of relative cost; an ETA is only as
+    good as they are.
+    """
+
+    def __init__(self, description: str, *, total: float | None = None,
+                 items: int | None = None, unit: str = "", progress: bool | None = None,
+                 console: Any = None) -> None:
+        self.description = description
+        self.total = None if total is None else float(total)
+        self.items = items if items is not None else (int(total) if total is not None else None)
+        self.unit = unit
+        self.completed = 0.0
+        self.items_done = 0
+        self.note = ""
+        self._phase = ""
+        self._phase_started = 0.0
+        self._started = 0.0
+        self._last_done = 0.0
+        self._view: Any = None
+        self._enabled = should_show(progress) if console is None else progress is not False
+        self._console = console
+        self._live: Any = None
+        self._parent: Progress | None = None
+        self._lock = threading.RLock()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Progress:
+        self._started = self._last_done = self._phase_started = time.monotonic()
+        with _stack_lock:
+            self._parent = _stack[-1] if _stack else None
+            _stack.append(self)
+        if self._parent is None and self._enabled:
+            from rich.console import Console
+            from rich.live import Live
+
+            console = self._console or Console(stderr=True)
+            self._live = Live(console=console, transient=True, refresh_per_second=4,
+                              get_renderable=self._render)
+            self._live.start()
+        self._report()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _stack_lock:
+            if self in _stack:
+                _stack.remove(self)
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        if self._parent is not None:
+            self._parent._child_done()
+
+    @property
+    def shown(self) -> bool:
+        """Whether this progress is drawn (itself, or as an outer display's sub-phase)."""
+        return self._live is not None or (self._parent is not None and self._parent.shown)
+
+    # -- updates ---------------------------------------------------------------------------
+
+    def advance(self, weight: float = 1.0, *, items: int = 1) -> None:
+        """Record finished work: ``weight`` units (one item by default)."""
+        with self._lock:
+            self.completed += weight
+            self.items_done += items
+            self._last_done = time.monotonic()
+        self._report()
+
+    def set_total(self, total: float | None, *, items: int | None = None) -> None:
+        """Change the total when it becomes known (or changes)."""
+        with self._lock:
+            self.total = None if total is None else float(total)
+            self.items = items if items is not None else (
+                int(total) if total is not None else None)
+        self._report()
+
+    def phase(self, text: str) -> None:
+        """Name what runs now (shown with its own elapsed time)."""
+        with self._lock:
+            if text != self._phase:
+                self._phase = text
+                self._phase_started = time.monotonic()
+        self._report()
+
+    def set_note(self, text: str) -> None:
+        """A short status shown after the counts (e.g. "5 fit, 3 over budget")."""
+        self.note = text
+        self._report()
+
+    def show(self, renderable: Any) -> None:
+        """Show ``renderable`` (e.g. the rows of a table finished so far) above the line."""
+        self._view = renderable
+        self._report()
+
+    # -- state -----------------------------------------------------------------------------
+
+    def eta_seconds(self, now: float | None = None) -> float | None:
+        """Seconds left: the average time per finished weight unit times the weight left,
+        counted down from the last finished unit; None before the first unit finishes or
+        without a total."""
+        if self.total is None or self.completed <= 0:
+            return None
+        per_unit = (self._last_done - self._started) / self.completed
+        left = per_unit * max(0.0, self.total - self.completed)
+        now = time.monotonic() if now is None else now
+        return max(0.0, left - (now - self._last_done))
+
+    def status(self, now: float | None = None, *, with_phase: bool = True) -> str:
+        """The progress line as plain text (what the display shows, without the spinner)."""
+        now = time.monotonic() if now is None else now
+        parts = [self.description]
+        if self.items is not None:
+            parts.append(f"{self.items_done}/{self.items}{' ' + self.unit if self.unit else ''}")
+        elif self.items_done:
+            parts.append(f"{self.items_done}{' ' + self.unit if self.unit else ''} done")
+        if self.note:
+            parts.append(self.note)
+        parts.append(f"elapsed {_clock(now - self._started)}")
+        eta = self.eta_seconds(now)
+        if eta is not None and self.completed < (self.total or 0):
+            parts.append(f"ETA {_clock(eta)}")
+        line = " · ".join(parts)
+        if self._phase and with_phase:
+            line += f" · {self.phase_text(now)}"
+        return line
+
+    def phase_text(self, now: float | None = None) -> str:
+        """The sub-phase running now, with its elapsed time (empty when none)."""
+        if not self._phase:
+            return ""
+        now = time.monotonic() if now is None else now
+        return f"{self._phase} ({_clock(now - self._phase_started)})"
+
+    def _fraction(self) -> float | None:
+        if self.total is None or self.total <= 0:
+            return None
+        return min(1.0, self.completed / self.total)
+
+    # -- drawing ---------------------------------------------------------------------------
+
+    def _report(self) -> None:
+        """Pass this progress up as the parent's sub-phase (nested), or redraw soon."""
+        if self._parent is not None:
+            counts = (f" {self.items_done}/{self.items}" if self.items is not None else "")
+            self._parent._child_phase(f"{self.description}{counts}"
+                                      + (f": {self._phase}" if self._phase else ""))
+
+    def _child_phase(self, text: str) -> None:
+        with self._lock:
+            self._child = text
+        self._report()
+
+    def _child_done(self) -> None:
+        with self._lock:
+            self._child = ""
+        self._report()
+
+    _child = ""
+
+    def _render(self) -> Any:
+        from rich.console import Group
+        from rich.progress_bar import ProgressBar
+        from rich.spinner import Spinner
+        from rich.table import Table
+        from rich.text import Text
+
+        now = time.monotonic()
+        with self._lock:
+            phase = self.phase_text(now)
+            line = self.status(now, with_phase=False)  # the phase goes on the line below
+            below = " › ".join(t for t in (phase, self._child) if t)
+            fraction = self._fraction()
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(no_wrap=True)
+        if fraction is not None:
+            grid.add_column(width=24, no_wrap=True)
+        grid.add_column(overflow="ellipsis", no_wrap=True)
+        cells: list[Any] = [_SPINNER.setdefault("s", Spinner("dots"))]
+        if fraction is not None:
+            cells.append(ProgressBar(total=1.0, completed=fraction, width=24))
+        cells.append(Text(line))
+        grid.add_row(*cells)
+        rows: list[Any] = [] if self._view is None else [self._view]
+        rows.append(grid)
+        if below:
+            rows.append(Text(f"  {below}", overflow="ellipsis", no_wrap=True, style="dim"))
+        return Group(*rows)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the display still (no redraw) inside the block: around code that writes to the
+        terminal's file descriptor directly."""
+        live = self._live
+        if live is None:
+            yield
+            return
+        with live._lock:
+            yield
+
+
+_SPINNER: dict[str, Any] = {}
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Hold the active display (if any) still inside the block (see :meth:`Progress.paused`)."""
+    with _stack_lock:
+        root = _stack[0] if _stack else None
+    if root is None:
+        yield
+        return
+    with root.paused():
+        yield
