@@ -50,10 +50,7 @@ def quiet_fd2() -> Iterator[None]:
     terminal out of step with what rich believes it drew."""
     from memfit.progress import paused
 
-    try:
-        fd = sys.stderr.fileno() if sys.stderr is not None else 2
-    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (captured)
-        fd = 2
+    fd = 2  # where C++ writes (std::cerr, stderr), whatever Python's sys.stderr is now
     with paused():
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(AttributeError, OSError, ValueError):

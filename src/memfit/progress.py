@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["ENV", "Progress", "current", "should_show"]
+__all__ = ["ENV", "Progress", "current", "paused", "phase", "should_show"]
 
 ENV = "MEMFIT_PROGRESS"
 """Environment variable: ``0``/``false``/``off`` hides progress, ``1``/``true``/``on`` shows it."""
@@ -123,7 +123,9 @@ class Progress:
             from rich.console import Console
             from rich.live import Live
 
-            console = self._console or Console(stderr=True)
+            # Asked for explicitly (progress=True, MEMFIT_PROGRESS=1) on a stream that is not a
+            # terminal: draw as on one, or rich would print nothing for a transient display.
+            console = self._console or Console(stderr=True, force_terminal=True)
             self._live = Live(console=console, transient=True, refresh_per_second=4,
                               get_renderable=self._render)
             self._live.start()
@@ -144,6 +146,11 @@ class Progress:
     def shown(self) -> bool:
         """Whether this progress is drawn (itself, or as an outer display's sub-phase)."""
         return self._live is not None or (self._parent is not None and self._parent.shown)
+
+    def console_height(self) -> int:
+        """Lines of the terminal drawn on (24 when not drawn): to size a view."""
+        live = self._live
+        return int(live.console.size.height) if live is not None else 24
 
     # -- updates ---------------------------------------------------------------------------
 
@@ -300,3 +307,11 @@ def paused() -> Iterator[None]:
         return
     with root.paused():
         yield
+
+
+def phase(text: str) -> None:
+    """Name the sub-phase of the innermost active progress, if any (a no-op otherwise): code
+    deep in a call reports what it runs without being handed the progress object."""
+    active = current()
+    if active is not None:
+        active.phase(text)
