@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["quiet_fd2", "quiet_import", "quiet_profile"]
+__all__ = ["quiet_fd2", "quiet_import", "quiet_imports", "quiet_loggers", "quiet_profile"]
 
 _IMPORT_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
@@ -94,19 +94,29 @@ def quiet_profile(**kwargs: Any) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def quiet_imports() -> Iterator[None]:
-    """Optional dependencies' import-time warnings and log records are dropped in the block."""
+def quiet_loggers() -> Iterator[None]:
+    """The optional dependencies' import-time loggers (torchao, torch.utils._pytree,
+    bitsandbytes) at ERROR inside the block, restored after. The CLI runs each command inside
+    it: transformers imports torchao when it builds a model (``transformers/quantizers/auto.py``
+    imports ``quantizer_torchao``), deep inside memfit's model building."""
     loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
     levels = [lg.level for lg in loggers]
-    with warnings.catch_warnings():
+    for lg in loggers:
+        lg.setLevel(max(lg.level, logging.ERROR))
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """:func:`quiet_loggers`, and warnings ignored: around memfit's imports of optional
+    dependencies."""
+    with warnings.catch_warnings(), quiet_loggers():
         warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(max(lg.level, logging.ERROR))
-        try:
-            yield
-        finally:
-            for lg, level in zip(loggers, levels, strict=True):
-                lg.setLevel(level)
+        yield
 
 
 def quiet_import(module: str) -> Any:

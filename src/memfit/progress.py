@@ -34,11 +34,14 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["ENV", "Progress", "current", "paused", "phase", "should_show"]
+T = TypeVar("T")
+
+__all__ = ["ENV", "Progress", "current", "paused", "phase", "quiet", "should_show",
+           "trace_progress"]
 
 ENV = "MEMFIT_PROGRESS"
 """Environment variable: ``0``/``false``/``off`` hides progress, ``1``/``true``/``on`` shows it."""
@@ -85,7 +88,10 @@ class Progress:
     ``items``: how many items make up the work when the weights are not one per item (shown as
     ``done/items unit``); ``unit``: what an item is ("configs", "candidates"); ``progress``:
     see :func:`should_show`; ``console``: a :class:`rich.console.Console` to draw on (default:
-    stderr; tests pass ``Console(file=..., force_terminal=True)``).
+    stderr; tests pass ``Console(file=..., force_terminal=True)``); ``delay``: seconds before
+    the display appears (work that ends sooner draws nothing); ``eta_is_bound``: the ETA is
+    shown as an upper bound ("ETA ≤ 1:20"), for work whose later items may be skipped (``fit``'s
+    branch and bound prunes combinations without tracing them).
 
     Known limitations: weights are the caller's estimate of relative cost; an ETA is only as
     good as they are.
@@ -93,7 +99,8 @@ class Progress:
 
     def __init__(self, description: str, *, total: float | None = None,
                  items: int | None = None, unit: str = "", progress: bool | None = None,
-                 console: Any = None) -> None:
+                 console: Any = None, delay: float = 0.0, eta_is_bound: bool = False
+                 ) -> None:
         self.description = description
         self.total = None if total is None else float(total)
         self.items = items if items is not None else (int(total) if total is not None else None)
@@ -111,6 +118,10 @@ class Progress:
         self._live: Any = None
         self._parent: Progress | None = None
         self._lock = threading.RLock()
+        self._delay = delay
+        self.eta_is_bound = eta_is_bound
+        self._timer: threading.Timer | None = None
+        self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -120,27 +131,52 @@ class Progress:
             self._parent = _stack[-1] if _stack else None
             _stack.append(self)
         if self._parent is None and self._enabled:
-            from rich.console import Console
-            from rich.live import Live
+            if self._delay > 0:
+                # Work that ends within the delay draws nothing (no flash of a bar).
+                self._timer = threading.Timer(self._delay, self._start)
+                self._timer.daemon = True
+                self._timer.start()
+            else:
+                self._start()
+        self._report()
+        return self
 
+    def _start(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        with self._lock:
+            if self._closed:
+                return
             # Asked for explicitly (progress=True, MEMFIT_PROGRESS=1) on a stream that is not a
             # terminal: draw as on one, or rich would print nothing for a transient display.
             console = self._console or Console(stderr=True, force_terminal=True)
-            self._live = Live(console=console, transient=True, refresh_per_second=4,
-                              get_renderable=self._render)
-            self._live.start()
-        self._report()
-        return self
+            live = Live(console=console, transient=True, refresh_per_second=4,
+                        get_renderable=self._render)
+            live.start()
+            self._live = live
 
     def __exit__(self, *exc: object) -> None:
         with _stack_lock:
             if self in _stack:
                 _stack.remove(self)
-        if self._live is not None:
-            self._live.stop()
-            self._live = None
+        if self._timer is not None:
+            self._timer.cancel()
+        with self._lock:
+            self._closed = True
+            live, self._live = self._live, None
+        if live is not None:
+            live.stop()
         if self._parent is not None:
             self._parent._child_done()
+
+    @property
+    def drawing(self) -> bool:
+        """Whether the outermost progress draws (or will, once its delay is over)."""
+        root = self
+        while root._parent is not None:
+            root = root._parent
+        return root._enabled and not root._closed
 
     @property
     def shown(self) -> bool:
@@ -161,6 +197,13 @@ class Progress:
             self.items_done += items
             self._last_done = time.monotonic()
         self._report()
+
+    def track(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield each item; the item counts as done when the loop body has run (a ``continue``
+        included), not when it starts."""
+        for item in iterable:
+            yield item
+            self.advance()
 
     def set_total(self, total: float | None, *, items: int | None = None) -> None:
         """Change the total when it becomes known (or changes)."""
@@ -209,12 +252,12 @@ class Progress:
             parts.append(f"{self.items_done}/{self.items}{' ' + self.unit if self.unit else ''}")
         elif self.items_done:
             parts.append(f"{self.items_done}{' ' + self.unit if self.unit else ''} done")
-        if self.note:
-            parts.append(self.note)
-        parts.append(f"elapsed {_clock(now - self._started)}")
         eta = self.eta_seconds(now)
         if eta is not None and self.completed < (self.total or 0):
-            parts.append(f"ETA {_clock(eta)}")
+            parts.append(f"ETA {'≤ ' if self.eta_is_bound else ''}{_clock(eta)}")
+        parts.append(f"elapsed {_clock(now - self._started)}")
+        if self.note:
+            parts.append(self.note)
         line = " · ".join(parts)
         if self._phase and with_phase:
             line += f" · {self.phase_text(now)}"
@@ -238,8 +281,8 @@ class Progress:
         """Pass this progress up as the parent's sub-phase (nested), or redraw soon."""
         if self._parent is not None:
             counts = (f" {self.items_done}/{self.items}" if self.items is not None else "")
-            self._parent._child_phase(f"{self.description}{counts}"
-                                      + (f": {self._phase}" if self._phase else ""))
+            head = f"{self.description}{counts}"
+            self._parent._child_phase(": ".join(t for t in (head, self._phase) if t))
 
     def _child_phase(self, text: str) -> None:
         with self._lock:
@@ -315,3 +358,86 @@ def phase(text: str) -> None:
     active = current()
     if active is not None:
         active.phase(text)
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """No progress display inside the block, whatever the terminal or the arguments below say
+    (``--quiet`` and ``--json`` run the command inside it).
+
+    >>> with memfit.progress.quiet():
+    ...     est = memfit.estimate(model, batch)
+    """
+    with Progress("", progress=False):
+        yield
+
+
+@contextmanager
+def trace_progress(model: Any, *, steps: int, training: bool,
+                   description: str = "memfit.estimate: tracing") -> Iterator[None]:
+    """Phases of a traced step on the active progress (or on a display of its own after a
+    second, when the trace runs alone in a terminal): ``step s/S forward: layer i/N`` from a
+    forward pre-hook on each repeated block, ``backward: layer i/N`` from a hook on each block's
+    output gradient, ``optimizer step`` from a global optimizer step pre-hook (removed on exit).
+
+    The hooks only name phases: they return nothing and allocate nothing, so the trace is
+    unchanged (the engine's module attribution uses the same kind of hooks)."""
+    outer = current()
+    if not should_show() if outer is None else not outer.drawing:
+        yield  # nothing would be drawn: no hooks at all
+        return
+    import torch
+
+    from memfit.errors import MemfitError
+    from memfit.techniques.checkpointing import find_blocks
+
+    try:
+        names = find_blocks(model)
+    except MemfitError:
+        names = []
+    modules = dict(model.named_modules())
+    blocks = [modules[n] for n in names if n in modules]
+    state = {"step": 0, "backward": False}
+    prefix = (lambda: f"step {state['step']}/{steps} ") if steps > 1 else (lambda: "")
+    handles: list[Any] = []
+    with Progress("" if outer is not None else description, total=None, delay=1.0) as bar:
+        def root_pre(_mod: Any, _args: Any) -> None:
+            state["step"] += 1
+            state["backward"] = False
+            bar.phase(f"{prefix()}forward")
+
+        def block_pre(i: int) -> Any:
+            def hook(_mod: Any, _args: Any) -> None:
+                if not state["backward"]:  # not a checkpoint's recompute
+                    bar.phase(f"{prefix()}forward: layer {i + 1}/{len(blocks)}")
+            return hook
+
+        def block_post(i: int) -> Any:
+            def on_grad(_grad: Any) -> None:
+                state["backward"] = True
+                bar.phase(f"{prefix()}backward: layer {i + 1}/{len(blocks)}")
+
+            def hook(_mod: Any, _args: Any, out: Any) -> None:
+                if state["backward"] or not torch.is_grad_enabled():
+                    return
+                first = out[0] if isinstance(out, tuple | list) and out else out
+                if isinstance(first, torch.Tensor) and first.requires_grad:
+                    first.register_hook(on_grad)
+            return hook
+
+        def optimizer_pre(*_args: Any) -> None:
+            bar.phase(f"{prefix()}optimizer step")
+
+        handles.append(model.register_forward_pre_hook(root_pre))
+        for i, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(block_pre(i)))
+            handles.append(block.register_forward_hook(block_post(i)))
+        if training:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            handles.append(register_optimizer_step_pre_hook(optimizer_pre))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()

@@ -16,6 +16,7 @@ from memfit.estimate.config import RunConfig
 from memfit.estimate.planner import plan
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, TransformerSpec
+from memfit.progress import Progress, phase
 from memfit.trace.estimate import TRACE_FITS_MARGIN
 from memfit.units import format_bytes
 
@@ -46,6 +47,7 @@ def traced_estimate(spec: TransformerSpec, run: RunConfig, gpu: GpuSpec | None) 
     from memfit.trace import estimate
 
     attn = "eager" if run.attention == "eager" else "sdpa"
+    phase("building the model on meta")
     model = build_model(spec, device="meta", attn_implementation=attn)
     if run.mode in ("lora", "qlora"):
         _apply_adapters(model, run)
@@ -64,6 +66,7 @@ def traced_estimate(spec: TransformerSpec, run: RunConfig, gpu: GpuSpec | None) 
         from memfit.trace.optim import offloaded
 
         optimizer = offloaded(run.optimizer)
+    phase("tracing one step" if not training else "tracing two steps")
     return estimate(model, inputs, optimizer=optimizer, precision=run.precision, device="cuda",
                     gpu=gpu, steps=2 if training else 1)
 
@@ -116,7 +119,8 @@ def per_gpu_breakdown(est: Any) -> dict[MemoryCategory, int]:
 def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
               gpu: GpuSpec | None) -> int:
     spec = _check_traceable(model, run)
-    est = traced_estimate(spec, run, gpu)
+    with Progress(f"memfit plan: tracing {spec.name}", total=None):
+        est = traced_estimate(spec, run, gpu)
     breakdown = per_gpu_breakdown(est)
     analytic = plan(spec, run, gpu)
     capacity = gpu.usable_bytes if gpu else None
