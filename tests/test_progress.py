@@ -255,3 +255,71 @@ def test_trace_on_cpu_target_prints_nothing(capfd) -> None:
     _, err = capfd.readouterr()
     assert "profiler_st" not in err
 
+
+
+# -- find_batch_size and fit -------------------------------------------------------------------
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def test_find_batch_size_reports_each_trial_and_the_bracket(monkeypatch) -> None:
+    """Each trial names its batch as the phase, and the note holds the bracket and the most
+    trials bisection can still need: ceil(log2(hi - lo)) for a fit at lo and a miss at hi."""
+    from memfit.batch_size import find_batch_size
+
+    notes: list[str] = []
+    phases: list[str] = []
+    monkeypatch.setattr(Progress, "set_note", lambda self, text: notes.append(text))
+    real_phase = Progress.phase
+    monkeypatch.setattr(Progress, "phase",
+                        lambda self, text: (phases.append(text), real_phase(self, text)))
+    # A budget no batch above 40 rows meets, by the trial's own verdict (no measurement needed).
+    monkeypatch.setattr("memfit.batch_size._Trials._measure",
+                        lambda self, rows: 1000 * rows)
+    found = find_batch_size(_mlp(), lambda b: torch.randn(b, 32), budget_bytes=40_500,
+                            device="cpu", start=33, progress=True, log=False)
+    assert found == 40
+    trials = [p for p in phases if p.startswith("trial: batch ")]
+    assert trials[:2] == ["trial: batch 33, real training steps",
+                          "trial: batch 34, real training steps"]
+    # 33, 34, 36, 40 fit (steps 1, 2, 4), 48 does not: bracket (40, 48) -> at most 3 trials.
+    assert "5 trials, 40 fits, 48 does not, ≤ 3 left" in notes
+    assert notes[-1].endswith("≤ 0 left")  # 41 does not fit: nothing left between 40 and 41
+
+
+def test_find_batch_size_is_silent_off_a_terminal(capfd) -> None:
+    """progress=None with stderr not a terminal (pytest captures it): nothing on stderr."""
+    from memfit.batch_size import find_batch_size
+
+    find_batch_size(_mlp(), lambda b: torch.randn(b, 32), budget_bytes=2**22, device="cpu",
+                    start=4, max_batch=6, log=False)
+    _, err = capfd.readouterr()
+    assert err == ""
+
+
+def test_fit_counts_a_combination_when_it_is_finished(monkeypatch) -> None:
+    """fit's progress advances after a combination's traces (never before it starts: the old
+    bar showed 1/16 while the first combination was still tracing) and ends at the total."""
+    from memfit.fit import fit
+
+    events: list[tuple[str, float]] = []
+    real_advance, real_phase = Progress.advance, Progress.phase
+
+    def advance(self, weight=1.0, *, items=1):
+        events.append(("advance", self.completed + weight))
+        real_advance(self, weight, items=items)
+
+    def phase(self, text):
+        if text.startswith("tracing "):
+            events.append(("trace", self.completed))
+        real_phase(self, text)
+
+    monkeypatch.setattr(Progress, "advance", advance)
+    monkeypatch.setattr(Progress, "phase", phase)
+    fit(_mlp(), torch.randn(4, 32), global_batch=4, budget_bytes=2**30, device="cpu",
+        space={"precision": ["fp32", "bf16-mixed"], "micro_batch": [4]}, progress=True)
+    traces = [done for kind, done in events if kind == "trace"]
+    assert traces and traces[0] == 0  # the first trace runs with nothing counted yet
+    assert [done for kind, done in events if kind == "advance"][-1] == 2  # fp32, bf16-mixed
