@@ -323,3 +323,41 @@ def test_fit_counts_a_combination_when_it_is_finished(monkeypatch) -> None:
     traces = [done for kind, done in events if kind == "trace"]
     assert traces and traces[0] == 0  # the first trace runs with nothing counted yet
     assert [done for kind, done in events if kind == "advance"][-1] == 2  # fp32, bf16-mixed
+
+
+def test_plan_trace_progress_and_the_quiet_rule(monkeypatch, capfd) -> None:
+    """plan --method trace names its phases (forward layer i/N from the block hooks); --json
+    and --quiet win over MEMFIT_PROGRESS=1 (the quiet rule), with nothing at all on stderr.
+    The trace runs once; the quiet runs reuse its result (what is checked is what the CLI asks
+    of the display: drawing or not)."""
+    import memfit.cli.trace_plan as trace_plan
+
+    monkeypatch.setenv(progress_mod.ENV, "1")
+    texts: list[str] = []
+    real_phase = Progress.phase
+    monkeypatch.setattr(Progress, "phase",
+                        lambda self, text: (texts.append(text), real_phase(self, text)))
+    real = trace_plan.traced_estimate
+    cached: list[object] = []
+    drawing: list[bool] = []
+
+    def traced_estimate(spec, run, gpu):
+        drawing.append(progress_mod.current().drawing)
+        if not cached:
+            cached.append(real(spec, run, gpu))
+        return cached[0]
+
+    monkeypatch.setattr(trace_plan, "traced_estimate", traced_estimate)
+    argv = ["plan", "gpt2", "--method", "trace", "--gpu", "h100-80gb", "--seq", "32"]
+    assert main(argv) == 0
+    _, err = capfd.readouterr()
+    assert "memfit plan: tracing gpt2" in ANSI.sub("", err)
+    assert "building the model on meta" in texts
+    assert "step 1/2 forward: layer 12/12" in texts  # gpt2: 12 blocks, two traced steps
+    assert "step 2/2 backward: layer 1/12" in texts
+    assert "step 2/2 optimizer step" in texts
+    for extra in (["--json"], ["--quiet"]):
+        assert main([*argv, *extra]) == 0
+        _, err = capfd.readouterr()
+        assert err == ""
+    assert drawing == [True, False, False]
