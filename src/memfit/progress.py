@@ -51,6 +51,8 @@ _ON = frozenset({"1", "true", "yes", "on", "force"})
 
 _stack: list[Progress] = []
 _stack_lock = threading.RLock()
+_draw_lock = threading.RLock()
+"""Held while a display starts and while :func:`paused` holds the displays still."""
 
 
 def should_show(progress: bool | None = None) -> bool:
@@ -145,7 +147,7 @@ class Progress:
         from rich.console import Console
         from rich.live import Live
 
-        with self._lock:
+        with _draw_lock, self._lock:
             if self._closed:
                 return
             # Asked for explicitly (progress=True, MEMFIT_PROGRESS=1) on a stream that is not a
@@ -343,13 +345,14 @@ _SPINNER: dict[str, Any] = {}
 @contextmanager
 def paused() -> Iterator[None]:
     """Hold the active display (if any) still inside the block (see :meth:`Progress.paused`)."""
-    with _stack_lock:
-        root = _stack[0] if _stack else None
-    if root is None:
-        yield
-        return
-    with root.paused():
-        yield
+    with _draw_lock:  # no display starts meanwhile (a delayed one, from its timer thread)
+        with _stack_lock:
+            root = _stack[0] if _stack else None
+        if root is None:
+            yield
+            return
+        with root.paused():
+            yield
 
 
 def phase(text: str) -> None:
