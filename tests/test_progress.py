@@ -361,3 +361,43 @@ def test_plan_trace_progress_and_the_quiet_rule(monkeypatch, capfd) -> None:
         _, err = capfd.readouterr()
         assert err == ""
     assert drawing == [True, False, False]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_phase_hooks_do_not_change_the_trace(monkeypatch, checkpointing) -> None:
+    """The trace with progress hooks (forward pre-hooks on blocks, gradient hooks on their
+    outputs, an optimizer step pre-hook) is op for op and byte for byte the trace without them,
+    with and without a checkpoint's recompute."""
+    from memfit.models.build import build_model, example_inputs
+    from memfit.trace import estimate
+    from memfit.validate import _small_llama
+
+    spec = _small_llama(2, 128)
+
+    def traced(show: bool) -> tuple[object, ...]:
+        model = build_model(spec, backend="builtin", device="meta")
+        if checkpointing != "none":
+            from memfit.techniques.checkpointing import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model, policy=checkpointing)
+        inputs = example_inputs(spec, batch=2, seq=64, device="meta")
+        phases: list[str] = []
+        real_phase = Progress.phase
+        monkeypatch.setattr(Progress, "phase",
+                            lambda self, text: (phases.append(text), real_phase(self, text)))
+        with Progress("test", progress=show, console=_terminal()[0] if show else None):
+            est = estimate(model, inputs, precision="bf16-mixed", device="cuda",
+                           gpu="a100-80gb")
+        assert any("backward: layer 1/2" in p for p in phases) == show
+        return (est.peak_bytes, est.peak_reserved_bytes, est.num_ops,
+                [(p.op, p.bytes) for p in est.timeline])
+
+    assert traced(True) == traced(False)
+
+
+def test_a_delayed_display_draws_nothing_for_quick_work(capfd) -> None:
+    """Work that ends before the delay draws nothing, even when progress is asked for."""
+    with Progress("quick", total=1, progress=True, delay=600) as bar:
+        bar.advance()
+    _, err = capfd.readouterr()
+    assert err == ""
