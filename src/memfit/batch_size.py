@@ -45,6 +45,7 @@ from torch import nn
 from memfit._tensors import call_model, tensor_leaves
 from memfit.errors import MemfitError, suggest
 from memfit.profile.cpu import measure_cpu_peak
+from memfit.progress import Progress, current, phase
 from memfit.trace import default_loss, estimate
 from memfit.trace.optim import OptimizerFactory, make_optimizer
 
@@ -177,14 +178,36 @@ class _Trials:
 
     def fits(self, rows: int) -> bool:
         if rows not in self.results:
+            phase(f"trial: batch {rows}, real {'training steps' if self.train else 'forward'}")
             peak = self._measure(rows)
             self.peaks[rows] = peak
             self.results[rows] = peak is not None and peak <= self.budget
+            self._report()
             if self.log:
                 what = "out of memory" if peak is None else f"peak {peak} B"
                 log.info("memfit batch-size: batch %d: %s, budget %d B: %s", rows, what,
                          self.budget, "fits" if self.results[rows] else "does not fit")
         return self.results[rows]
+
+
+    def _report(self) -> None:
+        """Trials done, the bracket so far, and (once bisecting) at most how many are left."""
+        active = current()
+        if active is None:
+            return
+        fit = [b for b, ok in self.results.items() if ok]
+        miss = [b for b, ok in self.results.items() if not ok]
+        lo = max(fit, default=None)
+        hi = min((b for b in miss if lo is None or b > lo), default=None)
+        parts = [f"{len(self.results)} trials"]
+        if lo is not None:
+            parts.append(f"{lo} fits")
+        if hi is not None:
+            parts.append(f"{hi} does not")
+        if lo is not None and hi is not None:
+            # Bisection halves hi - lo per trial: ceil(log2(hi - lo)) trials at most.
+            parts.append(f"≤ {max(0, (hi - lo - 1).bit_length())} left")
+        active.set_note(", ".join(parts))
 
 
 def _largest(fits: Callable[[int], bool], seed: int, max_batch: int) -> int | None:
@@ -226,6 +249,7 @@ def _predicted_seed(model: nn.Module, source: _Source, *, budget: int, train: bo
 
     def predicted_fits(rows: int) -> bool:
         if rows not in cache:
+            phase(f"seed: tracing batch {rows} on meta tensors")
             est = estimate(model, source.meta(rows), optimizer=optimizer if train else None,
                            loss_fn=loss_fn, device=target, steps=_TRAIN_STEPS if train else 1)
             peak = est.peak_reserved_bytes if target == "cuda" else est.peak_bytes
@@ -268,7 +292,7 @@ def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterabl
                     optimizer: str | OptimizerFactory = "adamw",
                     loss_fn: Callable[[Any], torch.Tensor] | None = None, mode: str = "train",
                     start: int | None = None, max_batch: int = 4096, scan_batches: int = 64,
-                    log: bool = True) -> int:
+                    log: bool = True, progress: bool | None = None) -> int:
     """The largest batch size whose step fits in ``budget_bytes`` (see :mod:`memfit.batch_size`).
 
     ``make_batch(batch_size)`` returns a batch (a tensor, or a tuple/list/dict of tensors with
@@ -277,7 +301,9 @@ def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterabl
     the output into the loss (default :func:`memfit.trace.default_loss`). ``optimizer`` is a name
     (``"adamw"``, ``"sgd"``, ...) or a callable ``params -> Optimizer``. ``device`` must be where
     the model is (default: there); batches are moved to it. ``budget_bytes`` is required on CPU;
-    on CUDA it defaults to the free memory plus what PyTorch already reserved.
+    on CUDA it defaults to the free memory plus what PyTorch already reserved. ``progress``:
+    a line on stderr with the trial running and the bracket so far (default: only when stderr
+    is a terminal; see :mod:`memfit.progress`).
 
     >>> find_batch_size(model, lambda b: torch.randn(b, 512), budget_bytes=64 * 2**20,
     ...                 device="cpu")
@@ -300,10 +326,11 @@ def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterabl
     error: BaseException | None = None
     if not distributed or dist.get_rank() == 0:
         try:
-            result = _search(model, make_batch, dev, budget_bytes=budget_bytes,
-                             optimizer=optimizer, loss_fn=loss_fn or default_loss,
-                             train=mode == "train", start=start, max_batch=max_batch,
-                             scan_batches=scan_batches, log_trials=log)
+            with Progress("memfit.find_batch_size", total=None, progress=progress):
+                result = _search(model, make_batch, dev, budget_bytes=budget_bytes,
+                                 optimizer=optimizer, loss_fn=loss_fn or default_loss,
+                                 train=mode == "train", start=start, max_batch=max_batch,
+                                 scan_batches=scan_batches, log_trials=log)
         except BaseException as exc:  # re-raised below, after the other ranks are told
             if not distributed:
                 raise

@@ -7,7 +7,6 @@ with code 2, never a traceback. Messages say what is wrong, the valid values, an
 from __future__ import annotations
 
 import difflib
-import importlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,8 +30,10 @@ def require(module: str, extra: str, what: str) -> Any:
 
     >>> bnb = require("bitsandbytes", "bnb", "optimizer 'adamw-8bit'")
     """
+    from memfit._noise import quiet_import
+
     try:
-        return importlib.import_module(module)
+        return quiet_import(module)  # without torchao's import-time log lines
     except ImportError:
         raise MemfitError(f"{what} needs {module.split('.')[0]}, which is not installed; run "
                           f"pip install 'memfit[{extra}]'") from None

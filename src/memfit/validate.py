@@ -362,10 +362,13 @@ def _measure(config: Config, factory: Factory, device: str,
 def run_config(config: Config, *, size: str, device: str, gpu: str | None,
                steps: int = 2) -> Result:
     """Measure one config on ``device`` for real, then trace it on a meta copy."""
+    from memfit.progress import phase
     from memfit.trace import estimate
 
     factory = zoo(size)[config.family](config.batch)
+    phase(f"{config.name}: real run on {device}")
     measured_alloc, measured_res, real_seconds = _measure(config, factory, device, steps)
+    phase(f"{config.name}: trace")
     torch.manual_seed(0)
     meta_model, meta_inputs, meta_loss = factory("meta")
     est = estimate(meta_model, meta_inputs, optimizer=_techniques(meta_model, config),
@@ -380,7 +383,11 @@ def run_config(config: Config, *, size: str, device: str, gpu: str | None,
 
 def run_matrix(configs: list[Config], *, size: str, device: str, gpu: str | None,
                steps: int = 2) -> Iterator[Result | tuple[Config, str]]:
-    """Run each config; yields a Result, or (config, error message) when a config fails."""
+    """Run each config; yields a Result, or (config, error message) when a config fails.
+
+    Shows no progress itself: ``memfit validate`` wraps it in a :class:`memfit.progress.Progress`
+    (each config names its phase in the active progress, if any). ``KeyboardInterrupt`` is not
+    caught: results yielded before it stand."""
     for config in configs:
         try:
             yield run_config(config, size=size, device=device, gpu=gpu, steps=steps)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from memfit import progress
+from memfit._noise import quiet_loggers
 from memfit.errors import MemfitError
 
 EXIT_USAGE = 2
@@ -44,8 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    # The quiet rule: no progress display under --quiet, or --json printing JSON on stdout
+    # (see memfit.progress). `validate --json FILE` writes a file and keeps its progress.
+    quiet = bool(getattr(args, "quiet", False) or getattr(args, "json", False) is True)
     try:
-        return int(args.func(args) or 0)
+        with progress.quiet() if quiet else contextlib.nullcontext(), quiet_loggers():
+            return int(args.func(args) or 0)
     except MemfitError as exc:
         print(f"memfit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -43,6 +43,7 @@ def register(sub: Any) -> None:
     p.add_argument("--measure", action="store_true",
                    help="time real steps of the top candidates and pick the fastest measured")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress display on stderr")
     p.add_argument("--save", help="write the plan to this JSON file (memfit.Plan.load reads it)")
     p.set_defaults(func=run)
 

@@ -85,6 +85,7 @@ def register(sub: Any) -> None:
     p.add_argument("--method", default="analytic", choices=["analytic", "trace"],
                    help="analytic formulas (default) or trace the real module on meta tensors")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no progress display (--method trace)")
     p.set_defaults(func=run)
 
 

@@ -30,6 +30,7 @@ from memfit.estimate.table import (
 )
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, TransformerSpec
+from memfit.progress import Progress, phase
 from memfit.trace.estimate import TRACE_FITS_MARGIN
 from memfit.units import format_bytes
 
@@ -60,6 +61,7 @@ def traced_estimate(spec: TransformerSpec, run: RunConfig, gpu: GpuSpec | None) 
     from memfit.trace import estimate
 
     attn = "eager" if run.attention == "eager" else "sdpa"
+    phase("building the model on meta")
     model = build_model(spec, device="meta", attn_implementation=attn)
     if run.mode in ("lora", "qlora"):
         _apply_adapters(model, run)
@@ -78,6 +80,7 @@ def traced_estimate(spec: TransformerSpec, run: RunConfig, gpu: GpuSpec | None) 
         from memfit.trace.optim import offloaded
 
         optimizer = offloaded(run.optimizer)
+    phase("tracing one step" if not training else "tracing two steps")
     return estimate(model, inputs, optimizer=optimizer, precision=run.precision, device="cuda",
                     gpu=gpu, steps=2 if training else 1)
 
@@ -186,7 +189,8 @@ def trace_suggestions(est: Any, analytic: MemoryPlan, capacity: int | None,
 def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
               gpu: GpuSpec | None) -> int:
     spec = _check_traceable(model, run)
-    est = traced_estimate(spec, run, gpu)
+    with Progress(f"memfit plan: tracing {spec.name}", total=None):
+        est = traced_estimate(spec, run, gpu)
     column = trace_column(est)
     analytic = plan(spec, run, gpu)
     capacity = gpu.usable_bytes if gpu else None

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
+import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from rich.table import Table
 
 from memfit.cli._common import console
 from memfit.errors import MemfitError
+from memfit.progress import Progress
 
 
 def register(sub: Any) -> None:
@@ -26,7 +30,9 @@ def register(sub: Any) -> None:
     p.add_argument("--families", help="comma list of zoo families (default: all)")
     p.add_argument("--limit", type=int, default=None, help="run only the first N configs")
     p.add_argument("--gpu", help="catalog GPU for the prediction (default: detected)")
-    p.add_argument("--json", dest="json_path", help="write results to this JSON file")
+    p.add_argument("--json", dest="json_path", help="write results to this JSON file (rewritten "
+                   "after every config, so a stopped run keeps the results so far)")
+    p.add_argument("--quiet", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=run)
 
 
@@ -59,44 +65,112 @@ def run(args: argparse.Namespace) -> int:
     configs = matrix(size, families=families)[: args.limit]
     gpu = args.gpu or (_detect_gpu() if args.device == "cuda" else None)
     out = console()
-    table = Table(title=f"trace vs real ({args.device}, {size})", title_justify="left")
-    for col in ("config", "measured alloc", "predicted", "error", "measured reserved",
-                "predicted", "error"):
-        table.add_column(col, justify="left" if col == "config" else "right")
     results: list[Result] = []
     failures: list[dict[str, str]] = []
-    for item in run_matrix(configs, size=size, device=args.device, gpu=gpu):
-        if isinstance(item, Result):
-            results.append(item)
-            res = item.error_reserved
-            table.add_row(item.config, f"{item.measured_allocated:,}",
-                          f"{item.predicted_allocated:,}", f"{100 * item.error_allocated:+.2f}%",
-                          "-" if item.measured_reserved is None else f"{item.measured_reserved:,}",
-                          f"{item.predicted_reserved:,}",
-                          "-" if res is None else f"{100 * res:+.2f}%")
-        else:
-            config, message = item
-            failures.append({"config": config.name, "error": message})
-            out.print(f"[red]failed[/red] {config.name}: {message}")
-    out.print(table)
+    doc = _document(args, gpu, size, len(configs))
+    interrupted = False
+    # Note: [partial results] The JSON file is rewritten (temp file + os.replace, atomic on
+    # POSIX and Windows) after every config, so Ctrl-C, a kill or a crash leaves a valid file
+    # with every config finished so far ("complete": false until the last one).
+    with Progress(f"memfit validate ({args.device}, {size})", total=len(configs),
+                  unit="configs", progress=False if args.quiet else None) as bar:
+        if args.json_path:
+            _write_json(args.json_path, doc, results, failures, complete=False)
+        try:
+            for item in run_matrix(configs, size=size, device=args.device, gpu=gpu):
+                if isinstance(item, Result):
+                    results.append(item)
+                else:
+                    config, message = item
+                    failures.append({"config": config.name, "error": message})
+                bar.advance()
+                bar.phase("")
+                bar.set_note(f"{len(failures)} failed" if failures else "")
+                if bar.shown:
+                    bar.show(_table(args.device, size, results, failures,
+                                    last=max(3, bar.console_height() - 8)))
+                if args.json_path:
+                    _write_json(args.json_path, doc, results, failures, complete=False)
+        except KeyboardInterrupt:
+            interrupted = True
+    out.print(_table(args.device, size, results, failures))
     summary = summarize(results)
     out.print(json.dumps(summary, indent=2))
     if args.json_path:
-        doc = {
-            "what": "memfit trace engine vs real runs",
-            "date": dt.date.today().isoformat(),
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else
-            platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "gpu_catalog_entry": gpu,
-            "command": " ".join(["memfit", *sys.argv[1:]]) if sys.argv else "memfit validate",
-            "size": size,
-            "summary": summary,
-            "results": [r.to_dict() for r in results],
-            "failures": failures,
-        }
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(doc, indent=2))
-        out.print(f"wrote {args.json_path}")
+        _write_json(args.json_path, doc, results, failures, complete=not interrupted)
+        if not interrupted:
+            out.print(f"wrote {args.json_path}")
+    if interrupted:
+        done = len(results) + len(failures)
+        where = f"; results so far in {args.json_path}" if args.json_path else ""
+        print(f"memfit validate: interrupted after {done} of {len(configs)} configs{where}",
+              file=sys.stderr)
+        return 130  # the shell's code for a run stopped by SIGINT
     return 0
+
+
+def _table(device: str, size: str, results: list[Any], failures: list[dict[str, str]], *,
+           last: int | None = None) -> Table:
+    """The results table; ``last``: only the last rows (the live view on a short terminal)."""
+    table = Table(title=f"trace vs real ({device}, {size})", title_justify="left")
+    rows = [_row(r) for r in results] + [
+        (f"{f['config']}", f"[red]failed[/red]: {f['error']}", "", "", "", "", "")
+        for f in failures]
+    names = max((len(row[0]) for row in rows), default=6)
+    for col in ("config", "measured alloc", "predicted", "error", "measured reserved",
+                "predicted", "error"):
+        # Names never break (a user copies them); numbers fold rather than lose digits.
+        table.add_column(col, justify="left" if col == "config" else "right", overflow="fold",
+                         min_width=names if col == "config" else None,
+                         no_wrap=col == "config")
+    if last is not None and len(rows) > last:
+        table.caption = f"(the last {last} of {len(rows)} rows; all of them at the end)"
+        rows = rows[-last:]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _row(item: Any) -> tuple[str, ...]:
+    res = item.error_reserved
+    return (item.config, f"{item.measured_allocated:,}", f"{item.predicted_allocated:,}",
+            f"{100 * item.error_allocated:+.2f}%",
+            "-" if item.measured_reserved is None else f"{item.measured_reserved:,}",
+            f"{item.predicted_reserved:,}", "-" if res is None else f"{100 * res:+.2f}%")
+
+
+def _document(args: argparse.Namespace, gpu: str | None, size: str, total: int
+              ) -> dict[str, Any]:
+    return {
+        "what": "memfit trace engine vs real runs",
+        "date": dt.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else
+        platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu_catalog_entry": gpu,
+        "command": " ".join(["memfit", *sys.argv[1:]]) if sys.argv else "memfit validate",
+        "size": size,
+        "configs_total": total,
+    }
+
+
+def _write_json(path: str, doc: dict[str, Any], results: list[Any],
+                failures: list[dict[str, str]], *, complete: bool) -> None:
+    """Write the document atomically: a stopped run never leaves a half-written file."""
+    from memfit.validate import summarize
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    body = {**doc, "complete": complete, "configs_done": len(results) + len(failures),
+            "summary": summarize(results), "results": [r.to_dict() for r in results],
+            "failures": failures}
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f, indent=2)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

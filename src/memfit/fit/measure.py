@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from memfit.fit.plan import Candidate
+from memfit.progress import Progress
 
 __all__ = ["measure_candidates", "real_batch"]
 
@@ -59,12 +60,15 @@ def measure_candidates(model: nn.Module, sample: Any, candidates: Sequence[Candi
 
     batch = real_batch(sample, global_batch, device)
     results: dict[int, tuple[float, int]] = {}
-    for i, cand in enumerate(candidates):
-        trial = copy.deepcopy(model).to(device)
-        _, _, step = apply_config(trial, cand.config, loss_fn=sum_loss, log_recoveries=False)
-        best = min(time_steps(step, batch, device=device, steps=steps + 1))
-        results[i] = (best, len(getattr(step, "recoveries", ())))
-        del trial, step
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    with Progress("memfit fit: timing real steps", total=len(candidates),
+                  unit="candidates") as bar:
+        for i, cand in enumerate(bar.track(candidates)):
+            bar.phase(cand.config.label())
+            trial = copy.deepcopy(model).to(device)
+            _, _, step = apply_config(trial, cand.config, loss_fn=sum_loss, log_recoveries=False)
+            best = min(time_steps(step, batch, device=device, steps=steps + 1))
+            results[i] = (best, len(getattr(step, "recoveries", ())))
+            del trial, step
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return results

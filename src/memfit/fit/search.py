@@ -15,14 +15,13 @@ verified by a trace]). ZeRO sharding stays analytic.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import importlib.util
 import itertools
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +37,7 @@ from memfit.fit.config import CHECKPOINTING, PRECISIONS, SHARDING, FitConfig
 from memfit.fit.cost import Rates, cpu_rates, gpu_rates, step_cost
 from memfit.fit.plan import Candidate, Plan, Rejected
 from memfit.gpus import GpuSpec, get_gpu
+from memfit.progress import Progress, phase
 from memfit.trace.allocator import round_size
 from memfit.trace.estimate import TRACE_FITS_MARGIN, TRACKED
 
@@ -114,18 +114,6 @@ def _space(space: dict[str, Any] | None, defaults: dict[str, list[Any]]) -> dict
             raise MemfitError(f"space[{key!r}] must be a non-empty list of values")
         out[key] = list(values)
     return out
-
-
-@contextlib.contextmanager
-def _progress(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
-    if not enabled:
-        yield lambda: None
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task("memfit fit: searching", total=total)
-        yield lambda: bar.advance(task)
 
 
 def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global_batch: int,
@@ -206,6 +194,8 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
               ) -> _Traced | str:
         key = (precision, ckpt, opt, chunked, attention, m)
         if key not in traces:
+            phase(f"tracing {precision}, ckpt={ckpt}, {opt}{', chunked loss' if chunked else ''}"
+                  f"{', sdpa' if attention == 'sdpa' else ''}, micro-batch {m}")
             traces[key] = _trace_one(base, sample_batch, precision=precision, ckpt=ckpt,
                                      optimizer=opt, chunked=chunked, attention=attention, m=m,
                                      per_gpu=per_gpu, device=device, gpu=spec, loss_fn=loss_fn,
@@ -259,16 +249,21 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
         plain = "none" if ckpt == "budget" else ckpt
         return flops(plain, None, chunked, attention, per_gpu) / rates.flops[precision]
 
-    # Branch and bound: combinations in order of their lower bound; once ``top`` candidates are
-    # faster than the next bound, the rest cannot enter the table and are not traced.
-    bounds = {combo: lower_bound(combo) for combo in combos}
-    combos.sort(key=lambda c: bounds[c])
     candidates: list[Candidate] = []
-    show = progress if progress is not None else _is_tty()
-    with _progress(len(combos), show) as advance:
-        for combo in combos:
+    # Progress: a combination counts as done when its micro-batches are traced and costed (not
+    # when it starts); the ETA, the average time per finished combination times those left, is
+    # an upper bound: the branch and bound below skips combinations without tracing them.
+    with Progress("memfit fit: searching", total=len(combos), unit="combinations",
+                  progress=progress, eta_is_bound=True) as bar:
+        # Branch and bound: combinations in order of their lower bound; once ``top`` candidates
+        # are faster than the next bound, the rest cannot enter the table and are not traced.
+        bar.phase("counting FLOPs (fake tensors, one sample)")
+        bounds = {combo: lower_bound(combo) for combo in combos}
+        combos.sort(key=lambda c: bounds[c])
+        for combo in bar.track(combos):
             precision, ckpt, opt, chunked, attention = combo
-            advance()
+            bar.set_note(f"{sum(not isinstance(v, str) for v in traces.values())} traced, "
+                         f"{len(candidates)} fit")
             if len(candidates) >= top and bounds[combo] > 0:
                 kth = sorted(c.cost.total_s for c in candidates)[top - 1]
                 if bounds[combo] >= kth:
@@ -369,37 +364,41 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     # offload applied (the engine keeps host copies out of the device peak), and their traced
     # peak replaces the derived one, or rejects them.
     verified: set[int] = set()
-    while True:
-        pending = [i for i, c in enumerate(candidates[:top]) if id(c) not in verified and
-                   (c.config.offload_activations or c.config.offload_states)
-                   and c.config.sharding == "none"]
-        if not pending:
-            break
-        i = pending[0]
-        c = candidates[i]
-        cfg = c.config
-        t = _trace_one(base, sample_batch, precision=cfg.precision, ckpt=cfg.checkpointing,
-                       optimizer=cfg.optimizer, chunked=cfg.chunked_loss,
-                       attention=cfg.attention, m=cfg.micro_batch, per_gpu=per_gpu,
-                       device=device, gpu=spec, loss_fn=loss_fn, num_gpus=num_gpus,
-                       offload_activations=cfg.offload_activations,
-                       offload_states=cfg.offload_states)
-        if isinstance(t, str):
-            rejected.append(Rejected(what=cfg.label(), reason=t))
-            del candidates[i]
-            continue
-        peak = (t.peak_accum + _rest_of_batch(t, cfg.micro_batch, per_gpu)
-                if cfg.accumulation > 1 else t.peak)
-        if peak > budget:
-            rejected.append(Rejected(what=cfg.label(), reason=(
-                f"traced with offload: peak {peak / 2**20:,.2f} MiB > budget "
-                f"{budget / 2**20:,.2f} MiB (after {headroom:.0%} headroom)"), peak_bytes=peak))
-            del candidates[i]
-            continue
-        candidates[i] = dataclasses.replace(c, peak_bytes=peak, traced=True,
-                                            host_bytes=t.host_peak)
-        verified.add(id(candidates[i]))
-        candidates.sort(key=order)
+    with Progress("memfit fit: tracing the offload candidates", total=None, progress=progress,
+                  delay=0.5) as verifying:
+        while True:
+            pending = [i for i, c in enumerate(candidates[:top]) if id(c) not in verified and
+                       (c.config.offload_activations or c.config.offload_states)
+                       and c.config.sharding == "none"]
+            if not pending:
+                break
+            i = pending[0]
+            c = candidates[i]
+            cfg = c.config
+            verifying.phase(cfg.label())
+            t = _trace_one(base, sample_batch, precision=cfg.precision, ckpt=cfg.checkpointing,
+                           optimizer=cfg.optimizer, chunked=cfg.chunked_loss,
+                           attention=cfg.attention, m=cfg.micro_batch, per_gpu=per_gpu,
+                           device=device, gpu=spec, loss_fn=loss_fn, num_gpus=num_gpus,
+                           offload_activations=cfg.offload_activations,
+                           offload_states=cfg.offload_states)
+            if isinstance(t, str):
+                rejected.append(Rejected(what=cfg.label(), reason=t))
+                del candidates[i]
+                continue
+            peak = (t.peak_accum + _rest_of_batch(t, cfg.micro_batch, per_gpu)
+                    if cfg.accumulation > 1 else t.peak)
+            if peak > budget:
+                rejected.append(Rejected(what=cfg.label(), reason=(
+                    f"traced with offload: peak {peak / 2**20:,.2f} MiB > budget "
+                    f"{budget / 2**20:,.2f} MiB (after {headroom:.0%} headroom)"),
+                    peak_bytes=peak))
+                del candidates[i]
+                continue
+            candidates[i] = dataclasses.replace(c, peak_bytes=peak, traced=True,
+                                                host_bytes=t.host_peak)
+            verified.add(id(candidates[i]))
+            candidates.sort(key=order)
     if not candidates:
         raise MemfitError(f"no configuration fits the budget of {budget:,} bytes once offload "
                           "is traced; raise the budget, shorten the sequence, or shrink the "
@@ -423,12 +422,6 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                 rates_source=rates.source, search_seconds=time.perf_counter() - started,
                 traces=sum(1 for v in traces.values() if not isinstance(v, str)),
                 candidates_considered=len(candidates) + len(rejected))
-
-
-def _is_tty() -> bool:
-    import sys
-
-    return sys.stderr.isatty()
 
 
 def _next(values: list[int], after: int) -> int:

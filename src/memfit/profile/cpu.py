@@ -21,6 +21,8 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from memfit._noise import quiet_profile
+
 
 @dataclass(frozen=True, kw_only=True)
 class CpuPeak:
@@ -155,7 +157,8 @@ def measure_cpu_peak(fn: Callable[[], Any], *alive: object) -> CpuPeak:
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        # quiet_profile: without kineto's profiler_start/stop lines (see memfit._noise)
+        with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             result = fn()
     finally:
         if was_enabled:

@@ -282,9 +282,10 @@ class Profiler:
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         if self.allocator_events:
             from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as kineto_profile
 
-            self._kineto = stack.enter_context(kineto_profile(
+            from memfit._noise import quiet_profile
+
+            self._kineto = stack.enter_context(quiet_profile(
                 activities=[ProfilerActivity.CPU], profile_memory=True))
         stack.enter_context(_Mode(self))
         self._start = time.perf_counter()

@@ -32,13 +32,13 @@ keep fp32 states (bitsandbytes' and torchao's ``min_8bit_size``).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from memfit._noise import quiet_import
 from memfit.errors import MemfitError, require, suggest
 from memfit.trace.host import host_memory
 
@@ -78,7 +78,7 @@ def _eight_bit(name: str, params: list[Any], backend: str, kw: dict[str, Any]) -
         # (torch.compile, needs a C++ compiler on CPU).
         for module in ("bitsandbytes", "torchao"):
             try:
-                importlib.import_module(module)
+                quiet_import(module)
             except ImportError:
                 continue
             backend = module

@@ -23,7 +23,6 @@ Backends:
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 from collections.abc import Iterable
@@ -31,6 +30,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from memfit._noise import quiet_import
 from memfit.errors import MemfitError, require, suggest
 
 __all__ = ["LORA_BACKENDS", "QUANT_BACKENDS", "LoRALinear", "NF4Linear", "apply_lora",
@@ -88,7 +88,7 @@ class NF4Linear(nn.Module):
         for path in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor",
                      "torchao.dtypes.nf4tensor"):
             try:
-                nf4 = importlib.import_module(path)
+                nf4 = quiet_import(path)
                 break
             except ImportError:
                 continue
@@ -108,7 +108,7 @@ class NF4Linear(nn.Module):
 
 def _installed(module: str) -> bool:
     try:
-        importlib.import_module(module)
+        quiet_import(module)
     except ImportError:
         return False
     return True

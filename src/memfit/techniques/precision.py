@@ -208,7 +208,10 @@ def _check_fp8(device_type: str) -> Any:
                           f"({torch.cuda.get_device_name()}) has {capability[0]}.{capability[1]}; "
                           "use precision='bf16-mixed' (or 'fp16-mixed' before 8.0)")
     try:
-        from torchao.float8 import convert_to_float8_training
+        from memfit._noise import quiet_imports
+
+        with quiet_imports():
+            from torchao.float8 import convert_to_float8_training
     except ImportError:
         raise MemfitError("fp8 training needs torchao: pip install 'memfit[fp8]' (or "
                           "pip install torchao)") from None

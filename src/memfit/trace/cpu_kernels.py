@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memfit._noise import quiet_profile
 from memfit.profile.cpu import allocator_deltas, running_peak
 
 aten = torch.ops.aten
@@ -156,7 +157,8 @@ def transient_peak(func: Any, args: Any, kwargs: dict[str, Any]) -> int | None:
             try:
                 if func is aten.mkldnn_rnn_layer_backward.default:
                     real_args = _rnn_backward_args(real_args)
-                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                with quiet_profile(activities=[ProfilerActivity.CPU],
+                                   profile_memory=True) as prof:  # see memfit._noise
                     out = func(*real_args, **real_kwargs)
             except RuntimeError:  # a kernel refusing zeros (or this build): not measured
                 _cache[key] = None

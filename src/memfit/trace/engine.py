@@ -31,6 +31,7 @@ from memfit._tensors import call_model, tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
 from memfit.gpus import GpuSpec
+from memfit.progress import trace_progress
 from memfit.trace import host
 from memfit.trace.autocast import cuda_autocast_emulation, target_autocast
 from memfit.trace.datadep import DataDependentSizes
@@ -463,6 +464,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
         stack.callback(tracker.close)  # runs last: frees after the trace are not recorded
         stack.callback(setattr, fake_mode, "tracking", False)
         stack.enter_context(_module_hooks(fmodel, tracker))
+        stack.enter_context(trace_progress(fmodel, steps=steps, training=training))
         stack.enter_context(_eager_library_paths())
         if cuda_target:
             stack.enter_context(CudaSdpaRouting(_compute_capability(spec),

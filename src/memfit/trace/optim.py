@@ -80,8 +80,9 @@ def _adamw_8bit(params: list[torch.nn.Parameter], *, cpu_target: bool) -> torch.
     fp32 copies of each parameter's states while it updates it, which the emulation does not
     model); the emulation otherwise, and for CUDA, where the update is one fused kernel."""
     if cpu_target and importlib.util.find_spec("bitsandbytes") is not None:
-        import bitsandbytes
+        from memfit._noise import quiet_import
 
+        bitsandbytes = quiet_import("bitsandbytes")
         return bitsandbytes.optim.AdamW8bit(params, lr=1e-3)  # type: ignore[no-any-return]
     return AdamW8bit(params)
 
