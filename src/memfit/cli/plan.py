@@ -74,8 +74,9 @@ def register(sub: Any) -> None:
     p.add_argument("--kv-cache-dtype", help=f"inference KV cache format: {', '.join(KV_DTYPES)}")
     p.add_argument("--new-tokens", default="0", help="inference: tokens generated after the "
                    "prompt (the KV cache holds seq + new tokens)")
-    p.add_argument("--method", default="analytic", choices=["analytic", "trace"],
-                   help="analytic formulas (default) or trace the real module on meta tensors")
+    p.add_argument("--method", default=None, choices=["analytic", "trace"],
+                   help="analytic formulas (default) or trace the real module on meta tensors "
+                   "(the default for model types the formulas do not cover)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -130,8 +131,21 @@ def run_config(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.models.hf_auto import HFModelSpec
+
     model, gpu = resolve(args)
     config = run_config(args)
+    if isinstance(model, HFModelSpec):
+        if args.method == "analytic":
+            raise MemfitError(f"--method analytic: memfit's formulas do not cover model_type "
+                              f"{model.model_type!r}; use --method trace (or leave --method "
+                              "out)")
+        if args.method is None and not args.json:
+            console().print(f"{model.model_type}: not covered by the analytic formulas; "
+                            "tracing the real transformers module on meta tensors",
+                            soft_wrap=True)
+        args.method = "trace"
+    args.method = args.method or "analytic"
     if args.method == "trace":
         from memfit.cli.trace_plan import run_trace
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from memfit.errors import MemfitError
+from memfit.models.hf_auto import HFModelSpec
 from memfit.models.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 from memfit.models.presets import (
     get_preset,
@@ -17,6 +18,7 @@ from memfit.models.spec import LinearShape, ModelSpec, ParamCountSpec, Transform
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "HFModelSpec",
     "LinearShape",
     "ModelSpec",
     "ParamCountSpec",
@@ -36,7 +38,7 @@ def _looks_like_path(text: str) -> bool:
             or text.startswith((".", "~")))
 
 
-def resolve_model(name_or_path: str | Path) -> TransformerSpec:
+def resolve_model(name_or_path: str | Path) -> TransformerSpec | HFModelSpec:
     """A preset name/alias, or a path to a Hugging Face config.json (or its directory).
 
     >>> resolve_model("llama-3-8b").num_layers

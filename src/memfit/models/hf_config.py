@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError, read_json_file
+from memfit.models.hf_auto import HFModelSpec
 from memfit.models.spec import TransformerSpec
 
 _LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "gemma2", "phi3")
@@ -240,15 +241,21 @@ _PARSERS: dict[str, Callable[[_Config, str], TransformerSpec]] = {
 }
 
 
-def load_hf_config(path: str | Path) -> TransformerSpec:
+def load_hf_config(path: str | Path) -> TransformerSpec | HFModelSpec:
     """Parse a Hugging Face ``config.json`` (a file, or a directory containing one).
+
+    A ``model_type`` in :data:`SUPPORTED_MODEL_TYPES` becomes a :class:`TransformerSpec` (the
+    formulas); any other type the installed transformers knows becomes an
+    :class:`~memfit.models.hf_auto.HFModelSpec` for the trace.
 
     >>> spec = load_hf_config("checkpoints/Meta-Llama-3-8B/config.json")  # doctest: +SKIP
     >>> spec.param_count()  # doctest: +SKIP
     8030261248
 
     Raises MemfitError (one line, naming the file and the fix) when the file is missing, is not
-    JSON, has an unsupported ``model_type``, or a required key is missing or of the wrong type.
+    JSON, has a ``model_type`` neither the formulas nor transformers know (or one only
+    transformers knows and it is not installed), or a required key is missing or of the wrong
+    type.
     """
     path = Path(path).expanduser()
     if path.is_dir():
@@ -263,7 +270,17 @@ def load_hf_config(path: str | Path) -> TransformerSpec:
     supported = ", ".join(SUPPORTED_MODEL_TYPES)
     if model_type is None:
         raise MemfitError(f"{path}: missing 'model_type'; add it (supported: {supported})")
-    if not isinstance(model_type, str) or model_type not in _PARSERS:
+    if not isinstance(model_type, str):
         raise MemfitError(f"{path}: unsupported model_type {model_type!r}; supported: "
                           f"{supported} (or pass --params N to plan model states only)")
-    return _PARSERS[model_type](_Config(path, data), _name(path, data))
+    if model_type in _PARSERS:
+        return _PARSERS[model_type](_Config(path, data), _name(path, data))
+    from memfit.models.hf_auto import hf_model_spec, known_model_types
+
+    known = known_model_types()
+    if known and model_type not in known:
+        raise MemfitError(f"{path}: unsupported model_type {model_type!r}: neither memfit's "
+                          f"formulas (supported: {supported}) nor the installed transformers "
+                          "know it; upgrade transformers, or pass --params N to plan model "
+                          "states only")
+    return hf_model_spec(data, name=_name(path, data), source=str(path))

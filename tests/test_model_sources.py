@@ -1,0 +1,174 @@
+"""Model sources beyond the presets: any transformers model type (traced), the local Hugging Face
+hub cache, safetensors headers.
+
+Expected parameter counts are worked out by hand from the modules' shapes (each test says how).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memfit.cli import main
+from memfit.errors import MemfitError
+from memfit.models import HFModelSpec, load_hf_config, resolve_model
+
+# A tiny T5 (t5-small's layout: relu FF, tied head, 32 relative-position buckets).
+TINY_T5: dict[str, Any] = {
+    "model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 64,
+    "d_ff": 128, "d_kv": 16, "num_heads": 4, "num_layers": 2, "vocab_size": 512,
+    "n_positions": 512, "feed_forward_proj": "relu", "is_encoder_decoder": True,
+    "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1,
+    "tie_word_embeddings": True, "relative_attention_num_buckets": 32}
+
+
+def _t5_params(d: int, ff: int, heads: int, d_kv: int, layers: int, vocab: int,
+               buckets: int = 32) -> int:
+    """T5ForConditionalGeneration, tied head: shared embedding; per encoder layer q,k,v,o + FF
+    (wi, wo, no biases) + two RMSNorm-style weights; per decoder layer self- and cross-attention
+    + FF + three norms; each stack's first layer holds the relative-position bias
+    (buckets x heads) and each stack ends with a norm."""
+    inner = heads * d_kv
+    attn = 4 * d * inner
+    encoder = layers * (attn + 2 * d * ff + 2 * d) + buckets * heads + d
+    decoder = layers * (2 * attn + 2 * d * ff + 3 * d) + buckets * heads + d
+    return vocab * d + encoder + decoder
+
+
+def _write(folder: Path, data: dict[str, Any], name: str = "config.json") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ----------------------------------------------------------- any model type transformers knows
+def test_t5_small_count_from_first_principles() -> None:
+    # t5-small (d_model 512, d_ff 2048, 8 heads of 64, 6 layers, 32128 tokens): 60,506,624, the
+    # count usually quoted for it ("60M").
+    assert _t5_params(512, 2048, 8, 64, 6, 32128) == 60_506_624
+
+
+def test_t5_config_loads_as_a_traceable_spec(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    spec = load_hf_config(_write(tmp_path / "tiny-t5", TINY_T5))
+    assert isinstance(spec, HFModelSpec)
+    assert (spec.model_type, spec.task, spec.name) == ("t5", "seq2seq-lm", "tiny-t5")
+    assert spec.param_count() == _t5_params(64, 128, 4, 16, 2, 512)
+    model = spec.build()
+    assert type(model).__name__ == "T5ForConditionalGeneration"
+    assert all(p.is_meta for p in model.parameters())
+    inputs = spec.example_inputs(batch=2, seq=24)
+    assert inputs["input_ids"].shape == inputs["labels"].shape == (2, 24)
+    out = model(**inputs)  # labels are shifted right into the decoder inputs by T5 itself
+    assert out.loss.shape == () and out.logits.shape == (2, 24, 512)
+
+
+def test_architectures_pick_the_task_head(tmp_path: Path) -> None:
+    """BART's config lists BartForConditionalGeneration (seq2seq), though transformers also maps
+    model_type bart to BartForCausalLM; a config without architectures that is an encoder-decoder
+    gets the seq2seq head too. GPT-NeoX defaults to its causal LM."""
+    pytest.importorskip("transformers")
+    bart = {"model_type": "bart", "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+            "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 64,
+            "decoder_ffn_dim": 64, "vocab_size": 100, "max_position_embeddings": 64}
+    with_arch = load_hf_config(_write(tmp_path, dict(
+        bart, architectures=["BartForConditionalGeneration"]), "a.json"))
+    without = load_hf_config(_write(tmp_path, bart, "b.json"))
+    causal = load_hf_config(_write(tmp_path, dict(bart, architectures=["BartForCausalLM"]),
+                                   "c.json"))
+    assert (with_arch.task, without.task, causal.task) == ("seq2seq-lm", "seq2seq-lm",
+                                                           "causal-lm")
+    neox = {"model_type": "gpt_neox", "hidden_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 100}
+    assert load_hf_config(_write(tmp_path, neox, "n.json")).task == "causal-lm"
+
+
+def test_whisper_inputs_are_log_mel_features(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    whisper = {"model_type": "whisper", "architectures": ["WhisperForConditionalGeneration"],
+               "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+               "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+               "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "vocab_size": 100,
+               "num_mel_bins": 16, "max_source_positions": 20, "max_target_positions": 30,
+               "decoder_start_token_id": 1, "pad_token_id": 0}
+    spec = load_hf_config(_write(tmp_path, whisper))
+    assert spec.task == "speech-seq2seq"
+    inputs = spec.example_inputs(batch=2, seq=100)
+    # The encoder's two convolutions (stride 1, then 2) turn 2 * max_source_positions frames
+    # into its positions; labels are capped at the decoder's positions.
+    assert inputs["input_features"].shape == (2, 16, 40)
+    assert inputs["labels"].shape == (2, 30)
+    from memfit.trace import estimate
+
+    # Plain meta tensors cannot run Whisper's data-dependent mask code; the trace's fake tensors
+    # can: one traced training step on these inputs.
+    est = estimate(spec.build(), inputs, device="cpu", steps=1)
+    assert est.peak_bytes > 4 * 4 * spec.param_count()  # fp32 weights, grads, two Adam states
+
+
+def test_plan_traces_a_config_the_formulas_do_not_cover(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    pytest.importorskip("transformers")
+    path = _write(tmp_path, TINY_T5)
+    code, out, err = _cli(capsys, "plan", str(path), "--gpu", "h100-80gb", "--seq", "32")
+    assert code == 0, err
+    first = out.splitlines()[0]
+    assert "t5" in first and "not covered by the analytic formulas" in first
+    assert "trac" in first and "traced on meta tensors" in out
+    code, out, err = _cli(capsys, "plan", str(path), "--json", "--seq", "32")
+    assert code == 0, err
+    result = json.loads(out)  # nothing but the JSON object on stdout
+    assert result["method"] == "trace"
+    assert result["model"]["params"] == _t5_params(64, 128, 4, 16, 2, 512)
+
+
+def test_plan_method_analytic_on_such_a_config_says_use_trace(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    path = _write(tmp_path, TINY_T5)
+    code, _, err = _cli(capsys, "plan", str(path), "--method", "analytic")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "--method trace" in lines[0]
+    code, _, err = _cli(capsys, "plan", str(path), "--mode", "lora")
+    assert code == 2 and "--mode lora" in err and len(err.strip().splitlines()) == 1
+
+
+def test_without_transformers_the_error_names_the_extra(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.raises(MemfitError) as err:
+        load_hf_config(_write(tmp_path, TINY_T5))
+    message = str(err.value)
+    assert "pip install 'memfit[hf]'" in message and "'t5'" in message and "\n" not in message
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    assert "\nhf = [" in pyproject.read_text()  # the extra the hint names exists
+
+
+def test_unknown_model_type_says_neither_knows_it(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(MemfitError, match="nor the installed transformers"):
+        load_hf_config(_write(tmp_path, {"model_type": "surely-not-a-model"}))
+
+
+def test_remote_code_is_never_used(tmp_path: Path) -> None:
+    """An ``auto_map`` pointing at Hub code is dropped: the model is transformers' own class."""
+    pytest.importorskip("transformers")
+    data = dict(TINY_T5, auto_map={"AutoModelForSeq2SeqLM": "evil.EvilModel"})
+    spec = load_hf_config(_write(tmp_path, data))
+    assert type(spec.build()).__module__.startswith("transformers.models.t5")
+    assert resolve_model(str(tmp_path)).param_count() == _t5_params(64, 128, 4, 16, 2, 512)
