@@ -172,3 +172,121 @@ def test_remote_code_is_never_used(tmp_path: Path) -> None:
     spec = load_hf_config(_write(tmp_path, data))
     assert type(spec.build()).__module__.startswith("transformers.models.t5")
     assert resolve_model(str(tmp_path)).param_count() == _t5_params(64, 128, 4, 16, 2, 512)
+
+
+# --------------------------------------------------------------------- the local hub cache
+TINY_LLAMA: dict[str, Any] = {
+    "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000,
+    "max_position_embeddings": 256, "tie_word_embeddings": False}
+# embeddings + untied head 2 * 1000 * 64; per layer q, o 64x64, k, v 64x32, gate/up/down
+# 64x128, two RMSNorms; the final norm.
+TINY_LLAMA_PARAMS = 2 * 1000 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+
+
+def _cache_repo(cache: Path, repo_id: str, config: dict[str, Any], commit: str = "a" * 40,
+                main: str | None = None) -> Path:
+    """The huggingface_hub cache layout (https://huggingface.co/docs/hub/local-cache)."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    _write(snapshot, config)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(main or commit)  # no newline, as huggingface_hub writes
+    return snapshot
+
+
+@pytest.fixture
+def hub_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("with_huggingface_hub", [True, False])
+@pytest.mark.parametrize("where", ["HF_HUB_CACHE", "HF_HOME", "default"])
+def test_hub_id_resolves_from_the_cache(hub_env: Path, monkeypatch: pytest.MonkeyPatch,
+                                        where: str, with_huggingface_hub: bool) -> None:
+    if with_huggingface_hub:
+        pytest.importorskip("huggingface_hub")
+    else:
+        monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    if where == "HF_HUB_CACHE":
+        cache = hub_env / "hubcache"
+        monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    elif where == "HF_HOME":
+        monkeypatch.setenv("HF_HOME", str(hub_env / "hfhome"))
+        cache = hub_env / "hfhome" / "hub"
+    else:
+        cache = hub_env / "home" / ".cache" / "huggingface" / "hub"
+    _cache_repo(cache, "acme/tiny-llama", TINY_LLAMA)
+    spec = resolve_model("acme/tiny-llama")
+    assert spec.name == "acme/tiny-llama"
+    assert spec.param_count() == TINY_LLAMA_PARAMS
+
+
+@pytest.mark.parametrize("with_huggingface_hub", [True, False])
+def test_hub_cache_follows_refs_main(hub_env: Path, monkeypatch: pytest.MonkeyPatch,
+                                     with_huggingface_hub: bool) -> None:
+    """Two snapshots: refs/main names the newer one (4 layers), which is the one read."""
+    if not with_huggingface_hub:
+        monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    cache = hub_env / "c"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    _cache_repo(cache, "acme/m", TINY_LLAMA, commit="1" * 40)
+    _cache_repo(cache, "acme/m", dict(TINY_LLAMA, num_hidden_layers=4), commit="2" * 40)
+    assert resolve_model("acme/m").num_layers == 4
+    (cache / "models--acme--m" / "refs" / "main").write_text("1" * 40)
+    assert resolve_model("acme/m").num_layers == 2
+
+
+@pytest.mark.parametrize("with_huggingface_hub", [True, False])
+def test_hub_id_not_cached_says_how_to_get_it(hub_env: Path, monkeypatch: pytest.MonkeyPatch,
+                                              with_huggingface_hub: bool) -> None:
+    if not with_huggingface_hub:
+        monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_env / "empty"))
+    # A snapshot without refs/main is not what "main" means: not found either.
+    (hub_env / "empty" / "models--acme--nope" / "snapshots" / ("3" * 40)).mkdir(parents=True)
+    for repo_id in ("acme/not-here", "acme/nope"):
+        with pytest.raises(MemfitError) as err:
+            resolve_model(repo_id)
+        message = str(err.value)
+        assert "not in the local Hugging Face cache" in message and "\n" not in message
+        assert f"huggingface-cli download {repo_id} config.json" in message
+        assert str(hub_env / "empty") in message
+
+
+def test_presets_keep_their_alias_names_over_the_cache(hub_env: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = hub_env / "c"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    _cache_repo(cache, "meta-llama/Meta-Llama-3-8B", TINY_LLAMA)
+    assert resolve_model("meta-llama/Meta-Llama-3-8B").name == "llama-3-8b"
+
+
+def test_hub_id_never_touches_the_network(hub_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("network access")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_env / "c"))
+    with pytest.raises(MemfitError, match="not in the local Hugging Face cache"):
+        resolve_model("acme/absent")
+    _cache_repo(hub_env / "c", "acme/present", TINY_LLAMA)
+    assert resolve_model("acme/present").param_count() == TINY_LLAMA_PARAMS
+
+
+def test_plan_cli_with_a_cached_hub_id(hub_env: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_env / "c"))
+    _cache_repo(hub_env / "c", "acme/tiny-llama", TINY_LLAMA)
+    code, out, err = _cli(capsys, "plan", "acme/tiny-llama", "--json")
+    assert code == 0, err
+    assert json.loads(out)["model"]["params"] == TINY_LLAMA_PARAMS
+    code, _, err = _cli(capsys, "plan", "acme/absent")
+    assert code == 2 and "huggingface-cli download acme/absent" in err
