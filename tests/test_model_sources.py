@@ -290,3 +290,163 @@ def test_plan_cli_with_a_cached_hub_id(hub_env: Path, monkeypatch: pytest.Monkey
     assert json.loads(out)["model"]["params"] == TINY_LLAMA_PARAMS
     code, _, err = _cli(capsys, "plan", "acme/absent")
     assert code == 2 and "huggingface-cli download acme/absent" in err
+
+
+# ------------------------------------------------------------------------ safetensors headers
+def _safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], *,
+                       metadata: dict[str, str] | None = None) -> bytes:
+    """A safetensors file written by hand from the format spec
+    (https://huggingface.co/docs/safetensors/index): u64 little-endian header length, JSON
+    header, then the data buffer (zeros here)."""
+    bits = {"F32": 32, "F16": 16, "BF16": 16, "I64": 64, "F8_E4M3": 8}
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        size = numel * bits[dtype] // 8
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + bytes(offset)
+
+
+def test_safetensors_counts_and_dtypes_from_the_header(tmp_path: Path) -> None:
+    from memfit.models.checkpoint import read_safetensors
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_safetensors_bytes({
+        "embed.weight": ("BF16", [100, 8]), "norm.weight": ("F32", [8]),
+        "step": ("I64", []), "q.weight": ("F8_E4M3", [8, 8])}, metadata={"format": "pt"}))
+    info = read_safetensors(path)
+    assert info.params == 800 + 8 + 1 + 64 and info.tensors == 4
+    assert info.params_by_dtype == {"BF16": 800, "F32": 8, "I64": 1, "F8_E4M3": 64}
+    assert info.bytes_by_dtype == {"BF16": 1600, "F32": 32, "I64": 8, "F8_E4M3": 64}
+    assert info.main_dtype == "BF16" and info.total_bytes == 1704
+
+
+def test_safetensors_written_by_the_library_reads_the_same(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    from memfit.models.checkpoint import read_safetensors
+
+    tensors = {"a": torch.zeros(3, 5, dtype=torch.bfloat16), "b": torch.zeros(7),
+               "c": torch.zeros(2, 2, 2, dtype=torch.float16)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    info = read_safetensors(tmp_path / "model.safetensors")
+    assert info.params == 15 + 7 + 8
+    assert info.bytes_by_dtype == {"BF16": 30, "F32": 28, "F16": 16}
+
+
+def test_sharded_index_counts_every_shard_once(tmp_path: Path) -> None:
+    from memfit.models.checkpoint import read_safetensors
+
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(
+        _safetensors_bytes({"a": ("BF16", [10, 10]), "b": ("BF16", [10])}))
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(
+        _safetensors_bytes({"c": ("F32", [4, 4])}))
+    index = {"metadata": {"total_size": 200 + 20 + 64},
+             "weight_map": {"a": "model-00001-of-00002.safetensors",
+                            "b": "model-00001-of-00002.safetensors",
+                            "c": "model-00002-of-00002.safetensors"}}
+    path = _write(tmp_path, index, "model.safetensors.index.json")
+    info = read_safetensors(path)
+    assert (info.params, info.tensors, len(info.files)) == (126, 3, 2)
+    assert info.bytes_by_dtype == {"BF16": 220, "F32": 64}
+    # A shard missing from the folder, or a tensor no shard holds: one line each.
+    index["weight_map"]["d"] = "model-00003-of-00003.safetensors"
+    _write(tmp_path, index, "model.safetensors.index.json")
+    with pytest.raises(MemfitError, match=r"shard 'model-00003-of-00003\.safetensors' is missing"):
+        read_safetensors(path)
+    index["weight_map"]["d"] = "model-00002-of-00002.safetensors"
+    _write(tmp_path, index, "model.safetensors.index.json")
+    with pytest.raises(MemfitError, match="1 tensors of the weight_map are in no shard"):
+        read_safetensors(path)
+
+
+def _valid_header() -> bytes:
+    return _safetensors_bytes({"w": ("F32", [2, 2])})
+
+
+@pytest.mark.parametrize("blob, expected", [
+    (b"\x01\x02", "shorter than the 8-byte header length"),
+    ((10**9).to_bytes(8, "little") + b"{}", "exceeds the format's limit"),
+    ((500).to_bytes(8, "little") + b"{}", "runs past the end"),
+    ((4).to_bytes(8, "little") + b"\xff\xfe{}", "not UTF-8 JSON"),
+    ((2).to_bytes(8, "little") + b"[]", "not a JSON object"),
+    ((2).to_bytes(8, "little") + b"{]", "not UTF-8 JSON"),
+    (_valid_header().replace(b'"F32"', b'"F99"'), "unknown dtype 'F99'"),
+    (_valid_header().replace(b"[2, 2]", b"[2,-2]"), "bad shape"),
+    (_valid_header().replace(b"[0, 16]", b"[0, 99]"), "bad data_offsets"),
+    (_valid_header().replace(b"[0, 16]", b"[0, 12]"), "12 bytes for 4 F32 elements"),
+])
+def test_malformed_safetensors_is_one_line(tmp_path: Path, blob: bytes, expected: str) -> None:
+    from memfit.models.checkpoint import read_safetensors
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(blob)
+    with pytest.raises(MemfitError) as err:
+        read_safetensors(path)
+    message = str(err.value)
+    assert expected in message and str(path) in message and "\n" not in message
+
+
+def test_reading_a_header_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    import pickle
+
+    from memfit.models.checkpoint import read_safetensors
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("unpickling")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_valid_header())
+    assert read_safetensors(path).params == 4
+
+
+def _tiny_llama_checkpoint(folder: Path) -> None:
+    """TINY_LLAMA's tensors (bf16, the names transformers saves), one file."""
+    h, kv, f, v = 64, 32, 128, 1000
+    tensors: dict[str, tuple[str, list[int]]] = {"model.embed_tokens.weight": ("BF16", [v, h]),
+                                                 "model.norm.weight": ("BF16", [h])}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": ("BF16", [h, h]),
+            p + "self_attn.k_proj.weight": ("BF16", [kv, h]),
+            p + "self_attn.v_proj.weight": ("BF16", [kv, h]),
+            p + "self_attn.o_proj.weight": ("BF16", [h, h]),
+            p + "mlp.gate_proj.weight": ("BF16", [f, h]),
+            p + "mlp.up_proj.weight": ("BF16", [f, h]),
+            p + "mlp.down_proj.weight": ("BF16", [h, f]),
+            p + "input_layernorm.weight": ("BF16", [h]),
+            p + "post_attention_layernorm.weight": ("BF16", [h])})
+    tensors["lm_head.weight"] = ("BF16", [v, h])
+    (folder / "model.safetensors").write_bytes(_safetensors_bytes(tensors))
+
+
+def test_plan_reports_the_checkpoints_count_and_dtype(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "tiny"
+    _write(folder, TINY_LLAMA)
+    _tiny_llama_checkpoint(folder)
+    code, out, err = _cli(capsys, "plan", str(folder))
+    assert code == 0, err
+    line = out.splitlines()[0]
+    assert f"{TINY_LLAMA_PARAMS:,} parameters stored as bf16" in line
+    assert "matches the config's count" in line
+    code, out, _ = _cli(capsys, "plan", str(folder), "--json")
+    checkpoint = json.loads(out)["checkpoint"]
+    assert checkpoint["params"] == checkpoint["config_params"] == TINY_LLAMA_PARAMS
+    assert checkpoint["bytes_by_dtype"] == {"bf16": 2 * TINY_LLAMA_PARAMS}
+    # The config says tied, the checkpoint stores the head anyway: the difference is named.
+    _write(folder, dict(TINY_LLAMA, tie_word_embeddings=True))
+    code, out, _ = _cli(capsys, "plan", str(folder))
+    line = out.splitlines()[0]
+    assert f"({1000 * 64:+,})" in line and "apart from the tied embeddings" in line

@@ -146,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
                             soft_wrap=True)
         args.method = "trace"
     args.method = args.method or "analytic"
+    from memfit.models.checkpoint import checkpoint_dict, checkpoint_for, compare_with_config
+
+    checkpoint = checkpoint_for(model)
+    if checkpoint is not None and not args.json:
+        console().print(compare_with_config(checkpoint, model), soft_wrap=True)
     if args.method == "trace":
         from memfit.cli.trace_plan import run_trace
 
@@ -157,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         out["suggestions"] = [
             {"change": s.change, "saved_bytes": s.saved_bytes,
              "total_bytes": s.plan.total_bytes, "fits": s.plan.fits} for s in suggestions]
+        if checkpoint is not None:
+            out["checkpoint"] = checkpoint_dict(checkpoint, model)
         print_json(out)
         return 0
     render(result, suggestions)
