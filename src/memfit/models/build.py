@@ -55,15 +55,19 @@ BACKENDS = ("auto", "transformers", "builtin")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 # Normalisation epsilon per family (the published configs; numerics only).
-_NORM_EPS = {"gpt2": 1e-5, "bert": 1e-12, "vit": 1e-12, "qwen2": 1e-6, "gemma2": 1e-6}
+_NORM_EPS = {"gpt2": 1e-5, "bert": 1e-12, "vit": 1e-12, "qwen2": 1e-6, "gemma2": 1e-6,
+             "qwen3": 1e-6, "qwen3_moe": 1e-6, "gemma3_text": 1e-6, "olmo2": 1e-6}
 _DEFAULT_NORM_EPS = 1e-5
-# RoPE base per family: Llama-3, Mistral v0.2+, Mixtral, Qwen2.5 published values (numerics only).
-_ROPE_THETA = {"llama": 500_000.0, "mistral": 1e6, "mixtral": 1e6, "qwen2": 1e6}
+# RoPE base per family: Llama-3, Mistral v0.2+, Mixtral, Qwen2.5, Qwen3, Gemma-3 (global layers),
+# OLMo-2 published values (numerics only).
+_ROPE_THETA = {"llama": 500_000.0, "mistral": 1e6, "mixtral": 1e6, "qwen2": 1e6, "qwen3": 1e6,
+               "qwen3_moe": 1e6, "gemma3_text": 1e6, "olmo2": 500_000.0}
 _DEFAULT_ROPE_THETA = 10_000.0
 _INIT_STD = 0.02  # GPT-2 / BERT / Llama initializer_range
 # Eager attention: Hugging Face's Llama-style models take the softmax in fp32; GPT-2, BERT and ViT
 # in the activations' dtype (the saved probabilities are twice as large in the first case).
-_FP32_SOFTMAX_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "gemma2", "phi3"})
+_FP32_SOFTMAX_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe",
+                                    "gemma2", "gemma3_text", "olmo2", "phi3"})
 
 # enable_gqa appeared in torch 2.5; Hugging Face passes it under the same condition (no mask).
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -95,7 +99,7 @@ def _norm(spec: TransformerSpec) -> nn.Module:
 def _activation(spec: TransformerSpec) -> Callable[[torch.Tensor], torch.Tensor]:
     if spec.mlp == "swiglu":
         return F.silu
-    if spec.family in ("gpt2", "gemma2") or spec.mlp == "geglu":
+    if spec.family in ("gpt2", "gemma2", "gemma3_text") or spec.mlp == "geglu":
         # GPT-2's "gelu_new" and Gemma's "gelu_pytorch_tanh" are the tanh approximation.
         return functools.partial(F.gelu, approximate="tanh")
     return F.gelu  # BERT, ViT: exact GeLU
@@ -150,12 +154,25 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, spec.kv_dim, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, spec.kv_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.q_dim, h, bias=spec.attn_out_bias)
+        # Qwen3 / Gemma-3 normalise each head of q and k; OLMo-2 the whole projections.
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm != "none":
+            eps = _NORM_EPS.get(spec.family, _DEFAULT_NORM_EPS)
+            per_head = spec.qk_norm == "head"
+            self.q_norm = RMSNorm(spec.head_dim if per_head else spec.q_dim, eps)
+            self.k_norm = RMSNorm(spec.head_dim if per_head else spec.kv_dim, eps)
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
@@ -309,9 +326,14 @@ class PreNormBlock(nn.Module):
                 f"model {spec.name!r}: the builtin backend builds blocks with 2 or 4 norms, not "
                 f"norms_per_layer={spec.norms_per_layer}; use backend='transformers'")
         self.sandwich = spec.norms_per_layer == 4
-        self.input_layernorm = _norm(spec)
+        # OLMo-2 normalises each sub-layer's output before the residual add, and nothing before.
+        self.post_norm = spec.family == "olmo2" and not self.sandwich
+        if not self.post_norm:
+            self.input_layernorm = _norm(spec)
         self.self_attn = Attention(spec, causal=causal, attn_implementation=attn_implementation)
         self.post_attention_layernorm = _norm(spec)
+        if self.post_norm:
+            self.post_feedforward_layernorm = _norm(spec)
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(spec)
             self.post_feedforward_layernorm = _norm(spec)
@@ -320,6 +342,9 @@ class PreNormBlock(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.post_norm:
+            x = x + self.dropout(self.post_attention_layernorm(self.self_attn(x, rope)))
+            return x + self.dropout(self.post_feedforward_layernorm(self.mlp(x)))
         if self.sandwich:
             x = x + self.dropout(self.post_attention_layernorm(
                 self.self_attn(self.input_layernorm(x), rope)))
@@ -537,7 +562,11 @@ _HF_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "bert": ("BertConfig", "BertModel"),
@@ -598,6 +627,19 @@ def _hf_config(spec: TransformerSpec, hf: Any) -> Any:
                           num_experts_per_tok=spec.experts_per_token)
     elif spec.family == "qwen2":
         kwargs.update(hidden_act=act, use_sliding_window=False)
+    elif spec.family in ("qwen3", "qwen3_moe"):
+        kwargs.update(hidden_act=act, attention_bias=spec.qkv_bias, use_sliding_window=False)
+        if spec.family == "qwen3_moe":
+            kwargs.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+                          moe_intermediate_size=spec.intermediate_size, decoder_sparse_step=1,
+                          mlp_only_layers=[])
+    elif spec.family == "olmo2":
+        kwargs.update(hidden_act=act, attention_bias=spec.qkv_bias)
+    elif spec.family == "gemma3_text":
+        kwargs.update(hidden_activation=act, attention_bias=spec.qkv_bias,
+                      query_pre_attn_scalar=spec.head_dim, final_logit_softcapping=None,
+                      attn_logit_softcapping=None,
+                      layer_types=["full_attention"] * spec.num_layers)
     elif spec.family == "gemma2":
         kwargs.update(hidden_activation=act, attention_bias=spec.qkv_bias,
                       query_pre_attn_scalar=spec.head_dim, final_logit_softcapping=None,

@@ -132,6 +132,47 @@ class HFModelSpec(ParamCountSpec):
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     source: str | None = None
 
+    # ------------------------------------------------ what `memfit models` shows
+    def _first_int(self, *keys: str) -> int:
+        config = self._text_config()
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return 0
+
+    @property
+    def family(self) -> str:
+        return self.model_type
+
+    @property
+    def num_layers(self) -> int:
+        return self._first_int("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+
+    @property
+    def hidden_size(self) -> int:
+        return self._first_int("hidden_size", "d_model", "n_embd", "dim")
+
+    @property
+    def num_heads(self) -> int:
+        return self._first_int("num_attention_heads", "num_heads", "n_head", "n_heads")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._first_int("num_key_value_heads") or self.num_heads
+
+    @property
+    def num_experts(self) -> int:
+        return self._first_int("n_routed_experts", "num_local_experts", "num_experts")
+
+    @property
+    def experts_per_token(self) -> int:
+        return self._first_int("num_experts_per_tok") if self.num_experts else 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     # ------------------------------------------------------------------- building
     def hf_config(self) -> Any:
         """The transformers config object (``AutoConfig.for_model``), with ``use_cache`` off:

@@ -8,7 +8,9 @@ Known limitations: task heads other than the ones below are not counted. Decoder
 ``*ForCausalLM`` model (LM head, tied or not); BERT is ``BertModel`` with its pooler (the MLM/NSP
 heads of ``BertForPreTraining`` are not counted); ViT is ``ViTForImageClassification`` (no pooler,
 ``num_labels`` outputs) unless ``architectures`` says ``ViTModel`` (pooler, no classifier).
-Multimodal configs (a nested ``text_config``) are not supported.
+Other model types (and variants the formulas cannot express exactly, such as Qwen3-MoE stacks
+mixing dense and MoE layers) load through :mod:`memfit.models.hf_auto` for the trace, when
+transformers is installed. Multimodal configs (a nested ``text_config``) go that way too.
 """
 
 from __future__ import annotations
@@ -21,13 +23,24 @@ from memfit.errors import MemfitError, read_json_file
 from memfit.models.hf_auto import HFModelSpec
 from memfit.models.spec import TransformerSpec
 
-_LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "gemma2", "phi3")
+_LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2",
+               "gemma3_text", "olmo2", "phi3")
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_LLAMA_LIKE, "gpt2", "bert", "vit")
 """``model_type`` values :func:`load_hf_config` understands."""
 
 # transformers' default for ``tie_word_embeddings`` per config class (used when the key is absent).
 _TIE_DEFAULT = {"llama": False, "mistral": False, "mixtral": False, "qwen2": False,
-                "gemma2": True, "phi3": False, "gpt2": True}
+                "qwen3": False, "qwen3_moe": False, "gemma2": True, "gemma3_text": True,
+                "olmo2": False, "phi3": False, "gpt2": True}
+# Families whose attention bias follows ``attention_bias`` (q, k, v and o together).
+_ATTENTION_BIAS_KEY = frozenset({"llama", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "olmo2"})
+# RMSNorm on queries and keys (transformers' modeling code): Qwen3 and Gemma-3 per head
+# (``q_norm = RMSNorm(head_dim)``), OLMo-2 over the whole projection
+# (``q_norm = RMSNorm(num_attention_heads * head_dim)``).
+_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmo2": "proj"}
+# head_dim defaults of the config classes that set one (Gemma2/3Config 256, Qwen3Config
+# 128); the others default to hidden_size / num_attention_heads.
+_HEAD_DIM_DEFAULT = {"gemma2": 256, "gemma3_text": 256, "qwen3": 128}
 
 
 class _Config:
@@ -101,7 +114,7 @@ def _name(path: Path, data: dict[str, Any]) -> str:
     return path.parent.name if path.name == "config.json" and path.parent.name else path.stem
 
 
-def _llama_like(cfg: _Config, model_type: str, name: str) -> TransformerSpec:
+def _llama_like(cfg: _Config, model_type: str, name: str) -> TransformerSpec | None:
     hidden = cfg.int_("hidden_size")
     heads = cfg.int_("num_attention_heads")
     kv_heads = cfg.int_("num_key_value_heads", default=heads)
@@ -114,15 +127,31 @@ def _llama_like(cfg: _Config, model_type: str, name: str) -> TransformerSpec:
         if per_token > experts:
             raise cfg.fail(f"num_experts_per_tok ({per_token}) exceeds num_local_experts "
                            f"({experts}); fix one of them in the config")
+    elif model_type == "qwen3_moe":
+        # Qwen3MoeConfig's defaults. Every layer is MoE only with decoder_sparse_step 1 and no
+        # mlp_only_layers; mixed dense/MoE stacks are left to the trace (None).
+        mlp_only = cfg.data.get("mlp_only_layers") or []
+        if cfg.int_("decoder_sparse_step", default=1) != 1 or mlp_only:
+            return None
+        experts = cfg.int_("num_experts", default=128)
+        per_token = cfg.int_("num_experts_per_tok", default=8)
+        if per_token > experts:
+            raise cfg.fail(f"num_experts_per_tok ({per_token}) exceeds num_experts "
+                           f"({experts}); fix one of them in the config")
     else:
         experts, per_token = 0, 0
-    # Qwen2 always has q/k/v biases and no o bias; Llama's and Gemma-2's follow attention_bias
-    # (q, k, v and o together); Mistral, Mixtral and Phi-3 have none (transformers' modeling code).
-    attention_bias = (cfg.bool_("attention_bias", False) if model_type in ("llama", "gemma2")
+    # Qwen2 always has q/k/v biases and no o bias; Llama's, Gemma-2/3's, Qwen3's and OLMo-2's
+    # follow attention_bias (q, k, v and o together); Mistral, Mixtral and Phi-3 have none
+    # (transformers' modeling code).
+    attention_bias = (cfg.bool_("attention_bias", False) if model_type in _ATTENTION_BIAS_KEY
                       else False)
     qkv_bias = model_type == "qwen2" or attention_bias
     mlp_bias = cfg.bool_("mlp_bias", False) if model_type == "llama" else False
-    gemma = model_type == "gemma2"
+    gemma = model_type in ("gemma2", "gemma3_text")
+    head_dim = (cfg.int_("head_dim", default=_HEAD_DIM_DEFAULT[model_type])
+                if model_type in _HEAD_DIM_DEFAULT else cfg.head_dim(hidden, heads))
+    intermediate = (cfg.int_("moe_intermediate_size", default=768) if model_type == "qwen3_moe"
+                    else cfg.int_("intermediate_size"))
     hidden_dropout = cfg.prob("resid_pdrop", default=0.0) if model_type == "phi3" else 0.0
     return TransformerSpec(
         name=name, family=model_type, arch="decoder",
@@ -130,13 +159,14 @@ def _llama_like(cfg: _Config, model_type: str, name: str) -> TransformerSpec:
         num_layers=cfg.int_("num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=cfg.int_("head_dim", default=256) if gemma else cfg.head_dim(hidden, heads),
-        intermediate_size=cfg.int_("intermediate_size"),
+        head_dim=head_dim,
+        intermediate_size=intermediate,
         vocab_size=cfg.int_("vocab_size"),
         max_position_embeddings=cfg.int_("max_position_embeddings", default=0, positive=False),
         mlp="geglu" if gemma else "swiglu",
         norm="rmsnorm",
         norms_per_layer=4 if gemma else 2,
+        qk_norm=_QK_NORM.get(model_type, "none"),
         qkv_bias=qkv_bias,
         attn_out_bias=attention_bias,
         mlp_bias=mlp_bias,
@@ -227,13 +257,13 @@ def _vit(cfg: _Config, name: str) -> TransformerSpec:
     )
 
 
-def _llama_like_parser(model_type: str) -> Callable[[_Config, str], TransformerSpec]:
-    def parse(cfg: _Config, name: str) -> TransformerSpec:
+def _llama_like_parser(model_type: str) -> Callable[[_Config, str], TransformerSpec | None]:
+    def parse(cfg: _Config, name: str) -> TransformerSpec | None:
         return _llama_like(cfg, model_type, name)
     return parse
 
 
-_PARSERS: dict[str, Callable[[_Config, str], TransformerSpec]] = {
+_PARSERS: dict[str, Callable[[_Config, str], TransformerSpec | None]] = {
     **{t: _llama_like_parser(t) for t in _LLAMA_LIKE},
     "gpt2": _gpt2,
     "bert": _bert,
@@ -274,7 +304,9 @@ def load_hf_config(path: str | Path) -> TransformerSpec | HFModelSpec:
         raise MemfitError(f"{path}: unsupported model_type {model_type!r}; supported: "
                           f"{supported} (or pass --params N to plan model states only)")
     if model_type in _PARSERS:
-        return _PARSERS[model_type](_Config(path, data), _name(path, data))
+        spec = _PARSERS[model_type](_Config(path, data), _name(path, data))
+        if spec is not None:
+            return spec  # else a variant the formulas do not cover: traced below
     from memfit.models.hf_auto import hf_model_spec, known_model_types
 
     known = known_model_types()
