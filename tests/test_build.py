@@ -558,6 +558,17 @@ def test_unknown_family_for_transformers() -> None:
         build_model(spec, backend="transformers")
 
 
+@pytest.mark.parametrize("family", ["gpt_neox", "phi"])
+def test_parallel_block_families_build_with_transformers_only(family: str) -> None:
+    spec = dataclasses.replace(tiny("gpt2"), family=family, position="rope",
+                               tie_embeddings=False, head_bias=family == "phi",
+                               norms_per_layer=1 if family == "phi" else 2)
+    with pytest.raises(MemfitError, match="backend='transformers'"):
+        build_model(spec, backend="builtin")
+    if _has_transformers():
+        assert n_params(build_model(spec, backend="transformers")) == spec.param_count()
+
+
 def test_spec_transformers_cannot_express() -> None:
     needs_transformers()
     spec = dataclasses.replace(tiny("mistral"), qkv_bias=True)  # Mistral has no bias option

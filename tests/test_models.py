@@ -320,6 +320,44 @@ def _has_transformers() -> bool:
     return True
 
 
+PYTHIA_160M: dict[str, Any] = {
+    "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_size": 768,
+    "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+    "vocab_size": 50304, "max_position_embeddings": 2048, "rotary_pct": 0.25,
+    "use_parallel_residual": True, "tie_word_embeddings": False, "layer_norm_eps": 1e-5}
+PHI_2: dict[str, Any] = {
+    "model_type": "phi", "architectures": ["PhiForCausalLM"], "hidden_size": 2560,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "intermediate_size": 10240, "vocab_size": 51200, "max_position_embeddings": 2048,
+    "partial_rotary_factor": 0.4, "qk_layernorm": False, "tie_word_embeddings": False,
+    "resid_pdrop": 0.1, "embd_pdrop": 0.0, "attention_dropout": 0.0, "hidden_act": "gelu_new"}
+
+
+def test_gpt_neox_and_phi_counts_from_first_principles(tmp_path: Path) -> None:
+    """EleutherAI/pythia-160m: embed_in and untied embed_out 2 x 50304 x 768; per layer fused
+    QKV 768 x 2304 + 2304, dense 768 x 768 + 768, MLP 768 x 3072 + 3072 + 3072 x 768 + 768, two
+    LayerNorms 2 x 1536; the final LayerNorm 1536: 162,322,944 (the Pythia suite's table).
+    microsoft/phi-2: embeddings + untied head 2 x 51200 x 2560 + the head's bias 51200; per
+    layer q, k, v, dense 4 x (2560^2 + 2560), fc1 + fc2 2 x 2560 x 10240 + 10240 + 2560, one
+    LayerNorm 5120; the final LayerNorm: 2,779,683,840 ("2.7B")."""
+    pythia = load_hf_config(_write(tmp_path, PYTHIA_160M, "pythia.json"))
+    per_layer = (768 * 2304 + 2304) + (768 * 768 + 768) + (2 * 768 * 3072 + 3072 + 768) + 3072
+    assert pythia.param_count() == 2 * 50304 * 768 + 12 * per_layer + 1536 == 162_322_944
+    phi2 = load_hf_config(_write(tmp_path, PHI_2, "phi2.json"))
+    per_layer = 4 * (2560 * 2560 + 2560) + (2 * 2560 * 10240 + 10240 + 2560) + 5120
+    expected = 2 * 51200 * 2560 + 51200 + 32 * per_layer + 5120
+    assert phi2.param_count() == expected == 2_779_683_840
+    assert (phi2.family, phi2.norms_per_layer, phi2.head_bias, phi2.dropout) == (
+        "phi", 1, True, 0.1)
+    # qk_layernorm adds a LayerNorm (weight and bias) of head_dim on q and on k per layer.
+    qk = load_hf_config(_write(tmp_path, dict(PHI_2, qk_layernorm=True), "qk.json"))
+    assert qk.param_count() == expected + 32 * 2 * 2 * 80
+    if _has_transformers():
+        for config in (PYTHIA_160M, PHI_2, dict(PHI_2, qk_layernorm=True)):
+            spec = load_hf_config(_write(tmp_path, config, "c.json"))
+            assert spec.param_count() == _hf_param_count(config), config["model_type"]
+
+
 def test_presets_keep_the_configs_dropout_and_shapes() -> None:
     # GPT2Config resid/attn_pdrop 0.1, BertConfig hidden/attention dropout 0.1, ViT 0.0, Llama
     # attention_dropout 0.0 (the Hub config.json files).
@@ -585,6 +623,8 @@ def test_transformers_meta_model_matches_variants(tmp_path: Path) -> None:
              pad_token_id=0),
         _gemma3(256, 2, 4, 2, 512, 1000, head_dim=32, tie_word_embeddings=False,
                 attention_bias=True),
+        dict(PYTHIA_160M, num_hidden_layers=2, attention_bias=False, tie_word_embeddings=True),
+        dict(PHI_2, num_hidden_layers=2, num_key_value_heads=8, tie_word_embeddings=True),
     ]
     for i, config in enumerate(variants):
         spec = load_hf_config(_write(tmp_path, config, f"c{i}.json"))

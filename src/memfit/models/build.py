@@ -569,9 +569,15 @@ _HF_CLASSES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "phi": ("PhiConfig", "PhiForCausalLM"),
     "bert": ("BertConfig", "BertModel"),
     "vit": ("ViTConfig", "ViTForImageClassification"),
 }
+
+
+# GPT-NeoX (use_parallel_residual) and Phi-1/2 run attention and the MLP side by side.
+_PARALLEL_BLOCK_FAMILIES = frozenset({"gpt_neox", "phi"})
 
 
 def _import_transformers() -> Any:
@@ -595,6 +601,25 @@ def _hf_config(spec: TransformerSpec, hf: Any) -> Any:
             resid_pdrop=spec.dropout, embd_pdrop=spec.dropout, attn_pdrop=spec.attention_dropout,
             layer_norm_epsilon=eps, tie_word_embeddings=spec.tie_embeddings, use_cache=False,
             bos_token_id=None, eos_token_id=None)
+    if spec.family == "gpt_neox":
+        return config_class(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+            intermediate_size=spec.intermediate_size, hidden_act="gelu",
+            max_position_embeddings=spec.max_position_embeddings or 2048, layer_norm_eps=eps,
+            tie_word_embeddings=spec.tie_embeddings, attention_bias=spec.qkv_bias,
+            hidden_dropout=spec.dropout, attention_dropout=spec.attention_dropout,
+            use_cache=False, bos_token_id=None, eos_token_id=None)
+    if spec.family == "phi":
+        return config_class(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, resid_pdrop=spec.dropout, embd_pdrop=spec.dropout,
+            attention_dropout=spec.attention_dropout, hidden_act="gelu_new",
+            max_position_embeddings=spec.max_position_embeddings or 2048, layer_norm_eps=eps,
+            tie_word_embeddings=spec.tie_embeddings, qk_layernorm=spec.qk_norm == "head",
+            use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if spec.family in ("bert", "vit"):
         common = dict(
             hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
@@ -677,6 +702,11 @@ def _build_transformers(spec: TransformerSpec, attn_implementation: str | None) 
 
 def _build_builtin(spec: TransformerSpec, attn_implementation: str | None,
                    moe_capacity_factor: float | None) -> nn.Module:
+    if spec.family in _PARALLEL_BLOCK_FAMILIES or spec.head_bias:
+        raise MemfitError(
+            f"model {spec.name!r}: the builtin backend has no parallel attention + MLP block "
+            f"or LM-head bias ({spec.family}); use backend='transformers' "
+            "(pip install 'memfit[hf]')")
     attn = attn_implementation or "sdpa"
     if spec.arch == "decoder":
         return DecoderLM(spec, attn_implementation=attn, moe_capacity_factor=moe_capacity_factor)

@@ -25,7 +25,7 @@ from memfit.models.spec import TransformerSpec
 
 _LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2",
                "gemma3_text", "olmo2", "phi3")
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_LLAMA_LIKE, "gpt2", "bert", "vit")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_LLAMA_LIKE, "gpt2", "gpt_neox", "phi", "bert", "vit")
 """``model_type`` values :func:`load_hf_config` understands."""
 
 # transformers' default for ``tie_word_embeddings`` per config class (used when the key is absent).
@@ -203,6 +203,52 @@ def _gpt2(cfg: _Config, name: str) -> TransformerSpec:
     )
 
 
+def _gpt_neox(cfg: _Config, name: str) -> TransformerSpec:
+    """GPTNeoXForCausalLM (Pythia): fused QKV and dense with ``attention_bias`` (default on),
+    GeLU MLP with biases, two LayerNorms per block (parallel residual by default: same
+    parameters), rotary positions, untied ``embed_out`` by default (GPTNeoXConfig)."""
+    hidden = cfg.int_("hidden_size")
+    heads = cfg.int_("num_attention_heads")
+    if hidden % heads:
+        raise cfg.fail(f"hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                       f"({heads}); fix one of them in the config")
+    bias = cfg.bool_("attention_bias", True)
+    return TransformerSpec(
+        name=name, family="gpt_neox", arch="decoder", hidden_size=hidden,
+        num_layers=cfg.int_("num_hidden_layers"), num_heads=heads, num_kv_heads=heads,
+        head_dim=hidden // heads, intermediate_size=cfg.int_("intermediate_size"),
+        vocab_size=cfg.int_("vocab_size"),
+        max_position_embeddings=cfg.int_("max_position_embeddings", default=2048),
+        mlp="gelu", norm="layernorm", qkv_bias=bias, attn_out_bias=bias, mlp_bias=True,
+        position="rope", tie_embeddings=cfg.bool_("tie_word_embeddings", False),
+        dropout=cfg.prob("hidden_dropout", default=0.0),
+        attention_dropout=cfg.prob("attention_dropout", default=0.0), source=str(cfg.path))
+
+
+def _phi(cfg: _Config, name: str) -> TransformerSpec:
+    """PhiForCausalLM (Phi-1, Phi-1.5, Phi-2): q/k/v/dense and fc1/fc2 with biases, one
+    LayerNorm per block (attention and MLP in parallel), optional per-head q/k LayerNorms
+    (``qk_layernorm``), an LM head with a bias, untied by default (PhiConfig)."""
+    hidden = cfg.int_("hidden_size")
+    heads = cfg.int_("num_attention_heads")
+    kv_heads = cfg.int_("num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        raise cfg.fail(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                       f"({kv_heads}); fix one of them in the config")
+    return TransformerSpec(
+        name=name, family="phi", arch="decoder", hidden_size=hidden,
+        num_layers=cfg.int_("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=cfg.head_dim(hidden, heads), intermediate_size=cfg.int_("intermediate_size"),
+        vocab_size=cfg.int_("vocab_size"),
+        max_position_embeddings=cfg.int_("max_position_embeddings", default=2048),
+        mlp="gelu", norm="layernorm", norms_per_layer=1,
+        qk_norm="head" if cfg.bool_("qk_layernorm", False) else "none",
+        qkv_bias=True, attn_out_bias=True, mlp_bias=True, head_bias=True, position="rope",
+        tie_embeddings=cfg.bool_("tie_word_embeddings", False),
+        dropout=cfg.prob("resid_pdrop", default=0.0),
+        attention_dropout=cfg.prob("attention_dropout", default=0.0), source=str(cfg.path))
+
+
 def _encoder_common(cfg: _Config) -> dict[str, Any]:
     hidden = cfg.int_("hidden_size")
     heads = cfg.int_("num_attention_heads")
@@ -266,6 +312,8 @@ def _llama_like_parser(model_type: str) -> Callable[[_Config, str], TransformerS
 _PARSERS: dict[str, Callable[[_Config, str], TransformerSpec | None]] = {
     **{t: _llama_like_parser(t) for t in _LLAMA_LIKE},
     "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+    "phi": _phi,
     "bert": _bert,
     "vit": _vit,
 }

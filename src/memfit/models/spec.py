@@ -46,8 +46,8 @@ class TransformerSpec:
 
     name: str
     family: str
-    """HF ``model_type``: gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2,
-    gemma3_text, olmo2, phi3, bert, vit."""
+    """HF ``model_type``: gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe,
+    gemma2, gemma3_text, olmo2, phi, phi3, bert, vit."""
     arch: Arch
     hidden_size: int
     num_layers: int
@@ -64,8 +64,10 @@ class TransformerSpec:
     """Gemma-2/3 have four (pre/post attention, pre/post feed-forward). OLMo-2's two come after
     attention and after the MLP (post-norm), the others' before."""
     qk_norm: QkNorm = "none"
-    """RMSNorm on queries and keys: ``"head"`` over each head (Qwen3, Gemma-3: two weights of
-    head_dim), ``"proj"`` over the whole q and k projections (OLMo-2: q_dim + kv_dim)."""
+    """Norms (of type ``norm``) on queries and keys: ``"head"`` over each head (Qwen3, Gemma-3,
+    Phi-2's ``qk_layernorm``), ``"proj"`` over the whole q and k projections (OLMo-2)."""
+    head_bias: bool = False
+    """A bias on the LM head (Phi-1/2: vocab_size more parameters)."""
     qkv_bias: bool = False
     attn_out_bias: bool = False
     mlp_bias: bool = False
@@ -169,10 +171,11 @@ class TransformerSpec:
         if self.is_moe:
             total += h * self.num_experts  # router, no bias
         total += self.norms_per_layer * self._norm_params()
+        per_weight = 2 if self.norm == "layernorm" else 1  # LayerNorm has a bias too
         if self.qk_norm == "head":
-            total += 2 * self.head_dim
+            total += 2 * self.head_dim * per_weight
         elif self.qk_norm == "proj":
-            total += self.q_dim + self.kv_dim
+            total += (self.q_dim + self.kv_dim) * per_weight
         return total
 
     def embedding_params(self) -> int:
@@ -197,6 +200,8 @@ class TransformerSpec:
             total += self._norm_params()
         if self.arch == "decoder" and not self.tie_embeddings:
             total += self.vocab_size * h
+        if self.arch == "decoder" and self.head_bias:
+            total += self.vocab_size
         if self.pooler:
             total += h * h + h
         if self.num_labels:
