@@ -38,8 +38,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("plan", help="predict per-GPU memory of a step and whether it fits",
                        description=__doc__, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", help="a preset name (`memfit models`) or a local HF "
-                   "config.json (or a folder holding one)")
+    p.add_argument("model", nargs="?", help="a preset name (`memfit models`), a local HF "
+                   "config.json (or a folder holding one, with its safetensors), or a hub id "
+                   "(org/name) already in the local Hugging Face cache")
     p.add_argument("--params", help="plan for a parameter count alone, e.g. 7.5e9 or 7.5B "
                    "(model states only)")
     p.add_argument("--gpu", help="GPU from the catalog (`memfit gpus`)")
