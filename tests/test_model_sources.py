@@ -138,6 +138,24 @@ def test_plan_traces_a_config_the_formulas_do_not_cover(tmp_path: Path,
     assert result["model"]["params"] == _t5_params(64, 128, 4, 16, 2, 512)
 
 
+@pytest.mark.parametrize("extra", [["--mode", "inference"], ["--checkpointing", "full"]])
+def test_plan_traces_t5_inference_and_checkpointing(tmp_path: Path, extra: list[str],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Inference feeds T5 decoder_input_ids (a forward pass without labels needs them);
+    checkpointing wraps its blocks. Both trace to a plan holding at least the weights."""
+    pytest.importorskip("transformers")
+    path = _write(tmp_path, TINY_T5)
+    code, out, err = _cli(capsys, "plan", str(path), "--seq", "32", "--json", *extra)
+    assert code == 0, err
+    result = json.loads(out)
+    weights = result["per_gpu"]["breakdown"]["weights"]
+    assert weights >= 2 * _t5_params(64, 128, 4, 16, 2, 512)  # at least 16-bit weights
+    spec = load_hf_config(path)
+    inputs = spec.example_inputs(batch=2, seq=8, training=False)
+    assert set(inputs) == {"input_ids", "decoder_input_ids"}
+    assert spec.build()(**inputs).logits.shape == (2, 8, 512)
+
+
 def test_plan_method_analytic_on_such_a_config_says_use_trace(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
@@ -451,3 +469,23 @@ def test_plan_reports_the_checkpoints_count_and_dtype(tmp_path: Path,
     code, out, _ = _cli(capsys, "plan", str(folder))
     line = out.splitlines()[0]
     assert f"({1000 * 64:+,})" in line and "apart from the tied embeddings" in line
+
+
+def test_variants_the_formulas_cannot_express_go_to_the_trace(tmp_path: Path) -> None:
+    """Qwen3-MoE with a dense layer (mlp_only_layers) is not one TransformerSpec: it loads as
+    an HFModelSpec. Its count by hand: layer 0 dense (3 x 64 x 96 MLP), layer 1 MoE (4 experts
+    of 3 x 64 x 32 and a 4 x 64 router); both with q, o 64 x 64, k, v 64 x 32, q/k norms of 16
+    and two norms of 64; embeddings and untied head 2 x 100 x 64; the final norm."""
+    pytest.importorskip("transformers")
+    config = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
+              "num_experts_per_tok": 2, "vocab_size": 100, "mlp_only_layers": [0]}
+    spec = load_hf_config(_write(tmp_path, config))
+    assert isinstance(spec, HFModelSpec)
+    attention = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 16 + 2 * 64
+    expected = (2 * 100 * 64 + attention + 3 * 64 * 96 + attention + 4 * 3 * 64 * 32 + 4 * 64
+                + 64)
+    assert spec.param_count() == expected
+    dense_everywhere = load_hf_config(_write(tmp_path, dict(config, mlp_only_layers=[]), "b.json"))
+    assert not isinstance(dense_everywhere, HFModelSpec)

@@ -63,12 +63,12 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
         from memfit.techniques.checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, policy=run.checkpointing)
+    training = run.mode in ("train", "lora", "qlora")
     if isinstance(spec, HFModelSpec):
-        inputs = spec.example_inputs(run.batch, run.seq, device="meta")
+        inputs = spec.example_inputs(run.batch, run.seq, device="meta", training=training)
     else:
         seq = None if spec.arch == "vision" else (run.seq or spec.default_seq_len)
         inputs = example_inputs(spec, batch=run.batch, seq=seq, device="meta")
-    training = run.mode in ("train", "lora", "qlora")
     if not training:
         model.eval()
         inputs.pop("labels", None)

@@ -229,11 +229,23 @@ class HFModelSpec(ParamCountSpec):
             return {**self.config, **text}
         return self.config
 
-    def example_inputs(self, batch: int, seq: int | None = None, device: Any = "meta",
-                       ) -> dict[str, Any]:
+    def example_inputs(self, batch: int, seq: int | None = None, device: Any = "meta", *,
+                       training: bool = True) -> dict[str, Any]:
         """Keyword inputs for one training step of :meth:`build`'s model: token ids and labels
         (T5/BART shift the labels right into ``decoder_input_ids`` themselves), pixels and class
-        labels, log-mel features and transcript labels (Whisper), or waveforms."""
+        labels, log-mel features and transcript labels (Whisper), or waveforms.
+
+        ``training=False``: no labels; encoder-decoders get ``decoder_input_ids`` of the
+        labels' shape instead (a forward pass needs decoder inputs)."""
+        inputs = self._training_inputs(batch, seq, device)
+        if training:
+            return inputs
+        labels = inputs.pop("labels", None)
+        if self.task in _SEQ2SEQ_FIRST and labels is not None:
+            inputs["decoder_input_ids"] = labels
+        return inputs
+
+    def _training_inputs(self, batch: int, seq: int | None, device: Any) -> dict[str, Any]:
         import torch
 
         if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
