@@ -558,10 +558,10 @@ def test_unknown_family_for_transformers() -> None:
         build_model(spec, backend="transformers")
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "phi"])
+@pytest.mark.parametrize("family", ["gpt_neox", "phi", "falcon"])
 def test_parallel_block_families_build_with_transformers_only(family: str) -> None:
     spec = dataclasses.replace(tiny("gpt2"), family=family, position="rope",
-                               tie_embeddings=False, head_bias=family == "phi",
+                               tie_embeddings=family == "falcon", head_bias=family == "phi",
                                norms_per_layer=1 if family == "phi" else 2)
     with pytest.raises(MemfitError, match="backend='transformers'"):
         build_model(spec, backend="builtin")

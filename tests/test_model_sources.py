@@ -80,7 +80,7 @@ def test_t5_config_loads_as_a_traceable_spec(tmp_path: Path) -> None:
 def test_architectures_pick_the_task_head(tmp_path: Path) -> None:
     """BART's config lists BartForConditionalGeneration (seq2seq), though transformers also maps
     model_type bart to BartForCausalLM; a config without architectures that is an encoder-decoder
-    gets the seq2seq head too. Falcon (no formula) defaults to its causal LM."""
+    gets the seq2seq head too. BLOOM (no formula) defaults to its causal LM."""
     pytest.importorskip("transformers")
     bart = {"model_type": "bart", "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
             "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 64,
@@ -92,9 +92,9 @@ def test_architectures_pick_the_task_head(tmp_path: Path) -> None:
                                    "c.json"))
     assert (with_arch.task, without.task, causal.task) == ("seq2seq-lm", "seq2seq-lm",
                                                            "causal-lm")
-    falcon = {"model_type": "falcon", "hidden_size": 32, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "vocab_size": 100}
-    spec = load_hf_config(_write(tmp_path, falcon, "f.json"))
+    bloom = {"model_type": "bloom", "hidden_size": 32, "n_layer": 1, "n_head": 2,
+             "vocab_size": 100}
+    spec = load_hf_config(_write(tmp_path, bloom, "f.json"))
     assert isinstance(spec, HFModelSpec) and spec.task == "causal-lm"
 
 

@@ -358,6 +358,40 @@ def test_gpt_neox_and_phi_counts_from_first_principles(tmp_path: Path) -> None:
             assert spec.param_count() == _hf_param_count(config), config["model_type"]
 
 
+def test_falcon_layouts_count_exactly(tmp_path: Path) -> None:
+    """tiiuae/falcon-7b by hand: tied embeddings 65024 x 4544; per layer multi-query QKV
+    4544 x (4544 + 2 x 64), dense 4544^2, MLP 2 x 4544 x 18176, one LayerNorm 2 x 4544 (no
+    biases); the final LayerNorm: 6,921,720,704 ("7B"). The other layouts (no multi-query, no
+    parallel attention, the new decoder architecture with one or two norms) are checked
+    against transformers' FalconForCausalLM on meta."""
+    falcon_7b = {"model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32,
+                 "num_attention_heads": 71, "vocab_size": 65024, "multi_query": True,
+                 "parallel_attn": True, "bias": False, "alibi": False}
+    per_layer = 4544 * (4544 + 128) + 4544 * 4544 + 2 * 4544 * 18176 + 2 * 4544
+    expected = 65024 * 4544 + 32 * per_layer + 2 * 4544
+    assert load_hf_config(_write(tmp_path, falcon_7b)).param_count() == expected
+    assert expected == 6_921_720_704
+    tiny = {"model_type": "falcon", "hidden_size": 256, "num_hidden_layers": 2,
+            "num_attention_heads": 8, "vocab_size": 1000}
+    layouts = [tiny, dict(tiny, multi_query=False), dict(tiny, parallel_attn=False),
+               dict(tiny, multi_query=False, parallel_attn=False, bias=True),
+               dict(tiny, new_decoder_architecture=True, num_kv_heads=2),
+               dict(tiny, new_decoder_architecture=True, num_kv_heads=2,
+                    num_ln_in_parallel_attn=1),
+               dict(tiny, new_decoder_architecture=True, num_kv_heads=4, parallel_attn=False,
+                    ffn_hidden_size=300, tie_word_embeddings=False)]
+    if _has_transformers():
+        for i, config in enumerate(layouts):
+            spec = load_hf_config(_write(tmp_path, config, f"f{i}.json"))
+            assert spec.param_count() == _hf_param_count(config), config
+        # ALiBi Falcons (falcon-rw) have no rotary positions: traced, not a formula.
+        from memfit.models import HFModelSpec
+
+        alibi = load_hf_config(_write(tmp_path, dict(tiny, alibi=True), "alibi.json"))
+        assert isinstance(alibi, HFModelSpec) and alibi.param_count() == _hf_param_count(
+            dict(tiny, alibi=True))
+
+
 def test_presets_keep_the_configs_dropout_and_shapes() -> None:
     # GPT2Config resid/attn_pdrop 0.1, BertConfig hidden/attention dropout 0.1, ViT 0.0, Llama
     # attention_dropout 0.0 (the Hub config.json files).

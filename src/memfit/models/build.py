@@ -571,13 +571,15 @@ _HF_CLASSES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
     "phi": ("PhiConfig", "PhiForCausalLM"),
+    "falcon": ("FalconConfig", "FalconForCausalLM"),
     "bert": ("BertConfig", "BertModel"),
     "vit": ("ViTConfig", "ViTForImageClassification"),
 }
 
 
-# GPT-NeoX (use_parallel_residual) and Phi-1/2 run attention and the MLP side by side.
-_PARALLEL_BLOCK_FAMILIES = frozenset({"gpt_neox", "phi"})
+# GPT-NeoX (use_parallel_residual), Phi-1/2 and Falcon (parallel_attn) run attention and the
+# MLP side by side.
+_PARALLEL_BLOCK_FAMILIES = frozenset({"gpt_neox", "phi", "falcon"})
 
 
 def _import_transformers() -> Any:
@@ -608,6 +610,21 @@ def _hf_config(spec: TransformerSpec, hf: Any) -> Any:
             intermediate_size=spec.intermediate_size, hidden_act="gelu",
             max_position_embeddings=spec.max_position_embeddings or 2048, layer_norm_eps=eps,
             tie_word_embeddings=spec.tie_embeddings, attention_bias=spec.qkv_bias,
+            hidden_dropout=spec.dropout, attention_dropout=spec.attention_dropout,
+            use_cache=False, bos_token_id=None, eos_token_id=None)
+    if spec.family == "falcon":
+        # A layout with the spec's parameters: two norms -> the new decoder architecture
+        # (kv heads of its own); one norm -> parallel attention, multi-query when kv is 1.
+        new = spec.norms_per_layer == 2 or spec.num_kv_heads not in (1, spec.num_heads)
+        return config_class(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads, new_decoder_architecture=new,
+            num_ln_in_parallel_attn=spec.norms_per_layer if new else None,
+            multi_query=spec.num_kv_heads == 1, parallel_attn=True, bias=spec.qkv_bias,
+            ffn_hidden_size=spec.intermediate_size, alibi=False,
+            max_position_embeddings=spec.max_position_embeddings or 2048,
+            layer_norm_epsilon=eps, tie_word_embeddings=spec.tie_embeddings,
             hidden_dropout=spec.dropout, attention_dropout=spec.attention_dropout,
             use_cache=False, bos_token_id=None, eos_token_id=None)
     if spec.family == "phi":

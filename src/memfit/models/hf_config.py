@@ -25,7 +25,8 @@ from memfit.models.spec import TransformerSpec
 
 _LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2",
                "gemma3_text", "olmo2", "phi3")
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_LLAMA_LIKE, "gpt2", "gpt_neox", "phi", "bert", "vit")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_LLAMA_LIKE, "gpt2", "gpt_neox", "phi", "falcon", "bert",
+                                          "vit")
 """``model_type`` values :func:`load_hf_config` understands."""
 
 # transformers' default for ``tie_word_embeddings`` per config class (used when the key is absent).
@@ -249,6 +250,44 @@ def _phi(cfg: _Config, name: str) -> TransformerSpec:
         attention_dropout=cfg.prob("attention_dropout", default=0.0), source=str(cfg.path))
 
 
+def _falcon(cfg: _Config, name: str) -> TransformerSpec | None:
+    """FalconForCausalLM (transformers' modeling_falcon.py): fused QKV of
+    ``(heads + 2 * kv) * head_dim`` outputs, where kv is ``num_kv_heads`` with
+    ``new_decoder_architecture``, 1 with ``multi_query``, else all heads; dense and a GeLU MLP
+    of ``ffn_hidden_size`` (default 4h), biases per ``bias``; LayerNorms: two without
+    ``parallel_attn`` or with the new architecture's ``num_ln_in_parallel_attn`` (default 2),
+    else one; tied head by default. ALiBi models (no rotary) are left to the trace (None)."""
+    if cfg.bool_("alibi", False):
+        return None
+    hidden = cfg.int_("hidden_size")
+    heads = cfg.int_("num_attention_heads")
+    if hidden % heads:
+        raise cfg.fail(f"hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                       f"({heads}); fix one of them in the config")
+    new = cfg.bool_("new_decoder_architecture", False)
+    parallel = cfg.bool_("parallel_attn", True)
+    if new:
+        kv_heads = cfg.int_("num_kv_heads", default=heads)
+        norms = cfg.int_("num_ln_in_parallel_attn", default=2) if parallel else 2
+    else:
+        kv_heads = 1 if cfg.bool_("multi_query", True) else heads
+        norms = 1 if parallel else 2
+    if heads % kv_heads or norms not in (1, 2):
+        return None  # a layout TransformerSpec does not describe: traced instead
+    bias = cfg.bool_("bias", False)
+    return TransformerSpec(
+        name=name, family="falcon", arch="decoder", hidden_size=hidden,
+        num_layers=cfg.int_("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        intermediate_size=cfg.int_("ffn_hidden_size", default=4 * hidden),
+        vocab_size=cfg.int_("vocab_size"),
+        max_position_embeddings=cfg.int_("max_position_embeddings", default=2048),
+        mlp="gelu", norm="layernorm", norms_per_layer=norms, qkv_bias=bias, attn_out_bias=bias,
+        mlp_bias=bias, position="rope", tie_embeddings=cfg.bool_("tie_word_embeddings", True),
+        dropout=cfg.prob("hidden_dropout", default=0.0),
+        attention_dropout=cfg.prob("attention_dropout", default=0.0), source=str(cfg.path))
+
+
 def _encoder_common(cfg: _Config) -> dict[str, Any]:
     hidden = cfg.int_("hidden_size")
     heads = cfg.int_("num_attention_heads")
@@ -314,6 +353,7 @@ _PARSERS: dict[str, Callable[[_Config, str], TransformerSpec | None]] = {
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
     "phi": _phi,
+    "falcon": _falcon,
     "bert": _bert,
     "vit": _vit,
 }

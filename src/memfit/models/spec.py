@@ -46,8 +46,8 @@ class TransformerSpec:
 
     name: str
     family: str
-    """HF ``model_type``: gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe,
-    gemma2, gemma3_text, olmo2, phi, phi3, bert, vit."""
+    """HF ``model_type``: gpt2, gpt_neox, falcon, llama, mistral, mixtral, qwen2, qwen3,
+    qwen3_moe, gemma2, gemma3_text, olmo2, phi, phi3, bert, vit."""
     arch: Arch
     hidden_size: int
     num_layers: int
