@@ -489,3 +489,22 @@ def test_variants_the_formulas_cannot_express_go_to_the_trace(tmp_path: Path) ->
     assert spec.param_count() == expected
     dense_everywhere = load_hf_config(_write(tmp_path, dict(config, mlp_only_layers=[]), "b.json"))
     assert not isinstance(dense_everywhere, HFModelSpec)
+
+
+def test_qk_norm_activations_are_counted() -> None:
+    """Qwen3's q/k RMSNorms (transformers' Qwen3RMSNorm: ``hidden_states.to(float32)``, pow,
+    rsqrt, ``weight * hidden.to(input_dtype)``) keep, per q and k element, the fp32 upcast of
+    their input (4 bytes, saved by pow/mul) and the normalised tensor in the input's dtype
+    (2 bytes in bf16, saved for the weight's gradient): 6 bytes x s x b x (q_dim + kv_dim)."""
+    import dataclasses
+
+    from memfit.estimate.activations import layer_terms
+    from memfit.models import get_preset
+
+    spec = get_preset("qwen3-8b")
+    plain = dataclasses.replace(spec, qk_norm="none")
+    s, b = 512, 2
+    with_norms = layer_terms(spec, seq=s, batch=b, act_bytes=2, attention="sdpa")
+    without = layer_terms(plain, seq=s, batch=b, act_bytes=2, attention="sdpa")
+    assert with_norms.split - without.split == 6 * s * b * (32 * 128 + 8 * 128)
+    assert with_norms.replicated == without.replicated
