@@ -464,6 +464,13 @@ def test_plan_reports_the_checkpoints_count_and_dtype(tmp_path: Path,
     checkpoint = json.loads(out)["checkpoint"]
     assert checkpoint["params"] == checkpoint["config_params"] == TINY_LLAMA_PARAMS
     assert checkpoint["bytes_by_dtype"] == {"bf16": 2 * TINY_LLAMA_PARAMS}
+    # The config.json file alone: no checkpoint read (the way around a broken checkpoint).
+    (folder / "model.safetensors").write_bytes(b"\x00")
+    code, out, err = _cli(capsys, "plan", str(folder))
+    assert code == 2 and "config.json file instead of the folder" in err
+    code, out, _ = _cli(capsys, "plan", str(folder / "config.json"))
+    assert code == 0 and "checkpoint (" not in out
+    _tiny_llama_checkpoint(folder)
     # The config says tied, the checkpoint stores the head anyway: the difference is named.
     _write(folder, dict(TINY_LLAMA, tie_word_embeddings=True))
     code, out, _ = _cli(capsys, "plan", str(folder))

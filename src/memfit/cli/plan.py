@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
@@ -149,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
     args.method = args.method or "analytic"
     from memfit.models.checkpoint import checkpoint_dict, checkpoint_for, compare_with_config
 
-    checkpoint = checkpoint_for(model)
+    # A folder (or cached hub id) is read with its weights' headers; a config.json file alone.
+    given = Path(args.model).expanduser() if args.model else None
+    checkpoint = checkpoint_for(model) if given is not None and not given.is_file() else None
     if checkpoint is not None and not args.json:
         console().print(compare_with_config(checkpoint, model), soft_wrap=True)
     if args.method == "trace":

@@ -62,7 +62,7 @@ class CheckpointInfo:
 
 def _fail(path: Path, what: str) -> MemfitError:
     return MemfitError(f"{path}: not a valid safetensors file ({what}); re-download or re-save "
-                       "the checkpoint, or pass the config.json alone")
+                       "the checkpoint, or pass its config.json file instead of the folder")
 
 
 def _header(path: Path) -> tuple[dict[str, Any], int]:
@@ -159,12 +159,12 @@ def _sharded(index: Path) -> tuple[dict[str, tuple[str, int, int]], tuple[Path, 
     from memfit.errors import read_json_file
 
     data = read_json_file(index, what="safetensors index", fix=(
-        "re-download it, or pass the config.json alone"))
+        "re-download it, or pass the config.json file instead of the folder"))
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(v, str) for v in weight_map.values()):
         raise MemfitError(f"{index}: no 'weight_map' of tensor name -> shard file; re-download "
-                          "it, or pass the config.json alone")
+                          "it, or pass the config.json file instead of the folder")
     shards = sorted(set(weight_map.values()))
     tensors: dict[str, tuple[str, int, int]] = {}
     files = []
@@ -172,7 +172,8 @@ def _sharded(index: Path) -> tuple[dict[str, tuple[str, int, int]], tuple[Path, 
         shard_path = index.parent / shard
         if Path(shard).name != shard or not shard_path.is_file():
             raise MemfitError(f"{index}: shard {shard!r} is missing from {index.parent}; "
-                              "download every shard, or pass the config.json alone")
+                              "download every shard, or pass the config.json file instead of "
+                              "the folder")
         files.append(shard_path)
         for name, value in _tensors(shard_path).items():
             tensors.setdefault(name, value)
