@@ -36,15 +36,12 @@ from typing import Any
 
 import torch
 
-FAMILIES = {
-    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
-    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
-    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
-    "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
-    "audio-classification": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
-}
+from memfit.models.hf_auto import TASKS  # the tasks `memfit plan` builds
+
+# The sweep's order (causal LM first); the mappings are memfit's (one list for both).
+FAMILIES = {task: TASKS[task][0] for task in (
+    "causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "speech-seq2seq", "ctc",
+    "audio-classification")}
 CELLS = [(device, precision, ckpt) for device in ("cuda", "cpu")
          for precision in ("fp32", "bf16-mixed") for ckpt in (False, True)]
 

@@ -51,6 +51,24 @@ FULL = {
         name="phi-3-mini", family="phi3", arch="decoder", hidden_size=3072, num_layers=32,
         num_heads=32, num_kv_heads=32, head_dim=96, intermediate_size=8192, vocab_size=32064,
         max_position_embeddings=4096),
+    "qwen3": TransformerSpec(
+        name="qwen3-8b", family="qwen3", arch="decoder", hidden_size=4096, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+        max_position_embeddings=40960, qk_norm="head"),
+    "qwen3_moe": TransformerSpec(
+        name="qwen3-30b-a3b", family="qwen3_moe", arch="decoder", hidden_size=2048,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=768,
+        vocab_size=151936, max_position_embeddings=40960, qk_norm="head", num_experts=128,
+        experts_per_token=8),
+    "olmo2": TransformerSpec(
+        name="olmo-2-7b", family="olmo2", arch="decoder", hidden_size=4096, num_layers=32,
+        num_heads=32, num_kv_heads=32, head_dim=128, intermediate_size=11008, vocab_size=100352,
+        max_position_embeddings=4096, qk_norm="proj"),
+    "gemma3_text": TransformerSpec(
+        name="gemma-3-1b", family="gemma3_text", arch="decoder", hidden_size=1152,
+        num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, intermediate_size=6912,
+        vocab_size=262144, max_position_embeddings=32768, mlp="geglu", norms_per_layer=4,
+        qk_norm="head", tie_embeddings=True),
     "bert": TransformerSpec(
         name="bert-base", family="bert", arch="encoder", hidden_size=768, num_layers=12,
         num_heads=12, num_kv_heads=12, head_dim=64, intermediate_size=3072, vocab_size=30522,
@@ -68,13 +86,14 @@ def tiny(family: str) -> TransformerSpec:
     """The family's architecture shrunk: 2 layers, hidden 64, vocab 128, 32x32 images."""
     full = FULL[family]
     kv_heads = 4 if full.num_kv_heads == full.num_heads else 2
-    head_dim = 32 if family == "gemma2" else 16  # gemma: q_dim (128) != hidden (64)
+    head_dim = 32 if family.startswith("gemma") else 16  # gemma: q_dim (128) != hidden (64)
     return dataclasses.replace(
         full, name=f"{family}-tiny", hidden_size=64, num_layers=2, num_heads=4,
         num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=96,
         vocab_size=0 if family == "vit" else 128,
         max_position_embeddings=0 if family == "vit" else 64,
-        num_experts=4 if full.is_moe else 0, image_size=32, patch_size=8,
+        num_experts=4 if full.is_moe else 0, experts_per_token=2 if full.is_moe else 0,
+        image_size=32, patch_size=8,
         num_labels=10 if full.num_labels else 0)
 
 
@@ -376,9 +395,11 @@ def test_gpt2_builtin_matches_transformers_loss() -> None:
                                rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "olmo2"])
 def test_llama_style_builtin_loads_hf_state_dict_as_is(family: str) -> None:
-    # Same parameter names as Hugging Face Llama: no key map (RoPE, GQA, q/k/v biases, SwiGLU).
+    # Same parameter names as Hugging Face Llama: no key map (RoPE, GQA, q/k/v biases, SwiGLU;
+    # Qwen3's per-head and OLMo-2's whole-projection q/k RMSNorms; OLMo-2's norms after the
+    # sub-layers instead of before).
     spec, hf, builtin = _pair(family)
     builtin.load_state_dict(hf.state_dict(), strict=True)
     inputs = example_inputs(spec, batch=2, seq=16, device="cpu")
@@ -535,6 +556,17 @@ def test_unknown_family_for_transformers() -> None:
     spec = dataclasses.replace(tiny("llama"), family="lama")
     with pytest.raises(MemfitError, match=r"family 'lama'.*did you mean 'llama'"):
         build_model(spec, backend="transformers")
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "phi", "falcon"])
+def test_parallel_block_families_build_with_transformers_only(family: str) -> None:
+    spec = dataclasses.replace(tiny("gpt2"), family=family, position="rope",
+                               tie_embeddings=family == "falcon", head_bias=family == "phi",
+                               norms_per_layer=1 if family == "phi" else 2)
+    with pytest.raises(MemfitError, match="backend='transformers'"):
+        build_model(spec, backend="builtin")
+    if _has_transformers():
+        assert n_params(build_model(spec, backend="transformers")) == spec.param_count()
 
 
 def test_spec_transformers_cannot_express() -> None:

@@ -127,7 +127,7 @@ def test_malformed_config_file(capsys, tmp_path) -> None:
     code, _, err = run_or_exit(capsys, ["plan", str(bad)])
     assert code == 2 and len(err.strip().splitlines()) == 1
     unsupported = tmp_path / "u.json"
-    unsupported.write_text(json.dumps({"model_type": "t5"}))
+    unsupported.write_text(json.dumps({"model_type": "no-such-model-type"}))
     code, _, err = run_or_exit(capsys, ["plan", str(unsupported)])
     assert code == 2 and "llama" in err
 

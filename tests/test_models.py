@@ -72,6 +72,32 @@ PUBLISHED: dict[str, int] = {
     # ViTForImageClassification with num_labels=1000 has the same modules.
     "vit-b-16": 86_567_656,
     "vit-l-16": 304_326_632,
+    # Llama 3.2 (tied embeddings): HF safetensors totals of meta-llama/Llama-3.2-1B ("1.24B")
+    # and -3B ("3.21B").
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    # Qwen3 model cards give "Number of Parameters" and "(Non-Embedding)", rounded: checked in
+    # test_new_presets_match_their_cards. The exact counts are those of the transformers
+    # modules built on meta from the Hub configs (test_transformers_meta_model_matches_published).
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-14b": 14_768_307_200,
+    "qwen3-32b": 32_762_123_264,
+    "qwen3-30b-a3b": 30_532_122_624,
+    # Gemma 3 text decoders (Gemma3ForCausalLM; the 4B/12B/27B checkpoints add a 417M SigLIP
+    # vision tower, not counted). Gemma 3 technical report (arXiv 2503.19786) Table 1 gives the
+    # non-embedding counts 698M / 3,209M / 10,759M / 25,600M (checked below).
+    "gemma-3-1b": 999_885_952,
+    "gemma-3-4b": 3_880_263_168,
+    "gemma-3-12b": 11_766_034_176,
+    "gemma-3-27b": 27_009_346_304,
+    # OLMo 2 (allenai/OLMo-2-1124-7B, -13B; cards "7B" / "13B", HF safetensors "7.3B" / "13.7B").
+    "olmo-2-7b": 7_298_617_344,
+    "olmo-2-13b": 13_716_198_400,
+    # microsoft/phi-4 (Phi3ForCausalLM): HF safetensors total "14.7B" (14.66B).
+    "phi-4": 14_659_507_200,
 }
 
 
@@ -110,6 +136,21 @@ def _vit(hidden: int, layers: int, heads: int) -> dict[str, Any]:
             "qkv_bias": True, "id2label": {str(i): f"class_{i}" for i in range(1000)}}
 
 
+def _qwen3(hidden: int, layers: int, heads: int, inter: int, tie: bool,
+           **extra: Any) -> dict[str, Any]:
+    return _llama(hidden, layers, heads, 8, inter, 151936, 40960, "qwen3", head_dim=128,
+                  tie_word_embeddings=tie, rms_norm_eps=1e-6, rope_theta=1000000,
+                  attention_bias=False, **extra)
+
+
+def _gemma3(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int = 262208,
+            **extra: Any) -> dict[str, Any]:
+    return _llama(hidden, layers, heads, kv, inter, vocab, 131072, "gemma3_text",
+                  **{"head_dim": 256, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+                     "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 1024,
+                     "query_pre_attn_scalar": 256, **extra})
+
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "gpt2": _gpt2(768, 12, 12, n_inner=None),
     "gpt2-medium": _gpt2(1024, 24, 16),
@@ -133,6 +174,32 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
                          final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
     "phi-3-mini": _llama(3072, 32, 32, 32, 8192, 32064, 4096, "phi3", resid_pdrop=0.0,
                          embd_pdrop=0.0, pad_token_id=32000),
+    "llama-3.2-1b": _llama(2048, 16, 32, 8, 8192, 128256, 131072, head_dim=64,
+                           tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-3.2-3b": _llama(3072, 28, 24, 8, 8192, 128256, 131072, head_dim=128,
+                           tie_word_embeddings=True, rope_theta=500000.0),
+    "qwen3-0.6b": _qwen3(1024, 28, 16, 3072, True),
+    "qwen3-1.7b": _qwen3(2048, 28, 16, 6144, True),
+    "qwen3-4b": _qwen3(2560, 36, 32, 9728, True),
+    "qwen3-8b": _qwen3(4096, 36, 32, 12288, False),
+    "qwen3-14b": _qwen3(5120, 40, 40, 17408, False),
+    "qwen3-32b": _qwen3(5120, 64, 64, 25600, False),
+    "qwen3-30b-a3b": dict(_qwen3(2048, 48, 32, 6144, False), model_type="qwen3_moe",
+                          num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[],
+                          norm_topk_prob=True),
+    # google/gemma-3-1b-pt is a gemma3_text config; the larger ones' text_config.
+    "gemma-3-1b": _gemma3(1152, 26, 4, 1, 6912, 262144, max_position_embeddings=32768,
+                          sliding_window=512),
+    "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240),
+    "gemma-3-12b": _gemma3(3840, 48, 16, 8, 15360),
+    "gemma-3-27b": _gemma3(5376, 62, 32, 16, 21504, head_dim=128, query_pre_attn_scalar=168),
+    "olmo-2-7b": _llama(4096, 32, 32, 32, 11008, 100352, 4096, "olmo2", rms_norm_eps=1e-6,
+                        rope_theta=500000, attention_bias=False, pad_token_id=100277),
+    "olmo-2-13b": _llama(5120, 40, 40, 40, 13824, 100352, 4096, "olmo2", rms_norm_eps=1e-6,
+                         rope_theta=500000, attention_bias=False, pad_token_id=100277),
+    "phi-4": _llama(5120, 40, 40, 10, 17920, 100352, 16384, "phi3", resid_pdrop=0.0,
+                    embd_pdrop=0.0, pad_token_id=100349, rope_theta=250000),
     "bert-base": _bert(768, 12, 12),
     "bert-large": _bert(1024, 24, 16),
     "vit-b-16": _vit(768, 12, 12),
@@ -185,6 +252,144 @@ def test_unknown_preset_suggests_close_names() -> None:
     assert "memfit models" in message and "\n" not in message
     with pytest.raises(MemfitError, match="memfit models"):
         published_params("no-such-model")
+
+
+@pytest.mark.parametrize("name, total, non_embedding", [
+    # Qwen3 model cards (huggingface.co/Qwen/Qwen3-*): "Number of Parameters" and
+    # "Number of Parameters (Non-Embedding)", in billions as printed.
+    ("qwen3-0.6b", "0.6", "0.44"), ("qwen3-1.7b", "1.7", "1.4"), ("qwen3-4b", "4.0", "3.6"),
+    ("qwen3-8b", "8.2", "6.95"), ("qwen3-14b", "14.8", "13.2"), ("qwen3-32b", "32.8", "31.2"),
+    ("qwen3-30b-a3b", "30.5", "29.9"),
+])
+def test_new_presets_match_their_cards(name: str, total: str, non_embedding: str) -> None:
+    spec = get_preset(name)
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2)
+    digits = len(total.split(".")[1])
+    assert f"{spec.param_count() / 1e9:.{digits}f}" == total
+    digits = len(non_embedding.split(".")[1])
+    assert f"{(spec.param_count() - embeddings) / 1e9:.{digits}f}" == non_embedding
+
+
+def test_qwen3_moe_active_and_gemma3_non_embedding_counts() -> None:
+    # Qwen3-30B-A3B card: "3.3B activated" (8 of 128 experts). Counting the embeddings, the
+    # untied head and 8 experts per layer gives 3.353B: the card's figure is within 0.06B.
+    assert abs(get_preset("qwen3-30b-a3b").active_param_count() / 1e9 - 3.3) < 0.06
+    # Gemma 3 report Table 1, non-embedding parameters in millions (tied embeddings, text only).
+    for name, millions in (("gemma-3-1b", 698), ("gemma-3-4b", 3209), ("gemma-3-12b", 10759),
+                           ("gemma-3-27b", 25600)):
+        spec = get_preset(name)
+        non_embedding = spec.param_count() - spec.vocab_size * spec.hidden_size
+        assert round(non_embedding / 1e6) == millions, name
+
+
+def test_deepseek_v3_is_a_trace_only_preset() -> None:
+    """DeepSeek-V3's multi-head latent attention has low-rank q and kv projections that
+    TransformerSpec cannot express: the preset is the Hub config, planned by the trace.
+
+    Its count, from the config's shapes (DeepseekV3ForCausalLM; the multi-token-prediction
+    module is not part of it): embeddings and untied head 2 * 129280 * 7168; per layer MLA
+    q_a 7168x1536 + q_a norm 1536 + q_b 1536x(128 heads * 192) + kv_a 7168x(512 + 64) + kv_a
+    norm 512 + kv_b 512x(128 * 256) + o (128 * 128)x7168, two norms of 7168; 3 dense layers
+    with a 3 x 7168 x 18432 MLP; 58 MoE layers with 256 routed + 1 shared expert of
+    3 x 7168 x 2048 and a 256 x 7168 router; the final norm.
+    """
+    from memfit.models import HFModelSpec
+
+    h, v = 7168, 129280
+    attention = (h * 1536 + 1536 + 1536 * 128 * 192 + h * 576 + 512 + 512 * 128 * 256
+                 + 128 * 128 * h)
+    dense = attention + 2 * h + 3 * h * 18432
+    moe = attention + 2 * h + 257 * 3 * h * 2048 + 256 * h
+    expected = 2 * v * h + 3 * dense + 58 * moe + h
+    spec = get_preset("deepseek-v3")
+    assert isinstance(spec, HFModelSpec) and spec.model_type == "deepseek_v3"
+    assert spec.param_count() == published_params("deepseek-v3") == expected
+    assert round(expected / 1e9) == 671  # DeepSeek-V3 report: "671B total parameters"
+    assert get_preset("deepseek-ai/DeepSeek-V3") is spec
+    assert spec not in list_presets()
+    assert spec in list_presets(include_trace_only=True)
+    if _has_transformers():
+        assert sum(p.numel() for p in spec.build().parameters()) == expected
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+PYTHIA_160M: dict[str, Any] = {
+    "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_size": 768,
+    "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+    "vocab_size": 50304, "max_position_embeddings": 2048, "rotary_pct": 0.25,
+    "use_parallel_residual": True, "tie_word_embeddings": False, "layer_norm_eps": 1e-5}
+PHI_2: dict[str, Any] = {
+    "model_type": "phi", "architectures": ["PhiForCausalLM"], "hidden_size": 2560,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "intermediate_size": 10240, "vocab_size": 51200, "max_position_embeddings": 2048,
+    "partial_rotary_factor": 0.4, "qk_layernorm": False, "tie_word_embeddings": False,
+    "resid_pdrop": 0.1, "embd_pdrop": 0.0, "attention_dropout": 0.0, "hidden_act": "gelu_new"}
+
+
+def test_gpt_neox_and_phi_counts_from_first_principles(tmp_path: Path) -> None:
+    """EleutherAI/pythia-160m: embed_in and untied embed_out 2 x 50304 x 768; per layer fused
+    QKV 768 x 2304 + 2304, dense 768 x 768 + 768, MLP 768 x 3072 + 3072 + 3072 x 768 + 768, two
+    LayerNorms 2 x 1536; the final LayerNorm 1536: 162,322,944 (the Pythia suite's table).
+    microsoft/phi-2: embeddings + untied head 2 x 51200 x 2560 + the head's bias 51200; per
+    layer q, k, v, dense 4 x (2560^2 + 2560), fc1 + fc2 2 x 2560 x 10240 + 10240 + 2560, one
+    LayerNorm 5120; the final LayerNorm: 2,779,683,840 ("2.7B")."""
+    pythia = load_hf_config(_write(tmp_path, PYTHIA_160M, "pythia.json"))
+    per_layer = (768 * 2304 + 2304) + (768 * 768 + 768) + (2 * 768 * 3072 + 3072 + 768) + 3072
+    assert pythia.param_count() == 2 * 50304 * 768 + 12 * per_layer + 1536 == 162_322_944
+    phi2 = load_hf_config(_write(tmp_path, PHI_2, "phi2.json"))
+    per_layer = 4 * (2560 * 2560 + 2560) + (2 * 2560 * 10240 + 10240 + 2560) + 5120
+    expected = 2 * 51200 * 2560 + 51200 + 32 * per_layer + 5120
+    assert phi2.param_count() == expected == 2_779_683_840
+    assert (phi2.family, phi2.norms_per_layer, phi2.head_bias, phi2.dropout) == (
+        "phi", 1, True, 0.1)
+    # qk_layernorm adds a LayerNorm (weight and bias) of head_dim on q and on k per layer.
+    qk = load_hf_config(_write(tmp_path, dict(PHI_2, qk_layernorm=True), "qk.json"))
+    assert qk.param_count() == expected + 32 * 2 * 2 * 80
+    if _has_transformers():
+        for config in (PYTHIA_160M, PHI_2, dict(PHI_2, qk_layernorm=True)):
+            spec = load_hf_config(_write(tmp_path, config, "c.json"))
+            assert spec.param_count() == _hf_param_count(config), config["model_type"]
+
+
+def test_falcon_layouts_count_exactly(tmp_path: Path) -> None:
+    """tiiuae/falcon-7b by hand: tied embeddings 65024 x 4544; per layer multi-query QKV
+    4544 x (4544 + 2 x 64), dense 4544^2, MLP 2 x 4544 x 18176, one LayerNorm 2 x 4544 (no
+    biases); the final LayerNorm: 6,921,720,704 ("7B"). The other layouts (no multi-query, no
+    parallel attention, the new decoder architecture with one or two norms) are checked
+    against transformers' FalconForCausalLM on meta."""
+    falcon_7b = {"model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32,
+                 "num_attention_heads": 71, "vocab_size": 65024, "multi_query": True,
+                 "parallel_attn": True, "bias": False, "alibi": False}
+    per_layer = 4544 * (4544 + 128) + 4544 * 4544 + 2 * 4544 * 18176 + 2 * 4544
+    expected = 65024 * 4544 + 32 * per_layer + 2 * 4544
+    assert load_hf_config(_write(tmp_path, falcon_7b)).param_count() == expected
+    assert expected == 6_921_720_704
+    tiny = {"model_type": "falcon", "hidden_size": 256, "num_hidden_layers": 2,
+            "num_attention_heads": 8, "vocab_size": 1000}
+    layouts = [tiny, dict(tiny, multi_query=False), dict(tiny, parallel_attn=False),
+               dict(tiny, multi_query=False, parallel_attn=False, bias=True),
+               dict(tiny, new_decoder_architecture=True, num_kv_heads=2),
+               dict(tiny, new_decoder_architecture=True, num_kv_heads=2,
+                    num_ln_in_parallel_attn=1),
+               dict(tiny, new_decoder_architecture=True, num_kv_heads=4, parallel_attn=False,
+                    ffn_hidden_size=300, tie_word_embeddings=False)]
+    if _has_transformers():
+        for i, config in enumerate(layouts):
+            spec = load_hf_config(_write(tmp_path, config, f"f{i}.json"))
+            assert spec.param_count() == _hf_param_count(config), config
+        # ALiBi Falcons (falcon-rw) have no rotary positions: traced, not a formula.
+        from memfit.models import HFModelSpec
+
+        alibi = load_hf_config(_write(tmp_path, dict(tiny, alibi=True), "alibi.json"))
+        assert isinstance(alibi, HFModelSpec) and alibi.param_count() == _hf_param_count(
+            dict(tiny, alibi=True))
 
 
 def test_presets_keep_the_configs_dropout_and_shapes() -> None:
@@ -318,8 +523,8 @@ def test_hf_config_not_utf8(tmp_path: Path) -> None:
 
 
 def test_hf_config_unsupported_type_names_the_supported_ones(tmp_path: Path) -> None:
-    message = _error(_write(tmp_path, {"model_type": "t5", "d_model": 512}))
-    assert "'t5'" in message
+    message = _error(_write(tmp_path, {"model_type": "no-such-type", "d_model": 512}))
+    assert "'no-such-type'" in message
     for model_type in ("llama", "mistral", "mixtral", "qwen2", "gemma2", "gpt2", "bert", "phi3",
                        "vit"):
         assert model_type in message
@@ -399,7 +604,8 @@ def test_resolve_model_bad_input(text: str, expected: str) -> None:
 
 def test_exports() -> None:
     assert set(memfit.models.__all__) == {
-        "LinearShape", "ModelSpec", "ParamCountSpec", "TransformerSpec", "SUPPORTED_MODEL_TYPES",
+        "HFModelSpec", "LinearShape", "ModelSpec", "ParamCountSpec", "TransformerSpec",
+        "SUPPORTED_MODEL_TYPES",
         "get_preset", "is_preset", "list_presets", "load_hf_config", "preset_aliases",
         "published_params", "resolve_model"}
 
@@ -444,6 +650,15 @@ def test_transformers_meta_model_matches_variants(tmp_path: Path) -> None:
         dict(HF_CONFIGS["gpt2"], n_layer=2, tie_word_embeddings=False, n_inner=1000),
         dict(HF_CONFIGS["vit-b-16"], architectures=["ViTModel"], num_hidden_layers=2),
         dict(_bert(128, 2, 4), type_vocab_size=3, max_position_embeddings=64),
+        dict(_qwen3(256, 2, 8, 512, True), head_dim=48, attention_bias=True),
+        dict(_llama(256, 2, 8, 4, 512, 1000, 128, "qwen3_moe"), num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=96),
+        dict(_llama(256, 2, 8, 4, 512, 1000, 128, "olmo2"), attention_bias=True, head_dim=48,
+             pad_token_id=0),
+        _gemma3(256, 2, 4, 2, 512, 1000, head_dim=32, tie_word_embeddings=False,
+                attention_bias=True),
+        dict(PYTHIA_160M, num_hidden_layers=2, attention_bias=False, tie_word_embeddings=True),
+        dict(PHI_2, num_hidden_layers=2, num_key_value_heads=8, tie_word_embeddings=True),
     ]
     for i, config in enumerate(variants):
         spec = load_hf_config(_write(tmp_path, config, f"c{i}.json"))

@@ -19,7 +19,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from memfit.models.presets import list_presets
 
-    presets = list_presets()
+    presets = list_presets(include_trace_only=True)
     if args.json:
         print_json([{"name": m.name, "family": m.family, "params": m.param_count(),
                      "layers": m.num_layers, "hidden_size": m.hidden_size,
@@ -27,7 +27,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     table = Table(title="Model presets (architecture configs, no weights)", title_justify="left")
     for col in ("name", "family", "params", "layers", "hidden", "heads (kv)", "experts"):
-        table.add_column(col, justify="left" if col in ("name", "family") else "right")
+        # The name is what a user copies: never shrunk below its longest value.
+        width = max(len(m.name) for m in presets) if col == "name" else None
+        table.add_column(col, justify="left" if col in ("name", "family") else "right",
+                         min_width=width, no_wrap=col == "name")
     for m in presets:
         experts = f"{m.num_experts} (top-{m.experts_per_token})" if m.is_moe else "-"
         table.add_row(m.name, m.family, f"{m.param_count():,}", str(m.num_layers),

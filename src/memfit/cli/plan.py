@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from memfit.cli._common import console, nonneg_int, positive_int, print_fit_verdict, print_json
@@ -43,8 +44,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser("plan", help="predict per-GPU memory of a step and whether it fits",
                        description=__doc__, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", help="a preset name (`memfit models`) or a local HF "
-                   "config.json (or a folder holding one)")
+    p.add_argument("model", nargs="?", help="a preset name (`memfit models`), a local HF "
+                   "config.json (or a folder holding one, with its safetensors), or a hub id "
+                   "(org/name) already in the local Hugging Face cache")
     p.add_argument("--params", help="plan for a parameter count alone, e.g. 7.5e9 or 7.5B "
                    "(model states only)")
     p.add_argument("--gpu", help="GPU from the catalog (`memfit gpus`)")
@@ -82,8 +84,9 @@ def register(sub: Any) -> None:
     p.add_argument("--kv-cache-dtype", help=f"inference KV cache format: {', '.join(KV_DTYPES)}")
     p.add_argument("--new-tokens", default="0", help="inference: tokens generated after the "
                    "prompt (the KV cache holds seq + new tokens)")
-    p.add_argument("--method", default="analytic", choices=["analytic", "trace"],
-                   help="analytic formulas (default) or trace the real module on meta tensors")
+    p.add_argument("--method", default=None, choices=["analytic", "trace"],
+                   help="analytic formulas (default) or trace the real module on meta tensors "
+                   "(the default for model types the formulas do not cover)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress display (--method trace)")
     p.set_defaults(func=run)
@@ -151,9 +154,29 @@ def choose_precision(args: argparse.Namespace, gpu: Any) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.models.hf_auto import HFModelSpec
+
     model, gpu = resolve(args)
     args.precision_note = choose_precision(args, gpu)
     config = run_config(args)
+    if isinstance(model, HFModelSpec):
+        if args.method == "analytic":
+            raise MemfitError(f"--method analytic: memfit's formulas do not cover model_type "
+                              f"{model.model_type!r}; use --method trace (or leave --method "
+                              "out)")
+        if args.method is None and not args.json:
+            console().print(f"{model.model_type}: not covered by the analytic formulas; "
+                            "tracing the real transformers module on meta tensors",
+                            soft_wrap=True)
+        args.method = "trace"
+    args.method = args.method or "analytic"
+    from memfit.models.checkpoint import checkpoint_dict, checkpoint_for, compare_with_config
+
+    # A folder (or cached hub id) is read with its weights' headers; a config.json file alone.
+    given = Path(args.model).expanduser() if args.model else None
+    checkpoint = checkpoint_for(model) if given is not None and not given.is_file() else None
+    if checkpoint is not None and not args.json:
+        console().print(compare_with_config(checkpoint, model), soft_wrap=True)
     if args.method == "trace":
         from memfit.cli.trace_plan import run_trace
 
@@ -170,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         out["suggestions"] = [
             {"change": s.change, "saved_bytes": s.saved_bytes,
              "total_bytes": s.plan.total_bytes, "fits": s.plan.fits} for s in suggestions]
+        if checkpoint is not None:
+            out["checkpoint"] = checkpoint_dict(checkpoint, model)
         print_json(out)
         return 0
     render(result, suggestions, per_node,

@@ -29,14 +29,19 @@ from memfit.estimate.table import (
     reserve_not_modelled_note,
 )
 from memfit.gpus import GpuSpec
+from memfit.models.hf_auto import HFModelSpec
 from memfit.models.spec import ModelSpec, TransformerSpec
 from memfit.progress import Progress, phase
 from memfit.trace.estimate import TRACE_FITS_MARGIN
 from memfit.units import format_bytes
 
 
-def _check_traceable(model: ModelSpec, run: RunConfig) -> TransformerSpec:
-    if not isinstance(model, TransformerSpec):
+def _check_traceable(model: ModelSpec, run: RunConfig) -> TransformerSpec | HFModelSpec:
+    if isinstance(model, HFModelSpec) and run.mode in ("lora", "qlora"):
+        raise MemfitError(f"--mode {run.mode} needs a model family memfit's formulas cover "
+                          f"(which layers get adapters); {model.model_type} is traced as "
+                          "configured only: use --mode train or inference")
+    if not isinstance(model, TransformerSpec | HFModelSpec):
         raise MemfitError("--method trace needs the model's architecture; give a preset or a "
                           "config.json instead of --params")
     unsupported = []
@@ -54,24 +59,32 @@ def _check_traceable(model: ModelSpec, run: RunConfig) -> TransformerSpec:
     return model
 
 
-def traced_estimate(spec: TransformerSpec, run: RunConfig, gpu: GpuSpec | None) -> Any:
-    """Build ``spec`` on meta (transformers when installed, else memfit's builtin modules),
-    apply the run's checkpointing, and trace one step on the CUDA target."""
+def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
+                    gpu: GpuSpec | None) -> Any:
+    """Build ``spec`` on meta (transformers when installed, else memfit's builtin modules; any
+    other model type through transformers' Auto classes), apply the run's checkpointing, and
+    trace one step on the CUDA target."""
     from memfit.models.build import build_model, example_inputs
     from memfit.trace import estimate
 
     attn = "eager" if run.attention == "eager" else "sdpa"
     phase("building the model on meta")
-    model = build_model(spec, device="meta", attn_implementation=attn)
+    if isinstance(spec, HFModelSpec):
+        model = spec.build(device="meta", attn_implementation=None if attn == "sdpa" else attn)
+    else:
+        model = build_model(spec, device="meta", attn_implementation=attn)
     if run.mode in ("lora", "qlora"):
         _apply_adapters(model, run)
     if run.checkpointing != "none":
         from memfit.techniques.checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, policy=run.checkpointing)
-    seq = None if spec.arch == "vision" else (run.seq or spec.default_seq_len)
-    inputs = example_inputs(spec, batch=run.batch, seq=seq, device="meta")
     training = run.mode in ("train", "lora", "qlora")
+    if isinstance(spec, HFModelSpec):
+        inputs = spec.example_inputs(run.batch, run.seq, device="meta", training=training)
+    else:
+        seq = None if spec.arch == "vision" else (run.seq or spec.default_seq_len)
+        inputs = example_inputs(spec, batch=run.batch, seq=seq, device="meta")
     if not training:
         model.eval()
         inputs.pop("labels", None)

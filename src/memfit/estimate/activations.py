@@ -33,12 +33,13 @@ NORM_UPCAST_BYTES = 4  # Hugging Face's RMSNorm computes in fp32
 # Hugging Face model types whose q/k/v (gate/up) are one linear layer: GPT-2's c_attn Conv1D,
 # Phi-3's qkv_proj and gate_up_proj. The others (Llama, Mistral, Mixtral, Qwen2, Gemma-2, BERT,
 # ViT) have one nn.Linear per projection.
-FUSED_QKV_FAMILIES = frozenset({"gpt2", "phi3"})
+FUSED_QKV_FAMILIES = frozenset({"gpt2", "phi3", "gpt_neox", "falcon"})
 FUSED_GATE_UP_FAMILIES = frozenset({"phi3"})
 # Hugging Face model types whose eager attention runs softmax(..., dtype=torch.float32) and
 # casts back (Llama's eager_attention_forward and its copies), in any precision; GPT-2, BERT
 # and ViT call a plain softmax.
-SOFTMAX_FP32_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "gemma2", "phi3"})
+SOFTMAX_FP32_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe",
+                                   "gemma2", "gemma3_text", "olmo2", "phi3"})
 
 # Note: [eager scores under autocast]
 # Korthikanti's 5as²b is for pure 16-bit activations: per score element the softmax output (2),
@@ -81,7 +82,8 @@ def norm_saved_bytes(spec: TransformerSpec, *, residual_bytes: int, trained: boo
     """
     if spec.norm == "layernorm":
         return residual_bytes
-    normalised = NORM_UPCAST_BYTES if spec.family == "gemma2" else residual_bytes
+    normalised = (NORM_UPCAST_BYTES if spec.family in ("gemma2", "gemma3_text")
+                  else residual_bytes)
     return NORM_UPCAST_BYTES + (normalised if trained else 0)
 
 
@@ -171,6 +173,11 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     # matmuls keep the repeated copies; fused kernels read the grouped K/V directly.
     kv_width = spec.q_dim if attention == "eager" else spec.kv_dim
     split = e * s * b * (spec.q_dim + kv_width)  # Q and K, kept for QK^T
+    if spec.qk_norm != "none":
+        # Qwen3 / Gemma-3 / OLMo-2 normalise the q and k projections' outputs (e bytes wide)
+        # before QK^T: each norm keeps what a hidden-state norm keeps, per q/k element.
+        split += norm_saved_bytes(spec, residual_bytes=e, trained=trainable is None) * (
+            s * b * (spec.q_dim + spec.kv_dim))
     split += e * s * b * kv_width  # V, kept for softmax(QK^T) V
     if keeps("o"):
         split += e * s * b * spec.q_dim  # input of the output projection

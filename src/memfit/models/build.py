@@ -55,15 +55,19 @@ BACKENDS = ("auto", "transformers", "builtin")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 # Normalisation epsilon per family (the published configs; numerics only).
-_NORM_EPS = {"gpt2": 1e-5, "bert": 1e-12, "vit": 1e-12, "qwen2": 1e-6, "gemma2": 1e-6}
+_NORM_EPS = {"gpt2": 1e-5, "bert": 1e-12, "vit": 1e-12, "qwen2": 1e-6, "gemma2": 1e-6,
+             "qwen3": 1e-6, "qwen3_moe": 1e-6, "gemma3_text": 1e-6, "olmo2": 1e-6}
 _DEFAULT_NORM_EPS = 1e-5
-# RoPE base per family: Llama-3, Mistral v0.2+, Mixtral, Qwen2.5 published values (numerics only).
-_ROPE_THETA = {"llama": 500_000.0, "mistral": 1e6, "mixtral": 1e6, "qwen2": 1e6}
+# RoPE base per family: Llama-3, Mistral v0.2+, Mixtral, Qwen2.5, Qwen3, Gemma-3 (global layers),
+# OLMo-2 published values (numerics only).
+_ROPE_THETA = {"llama": 500_000.0, "mistral": 1e6, "mixtral": 1e6, "qwen2": 1e6, "qwen3": 1e6,
+               "qwen3_moe": 1e6, "gemma3_text": 1e6, "olmo2": 500_000.0}
 _DEFAULT_ROPE_THETA = 10_000.0
 _INIT_STD = 0.02  # GPT-2 / BERT / Llama initializer_range
 # Eager attention: Hugging Face's Llama-style models take the softmax in fp32; GPT-2, BERT and ViT
 # in the activations' dtype (the saved probabilities are twice as large in the first case).
-_FP32_SOFTMAX_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "gemma2", "phi3"})
+_FP32_SOFTMAX_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe",
+                                    "gemma2", "gemma3_text", "olmo2", "phi3"})
 
 # enable_gqa appeared in torch 2.5; Hugging Face passes it under the same condition (no mask).
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -95,7 +99,7 @@ def _norm(spec: TransformerSpec) -> nn.Module:
 def _activation(spec: TransformerSpec) -> Callable[[torch.Tensor], torch.Tensor]:
     if spec.mlp == "swiglu":
         return F.silu
-    if spec.family in ("gpt2", "gemma2") or spec.mlp == "geglu":
+    if spec.family in ("gpt2", "gemma2", "gemma3_text") or spec.mlp == "geglu":
         # GPT-2's "gelu_new" and Gemma's "gelu_pytorch_tanh" are the tanh approximation.
         return functools.partial(F.gelu, approximate="tanh")
     return F.gelu  # BERT, ViT: exact GeLU
@@ -150,12 +154,25 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, spec.kv_dim, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, spec.kv_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.q_dim, h, bias=spec.attn_out_bias)
+        # Qwen3 / Gemma-3 normalise each head of q and k; OLMo-2 the whole projections.
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm != "none":
+            eps = _NORM_EPS.get(spec.family, _DEFAULT_NORM_EPS)
+            per_head = spec.qk_norm == "head"
+            self.q_norm = RMSNorm(spec.head_dim if per_head else spec.q_dim, eps)
+            self.k_norm = RMSNorm(spec.head_dim if per_head else spec.kv_dim, eps)
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
@@ -309,9 +326,14 @@ class PreNormBlock(nn.Module):
                 f"model {spec.name!r}: the builtin backend builds blocks with 2 or 4 norms, not "
                 f"norms_per_layer={spec.norms_per_layer}; use backend='transformers'")
         self.sandwich = spec.norms_per_layer == 4
-        self.input_layernorm = _norm(spec)
+        # OLMo-2 normalises each sub-layer's output before the residual add, and nothing before.
+        self.post_norm = spec.family == "olmo2" and not self.sandwich
+        if not self.post_norm:
+            self.input_layernorm = _norm(spec)
         self.self_attn = Attention(spec, causal=causal, attn_implementation=attn_implementation)
         self.post_attention_layernorm = _norm(spec)
+        if self.post_norm:
+            self.post_feedforward_layernorm = _norm(spec)
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(spec)
             self.post_feedforward_layernorm = _norm(spec)
@@ -320,6 +342,9 @@ class PreNormBlock(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.post_norm:
+            x = x + self.dropout(self.post_attention_layernorm(self.self_attn(x, rope)))
+            return x + self.dropout(self.post_feedforward_layernorm(self.mlp(x)))
         if self.sandwich:
             x = x + self.dropout(self.post_attention_layernorm(
                 self.self_attn(self.input_layernorm(x), rope)))
@@ -537,12 +562,24 @@ _HF_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "phi": ("PhiConfig", "PhiForCausalLM"),
+    "falcon": ("FalconConfig", "FalconForCausalLM"),
     "bert": ("BertConfig", "BertModel"),
     "vit": ("ViTConfig", "ViTForImageClassification"),
 }
+
+
+# GPT-NeoX (use_parallel_residual), Phi-1/2 and Falcon (parallel_attn) run attention and the
+# MLP side by side.
+_PARALLEL_BLOCK_FAMILIES = frozenset({"gpt_neox", "phi", "falcon"})
 
 
 def _import_transformers() -> Any:
@@ -566,6 +603,40 @@ def _hf_config(spec: TransformerSpec, hf: Any) -> Any:
             resid_pdrop=spec.dropout, embd_pdrop=spec.dropout, attn_pdrop=spec.attention_dropout,
             layer_norm_epsilon=eps, tie_word_embeddings=spec.tie_embeddings, use_cache=False,
             bos_token_id=None, eos_token_id=None)
+    if spec.family == "gpt_neox":
+        return config_class(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+            intermediate_size=spec.intermediate_size, hidden_act="gelu",
+            max_position_embeddings=spec.max_position_embeddings or 2048, layer_norm_eps=eps,
+            tie_word_embeddings=spec.tie_embeddings, attention_bias=spec.qkv_bias,
+            hidden_dropout=spec.dropout, attention_dropout=spec.attention_dropout,
+            use_cache=False, bos_token_id=None, eos_token_id=None)
+    if spec.family == "falcon":
+        # A layout with the spec's parameters: two norms -> the new decoder architecture
+        # (kv heads of its own); one norm -> parallel attention, multi-query when kv is 1.
+        new = spec.norms_per_layer == 2 or spec.num_kv_heads not in (1, spec.num_heads)
+        return config_class(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads, new_decoder_architecture=new,
+            num_ln_in_parallel_attn=spec.norms_per_layer if new else None,
+            multi_query=spec.num_kv_heads == 1, parallel_attn=True, bias=spec.qkv_bias,
+            ffn_hidden_size=spec.intermediate_size, alibi=False,
+            max_position_embeddings=spec.max_position_embeddings or 2048,
+            layer_norm_epsilon=eps, tie_word_embeddings=spec.tie_embeddings,
+            hidden_dropout=spec.dropout, attention_dropout=spec.attention_dropout,
+            use_cache=False, bos_token_id=None, eos_token_id=None)
+    if spec.family == "phi":
+        return config_class(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, resid_pdrop=spec.dropout, embd_pdrop=spec.dropout,
+            attention_dropout=spec.attention_dropout, hidden_act="gelu_new",
+            max_position_embeddings=spec.max_position_embeddings or 2048, layer_norm_eps=eps,
+            tie_word_embeddings=spec.tie_embeddings, qk_layernorm=spec.qk_norm == "head",
+            use_cache=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if spec.family in ("bert", "vit"):
         common = dict(
             hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
@@ -598,6 +669,19 @@ def _hf_config(spec: TransformerSpec, hf: Any) -> Any:
                           num_experts_per_tok=spec.experts_per_token)
     elif spec.family == "qwen2":
         kwargs.update(hidden_act=act, use_sliding_window=False)
+    elif spec.family in ("qwen3", "qwen3_moe"):
+        kwargs.update(hidden_act=act, attention_bias=spec.qkv_bias, use_sliding_window=False)
+        if spec.family == "qwen3_moe":
+            kwargs.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+                          moe_intermediate_size=spec.intermediate_size, decoder_sparse_step=1,
+                          mlp_only_layers=[])
+    elif spec.family == "olmo2":
+        kwargs.update(hidden_act=act, attention_bias=spec.qkv_bias)
+    elif spec.family == "gemma3_text":
+        kwargs.update(hidden_activation=act, attention_bias=spec.qkv_bias,
+                      query_pre_attn_scalar=spec.head_dim, final_logit_softcapping=None,
+                      attn_logit_softcapping=None,
+                      layer_types=["full_attention"] * spec.num_layers)
     elif spec.family == "gemma2":
         kwargs.update(hidden_activation=act, attention_bias=spec.qkv_bias,
                       query_pre_attn_scalar=spec.head_dim, final_logit_softcapping=None,
@@ -635,6 +719,11 @@ def _build_transformers(spec: TransformerSpec, attn_implementation: str | None) 
 
 def _build_builtin(spec: TransformerSpec, attn_implementation: str | None,
                    moe_capacity_factor: float | None) -> nn.Module:
+    if spec.family in _PARALLEL_BLOCK_FAMILIES or spec.head_bias:
+        raise MemfitError(
+            f"model {spec.name!r}: the builtin backend has no parallel attention + MLP block "
+            f"or LM-head bias ({spec.family}); use backend='transformers' "
+            "(pip install 'memfit[hf]')")
     attn = attn_implementation or "sdpa"
     if spec.arch == "decoder":
         return DecoderLM(spec, attn_implementation=attn, moe_capacity_factor=moe_capacity_factor)

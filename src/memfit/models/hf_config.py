@@ -8,7 +8,9 @@ Known limitations: task heads other than the ones below are not counted. Decoder
 ``*ForCausalLM`` model (LM head, tied or not); BERT is ``BertModel`` with its pooler (the MLM/NSP
 heads of ``BertForPreTraining`` are not counted); ViT is ``ViTForImageClassification`` (no pooler,
 ``num_labels`` outputs) unless ``architectures`` says ``ViTModel`` (pooler, no classifier).
-Multimodal configs (a nested ``text_config``) are not supported.
+Other model types (and variants the formulas cannot express exactly, such as Qwen3-MoE stacks
+mixing dense and MoE layers) load through :mod:`memfit.models.hf_auto` for the trace, when
+transformers is installed. Multimodal configs (a nested ``text_config``) go that way too.
 """
 
 from __future__ import annotations
@@ -18,15 +20,28 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError, read_json_file
+from memfit.models.hf_auto import HFModelSpec
 from memfit.models.spec import TransformerSpec
 
-_LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "gemma2", "phi3")
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_LLAMA_LIKE, "gpt2", "bert", "vit")
+_LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2",
+               "gemma3_text", "olmo2", "phi3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_LLAMA_LIKE, "gpt2", "gpt_neox", "phi", "falcon", "bert",
+                                          "vit")
 """``model_type`` values :func:`load_hf_config` understands."""
 
 # transformers' default for ``tie_word_embeddings`` per config class (used when the key is absent).
 _TIE_DEFAULT = {"llama": False, "mistral": False, "mixtral": False, "qwen2": False,
-                "gemma2": True, "phi3": False, "gpt2": True}
+                "qwen3": False, "qwen3_moe": False, "gemma2": True, "gemma3_text": True,
+                "olmo2": False, "phi3": False, "gpt2": True}
+# Families whose attention bias follows ``attention_bias`` (q, k, v and o together).
+_ATTENTION_BIAS_KEY = frozenset({"llama", "gemma2", "gemma3_text", "qwen3", "qwen3_moe", "olmo2"})
+# RMSNorm on queries and keys (transformers' modeling code): Qwen3 and Gemma-3 per head
+# (``q_norm = RMSNorm(head_dim)``), OLMo-2 over the whole projection
+# (``q_norm = RMSNorm(num_attention_heads * head_dim)``).
+_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmo2": "proj"}
+# head_dim defaults of the config classes that set one (Gemma2/3Config 256, Qwen3Config
+# 128); the others default to hidden_size / num_attention_heads.
+_HEAD_DIM_DEFAULT = {"gemma2": 256, "gemma3_text": 256, "qwen3": 128}
 
 
 class _Config:
@@ -100,7 +115,7 @@ def _name(path: Path, data: dict[str, Any]) -> str:
     return path.parent.name if path.name == "config.json" and path.parent.name else path.stem
 
 
-def _llama_like(cfg: _Config, model_type: str, name: str) -> TransformerSpec:
+def _llama_like(cfg: _Config, model_type: str, name: str) -> TransformerSpec | None:
     hidden = cfg.int_("hidden_size")
     heads = cfg.int_("num_attention_heads")
     kv_heads = cfg.int_("num_key_value_heads", default=heads)
@@ -113,15 +128,31 @@ def _llama_like(cfg: _Config, model_type: str, name: str) -> TransformerSpec:
         if per_token > experts:
             raise cfg.fail(f"num_experts_per_tok ({per_token}) exceeds num_local_experts "
                            f"({experts}); fix one of them in the config")
+    elif model_type == "qwen3_moe":
+        # Qwen3MoeConfig's defaults. Every layer is MoE only with decoder_sparse_step 1 and no
+        # mlp_only_layers; mixed dense/MoE stacks are left to the trace (None).
+        mlp_only = cfg.data.get("mlp_only_layers") or []
+        if cfg.int_("decoder_sparse_step", default=1) != 1 or mlp_only:
+            return None
+        experts = cfg.int_("num_experts", default=128)
+        per_token = cfg.int_("num_experts_per_tok", default=8)
+        if per_token > experts:
+            raise cfg.fail(f"num_experts_per_tok ({per_token}) exceeds num_experts "
+                           f"({experts}); fix one of them in the config")
     else:
         experts, per_token = 0, 0
-    # Qwen2 always has q/k/v biases and no o bias; Llama's and Gemma-2's follow attention_bias
-    # (q, k, v and o together); Mistral, Mixtral and Phi-3 have none (transformers' modeling code).
-    attention_bias = (cfg.bool_("attention_bias", False) if model_type in ("llama", "gemma2")
+    # Qwen2 always has q/k/v biases and no o bias; Llama's, Gemma-2/3's, Qwen3's and OLMo-2's
+    # follow attention_bias (q, k, v and o together); Mistral, Mixtral and Phi-3 have none
+    # (transformers' modeling code).
+    attention_bias = (cfg.bool_("attention_bias", False) if model_type in _ATTENTION_BIAS_KEY
                       else False)
     qkv_bias = model_type == "qwen2" or attention_bias
     mlp_bias = cfg.bool_("mlp_bias", False) if model_type == "llama" else False
-    gemma = model_type == "gemma2"
+    gemma = model_type in ("gemma2", "gemma3_text")
+    head_dim = (cfg.int_("head_dim", default=_HEAD_DIM_DEFAULT[model_type])
+                if model_type in _HEAD_DIM_DEFAULT else cfg.head_dim(hidden, heads))
+    intermediate = (cfg.int_("moe_intermediate_size", default=768) if model_type == "qwen3_moe"
+                    else cfg.int_("intermediate_size"))
     hidden_dropout = cfg.prob("resid_pdrop", default=0.0) if model_type == "phi3" else 0.0
     return TransformerSpec(
         name=name, family=model_type, arch="decoder",
@@ -129,13 +160,14 @@ def _llama_like(cfg: _Config, model_type: str, name: str) -> TransformerSpec:
         num_layers=cfg.int_("num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=cfg.int_("head_dim", default=256) if gemma else cfg.head_dim(hidden, heads),
-        intermediate_size=cfg.int_("intermediate_size"),
+        head_dim=head_dim,
+        intermediate_size=intermediate,
         vocab_size=cfg.int_("vocab_size"),
         max_position_embeddings=cfg.int_("max_position_embeddings", default=0, positive=False),
         mlp="geglu" if gemma else "swiglu",
         norm="rmsnorm",
         norms_per_layer=4 if gemma else 2,
+        qk_norm=_QK_NORM.get(model_type, "none"),
         qkv_bias=qkv_bias,
         attn_out_bias=attention_bias,
         mlp_bias=mlp_bias,
@@ -170,6 +202,90 @@ def _gpt2(cfg: _Config, name: str) -> TransformerSpec:
         attention_dropout=cfg.prob("attn_pdrop", default=0.1),
         source=str(cfg.path),
     )
+
+
+def _gpt_neox(cfg: _Config, name: str) -> TransformerSpec:
+    """GPTNeoXForCausalLM (Pythia): fused QKV and dense with ``attention_bias`` (default on),
+    GeLU MLP with biases, two LayerNorms per block (parallel residual by default: same
+    parameters), rotary positions, untied ``embed_out`` by default (GPTNeoXConfig)."""
+    hidden = cfg.int_("hidden_size")
+    heads = cfg.int_("num_attention_heads")
+    if hidden % heads:
+        raise cfg.fail(f"hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                       f"({heads}); fix one of them in the config")
+    bias = cfg.bool_("attention_bias", True)
+    return TransformerSpec(
+        name=name, family="gpt_neox", arch="decoder", hidden_size=hidden,
+        num_layers=cfg.int_("num_hidden_layers"), num_heads=heads, num_kv_heads=heads,
+        head_dim=hidden // heads, intermediate_size=cfg.int_("intermediate_size"),
+        vocab_size=cfg.int_("vocab_size"),
+        max_position_embeddings=cfg.int_("max_position_embeddings", default=2048),
+        mlp="gelu", norm="layernorm", qkv_bias=bias, attn_out_bias=bias, mlp_bias=True,
+        position="rope", tie_embeddings=cfg.bool_("tie_word_embeddings", False),
+        dropout=cfg.prob("hidden_dropout", default=0.0),
+        attention_dropout=cfg.prob("attention_dropout", default=0.0), source=str(cfg.path))
+
+
+def _phi(cfg: _Config, name: str) -> TransformerSpec:
+    """PhiForCausalLM (Phi-1, Phi-1.5, Phi-2): q/k/v/dense and fc1/fc2 with biases, one
+    LayerNorm per block (attention and MLP in parallel), optional per-head q/k LayerNorms
+    (``qk_layernorm``), an LM head with a bias, untied by default (PhiConfig)."""
+    hidden = cfg.int_("hidden_size")
+    heads = cfg.int_("num_attention_heads")
+    kv_heads = cfg.int_("num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        raise cfg.fail(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                       f"({kv_heads}); fix one of them in the config")
+    return TransformerSpec(
+        name=name, family="phi", arch="decoder", hidden_size=hidden,
+        num_layers=cfg.int_("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=cfg.head_dim(hidden, heads), intermediate_size=cfg.int_("intermediate_size"),
+        vocab_size=cfg.int_("vocab_size"),
+        max_position_embeddings=cfg.int_("max_position_embeddings", default=2048),
+        mlp="gelu", norm="layernorm", norms_per_layer=1,
+        qk_norm="head" if cfg.bool_("qk_layernorm", False) else "none",
+        qkv_bias=True, attn_out_bias=True, mlp_bias=True, head_bias=True, position="rope",
+        tie_embeddings=cfg.bool_("tie_word_embeddings", False),
+        dropout=cfg.prob("resid_pdrop", default=0.0),
+        attention_dropout=cfg.prob("attention_dropout", default=0.0), source=str(cfg.path))
+
+
+def _falcon(cfg: _Config, name: str) -> TransformerSpec | None:
+    """FalconForCausalLM (transformers' modeling_falcon.py): fused QKV of
+    ``(heads + 2 * kv) * head_dim`` outputs, where kv is ``num_kv_heads`` with
+    ``new_decoder_architecture``, 1 with ``multi_query``, else all heads; dense and a GeLU MLP
+    of ``ffn_hidden_size`` (default 4h), biases per ``bias``; LayerNorms: two without
+    ``parallel_attn`` or with the new architecture's ``num_ln_in_parallel_attn`` (default 2),
+    else one; tied head by default. ALiBi models (no rotary) are left to the trace (None)."""
+    if cfg.bool_("alibi", False):
+        return None
+    hidden = cfg.int_("hidden_size")
+    heads = cfg.int_("num_attention_heads")
+    if hidden % heads:
+        raise cfg.fail(f"hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                       f"({heads}); fix one of them in the config")
+    new = cfg.bool_("new_decoder_architecture", False)
+    parallel = cfg.bool_("parallel_attn", True)
+    if new:
+        kv_heads = cfg.int_("num_kv_heads", default=heads)
+        norms = cfg.int_("num_ln_in_parallel_attn", default=2) if parallel else 2
+    else:
+        kv_heads = 1 if cfg.bool_("multi_query", True) else heads
+        norms = 1 if parallel else 2
+    if heads % kv_heads or norms not in (1, 2):
+        return None  # a layout TransformerSpec does not describe: traced instead
+    bias = cfg.bool_("bias", False)
+    return TransformerSpec(
+        name=name, family="falcon", arch="decoder", hidden_size=hidden,
+        num_layers=cfg.int_("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        intermediate_size=cfg.int_("ffn_hidden_size", default=4 * hidden),
+        vocab_size=cfg.int_("vocab_size"),
+        max_position_embeddings=cfg.int_("max_position_embeddings", default=2048),
+        mlp="gelu", norm="layernorm", norms_per_layer=norms, qkv_bias=bias, attn_out_bias=bias,
+        mlp_bias=bias, position="rope", tie_embeddings=cfg.bool_("tie_word_embeddings", True),
+        dropout=cfg.prob("hidden_dropout", default=0.0),
+        attention_dropout=cfg.prob("attention_dropout", default=0.0), source=str(cfg.path))
 
 
 def _encoder_common(cfg: _Config) -> dict[str, Any]:
@@ -226,29 +342,38 @@ def _vit(cfg: _Config, name: str) -> TransformerSpec:
     )
 
 
-def _llama_like_parser(model_type: str) -> Callable[[_Config, str], TransformerSpec]:
-    def parse(cfg: _Config, name: str) -> TransformerSpec:
+def _llama_like_parser(model_type: str) -> Callable[[_Config, str], TransformerSpec | None]:
+    def parse(cfg: _Config, name: str) -> TransformerSpec | None:
         return _llama_like(cfg, model_type, name)
     return parse
 
 
-_PARSERS: dict[str, Callable[[_Config, str], TransformerSpec]] = {
+_PARSERS: dict[str, Callable[[_Config, str], TransformerSpec | None]] = {
     **{t: _llama_like_parser(t) for t in _LLAMA_LIKE},
     "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+    "phi": _phi,
+    "falcon": _falcon,
     "bert": _bert,
     "vit": _vit,
 }
 
 
-def load_hf_config(path: str | Path) -> TransformerSpec:
+def load_hf_config(path: str | Path) -> TransformerSpec | HFModelSpec:
     """Parse a Hugging Face ``config.json`` (a file, or a directory containing one).
+
+    A ``model_type`` in :data:`SUPPORTED_MODEL_TYPES` becomes a :class:`TransformerSpec` (the
+    formulas); any other type the installed transformers knows becomes an
+    :class:`~memfit.models.hf_auto.HFModelSpec` for the trace.
 
     >>> spec = load_hf_config("checkpoints/Meta-Llama-3-8B/config.json")  # doctest: +SKIP
     >>> spec.param_count()  # doctest: +SKIP
     8030261248
 
     Raises MemfitError (one line, naming the file and the fix) when the file is missing, is not
-    JSON, has an unsupported ``model_type``, or a required key is missing or of the wrong type.
+    JSON, has a ``model_type`` neither the formulas nor transformers know (or one only
+    transformers knows and it is not installed), or a required key is missing or of the wrong
+    type.
     """
     path = Path(path).expanduser()
     if path.is_dir():
@@ -263,7 +388,19 @@ def load_hf_config(path: str | Path) -> TransformerSpec:
     supported = ", ".join(SUPPORTED_MODEL_TYPES)
     if model_type is None:
         raise MemfitError(f"{path}: missing 'model_type'; add it (supported: {supported})")
-    if not isinstance(model_type, str) or model_type not in _PARSERS:
+    if not isinstance(model_type, str):
         raise MemfitError(f"{path}: unsupported model_type {model_type!r}; supported: "
                           f"{supported} (or pass --params N to plan model states only)")
-    return _PARSERS[model_type](_Config(path, data), _name(path, data))
+    if model_type in _PARSERS:
+        spec = _PARSERS[model_type](_Config(path, data), _name(path, data))
+        if spec is not None:
+            return spec  # else a variant the formulas do not cover: traced below
+    from memfit.models.hf_auto import hf_model_spec, known_model_types
+
+    known = known_model_types()
+    if known and model_type not in known:
+        raise MemfitError(f"{path}: unsupported model_type {model_type!r}: neither memfit's "
+                          f"formulas (supported: {supported}) nor the installed transformers "
+                          "know it; upgrade transformers, or pass --params N to plan model "
+                          "states only")
+    return hf_model_spec(data, name=_name(path, data), source=str(path))

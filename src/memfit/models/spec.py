@@ -16,6 +16,7 @@ Arch = Literal["decoder", "encoder", "vision"]
 Mlp = Literal["gelu", "swiglu", "geglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rope"]
+QkNorm = Literal["none", "head", "proj"]
 
 # Linear layers a LoRA adapter may target, by role (peft's names differ per model; these are ours).
 ATTENTION_TARGETS = ("q", "k", "v", "o")
@@ -45,7 +46,8 @@ class TransformerSpec:
 
     name: str
     family: str
-    """HF ``model_type``: gpt2, llama, mistral, mixtral, qwen2, gemma2, phi3, bert, vit."""
+    """HF ``model_type``: gpt2, gpt_neox, falcon, llama, mistral, mixtral, qwen2, qwen3,
+    qwen3_moe, gemma2, gemma3_text, olmo2, phi, phi3, bert, vit."""
     arch: Arch
     hidden_size: int
     num_layers: int
@@ -59,7 +61,13 @@ class TransformerSpec:
     mlp: Mlp = "swiglu"
     norm: Norm = "rmsnorm"
     norms_per_layer: int = 2
-    """Gemma-2 has four (pre/post attention, pre/post feed-forward)."""
+    """Gemma-2/3 have four (pre/post attention, pre/post feed-forward). OLMo-2's two come after
+    attention and after the MLP (post-norm), the others' before."""
+    qk_norm: QkNorm = "none"
+    """Norms (of type ``norm``) on queries and keys: ``"head"`` over each head (Qwen3, Gemma-3,
+    Phi-2's ``qk_layernorm``), ``"proj"`` over the whole q and k projections (OLMo-2)."""
+    head_bias: bool = False
+    """A bias on the LM head (Phi-1/2: vocab_size more parameters)."""
     qkv_bias: bool = False
     attn_out_bias: bool = False
     mlp_bias: bool = False
@@ -97,6 +105,9 @@ class TransformerSpec:
                 f"model {self.name!r}: a vision model needs image_size and patch_size")
         if self.arch != "vision" and self.vocab_size <= 0:
             raise MemfitError(f"model {self.name!r}: vocab_size must be positive")
+        if self.qk_norm not in ("none", "head", "proj"):
+            raise MemfitError(f"model {self.name!r}: qk_norm must be 'none', 'head' or 'proj', "
+                              f"got {self.qk_norm!r}")
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise MemfitError(
                 f"model {self.name!r}: experts_per_token must be in 1..{self.num_experts}")
@@ -160,6 +171,11 @@ class TransformerSpec:
         if self.is_moe:
             total += h * self.num_experts  # router, no bias
         total += self.norms_per_layer * self._norm_params()
+        per_weight = 2 if self.norm == "layernorm" else 1  # LayerNorm has a bias too
+        if self.qk_norm == "head":
+            total += 2 * self.head_dim * per_weight
+        elif self.qk_norm == "proj":
+            total += (self.q_dim + self.kv_dim) * per_weight
         return total
 
     def embedding_params(self) -> int:
@@ -184,6 +200,8 @@ class TransformerSpec:
             total += self._norm_params()
         if self.arch == "decoder" and not self.tie_embeddings:
             total += self.vocab_size * h
+        if self.arch == "decoder" and self.head_bias:
+            total += self.vocab_size
         if self.pooler:
             total += h * h + h
         if self.num_labels:
