@@ -138,6 +138,33 @@ def test_plan_traces_a_config_the_formulas_do_not_cover(tmp_path: Path,
     assert result["model"]["params"] == _t5_params(64, 128, 4, 16, 2, 512)
 
 
+def test_plan_of_an_uncovered_type_shows_the_trace_alone(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    """The formulas know only T5's parameter count, so no analytic column (it would show model
+    states alone) and no suggestions taken from it."""
+    pytest.importorskip("transformers")
+    path = _write(tmp_path, TINY_T5)
+    code, out, err = _cli(capsys, "plan", str(path), "--gpu", "t4", "--seq", "32")
+    assert code == 0, err
+    assert "Memory per GPU (trace)" in out and "analytic" not in out.split("(trace)", 1)[1]
+    code, out, err = _cli(capsys, "plan", str(path), "--json", "--seq", "32")
+    assert json.loads(out)["analytic_total_bytes"] is None
+
+
+def test_a_config_the_model_code_rejects_is_one_line(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """T5 without decoder_start_token_id fails inside transformers' own _shift_right: the
+    config's fault, said in one line with exit 2, no traceback."""
+    pytest.importorskip("transformers")
+    broken = {k: v for k, v in TINY_T5.items() if k != "decoder_start_token_id"}
+    path = _write(tmp_path, broken)
+    code, _out, err = _cli(capsys, "plan", str(path), "--seq", "32")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "decoder_start_token_id" in err and "MEMFIT_DEBUG" in err
+
+
 @pytest.mark.parametrize("extra", [["--mode", "inference"], ["--checkpointing", "full"]])
 def test_plan_traces_t5_inference_and_checkpointing(tmp_path: Path, extra: list[str],
                                                     capsys: pytest.CaptureFixture[str]) -> None:

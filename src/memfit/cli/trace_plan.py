@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 from memfit.categories import MemoryCategory
@@ -203,12 +204,27 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
               gpu: GpuSpec | None) -> int:
     spec = _check_traceable(model, run)
     with Progress(f"memfit plan: tracing {spec.name}", total=None):
-        est = traced_estimate(spec, run, gpu)
+        try:
+            est = traced_estimate(spec, run, gpu)
+        except (MemfitError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            # The model's own code failed on this config (a key transformers needs is missing, a
+            # shape does not divide): the config's problem, said in one line, as for bad input.
+            if os.environ.get("MEMFIT_DEBUG"):
+                raise
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+            raise MemfitError(
+                f"tracing {spec.name} failed in the model's own code: {type(exc).__name__}: "
+                f"{detail}; check the config (set MEMFIT_DEBUG=1 for the traceback)") from None
     column = trace_column(est)
     analytic = plan(spec, run, gpu)
     capacity = gpu.usable_bytes if gpu else None
     headroom = None if capacity is None else capacity - est.total_bytes
-    suggestions = trace_suggestions(est, analytic, capacity)
+    # A model type the formulas do not cover has no analytic column: its "analytic plan" would
+    # be model states alone, and single-change savings taken from it would mislead.
+    covered = not isinstance(spec, HFModelSpec)
+    suggestions = trace_suggestions(est, analytic, capacity) if covered else []
     if args.json:
         print_json({
             "method": "trace",
@@ -224,7 +240,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             "fits": None if headroom is None else headroom >= TRACE_FITS_MARGIN * capacity,
             "headroom_bytes": headroom,
             "peak": {"op": est.peak_op, "phase": est.peak_phase, "module": est.peak_module},
-            "analytic_total_bytes": analytic.total_bytes,
+            "analytic_total_bytes": analytic.total_bytes if covered else None,
             "trace_seconds": est.trace_seconds,
             "assumptions": list(est.assumptions),
             "notes": [args.precision_note] if getattr(args, "precision_note", None) else [],
@@ -236,7 +252,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
         })
         return 0
     after = []
-    if suggestions and analytic.fits is False:
+    if covered and suggestions and analytic.fits is False:
         # The trace models one GPU; how many it needs comes from the analytic plan.
         per_node = positive_int(getattr(args, "gpus_per_node", None),
                                 "--gpus-per-node") or GPUS_PER_NODE
@@ -247,10 +263,11 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
                      f"{format_bytes(est.host_peak_bytes)}")
     after += [f"assumed: {note}" for note in est.assumptions]
     table = MemoryTable(
-        title="Memory per GPU: trace vs analytic", capacity=capacity,
+        title="Memory per GPU: trace vs analytic" if covered else "Memory per GPU (trace)",
+        capacity=capacity,
         capacity_is_driver_total=gpu is not None and not gpu.usable_measured,
-        columns=(column, analytic.column("analytic")),
-        footnotes=tuple(trace_footnotes(est, analytic, run)),
+        columns=(column, analytic.column("analytic")) if covered else (column,),
+        footnotes=tuple(trace_footnotes(est, analytic, run)) if covered else (),
         lines_before=(
             f"[bold]{spec.name}[/bold] ({format_params(spec.param_count())} params) traced on meta "
             f"tensors{f' for {gpu.label}' if gpu else ' for CUDA'} in {est.trace_seconds:.1f} s",
