@@ -401,3 +401,38 @@ def test_a_delayed_display_draws_nothing_for_quick_work(capfd) -> None:
         bar.advance()
     _, err = capfd.readouterr()
     assert err == ""
+
+
+def test_transformers_default_loss_notice_is_dropped_inside_memfit_runs(caplog) -> None:
+    """transformers' "`loss_type=None` ... Using the default loss" record (every model built
+    from a config logs it) is dropped inside memfit's runs; the logger's other records pass, and
+    outside the block the notice passes again."""
+    import logging
+
+    from memfit._noise import quiet_loggers
+
+    hf = logging.getLogger("transformers.modeling_utils")
+    notice = ("`loss_type=None` was set in the config but it is unrecognized. Using the default "
+              "loss: `ForCausalLMLoss`.")
+    with caplog.at_level(logging.WARNING, logger="transformers.modeling_utils"):
+        with quiet_loggers():
+            hf.warning(notice)
+            hf.warning("something else")
+        hf.warning(notice)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["something else", notice]
+
+
+def test_plan_trace_prints_its_assumptions_once(capfd) -> None:
+    """A traced step that does not fit is traced on an unlimited GPU, an assumption the table
+    prints as an "assumed:" line; the engine's UserWarning of it is not repeated on stderr."""
+    import warnings
+
+    argv = ["plan", "gpt2", "--method", "trace", "--gpu", "t4", "--batch", "32", "--seq", "1024"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    out, err = capfd.readouterr()
+    assert "assumed: an unlimited GPU" in out
+    assert "memfit: assumed" not in err
+    assert [str(w.message) for w in caught if "memfit: assumed" in str(w.message)] == []

@@ -103,11 +103,22 @@ def quiet_loggers() -> Iterator[None]:
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(max(lg.level, logging.ERROR))
+    hf = logging.getLogger("transformers.modeling_utils")
+    hf.addFilter(_drop_default_loss_notice)
     try:
         yield
     finally:
+        hf.removeFilter(_drop_default_loss_notice)
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
+
+
+def _drop_default_loss_notice(record: logging.LogRecord) -> bool:
+    """transformers logs "`loss_type=None` was set in the config but it is unrecognized. Using
+    the default loss" the first time a model built from a config (``loss_type`` unset) computes
+    its loss (``transformers/modeling_utils.py: PreTrainedModel.loss_function``): every model
+    memfit builds from a preset. Only that record is dropped; the logger's others pass."""
+    return "was set in the config but it is unrecognized" not in record.getMessage()
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 from memfit.categories import MemoryCategory
@@ -205,7 +206,10 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     spec = _check_traceable(model, run)
     with Progress(f"memfit plan: tracing {spec.name}", total=None):
         try:
-            est = traced_estimate(spec, run, gpu)
+            with warnings.catch_warnings():
+                # The table prints each assumption as an "assumed:" line; not twice on stderr.
+                warnings.filterwarnings("ignore", message="memfit: assumed")
+                est = traced_estimate(spec, run, gpu)
         except (MemfitError, KeyboardInterrupt):
             raise
         except Exception as exc:
