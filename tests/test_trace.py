@@ -119,12 +119,25 @@ def test_data_dependent_ops_warn_once_and_do_not_crash() -> None:
                 picked = picked * 2
             return picked.sum() + idx.shape[0] + torch.unique(x).sum()
 
+    with torch.device("meta"):  # no values: the assumptions answer
+        model = Masked()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est = estimate(Masked(), torch.empty(8, 16), optimizer="adamw", device="cpu")
+        est = estimate(model, torch.empty(8, 16, device="meta"), optimizer="adamw",
+                       device="cpu")
     ours = [w for w in caught if "memfit: assumed" in str(w.message)]
     assert len(ours) == 1
     assert est.assumptions and "data-dependent" in est.assumptions[0]
+    # Real weights and inputs: a real forward answers every one of them (Note: [real values of
+    # a real step] in trace/datadep.py), without a warning.
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = estimate(Masked(), torch.randn(8, 16), optimizer="adamw", device="cpu")
+    assert not [w for w in caught if "memfit: assumed" in str(w.message)]
+    # 4 values: the mask's size, nonzero's size, .any()'s answer, unique's sizes.
+    assert est.assumptions == ("data-dependent values (4 per forward) read from a real forward "
+                               "of the given inputs (no_grad, CPU)",)
 
 
 def test_cuda_bf16_mixed_saves_bf16_activations() -> None:

@@ -451,8 +451,8 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
         note = (f"data-dependent values read from a real forward of the inputs until the trace "
                 f"diverged ({real.diverged}); the assumptions above from there on")
     else:
-        note = (f"data-dependent values ({real.replayed} answers) read from a real forward of "
-                f"the given inputs (no_grad, CPU)")
+        note = (f"data-dependent values ({len(real.records)} per forward) read from a real "
+                f"forward of the given inputs (no_grad, CPU)")
     return dataclasses.replace(est, assumptions=(*est.assumptions, note),
                                trace_seconds=first.trace_seconds + est.trace_seconds)
 
