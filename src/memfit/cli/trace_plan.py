@@ -13,7 +13,7 @@ from memfit.categories import MemoryCategory
 from memfit.cli._common import console, print_fit_verdict, print_json
 from memfit.errors import MemfitError
 from memfit.estimate.config import RunConfig
-from memfit.estimate.planner import plan
+from memfit.estimate.planner import check_model_options, plan
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, TransformerSpec
 from memfit.trace.estimate import TRACE_FITS_MARGIN
@@ -116,6 +116,7 @@ def per_gpu_breakdown(est: Any) -> dict[MemoryCategory, int]:
 def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
               gpu: GpuSpec | None) -> int:
     spec = _check_traceable(model, run)
+    check_model_options(spec, run)  # before the trace, not after it
     est = traced_estimate(spec, run, gpu)
     breakdown = per_gpu_breakdown(est)
     analytic = plan(spec, run, gpu)
