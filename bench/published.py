@@ -523,6 +523,15 @@ BUILDERS: dict[str, Callable[[dict[str, Any]], Step]] = {
 }
 
 
+def _on_output(loss_of: Any) -> Any:
+    """memfit's ``loss_fn(model, batch)`` from a loss of the model's output (None: the default)."""
+    if loss_of is None:
+        return None
+    from memfit._tensors import call_model
+
+    return lambda model, batch: loss_of(call_model(model, batch))
+
+
 def predict_trace(case: dict[str, Any]) -> tuple[int, str, Any]:
     import memfit
 
@@ -531,7 +540,8 @@ def predict_trace(case: dict[str, Any]) -> tuple[int, str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = memfit.estimate(step["model"], step["inputs"], optimizer=step["optimizer"],
-                              loss_fn=step["loss_fn"], precision=cfg.get("precision", "fp32"),
+                              loss_fn=_on_output(step["loss_fn"]),
+                              precision=cfg.get("precision", "fp32"),
                               device="cuda", gpu=cfg.get("gpu") or _gpu_for(case),
                               steps=step["steps"], keep_output=step["keep_output"])
     quantity = case["quantity"]

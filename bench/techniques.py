@@ -301,8 +301,8 @@ def _tokens(batch: dict[str, torch.Tensor]) -> int:
     return b * (s - 1)
 
 
-def _sum_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch) * _tokens(batch)  # the model returns the mean over its tokens
+def _mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch)  # the model returns the mean over its tokens (_tokens counts them)
 
 
 def grad_accumulation(ctx: Context) -> Setup:
@@ -311,11 +311,11 @@ def grad_accumulation(ctx: Context) -> Setup:
     parts = split_batch(ctx.inputs, MICRO_BATCH)  # views of the batch: no extra memory
 
     def step() -> bool:
-        accumulate(model, parts, _sum_loss, count_fn=_tokens, optimizer=opt)
+        accumulate(model, parts, _mean_loss, count_fn=_tokens, optimizer=opt)
         return True
 
     k = ctx.sizes.batch // MICRO_BATCH
-    wrapped = AccumulatedStep(model, k, _sum_loss, count_fn=_tokens)
+    wrapped = AccumulatedStep(model, k, _mean_loss, count_fn=_tokens)
     return Setup(model=model, optimizer=opt, step=step,
                  predict=_estimate(ctx, wrapped, (ctx.inputs,), ctx.adamw),
                  note=f"{k} micro-batches of {MICRO_BATCH}")

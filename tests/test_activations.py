@@ -116,7 +116,7 @@ def traced_saved_bytes(model: nn.Module, x: torch.Tensor, precision: str) -> int
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = memfit.estimate(model, x, precision=precision, device="cuda", optimizer="sgd",
-                              steps=1, loss_fn=lambda out: out)
+                              steps=1, loss_fn=lambda m, b: m(b))
     forward = [p for p in est.timeline if p.phase == "forward"]
     return forward[-1].by_category()[MemoryCategory.ACTIVATIONS]
 

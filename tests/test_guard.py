@@ -134,7 +134,7 @@ def reference_run(seed: int, kind: str, fp16: bool, batches: list, micros: list[
     for batch, micro in zip(batches, micros, strict=True):
         parts = split_batch(batch, micro)
         if scaler is None:
-            accumulate(model, parts, loss_fn, optimizer=opt)
+            accumulate(model, parts, loss_fn, optimizer=opt, reduction="sum")
             continue
         num_items = batch[0].shape[0]
         for part in parts:
@@ -342,7 +342,8 @@ def test_batchnorm_statistics_are_restored_before_a_retry():
         step(batch)
     assert injector.fired == 1 and step.history == [2]
     ref = bn_model()
-    accumulate(ref, split_batch(batch, 2), make_loss(False), optimizer=make_optimizer("sgd", ref))
+    accumulate(ref, split_batch(batch, 2), make_loss(False), optimizer=make_optimizer("sgd", ref),
+               reduction="sum")
     for a, b in zip(model.state_dict().values(), ref.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
@@ -544,7 +545,7 @@ def test_real_cuda_oom_is_recovered():
         model, opt = model_and_opt()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        accumulate(model, split_batch(batch, micro), loss_fn, optimizer=opt)
+        accumulate(model, split_batch(batch, micro), loss_fn, optimizer=opt, reduction="sum")
         peak = torch.cuda.max_memory_reserved()
         del model, opt
         torch.cuda.empty_cache()
@@ -564,7 +565,8 @@ def test_real_cuda_oom_is_recovered():
     assert step.recoveries and step.recoveries[0].reason == "oom"
     assert step.history[0] < 4096
     ref, ref_opt = model_and_opt()
-    accumulate(ref, split_batch(batch, step.history[0]), loss_fn, optimizer=ref_opt)
+    accumulate(ref, split_batch(batch, step.history[0]), loss_fn, optimizer=ref_opt,
+               reduction="sum")
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q)
 

@@ -50,7 +50,7 @@ def _estimate() -> object:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 8))
     return memfit.estimate(model, torch.empty(16, 32, device="meta"), optimizer="adamw",
-                           device="cpu", loss_fn=lambda o: o.pow(2).mean())
+                           device="cpu", loss_fn=lambda m, b: m(b).pow(2).mean())
 
 
 def test_user_strings_are_escaped(result: ProfileResult) -> None:

@@ -67,7 +67,7 @@ def _run() -> tuple[ProfileResult, object]:
     with torch.device("meta"):
         meta = _model()
     est = memfit.estimate(meta, torch.empty(256, 128, device="meta"), optimizer="adamw",
-                          device="cpu", loss_fn=lambda o: o.pow(2).mean(), steps=3)
+                          device="cpu", loss_fn=lambda m, b: m(b).pow(2).mean(), steps=3)
     assert prof.result is not None
     return prof.result, est
 

@@ -300,7 +300,7 @@ def kernel_estimate(inputs: dict[str, torch.Tensor], precision: str, gpu: str = 
     with torch.device("meta"):
         model = nn.Sequential(Kernel(**kwargs))
     return estimate(model, (inputs,), optimizer="sgd", precision=precision, device="cuda",
-                    gpu=gpu, steps=1, loss_fn=lambda out: out.float().sum())
+                    gpu=gpu, steps=1, loss_fn=lambda m, b: m(*b).float().sum())
 
 
 def masked_saved(s: int, mask_dtype: torch.dtype) -> int:
@@ -395,7 +395,7 @@ def test_dropout_keeps_a_one_byte_mask_on_cuda(dtype: torch.dtype, device: str) 
     x = torch.zeros(64, 1024, dtype=dtype, device="meta", requires_grad=True)
     precision = "fp32" if dtype == FP32 else "bf16"
     est = estimate(model, x, optimizer="sgd", precision=precision,
-                   device=device, steps=1, loss_fn=lambda out: out.float().sum())
+                   device=device, steps=1, loss_fn=lambda m, b: m(b).float().sum())
     # x * 2 is not saved (mul by a constant keeps nothing); the dropout keeps its mask.
     per_element = 1 if device == "cuda" else dtype.itemsize
     assert forward_saved(est, "0.dropout") == n * per_element
@@ -426,7 +426,7 @@ def test_dropout_with_p_zero_returns_its_input_on_cuda(dtype: torch.dtype) -> No
     x = torch.zeros(64, 1024, dtype=dtype, device="meta")
     precision = "fp32" if dtype == FP32 else "bf16"
     est = estimate(model, x, optimizer="sgd", precision=precision, device="cuda", steps=1,
-                   loss_fn=lambda out: out.float().sum())
+                   loss_fn=lambda m, b: m(b).float().sum())
     assert n * dtype.itemsize <= forward_saved(est, "") < n * dtype.itemsize + 512
 
 
@@ -437,7 +437,7 @@ def test_inplace_dropout_keeps_input_dtype_noise_on_cuda() -> None:
         model = nn.Sequential(Scaled(nn.Dropout(0.1, inplace=True)))
     x = torch.zeros(64, 1024, device="meta", requires_grad=True)
     est = estimate(model, x, optimizer="sgd", device="cuda", steps=1,
-                   loss_fn=lambda out: out.sum())
+                   loss_fn=lambda m, b: m(b).sum())
     assert forward_saved(est, "0.dropout") == 64 * 1024 * 4
 
 

@@ -76,7 +76,8 @@ def test_accumulated_gradients_equal_full_batch() -> None:
     expected, expected_loss = full_batch_grads(batch)
     torch.manual_seed(0)
     model = TinyLM()
-    result = accumulate(model, split_batch(batch, BATCH // K), sum_ce, count_fn=tokens)
+    result = accumulate(model, split_batch(batch, BATCH // K), sum_ce, count_fn=tokens,
+                        reduction="sum")
     assert result.num_items == count_tokens(batch["labels"]) == BATCH * SEQ - sum(
         r + 1 for r in range(BATCH))
     # fp32; the full batch sums all token gradients in one reduction, accumulation adds K
@@ -106,7 +107,7 @@ def test_accumulate_in_float64_is_exact_to_fp64_rounding() -> None:
     F.cross_entropy(ref(batch["ids"]).flatten(0, 1), batch["labels"].flatten()).backward()
     torch.manual_seed(0)
     model = TinyLM().double()
-    accumulate(model, split_batch(batch, 1), sum_ce, count_fn=tokens)
+    accumulate(model, split_batch(batch, 1), sum_ce, count_fn=tokens, reduction="sum")
     for got, want in zip(grads(model), grads(ref), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15)
 
@@ -116,7 +117,8 @@ def test_optimizer_steps_once_and_zeroes() -> None:
     model = TinyLM()
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    accumulate(model, split_batch(lm_batch(), 2), sum_ce, count_fn=tokens, optimizer=opt)
+    accumulate(model, split_batch(lm_batch(), 2), sum_ce, count_fn=tokens, optimizer=opt,
+               reduction="sum")
     assert all(p.grad is None for p in model.parameters())
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
@@ -149,7 +151,7 @@ class RecordingDDP(nn.Module):
 def test_no_sync_for_all_but_the_last_micro_batch() -> None:
     torch.manual_seed(0)
     model = RecordingDDP(TinyLM())
-    accumulate(model, split_batch(lm_batch(), BATCH // K), sum_ce, count_fn=tokens)
+    accumulate(model, split_batch(lm_batch(), BATCH // K), sum_ce, count_fn=tokens, reduction="sum")
     assert model.synced == [False] * (K - 1) + [True]
 
 
@@ -163,7 +165,7 @@ def test_real_ddp_single_process_matches() -> None:
     try:
         torch.manual_seed(0)
         model = DDP(TinyLM())
-        accumulate(model, split_batch(batch, BATCH // K), sum_ce, count_fn=tokens)
+        accumulate(model, split_batch(batch, BATCH // K), sum_ce, count_fn=tokens, reduction="sum")
         for got, want in zip(grads(model), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     finally:
@@ -197,7 +199,8 @@ def measured(k: int) -> int:
 
     def step() -> None:
         for _ in range(2):
-            accumulate(model, split_batch((x, y), B // k), sq_loss, optimizer=opt)
+            accumulate(model, split_batch((x, y), B // k), sq_loss, optimizer=opt,
+                       reduction="sum")
 
     gc.collect()  # garbage of earlier tests freed inside the measurement would count
     return measure_cpu_peak(step, model, x, y).peak_bytes
@@ -217,8 +220,8 @@ def test_accumulation_cuts_activation_peak() -> None:
 @pytest.mark.parametrize("k", [1, K])
 def test_estimate_predicts_accumulation(k: int) -> None:
     model, (x, y) = mlp(), xy()
-    est = estimate(AccumulatedStep(model, k, sq_loss), (x, y), device="cpu", steps=2,
-                   optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+    est = estimate(AccumulatedStep(model, k, sq_loss, reduction="sum"), (x, y), device="cpu",
+                   steps=2, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
     real = measured(k)
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
 
@@ -228,11 +231,11 @@ def test_estimate_predicts_accumulation(k: int) -> None:
 def test_errors() -> None:
     model = TinyLM()
     with pytest.raises(MemfitError, match="no micro-batches"):
-        accumulate(model, [], sum_ce)
+        accumulate(model, [], sum_ce, reduction="sum")
     with pytest.raises(MemfitError, match="no items"):
         empty = {"ids": torch.zeros(2, 3, dtype=torch.long),
                  "labels": torch.full((2, 3), -100)}
-        accumulate(model, [empty], sum_ce, count_fn=tokens)
+        accumulate(model, [empty], sum_ce, count_fn=tokens, reduction="sum")
     with pytest.raises(MemfitError, match="positive integer"):
         split_batch(torch.zeros(4), 0)
     with pytest.raises(MemfitError, match="different first dimensions"):
@@ -262,6 +265,6 @@ class RecordingFSDP2(nn.Module):
 def test_fsdp2_gradient_sync_toggled() -> None:
     torch.manual_seed(0)
     model = RecordingFSDP2(TinyLM())
-    accumulate(model, split_batch(lm_batch(), BATCH // K), sum_ce, count_fn=tokens)
+    accumulate(model, split_batch(lm_batch(), BATCH // K), sum_ce, count_fn=tokens, reduction="sum")
     assert model.synced == [False] * (K - 1) + [True]
     assert model.sync  # restored

@@ -168,7 +168,8 @@ def test_estimate_predicts_the_chunked_peak() -> None:
     model = apply_chunked_loss(build_model(SPEC, backend="builtin", device="cpu"), chunk_size=256)
     inputs = batch()
     real = measure_cpu_peak(backward_step(model, inputs), model, inputs).peak_bytes
-    est = estimate(model, inputs, optimizer="sgd", loss_fn=loss_of, device="cpu", steps=1)
+    est = estimate(model, inputs, optimizer="sgd", loss_fn=lambda m, b: loss_of(m(**b)),
+                   device="cpu", steps=1)
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
 
 
@@ -179,7 +180,8 @@ def test_estimate_predicts_the_chunked_peak_hf() -> None:
                                chunk_size=256)
     inputs = batch()
     real = measure_cpu_peak(backward_step(model, inputs), model, inputs).peak_bytes
-    est = estimate(model, inputs, optimizer="sgd", loss_fn=loss_of, device="cpu", steps=1)
+    est = estimate(model, inputs, optimizer="sgd", loss_fn=lambda m, b: loss_of(m(**b)),
+                   device="cpu", steps=1)
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
 
 

@@ -173,7 +173,8 @@ def test_cpu_peak_is_unchanged_and_estimated() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         real1 = measure_cpu_peak(train_step(model, x), model, x).peak_bytes
-        est = estimate(model, (x,), optimizer="sgd", loss_fn=loss_fn, device="cpu", steps=1)
+        est = estimate(model, (x,), optimizer="sgd", loss_fn=lambda m, b: loss_fn(m(*b)),
+                       device="cpu", steps=1)
     assert real1 == real0
     assert abs(est.peak_bytes - real1) <= 0.01 * real1, (est.peak_bytes, real1)
 

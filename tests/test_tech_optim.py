@@ -73,7 +73,8 @@ def real_peak(name: str, **kw: object) -> tuple[int, torch.optim.Optimizer]:
 def predicted_peak(name: str | Callable[..., torch.optim.Optimizer]) -> int:
     torch.manual_seed(0)
     model, x = wide(), torch.randn(4, DIM)
-    return estimate(model, x, optimizer=name, loss_fn=loss_fn, device="cpu", steps=2).peak_bytes
+    return estimate(model, x, optimizer=name, loss_fn=lambda m, b: loss_fn(m(b)), device="cpu",
+                    steps=2).peak_bytes
 
 
 # -- exactness --------------------------------------------------------------------------------
@@ -200,8 +201,8 @@ def test_estimate_predicts_offload_on_cpu() -> None:
 
 def test_estimate_predicts_offload_device_saving_and_host_memory() -> None:
     model, x = wide(), torch.randn(4, DIM)
-    plain = estimate(model, x, optimizer="adamw", loss_fn=loss_fn, device="cuda")
-    off = estimate(model, x, loss_fn=loss_fn, device="cuda",
+    plain = estimate(model, x, optimizer="adamw", loss_fn=lambda m, b: loss_fn(m(b)), device="cuda")
+    off = estimate(model, x, loss_fn=lambda m, b: loss_fn(m(b)), device="cuda",
                    optimizer=lambda ps: make_optimizer(ps, "adamw", offload_states=True))
     workspaces = sum(off.runtime[k] for k in off.runtime_in_allocator)
     # The device keeps weights + grads (8 B/param) and the tiny (4, 256) activations; AdamW's

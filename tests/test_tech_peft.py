@@ -183,7 +183,8 @@ def test_qlora_step_peak_below_lora() -> None:
 def test_estimate_predicts_lora(backend: str) -> None:
     lora, model = resident_bytes(lambda: apply_lora(net(), rank=RANK, backend=backend))
     real = step_peak(model, lora)
-    est = estimate(model, x_in(), optimizer="adamw", loss_fn=loss_fn, device="cpu", steps=2)
+    est = estimate(model, x_in(), optimizer="adamw", loss_fn=lambda m, b: loss_fn(m(b)),
+                   device="cpu", steps=2)
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
 
 
@@ -191,7 +192,8 @@ def test_estimate_predicts_lora(backend: str) -> None:
 def test_estimate_predicts_qlora(backend: str) -> None:
     qlora, model = resident_bytes(lambda: apply_qlora(net(), rank=RANK, quant_backend=backend))
     real = step_peak(model, qlora)
-    est = estimate(model, x_in(), optimizer="adamw", loss_fn=loss_fn, device="cpu", steps=2)
+    est = estimate(model, x_in(), optimizer="adamw", loss_fn=lambda m, b: loss_fn(m(b)),
+                   device="cpu", steps=2)
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
 
 

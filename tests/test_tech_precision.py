@@ -243,10 +243,12 @@ def test_real_saving_and_estimate(precision: str, master: bool, fp32_peak: int) 
     torch.manual_seed(0)
     fresh = TinyGPT()
     if master:
-        est = estimate(fresh.to(torch.bfloat16), (x,), loss_fn=mse, device="cpu",
+        est = estimate(fresh.to(torch.bfloat16), (x,), loss_fn=lambda m, b: mse(m(*b)),
+                       device="cpu",
                        optimizer=lambda ps: MasterWeights(torch.optim.AdamW(ps, lr=1e-3)))
     else:
-        est = estimate(fresh, (x,), precision=precision, loss_fn=mse, device="cpu")
+        est = estimate(fresh, (x,), precision=precision, loss_fn=lambda m, b: mse(m(*b)),
+                       device="cpu")
     assert abs(est.peak_bytes - peak.peak_bytes) <= 0.01 * peak.peak_bytes, (
         est.peak_bytes, peak.peak_bytes)
 
@@ -293,5 +295,6 @@ def test_estimate_with_upcast_loss() -> None:
     gc.collect()
     real = measure_cpu_peak(run, model, x, opt).peak_bytes
     torch.manual_seed(0)
-    est = estimate(TinyGPT(), (x,), precision="bf16-mixed", loss_fn=mse_fp32, device="cpu")
+    est = estimate(TinyGPT(), (x,), precision="bf16-mixed", loss_fn=lambda m, b: mse_fp32(m(*b)),
+                   device="cpu")
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)

@@ -161,7 +161,7 @@ def test_qat_training_step_costs_memory_and_estimate_predicts_it(scheme: str) ->
         step()
         gc.collect()
         real = measure_cpu_peak(step, model, x).peak_bytes
-        est = estimate(model, x, optimizer="sgd", loss_fn=lambda o: o.pow(2).mean(),
+        est = estimate(model, x, optimizer="sgd", loss_fn=lambda m, b: m(b).pow(2).mean(),
                        device="cpu", steps=2)
         return real, est.peak_bytes
 

@@ -119,12 +119,25 @@ def test_data_dependent_ops_warn_once_and_do_not_crash() -> None:
                 picked = picked * 2
             return picked.sum() + idx.shape[0] + torch.unique(x).sum()
 
+    with torch.device("meta"):  # no values: the assumptions answer
+        model = Masked()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est = estimate(Masked(), torch.empty(8, 16), optimizer="adamw", device="cpu")
+        est = estimate(model, torch.empty(8, 16, device="meta"), optimizer="adamw",
+                       device="cpu")
     ours = [w for w in caught if "memfit: assumed" in str(w.message)]
     assert len(ours) == 1
     assert est.assumptions and "data-dependent" in est.assumptions[0]
+    # Real weights and inputs: a real forward answers every one of them (Note: [real values of
+    # a real step] in trace/datadep.py), without a warning.
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est = estimate(Masked(), torch.randn(8, 16), optimizer="adamw", device="cpu")
+    assert not [w for w in caught if "memfit: assumed" in str(w.message)]
+    # 4 values: the mask's size, nonzero's size, .any()'s answer, unique's sizes.
+    assert est.assumptions == ("data-dependent values (4 per forward) read from a real forward "
+                               "of the given inputs (no_grad, CPU)",)
 
 
 def test_cuda_bf16_mixed_saves_bf16_activations() -> None:
@@ -144,9 +157,11 @@ def test_cuda_bf16_mixed_saves_bf16_activations() -> None:
 
     # keep_output: the loop holds the output through the backward, so it is alive at the end
     # of the forward.
-    mixed = estimate(model, x, precision="bf16-mixed", device="cuda", loss_fn=loss,
+    mixed = estimate(model, x, precision="bf16-mixed", device="cuda",
+                     loss_fn=lambda m, b: loss(m(b)),
                      keep_output=True)
-    fp32 = estimate(model, x, precision="fp32", device="cuda", loss_fn=loss, keep_output=True)
+    fp32 = estimate(model, x, precision="fp32", device="cuda", loss_fn=lambda m, b: loss(m(b)),
+                    keep_output=True)
     assert _end_of_forward(mixed)[ACT] == (2 + 1 + 2 + 1 + 1) * MiB + 512
     assert _end_of_forward(fp32)[ACT] == (2 + 2 + 2) * MiB + 512
     assert mixed.peak_reserved_bytes >= mixed.peak_bytes
@@ -165,7 +180,7 @@ def test_cuda_sdpa_flash_saves_logsumexp_not_scores() -> None:
 
     x = torch.empty(2, 512, 64, device="meta")
     est = estimate(Attn(), x, precision="bf16", device="cuda", gpu="a100-80gb",
-                   loss_fn=lambda o: o.sum())
+                   loss_fn=lambda m, b: m(b).sum())
     assert "flash" in " ".join(p.op for p in est.timeline)
     scores = 2 * 4 * 512 * 512 * 2  # what math attention would materialise, per copy
     assert _end_of_forward(est)[ACT] < scores
@@ -205,7 +220,7 @@ def test_cuda_autocast_runs_layer_norm_in_fp32() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.LayerNorm(1024))
     x = torch.empty(512, 1024, device="meta")
-    est = estimate(model, x, precision="bf16-mixed", device="cuda", loss_fn=lambda o: o.sum())
+    est = estimate(model, x, precision="bf16-mixed", device="cuda", loss_fn=lambda m, b: m(b).sum())
     assert _end_of_forward(est)[ACT] == (2 + 1 + 2) * MiB + 2 * 2048 + 512
 
 
@@ -219,7 +234,7 @@ def test_module_attribution_of_saved_activations() -> None:
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
     for keep_output, output_bytes in ((False, 0), (True, 64 * 256 * 4)):
         est = estimate(model, torch.empty(64, 256), optimizer="sgd", device="cpu",
-                       loss_fn=lambda o: o.sum(), keep_output=keep_output)
+                       loss_fn=lambda m, b: m(b).sum(), keep_output=keep_output)
         assert est.modules["1"].activation_bytes == 64 * 512 * 4
         assert est.modules["2"].activation_bytes == output_bytes
     assert "0" not in est.modules or est.modules["0"].activation_bytes == 0

@@ -8,6 +8,7 @@ on the same module; the two peaks must agree within 1%.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -277,6 +278,12 @@ MORE_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...
     "buffers": (EmaBuffers, lambda: (torch.randn(16, 32),)),
 }
 
+
+def on_output(loss_of: Callable[[Any], torch.Tensor]) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """``loss_fn(model, batch)`` for estimate from a loss of the model's output."""
+    return lambda model, batch: loss_of(call_model(model, batch))
+
+
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
@@ -317,7 +324,8 @@ def test_cpu_peak_within_1_percent(kind: str, precision: str) -> None:
     make_model, make_inputs, loss_fn = CASES[kind]
     torch.manual_seed(0)
     model, inputs = make_model(), make_inputs()
-    est = estimate(model, inputs, optimizer="adamw", precision=precision, loss_fn=loss_fn,
+    est = estimate(model, inputs, optimizer="adamw", precision=precision,
+                   loss_fn=on_output(loss_fn),
                    device="cpu", steps=2)
     real = real_peak(model, inputs, loss_fn, torch.bfloat16 if precision == "bf16-mixed" else None)
     error = (est.peak_bytes - real) / real
@@ -332,7 +340,7 @@ def test_more_kinds_within_1_percent(kind: str, precision: str, optimizer: str |
     make_model, make_inputs = MORE_CASES[kind]
     torch.manual_seed(0)
     model, inputs = make_model(), make_inputs()
-    est = estimate(model, inputs, optimizer=optimizer, precision=precision, loss_fn=mse,
+    est = estimate(model, inputs, optimizer=optimizer, precision=precision, loss_fn=on_output(mse),
                    device="cpu", steps=2)
     real = real_peak(model, inputs, mse, torch.bfloat16 if precision == "bf16-mixed" else None,
                      optimizer=optimizer)
@@ -380,7 +388,7 @@ def test_sequence_lstm_within_1_percent(precision: str, keep_output: bool) -> No
     skip_unless_runs_here("lstm", precision)
     torch.manual_seed(0)
     model, inputs = SeqLSTM(), (torch.randn(2, 64, 64),)
-    est = estimate(model, inputs, optimizer="adamw", precision=precision, loss_fn=mse,
+    est = estimate(model, inputs, optimizer="adamw", precision=precision, loss_fn=on_output(mse),
                    device="cpu", steps=2, keep_output=keep_output)
     real = real_peak(model, inputs, mse, torch.bfloat16 if precision == "bf16-mixed" else None,
                      keep_output=keep_output)
@@ -408,7 +416,7 @@ def test_cpu_conversion_temporaries_within_1_percent() -> None:
     # (0.5 KiB): 1153.5 KiB, the peak. Without the two temporaries the trace said 896.5 KiB.
     torch.manual_seed(0)
     model, inputs = MixedDtypes(), (torch.randn(256, 256),)
-    est = estimate(model, inputs, optimizer=None, loss_fn=mse, device="cpu", steps=1)
+    est = estimate(model, inputs, optimizer=None, loss_fn=on_output(mse), device="cpu", steps=1)
     real = real_peak(model, inputs, mse, None, steps=1, optimizer=None)
     assert real == 1153 * 1024 + 512
     assert abs(est.peak_bytes - real) <= TOLERANCE * real, (est.peak_bytes, real)
@@ -418,7 +426,8 @@ def test_cpu_conversion_temporaries_within_1_percent() -> None:
 def test_mse_loss_temporary_within_1_percent(precision: str) -> None:
     torch.manual_seed(0)
     model, inputs = LinearMse(), (torch.randn(512, 64), torch.randn(512, 512))
-    est = estimate(model, inputs, optimizer="adamw", precision=precision, loss_fn=_scalar,
+    est = estimate(model, inputs, optimizer="adamw", precision=precision,
+                   loss_fn=on_output(_scalar),
                    device="cpu", steps=2)
     real = real_peak(model, inputs, _scalar,
                      torch.bfloat16 if precision == "bf16-mixed" else None)
@@ -444,7 +453,8 @@ def test_hugging_face_llama_within_1_percent(attn: str) -> None:
     def loss_of(out: Any) -> torch.Tensor:
         return out.loss  # type: ignore[no-any-return]
 
-    est = estimate(model, inputs, optimizer="adamw", loss_fn=loss_of, device="cpu", steps=2)
+    est = estimate(model, inputs, optimizer="adamw", loss_fn=on_output(loss_of), device="cpu",
+                   steps=2)
     real = real_peak(model, inputs, loss_of, None)
     assert abs(est.peak_bytes - real) <= TOLERANCE * real, (est.peak_bytes, real)
 
@@ -502,7 +512,7 @@ def test_padded_multihead_attention_within_1_percent(precision: str) -> None:
     pad = torch.zeros(4, 128, dtype=torch.bool)
     pad[:, 100:] = True
     model, inputs = PaddedMha(), (torch.randn(4, 128, 64), pad)
-    est = estimate(model, inputs, optimizer="adamw", precision=precision, loss_fn=mse,
+    est = estimate(model, inputs, optimizer="adamw", precision=precision, loss_fn=on_output(mse),
                    device="cpu", steps=2)
     real = real_peak(model, inputs, mse, torch.bfloat16 if precision == "bf16-mixed" else None)
     assert abs(est.peak_bytes - real) <= TOLERANCE * real, (est.peak_bytes, real)
@@ -538,7 +548,7 @@ class CheckpointedFfn(nn.Module):
 def test_full_checkpointing_within_1_percent() -> None:
     torch.manual_seed(0)
     model, inputs = CheckpointedFfn(), (torch.randint(0, 512, (8, 128)),)
-    est = estimate(model, inputs, optimizer="adamw", loss_fn=mse, device="cpu", steps=2)
+    est = estimate(model, inputs, optimizer="adamw", loss_fn=on_output(mse), device="cpu", steps=2)
     real = real_peak(model, inputs, mse, None)
     assert abs(est.peak_bytes - real) <= TOLERANCE * real, (est.peak_bytes, real)
 
@@ -576,10 +586,72 @@ def test_bitsandbytes_adamw_8bit_callable_within_1_percent() -> None:
     def factory(params: Any) -> torch.optim.Optimizer:
         return bnb.optim.AdamW8bit(params, lr=1e-3)  # type: ignore[no-any-return]
 
-    est = estimate(model, inputs, optimizer=factory, loss_fn=mse, device="cpu", steps=2)
+    est = estimate(model, inputs, optimizer=factory, loss_fn=on_output(mse), device="cpu", steps=2)
     OPTIMIZERS["bnb-adamw-8bit"] = factory
     try:
         real = real_peak(model, inputs, mse, None, optimizer="bnb-adamw-8bit")
     finally:
         del OPTIMIZERS["bnb-adamw-8bit"]
     assert abs(est.peak_bytes - real) <= TOLERANCE * real, (est.peak_bytes, real)
+
+
+class SignBranch(nn.Module):
+    """``if x.sum() > 0``: a small Linear, else a wider MLP that saves 4x more activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.Linear(256, 256)
+        self.big = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.small(x)
+        return self.big(x)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_data_dependent_branch_follows_real_inputs(sign: float) -> None:
+    """Note: [real values of a real step] (trace/datadep.py): with real weights and inputs the
+    branch is the one the real step takes, for positive and for negative inputs, measured."""
+    torch.manual_seed(0)
+    model, inputs = SignBranch(), (sign * torch.rand(64, 256),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "assumed data-dependent ..." warning
+        est = estimate(model, inputs, optimizer="adamw", loss_fn=on_output(mse), device="cpu",
+                       steps=2)
+    real = real_peak(model, inputs, mse, None)
+    assert abs(est.peak_bytes - real) <= TOLERANCE * real, (sign, est.peak_bytes, real)
+    assert any("read from a real forward" in a for a in est.assumptions)
+    ran = {p.module.split(".")[0] for p in est.timeline if p.op == "aten.addmm.default"}
+    assert ran == ({"small"} if sign > 0 else {"big"})
+
+
+def test_data_dependent_branch_with_meta_inputs_is_assumed() -> None:
+    """Meta inputs have no values: ``.item()`` of a computed tensor reads 1, the ``if`` is taken
+    (the documented assumption, warned)."""
+    with torch.device("meta"):
+        model = SignBranch()
+    x = torch.empty(64, 256, device="meta")
+    with pytest.warns(UserWarning, match="data-dependent"):
+        est = estimate(model, x, optimizer="adamw", device="cpu", steps=1)
+    assert {p.module.split(".")[0] for p in est.timeline if p.op == "aten.addmm.default"} == {
+        "small"}
+
+
+class GradOnlyBranch(SignBranch):
+    """Asks ``x.sum() > 0`` only with grad enabled: the real forward (no_grad) records nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.sum() > 0:
+            return self.small(x)
+        return self.big(x)
+
+
+def test_diverging_real_forward_falls_back_to_the_assumption() -> None:
+    torch.manual_seed(0)
+    model, x = GradOnlyBranch(), -torch.rand(64, 256)
+    with pytest.warns(UserWarning, match="data-dependent"):
+        est = estimate(model, x, optimizer="adamw", device="cpu", steps=1)
+    assert any("diverged" in a for a in est.assumptions), est.assumptions
+    assert {p.module.split(".")[0] for p in est.timeline if p.op == "aten.addmm.default"} == {
+        "small"}

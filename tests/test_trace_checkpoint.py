@@ -86,7 +86,7 @@ def _stack(flavour: str | None, precision: str) -> Estimate:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return estimate(model, x, precision=precision, device="cuda", optimizer="sgd", steps=1,
-                        loss_fn=_float_sum, keep_output=True)
+                        loss_fn=lambda m, b: _float_sum(m(b)), keep_output=True)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

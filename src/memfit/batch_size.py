@@ -42,11 +42,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._loss import LossFn, check_loss_fn, model_loss
 from memfit._tensors import call_model, tensor_leaves
 from memfit.errors import MemfitError, suggest
 from memfit.profile.cpu import measure_cpu_peak
 from memfit.progress import Progress, current, phase
-from memfit.trace import default_loss, estimate
+from memfit.trace import estimate
 from memfit.trace.optim import OptimizerFactory, make_optimizer
 
 __all__ = ["MODES", "find_batch_size"]
@@ -128,7 +129,7 @@ class _Trials:
     """Real trial steps, each answering "does this batch size fit?" once."""
 
     def __init__(self, model: nn.Module, source: _Source, *, budget: int, train: bool,
-                 optimizer: str | OptimizerFactory, loss_fn: Callable[[Any], torch.Tensor],
+                 optimizer: str | OptimizerFactory, loss_fn: LossFn,
                  log_trials: bool) -> None:
         self.model = model
         self.source = source
@@ -149,7 +150,7 @@ class _Trials:
         params = [p for p in self.model.parameters() if p.requires_grad]
         opt = make_optimizer(self.optimizer, params, cuda_target=self.cuda)
         for _ in range(_TRAIN_STEPS):
-            self.loss_fn(call_model(self.model, batch)).backward()
+            self.loss_fn(self.model, batch).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -242,7 +243,7 @@ def _largest(fits: Callable[[int], bool], seed: int, max_batch: int) -> int | No
 
 
 def _predicted_seed(model: nn.Module, source: _Source, *, budget: int, train: bool,
-                    optimizer: str | OptimizerFactory, loss_fn: Callable[[Any], torch.Tensor],
+                    optimizer: str | OptimizerFactory, loss_fn: LossFn,
                     max_batch: int) -> int:
     target = "cuda" if source.device.type == "cuda" else "cpu"
     cache: dict[int, bool] = {}
@@ -290,15 +291,16 @@ def _validate(model: Any, mode: str, budget_bytes: Any, start: Any, max_batch: A
 def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterable[Any], *,
                     budget_bytes: int | None = None, device: str | torch.device | None = None,
                     optimizer: str | OptimizerFactory = "adamw",
-                    loss_fn: Callable[[Any], torch.Tensor] | None = None, mode: str = "train",
+                    loss_fn: LossFn | None = None, mode: str = "train",
                     start: int | None = None, max_batch: int = 4096, scan_batches: int = 64,
                     log: bool = True, progress: bool | None = None) -> int:
     """The largest batch size whose step fits in ``budget_bytes`` (see :mod:`memfit.batch_size`).
 
     ``make_batch(batch_size)`` returns a batch (a tensor, or a tuple/list/dict of tensors with
     the batch size first; called with the model's inputs as ``model(*batch)`` / ``model(**batch)``)
-    at the longest sequence length, or pass a DataLoader-like iterable. ``loss_fn(output)`` turns
-    the output into the loss (default :func:`memfit.trace.default_loss`). ``optimizer`` is a name
+    at the longest sequence length, or pass a DataLoader-like iterable. ``loss_fn(model, batch)``
+    runs the model and returns the loss (default: the model's own loss, read by
+    :func:`memfit.trace.default_loss`). ``optimizer`` is a name
     (``"adamw"``, ``"sgd"``, ...) or a callable ``params -> Optimizer``. ``device`` must be where
     the model is (default: there); batches are moved to it. ``budget_bytes`` is required on CPU;
     on CUDA it defaults to the free memory plus what PyTorch already reserved. ``progress``:
@@ -310,6 +312,7 @@ def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterabl
     37
     """
     _validate(model, mode, budget_bytes, start, max_batch, optimizer)
+    check_loss_fn(loss_fn)
     model_device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if model_device.type == "meta":
         raise MemfitError("find_batch_size runs real trial steps; materialise the model on its "
@@ -328,7 +331,7 @@ def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterabl
         try:
             with Progress("memfit.find_batch_size", total=None, progress=progress):
                 result = _search(model, make_batch, dev, budget_bytes=budget_bytes,
-                                 optimizer=optimizer, loss_fn=loss_fn or default_loss,
+                                 optimizer=optimizer, loss_fn=loss_fn or model_loss,
                                  train=mode == "train", start=start, max_batch=max_batch,
                                  scan_batches=scan_batches, log_trials=log)
         except BaseException as exc:  # re-raised below, after the other ranks are told
@@ -350,7 +353,7 @@ def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterabl
 
 
 def _search(model: nn.Module, make_batch: Any, dev: torch.device, *, budget_bytes: int | None,
-            optimizer: str | OptimizerFactory, loss_fn: Callable[[Any], torch.Tensor],
+            optimizer: str | OptimizerFactory, loss_fn: LossFn,
             train: bool, start: int | None, max_batch: int, scan_batches: int,
             log_trials: bool) -> int:
     if budget_bytes is None:

@@ -83,6 +83,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._loss import LossFn, check_loss_fn, check_reduction
 from memfit._tensors import meta_batch, tensor_leaves
 from memfit.errors import MemfitError
 from memfit.techniques.accumulation import _sync_gradients, split_batch
@@ -91,11 +92,9 @@ __all__ = ["GuardedStep", "Recovery", "causal_lm_count", "guard"]
 
 log = logging.getLogger("memfit")
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
 _OK, _OOM, _ERROR = 0, 1, 2  # an attempt's outcome, agreed across DDP ranks by its maximum
 CountFn = Callable[[Any], int | torch.Tensor]
 Predict = Callable[[Any], int]
-REDUCTIONS = ("mean", "sum")
 
 
 def causal_lm_count(batch: Any, *, ignore_index: int = -100) -> int:
@@ -111,13 +110,6 @@ def causal_lm_count(batch: Any, *, ignore_index: int = -100) -> int:
         raise MemfitError("causal_lm_count needs a dict micro-batch with a 2-D 'labels' tensor "
                           "(batch, sequence); pass your own count_fn for other batches")
     return int((labels[..., 1:] != ignore_index).sum().item())
-
-
-def _check_reduction(reduction: Any) -> str:
-    if reduction not in REDUCTIONS:
-        raise MemfitError(f"reduction must be 'mean' (loss_fn returns the micro-batch's mean loss) "
-                          f"or 'sum' (the sum of its per-item losses), got {reduction!r}")
-    return reduction
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,18 +153,6 @@ def _signature(batch: Any) -> tuple[Any, ...]:
     return tuple((tuple(t.shape[1:]), t.dtype) for t in tensor_leaves(batch))
 
 
-class _LossStep(nn.Module):
-    """``forward(micro_batch)`` is ``loss_fn(model, micro_batch)``: what the engine traces."""
-
-    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-
-    def forward(self, batch: Any) -> torch.Tensor:
-        return self.loss_fn(self.model, batch)
-
-
 def default_predict(model: nn.Module, optimizer: torch.optim.Optimizer,
                     loss_fn: LossFn, device: torch.device) -> Predict:
     """``predict(meta_micro_batch) -> bytes``: :func:`memfit.estimate` of one training step of
@@ -190,8 +170,7 @@ def default_predict(model: nn.Module, optimizer: torch.optim.Optimizer,
     target = "cuda" if device.type == "cuda" else "cpu"
 
     def predict(micro: Any) -> int:
-        est = estimate(_LossStep(model, loss_fn), (micro,), optimizer=make_opt,
-                       device=target)
+        est = estimate(model, micro, optimizer=make_opt, loss_fn=loss_fn, device=target)
         return est.peak_reserved_bytes if target == "cuda" else est.peak_bytes
 
     return predict
@@ -219,10 +198,11 @@ class GuardedStep:
                  grow_after: int | None = None, log: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-        if not callable(loss_fn):
+        if loss_fn is None:
             raise MemfitError("loss_fn must be a callable (model, micro_batch) -> the "
                               "micro-batch's loss (its mean, or its sum with reduction='sum')")
-        self.reduction = _check_reduction(reduction)
+        check_loss_fn(loss_fn)
+        self.reduction = check_reduction(reduction)
         for name, value in (("micro_batch_size", micro_batch_size),
                             ("budget_bytes", budget_bytes), ("grow_after", grow_after)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

@@ -372,7 +372,8 @@ def run_config(config: Config, *, size: str, device: str, gpu: str | None,
     torch.manual_seed(0)
     meta_model, meta_inputs, meta_loss = factory("meta")
     est = estimate(meta_model, meta_inputs, optimizer=_techniques(meta_model, config),
-                   precision=config.precision, loss_fn=meta_loss, device=device,
+                   precision=config.precision, loss_fn=lambda m, b: meta_loss(m(*b)),
+                   device=device,
                    gpu=gpu if device == "cuda" else None, steps=steps,
                    keep_output=True)  # _steps keeps ``out`` alive through backward
     return Result(config=config.name, device=device, measured_allocated=measured_alloc,

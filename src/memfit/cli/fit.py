@@ -83,6 +83,14 @@ def _load_preset(name: str, seq: int | None) -> tuple[Any, Any]:
     from memfit.models.build import build_model, example_inputs
 
     spec = resolve_model(name)
+    if seq is not None:
+        from memfit.estimate.config import RunConfig
+        from memfit.estimate.planner import check_context
+
+        if spec.arch == "vision":
+            raise MemfitError(f"{spec.name} sees {spec.default_seq_len} tokens per image; drop "
+                              "--seq for vision models")
+        check_context(spec, RunConfig(seq=seq))
     model = build_model(spec, device="meta")
     if spec.arch != "vision" and seq is None:
         seq = min(spec.default_seq_len, 2048)
@@ -100,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
         raise MemfitError("give --gpu NAME (see `memfit gpus`) or --budget SIZE (e.g. 2GB)")
     device = args.device or ("cuda" if args.gpu else "cpu")
     if ":" in args.model and not Path(args.model).exists():
+        if seq is not None:
+            raise MemfitError(f"--seq {seq} applies to presets and config.json; the sample "
+                              f"batch of {args.model} sets the sequence length: drop --seq")
         model, sample = _load_factory(args.model)
     else:
         model, sample = _load_preset(args.model, seq)

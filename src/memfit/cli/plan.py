@@ -55,8 +55,8 @@ def register(sub: Any) -> None:
     p.add_argument("--precision",
                    help=f"one of {', '.join(PRECISIONS)} (default: bf16-mixed; on a GPU without "
                    "bf16 such as v100 or t4, fp16-mixed to train and fp16 for inference)")
-    p.add_argument("--optimizer", default="adamw",
-                   help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    p.add_argument("--optimizer",
+                   help=f"one of {', '.join(OPTIMIZERS)} (default adamw; training modes only)")
     p.add_argument("--checkpointing", default="none",
                    help=f"activation checkpointing: {', '.join(CHECKPOINTING)}")
     p.add_argument("--attention", default="sdpa", help=f"one of {', '.join(ATTENTIONS)}")
@@ -76,14 +76,15 @@ def register(sub: Any) -> None:
                    help="keep optimizer states in host memory")
     p.add_argument("--offload-params", action="store_true",
                    help="keep parameters in host memory (needs --zero 3)")
-    p.add_argument("--lora-rank", default="16", help="LoRA rank (default 16)")
-    p.add_argument("--lora-targets", default="q,k,v,o",
-                   help="comma list of q,k,v,o,gate,up,down, or 'all' (default q,k,v,o)")
+    p.add_argument("--lora-rank", help="LoRA rank (default 16; --mode lora/qlora only)")
+    p.add_argument("--lora-targets",
+                   help="comma list of q,k,v,o,gate,up,down, or 'all' (default q,k,v,o; "
+                   "--mode lora/qlora only)")
     p.add_argument("--quant", default="none",
                    help=f"inference weight quantization: {', '.join(WEIGHT_QUANTS)}")
     p.add_argument("--kv-cache-dtype", help=f"inference KV cache format: {', '.join(KV_DTYPES)}")
-    p.add_argument("--new-tokens", default="0", help="inference: tokens generated after the "
-                   "prompt (the KV cache holds seq + new tokens)")
+    p.add_argument("--new-tokens", help="inference: tokens generated after the "
+                   "prompt (the KV cache holds seq + new tokens; default 0)")
     p.add_argument("--method", default=None, choices=["analytic", "trace"],
                    help="analytic formulas (default) or trace the real module on meta tensors "
                    "(the default for model types the formulas do not cover)")
@@ -119,11 +120,25 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         if zero not in (0, 3):
             raise MemfitError(f"--fsdp means ZeRO-3; it conflicts with --zero {zero}")
         zero = 3
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    # Note: [options that do nothing] in estimate/config.py: a flag given explicitly (its
+    # default is None) that cannot act in this mode is refused, whatever its value.
+    given = {"--optimizer": args.optimizer, "--new-tokens": args.new_tokens,
+             "--lora-rank": args.lora_rank, "--lora-targets": args.lora_targets}
+    useless = {"--optimizer": args.mode == "inference",
+               "--new-tokens": args.mode != "inference",
+               "--lora-rank": args.mode not in ("lora", "qlora"),
+               "--lora-targets": args.mode not in ("lora", "qlora")}
+    for flag, value in given.items():
+        if value is not None and useless[flag]:
+            needs = {"--optimizer": "a training mode (train, lora, qlora)",
+                     "--new-tokens": "--mode inference"}.get(flag, "--mode lora or qlora")
+            raise MemfitError(f"{flag} {value} does nothing in --mode {args.mode}; it needs "
+                              f"{needs}: drop it or change --mode")
+    targets = tuple(t.strip() for t in (args.lora_targets or "q,k,v,o").split(",") if t.strip())
     if targets == ("all",):
         targets = ("q", "k", "v", "o", "gate", "up", "down")
     return RunConfig(
-        mode=args.mode, precision=args.precision, optimizer=args.optimizer,
+        mode=args.mode, precision=args.precision, optimizer=args.optimizer or "adamw",
         checkpointing=args.checkpointing, attention=args.attention,
         batch=positive_int(args.batch, "--batch") or 1,
         seq=positive_int(args.seq, "--seq"),

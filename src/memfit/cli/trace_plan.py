@@ -17,6 +17,7 @@ from memfit.estimate.planner import (
     FITS_MARGIN,
     GPUS_PER_NODE,
     MemoryPlan,
+    check_model_options,
     gpus_needed,
     plan,
     scale_out_line,
@@ -204,6 +205,7 @@ def trace_suggestions(est: Any, analytic: MemoryPlan, capacity: int | None,
 def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
               gpu: GpuSpec | None) -> int:
     spec = _check_traceable(model, run)
+    check_model_options(spec, run)  # before the trace, not after it
     with Progress(f"memfit plan: tracing {spec.name}", total=None):
         try:
             with warnings.catch_warnings():

@@ -117,6 +117,22 @@ class RunConfig:
         if self.mode == "qlora" and self.precision in ("fp32",):
             raise MemfitError("qlora computes in 16-bit; use --precision bf16-mixed or "
                               "fp16-mixed")
+        # Note: [options that do nothing] an option that cannot act in this mode is refused,
+        # not ignored; RunConfig's defaults (adamw, rank 16) cannot tell "given" from "default",
+        # so here a value other than the default is refused, and the CLI (whose flags default
+        # to None) refuses the flag itself (cli/plan.py: run_config).
+        if self.new_tokens and self.mode != "inference":
+            raise MemfitError(f"--new-tokens {self.new_tokens} is for --mode inference (tokens "
+                              f"generated after the prompt); --mode {self.mode} has no generation")
+        if self.mode == "inference" and self.optimizer != "adamw":
+            raise MemfitError(f"--optimizer {self.optimizer} does nothing in --mode inference (no "
+                              "optimizer state); drop it or use a training mode")
+        if self.kv_cache_dtype is not None and self.mode != "inference":
+            raise MemfitError(f"--kv-cache-dtype {self.kv_cache_dtype} is for --mode inference; "
+                              f"--mode {self.mode} keeps no KV cache")
+        if self.mode not in ("lora", "qlora") and self.lora_rank != 16:
+            raise MemfitError(f"--lora-rank {self.lora_rank} is for --mode lora or qlora, not "
+                              f"--mode {self.mode}")
         bad = [t for t in self.lora_targets if t not in ("q", "k", "v", "o", "gate", "up", "down")]
         if bad:
             raise MemfitError(f"unknown LoRA target(s) {', '.join(bad)}; valid: q, k, v, o, "

@@ -218,6 +218,51 @@ def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> 
                 "divide one another; choose a tp that divides or is a multiple of them")
         if run.pp > model.num_layers:
             raise MemfitError(f"--pp {run.pp} exceeds {model.name}'s {model.num_layers} layers")
+        check_model_options(model, run)
+
+
+def check_model_options(model: TransformerSpec, run: RunConfig) -> None:
+    """Options that make no sense for this model: tokens past its context, a LoRA rank past
+    full rank (both methods check them up front)."""
+    check_context(model, run)
+    if run.mode in ("lora", "qlora"):
+        _check_lora_rank(model, run)
+
+
+def check_context(model: TransformerSpec, run: RunConfig) -> None:
+    """Refuse tokens past the model's context (``max_position_embeddings``; prompt plus
+    generated tokens for inference). Learned absolute position embeddings have no row for
+    them (an index error in the real model). RoPE computes any position, but the model was
+    trained to ``max_position_embeddings`` only; past it the output degrades unless the
+    config stretches RoPE (``rope_scaling``: YaRN, linear, dynamic NTK), which then decides
+    the context: with a ``rope_scaling`` the length is not checked."""
+    limit = model.max_position_embeddings
+    if model.arch == "vision" or limit <= 0 or run.seq is None:
+        return
+    tokens = run.seq + (run.new_tokens if run.mode == "inference" else 0)
+    if tokens <= limit or (model.position == "rope" and model.rope_scaling):
+        return
+    what, fix = ((f"--seq {run.seq} + --new-tokens {run.new_tokens} = {tokens} tokens",
+                  f"keep --seq + --new-tokens within {limit}") if tokens != run.seq
+                 else (f"--seq {run.seq}", f"use --seq {limit} or less"))
+    why = ("its learned position embeddings have no row past it" if model.position == "learned"
+           else "RoPE without rope_scaling in its config")
+    raise MemfitError(f"{what} exceeds {model.name}'s context of {limit} tokens ({why}); "
+                      f"{fix}")
+
+
+def _check_lora_rank(model: TransformerSpec, run: RunConfig) -> None:
+    """A LoRA rank above a targeted layer's smaller dimension is past full rank: B @ A cannot
+    have rank r, and the adapter holds more parameters than the layer (Hu et al. 2021)."""
+    targeted = [s for s in model.linear_shapes() if s.role in run.lora_targets]
+    if not targeted:
+        return
+    smallest = min(targeted, key=lambda s: min(s.in_features, s.out_features))
+    full = min(smallest.in_features, smallest.out_features)
+    if run.lora_rank > full:
+        raise MemfitError(f"--lora-rank {run.lora_rank} exceeds full rank {full} of "
+                          f"{model.name}'s {smallest.role} projection ({smallest.in_features} -> "
+                          f"{smallest.out_features}); use --lora-rank {full} or less")
 
 
 # Parameter-sized temporaries of one foreach optimizer step, in state-dtype elements per

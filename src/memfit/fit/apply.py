@@ -11,16 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._loss import LossFn, check_loss_fn, check_reduction, model_loss
 from memfit._tensors import call_model
 from memfit.errors import MemfitError
 from memfit.fit.config import FitConfig
 from memfit.techniques.checkpointing import BlockProfile, Mode, Policy
 
-__all__ = ["FixedModes", "apply_config", "call_model", "default_sum_loss"]
+__all__ = ["FixedModes", "apply_config", "call_model"]
 
 log = logging.getLogger("memfit")
 
-SumLossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -35,15 +35,6 @@ class FixedModes(Policy):
             raise MemfitError(f"the plan checkpoints {len(self.modes)} blocks but this model has "
                               f"{len(blocks)}; apply the plan to the model it was made for")
         return list(self.modes)
-
-
-def default_sum_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The trace engine's default loss (the model's scalar output, ``.loss``...) times the
-    micro-batch's item count: the sum over items when the model's loss is a mean over them."""
-    from memfit.techniques.accumulation import _batch_size
-    from memfit.trace import default_loss
-
-    return default_loss(call_model(model, batch)) * _batch_size(batch)
 
 
 def checkpoint_policy(config: FitConfig) -> Policy | str | None:
@@ -149,7 +140,8 @@ def _optimizer(model: nn.Module, config: FitConfig) -> torch.optim.Optimizer:
         params, optimizer_class=type(optimizer), **constructor_settings(optimizer))
 
 
-def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: SumLossFn | None = None,
+def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: LossFn | None = None,
+                 reduction: str = "mean", count_fn: Callable[[Any], Any] | None = None,
                  budget_bytes: int | None = None, log_recoveries: bool = True,
                  num_gpus: int = 1) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """Apply ``config`` to ``model`` (in place) and return ``(model, optimizer, step)`` where
@@ -157,11 +149,15 @@ def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: SumLossFn | No
     ``config`` needs torch.distributed initialised with ``num_gpus`` ranks (see :func:`shard`);
     the returned model is then the DDP/FSDP2 one.
 
-    ``loss_fn(model, micro_batch)`` must return the **sum** of per-item losses (the guard
-    normalises over the whole batch); the default is the model's own loss times the micro-batch
-    size (exact when the model's loss is a mean over the batch's items)."""
+    ``loss_fn(model, micro_batch)`` returns the micro-batch's mean loss (``reduction="mean"``,
+    default) or the sum of its per-item losses (``reduction="sum"``); ``count_fn`` counts the
+    items (see :func:`memfit.guard.guard`). The default is the model's own loss
+    (:func:`memfit.trace.default_loss` of its output), a mean."""
     from memfit.guard import guard
     from memfit.techniques import apply_precision
+
+    check_loss_fn(loss_fn)
+    check_reduction(reduction)
 
     why = check_shardable(config)
     if why:
@@ -171,14 +167,14 @@ def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: SumLossFn | No
     if config.sharding != "none":
         model = shard(model, config, num_gpus)
     optimizer = _optimizer(model, config)
-    base = loss_fn or default_sum_loss
+    base = loss_fn or model_loss
 
     def loss_under_autocast(m: nn.Module, batch: Any) -> torch.Tensor:
         with mp.autocast():
             return base(m, batch)
 
     step = guard(model, optimizer, loss_under_autocast, micro_batch_size=config.micro_batch,
-                 scaler=mp.scaler, budget_bytes=budget_bytes, reduction="sum",
-                 log=log_recoveries)
+                 scaler=mp.scaler, budget_bytes=budget_bytes, reduction=reduction,
+                 count_fn=count_fn, log=log_recoveries)
     log.info("memfit: applied plan %s", config.label())
     return model, optimizer, step

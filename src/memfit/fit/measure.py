@@ -43,20 +43,14 @@ def time_steps(step: Any, batch: Any, *, device: str, steps: int) -> list[float]
 
 
 def measure_candidates(model: nn.Module, sample: Any, candidates: Sequence[Candidate], *,
-                       device: str, global_batch: int, loss_fn: Any = None, steps: int = 3
+                       device: str, global_batch: int, loss_fn: Any = None,
+                       reduction: str = "mean", count_fn: Any = None, steps: int = 3
                        ) -> dict[int, tuple[float, int]]:
     """``(seconds per step, OOM recoveries)`` of each candidate: the best of ``steps`` timed
     steps after one warm-up, on a copy of ``model``, and how many times the OOM guard had to
     split the micro-batch (a misprediction). Every candidate here was predicted to fit: this
     never launches one that was not."""
-    from memfit.fit.apply import apply_config, call_model
-
-    sum_loss = None
-    if loss_fn is not None:
-        def sum_loss(m: nn.Module, b: Any) -> torch.Tensor:
-            from memfit.techniques.accumulation import _batch_size
-
-            return loss_fn(call_model(m, b)) * _batch_size(b)
+    from memfit.fit.apply import apply_config
 
     batch = real_batch(sample, global_batch, device)
     results: dict[int, tuple[float, int]] = {}
@@ -65,7 +59,8 @@ def measure_candidates(model: nn.Module, sample: Any, candidates: Sequence[Candi
         for i, cand in enumerate(bar.track(candidates)):
             bar.phase(cand.config.label())
             trial = copy.deepcopy(model).to(device)
-            _, _, step = apply_config(trial, cand.config, loss_fn=sum_loss, log_recoveries=False)
+            _, _, step = apply_config(trial, cand.config, loss_fn=loss_fn, reduction=reduction,
+                                      count_fn=count_fn, log_recoveries=False)
             best = min(time_steps(step, batch, device=device, steps=steps + 1))
             results[i] = (best, len(getattr(step, "recoveries", ())))
             del trial, step

@@ -126,17 +126,22 @@ class Plan:
 
     # -- applying ---------------------------------------------------------------------------
 
-    def apply(self, model: nn.Module, *, loss_fn: Any = None, log: bool = True
+    def apply(self, model: nn.Module, *, loss_fn: Any = None, reduction: str = "mean",
+              count_fn: Any = None, log: bool = True
               ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
         """Apply the chosen configuration to ``model`` (in place) and return ``(model,
         optimizer, step)``; ``step(batch) -> loss`` runs one optimizer step on a global batch
         (split into the plan's micro-batches, OOM-guarded by :func:`memfit.guard.guard`).
 
-        ``loss_fn(model, micro_batch)`` returns the sum of per-item losses (default: the model's
-        own loss times the micro-batch size)."""
+        ``loss_fn(model, micro_batch) -> scalar`` returns the micro-batch's mean loss
+        (``reduction="mean"``, default; weighted by the micro-batch's share of the items that
+        ``count_fn`` counts, default its rows) or the sum of its per-item losses
+        (``reduction="sum"``); default: the model's own loss, a mean. A Hugging Face causal LM's
+        ``.loss`` averages over tokens: pass ``count_fn=memfit.guard.causal_lm_count``."""
         from memfit.fit.apply import apply_config
 
-        return apply_config(model, self.config, loss_fn=loss_fn, budget_bytes=self.budget_bytes,
+        return apply_config(model, self.config, loss_fn=loss_fn, reduction=reduction,
+                            count_fn=count_fn, budget_bytes=self.budget_bytes,
                             log_recoveries=log, num_gpus=self.num_gpus)
 
     # -- rendering --------------------------------------------------------------------------

@@ -29,10 +29,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from memfit._loss import LossFn, check_loss_fn, check_reduction, model_loss
 from memfit._tensors import meta_batch, tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
-from memfit.fit.apply import apply_techniques, call_model, check_shardable
+from memfit.fit.apply import apply_techniques, check_shardable
 from memfit.fit.config import CHECKPOINTING, PRECISIONS, SHARDING, FitConfig
 from memfit.fit.cost import Rates, cpu_rates, gpu_rates, step_cost
 from memfit.fit.plan import Candidate, Plan, Rejected
@@ -118,7 +119,8 @@ def _space(space: dict[str, Any] | None, defaults: dict[str, list[Any]]) -> dict
 
 def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global_batch: int,
         gpu: str | GpuSpec | None = None, budget_bytes: int | None = None,
-        device: str = "cuda", loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        device: str = "cuda", loss_fn: LossFn | None = None, reduction: str = "mean",
+        count_fn: Callable[[Any], Any] | None = None,
         num_gpus: int = 1, measure: bool = False, space: dict[str, Any] | None = None,
         progress: bool | None = None, top: int = 5, headroom: float | None = None) -> Plan:
     """Find the fastest training configuration of ``model`` that fits.
@@ -127,7 +129,10 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     ``model(**b)``), any batch size: only shapes after the first dimension and dtypes are used.
     ``global_batch``: samples per optimizer step (kept fixed: micro-batch x accumulation x GPUs).
     The budget is ``budget_bytes``, else the GPU's usable memory (both: the smaller).
-    ``loss_fn(output) -> scalar`` as in :func:`memfit.estimate`. ``space`` narrows or widens a
+    ``loss_fn(model, batch) -> scalar`` as in :func:`memfit.estimate` (default: the model's own
+    loss); with ``measure=True`` the timed steps split the batch as ``Plan.apply`` does, so
+    ``reduction`` ("mean", default, or "sum") and ``count_fn`` say what the loss is, as for
+    :func:`memfit.guard.guard`. ``space`` narrows or widens a
     dimension, e.g. ``{"precision": ["fp32"], "micro_batch": [4, 8]}``. ``measure=True`` times
     real steps of the top candidates (only those predicted to fit) and picks the fastest.
     ``headroom``: the share of the budget kept free for what the prediction misses (see Note:
@@ -139,6 +144,8 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     started = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    check_loss_fn(loss_fn)
+    check_reduction(reduction)
     if device not in ("cuda", "cpu"):
         raise MemfitError(f"device must be 'cuda' or 'cpu', got {device!r}")
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -408,7 +415,8 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
         from memfit.fit.measure import measure_candidates
 
         measured = measure_candidates(model, sample_batch, candidates[:top], device=device,
-                                      global_batch=per_gpu, loss_fn=loss_fn)
+                                      global_batch=per_gpu, loss_fn=loss_fn,
+                                      reduction=reduction, count_fn=count_fn)
         for i, (seconds, recoveries) in measured.items():
             candidates[i] = candidates[i].with_measured(seconds)
             oom_trials += recoveries
@@ -724,14 +732,12 @@ def _count_flops(base: nn.Module, sample: Any, cfg: FitConfig, loss_fn: Any
     on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memfit.trace import default_loss
-
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _fake_copy(base)
         apply_techniques(model, cfg)
         inputs = _fake_inputs(meta_batch(sample, 1))
         with FlopCounterMode(display=False) as counter:
-            loss = (loss_fn or default_loss)(call_model(model, inputs))
+            loss = (loss_fn or model_loss)(model, inputs)
             forward = counter.get_total_flops()
             loss.backward()
     return float(counter.get_total_flops()), float(forward)

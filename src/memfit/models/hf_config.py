@@ -164,6 +164,7 @@ def _llama_like(cfg: _Config, model_type: str, name: str) -> TransformerSpec | N
         intermediate_size=intermediate,
         vocab_size=cfg.int_("vocab_size"),
         max_position_embeddings=cfg.int_("max_position_embeddings", default=0, positive=False),
+        rope_scaling=bool(cfg.data.get("rope_scaling")),
         mlp="geglu" if gemma else "swiglu",
         norm="rmsnorm",
         norms_per_layer=4 if gemma else 2,

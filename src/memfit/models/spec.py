@@ -58,6 +58,9 @@ class TransformerSpec:
     """FFN width (per expert for MoE)."""
     vocab_size: int = 0
     max_position_embeddings: int = 0
+    rope_scaling: bool = False
+    """config.json has a ``rope_scaling``: the RoPE context may be stretched past
+    ``max_position_embeddings`` (YaRN, linear, dynamic NTK), so a longer ``--seq`` is allowed."""
     mlp: Mlp = "swiglu"
     norm: Norm = "rmsnorm"
     norms_per_layer: int = 2

@@ -9,8 +9,12 @@ Exactness needs two things the usual ``(loss / k).backward()`` gets wrong:
    micro-batch equally, whatever its number of non-ignored tokens; the large batch weights each
    token equally. Here every micro-batch contributes ``sum of its per-item losses / N`` where
    ``N`` counts the items (e.g. non-ignored tokens) of *all* micro-batches, counted before any
-   forward pass. Then the accumulated gradient is the large-batch gradient up to floating-point
-   summation order (the per-micro-batch sums are added into ``.grad`` one after another).
+   forward pass. ``loss_fn(model, micro_batch)`` returns the micro-batch's mean over its items
+   (``reduction="mean"``, default: the sum is that mean times ``count_fn(micro_batch)``, i.e. the
+   mean is weighted by the micro-batch's share of the items) or their sum
+   (``reduction="sum"``). Then the accumulated gradient is the large-batch gradient up to
+   floating-point summation order (the per-micro-batch sums are added into ``.grad`` one after
+   another).
 2. One gradient all-reduce, not ``k``: under DDP every micro-batch but the last runs inside
    ``model.no_sync()`` (FSDP2: ``set_requires_gradient_sync(False)``). DDP averages gradients over
    ranks, so with ``torch.distributed`` initialised the count is all-reduced and the loss scaled by
@@ -27,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._loss import LossFn, check_loss_fn, check_reduction
 from memfit.errors import MemfitError
 
 __all__ = ["AccumulatedStep", "AccumulationResult", "accumulate", "count_tokens", "split_batch"]
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
 CountFn = Callable[[Any], int | torch.Tensor]
 
 
@@ -131,18 +135,26 @@ def _world() -> tuple[int, bool]:
 
 def accumulate(model: nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn, *,
                count_fn: CountFn | None = None,
-               optimizer: torch.optim.Optimizer | None = None) -> AccumulationResult:
+               optimizer: torch.optim.Optimizer | None = None,
+               reduction: str = "mean") -> AccumulationResult:
     """Forward and backward every micro-batch, accumulating the large batch's exact gradients.
 
-    ``loss_fn(model, micro_batch)`` must return the **sum** of per-item losses (e.g.
-    ``F.cross_entropy(..., reduction="sum")``), not their mean. ``count_fn(micro_batch)`` counts
-    the items that sum covers (default: the first dimension of the micro-batch; for token losses
-    pass ``lambda b: count_tokens(b["labels"], shift=True)``). With ``optimizer``, it steps and
-    zeroes the gradients (``set_to_none=True``) after the last micro-batch.
+    ``loss_fn(model, micro_batch)`` returns the micro-batch's **mean** loss over its items
+    (``reduction="mean"``, default: ``F.cross_entropy(logits, y)``, a Hugging Face ``.loss``) or
+    the **sum** of its per-item losses (``reduction="sum"``: ``F.cross_entropy(...,
+    reduction="sum")``). ``count_fn(micro_batch)`` counts the items the loss covers (default:
+    the first dimension of the micro-batch; for a causal LM's token loss pass ``lambda b:
+    count_tokens(b["labels"], shift=True)``). A mean is weighted by the micro-batch's share of
+    the items, so either way the gradient is that of the whole batch's mean loss. With
+    ``optimizer``, it steps and zeroes the gradients (``set_to_none=True``) after the last
+    micro-batch.
 
-    >>> result = accumulate(model, split_batch(batch, 4), sum_loss, optimizer=opt)
+    >>> result = accumulate(model, split_batch(batch, 4), lambda m, b: F.mse_loss(m(b[0]), b[1]),
+    ...                     optimizer=opt)
     >>> result.loss  # the large batch's mean loss
     """
+    check_loss_fn(loss_fn)
+    mean = check_reduction(reduction) == "mean"
     batches = list(micro_batches)
     if not batches:
         raise MemfitError("accumulate got no micro-batches; pass e.g. split_batch(batch, 4)")
@@ -165,18 +177,29 @@ def accumulate(model: nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn, 
     loss_sum: torch.Tensor | None = None
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
+        # A mean times the micro-batch's items is its sum: both reductions become sum / N.
+        items = int(counts[i]) if mean else 1
+        if items == 0:
+            # A mean over no items is NaN and weighs nothing: skipped, unless this backward is
+            # the one that synchronises a distributed model's gradients.
+            if last and (hasattr(model, "no_sync") or hasattr(model, "set_requires_gradient_sync")):
+                raise MemfitError("the last micro-batch has no items to average over (all "
+                                  "labels ignored?); use reduction='sum'")
+            continue
         with _sync_gradients(model, sync=last):
             loss = loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise MemfitError("loss_fn must return a scalar tensor: the sum of the "
-                                  "micro-batch's per-item losses (reduction='sum')")
-            (loss * scale).backward()
-        detached = loss.detach().float()
+                raise MemfitError(f"loss_fn must return a scalar tensor: the micro-batch's "
+                                  f"{'mean loss' if mean else 'sum of per-item losses'} "
+                                  f"(reduction={reduction!r})")
+            (loss * (scale * items)).backward()
+        detached = loss.detach().float() * items
         loss_sum = detached if loss_sum is None else loss_sum + detached
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    assert loss_sum is not None  # batches is not empty
+    if loss_sum is None:  # every micro-batch of this rank was empty (other ranks hold the items)
+        loss_sum = torch.zeros(())
     return AccumulationResult(loss=loss_sum / num_items, num_items=num_items,
                               micro_batches=len(batches))
 
@@ -190,21 +213,23 @@ class AccumulatedStep(nn.Module):
     as :func:`accumulate` does) and returns the last micro-batch's normalised loss for the caller
     to backpropagate, so gradients accumulate exactly as in training.
 
-    >>> est = memfit.estimate(AccumulatedStep(model, 4, sum_loss), (x, y), device="cpu")
+    >>> est = memfit.estimate(AccumulatedStep(model, 4, lambda m, b: crit(m(b[0]), b[1])),
+    ...                       (x, y), device="cpu")
 
     Known limitations: meant for estimation and tests; no ``no_sync`` (a single process).
     """
 
     def __init__(self, model: nn.Module, micro_batches: int, loss_fn: LossFn, *,
-                 count_fn: CountFn | None = None) -> None:
+                 count_fn: CountFn | None = None, reduction: str = "mean") -> None:
         super().__init__()
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or \
                 micro_batches < 1:
             raise MemfitError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         self.model = model
         self.micro_batches = micro_batches
-        self.loss_fn = loss_fn
+        self.loss_fn = check_loss_fn(loss_fn)
         self.count_fn = count_fn or _batch_size
+        self.mean = check_reduction(reduction) == "mean"
 
     def forward(self, *batch: Any) -> torch.Tensor:
         whole = batch[0] if len(batch) == 1 else batch
@@ -213,7 +238,9 @@ class AccumulatedStep(nn.Module):
             raise MemfitError(f"batch size {size} is not divisible by {self.micro_batches} "
                               "micro-batches; pick a divisor")
         parts = split_batch(whole, size // self.micro_batches)
-        num_items = sum(int(self.count_fn(p)) for p in parts)
-        for part in parts[:-1]:
-            (self.loss_fn(self.model, part) / num_items).backward()
-        return self.loss_fn(self.model, parts[-1]) / num_items
+        counts = [int(self.count_fn(p)) for p in parts]
+        weights = [c if self.mean else 1 for c in counts]
+        num_items = sum(counts)
+        for part, weight in zip(parts[:-1], weights[:-1], strict=True):
+            (self.loss_fn(self.model, part) * (weight / num_items)).backward()
+        return self.loss_fn(self.model, parts[-1]) * (weights[-1] / num_items)

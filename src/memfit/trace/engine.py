@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -27,6 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from memfit._loss import LossFn, check_loss_fn, model_loss
 from memfit._tensors import call_model, tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
@@ -34,7 +37,7 @@ from memfit.gpus import GpuSpec
 from memfit.progress import trace_progress
 from memfit.trace import host
 from memfit.trace.autocast import cuda_autocast_emulation, target_autocast
-from memfit.trace.datadep import DataDependentSizes
+from memfit.trace.datadep import DataDependentSizes, RealValues, record_real_values
 from memfit.trace.estimate import TRACKED, Estimate, ModuleMemory, TimelinePoint
 from memfit.trace.optim import OptimizerFactory, make_optimizer
 from memfit.trace.sdpa import CudaSdpaRouting
@@ -380,17 +383,23 @@ def _validate(optimizer: Any, precision: str, device: str, steps: int) -> None:
 
 
 def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory | None = "adamw",
-             precision: str = "fp32", loss_fn: Callable[[Any], torch.Tensor] | None = None,
+             precision: str = "fp32", loss_fn: LossFn | None = None,
              device: str = "cuda", gpu: str | GpuSpec | None = None, steps: int = 2,
              expandable_segments: bool = False, num_gpus: int = 1,
              keep_output: bool = False) -> Estimate:
     """Trace ``steps`` training steps (or forward passes if ``optimizer=None``) of ``model`` on
     ``inputs`` and predict their peak memory on ``device``.
 
+    ``loss_fn(model, batch) -> scalar`` runs the model and returns the loss (``batch`` is
+    ``inputs``, as fake tensors of the same structure): e.g. ``lambda m, b: F.cross_entropy(
+    m(b[0]), b[1])``. The default is the model's own loss (``model(*inputs)``, ``model(**inputs)``
+    or ``model(inputs)``, then :func:`default_loss`). The old one-argument ``loss_fn(output)`` is
+    refused with the rewrite.
+
     ``keep_output``: whether the model's output stays referenced through the backward, as in a
-    loop that writes ``out = model(x); loss = loss_fn(out); loss.backward()``. The default
-    (False) models ``loss_fn(model(x)).backward()`` (Hugging Face Trainer, Lightning): during the
-    backward only what the loss's autograd graph saved is alive, e.g. not the logits that a
+    loop that writes ``out = model(x); loss = crit(out, y); loss.backward()``. The default
+    (False) models ``loss_fn(model, batch).backward()`` (Hugging Face Trainer, Lightning): during
+    the backward only what the loss's autograd graph saved is alive, e.g. not the logits that a
     cross-entropy (which saves its log-softmax) was computed from.
 
     >>> with torch.device("meta"):
@@ -400,8 +409,71 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
     True
     """
     _validate(optimizer, precision, device, steps)
+    compute_loss = check_loss_fn(loss_fn) or model_loss
     if not isinstance(model, nn.Module):
         raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    trace = functools.partial(_trace, model, inputs, optimizer=optimizer, precision=precision,
+                              compute_loss=compute_loss, device=device, gpu=gpu, steps=steps,
+                              expandable_segments=expandable_segments, num_gpus=num_gpus,
+                              keep_output=keep_output)
+    if not _real_step(model, inputs):
+        return trace(None)[0]
+    # Note: [real values of a real step] in datadep.py: trace once; if its forward needed an
+    # assumption, read the values from a real forward and trace again.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, datadep = trace(None)
+    if "forward" not in datadep.assumed_in:
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        return first
+    training = optimizer is not None
+    autocast_dtype = PRECISIONS[precision][0]
+
+    def run() -> None:
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None):
+            if training and compute_loss is not model_loss:  # the user's loss, e.g. with labels
+                compute_loss(model, inputs)
+            else:  # the default loss reads the output (it needs grad, which no_grad has not)
+                call_model(model, inputs)
+
+    try:
+        records = record_real_values(model, run)
+    except Exception as exc:  # the assumptions stand; say why
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        note = f"data-dependent values not read from a real forward ({first_line})"
+        return dataclasses.replace(first, assumptions=(*first.assumptions, note))
+    real = RealValues(records)
+    est, _ = trace(real)
+    if real.diverged is not None:
+        note = (f"data-dependent values read from a real forward of the inputs until the trace "
+                f"diverged ({real.diverged}); the assumptions above from there on")
+    else:
+        note = (f"data-dependent values ({len(real.records)} per forward) read from a real "
+                f"forward of the given inputs (no_grad, CPU)")
+    return dataclasses.replace(est, assumptions=(*est.assumptions, note),
+                               trace_seconds=first.trace_seconds + est.trace_seconds)
+
+
+def _real_step(model: nn.Module, inputs: Any) -> bool:
+    """Whether the model's parameters and buffers and the inputs are all real CPU tensors, so
+    that a real forward can answer what the fake one cannot."""
+    tensors = [*model.parameters(), *model.buffers()]
+    leaves = list(tensor_leaves(inputs, objects=True))
+    return bool(leaves) and all(t.device.type == "cpu" and not _is_fake(t)
+                                for t in (*tensors, *leaves))
+
+
+def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
+           optimizer: str | OptimizerFactory | None, precision: str,
+           compute_loss: LossFn, device: str, gpu: str | GpuSpec | None, steps: int,
+           expandable_segments: bool, num_gpus: int, keep_output: bool
+           ) -> tuple[Estimate, DataDependentSizes]:
+    """One trace of ``steps`` steps (see :func:`estimate`); ``replay``: the data-dependent answers
+    of a real forward, replayed in each forward."""
     autocast_dtype, param_dtype = PRECISIONS[precision]
     spec = _resolve_gpu(gpu) if device == "cuda" else None
     cuda_target = device == "cuda"
@@ -424,7 +496,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
             notes.append(note)
             warnings.warn(f"memfit: assumed {note}", stacklevel=3)
 
-    datadep = DataDependentSizes()
+    datadep = DataDependentSizes(replay)
     started = time.perf_counter()
     fake_mode = TrackingFakeMode(tracker, datadep, warn, measure_cpu_kernels=not cuda_target)
     with contextlib.ExitStack() as stack:
@@ -480,13 +552,21 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
         for step in range(steps):
             tracker.step = step
             tracker.phase = "forward"
+            if replay is not None:
+                replay.start()
             grad_mode = torch.enable_grad() if training else torch.no_grad()
-            with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda):
-                out = call_model(fmodel, finputs)
-                loss = (loss_fn or default_loss)(out) if training else None
-            if not keep_output:
+            with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda), \
+                    _outputs(fmodel, keep_output) as out:
+                if training:
+                    loss = compute_loss(fmodel, finputs)
+                else:
+                    loss = None
+                    out.append(call_model(fmodel, finputs))
+            if not keep_output and training:
                 out = None
             tracker.end_forward()
+            if replay is not None:
+                replay.stop()
             if loss is not None and opt is not None:
                 tracker.phase = "backward"
                 tracker.backward_module = ""
@@ -502,7 +582,27 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
                 del loss, out
     elapsed = time.perf_counter() - started
     return _result(tracker, allocator, runtime, in_allocator, device=device, precision=precision,
-                   optimizer=optimizer, steps=steps, notes=notes, elapsed=elapsed)
+                   optimizer=optimizer, steps=steps, notes=notes, elapsed=elapsed), datadep
+
+
+@contextlib.contextmanager
+def _outputs(model: nn.Module, keep: bool) -> Iterator[list[Any]]:
+    """A list that holds the model's outputs while the step runs: with ``keep`` (keep_output),
+    every output of ``model``'s own forward, seen by a forward hook, since ``loss_fn`` calls the
+    model itself and returns only the loss."""
+    kept: list[Any] = []
+    if not keep:
+        yield kept
+        return
+
+    def hook(_mod: nn.Module, _args: Any, output: Any) -> None:
+        kept.append(output)
+
+    handle = model.register_forward_hook(hook)
+    try:
+        yield kept
+    finally:
+        handle.remove()
 
 
 def _backward(loss: torch.Tensor) -> None:

@@ -425,7 +425,9 @@ class TrackingFakeMode(FakeTensorMode):
                     out = self.datadep.handle(func, args, kwargs)
                 if out is None:
                     raise
-                self.warn(ASSUMPTION)
+                if not self.datadep.replayed_last:  # answered by an assumption
+                    self.datadep.assumed_in.add(tracker.phase)
+                    self.warn(ASSUMPTION)
         elif self.measure_cpu_kernels and is_opaque(func, args):
             within = transient_peak(func, args, kwargs)
             before = tracker.current
