@@ -99,3 +99,25 @@ def test_rope_scaling_lifts_the_context_check(tmp_path) -> None:
     with pytest.raises(MemfitError, match="rope_scaling"):
         memfit.plan(resolve_model(plain), RunConfig(seq=4096))
     assert memfit.plan(resolve_model(scaled), RunConfig(seq=4096)).seq == 4096
+
+
+@pytest.mark.parametrize(("model_type", "extra", "scaled"), [
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, False),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, True),
+    ("gpt_neox", {"rope_scaling": {"type": "linear", "factor": 2.0}}, True),
+    ("phi", {"rope_scaling": {"type": "linear", "factor": 2.0}}, True),
+    ("falcon", {"rope_scaling": {"type": "linear", "factor": 2.0}}, True),
+    ("falcon", {}, False),
+])
+def test_rope_stretch_is_read_in_both_spellings_and_every_rope_family(
+        tmp_path, model_type: str, extra: dict, scaled: bool) -> None:
+    """transformers 5 writes ``rope_parameters`` (``rope_type`` "default" stretches nothing);
+    older files ``rope_scaling``. GPT-NeoX, Phi and Falcon use RoPE too."""
+    import json
+
+    config = {"model_type": model_type, "hidden_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 512,
+              "vocab_size": 1000, "max_position_embeddings": 1024, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = resolve_model(tmp_path / "config.json")
+    assert spec.position == "rope" and spec.rope_scaling is scaled

@@ -108,6 +108,16 @@ class _Config:
         return hidden // heads
 
 
+def _rope_scaled(data: dict[str, Any]) -> bool:
+    """The config stretches RoPE past ``max_position_embeddings``: a ``rope_scaling`` (YaRN,
+    linear, dynamic NTK, llama3), or, as transformers 5 writes it, ``rope_parameters`` with a
+    ``rope_type`` other than ``"default"``."""
+    if data.get("rope_scaling"):
+        return True
+    params = data.get("rope_parameters")
+    return isinstance(params, dict) and params.get("rope_type", "default") != "default"
+
+
 def _name(path: Path, data: dict[str, Any]) -> str:
     name = data.get("_name_or_path")
     if isinstance(name, str) and name:
@@ -164,7 +174,7 @@ def _llama_like(cfg: _Config, model_type: str, name: str) -> TransformerSpec | N
         intermediate_size=intermediate,
         vocab_size=cfg.int_("vocab_size"),
         max_position_embeddings=cfg.int_("max_position_embeddings", default=0, positive=False),
-        rope_scaling=bool(cfg.data.get("rope_scaling")),
+        rope_scaling=_rope_scaled(cfg.data),
         mlp="geglu" if gemma else "swiglu",
         norm="rmsnorm",
         norms_per_layer=4 if gemma else 2,
@@ -222,7 +232,8 @@ def _gpt_neox(cfg: _Config, name: str) -> TransformerSpec:
         vocab_size=cfg.int_("vocab_size"),
         max_position_embeddings=cfg.int_("max_position_embeddings", default=2048),
         mlp="gelu", norm="layernorm", qkv_bias=bias, attn_out_bias=bias, mlp_bias=True,
-        position="rope", tie_embeddings=cfg.bool_("tie_word_embeddings", False),
+        position="rope",
+        rope_scaling=_rope_scaled(cfg.data), tie_embeddings=cfg.bool_("tie_word_embeddings", False),
         dropout=cfg.prob("hidden_dropout", default=0.0),
         attention_dropout=cfg.prob("attention_dropout", default=0.0), source=str(cfg.path))
 
@@ -246,6 +257,7 @@ def _phi(cfg: _Config, name: str) -> TransformerSpec:
         mlp="gelu", norm="layernorm", norms_per_layer=1,
         qk_norm="head" if cfg.bool_("qk_layernorm", False) else "none",
         qkv_bias=True, attn_out_bias=True, mlp_bias=True, head_bias=True, position="rope",
+        rope_scaling=_rope_scaled(cfg.data),
         tie_embeddings=cfg.bool_("tie_word_embeddings", False),
         dropout=cfg.prob("resid_pdrop", default=0.0),
         attention_dropout=cfg.prob("attention_dropout", default=0.0), source=str(cfg.path))
@@ -284,7 +296,8 @@ def _falcon(cfg: _Config, name: str) -> TransformerSpec | None:
         vocab_size=cfg.int_("vocab_size"),
         max_position_embeddings=cfg.int_("max_position_embeddings", default=2048),
         mlp="gelu", norm="layernorm", norms_per_layer=norms, qkv_bias=bias, attn_out_bias=bias,
-        mlp_bias=bias, position="rope", tie_embeddings=cfg.bool_("tie_word_embeddings", True),
+        mlp_bias=bias, position="rope",
+        rope_scaling=_rope_scaled(cfg.data), tie_embeddings=cfg.bool_("tie_word_embeddings", True),
         dropout=cfg.prob("hidden_dropout", default=0.0),
         attention_dropout=cfg.prob("attention_dropout", default=0.0), source=str(cfg.path))
 
