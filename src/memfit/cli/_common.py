@@ -63,3 +63,29 @@ def print_fit_verdict(out: Console, capacity: int | None, total: int, margin: fl
                   f"{format_bytes(headroom)} headroom")
     else:
         out.print(f"[red]does not fit[/red]: {format_bytes(-headroom)} over")
+
+
+def name_column(table: Any, header: str, **kwargs: Any) -> None:
+    """Add the column a user copies from (a preset or GPU name): it never wraps or truncates;
+    at a narrow width the other columns shrink or go (:func:`print_table`)."""
+    table.add_column(header, no_wrap=True, overflow="ellipsis", **kwargs)
+
+
+def print_table(table: Any, *, drop: tuple[str, ...] = (), out: Console | None = None) -> None:
+    """Print ``table`` whole at the console's width: while any cell would be cut ("…"), drop
+    the next column of ``drop`` (headers, least useful first) and say which went."""
+    out = out or console()
+    dropped: list[str] = []
+    for header in (*drop, None):
+        with out.capture() as captured:
+            out.print(table)
+        if "…" not in captured.get() or header is None:
+            break
+        column = next((c for c in table.columns if c.header == header), None)
+        if column is not None and len(table.columns) > 1:
+            table.columns.remove(column)
+            dropped.append(header)
+    if dropped:
+        table.caption = (f"hidden at {out.width} columns: {', '.join(dropped)} "
+                         "(widen the terminal or use --json)")
+    out.print(table)

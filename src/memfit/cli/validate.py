@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"trace vs real ({args.device}, {size})", title_justify="left")
     for col in ("config", "measured alloc", "predicted", "error", "measured reserved",
                 "predicted", "error"):
-        table.add_column(col, justify="left" if col == "config" else "right")
+        table.add_column(col, justify="left" if col == "config" else "right",
+                         no_wrap=col == "config")  # the name a user looks up: never cut
     results: list[Result] = []
     failures: list[dict[str, str]] = []
     for item in run_matrix(configs, size=size, device=args.device, gpu=gpu):
