@@ -577,7 +577,7 @@ def _default_space(base: nn.Module, optimizer: str, device: str, spec: GpuSpec |
             optimizers.append(eight)
         else:
             rejected.append(Rejected(what=eight, reason="needs bitsandbytes or torchao: pip "
-                                     "install 'memfit[8bit]'"))
+                                     "install 'memfit[bnb]' or pip install 'memfit[quant]'"))
     chunked = [False]
     try:
         from memfit.techniques import apply_chunked_loss
