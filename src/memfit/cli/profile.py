@@ -38,7 +38,8 @@ def register(sub: Any) -> None:
                    "script calls with memfit.estimate and show predicted vs measured")
     p.add_argument("--stacks", action="store_true", help="record the Python stack of every "
                    "allocation (slower)")
-    p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto (default), cpu or cuda")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python train.py ARGS (or -- python -m module ARGS)")
     p.set_defaults(func=run)
@@ -49,6 +50,13 @@ def run(args: argparse.Namespace) -> int:
     from memfit.profile.session import Profiler
 
     command = parse_command(args.command)
+    if args.device == "cuda":
+        import torch
+
+        # Checked here to speak in flags; Profiler(device="cuda") says the same in API terms.
+        if not torch.cuda.is_available():
+            raise MemfitError("--device cuda: CUDA is not available here; use --device cpu "
+                              "(or leave --device auto)")
     for path in (args.html, args.json, args.png, args.snapshot):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise MemfitError(f"cannot write {path!r}: its folder does not exist; create it or "
