@@ -223,3 +223,33 @@ def test_fit_table_has_no_budget_above_the_device_or_equal_to_a_plain_policy() -
     fastest = min(c.step_s for c in shown)
     tied = [c for c in shown if c.step_s <= fastest * (1 + TIE_TOLERANCE)]
     assert simplicity(plan.chosen.config) == min(simplicity(c.config) for c in tied)
+
+
+@pytest.mark.parametrize("width", [80, 60])
+@pytest.mark.parametrize("busy", [False, True])
+def test_plan_table_is_never_cut_at_narrow_widths(width, busy) -> None:
+    """`memfit fit` prints at the terminal's width: no cell is cut ("…"), no line is wider
+    than the terminal, and every word of every configuration is there (with offload and
+    measured times the configurations move under the table)."""
+    import dataclasses
+
+    cfg = dict(precision="bf16-mixed", checkpointing="budget", micro_batch=64,
+               checkpoint_budget_bytes=int(6.15 * GiB),
+               checkpoint_modes=("selective",) * 11 + (None,))
+    if busy:
+        cfg.update(optimizer="adamw-8bit", chunked_loss=True, offload_activations=True,
+                   offload_states=True)
+    chosen = _cand(2453.13, 21.2, **cfg)
+    if busy:
+        chosen = dataclasses.replace(chosen, host_bytes=3 * GiB, measured_s=0.5)
+    other = _cand(2460.0, 20.0, precision="bf16-mixed", checkpointing="selective")
+    plan = Plan(chosen=chosen, runners_up=(other,), rejected=(), budget_bytes=40 * GiB,
+                global_batch=64, num_gpus=1, device="cuda", gpu="a100-sxm-40gb",
+                rates_source="test")
+    text = plan.render(width=width)
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    words = set(text.split())
+    for cand in (chosen, other):
+        assert set(cand.config.label().split()) <= words, cand.config.label()
+    assert "21.20 GiB" in text and "40 min 53 s" in text

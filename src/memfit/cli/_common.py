@@ -74,17 +74,10 @@ def name_column(table: Any, header: str, **kwargs: Any) -> None:
 def print_table(table: Any, *, drop: tuple[str, ...] = (), out: Console | None = None) -> None:
     """Print ``table`` whole at the console's width: while any cell would be cut ("…"), drop
     the next column of ``drop`` (headers, least useful first) and say which went."""
+    from memfit._tables import drop_until_whole
+
     out = out or console()
-    dropped: list[str] = []
-    for header in (*drop, None):
-        with out.capture() as captured:
-            out.print(table)
-        if "…" not in captured.get() or header is None:
-            break
-        column = next((c for c in table.columns if c.header == header), None)
-        if column is not None and len(table.columns) > 1:
-            table.columns.remove(column)
-            dropped.append(header)
+    dropped = drop_until_whole(table, out, drop)
     if dropped:
         table.caption = (f"hidden at {out.width} columns: {', '.join(dropped)} "
                          "(widen the terminal or use --json)")

@@ -204,7 +204,9 @@ class Plan:
         for col in ("", "configuration", "peak", "headroom", "step (pred.)", "vs chosen",
                     *(("measured",) if measured else ()),
                     *(("host (offload)",) if host else ())):
-            table.add_column(col, justify="left" if col in ("", "configuration") else "right")
+            # Numbers never wrap or get cut; the configuration wraps at its commas.
+            table.add_column(col, justify="left" if col in ("", "configuration") else "right",
+                             no_wrap=col != "configuration")
         best = self.chosen.step_s
         for i, cand in enumerate(shown):
             table.add_row("chosen" if i == 0 else f"#{i + 1}", cand.config.label(),
@@ -216,7 +218,19 @@ class Plan:
                             if measured else ()),
                           *((format_bytes(cand.host_bytes) if cand.host_bytes else "",)
                             if host else ()))
+        from memfit._tables import drop_until_whole
+
+        # Narrow terminals: the least useful columns go, then the configurations move under
+        # the table (one line each), so that nothing is cut.
+        dropped = drop_until_whole(table, console, ("vs chosen", "headroom", "configuration",
+                                                    "measured"))
+        hidden = [d for d in dropped if d != "configuration"]
+        if hidden:
+            table.caption += f" (hidden at {width} columns: {', '.join(hidden)})"
         console.print(table)
+        if "configuration" in dropped:
+            for i, cand in enumerate(shown):
+                console.print(f"{'chosen' if i == 0 else f'#{i + 1}'}: {cand.config.label()}")
         c = self.chosen.cost
         parts = ", ".join(f"{name} {format_seconds(v)}" for name, v in (
             ("compute", c.compute_s), ("memory traffic", c.traffic_s),
