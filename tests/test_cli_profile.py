@@ -75,3 +75,15 @@ def test_unknown_device_is_an_argparse_error(capsys, tmp_path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["profile", "--device", "gpu", "--", "python", str(script)])
     assert exc.value.code == 2 and "--device" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_snapshot_on_cpu_is_refused_up_front_in_flags(capsys, tmp_path) -> None:
+    """Refused before the script runs (it would otherwise run to the end first), in flags."""
+    script = tmp_path / "t.py"
+    marker = str(tmp_path / "ran.txt")
+    script.write_text(f"open({marker!r}, 'w').write('ran')\n")
+    code, _, err = _run(capsys, "--snapshot", str(tmp_path / "s.pickle"), "--", "python",
+                        str(script))
+    assert code == 2 and "--snapshot" in err and "record_history" not in err
+    assert not (tmp_path / "ran.txt").exists()

@@ -50,13 +50,16 @@ def run(args: argparse.Namespace) -> int:
     from memfit.profile.session import Profiler
 
     command = parse_command(args.command)
-    if args.device == "cuda":
-        import torch
+    import torch
 
-        # Checked here to speak in flags; Profiler(device="cuda") says the same in API terms.
-        if not torch.cuda.is_available():
-            raise MemfitError("--device cuda: CUDA is not available here; use --device cpu "
-                              "(or leave --device auto)")
+    # Checked here, up front and in flags; the Profiler says the same in API terms.
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise MemfitError("--device cuda: CUDA is not available here; use --device cpu "
+                          "(or leave --device auto)")
+    on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.snapshot and not on_cuda:
+        raise MemfitError("--snapshot records the CUDA caching allocator's history and this run "
+                          "is on the CPU; drop --snapshot, or run on a GPU")
     for path in (args.html, args.json, args.png, args.snapshot):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise MemfitError(f"cannot write {path!r}: its folder does not exist; create it or "
