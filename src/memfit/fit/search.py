@@ -665,9 +665,10 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
             if device_budget is not None:
                 # Never above what the device leaves for activations once the weights and
                 # gradients are in (a lower bound of the model states): a bigger budget is a
-                # number no step can use (issue 12: "budget(328.16 GiB)" on a 40 GB GPU, for
-                # activations offloaded to the host). Where even that is below the floor, the
-                # budget is the floor: every block checkpointed, which collapses to ckpt=full.
+                # number no step can use (issue 12: "budget(328.16 GiB)" on a 40 GB GPU; the
+                # halfway point of a large micro-batch's profile can be far above the device).
+                # Where even that is below the floor, the budget is the floor: every block
+                # checkpointed, which collapses to ckpt=full.
                 room = device_budget - _weights_and_grads(model, precision)
                 ckpt_budget = max(floor, min(ckpt_budget, room))
             cp = apply_activation_checkpointing(model, Budget(ckpt_budget), inputs=inputs)
