@@ -93,8 +93,17 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert not re.search(r"<body[^>]*data-error", html)
     console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line]
     assert not [c for c in console if "Uncaught" in c or "Error" in c], console
-    # The chart was drawn: one stacked area per tracked category, the peak line and its value.
-    assert len(re.findall(r'<path [^>]*class="area"', html)) == 6
+    # The chart was drawn: one stacked area per category that holds bytes (an MLP has no KV
+    # cache: none drawn), the peak line and its value.
+    from memfit.report.html import legend_categories
+
+    areas = re.findall(r'<path [^>]*data-category="([^"]+)"', html)
+    assert areas == [c.value for c in legend_categories(result.timeline)]
+    assert "kv_cache" not in areas
+    # The step's phases are bands on the x-axis: three steps, each forward, backward, optimizer.
+    bands = re.findall(r'<rect [^>]*data-phase="([^"]+)"', html)
+    assert [b for k, b in enumerate(bands) if k == 0 or bands[k - 1] != b] == [
+        "forward", "backward", "optimizer"] * 3
     assert 'id="peak-line"' in html
     label = re.search(r'id="peak-label"[^>]*>([^<]*)<', html)
     assert label is not None and label.group(1) == f"peak {format_bytes(result.peak_bytes)}"

@@ -1,4 +1,4 @@
-"""Formatting and parsing of byte sizes and counts; units appear only at the edges."""
+"""Formatting and parsing of byte sizes, durations and counts; units appear only at the edges."""
 
 from __future__ import annotations
 
@@ -32,6 +32,30 @@ def format_bytes(n: int | None, *, binary: bool = True) -> str:
             return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.2f} {unit}"
         value /= base
     raise AssertionError("unreachable")
+
+
+def format_seconds(s: float | None) -> str:
+    """One way to print a duration: ``850 µs``, ``12.5 ms``, ``4.20 s``, ``41 min 31 s``,
+    ``2 h 05 min``; ``unknown`` for None."""
+    if s is None:
+        return "unknown"
+    if not math.isfinite(s):
+        return f"{s} s"
+    sign, s = ("-" if s < 0 else ""), abs(s)
+    if s == 0:
+        return "0 s"
+    # Each unit while its rounded value stays below the next unit (999.96 ms is "1.00 s").
+    if round(s * 1e6) < 1000:
+        return f"{sign}{s * 1e6:.0f} µs"
+    if round(s * 1e3, 1) < 1000:
+        return f"{sign}{s * 1e3:.1f} ms"
+    if round(s, 2) < 60:
+        return f"{sign}{s:.2f} s"
+    whole = round(s)
+    if whole < 3600:
+        return f"{sign}{whole // 60} min {whole % 60:02d} s"
+    minutes = round(s / 60)
+    return f"{sign}{minutes // 60} h {minutes % 60:02d} min"
 
 
 def parse_bytes(text: str, *, what: str = "size") -> int:

@@ -52,3 +52,22 @@ def print_fit_verdict(out: Console, capacity: int | None, total: int, margin: fl
     from memfit.estimate.table import fit_verdict
 
     out.print(fit_verdict(capacity, total, margin, method))
+
+
+def name_column(table: Any, header: str, **kwargs: Any) -> None:
+    """Add the column a user copies from (a preset or GPU name): it never wraps or truncates;
+    at a narrow width the other columns shrink or go (:func:`print_table`)."""
+    table.add_column(header, no_wrap=True, overflow="ellipsis", **kwargs)
+
+
+def print_table(table: Any, *, drop: tuple[str, ...] = (), out: Console | None = None) -> None:
+    """Print ``table`` whole at the console's width: while any cell would be cut ("…"), drop
+    the next column of ``drop`` (headers, least useful first) and say which went."""
+    from memfit._tables import drop_until_whole
+
+    out = out or console()
+    dropped = drop_until_whole(table, out, drop)
+    if dropped:
+        table.caption = (f"hidden at {out.width} columns: {', '.join(dropped)} "
+                         "(widen the terminal or use --json)")
+    out.print(table)

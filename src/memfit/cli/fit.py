@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memfit.cli._common import positive_int, print_json
+from memfit.cli._common import console, positive_int, print_json
 from memfit.errors import MemfitError
 from memfit.units import parse_bytes
 
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(plan.to_dict())
     else:
-        sys.stdout.write(str(plan))
+        sys.stdout.write(plan.render(width=console().width))
         if args.save:
             print(f"saved to {args.save}")
     return 0

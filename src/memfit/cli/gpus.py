@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from memfit.cli._common import console, print_json
+from memfit.cli._common import name_column, print_json, print_table
 from memfit.units import format_bytes
 
 
@@ -32,13 +32,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     table = Table(title="GPU catalog (dense TFLOPS; usable = what PyTorch can allocate)",
                   title_justify="left")
-    for col in ("name", "memory", "usable", "GB/s", "bf16 TF", "fp8 TF", "host link", "$/h"):
-        table.add_column(col, justify="left" if col in ("name", "memory", "host link")
-                         else "right")
+    name_column(table, "name")
+    for col in ("memory", "usable", "GB/s", "bf16 TF", "fp8 TF", "host link", "$/h"):
+        table.add_column(col, justify="left" if col in ("memory", "host link") else "right",
+                         no_wrap=col == "usable")
     for g in gpus:
         price = "-" if g.price_per_hour is None else f"{g.price_per_hour:.2f}"
         table.add_row(g.name, g.memory_label, format_bytes(g.usable_bytes),
                       f"{g.bandwidth_gbps:,.0f}", _tf(g.tflops.get("bf16")),
                       _tf(g.tflops.get("fp8")), g.host_link.kind, price)
-    console().print(table)
+    print_table(table, drop=("$/h", "host link", "fp8 TF", "bf16 TF", "GB/s", "memory",
+                             "usable"))
     return 0

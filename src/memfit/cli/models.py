@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from memfit.cli._common import console, print_json
+from memfit.cli._common import name_column, print_json, print_table
 
 
 def register(sub: Any) -> None:
@@ -26,14 +26,12 @@ def run(args: argparse.Namespace) -> int:
                      "source": m.source} for m in presets])
         return 0
     table = Table(title="Model presets (architecture configs, no weights)", title_justify="left")
-    for col in ("name", "family", "params", "layers", "hidden", "heads (kv)", "experts"):
-        # The name is what a user copies: never shrunk below its longest value.
-        width = max(len(m.name) for m in presets) if col == "name" else None
-        table.add_column(col, justify="left" if col in ("name", "family") else "right",
-                         min_width=width, no_wrap=col == "name")
+    name_column(table, "name")
+    for col in ("family", "params", "layers", "hidden", "heads (kv)", "experts"):
+        table.add_column(col, justify="left" if col == "family" else "right")
     for m in presets:
         experts = f"{m.num_experts} (top-{m.experts_per_token})" if m.is_moe else "-"
         table.add_row(m.name, m.family, f"{m.param_count():,}", str(m.num_layers),
                       str(m.hidden_size), f"{m.num_heads} ({m.num_kv_heads})", experts)
-    console().print(table)
+    print_table(table, drop=("experts", "heads (kv)", "hidden", "layers", "family", "params"))
     return 0

@@ -38,7 +38,8 @@ def register(sub: Any) -> None:
                    "script calls with memfit.estimate and show predicted vs measured")
     p.add_argument("--stacks", action="store_true", help="record the Python stack of every "
                    "allocation (slower)")
-    p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto (default), cpu or cuda")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python train.py ARGS (or -- python -m module ARGS)")
     p.set_defaults(func=run)
@@ -49,6 +50,16 @@ def run(args: argparse.Namespace) -> int:
     from memfit.profile.session import Profiler
 
     command = parse_command(args.command)
+    import torch
+
+    # Checked here, up front and in flags; the Profiler says the same in API terms.
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise MemfitError("--device cuda: CUDA is not available here; use --device cpu "
+                          "(or leave --device auto)")
+    on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.snapshot and not on_cuda:
+        raise MemfitError("--snapshot records the CUDA caching allocator's history and this run "
+                          "is on the CPU; drop --snapshot, or run on a GPU")
     for path in (args.html, args.json, args.png, args.snapshot):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise MemfitError(f"cannot write {path!r}: its folder does not exist; create it or "

@@ -83,7 +83,12 @@ class FitConfig:
         if self.checkpointing != "none":
             ckpt = self.checkpointing
             if ckpt == "budget" and self.checkpoint_budget_bytes:
-                ckpt += f"({format_bytes(self.checkpoint_budget_bytes)})"
+                # What the budget resolved to, e.g. "budget(3.41 GiB: 10 selective + 2 none)".
+                modes = self.checkpoint_modes or ()
+                mix = " + ".join(f"{modes.count(m)} {m or 'none'}"
+                                 for m in ("full", "selective", None) if m in modes)
+                ckpt += f"({format_bytes(self.checkpoint_budget_bytes)}"
+                ckpt += f": {mix})" if mix else ")"
             parts.append(f"ckpt={ckpt}")
         parts.append(f"mb={self.micro_batch}x{self.accumulation}")
         parts.append(self.optimizer + ("+offload" if self.offload_states else ""))

@@ -17,13 +17,16 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError, read_json_file
-from memfit.fit.config import FitConfig
+from memfit.fit.config import CHECKPOINTING, FitConfig
 from memfit.fit.cost import StepCost
-from memfit.units import format_bytes
+from memfit.units import format_bytes, format_seconds
 
 __all__ = ["Candidate", "Plan", "Rejected"]
 
 FORMAT = "memfit-plan/1"
+
+TIE_TOLERANCE = 0.01
+"""Step times within 1% of the fastest are a tie (Note: [ties go to the simpler option])."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +75,40 @@ class Candidate:
                 raise
             raise MemfitError(f"plan file: malformed candidate ({exc!s}); re-create it with "
                               "memfit fit --save") from None
+
+
+def simplicity(config: FitConfig) -> tuple[int, int]:
+    """Sort key, simplest first: the number of techniques beyond a plain step (mixed precision,
+    checkpointing, an 8-bit optimizer, offload, chunked loss, switched attention, sharding),
+    then the checkpointing policy, none < selective < full < budget."""
+    techniques = (config.precision != "fp32", config.checkpointing != "none",
+                  config.optimizer.endswith("-8bit"), config.offload_states,
+                  config.offload_activations, config.chunked_loss, config.attention != "model",
+                  config.sharding != "none")
+    return sum(techniques), CHECKPOINTING.index(config.checkpointing)
+
+
+def rank(candidates: Any, *, seconds: Any = None, tolerance: float = TIE_TOLERANCE
+         ) -> list[Candidate]:
+    """Candidates in the order the plan shows them: fastest first, where every candidate within
+    ``tolerance`` of the fastest remaining one ties with it and the tie goes to the simpler
+    option (:func:`simplicity`), then the lower peak, then fewer micro-batches.
+
+    Note: [ties go to the simpler option] The cost model cannot tell 1% apart (its rates are
+    measured or catalog figures, its traffic an estimate), so a checkpointing budget that keeps
+    a few more blocks than plain selective checkpointing and "wins" by 0.001% is noise: the
+    simpler configuration, with fewer ways to go wrong, is the better answer.
+    """
+    time_of = seconds or (lambda c: c.step_s)
+    rest = sorted(candidates, key=time_of)
+    out: list[Candidate] = []
+    while rest:
+        limit = time_of(rest[0]) * (1 + tolerance)
+        n = next((i for i, c in enumerate(rest) if time_of(c) > limit), len(rest))
+        group, rest = rest[:n], rest[n:]
+        out += sorted(group, key=lambda c: (simplicity(c.config), c.peak_bytes,
+                                            c.config.accumulation, time_of(c)))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,40 +184,65 @@ class Plan:
     # -- rendering --------------------------------------------------------------------------
 
     def __str__(self) -> str:
+        return self.render()
+
+    def render(self, width: int = 120) -> str:
+        """The plan as text tables, ``width`` columns wide (``str(plan)``: 120)."""
         from rich.console import Console
         from rich.table import Table
 
         buf = io.StringIO()
-        console = Console(file=buf, width=120, force_terminal=False, color_system=None)
+        console = Console(file=buf, width=width, force_terminal=False, color_system=None)
         where = self.gpu or self.device
         console.print(f"memfit fit: {where}, budget {format_bytes(self.budget_bytes)} "
                       f"({self.headroom:.0%} kept free), global "
                       f"batch {self.global_batch}"
                       + (f" on {self.num_gpus} GPUs" if self.num_gpus > 1 else "")
                       + f"  (searched {self.candidates_considered} configurations, "
-                        f"{self.traces} traces, {self.search_seconds:.1f} s)")
-        table = Table(title="fastest configurations that fit")
+                        f"{self.traces} traces, {format_seconds(self.search_seconds)})")
+        table = Table(title="fastest configurations that fit", caption=(
+            f"predicted steps within {TIE_TOLERANCE:.0%} of each other tie; a tie goes to the "
+            "simpler configuration, then the lower peak"))
         shown = (self.chosen, *self.runners_up)
         host = any(c.host_bytes for c in shown)
+        measured = any(c.measured_s is not None for c in shown)
         for col in ("", "configuration", "peak", "headroom", "step (pred.)", "vs chosen",
-                    "measured", *(("host (offload)",) if host else ())):
-            table.add_column(col, justify="left" if col in ("", "configuration") else "right")
+                    *(("measured",) if measured else ()),
+                    *(("host (offload)",) if host else ())):
+            # Numbers never wrap or get cut; the configuration wraps at its commas.
+            table.add_column(col, justify="left" if col in ("", "configuration") else "right",
+                             no_wrap=col != "configuration")
         best = self.chosen.step_s
         for i, cand in enumerate(shown):
             table.add_row("chosen" if i == 0 else f"#{i + 1}", cand.config.label(),
                           format_bytes(cand.peak_bytes),
                           f"{100 * (1 - cand.peak_bytes / self.budget_bytes):.0f}%",
-                          _seconds(cand.step_s),
+                          format_seconds(cand.step_s),
                           "" if i == 0 else f"{cand.step_s / best:.2f}x",
-                          _seconds(cand.measured_s) if cand.measured_s is not None else "",
+                          *(("" if cand.measured_s is None else format_seconds(cand.measured_s),)
+                            if measured else ()),
                           *((format_bytes(cand.host_bytes) if cand.host_bytes else "",)
                             if host else ()))
+        from memfit._tables import drop_until_whole
+
+        # Narrow terminals: the least useful columns go, then the configurations move under
+        # the table (one line each), so that nothing is cut.
+        dropped = drop_until_whole(table, console, ("vs chosen", "headroom", "configuration",
+                                                    "measured"))
+        hidden = [d for d in dropped if d != "configuration"]
+        if hidden:
+            table.caption += f" (hidden at {width} columns: {', '.join(hidden)})"
         console.print(table)
+        if "configuration" in dropped:
+            for i, cand in enumerate(shown):
+                console.print(f"{'chosen' if i == 0 else f'#{i + 1}'}: {cand.config.label()}")
         c = self.chosen.cost
-        console.print(f"predicted step of the chosen config: compute {_seconds(c.compute_s)}, "
-                      f"memory traffic {_seconds(c.traffic_s)}, transfers "
-                      f"{_seconds(c.transfer_s)}, communication {_seconds(c.comm_s)}, optimizer "
-                      f"{_seconds(c.optimizer_s)} (dispatch floor {_seconds(c.dispatch_s)})")
+        parts = ", ".join(f"{name} {format_seconds(v)}" for name, v in (
+            ("compute", c.compute_s), ("memory traffic", c.traffic_s),
+            ("transfers", c.transfer_s), ("communication", c.comm_s),
+            ("optimizer", c.optimizer_s)))
+        console.print(f"predicted step of the chosen config: {parts} (dispatch floor "
+                      f"{format_seconds(c.dispatch_s)})")
         console.print(f"rates: {self.rates_source}")
         if self.rejected:
             rej = Table(title=f"rejected ({len(self.rejected)}; first 12)")
@@ -241,8 +303,3 @@ class Plan:
                               fix="re-create it with memfit fit --save")
         return cls.from_dict(data, source=f"plan file {path}")
 
-
-def _seconds(s: float | None) -> str:
-    if s is None:
-        return ""
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"

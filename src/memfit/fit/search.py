@@ -36,11 +36,12 @@ from memfit.errors import MemfitError, suggest
 from memfit.fit.apply import apply_techniques, check_shardable
 from memfit.fit.config import CHECKPOINTING, PRECISIONS, SHARDING, FitConfig
 from memfit.fit.cost import Rates, cpu_rates, gpu_rates, step_cost
-from memfit.fit.plan import Candidate, Plan, Rejected
+from memfit.fit.plan import TIE_TOLERANCE, Candidate, Plan, Rejected, rank
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.progress import Progress, phase
 from memfit.trace.allocator import round_size
 from memfit.trace.estimate import TRACE_FITS_MARGIN, TRACKED
+from memfit.units import format_bytes, format_seconds
 
 TRACKED_INDEX = {cat: i for i, cat in enumerate(TRACKED)}
 
@@ -206,7 +207,7 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
             traces[key] = _trace_one(base, sample_batch, precision=precision, ckpt=ckpt,
                                      optimizer=opt, chunked=chunked, attention=attention, m=m,
                                      per_gpu=per_gpu, device=device, gpu=spec, loss_fn=loss_fn,
-                                     num_gpus=num_gpus)
+                                     num_gpus=num_gpus, device_budget=budget)
         return traces[key]
 
     def flops(ckpt: str, modes: Any, chunked: bool, attention: str, m: int) -> float:
@@ -273,12 +274,13 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                          f"{len(candidates)} fit")
             if len(candidates) >= top and bounds[combo] > 0:
                 kth = sorted(c.cost.total_s for c in candidates)[top - 1]
-                if bounds[combo] >= kth:
+                if bounds[combo] > kth * (1 + TIE_TOLERANCE):  # a tie could still enter
                     rejected.append(Rejected(
                         what=f"{precision}, ckpt={ckpt}, {opt}"
                              + (", chunked-loss" if chunked else ""),
-                        reason=f"not traced: its compute alone ({bounds[combo] * 1e3:,.1f} ms) "
-                               f"is slower than the {top} fastest found ({kth * 1e3:,.1f} ms)"))
+                        reason=f"not traced: its compute alone ({format_seconds(bounds[combo])})"
+                               f" is slower than the {top} fastest found "
+                               f"({format_seconds(kth)})"))
                     continue
             if precision not in rates.flops:
                 rejected.append(Rejected(what=f"precision {precision}", reason=(
@@ -305,11 +307,19 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                 if ref is None:
                     continue
                 ref_m = m if t is not None else largest[0]  # type: ignore[index]
+                plain = _plain_policy(ckpt, ref.checkpoint_modes)
+                if plain is not None and plain in dims["checkpointing"]:
+                    rejected.append(Rejected(what=f"{what}, ckpt=budget", reason=(
+                        f"the budget resolves to ckpt={plain} for every block: the same as "
+                        f"ckpt={plain}, searched on its own")))
+                    continue
                 for off_s, off_a, shard in itertools.product(
                         dims["offload_states"], dims["offload_activations"], dims["sharding"]):
-                    cfg = FitConfig(precision=precision, checkpointing=ckpt,
-                                    checkpoint_budget_bytes=ref.checkpoint_budget,
-                                    checkpoint_modes=ref.checkpoint_modes,
+                    cfg = FitConfig(precision=precision, checkpointing=plain or ckpt,
+                                    checkpoint_budget_bytes=_scaled(ref.checkpoint_budget, m,
+                                                                    ref_m, plain),
+                                    checkpoint_modes=(None if plain == "none"
+                                                      else ref.checkpoint_modes),
                                     micro_batch=m, accumulation=per_gpu // m, optimizer=opt,
                                     offload_states=off_s, offload_activations=off_a,
                                     chunked_loss=chunked, attention=attention, sharding=shard)
@@ -320,11 +330,11 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                     peak = _derive(ref, ref_m, m, off_s, off_a, shard, num_gpus, per_gpu)
                     if peak > budget:
                         rejected.append(Rejected(what=cfg.label(), reason=(
-                            f"predicted peak {peak / 2**20:,.2f} MiB > budget "
-                            f"{budget / 2**20:,.2f} MiB (after {headroom:.0%} headroom)"),
-                            peak_bytes=peak))
+                            f"predicted peak {_over(peak, budget)} (after {headroom:.0%} "
+                            "headroom)"), peak_bytes=peak))
                         continue
-                    micro_flops = flops(ckpt, ref.checkpoint_modes, chunked, attention, m)
+                    micro_flops = flops(plain or ckpt, None if plain else ref.checkpoint_modes,
+                                        chunked, attention, m)
                     cost = step_cost(
                         rates, precision=precision, micro_flops=micro_flops,
                         accumulation=per_gpu // m,
@@ -361,11 +371,9 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
         raise MemfitError(f"no configuration fits the budget of {budget:,} bytes"
                           f"{need}; raise the budget (a bigger GPU, more GPUs), shorten the "
                           "sequence, or shrink the model")
-    # Ties (same predicted time) go to fewer micro-batches, then the smaller peak.
-    def order(c: Candidate) -> tuple[float, int, int]:
-        return c.cost.total_s, c.config.accumulation, c.peak_bytes
-
-    candidates.sort(key=order)
+    # Ties (predicted times within TIE_TOLERANCE) go to the simpler option, then the smaller
+    # peak (Note: [ties go to the simpler option] in memfit/fit/plan.py).
+    candidates = rank(candidates)
     # Note: [offload is verified by a trace] The search derives offload variants from the
     # trace without offload (``_derive``); the ones that reach the table are traced with the
     # offload applied (the engine keeps host copies out of the device peak), and their traced
@@ -397,15 +405,14 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                     if cfg.accumulation > 1 else t.peak)
             if peak > budget:
                 rejected.append(Rejected(what=cfg.label(), reason=(
-                    f"traced with offload: peak {peak / 2**20:,.2f} MiB > budget "
-                    f"{budget / 2**20:,.2f} MiB (after {headroom:.0%} headroom)"),
-                    peak_bytes=peak))
+                    f"traced with offload: peak {_over(peak, budget)} (after {headroom:.0%} "
+                    "headroom)"), peak_bytes=peak))
                 del candidates[i]
                 continue
             candidates[i] = dataclasses.replace(c, peak_bytes=peak, traced=True,
                                                 host_bytes=t.host_peak)
             verified.add(id(candidates[i]))
-            candidates.sort(key=order)
+            candidates = rank(candidates)
     if not candidates:
         raise MemfitError(f"no configuration fits the budget of {budget:,} bytes once offload "
                           "is traced; raise the budget, shorten the sequence, or shrink the "
@@ -420,9 +427,9 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
         for i, (seconds, recoveries) in measured.items():
             candidates[i] = candidates[i].with_measured(seconds)
             oom_trials += recoveries
-        head = sorted(candidates[:top], key=lambda c: (c.measured_s is None,
-                                                        c.measured_s or 0.0))
-        candidates = head + candidates[top:]
+        head = rank([c for c in candidates[:top] if c.measured_s is not None],
+                    seconds=lambda c: c.measured_s)
+        candidates = head + [c for c in candidates if c not in head]
     return Plan(chosen=candidates[0], runners_up=tuple(candidates[1:top]),
                 rejected=tuple(rejected), budget_bytes=full_budget,
                 headroom=headroom, oom_trials=oom_trials, global_batch=global_batch,
@@ -430,6 +437,31 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                 rates_source=rates.source, search_seconds=time.perf_counter() - started,
                 traces=sum(1 for v in traces.values() if not isinstance(v, str)),
                 candidates_considered=len(candidates) + len(rejected))
+
+
+def _over(peak: int, budget: int) -> str:
+    """``7.86 GiB > budget 7.08 GiB``, in bytes where two decimals cannot tell them apart."""
+    shown = format_bytes(peak), format_bytes(budget)
+    if shown[0] == shown[1]:
+        shown = f"{peak:,} B", f"{budget:,} B"
+    return f"{shown[0]} > budget {shown[1]}"
+
+
+def _plain_policy(ckpt: str, modes: tuple[str | None, ...] | None) -> str | None:
+    """The plain policy a checkpointing budget resolved to when it chose the same for every
+    block (``none`` when it checkpoints nothing); None when it mixes policies, or is not a
+    budget."""
+    if ckpt != "budget" or not modes or len(set(modes)) != 1:
+        return None
+    return modes[0] or "none"
+
+
+def _scaled(ckpt_budget: int | None, m: int, ref_m: int, plain: str | None) -> int | None:
+    """The activation budget of a micro-batch costed from a traced ``ref_m`` (activations scale
+    with the micro-batch); None for a plain policy."""
+    if ckpt_budget is None or plain is not None:
+        return None
+    return max(1, ckpt_budget * m // ref_m)
 
 
 def _next(values: list[int], after: int) -> int:
@@ -578,7 +610,7 @@ def _default_space(base: nn.Module, optimizer: str, device: str, spec: GpuSpec |
             optimizers.append(eight)
         else:
             rejected.append(Rejected(what=eight, reason="needs bitsandbytes or torchao: pip "
-                                     "install 'memfit[8bit]'"))
+                                     "install 'memfit[bnb]' or pip install 'memfit[quant]'"))
     chunked = [False]
     try:
         from memfit.techniques import apply_chunked_loss
@@ -598,8 +630,8 @@ def _default_space(base: nn.Module, optimizer: str, device: str, spec: GpuSpec |
 def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optimizer: str,
                chunked: bool, attention: str, m: int, per_gpu: int, device: str,
                gpu: GpuSpec | None, loss_fn: Any, num_gpus: int,
-               offload_activations: bool = False, offload_states: bool = False
-               ) -> _Traced | str:
+               offload_activations: bool = False, offload_states: bool = False,
+               device_budget: int | None = None) -> _Traced | str:
     """Trace one combination at micro-batch ``m``; a string is why it cannot run. With the
     offload options, the step runs with them as ``Plan.apply`` sets them up (activation offload
     after checkpointing; the optimizer's states and step on the host)."""
@@ -630,6 +662,15 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
             floor = predict_activation_bytes(profiles, ["full"] * len(names))
             ceiling = predict_activation_bytes(profiles, [None] * len(names))
             ckpt_budget = max(1, (floor + ceiling) // 2)  # halfway: a real trade-off point
+            if device_budget is not None:
+                # Never above what the device leaves for activations once the weights and
+                # gradients are in (a lower bound of the model states): a bigger budget is a
+                # number no step can use (issue 12: "budget(328.16 GiB)" on a 40 GB GPU; the
+                # halfway point of a large micro-batch's profile can be far above the device).
+                # Where even that is below the floor, the budget is the floor: every block
+                # checkpointed, which collapses to ckpt=full.
+                room = device_budget - _weights_and_grads(model, precision)
+                ckpt_budget = max(floor, min(ckpt_budget, room))
             cp = apply_activation_checkpointing(model, Budget(ckpt_budget), inputs=inputs)
             modes = tuple(cp.modes)
         elif ckpt != "none":
@@ -701,6 +742,13 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
                    ops_per_micro=max(1, est.num_ops // max(1, est.steps)),
                    checkpoint_modes=modes, checkpoint_budget=ckpt_budget,
                    host_peak=est.host_peak_bytes, input_bytes=_batch_bytes(inputs, device))
+
+
+def _weights_and_grads(model: nn.Module, precision: str) -> int:
+    """Bytes of the weights and of the trainable weights' gradients (2 bytes per element in
+    pure bf16, else the parameters' own dtype: mixed precision keeps fp32 weights)."""
+    return sum(p.numel() * (2 if precision == "bf16" else p.element_size())
+               * (2 if p.requires_grad else 1) for p in model.parameters())
 
 
 def _fake_copy(model: nn.Module) -> nn.Module:

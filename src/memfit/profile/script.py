@@ -80,6 +80,17 @@ def run_script(command: ScriptCommand, profiler: Profiler) -> int:
                     runpy.run_path(command.target, run_name="__main__")
             except SystemExit as exc:
                 code = _exit_code(exc.code)
+            except ImportError as exc:
+                if command.is_module and _before_user_code(exc):
+                    # runpy's own message ("No module named x"; for a missing parent package
+                    # the finder's error is the cause), as one line with the fix.
+                    cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
+                    text = str(cause)
+                    raise MemfitError(f"-m {command.target}: {text[:1].lower()}{text[1:]}; run "
+                                      "from the folder holding it, install it, or check the "
+                                      "spelling") from None
+                traceback.print_exc()  # raised by the script's own imports: see Note below
+                code = 1
             except Exception:
                 # Note: [report on failure] a run that dies (an OOM above all) is the one whose
                 # memory the user most wants to see: print the traceback, still write reports.
@@ -89,6 +100,14 @@ def run_script(command: ScriptCommand, profiler: Profiler) -> int:
         sys.argv = old_argv
         sys.path[:] = old_path
     return code
+
+
+def _before_user_code(exc: BaseException) -> bool:
+    """Whether ``exc`` came from runpy finding the module, before any of the user's code ran
+    (every frame of its traceback is runpy's, importlib's or this module's)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = (__file__, runpy.__file__, "<frozen runpy>")
+    return all(f.filename in ours or f.filename.startswith("<frozen importlib") for f in frames)
 
 
 def _exit_code(code: Any) -> int:

@@ -16,6 +16,14 @@ CATEGORY_COLORS = {
     "runtime": "#b07aa1",
 }
 
+PHASE_COLORS = {
+    "forward": "#a9b4c2",
+    "backward": "#6b778a",
+    "optimizer": "#2f3a4a",
+}
+"""The bands that mark the phases of the step on the timeline's x-axis (greys: the hues are
+the categories')."""
+
 CSS = """
 :root { --fg: #1d2430; --muted: #5b6576; --line: #d9dee7; --bg: #ffffff; --card: #f5f7fa; }
 * { box-sizing: border-box; }
@@ -35,7 +43,7 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 .swatch { display: inline-block; width: 10px; height: 10px; border-radius: 2px;
           margin-right: 6px; vertical-align: baseline; }
 #chart { position: relative; max-width: 1200px; }
-#timeline { width: 100%; height: 340px; display: block; }
+#timeline { width: 100%; height: 352px; display: block; }
 #timeline .axis { stroke: #8a93a3; stroke-width: 1; }
 #timeline .grid { stroke: #eceff4; stroke-width: 1; }
 #timeline text { font-size: 11px; fill: var(--muted); }
@@ -45,6 +53,8 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 #timeline .allocated { fill: none; stroke: #111; stroke-width: 1; }
 #timeline .predicted { stroke: #8e44ad; stroke-width: 1.5; stroke-dasharray: 2 3; }
 #timeline .mark { stroke: #7f8c8d; stroke-width: 1; stroke-dasharray: 1 3; }
+#timeline .phase-band { stroke: #fff; stroke-width: 0.5; }
+#timeline .phase-label { font-size: 10px; fill: #2f3a4a; }
 #legend { margin: 6px 0 0; color: var(--muted); }
 #legend span.item { margin-right: 14px; white-space: nowrap; }
 #tip { position: absolute; pointer-events: none; background: rgba(29,36,48,.92); color: #fff;
@@ -71,7 +81,7 @@ JS = r"""
   }
   var data = JSON.parse(document.getElementById("memfit-data").textContent);
   var svg = document.getElementById("timeline");
-  var W = 1160, H = 340, L = 78, R = 16, T = 22, B = 34;
+  var W = 1160, H = 352, L = 78, R = 16, T = 22, B = 46;
   svg.setAttribute("viewBox", "0 0 " + W + " " + H);
   var pts = data.points, cats = data.categories, colors = data.colors;
   var n = pts.length;
@@ -94,16 +104,33 @@ JS = r"""
   }
   el("line", {x1: L, x2: L, y1: T, y2: H - B, "class": "axis"}, svg);
   el("line", {x1: L, x2: W - R, y1: H - B, y2: H - B, "class": "axis"}, svg);
-  var xl = el("text", {x: (L + W - R) / 2, y: H - 8, "text-anchor": "middle"}, svg);
+  var xl = el("text", {x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle"}, svg);
   xl.textContent = "op index (" + data.num_ops + " ops" + (data.downsampled ? ", downsampled" : "") + ")";
   [firstI, lastI].forEach(function (i, j) {
-    var tx = el("text", {x: x(i), y: H - B + 14, "text-anchor": j ? "end" : "start"}, svg);
+    var tx = el("text", {x: x(i), y: H - B + 30, "text-anchor": j ? "end" : "start"}, svg);
     tx.textContent = String(i);
+  });
+  // The phases of the step (forward, backward, optimizer) as bands under the x-axis, named
+  // where a band is wide enough for its name.
+  var phases = el("g", {id: "phases"}, svg);
+  data.phases.forEach(function (s) {
+    var x0 = x(s.start), x1 = x(s.end);
+    var band = el("rect", {x: x0, y: H - B + 2, width: Math.max(x1 - x0, 0.5), height: 6,
+                           fill: data.phase_colors[s.phase], "class": "phase-band",
+                           "data-phase": s.phase}, phases);
+    var bt = el("title", {}, band); bt.textContent = s.phase + ": ops " + s.start + "-" + s.end;
+    var name = x1 - x0 >= 7 * s.phase.length ? s.phase : x1 - x0 >= 24 ? s.phase.slice(0, 3) : "";
+    if (name) {
+      var pl = el("text", {x: (x0 + x1) / 2, y: H - B + 19, "text-anchor": "middle",
+                           "class": "phase-label"}, phases);
+      pl.textContent = name;
+    }
   });
   var areas = el("g", {id: "areas"}, svg);
   if (n) {
     var lower = pts.map(function () { return 0; });
     cats.forEach(function (c, ci) {
+      if (data.shown.indexOf(c) < 0) { return; }  // holds no bytes in the run: not drawn
       var upper = pts.map(function (p, j) { return lower[j] + p.bytes[ci]; });
       var d = "M" + x(pts[0].i) + "," + y(lower[0]);
       for (var j = 0; j < n; j++) { d += "L" + x(pts[j].i).toFixed(2) + "," + y(upper[j]).toFixed(2); }
@@ -138,21 +165,6 @@ JS = r"""
   var lab = el("text", {x: peakX + (right ? -6 : 6), y: T + 6, "text-anchor": right ? "end" : "start",
                         "class": "peak-label", id: "peak-label"}, svg);
   lab.textContent = "peak " + data.peak_label;
-  var legend = document.getElementById("legend");
-  cats.forEach(function (c) {
-    var item = document.createElement("span"); item.className = "item";
-    var sw = document.createElement("span"); sw.className = "swatch"; sw.style.background = colors[c];
-    item.appendChild(sw); item.appendChild(document.createTextNode(c)); legend.appendChild(item);
-  });
-  if (n && pts[0].reserved !== undefined) {
-    var it = document.createElement("span"); it.className = "item";
-    it.textContent = "solid line: allocated, dashed: reserved (CUDA caching allocator)";
-    legend.appendChild(it);
-  } else {
-    var cpu = document.createElement("span"); cpu.className = "item";
-    cpu.textContent = "(CPU: no caching allocator, reserved = allocated)";
-    legend.appendChild(cpu);
-  }
   var tip = document.getElementById("tip"), chart = document.getElementById("chart");
   svg.addEventListener("mousemove", function (ev) {
     if (!n) { return; }

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.categories import MemoryCategory
 from memfit.profile.result import TRACKED, ProfileResult, downsample
-from memfit.report._assets import CATEGORY_COLORS, CSS, JS
+from memfit.report._assets import CATEGORY_COLORS, CSS, JS, PHASE_COLORS
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
@@ -36,6 +36,31 @@ def embed_json(obj: Any) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
+def phase_spans(points: list[Any]) -> list[tuple[str, int, int]]:
+    """``(phase, start, end)`` of each run of consecutive points in one phase of the training
+    step (forward, backward, optimizer), over point indices: the run covers ``start <= i <
+    end``, ``end`` being where the next run (or an ``other`` point: outside the step, no span
+    of its own) starts; the last run ends at the last point."""
+    spans: list[tuple[str, int, int]] = []
+    current: tuple[str, int] | None = None  # the open run: (phase, start)
+    for p in points:
+        phase = p.phase if p.phase in PHASE_COLORS else None
+        if current is not None and phase == current[0]:
+            continue
+        if current is not None:
+            spans.append((current[0], current[1], p.index))
+        current = (phase, p.index) if phase is not None else None
+    if current is not None:
+        spans.append((current[0], current[1], points[-1].index))
+    return spans
+
+
+def legend_categories(points: list[Any]) -> list[MemoryCategory]:
+    """The tracked categories that hold bytes at some point of the run (the legend lists these
+    only: an empty category is noise)."""
+    return [c for i, c in enumerate(TRACKED) if any(p.bytes[i] for p in points)]
+
+
 def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
@@ -48,8 +73,13 @@ def render_html(result: ProfileResult, *, estimate: Estimate | None = None,
                 title: str = "memfit profile") -> str:
     """The report as a string (see :func:`write_html`)."""
     points = downsample(result.timeline, MAX_POINTS, keep=result.peak_index)
+    shown = legend_categories(result.timeline)
     data = {
         "categories": [c.value for c in TRACKED],
+        "shown": [c.value for c in shown],
+        "phases": [{"phase": ph, "start": a, "end": b} for ph, a, b in
+                   phase_spans(result.timeline)],
+        "phase_colors": PHASE_COLORS,
         "colors": {c.value: CATEGORY_COLORS[c.value] for c in TRACKED},
         "points": [
             {"i": p.index, "op": p.op, "phase": p.phase, "module": p.module,
@@ -76,7 +106,7 @@ def render_html(result: ProfileResult, *, estimate: Estimate | None = None,
         "<h2>Timeline: live memory by category</h2>",
         "<div id=\"chart\"><svg id=\"timeline\" role=\"img\" aria-label=\"memory timeline\" "
         "xmlns=\"http://www.w3.org/2000/svg\"></svg><div id=\"tip\"></div></div>",
-        "<div id=\"legend\"></div>",
+        _legend(result, shown),
         _breakdown(result, estimate),
         _modules(result),
         _tensors(result),
@@ -95,6 +125,23 @@ def write_html(path: str | os.PathLike[str], result: ProfileResult, *,
     """Write the self-contained offline report of ``result`` to ``path``."""
     with open(path, "w", encoding="utf-8") as f:
         f.write(render_html(result, estimate=estimate, title=title))
+
+
+def _legend(result: ProfileResult, shown: list[MemoryCategory]) -> str:
+    """The chart's key, in HTML (readable without the script): the categories that hold bytes,
+    the phases marked on the x-axis, and what the lines are."""
+    items = [f"<span class=\"item\" data-category=\"{_e(c.value)}\"><span class=\"swatch\" "
+             f"style=\"background:{CATEGORY_COLORS[c.value]}\"></span>{_e(c.value)}</span>"
+             for c in shown]
+    phases = {p.phase for p in result.timeline}
+    items += [f"<span class=\"item\" data-phase=\"{_e(ph)}\"><span class=\"swatch phase\" "
+              f"style=\"background:{color}\"></span>{_e(ph)} (x-axis)</span>"
+              for ph, color in PHASE_COLORS.items() if ph in phases]
+    cuda = any(p.reserved is not None for p in result.timeline[:1])
+    note = ("solid line: allocated, dashed: reserved (CUDA caching allocator)" if cuda
+            else "(CPU: no caching allocator, reserved = allocated)")
+    items.append(f"<span class=\"item\">{_e(note)}</span>")
+    return f"<div id=\"legend\">{''.join(items)}</div>"
 
 
 def _cards(result: ProfileResult, estimate: Estimate | None) -> str:

@@ -147,7 +147,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                               "use use_liger=None to fall back to the chunked PyTorch loss")
         if not _liger_available():
             raise MemfitError("use_liger=True but liger_kernel is not installed; "
-                              "pip install liger-kernel, or pass use_liger=None")
+                              "pip install 'memfit[liger]', or pass use_liger=None")
         if reduction == "mean" and num_items is None:
             return _liger_loss(h, lm_head_weight, y, ignore_index, "mean")
         total = _liger_loss(h, lm_head_weight, y, ignore_index, "sum")
