@@ -6,6 +6,7 @@ Expected parameter counts are worked out by hand from the modules' shapes (each 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -491,6 +492,11 @@ def test_plan_reports_the_checkpoints_count_and_dtype(tmp_path: Path,
     checkpoint = json.loads(out)["checkpoint"]
     assert checkpoint["params"] == checkpoint["config_params"] == TINY_LLAMA_PARAMS
     assert checkpoint["bytes_by_dtype"] == {"bf16": 2 * TINY_LLAMA_PARAMS}
+    if importlib.util.find_spec("transformers") is not None:
+        code, out, err = _cli(capsys, "plan", str(folder), "--json", "--method", "trace",
+                              "--seq", "16")
+        assert code == 0, err
+        assert json.loads(out)["checkpoint"]["params"] == TINY_LLAMA_PARAMS
     # The config.json file alone: no checkpoint read (the way around a broken checkpoint).
     (folder / "model.safetensors").write_bytes(b"\x00")
     code, out, err = _cli(capsys, "plan", str(folder))

@@ -195,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
     if args.method == "trace":
         from memfit.cli.trace_plan import run_trace
 
+        args.checkpoint_json = (None if checkpoint is None
+                                else checkpoint_dict(checkpoint, model))
         return run_trace(args, model, config, gpu)
     result = plan(model, config, gpu)
     suggestions = suggest_changes(result) if result.fits is False else []

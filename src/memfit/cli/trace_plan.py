@@ -250,6 +250,8 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             "trace_seconds": est.trace_seconds,
             "assumptions": list(est.assumptions),
             "notes": [args.precision_note] if getattr(args, "precision_note", None) else [],
+            **({"checkpoint": args.checkpoint_json}
+               if getattr(args, "checkpoint_json", None) else {}),
             "suggestions": [
                 {"change": s.change, "saved_bytes": s.saved_bytes, "total_bytes": s.total_bytes,
                  "fits": s.fits, "saving_from": "analytic"} for s in suggestions],
