@@ -7,7 +7,6 @@ import re
 import warnings
 
 import pytest
-import torch
 from torch import nn
 
 from memfit.fit import FitConfig, Plan, fit
@@ -16,37 +15,8 @@ from memfit.fit.plan import TIE_TOLERANCE, Candidate, Rejected, rank, simplicity
 from memfit.fit.search import _meta_copy, _plain_policy, _trace_one
 from memfit.units import GiB, format_seconds
 
-D, T, C = 32, 64, 8
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class SeqNet(nn.Module):
-    def __init__(self, d: int = D, n: int = 4) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block(d) for _ in range(n)])
-        self.head = nn.Linear(d, C)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.blocks(x))
-        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
-def make(batch: int = 16) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    torch.manual_seed(0)
-    return SeqNet(), (torch.randn(batch, T, D), torch.randint(0, C, (batch, T)))
-
-
-def params_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+# test_fit's activation-heavy model (pytest puts tests/ on sys.path).
+from test_fit import make, params_bytes
 
 
 @pytest.fixture(autouse=True)

@@ -223,7 +223,11 @@ def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> 
 
 def check_model_options(model: TransformerSpec, run: RunConfig) -> None:
     """Options that make no sense for this model: tokens past its context, a LoRA rank past
-    full rank (both methods check them up front)."""
+    full rank (both methods check them up front). A model type the formulas do not cover (an
+    :class:`~memfit.models.hf_auto.HFModelSpec`) is not checked here: its own code refuses
+    what it cannot run, and the trace reports that in one line."""
+    if not isinstance(model, TransformerSpec):
+        return
     check_context(model, run)
     if run.mode in ("lora", "qlora"):
         _check_lora_rank(model, run)

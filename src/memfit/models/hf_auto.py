@@ -17,9 +17,7 @@ states, no activations); LoRA/QLoRA planning needs a family the formulas cover. 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,18 +88,6 @@ def _pick_task(model_type: str, architectures: list[str], encoder_decoder: bool)
             return task
     raise MemfitError(f"transformers has no model class for model_type {model_type!r}; pass "
                       "--params N to plan model states only")
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: Any) -> Iterator[None]:
-    import torch
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _config_object(model_type: str, data: dict[str, Any], where: str) -> Any:
@@ -203,6 +189,8 @@ class HFModelSpec(ParamCountSpec):
         hf = _transformers(f"model_type {self.model_type!r}")
         auto = getattr(hf, TASKS[self.task][1])
         config = self.hf_config()
+        from memfit.models.build import _default_dtype
+
         with torch.device(device), _default_dtype(dtype or torch.float32):
             try:
                 return auto.from_config(config, attn_implementation=attn_implementation)
