@@ -69,6 +69,7 @@ Once all succeeded, the gradients are all-reduced in one flat buffer per dtype a
 DDP would (DDP's communication hooks are bypassed, and the all-reduce no longer overlaps the
 backward). Parameters without a gradient on a rank contribute zeros. DDP's buffer broadcast
 (``broadcast_buffers``) is done by the guard before each batch, where every rank reaches it.
+The collectives live in :mod:`memfit._guard_dist` (:class:`~memfit._guard_dist.RankAgreement`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._guard_dist import ERROR, OK, OOM, RankAgreement, fsdp_ranks, global_item_count
 from memfit._loss import LossFn, check_loss_fn, check_reduction
 from memfit._tensors import meta_batch, tensor_leaves
 from memfit.errors import MemfitError
@@ -92,7 +94,6 @@ __all__ = ["GuardedStep", "Recovery", "causal_lm_count", "guard"]
 
 log = logging.getLogger("memfit")
 
-_OK, _OOM, _ERROR = 0, 1, 2  # an attempt's outcome, agreed across DDP ranks by its maximum
 CountFn = Callable[[Any], int | torch.Tensor]
 Predict = Callable[[Any], int]
 
@@ -331,83 +332,11 @@ class GuardedStep:
                               "loss averages over tokens, not rows; for a Hugging Face causal "
                               "LM's .loss pass count_fn=causal_lm_count (from memfit.guard "
                               "import causal_lm_count)")
-        num_items = int(self.count_fn(batch))
-        world = 1
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size()
-            total = torch.tensor(num_items, dtype=torch.long)
-            if dist.get_backend() == "nccl":
-                total = total.cuda()
-            dist.all_reduce(total)
-            num_items = int(total.item())
+        num_items, world = global_item_count(int(self.count_fn(batch)))
         if num_items <= 0:
             raise MemfitError("the batch contains no items to average over (all labels "
                               "ignored?); check count_fn and the labels")
         return num_items, world / num_items
-
-    # -- agreement across DDP ranks (Note: [OOM agreement under DDP]) ---------------------------
-
-    def _ddp(self) -> bool:
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            return False
-        from torch.nn.parallel import DistributedDataParallel
-
-        return isinstance(self.model, DistributedDataParallel)
-
-    def _fsdp_ranks(self) -> int:
-        """The number of ranks when the model is sharded with FSDP (FSDP2 or FSDP1), else 0."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            return 0
-        try:
-            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-        except ImportError:  # torch < 2.6: no FSDP2
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            kinds: tuple[type, ...] = (FullyShardedDataParallel,)
-        else:
-            kinds = (FSDPModule, FullyShardedDataParallel)
-        return dist.get_world_size() if isinstance(self.model, kinds) else 0
-
-    def _all_reduce(self, value: int, op: Any) -> int:
-        dist = torch.distributed
-        t = torch.tensor([value], dtype=torch.long)
-        if dist.get_backend() == "nccl":
-            t = t.to(self._device)
-        dist.all_reduce(t, op=op)
-        return int(t.item())
-
-    def _sync_buffers(self) -> None:
-        """Rank 0's buffers to every rank before the batch, as DDP does before each forward
-        (``broadcast_buffers``), here at a point every rank reaches: DDP's own broadcast is
-        switched off for the attempts, where a rank that ran out of memory would miss it."""
-        model: Any = self.model
-        if model.broadcast_buffers:
-            for b in model.module.buffers():
-                torch.distributed.broadcast(b, src=0)
-        model.require_forward_param_sync = False
-
-    def _all_reduce_grads(self) -> None:
-        """Average the gradients over the ranks, as DDP's reducer would."""
-        dist = torch.distributed
-        world = dist.get_world_size()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for p in params:
-            assert p.grad is not None
-            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-        for grads in groups.values():
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat)
-            flat.div_(world)
-            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads),
-                                  strict=True):
-                g.copy_(reduced)
 
     def _attempt(self, batch: Any, micro: int, num_items_scale: float,
                  sync_last: bool = True) -> torch.Tensor:
@@ -453,46 +382,46 @@ class GuardedStep:
             # between the two would leave it half made, so make them before any attempt.
             self.scaler.scale(torch.ones((), device=self._device))
             self._scaler_ready = True
-        ddp = self._ddp()
+        ranks = RankAgreement(self.model, self._device)  # Note: [OOM agreement under DDP]
+        ddp = ranks.active
         if ddp:
-            self._sync_buffers()
+            ranks.begin_batch()
         snapshot = self._snapshot()
         self._drop_grads()
         micro = self._micro_for(batch, size)
         if ddp:
-            micro = self._all_reduce(micro, torch.distributed.ReduceOp.MIN)
+            micro = ranks.micro_batch(micro)
         retried = False
         while True:
-            outcome = _OK
+            outcome = OK
             try:
                 loss_sum = self._attempt(batch, micro, scale, sync_last=not ddp)
             except torch.OutOfMemoryError:
-                outcome = _OOM  # recover below, once the exception and its frames are released
+                outcome = OOM  # recover below, once the exception and its frames are released
             except BaseException:
                 self._drop_grads()
                 self._restore(snapshot)
                 if ddp:  # the other ranks must not wait for this one
-                    self._all_reduce(_ERROR, torch.distributed.ReduceOp.MAX)
+                    ranks.raise_elsewhere()
                 raise
-            if outcome == _OOM:
+            if outcome == OOM:
                 self._drop_grads()
                 self._release()
-                ranks = self._fsdp_ranks()
-                if ranks > 1:
+                sharded = fsdp_ranks(self.model)
+                if sharded > 1:
                     self._restore(snapshot)
                     raise torch.OutOfMemoryError(
-                        f"memfit guard: out of memory under FSDP with {ranks} ranks (step "
+                        f"memfit guard: out of memory under FSDP with {sharded} ranks (step "
                         f"{self.steps}, micro-batch {micro}); a retry on this rank alone would "
                         "desynchronise the ranks' all-gathers, so the guard does not retry; "
                         "lower the micro-batch (memfit fit with a smaller budget) and restart")
-            agreed = self._all_reduce(outcome, torch.distributed.ReduceOp.MAX) if ddp \
-                else outcome
-            if agreed == _ERROR:
+            agreed = ranks.outcome(outcome) if ddp else outcome
+            if agreed == ERROR:
                 self._drop_grads()
                 self._restore(snapshot)
                 raise RuntimeError(f"memfit guard: another rank raised an error in step "
                                    f"{self.steps}; see its log")
-            if agreed == _OK:
+            if agreed == OK:
                 break
             self._drop_grads()
             self._restore(snapshot)
@@ -504,7 +433,7 @@ class GuardedStep:
                     f"smaller optimizer state or lower precision (memfit.fit searches these)")
             new = micro // 2
             self._record(Recovery(step=self.steps,
-                                  reason="oom" if outcome == _OOM else "oom-other-rank",
+                                  reason="oom" if outcome == OOM else "oom-other-rank",
                                   batch_size=size, old_micro_batch_size=micro,
                                   new_micro_batch_size=new))
             micro = new
@@ -512,7 +441,7 @@ class GuardedStep:
             self._caps = {k: min(v, micro) for k, v in self._caps.items()}
             retried = True
         if ddp:
-            self._all_reduce_grads()
+            ranks.average_gradients()
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
