@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._compat.torch_internals import flatten_dense_tensors, unflatten_dense_tensors
+
 __all__ = ["ERROR", "OK", "OOM", "RankAgreement", "fsdp_ranks", "global_item_count"]
 
 OK, OOM, ERROR = 0, 1, 2  # an attempt's outcome, agreed across DDP ranks by its maximum
@@ -123,9 +125,8 @@ class RankAgreement:
             assert p.grad is not None
             groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
         for grads in groups.values():
-            flat = torch._utils._flatten_dense_tensors(grads)
+            flat = flatten_dense_tensors(grads)
             dist.all_reduce(flat)
             flat.div_(world)
-            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads),
-                                  strict=True):
+            for g, reduced in zip(grads, unflatten_dense_tensors(flat, grads), strict=True):
                 g.copy_(reduced)

@@ -84,6 +84,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._compat.torch_internals import is_norm_layer
 from memfit._guard_dist import ERROR, OK, OOM, RankAgreement, fsdp_ranks, global_item_count
 from memfit._loss import LossFn, check_loss_fn, check_reduction
 from memfit._tensors import meta_batch, tensor_leaves
@@ -309,7 +310,7 @@ class GuardedStep:
     def _snapshot(self) -> tuple[Any, ...]:
         norms = [(m, {k: copy.deepcopy(v) for k, v in m._buffers.items()})
                  for m in self.model.modules()
-                 if isinstance(m, nn.modules.batchnorm._NormBase) and m.training]
+                 if is_norm_layer(m) and m.training]
         cuda = (torch.cuda.get_rng_state(self._device) if self._device.type == "cuda"
                 else None)
         return torch.get_rng_state(), cuda, norms

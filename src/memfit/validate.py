@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit._compat import torch_internals
 from memfit.errors import MemfitError
 
 Factory = Callable[[str], tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.Tensor]]]
@@ -325,9 +326,7 @@ def _steps(model: nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[[Any], t
 def _reset_cuda() -> None:
     gc.collect()
     torch.cuda.synchronize()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
+    torch_internals.clear_cublas_workspaces()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit._compat import torch_internals
 from memfit._tensors import tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
@@ -76,7 +77,7 @@ _TOP_TENSORS = 12
 _STACK_DEPTH = 8
 _SKIP_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep
                    for m in (torch, sys.modules["memfit"]))
-_in_backward = getattr(torch._C, "_current_graph_task_id", None)
+_in_backward = torch_internals.current_graph_task_id()
 
 
 class _Storage:

@@ -129,10 +129,9 @@ def _join(opts: dict[str, str]) -> str:
 
 
 def _runtime_setter() -> Any:
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:
-        setter = getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
-    return setter
+    from memfit._compat.torch_internals import allocator_settings_setter
+
+    return allocator_settings_setter()
 
 
 def configure_allocator(*, expandable_segments: bool | None = None,

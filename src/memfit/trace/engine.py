@@ -29,6 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from memfit._compat import torch_internals, transformers_internals
 from memfit._loss import LossFn, check_loss_fn, model_loss
 from memfit._tensors import call_model, tensor_leaves
 from memfit.categories import MemoryCategory
@@ -264,18 +265,8 @@ def _module_hooks(model: nn.Module, tracker: Tracker) -> Iterator[None]:
 def _count_cpu_rng_states(tracker: Tracker) -> Iterator[None]:
     """torch.utils.checkpoint saves the CPU RNG state (a real 5 KB tensor) per checkpointed call;
     count it on CPU targets, where it lives in the same memory."""
-    original = torch.get_rng_state
-
-    def get_rng_state() -> torch.Tensor:
-        state = original()
-        tracker.track(state)
-        return state
-
-    torch.get_rng_state = get_rng_state
-    try:
+    with torch_internals.reporting_get_rng_state(tracker.track):
         yield
-    finally:
-        torch.get_rng_state = original
 
 
 @contextlib.contextmanager
@@ -292,22 +283,8 @@ def _eager_library_paths() -> Iterator[None]:
     given as a real tensor (a padded batch takes the masked path, as for real), else ``True``
     (no padding, no packing; an assumption the engine states).
     """
-    import sys
-
-    module = sys.modules.get("transformers.utils.import_utils")
-    original = getattr(module, "is_fake_tensor", None)
-    if module is None or original is None:
+    with transformers_internals.fake_tensors_look_eager():
         yield
-        return
-
-    def is_fake_tensor(_x: Any) -> bool:
-        return False
-
-    module.is_fake_tensor = is_fake_tensor  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        module.is_fake_tensor = original  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -326,7 +303,6 @@ def _grouped_mm_rule() -> Iterator[None]:
     output as ``create_grouped_gemm_output_tensor`` (GroupedMMUtils.h) does on CUDA and CPU (not
     ROCm): dtype ``out_dtype`` or the input's, last dimension's stride padded to 16 bytes.
     """
-    from torch._subclasses import fake_impls
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
     ops = {torch.ops.aten._grouped_mm.default}
@@ -360,12 +336,8 @@ def _grouped_mm_rule() -> Iterator[None]:
             out = torch.empty_strided(size, stride, dtype=dtype, device="meta")
         return FakeTensor(fake_mode, out, mat_a.device)
 
-    entry = (ops.__contains__, rule)
-    fake_impls.op_implementations_checks.insert(0, entry)
-    try:
+    with torch_internals.fake_op_rule(ops, rule):
         yield
-    finally:
-        fake_impls.op_implementations_checks.remove(entry)
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -621,10 +593,7 @@ def _backward(loss: torch.Tensor) -> None:
         raise MemfitError("the loss does not require grad (nothing to backpropagate); check "
                           "that the model has trainable parameters, or pass optimizer=None")
     grad = torch.ones_like(loss, memory_format=torch.preserve_format)
-    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-    if run is None:  # torch < 2.3
-        run = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
-    run((loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+    torch_internals.engine_run_backward(loss, grad)
 
 
 def _owners(model: nn.Module) -> dict[int, str]:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from memfit._compat import torch_internals
 from memfit.errors import MemfitError
 from memfit.trace.dropout import cuda_dropout
 
@@ -91,8 +92,8 @@ def priority_order(compute_capability: tuple[int, int],
     """``sdp_utils.cpp: priority_order``: the order set with
     ``torch.nn.attention.sdpa_kernel(..., set_priority=True)`` if the user changed it, else the
     default, with cuDNN moved first where :func:`prefers_cudnn` holds."""
-    getter = getattr(torch._C, "_get_sdp_priority_order", None)
-    order = tuple(_BACKEND_IDS[i] for i in getter() if i in _BACKEND_IDS) if getter else (
+    ids = torch_internals.sdp_priority_order()
+    order = tuple(_BACKEND_IDS[i] for i in ids if i in _BACKEND_IDS) if ids is not None else (
         DEFAULT_ORDER)
     if order == DEFAULT_ORDER and prefers_cudnn(compute_capability, release):
         return CUDNN_ORDER

@@ -17,7 +17,6 @@ Where real tensors behave differently from fake ones, the real behaviour is mode
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +29,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from memfit._compat import torch_internals
 from memfit.categories import MemoryCategory
 from memfit.trace.cpu_kernels import is_opaque, rnn_workspace_bytes, transient_peak
 from memfit.trace.datadep import ASSUMPTION, DATA_DEPENDENT, DataDependentSizes
@@ -293,22 +293,12 @@ class Tracker:
 
 
 _ADD = aten.add.Tensor
-_ENGINE_FRAME = "_engine_run_backward"  # torch.autograd.graph: the Python frame above the engine
-# Frames between the engine and this mode: fake-tensor dispatch and torch._dynamo's disable wrapper.
-_DISPATCH_FILES = ("fake_tensor.py", "tracker.py", "_python_dispatch.py", "eval_frame.py",
-                   "_compile.py")
 
 
 def _called_by_autograd_engine() -> bool:
     """Whether the op being dispatched was called by autograd's C++ engine itself (not by a
-    Python backward): the nearest Python frame outside torch's dispatch code is the engine's."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.endswith(_DISPATCH_FILES):
-            return frame.f_code.co_name == _ENGINE_FRAME
-        frame = frame.f_back
-    return False
+    Python backward)."""
+    return torch_internals.called_by_autograd_engine(("tracker.py",))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -330,7 +320,7 @@ def _accumulates_in_place(t: Any, other: Any) -> bool:
             t.dtype, other.dtype) or not _dense(t):
         return False
     # One tensor holds the storage, plus the storage's Python object the tracker made.
-    return bool(torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2)
+    return torch_internals.storage_use_count(t) <= 2
 
 
 def _gradient_accumulation(args: Any) -> tuple[Any, Any]:
@@ -398,7 +388,7 @@ class TrackingFakeMode(FakeTensorMode):
             # Below the Python API: torch-function modes (the CUDA SDPA routing) have nothing to
             # say about the fake kernels or this bookkeeping, and would otherwise handle each of
             # its tensor-method calls.
-            with torch._C.DisableTorchFunction():
+            with torch_internals.DisableTorchFunction():
                 return self._tracked(func, types, args, kwargs or {})
         finally:
             self._depth -= 1

@@ -1,0 +1,203 @@
+"""torch internals memfit patches, walks or calls, each behind one function.
+
+Checked against torch 2.13.0 (the CPU test machine) and read in torch 2.11 (the GPU machines)
+where noted. ``tests/test_compat.py`` checks every entry against the installed torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator_settings_setter",
+           "called_by_autograd_engine", "clear_cublas_workspaces", "current_graph_task_id",
+           "engine_run_backward",
+           "fake_op_rule", "flatten_dense_tensors", "is_norm_layer", "reporting_get_rng_state",
+           "sdp_priority_order", "storage_use_count", "unflatten_dense_tensors"]
+
+# -- the frame walk ------------------------------------------------------------------------------
+
+ENGINE_FRAME = "_engine_run_backward"
+"""``torch/autograd/graph.py: _engine_run_backward``: every ``Tensor.backward`` and
+``torch.autograd.grad`` enters autograd's C++ engine (``Variable._execution_engine.run_backward``)
+from this Python function, so it is the nearest Python frame of an op the engine itself calls
+(checked in torch 2.13.0; same name and role since torch 2.4)."""
+
+_TORCH_DISPATCH_FILES = ("fake_tensor.py", "_python_dispatch.py", "eval_frame.py", "_compile.py",
+                         os.path.basename(__file__))
+"""Python frames between the engine and a dispatch mode: fake-tensor dispatch
+(``torch/_subclasses/fake_tensor.py``), ``torch/utils/_python_dispatch.py`` and
+``torch._dynamo``'s disable wrapper (``torch/_dynamo/eval_frame.py``, ``_compile.py``)."""
+
+
+def called_by_autograd_engine(skip_files: tuple[str, ...] = ()) -> bool:
+    """Whether the op being dispatched was called by autograd's C++ engine itself (e.g. the
+    engine's gradient accumulation, ``torch/csrc/autograd/input_buffer.cpp: accumulate``), not by
+    Python code (a forward, a Python ``backward``): the nearest Python frame outside torch's
+    dispatch code and ``skip_files`` (the caller's own dispatch code, e.g. ``("tracker.py",)``)
+    is :data:`ENGINE_FRAME`. Private: CPython's ``sys._getframe`` and torch's frame layout."""
+    skip = _TORCH_DISPATCH_FILES + skip_files
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.endswith(skip):
+            return frame.f_code.co_name == ENGINE_FRAME
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def engine_run_backward(loss: torch.Tensor, grad: torch.Tensor) -> None:
+    """``loss.backward(grad)`` without ``Tensor.backward``'s torch-function dispatch: autograd's
+    engine is entered directly through ``torch/autograd/graph.py: _engine_run_backward`` (the
+    function ``torch.autograd.backward`` calls, torch >= 2.3; checked in 2.13.0), so the Python
+    frame above the engine is :data:`ENGINE_FRAME` as in a real backward. Older torch:
+    ``Variable._execution_engine.run_backward`` with the same arguments."""
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:  # torch < 2.3
+        run = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
+    run((loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+# -- patches -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def reporting_get_rng_state(on_state: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Within the context ``torch.get_rng_state()`` also passes each state it returns to
+    ``on_state``; restored on exit.
+
+    ``torch/utils/checkpoint.py`` saves the CPU generator's state per checkpointed call by
+    calling ``torch.get_rng_state()`` through the ``torch`` module (``CheckpointFunction.forward``
+    and ``_checkpoint_without_reentrant_generator``: ``fwd_cpu_state = torch.get_rng_state()``,
+    torch 2.11 and 2.13), so replacing the module attribute sees those calls."""
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        on_state(state)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
+@contextlib.contextmanager
+def fake_op_rule(ops: frozenset[Any] | set[Any],
+                 rule: Callable[..., Any]) -> Iterator[None]:
+    """Within the context, fake tensors run ``ops`` through ``rule(fake_mode, func, *args,
+    **kwargs)`` ahead of torch's own fake/meta implementation; removed on exit.
+
+    Mirrors ``torch/_subclasses/fake_impls.py: register_op_impl``, which appends
+    ``(check, impl)`` to the private list ``op_implementations_checks`` that
+    ``FakeTensorMode.dispatch`` scans first to last; the entry goes first so it wins."""
+    from torch._subclasses import fake_impls
+
+    entry = (ops.__contains__, rule)
+    fake_impls.op_implementations_checks.insert(0, entry)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(entry)
+
+
+# -- calls ---------------------------------------------------------------------------------------
+
+
+def storage_use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (``c10::StorageImpl`` use count), as autograd's input buffer
+    reads it (``torch/csrc/autograd/input_buffer.cpp: can_accumulate_inplace``:
+    ``storage().use_count() == 1``). The ``untyped_storage()`` Python object asked for holds one
+    more. ``torch._C._storage_Use_Count(storage._cdata)``, torch 2.13.0."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+DisableTorchFunction = torch._C.DisableTorchFunction
+"""``torch._C.DisableTorchFunction()``: a context where neither ``__torch_function__`` overrides
+nor torch-function modes run (``torch/csrc/utils/disable_torch_function.cpp``); unlike the public
+``DisableTorchFunctionSubclass`` it also disables modes."""
+
+flatten_dense_tensors = torch._utils._flatten_dense_tensors
+"""``torch/_utils.py: _flatten_dense_tensors``: one flat buffer of the tensors (DDP and
+``torch.distributed`` coalesce their collectives with it)."""
+
+unflatten_dense_tensors = torch._utils._unflatten_dense_tensors
+"""``torch/_utils.py: _unflatten_dense_tensors``: views of a flat buffer shaped as the tensors."""
+
+
+def is_norm_layer(module: torch.nn.Module) -> bool:
+    """A BatchNorm / InstanceNorm layer (``torch/nn/modules/batchnorm.py: _NormBase``, the base
+    class holding ``running_mean``, ``running_var`` and ``num_batches_tracked``)."""
+    return isinstance(module, torch.nn.modules.batchnorm._NormBase)
+
+
+def current_graph_task_id() -> Callable[[], int] | None:
+    """``torch._C._current_graph_task_id``: -1 outside a backward, the running graph task's id
+    inside one (``torch/csrc/autograd/python_engine.cpp``); None where torch lacks it."""
+    return getattr(torch._C, "_current_graph_task_id", None)
+
+
+def sdp_priority_order() -> list[int] | None:
+    """The SDPA backend order set with ``sdpa_kernel(..., set_priority=True)`` as
+    ``torch.nn.attention.SDPBackend`` values (``torch._C._get_sdp_priority_order``,
+    ``THPModule_getSDPPriorityOrder``, torch >= 2.6); None where torch lacks it."""
+    getter = getattr(torch._C, "_get_sdp_priority_order", None)
+    return list(getter()) if getter is not None else None
+
+
+def clear_cublas_workspaces() -> None:
+    """Free cuBLAS's per-handle workspaces (``torch._C._cuda_clearCublasWorkspaces``,
+    ``torch/csrc/cuda/Module.cpp``), which ``torch.cuda.empty_cache`` keeps; no-op where torch
+    lacks it."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+def allocator_settings_setter() -> Callable[[str], None] | None:
+    """The setter behind ``torch.cuda.memory._set_allocator_settings``:
+    ``torch._C._accelerator_setAllocatorSettings`` (torch >= 2.9) or
+    ``torch._C._cuda_cudaCachingAllocator_set_allocator_settings`` (older); None if neither."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
+    return setter
+
+
+# -- private names other modules import directly ------------------------------------------------
+
+PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
+    "torch._subclasses.fake_tensor": (
+        "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
+        "FakeTensorMode", "in_kernel_invocation_manager", "is_fake", "unset_fake_temporarily"),
+    "torch._subclasses.fake_impls": ("op_implementations_checks",),
+    "torch.utils._python_dispatch": (
+        "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass"),
+    "torch.utils._pytree": ("tree_flatten", "tree_map"),
+    "torch._C._profiler": ("_EventType",),
+    "torch._C": ("DisableTorchFunction", "_current_graph_task_id", "_get_sdp_priority_order",
+                 "_storage_Use_Count"),
+    "torch._utils": ("_flatten_dense_tensors", "_unflatten_dense_tensors"),
+    "torch.autograd.graph": ("_engine_run_backward",),
+    "torch.autograd.profiler": ("_is_profiler_enabled",),
+    "torch.cuda.memory": ("_record_memory_history", "_snapshot"),
+    "torch.nn.modules.batchnorm": ("_NormBase",),
+}
+"""Every private torch name memfit uses, by module (those looked up with ``getattr`` are in
+:data:`OPTIONAL_NAMES`). ``tests/test_compat.py`` checks that each still exists and that
+``src/memfit`` uses no private torch name missing here."""
+
+OPTIONAL_NAMES: dict[str, str] = {
+    "torch._C._accelerator_setAllocatorSettings": "torch >= 2.9",
+    "torch._C._cuda_cudaCachingAllocator_set_allocator_settings": "CUDA builds of older torch",
+    "torch._C._cuda_clearCublasWorkspaces": "builds with CUDA",
+}
+"""Private names looked up with ``getattr`` (absent from some torch versions or builds): when
+each is present."""

@@ -1,0 +1,41 @@
+"""Hugging Face transformers internals memfit patches, each behind one function.
+
+Checked against transformers 5.23.0. ``tests/test_compat.py`` checks each against the
+installed transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["IMPORT_UTILS", "fake_tensors_look_eager"]
+
+IMPORT_UTILS = "transformers.utils.import_utils"
+"""The module defining ``is_fake_tensor(x)`` and ``is_tracing(tensor)``; ``is_tracing`` (used by
+``masking_utils`` and the attention code) looks ``is_fake_tensor`` up in this module's globals
+at each call, so replacing the module attribute reaches every caller."""
+
+
+@contextlib.contextmanager
+def fake_tensors_look_eager() -> Iterator[None]:
+    """Within the context ``transformers.utils.import_utils.is_fake_tensor`` answers False, so
+    that ``is_tracing(fake_tensor)`` is False and transformers takes its eager code paths (see
+    Note: [libraries that detect fake tensors] in ``memfit/trace/engine.py``); restored on exit.
+    Nothing is patched when transformers is not imported or has no ``is_fake_tensor``."""
+    module = sys.modules.get(IMPORT_UTILS)
+    original = getattr(module, "is_fake_tensor", None)
+    if module is None or original is None:
+        yield
+        return
+
+    def is_fake_tensor(_x: Any) -> bool:
+        return False
+
+    module.is_fake_tensor = is_fake_tensor  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        module.is_fake_tensor = original  # type: ignore[attr-defined]
