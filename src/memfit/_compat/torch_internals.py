@@ -1,7 +1,8 @@
 """torch internals memfit patches, walks or calls, each behind one function.
 
-Checked against torch 2.13.0 (the CPU test machine) and read in torch 2.11 (the GPU machines)
-where noted. ``tests/test_compat.py`` checks every entry against the installed torch.
+Each was checked against torch 2.13.0 (the CPU test machine; the GPU machines run 2.11, where
+``tests/test_compat.py`` runs too). ``tests/test_compat.py`` checks every entry against the
+installed torch and names the internal in its failure message.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def reporting_get_rng_state(on_state: Callable[[torch.Tensor], None]) -> Iterato
     ``torch/utils/checkpoint.py`` saves the CPU generator's state per checkpointed call by
     calling ``torch.get_rng_state()`` through the ``torch`` module (``CheckpointFunction.forward``
     and ``_checkpoint_without_reentrant_generator``: ``fwd_cpu_state = torch.get_rng_state()``,
-    torch 2.11 and 2.13), so replacing the module attribute sees those calls."""
+    torch 2.13.0), so replacing the module attribute sees those calls."""
     original = torch.get_rng_state
 
     def get_rng_state() -> torch.Tensor:
