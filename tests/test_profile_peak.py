@@ -1,0 +1,163 @@
+"""memfit profile's peak is the allocator's peak (issue 13): a conv net's three training steps
+on CPU, profiled through the Python API and as a script, against the PyTorch profiler's allocator
+events read here, in the test, by code independent of memfit's.
+
+The reference runs the same steps on the same machine, so it sees the same kernel scratch
+whatever the CPU's instruction set (oneDNN picks AVX2 or AVX-512 kernels, whose scratch differs);
+these tests also pass under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
+
+from memfit.categories import MemoryCategory
+from memfit.cli import main
+from memfit.profile import profile
+
+F32, I64 = 4, 8
+BATCH, SIDE, C1, C2, CLASSES = 32, 32, 64, 128, 10
+
+CONVNET = textwrap.dedent(f"""
+    import torch
+    from torch import nn
+
+    def convnet():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, {C1}, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d({C1}, {C2}, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+            nn.Flatten(), nn.Linear({C2} * 16, {CLASSES}))
+
+    def batch():
+        torch.manual_seed(1)
+        return torch.randn({BATCH}, 3, {SIDE}, {SIDE}), torch.randint(0, {CLASSES}, ({BATCH},))
+
+    def train(model, opt, x, y, steps=3):
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    if __name__ == "__main__":
+        model = convnet()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        train(model, opt, *batch())
+""")
+PARAMS = (3 * 9 * C1 + C1) + (C1 * 9 * C2 + C2) + (C2 * 16 * CLASSES + CLASSES)
+BATCH_BYTES = BATCH * 3 * SIDE * SIDE * F32 + BATCH * I64
+
+
+def _convnet_module(tmp_path: Path) -> dict[str, Callable[..., object]]:
+    path = tmp_path / "convnet.py"
+    path.write_text(CONVNET)
+    return runpy.run_path(str(path))  # the functions only: run_name is not __main__
+
+
+def allocator_peak(fn: Callable[[], object]) -> int:
+    """Peak of the running sum of the CPU allocator's events while ``fn`` runs, above what was
+    alive before (written here, apart from memfit.profile.cpu, so the two cannot share a bug).
+
+    A free is counted only if this session saw the block allocated: PyTorch's CPU allocator may
+    report the free of a block allocated before with a stale size
+    (c10/core/CPUAllocator.cpp: ProfiledCPUMemoryReporter::Delete looks the size up in a table
+    that only profiled allocations fill)."""
+    with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        event = todo.pop()
+        todo.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            events.append((event.start_time_ns, event.extra_fields.ptr,
+                           event.extra_fields.alloc_size))
+    events.sort(key=lambda e: e[0])
+    sizes: dict[int, int] = {}
+    running = peak = 0
+    for _, ptr, nbytes in events:
+        if nbytes > 0:
+            sizes[ptr] = nbytes
+        elif sizes.pop(ptr, None) is None:
+            continue
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def test_api_peak_is_the_allocator_peak(tmp_path: Path) -> None:
+    net = _convnet_module(tmp_path)
+
+    def steps() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+        model = net["convnet"]()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), *net["batch"]()
+
+    model, opt, x, y = steps()
+    # Alive before: parameters and the batch (first principles); AdamW's state starts empty.
+    truth = PARAMS * F32 + BATCH_BYTES + allocator_peak(lambda: net["train"](model, opt, x, y))
+
+    model, opt, x, y = steps()
+    with profile(device="cpu", baseline=(model, opt, x, y)) as prof:
+        net["train"](model, opt, x, y)
+    r = prof.result
+    assert r is not None
+    assert r.baseline_bytes == PARAMS * F32 + BATCH_BYTES
+    # Exact: the same steps, shapes and kernels on the same machine allocate the same blocks in
+    # the same order (both runs keep Python's cycle collector as it is; these steps make no
+    # reference cycles, so it frees nothing either way).
+    assert r.peak_bytes == truth
+    assert r.allocator_peak_bytes == truth
+    # The ledger's categories and the scratch inside kernels add up to the allocator's peak; the
+    # ledger alone never sees more than the allocator did.
+    assert r.inside_kernels_bytes is not None and r.inside_kernels_bytes >= 0
+    assert sum(r.breakdown.values()) + r.inside_kernels_bytes == r.peak_bytes
+    assert r.tracked_peak_bytes <= r.peak_bytes
+    assert r.breakdown[MemoryCategory.WEIGHTS] == PARAMS * F32
+
+
+def test_script_peak_is_the_allocator_peak(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "convnet.py"
+    script.write_text(CONVNET)
+    argv = sys.argv[:]
+    try:
+        sys.argv = [str(script)]
+        # The script creates everything it uses, so nothing alive before counts.
+        truth = allocator_peak(lambda: runpy.run_path(str(script), run_name="__main__"))
+    finally:
+        sys.argv = argv
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--json", str(out), "--predict", "--",
+                 "python", str(script)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["peak_bytes"] == truth
+    assert doc["allocator_peak_bytes"] == truth
+    assert sum(doc["breakdown"].values()) + doc["inside_kernels_bytes"] == truth
+    # --predict compares the trace's peak with the allocator's: the text table's last rows.
+    text = capsys.readouterr().out
+    assert "inside kernels" in text
+    assert doc["predicted"]["peak_bytes"] > 0
+
+
+def test_without_allocator_events_the_ledger_is_the_peak() -> None:
+    lin = nn.Linear(256, 128)
+    x = torch.randn(32, 256)
+    with torch.no_grad(), profile(device="cpu", baseline=(lin, x),
+                                  allocator_events=False) as prof:
+        lin(x)
+    r = prof.result
+    assert r is not None
+    assert r.inside_kernels_bytes is None and r.allocator_peak_bytes is None
+    assert r.peak_bytes == r.tracked_peak_bytes == ((256 * 128 + 128) + 32 * 256 + 32 * 128) * F32
