@@ -161,3 +161,89 @@ def test_without_allocator_events_the_ledger_is_the_peak() -> None:
     assert r is not None
     assert r.inside_kernels_bytes is None and r.allocator_peak_bytes is None
     assert r.peak_bytes == r.tracked_peak_bytes == ((256 * 128 + 128) + 32 * 256 + 32 * 128) * F32
+
+
+def test_a_model_made_before_and_met_inside_counts_from_its_first_call() -> None:
+    """``baseline=()``: a model created before the block is counted when its forward first runs.
+    The allocator never saw its weights allocated, so the ledger's count of them is merged into
+    the allocator's running sum: the peak is the weights (first principles) plus the allocator's
+    peak of the same step."""
+    def step(model: nn.Module) -> None:
+        x = torch.randn(64, 512)
+        model(x).relu().sum().backward()
+
+    torch.manual_seed(0)
+    reference = nn.Linear(512, 1024)
+    truth = (512 * 1024 + 1024) * F32 + allocator_peak(lambda: step(reference))
+    torch.manual_seed(0)
+    model = nn.Linear(512, 1024)
+    with profile(device="cpu", baseline=()) as prof:
+        step(model)
+    r = prof.result
+    assert r is not None
+    assert r.baseline_bytes == 0
+    assert r.peak_bytes == truth
+    assert r.breakdown[MemoryCategory.WEIGHTS] == (512 * 1024 + 1024) * F32
+
+
+
+def test_tensors_alive_before_and_freed_inside_are_seen_freed() -> None:
+    """Gradients left by an earlier step are freed by ``zero_grad()`` inside the block; the
+    allocator never reports that free (the blocks were allocated before it listened), the ledger
+    does, and the merge lowers the running sum there. So the step's peak equals that of a fresh
+    model that had no gradients to free: weights + batch (first principles) + its allocator peak.
+    """
+    def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        opt.zero_grad()  # set_to_none: frees the gradients
+        model(x).relu().sum().backward()
+        opt.step()
+
+    x = torch.randn(64, 512)
+    weights = (512 * 1024 + 1024) * F32
+    fresh = nn.Linear(512, 1024)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    truth = weights + 64 * 512 * F32 + allocator_peak(lambda: step(fresh, fresh_opt, x))
+    model = nn.Linear(512, 1024)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, opt, x)  # leaves 2 MiB of gradients alive
+    with profile(device="cpu", baseline=(model, opt, x)) as prof:
+        step(model, opt, x)
+    r = prof.result
+    assert r is not None
+    assert r.baseline_bytes == 2 * weights + 64 * 512 * F32
+    assert r.peak_bytes == truth
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_is_max_memory_allocated(tmp_path: Path) -> None:
+    """On CUDA ``peak_bytes`` is ``torch.cuda.max_memory_allocated()`` over the block, peak stats
+    reset at entry (torch/cuda/memory.py: ``max_memory_allocated`` returns
+    ``memory_stats()["allocated_bytes.all.peak"]``, which ``reset_peak_memory_stats`` resets to
+    the bytes allocated now). The reference measures the same steps with those two calls; a
+    warm-up step first makes the cuBLAS/cuDNN workspaces (kept by the caching allocator), so both
+    runs start with them allocated."""
+    net = _convnet_module(tmp_path)
+
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+        model = net["convnet"]().cuda()
+        x, y = net["batch"]()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), x.cuda(), y.cuda()
+
+    net["train"](*fresh(), steps=1)
+    torch.cuda.synchronize()
+    model, opt, x, y = fresh()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    net["train"](model, opt, x, y)
+    torch.cuda.synchronize()
+    truth = torch.cuda.max_memory_allocated()
+    del model, opt, x, y
+    model, opt, x, y = fresh()
+    with profile(device="cuda", baseline=(model, opt, x, y), record_history=False) as prof:
+        net["train"](model, opt, x, y)
+    r = prof.result
+    assert r is not None
+    assert r.peak_bytes == truth
+    assert r.inside_kernels_bytes is not None
+    assert sum(r.breakdown.values()) + r.inside_kernels_bytes == r.peak_bytes

@@ -289,6 +289,8 @@ class Profiler:
 
         if self.device == "cuda":
             torch.cuda.synchronize()
+            # torch/cuda/memory.py: reset_peak_memory_stats sets the peaks that
+            # max_memory_allocated/reserved read to the bytes allocated/reserved now.
             torch.cuda.reset_peak_memory_stats()
             if self.record_history:
                 torch.cuda.memory._record_memory_history(max_entries=self.max_history_entries)
