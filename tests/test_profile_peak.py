@@ -10,6 +10,7 @@ these tests also pass under ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``
 from __future__ import annotations
 
 import json
+import re
 import runpy
 import sys
 import textwrap
@@ -26,6 +27,7 @@ from torch.profiler import profile as torch_profile
 from memfit.categories import MemoryCategory
 from memfit.cli import main
 from memfit.profile import profile
+from memfit.units import format_bytes
 
 F32, I64 = 4, 8
 BATCH, SIDE, C1, C2, CLASSES = 32, 32, 64, 128, 10
@@ -138,17 +140,24 @@ def test_script_peak_is_the_allocator_peak(tmp_path: Path,
         truth = allocator_peak(lambda: runpy.run_path(str(script), run_name="__main__"))
     finally:
         sys.argv = argv
-    out = tmp_path / "profile.json"
-    assert main(["profile", "--json", str(out), "--predict", "--",
+    out, html = tmp_path / "profile.json", tmp_path / "profile.html"
+    assert main(["profile", "--json", str(out), "--html", str(html), "--predict", "--",
                  "python", str(script)]) == 0
     doc = json.loads(out.read_text())
     assert doc["peak_bytes"] == truth
     assert doc["allocator_peak_bytes"] == truth
     assert sum(doc["breakdown"].values()) + doc["inside_kernels_bytes"] == truth
-    # --predict compares the trace's peak with the allocator's: the text table's last rows.
+    # --predict compares the trace's peak with the allocator's: in the text table and in the
+    # report's peak row (predicted, then predicted − measured against the allocator's peak).
+    predicted = doc["predicted"]["peak_bytes"]
     text = capsys.readouterr().out
     assert "inside kernels" in text
-    assert doc["predicted"]["peak_bytes"] > 0
+    row = re.search(r'<tr id="peak-row">(.*?)</tr>', html.read_text(encoding="utf-8"), re.S)
+    assert row is not None
+    cells = re.findall(r'<th class="num[^"]*">([^<]*)</th>', row.group(1))
+    assert cells[:2] == [format_bytes(truth), format_bytes(predicted)]
+    diff = predicted - truth
+    assert cells[2].startswith(format_bytes(diff)) and f"({100 * diff / truth:+.1f}%)" in cells[2]
 
 
 def test_without_allocator_events_the_ledger_is_the_peak() -> None:
