@@ -23,6 +23,11 @@ objects at entry; any other model or optimizer is counted from the moment it is 
 module's forward, an optimizer step), which is what ``memfit profile`` relies on (the script
 creates everything after profiling began).
 
+The peak is the allocator's, not the ledger's: kernels allocate scratch no tensor owns (oneDNN's
+reorders and workspaces on CPU, cuBLAS/cuDNN workspaces on CUDA). On CPU the PyTorch profiler's
+allocator events are read (``allocator_events=True``, the default), with a profiler range around
+each op so their peak can be placed on the ledger's timeline (Note: [ops on the allocator's
+clock]); the breakdown is the ledger's at that moment and ``inside_kernels_bytes`` the rest.
 On CUDA the allocator is read too: ``max_memory_allocated/reserved`` over the run (peak stats
 are reset at entry), allocated and reserved after every op, fragmentation at the end, and a
 ``_record_memory_history`` snapshot for https://pytorch.org/memory_viz.
