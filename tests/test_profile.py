@@ -69,13 +69,19 @@ def test_training_peak_matches_allocator_events_and_categories_are_exact() -> No
         train(model, opt, x)
     r = prof.result
     assert r is not None
-    # Independent measurement: the allocator's running sum. The only bytes the profile cannot see
-    # are scalars kernels wrap internally (e.g. a Python float -> 0-dim tensor in aten.div):
-    # a few bytes each, freed inside the op.
-    assert reference.peak_bytes - 64 <= r.peak_bytes <= reference.peak_bytes
+    # Independent measurement: the allocator's running sum, over the same steps of a twin model.
+    # The profile's peak is the allocator's too, up to 8 bytes per Python scalar operand of the
+    # op at the peak (here Adam's aten.div): under a Python dispatch mode each is wrapped into a
+    # float64 0-dim tensor that lives while the op runs (a TorchDispatchMode that only forwards
+    # the op measures 8020 bytes for `(a.sqrt() / 3.0).add_(1e-8)` on 1000 floats, 8012
+    # without). The ledger cannot see those wrapped scalars: a few bytes each, freed inside the
+    # op, which are all an MLP's kernels hold beyond its tensors.
+    assert 0 <= r.peak_bytes - reference.peak_bytes <= 64
+    assert 0 <= r.peak_bytes - r.tracked_peak_bytes <= 64
     assert r.baseline_bytes == reference.baseline_bytes == MLP_PARAMS * F32 + 32 * 64 * F32
     assert r.breakdown[W] == MLP_PARAMS * F32
-    assert sum(r.breakdown.values()) == r.tracked_peak_bytes == r.peak_bytes
+    assert r.inside_kernels_bytes is not None and 0 <= r.inside_kernels_bytes <= 64
+    assert sum(r.breakdown.values()) + r.inside_kernels_bytes == r.peak_bytes
     # After the last optimizer step: weights, gradients, Adam's exp_avg + exp_avg_sq, and one
     # float32 `step` scalar per parameter tensor (torch.optim.Adam, capturable=False).
     end = r.timeline[-1].by_category()
@@ -84,15 +90,21 @@ def test_training_peak_matches_allocator_events_and_categories_are_exact() -> No
     assert end[S] == 2 * MLP_PARAMS * F32 + 4 * F32
 
 
-def test_allocator_events_cross_check() -> None:
+def test_without_allocator_events_the_ledger_peak_is_within_scalars() -> None:
+    # allocator_events=False: the ledger alone, a few wrapped scalars short of the allocator
+    # (measured on a twin model: the same step, unprofiled).
+    x = torch.randn(16, 64)
+    twin = mlp()
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    reference = measure_cpu_peak(lambda: train(twin, twin_opt, x, steps=1), twin, twin_opt, x)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(16, 64)
-    with profile(device="cpu", allocator_events=True, baseline=(model, opt, x)) as prof:
+    with profile(device="cpu", allocator_events=False, baseline=(model, opt, x)) as prof:
         train(model, opt, x, steps=1)
     r = prof.result
-    assert r is not None and r.allocator_peak_bytes is not None
-    assert abs(r.allocator_peak_bytes - r.peak_bytes) <= 64
+    assert r is not None and r.allocator_peak_bytes is None and r.inside_kernels_bytes is None
+    assert r.peak_bytes == r.tracked_peak_bytes
+    assert reference.peak_bytes - 64 <= r.peak_bytes <= reference.peak_bytes
 
 
 def test_saved_for_backward_are_activations() -> None:
@@ -191,7 +203,10 @@ def test_json_document_has_the_stable_keys() -> None:
     assert doc["peak_reserved_bytes"] is None
     assert set(doc["breakdown"]) == {c.value for c in MemoryCategory}
     assert doc["breakdown"]["weights"] == (16 * 16 + 16) * F32
-    assert doc["breakdown"]["gradients"] in (0, (16 * 16 + 16) * F32)
+    # The peak comes in backward: either gradient, both or none may exist by then.
+    assert doc["breakdown"]["gradients"] in (0, 16 * F32, 16 * 16 * F32, (16 * 16 + 16) * F32)
+    assert isinstance(doc["inside_kernels_bytes"], int)
+    assert sum(doc["breakdown"].values()) + doc["inside_kernels_bytes"] == doc["peak_bytes"]
 
 
 def test_profiler_restores_global_state() -> None:

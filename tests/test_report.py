@@ -159,3 +159,40 @@ def test_png_without_matplotlib_says_how_to_install(result: ProfileResult, tmp_p
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     with pytest.raises(MemfitError, match=r"pip install 'memfit\[report\]'"):
         write_png(tmp_path / "x.png", result)
+
+
+def test_inside_kernels_row_and_prediction_against_the_allocator_peak() -> None:
+    """A hand-made CPU result whose allocator peak (10 KiB) is the ledger's 8 KiB plus 2 KiB of
+    kernel scratch: the report shows the 2 KiB as its own row, the rows add up to the peak, and
+    a prediction is compared with the allocator's peak, not the ledger's."""
+    from types import SimpleNamespace
+
+    from memfit.profile.result import TRACKED, MeasuredPoint
+
+    breakdown = {c: 0 for c in MemoryCategory}
+    breakdown[MemoryCategory.WEIGHTS], breakdown[MemoryCategory.ACTIVATIONS] = 4096, 4096
+    points = [MeasuredPoint(0, "aten.convolution.default", "forward", "conv",
+                            (4096, 0, 0, 4096, 0, 0))]
+    assert len(points[0].bytes) == len(TRACKED)
+    r = ProfileResult(device="cpu", peak_bytes=10240, peak_reserved_bytes=None,
+                      breakdown=breakdown, tracked_peak_bytes=8192, baseline_bytes=4096,
+                      peak_index=0, peak_op="aten.convolution.default", peak_phase="forward",
+                      peak_module="conv", num_ops=1, timeline=points, modules=[],
+                      top_tensors=[], allocator_peak_bytes=10240, inside_kernels_bytes=2048)
+    est = SimpleNamespace(peak_bytes=11264, peak_reserved_bytes=None, device="cpu",
+                          breakdown={MemoryCategory.WEIGHTS: 4096,
+                                     MemoryCategory.ACTIVATIONS: 4096,
+                                     MemoryCategory.TEMPORARIES: 3072})
+    page = render_html(r, estimate=est)  # type: ignore[arg-type]
+    inside = re.search(r'<tr id="inside-kernels">(.*?)</tr>', page, re.S)
+    assert inside is not None
+    assert format_bytes(2048) in inside.group(1) and "20.0%" in inside.group(1)  # 2 of 10 KiB
+    peak = re.search(r'<tr id="peak-row">(.*?)</tr>', page, re.S)
+    assert peak is not None
+    # predicted 11 KiB against the allocator's 10 KiB: +1 KiB, +10.0% (against the ledger's
+    # 8 KiB it would read +37.5%).
+    assert format_bytes(10240) in peak.group(1) and "+10.0%" in peak.group(1)
+    assert 'id="card-inside-kernels">2.00 KiB<' in page
+    doc = r.to_dict()
+    assert doc["inside_kernels_bytes"] == 2048
+    assert sum(doc["breakdown"].values()) + doc["inside_kernels_bytes"] == doc["peak_bytes"]

@@ -101,6 +101,13 @@ def _print_summary(result: Any, est: Any) -> None:
             if est is not None:
                 row.append(format_bytes(predicted))
             table.add_row(*row)
+    if result.inside_kernels_bytes is not None:
+        # What the allocator held at the peak beyond the tensors above (kernel scratch); the
+        # prediction counts its scratch within its categories.
+        row = ["inside kernels", format_bytes(result.inside_kernels_bytes)]
+        if est is not None:
+            row.append("")
+        table.add_row(*row)
     row = ["peak allocated", format_bytes(result.peak_bytes)]
     if est is not None:
         row.append(format_bytes(est.peak_bytes))

@@ -12,6 +12,7 @@ reads the allocator, so it measures what the engine only models.
 
 from __future__ import annotations
 
+import bisect
 import gc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -89,6 +90,33 @@ def live_bytes(*alive: object) -> int:
     return sum(seen.values())
 
 
+OP_MARKER = "memfit::op"
+"""Name of the profiler range :class:`memfit.profile.Profiler` opens around each op it records,
+so the allocator's events can be placed on its timeline (see :func:`marked_allocator_events`)."""
+
+
+def _raw_events(prof: profile, device: str,
+                marker: str | None = None) -> tuple[list[tuple[int, int, int, Any]], list[Any]]:
+    """``(time_ns, address, ±bytes, enclosing marker event or None)`` of every allocator event
+    on ``device``, and the ``marker`` range events (unordered)."""
+    events: list[tuple[int, int, int, Any]] = []
+    markers: list[Any] = []
+    tree = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
+    stack: list[tuple[Any, Any]] = [(e, None) for e in tree]
+    while stack:
+        event, inside = stack.pop()
+        if event.tag == _EventType.Allocation:
+            fields = event.extra_fields
+            if fields.device.type == device and fields.alloc_size != 0:
+                events.append((event.start_time_ns, fields.ptr, fields.alloc_size, inside))
+            continue
+        if inside is None and marker is not None and event.name == marker:
+            inside = event
+            markers.append(event)
+        stack.extend((c, inside) for c in event.children)
+    return events, markers
+
+
 def allocator_deltas(prof: profile, device: str = "cpu") -> list[int]:
     """The allocator's ``+bytes`` / ``-bytes`` events on ``device`` from a finished
     ``profile(profile_memory=True)``, in time order.
@@ -101,32 +129,49 @@ def allocator_deltas(prof: profile, device: str = "cpu") -> list[int]:
     the running sum exact for them and the same from run to run (without this, a QAT step measured
     2% lower in one CI run out of several: 32 KiB frees of scales allocated before the run).
     """
-    events: list[tuple[int, int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag != _EventType.Allocation:
-            continue
-        fields = event.extra_fields
-        if fields.device.type == device and fields.alloc_size != 0:
-            events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
-    return session_deltas(events)
+    return session_deltas(_raw_events(prof, device)[0])
+
+
+def marked_allocator_events(prof: profile, marker: str = OP_MARKER,
+                            device: str = "cpu") -> list[tuple[int, int]]:
+    """``(slot, ±bytes)`` of this session's allocator events (as :func:`allocator_deltas`), in
+    time order, each placed relative to the ``marker`` ranges (ordered by start): slot ``2k + 1``
+    is inside the ``k``-th range, slot ``2k`` between the ``(k-1)``-th and the ``k``-th (so slot
+    ``2n``, for ``n`` ranges, is after the last). Inside a range is decided by the event tree
+    (exact); between ranges by the events' times."""
+    raw, markers = _raw_events(prof, device, marker)
+    markers.sort(key=lambda m: m.start_time_ns)
+    index = {id(m): k for k, m in enumerate(markers)}
+    starts = [m.start_time_ns for m in markers]
+    out: list[tuple[int, int]] = []
+    for time_ns, _, nbytes, inside in session_events(raw):
+        if inside is not None:
+            out.append((2 * index[id(inside)] + 1, nbytes))
+        else:
+            out.append((2 * bisect.bisect_right(starts, time_ns), nbytes))
+    return out
+
+
+def session_events(events: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """``(time_ns, address, ±bytes, ...)`` allocator events -> the same in time order, without
+    frees of blocks that no event here allocated (see :func:`allocator_deltas`)."""
+    events = sorted(events, key=lambda e: e[0])  # stable: simultaneous events keep their order
+    alive: dict[int, int] = {}
+    kept: list[tuple[Any, ...]] = []
+    for event in events:
+        ptr, nbytes = event[1], event[2]
+        if nbytes > 0:
+            alive[ptr] = nbytes
+        elif alive.pop(ptr, None) is None:
+            continue  # allocated before this session: not counted on either side
+        kept.append(event)
+    return kept
 
 
 def session_deltas(events: list[tuple[int, int, int]]) -> list[int]:
     """``(time_ns, address, ±bytes)`` allocator events -> the ``±bytes`` in time order, without
     frees of blocks that no event here allocated (see :func:`allocator_deltas`)."""
-    events = sorted(events, key=lambda e: e[0])  # stable: simultaneous events keep their order
-    alive: dict[int, int] = {}
-    deltas: list[int] = []
-    for _, ptr, nbytes in events:
-        if nbytes > 0:
-            alive[ptr] = nbytes
-        elif alive.pop(ptr, None) is None:
-            continue  # allocated before this session: not counted on either side
-        deltas.append(nbytes)
-    return deltas
+    return [e[2] for e in session_events(events)]
 
 
 def running_peak(deltas: Iterable[int]) -> tuple[int, int]:

@@ -2,7 +2,9 @@
 
 These are plain frozen dataclasses with integer bytes; units are formatted only by the reports.
 ``ProfileResult.to_dict()`` is the ``--json`` schema; its keys ``device``, ``peak_bytes``,
-``peak_reserved_bytes`` and ``breakdown`` are stable.
+``peak_reserved_bytes``, ``breakdown`` and ``inside_kernels_bytes`` are stable, and
+``sum(breakdown.values()) + inside_kernels_bytes == peak_bytes`` whenever
+``inside_kernels_bytes`` is not null.
 """
 
 from __future__ import annotations
@@ -82,12 +84,16 @@ class ModuleUsage:
 class ProfileResult:
     """The measurement of one profiled run.
 
-    On CPU, ``peak_bytes`` is the peak of tracked live bytes (every tensor storage alive when
-    profiling began plus every storage an op allocated, minus those freed); ``peak_reserved_bytes``
-    is None (the CPU allocator keeps no cache). On CUDA, ``peak_bytes`` and
-    ``peak_reserved_bytes`` are ``torch.cuda.max_memory_allocated/reserved`` over the run, and
-    ``breakdown`` sums to ``tracked_peak_bytes`` (512-byte rounded storages at the tracked peak);
-    the difference is memory no tensor owns (library workspaces).
+    ``peak_bytes`` is what the allocator held at its peak. On CPU (with allocator events, the
+    default) it is the bytes alive at entry plus the peak of the running sum of the PyTorch
+    profiler's allocator events; ``breakdown`` is the tensor storages the ledger saw alive at
+    that moment, and ``inside_kernels_bytes`` the rest (scratch inside kernels, e.g. oneDNN's),
+    so the two add up to ``peak_bytes``. ``peak_reserved_bytes`` is None (the CPU allocator keeps
+    no cache). On CUDA, ``peak_bytes`` and ``peak_reserved_bytes`` are
+    ``torch.cuda.max_memory_allocated/reserved`` over the run; ``breakdown`` is at the tracked
+    peak (512-byte rounded storages) and ``inside_kernels_bytes`` what no tensor owned
+    (library workspaces). ``tracked_peak_bytes`` is the ledger's own peak, which can come at
+    another moment than the allocator's.
     """
 
     device: str
@@ -96,6 +102,7 @@ class ProfileResult:
     breakdown: dict[MemoryCategory, int]
     """Live bytes per category at the peak (every category present)."""
     tracked_peak_bytes: int
+    """The peak of the ledger's live tensor storages (kernel scratch not included)."""
     baseline_bytes: int
     """Bytes of the storages alive when profiling began."""
     peak_index: int
@@ -112,8 +119,10 @@ class ProfileResult:
     cuda: dict[str, Any] | None = None
     """CUDA allocator facts: end-of-run stats and fragmentation (None on CPU)."""
     allocator_peak_bytes: int | None = None
-    """CPU with ``allocator_events=True``: baseline plus the peak of the profiler's allocator
-    events, an independent cross-check that also sees kernel-internal allocations."""
+    """CPU with allocator events: the peak they give (equal to ``peak_bytes``); else None."""
+    inside_kernels_bytes: int | None = None
+    """``peak_bytes`` minus ``breakdown``'s sum: memory the allocator held at the peak that no
+    live tensor storage owned. None on CPU without allocator events (not measured)."""
     stacks: bool = False
     seconds: float = 0.0
     torch_version: str = ""
@@ -135,6 +144,7 @@ class ProfileResult:
             "tracked_peak_bytes": self.tracked_peak_bytes,
             "baseline_bytes": self.baseline_bytes,
             "allocator_peak_bytes": self.allocator_peak_bytes,
+            "inside_kernels_bytes": self.inside_kernels_bytes,
             "peak": {"index": self.peak_index, "op": self.peak_op, "phase": self.peak_phase,
                      "module": self.peak_module},
             "num_ops": self.num_ops,

@@ -23,6 +23,11 @@ objects at entry; any other model or optimizer is counted from the moment it is 
 module's forward, an optimizer step), which is what ``memfit profile`` relies on (the script
 creates everything after profiling began).
 
+The peak is the allocator's, not the ledger's: kernels allocate scratch no tensor owns (oneDNN's
+reorders and workspaces on CPU, cuBLAS/cuDNN workspaces on CUDA). On CPU the PyTorch profiler's
+allocator events are read (``allocator_events=True``, the default), with a profiler range around
+each op so their peak can be placed on the ledger's timeline (Note: [ops on the allocator's
+clock]); the breakdown is the ledger's at that moment and ``inside_kernels_bytes`` the rest.
 On CUDA the allocator is read too: ``max_memory_allocated/reserved`` over the run (peak stats
 are reset at entry), allocated and reserved after every op, fragmentation at the end, and a
 ``_record_memory_history`` snapshot for https://pytorch.org/memory_viz.
@@ -30,6 +35,7 @@ are reset at entry), allocated and reserved after every op, fragmentation at the
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import os
@@ -46,13 +52,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch._C._profiler import _RecordFunctionFast
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit._compat import torch_internals
 from memfit._tensors import tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
-from memfit.profile.cpu import allocator_deltas, running_peak
+from memfit.profile.cpu import OP_MARKER, marked_allocator_events
 from memfit.profile.result import (
     TRACKED,
     MeasuredPoint,
@@ -101,24 +108,40 @@ class _Mode(TorchDispatchMode):
         self.prof = prof
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.prof._after_op(func, out)
+        prof = self.prof
+        if not prof._mark_ops:
+            out = func(*args, **(kwargs or {}))
+            prof._after_op(func, out)
+            return out
+        # Note: [ops on the allocator's clock] a profiler range around each op places the
+        # allocator's events on this ledger's timeline: the ledger's event counts when op k
+        # started and when it was recorded are kept, the k-th range's events are op k's.
+        prof._op_starts.append(len(prof._events))
+        try:
+            with _RecordFunctionFast(OP_MARKER):
+                out = func(*args, **(kwargs or {}))
+            prof._after_op(func, out)
+        finally:
+            prof._op_ends.append(len(prof._events))
         return out
 
 
 class Profiler:
     """Measures the memory of the code run inside it; see :func:`profile`.
 
-    Known limitations: only memory owned by tensor storages is categorised (kernel-internal
-    scratch is not; on CUDA it shows as the gap between ``peak_bytes`` and ``tracked_peak_bytes``,
-    on CPU ``allocator_events=True`` measures it); memory of other threads' ops that do not inherit
-    the dispatch mode, of DataLoader worker processes, and of ``torch.compile``-d regions (which
-    run below the dispatch mode) is not tracked; the KV cache is not recognised (it counts as
-    temporaries or activations).
+    Known limitations: only memory owned by tensor storages is categorised; what the allocator
+    holds beyond them (scratch inside kernels, e.g. oneDNN's reorders) is one number,
+    ``inside_kernels_bytes``. On CPU that needs ``allocator_events=True`` (the default); without
+    it ``peak_bytes`` is the ledger's and misses that scratch. A tensor created in the block by a
+    path the dispatch mode cannot see and first met later (e.g. by a module hook) is counted
+    twice at the peak, by the allocator and as alive before the block. Memory of other threads'
+    ops that do not inherit the dispatch mode, of DataLoader worker processes, and of
+    ``torch.compile``-d regions (which run below the dispatch mode) is not tracked; the KV cache
+    is not recognised (it counts as temporaries or activations).
     """
 
     def __init__(self, *, device: str = "auto", stacks: bool = False,
-                 record_history: bool = True, allocator_events: bool = False,
+                 record_history: bool = True, allocator_events: bool = True,
                  baseline: str | Sequence[object] = "gc",
                  max_history_entries: int = 100_000) -> None:
         if device == "auto":
@@ -137,6 +160,10 @@ class Profiler:
         self.stacks = stacks
         self.record_history = record_history and device == "cuda"
         self.allocator_events = allocator_events and device == "cpu"
+        self._mark_ops = False
+        self._op_starts: list[int] = []        # ledger events when dispatched op k started
+        self._op_ends: list[int] = []          # ... and when it had been recorded
+        self._baseline_events = 0
         self.max_history_entries = max_history_entries
         self._round = 512 if device == "cuda" else 1
         self._cuda = device == "cuda"
@@ -202,7 +229,7 @@ class Profiler:
         finally:
             self._exit = None
         self._closed = True
-        self.result = self._build(elapsed)
+        self.result = self._build(elapsed, self._allocator_peak())
         self._refs.clear()
 
     def mark(self, label: str) -> None:
@@ -268,6 +295,8 @@ class Profiler:
 
         if self.device == "cuda":
             torch.cuda.synchronize()
+            # torch/cuda/memory.py: reset_peak_memory_stats sets the peaks that
+            # max_memory_allocated/reserved read to the bytes allocated/reserved now.
             torch.cuda.reset_peak_memory_stats()
             if self.record_history:
                 torch.cuda.memory._record_memory_history(max_entries=self.max_history_entries)
@@ -288,6 +317,8 @@ class Profiler:
 
             self._kineto = stack.enter_context(quiet_profile(
                 activities=[ProfilerActivity.CPU], profile_memory=True))
+            self._mark_ops = True
+            stack.callback(setattr, self, "_mark_ops", False)
         stack.enter_context(_Mode(self))
         self._start = time.perf_counter()
 
@@ -327,6 +358,7 @@ class Profiler:
         for opt in optimizers:
             self._opt_post(opt, (), {})
         self._baseline = self._current
+        self._baseline_events = len(self._events)
 
     def _drop_param_hooks(self) -> None:
         for h in self._param_hooks:
@@ -537,8 +569,11 @@ class Profiler:
 
     # -- result ---------------------------------------------------------------------------------
 
-    def _build(self, elapsed: float) -> ProfileResult:
+    def _build(self, elapsed: float, measured: tuple[int, int] | None) -> ProfileResult:
+        """The result; ``measured`` is ``(allocator peak, ledger events at its moment)`` (CPU
+        with allocator events), else the ledger's own peak is the peak."""
         infos = self._infos
+        peak_events = self._peak_events if measured is None else measured[1]
         r = self._round
         size = [(i.nbytes if r == 1 else -(-i.nbytes // r) * r) for i in infos]
         cat = [_CAT_INDEX[i.role] for i in infos]
@@ -565,14 +600,14 @@ class Profiler:
         at_peak: set[int] | None = None
         breakdown = {c: 0 for c in MemoryCategory}
         baseline_events = self._op_events[0] if self._op_events else len(events)
-        if self._peak_events <= baseline_events:
-            replay(self._peak_events)
+        if peak_events <= baseline_events:
+            replay(peak_events)
             at_peak = set(live)
             for c, v in zip(TRACKED, totals, strict=True):
                 breakdown[c] = v
         for i, n_events in enumerate(self._op_events):
-            if at_peak is None and self._peak_events <= n_events:
-                replay(self._peak_events)
+            if at_peak is None and peak_events <= n_events:
+                replay(peak_events)
                 at_peak = set(live)
                 peak_index = i
                 for c, v in zip(TRACKED, totals, strict=True):
@@ -585,7 +620,7 @@ class Profiler:
                 tuple(totals), self._op_alloc[i] if cuda else None,
                 self._op_reserved[i] if cuda else None))
         if at_peak is None:  # the peak came after the last op (e.g. an allocation in a hook)
-            replay(self._peak_events)
+            replay(peak_events)
             at_peak = set(live)
             peak_index = len(timeline) - 1
             for c, v in zip(TRACKED, totals, strict=True):
@@ -604,13 +639,23 @@ class Profiler:
         top = sorted(at_peak, key=lambda u: size[u], reverse=True)[:_TOP_TENSORS]
         top_tensors = [self._record_of(u) for u in top]
         peak_point = timeline[peak_index] if peak_index >= 0 else None
-        peak_bytes = self._peak
+        peak_bytes = self._peak if measured is None else measured[0]
         reserved: int | None = None
         cuda_facts: dict[str, Any] | None = None
         if cuda:
+            # torch/cuda/memory.py: max_memory_allocated ("the maximum GPU memory occupied by
+            # tensors in bytes", since reset_peak_memory_stats at entry) is the allocator's peak,
+            # kernel workspaces included; max_memory_reserved is the caching allocator's.
             peak_bytes = torch.cuda.max_memory_allocated()
             reserved = torch.cuda.max_memory_reserved()
             cuda_facts = _cuda_facts()
+        inside_kernels: int | None = None
+        if measured is not None or cuda:
+            # Note: [inside kernels] what the allocator held at its peak beyond the storages the
+            # ledger saw alive then: scratch allocated and freed inside a kernel (oneDNN
+            # reorders, cuBLAS workspaces). On CUDA the breakdown is at the ledger's peak,
+            # which the allocator's peak may not coincide with.
+            inside_kernels = peak_bytes - sum(breakdown.values())
         return ProfileResult(
             device=self.device, peak_bytes=peak_bytes, peak_reserved_bytes=reserved,
             breakdown=breakdown, tracked_peak_bytes=self._peak, baseline_bytes=self._baseline,
@@ -618,7 +663,8 @@ class Profiler:
             peak_phase=peak_point.phase if peak_point else "other",
             peak_module=peak_point.module if peak_point else "", num_ops=len(timeline),
             timeline=timeline, modules=modules, top_tensors=top_tensors, marks=self._marks,
-            cuda=cuda_facts, allocator_peak_bytes=self._allocator_peak(), stacks=self.stacks,
+            cuda=cuda_facts, allocator_peak_bytes=None if measured is None else measured[0],
+            inside_kernels_bytes=inside_kernels, stacks=self.stacks,
             seconds=elapsed, torch_version=torch.__version__)
 
     def _record_of(self, uid: int) -> TensorRecord:
@@ -630,26 +676,58 @@ class Profiler:
                             dtype=str(info.dtype).removeprefix("torch."),
                             stack=self._stack_list[info.stack])
 
-    def _allocator_peak(self) -> int | None:
+    def _allocator_peak(self) -> tuple[int, int] | None:
+        """``(peak bytes, ledger events at the peak)`` from the allocator's events, or None.
+
+        The allocator's running sum starts at the bytes alive at entry. It never sees tensors
+        that were allocated before the block, so the ledger's events for those (counted when
+        first met, or freed during the block) are merged in, placed where the ledger recorded
+        them: between two ops, after the allocator's events there (hooks run outside ops).
+        """
         if self._kineto is None:
             return None
-        peak, _ = running_peak(allocator_deltas(self._kineto))
-        return self._baseline + peak
-
+        starts, ends, events = self._op_starts, self._op_ends, self._events
+        merged: list[tuple[int, int, int, int]] = [  # (slot, order, ±bytes, ledger position)
+            (slot, i, nbytes, -1)
+            for i, (slot, nbytes) in enumerate(marked_allocator_events(self._kineto))]
+        for idx in range(self._baseline_events, len(events)):
+            e = events[idx]
+            info = self._infos[e if e >= 0 else ~e]
+            if info.op == _BASELINE_OP:
+                slot = 2 * bisect.bisect_right(starts, idx)
+                merged.append((slot, len(merged), info.nbytes if e >= 0 else -info.nbytes,
+                               idx + 1))
+        merged.sort()
+        running = peak = self._baseline
+        where: tuple[int, int] | None = None
+        for slot, _, nbytes, position in merged:
+            running += nbytes
+            if running > peak:
+                peak, where = running, (slot, position)
+        if where is None:
+            return peak, self._baseline_events
+        slot, position = where
+        if position >= 0:
+            return peak, position
+        k = slot // 2
+        if slot % 2:  # inside op k: its outputs are alive, what it made and freed is not
+            return peak, ends[k]
+        return peak, starts[k] if k < len(starts) else len(events)
 
 def profile(*, device: str = "auto", stacks: bool = False, record_history: bool = True,
-            allocator_events: bool = False,
+            allocator_events: bool = True,
             baseline: str | Sequence[object] = "gc") -> Profiler:
     """Measure the memory of the code in a ``with`` block, by category, module and tensor.
 
     ``device``: ``auto`` (CUDA if available), ``cpu`` or ``cuda``. ``stacks``: record the Python
     stack of every allocation (slower; shown for the top tensors at the peak). ``record_history``
     (CUDA): keep an allocator history for :meth:`Profiler.save_snapshot`. ``allocator_events``
-    (CPU): also run the PyTorch profiler's allocator events as a cross-check
-    (``allocator_peak_bytes``). ``baseline``: what alive at entry counts, ``"gc"`` (every tensor
-    the garbage collector can reach) or the objects to count, e.g. ``(model, optimizer, batch)``
-    (modules, optimizers, tensors, and dicts/lists of them); a model or optimizer not listed is
-    still counted, from the moment it is first used.
+    (CPU, default on): read the PyTorch profiler's allocator events, so ``peak_bytes`` is the
+    allocator's peak and ``inside_kernels_bytes`` the scratch no tensor owned (off: the
+    ledger's peak, faster, blind to kernel scratch). ``baseline``: what alive at entry counts,
+    ``"gc"`` (every tensor the garbage collector can reach) or the objects to count, e.g.
+    ``(model, optimizer, batch)`` (modules, optimizers, tensors, and dicts/lists of them); a
+    model or optimizer not listed is still counted, from the moment it is first used.
 
     >>> import torch, memfit.profile.session as s
     >>> model = torch.nn.Linear(256, 256)

@@ -90,7 +90,7 @@ def render_html(result: ProfileResult, *, estimate: Estimate | None = None,
         "num_ops": result.num_ops,
         "downsampled": len(points) < len(result.timeline),
         "peak_index": result.peak_index,
-        "peak_label": format_bytes(result.tracked_peak_bytes),
+        "peak_label": format_bytes(result.peak_bytes),
         "predicted_peak": estimate.peak_bytes if estimate is not None else None,
         "marks": [{"index": i, "label": label} for i, label in result.marks],
     }
@@ -152,8 +152,8 @@ def _cards(result: ProfileResult, estimate: Estimate | None) -> str:
               if result.peak_reserved_bytes is not None else "n/a on CPU"),
              ("alive at start", format_bytes(result.baseline_bytes)),
              ("peak at", where)]
-    if result.allocator_peak_bytes is not None:
-        cards.append(("allocator events peak", format_bytes(result.allocator_peak_bytes)))
+    if result.inside_kernels_bytes is not None:
+        cards.append(("inside kernels", format_bytes(result.inside_kernels_bytes)))
     if estimate is not None:
         cards.append(("predicted peak", format_bytes(estimate.peak_bytes)))
     body = "".join(f"<div class=\"card\"><div class=\"k\">{_e(k)}</div>"
@@ -167,7 +167,8 @@ def _breakdown(result: ProfileResult, estimate: Estimate | None) -> str:
     if estimate is not None:
         head += "<th class=\"num\">predicted</th><th class=\"num\">predicted − measured</th>"
     rows = [head + "</tr>"]
-    total = max(1, sum(result.breakdown.values()))
+    inside = result.inside_kernels_bytes
+    total = max(1, sum(result.breakdown.values()) + (inside or 0))
     for cat in MemoryCategory:
         measured = result.breakdown.get(cat, 0)
         predicted = estimate.breakdown.get(cat, 0) if estimate is not None else 0
@@ -180,10 +181,21 @@ def _breakdown(result: ProfileResult, estimate: Estimate | None) -> str:
         if estimate is not None:
             row += _predicted_cells(predicted, measured)
         rows.append(row + "</tr>")
-    row = (f"<tr><th>tracked peak</th><th class=\"num\">"
-           f"{_e(format_bytes(result.tracked_peak_bytes))}</th><th></th>")
+    if inside is not None:
+        # Note: [inside kernels] in memfit.profile.session: allocator bytes no tensor owned.
+        row = (f"<tr id=\"inside-kernels\"><td><span class=\"swatch\"></span>inside kernels"
+               f"</td><td class=\"num\">{_e(format_bytes(inside))}</td>"
+               f"<td class=\"num\">{100 * inside / total:.1f}%</td>")
+        if estimate is not None:
+            row += "<td></td><td></td>"
+        rows.append(row + "</tr>")
+    # The prediction is compared with the allocator's peak (with allocator events, the CPU
+    # default, or on CUDA), not with the tensors the ledger saw.
+    label = "peak allocated" if inside is not None else "tracked peak"
+    row = (f"<tr id=\"peak-row\"><th>{label}</th><th class=\"num\">"
+           f"{_e(format_bytes(result.peak_bytes))}</th><th></th>")
     if estimate is not None:
-        row += _predicted_cells(estimate.peak_bytes, result.tracked_peak_bytes, tag="th")
+        row += _predicted_cells(estimate.peak_bytes, result.peak_bytes, tag="th")
     rows.append(row + "</tr>")
     if result.peak_reserved_bytes is not None:
         row = (f"<tr><th>peak reserved</th><th class=\"num\">"
@@ -192,9 +204,10 @@ def _breakdown(result: ProfileResult, estimate: Estimate | None) -> str:
             row += _predicted_cells(estimate.peak_reserved_bytes, result.peak_reserved_bytes,
                                     tag="th")
         rows.append(row + "</tr>")
-    note = ("<p class=\"note\">Bytes of tensor storages alive at the peak, by what they turned "
-            "out to be. On CUDA the allocator's peak can exceed the tracked peak by memory no "
-            "tensor owns (library workspaces).</p>")
+    note = ("<p class=\"note\">Bytes of tensor storages alive at the allocator's peak, by "
+            "what they turned out to be; <i>inside kernels</i> is what the allocator held "
+            "beyond them (scratch a kernel allocates and frees, e.g. oneDNN's, or on CUDA "
+            "library workspaces).</p>")
     title = "At the peak: predicted vs measured" if estimate is not None else "At the peak"
     return f"<h2>{title}</h2><table id=\"breakdown\">{''.join(rows)}</table>{note}"
 

@@ -55,8 +55,8 @@ def write_png(path: str | os.PathLike[str], result: ProfileResult, *, width: flo
         if result.peak_index >= 0 and points:
             peak_x = peak_marker_x(xs, result.peak_index)
             ax.axvline(peak_x, color="#c0392b", linestyle="--", linewidth=1)
-            ax.annotate(f"peak {result.tracked_peak_bytes / scale:.2f} {unit}",
-                        xy=(peak_x, result.tracked_peak_bytes / scale),
+            ax.annotate(f"peak {result.peak_bytes / scale:.2f} {unit}",
+                        xy=(peak_x, result.peak_bytes / scale),
                         xytext=(4, -12), textcoords="offset points", color="#c0392b")
         for phase, start, end in phase_spans(result.timeline):
             # The phases of the step as bands along the x-axis (the legend names them).
