@@ -4,7 +4,8 @@ Run: ``python bench/profile_overhead.py [--configs gpt,small] [--pairs 12]``
 
 For each model it times one training step (forward, backward, AdamW) plainly, inside a no-op
 ``TorchDispatchMode`` (the floor of any op-level instrumentation), and inside
-``memfit.profile(device="cpu")`` with stacks off and on, in turn, ``--pairs`` times. Time is
+``memfit.profile(device="cpu")`` with stacks off and on and with the allocator's events off
+(the tensor ledger alone), in turn, ``--pairs`` times. Time is
 process CPU time with one intra-op thread by default (steady on a shared machine); each slowdown
 is the median over pairs of the variant's step over the plain step just before it. The
 profile's one-off costs (the gc scan at entry, building the result at exit) are timed apart: they
@@ -102,6 +103,8 @@ def measure(name: str, cfg: dict[str, int], pairs: int) -> dict[str, object]:
     timed_steps(model, opt, x, 3)  # warm up: allocator, oneDNN primitives, Adam state
     variants = {"plain": lambda: contextlib.nullcontext(), "bare_mode": _BareMode,
                 "profiled": lambda: profile(device="cpu"),
+                # Tensor ledger only: what the default (the allocator's events too) adds.
+                "profiled_ledger_only": lambda: profile(device="cpu", allocator_events=False),
                 "profiled_stacks": lambda: profile(device="cpu", stacks=True)}
     times: dict[str, list[float]] = {k: [] for k in variants}
     ops = 0
@@ -135,6 +138,7 @@ def measure(name: str, cfg: dict[str, int], pairs: int) -> dict[str, object]:
         "slowdown_pct_bare_mode": slowdown("bare_mode"),
         "slowdown_pct": slowdown("profiled"),
         "slowdown_pct_stacks": slowdown("profiled_stacks"),
+        "slowdown_pct_ledger_only": slowdown("profiled_ledger_only"),
         "overhead_us_per_op": round(1e6 * (statistics.median(times["profiled"])
                                            - statistics.median(plain)) / max(ops, 1), 1),
         "enter_exit_ms": round(1000 * statistics.median(enter_exit), 2),
@@ -160,12 +164,13 @@ def main() -> int:
     print(f"CPU time per training step (AdamW), {torch.get_num_threads()} thread(s); slowdown "
           "vs the plain step run just before (median of pairs)")
     header = (f"{'config':8} {'params':>10} {'ops/step':>9} {'plain ms':>9} {'bare mode':>10} "
-              f"{'profiled':>9} {'+stacks':>9} {'us/op':>6} {'enter+exit ms':>14}")
+              f"{'profiled':>9} {'+stacks':>9} {'ledger':>9} {'us/op':>6} {'enter+exit ms':>14}")
     print(header)
     for r in rows:
         print(f"{r['config']:8} {r['params']:>10,} {r['ops_per_step']:>9} "
               f"{r['step_ms_plain']:>9.2f} {r['slowdown_pct_bare_mode']:>+9.1f}% "
               f"{r['slowdown_pct']:>+8.1f}% {r['slowdown_pct_stacks']:>+8.1f}% "
+              f"{r['slowdown_pct_ledger_only']:>+8.1f}% "
               f"{r['overhead_us_per_op']:>6.1f} {r['enter_exit_ms']:>14.1f}")
     date = datetime.date.today().isoformat()
     out = Path(args.out) if args.out else (
