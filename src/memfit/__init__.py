@@ -7,8 +7,8 @@ True
 """
 
 # Note: [lazy public API]
-# `import memfit` imports nothing else: each public name below is imported on first use
-# (PEP 562 module __getattr__), so the analytic CLI (`memfit plan --params 7e9`, `memfit gpus`)
+# `import memfit` imports nothing of memfit or torch: each public name below is imported on first
+# use (PEP 562 module __getattr__), so the analytic CLI (`memfit plan --params 7e9`, `memfit gpus`)
 # answers without importing torch (2-3 s on its own). `from memfit import plan` and `memfit.plan`
 # work as before. tests/test_cli_no_torch.py checks that those paths never import torch.
 
@@ -47,7 +47,7 @@ _SOURCES: dict[str, str] = {
     "watch": "memfit.monitor",
 }
 
-# (test_exported_members.py checks that __all__ and _SOURCES name the same things)
+# (tests/test_cli_no_torch.py checks that __all__ and _SOURCES name the same things)
 __all__ = [
     "Estimate",
     "GpuSpec",
