@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.table import Table
 
 from memfit.cli._common import console
@@ -38,6 +37,8 @@ def register(sub: Any) -> None:
 
 def _detect_gpu() -> str | None:
     """The catalog entry whose label matches this CUDA device, if any."""
+    import torch
+
     from memfit.gpus import list_gpus
 
     name = torch.cuda.get_device_name().lower()
@@ -50,6 +51,8 @@ def _detect_gpu() -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from memfit.validate import Result, matrix, run_matrix, summarize, zoo
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -141,6 +144,8 @@ def _row(item: Any) -> tuple[str, ...]:
 
 def _document(args: argparse.Namespace, gpu: str | None, size: str, total: int
               ) -> dict[str, Any]:
+    import torch
+
     return {
         "what": "memfit trace engine vs real runs",
         "date": dt.date.today().isoformat(),

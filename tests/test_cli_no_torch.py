@@ -1,0 +1,157 @@
+"""The analytic CLI paths never import torch or transformers (Note: [lazy public API]).
+
+``import torch`` alone takes 2-3 s; `memfit plan --params 7e9`, `memfit gpus` and `memfit models`
+need none of it. Each check runs in a fresh interpreter (this test process has torch loaded
+already) and reads ``sys.modules`` after the command, so it tests what is imported, not how long
+it takes. bench/cli_startup.py times the same commands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import memfit
+
+SRC = Path(memfit.__file__).resolve().parent.parent
+HEAVY = ("torch", "transformers")
+
+# The first command that imports a heavy module is the one named (later ones would see it loaded).
+_RUN_ALL = textwrap.dedent("""
+    import contextlib, io, json, sys
+    from memfit.cli import main
+    heavy = {heavy!r}
+    found = []
+    for argv in json.loads(sys.argv[1]):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                code = main(argv)
+            except SystemExit as exc:  # --help, --version
+                code = exc.code
+        loaded = [m for m in heavy if m in sys.modules]
+        found.append({{"argv": argv, "code": code, "loaded": loaded}})
+        if loaded:
+            break
+    print(json.dumps(found))
+""")
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+
+
+def _run_cli(commands: list[list[str]]) -> list[dict[str, object]]:
+    done = _python(_RUN_ALL.format(heavy=HEAVY), json.dumps(commands))
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _safetensors(tensors: dict[str, list[int]]) -> bytes:
+    """A bf16 safetensors file by hand from the format spec (u64 little-endian header length,
+    JSON header, data buffer): https://huggingface.co/docs/safetensors/index"""
+    header, offset = {}, 0
+    for name, shape in tensors.items():
+        size = 2 * shape[0] * (shape[1] if len(shape) > 1 else 1)
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + bytes(offset)
+
+
+def test_analytic_cli_paths_import_neither_torch_nor_transformers(tmp_path: Path) -> None:
+    llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+             "vocab_size": 256, "max_position_embeddings": 128, "tie_word_embeddings": False}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(llama))
+    folder = tmp_path / "ckpt"  # a config.json with its weights: plan reads the headers too
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(llama))
+    (folder / "model.safetensors").write_bytes(_safetensors({"lm_head.weight": [256, 64]}))
+    commands = [
+        ["--version"], ["--help"], ["plan", "--help"],
+        ["gpus"], ["gpus", "--json"], ["models"], ["models", "--json"],
+        ["plan", "--params", "7e9"], ["plan", "--params", "7e9", "--gpu", "a100-80gb", "--json"],
+        ["plan", "gpt2"], ["plan", "llama-3-8b", "--gpu", "rtx-4090", "--mode", "lora"],
+        ["plan", "llama-3-70b", "--gpu", "h100-80gb"],  # does not fit: suggestions, scale-out
+        ["plan", "mistral-7b", "--mode", "inference", "--new-tokens", "128", "--json"],
+        ["plan", "llama-3-8b", "--mode", "qlora", "--gpu", "a10g"],
+        ["plan", "gpt2", "--method", "analytic", "--gpu", "t4"],
+        ["plan", str(config), "--gpu", "h100-80gb"],
+        ["plan", str(config), "--json"],
+        ["plan", str(folder), "--gpu", "h100-80gb"],
+        ["plan", "llama-9-8b"],  # a usage error (exit 2) stays light too
+    ]
+    results = _run_cli(commands)
+    offenders = [(r["argv"], r["loaded"]) for r in results if r["loaded"]]
+    assert offenders == [], f"imported a heavy module: {offenders}"
+    assert len(results) == len(commands)
+    codes = {" ".join(r["argv"]): r["code"] for r in results}  # type: ignore[arg-type]
+    assert codes.pop("plan llama-9-8b") == 2
+    assert codes.pop("--help") == 0 and codes.pop("--version") == 0
+    assert set(codes.values()) == {0}, codes
+
+
+def test_the_check_sees_torch_when_a_command_needs_it() -> None:
+    # validate does import torch (then refuses: no CUDA here); the same check must say so (a
+    # test that cannot fail would prove nothing).
+    results = _run_cli([["gpus"], ["validate", "--device", "cuda"]])
+    assert results[0]["loaded"] == []
+    assert "torch" in results[-1]["loaded"]
+
+
+def test_import_memfit_is_light_and_the_api_stays_whole() -> None:
+    code = textwrap.dedent("""
+        import sys, json
+        import memfit
+        from memfit import RunConfig, plan, resolve_model, list_gpus, MemfitError
+        light = [m for m in ("torch", "transformers") if m in sys.modules]
+        p = plan(resolve_model("gpt2"), RunConfig(batch=2, seq=512))
+        light += [m for m in ("torch", "transformers") if m in sys.modules]
+        fn = memfit.estimate  # a torch-side name loads on first use
+        import memfit.trace
+        print(json.dumps({"light": light, "torch": "torch" in sys.modules,
+                          "total": p.total_bytes, "same": fn is memfit.trace.estimate}))
+    """)
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["light"] == [] and out["torch"] is True
+    assert out["total"] > 0 and out["same"] is True
+
+
+def test_every_public_name_has_a_source() -> None:
+    assert set(memfit.__all__) - {"__version__"} == set(memfit._SOURCES)
+    assert not hasattr(memfit, "no_such_name")
+
+
+def test_loading_a_subpackage_later_does_not_rebind_the_function() -> None:
+    # importlib binds a submodule on its parent when it loads; with lazy names that would turn
+    # memfit.estimate into the package. The function must win, whichever loads first.
+    code = textwrap.dedent("""
+        import importlib, types, memfit
+        fn_first = memfit.fit  # the function loads before its subpackage's submodules
+        for name, submodule in [("estimate", "memfit.estimate.planner"),
+                                ("fit", "memfit.fit.search"), ("guard", "memfit.guard"),
+                                ("profile", "memfit.profile.cpu")]:
+            importlib.import_module(submodule)
+            before = getattr(memfit, name)
+            importlib.import_module("memfit." + name)
+            imported = getattr(importlib.import_module("memfit"), name)
+            assert not isinstance(before, types.ModuleType), (name, before)
+            assert callable(before) and imported is before is getattr(memfit, name), name
+        assert memfit.fit is fn_first
+        from memfit import estimate, fit, guard, profile
+        print(" ".join(f.__module__ for f in (estimate, fit, guard, profile)))
+    """)
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    modules = done.stdout.split()
+    assert len(modules) == 4 and all(m.startswith("memfit.") for m in modules), modules
