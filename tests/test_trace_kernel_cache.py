@@ -105,10 +105,10 @@ def test_wrong_typed_entries_are_not_trusted(counted: list[int], tmp_path: Path)
     assert counted[0] == 2 * runs
 
 
-def test_fingerprint_separates_isa_limits_and_thread_counts(
+def test_fingerprint_separates_isa_limits_threads_and_method(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """oneDNN's ISA limit and the thread count (CPU flash attention keeps a buffer per thread)
-    select another cache file."""
+    """oneDNN's ISA limit, the thread count (CPU flash attention keeps a buffer per thread) and
+    the measuring code's hash select another cache file."""
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     base = kernel_cache._path()
@@ -122,6 +122,8 @@ def test_fingerprint_separates_isa_limits_and_thread_counts(
     finally:
         torch.set_num_threads(threads)
     assert kernel_cache._path() == base
+    monkeypatch.setattr(kernel_cache, "_method", "another memfit")
+    assert kernel_cache._path()[0] != base[0]
 
 
 def test_no_cache_writes_nothing(counted: list[int], monkeypatch: pytest.MonkeyPatch,

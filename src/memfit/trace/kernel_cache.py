@@ -12,7 +12,9 @@ The fingerprint holds everything that selects a kernel path or sizes its buffers
 version and git revision, the CPU capability ATen dispatches to (and ``ATEN_CPU_CAPABILITY``),
 oneDNN's ISA limit (``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA``) and fp-math mode, the CPU model
 and flags (AVX-512-bf16 and AMX change oneDNN's bf16 GEMM scratch), the float32 matmul precision
-and the intra-op thread count (CPU flash attention keeps one buffer per thread).
+and the intra-op thread count (CPU flash attention keeps one buffer per thread); and the
+measuring code itself (a hash of ``cpu_kernels.py`` and ``profile/cpu.py``), so a memfit that
+measures differently never reads an older memfit's numbers.
 
 ``MEMFIT_NO_CACHE=1`` turns the disk cache off (measurements then live for the process only).
 The file is JSON, never pickle: a file that does not parse, or whose fingerprint or entries are
@@ -39,6 +41,7 @@ _ENV_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
              "ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE")
 _loaded: dict[Path, dict[str, list[int | None]]] = {}
 _cpu_id: str | None = None
+_method: str | None = None
 
 
 def cache_dir() -> Path | None:
@@ -72,6 +75,21 @@ def _cpu_identity() -> str:
     return _cpu_id
 
 
+def _method_hash() -> str:
+    """A hash of the code that measures (module docstring)."""
+    global _method
+    if _method is None:
+        from memfit.profile import cpu as profile_cpu
+        from memfit.trace import cpu_kernels
+
+        h = hashlib.sha256()
+        for module in (cpu_kernels, profile_cpu):
+            with contextlib.suppress(OSError, TypeError):
+                h.update(Path(module.__file__).read_bytes())  # type: ignore[arg-type]
+        _method = h.hexdigest()[:16]
+    return _method
+
+
 def fingerprint() -> dict[str, Any]:
     """What a cached measurement is valid for (module docstring)."""
     return {
@@ -84,6 +102,7 @@ def fingerprint() -> dict[str, Any]:
         "mkldnn": bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "threads": torch.get_num_threads(),
+        "method": _method_hash(),
     }
 
 
