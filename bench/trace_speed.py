@@ -250,6 +250,7 @@ def main() -> None:
           "| MemTracker CPU s | ratio (CPU) |\n|---|---|---:|---:|---:|---:|---:|")
     for size, target, w, c, mw, mc, ratio in table:
         print(f"| {size} | {target} | {w} | {c} | {mw} | {mc} | {ratio} |")
+    results["load_average_at_end"] = list(os.getloadavg())
     results["peak_rss_mib"] = round(rss_mib(), 1)
     print(f"peak RSS {results['peak_rss_mib']} MiB")
     out = Path(__file__).parent / "results" / (
