@@ -51,7 +51,12 @@ def cache_dir() -> Path | None:
     explicit = os.environ.get("MEMFIT_CACHE_DIR")
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:  # no home directory to be found: no disk cache
+            return None
     return Path(base) / "memfit"
 
 
