@@ -143,3 +143,15 @@ def test_entry_keys_are_exact() -> None:
         (op, (sig, 1.0), ()))
     assert one is not None and one_f is not None and one != one_f
     assert kernel_cache.entry_key((op, (sig, object()), ())) is None
+
+
+def test_cache_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """$MEMFIT_CACHE_DIR, else $XDG_CACHE_HOME/memfit; MEMFIT_NO_CACHE=1 turns it off."""
+    monkeypatch.delenv("MEMFIT_NO_CACHE", raising=False)
+    monkeypatch.delenv("MEMFIT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernel_cache.cache_dir() == tmp_path / "xdg" / "memfit"
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "here"))
+    assert kernel_cache.cache_dir() == tmp_path / "here"
+    monkeypatch.setenv("MEMFIT_NO_CACHE", "1")
+    assert kernel_cache.cache_dir() is None
