@@ -1,13 +1,20 @@
 """How long memfit's trace engine takes on Llama-2-7B- and 70B-sized steps, next to MemTracker.
 
-Run: ``python bench/trace_speed.py [--sizes 7b,70b] [--steps 2]``
+Run: ``python bench/trace_speed.py [--sizes 1b,7b,70b] [--targets cuda,cpu] [--steps 2]``
 
 Builds a plain-torch Llama-like model (RMSNorm, RoPE, grouped-query SDPA attention, SwiGLU MLP) on
-the meta device, then times ``memfit.trace.estimate`` (bf16-mixed, AdamW, batch 1, seq 4096,
-CUDA target) and PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) running the
-same training step on the same meta model in this process (fp32: the meta device has no autocast).
+the meta device, then times ``memfit.trace.estimate`` (bf16-mixed, AdamW, batch 1, seq 4096) for
+each target and PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) running the
+same training step on the same meta model in this process (fp32: the meta device has no autocast;
+MemTracker has no notion of a target, so one MemTracker run is the baseline of both targets).
+
+A CPU target also measures the scratch of opaque CPU kernels by running them once on real zeros
+(``memfit/trace/cpu_kernels.py``), cached on disk (``memfit/trace/kernel_cache.py``). Its row is
+timed twice: ``cold`` with an empty cache directory (the first run on a machine) and ``warm``
+with the process's memory cleared but the file kept (every later run).
+
 Prints the times (wall and process CPU: other processes on a shared machine inflate wall time),
-the ratio and the peak RSS, and writes
+the ratio to MemTracker (memfit / MemTracker, CPU time) and the peak RSS, and writes
 ``bench/results/trace-speed-cpu-<date>.json`` with the torch version and the command.
 """
 
@@ -20,6 +27,7 @@ import os
 import platform
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SIZES = {  # Llama 2 (Touvron et al. 2023, table 1 / HF configs)
+SIZES = {  # Llama 2 (Touvron et al. 2023, table 1 / HF configs); 1b: Llama 3.2 1B's config.json
+    "1b": dict(dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
     "7b": dict(dim=4096, layers=32, heads=32, kv_heads=32, ffn=11008, vocab=32000),
     "70b": dict(dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000),
 }
@@ -105,12 +114,14 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def time_memfit(model: nn.Module, idx: torch.Tensor, steps: int) -> dict[str, object]:
+def time_memfit(model: nn.Module, idx: torch.Tensor, steps: int,
+                target: str = "cuda") -> dict[str, object]:
     from memfit.trace import estimate
 
+    gpu = {"gpu": "h100-sxm-80gb"} if target == "cuda" else {}
     start, cpu_start = time.perf_counter(), time.process_time()
-    est = estimate(model, (idx,), optimizer="adamw", precision="bf16-mixed", device="cuda",
-                   gpu="h100-sxm-80gb", steps=steps)
+    est = estimate(model, (idx,), optimizer="adamw", precision="bf16-mixed", device=target,
+                   steps=steps, **gpu)
     seconds = time.perf_counter() - start
     cpu_seconds = time.process_time() - cpu_start
     return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3),
@@ -150,9 +161,35 @@ def time_memtracker(model: nn.Module, idx: torch.Tensor, steps: int) -> dict[str
             "rss_mib_after": round(rss_mib(), 1)}
 
 
+def time_cpu_target(model: nn.Module, idx: torch.Tensor, steps: int) -> dict[str, object]:
+    """The CPU-target trace with an empty kernel cache, then with the file the first run left."""
+    from memfit.trace import cpu_kernels
+
+    saved = os.environ.get("MEMFIT_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="memfit-bench-cache-") as cache:
+        os.environ["MEMFIT_CACHE_DIR"] = cache
+        try:
+            cpu_kernels.clear_memory_cache()
+            cold = time_memfit(model, idx, steps, "cpu")
+            cpu_kernels.clear_memory_cache()  # as a new process would start
+            warm = time_memfit(model, idx, steps, "cpu")
+            cold["kernels_cached"] = sum(
+                len(json.loads(p.read_text())["entries"]) for p in Path(cache).glob("*.json"))
+        finally:
+            cpu_kernels.clear_memory_cache()
+            if saved is None:
+                os.environ.pop("MEMFIT_CACHE_DIR", None)
+            else:
+                os.environ["MEMFIT_CACHE_DIR"] = saved
+    if warm["peak_bytes"] != cold["peak_bytes"]:  # the cache must not change the answer
+        warm["error"] = "warm-cache peak differs from the cold one"
+    return {"cold": cold, "warm": warm}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="7b,70b")
+    parser.add_argument("--sizes", default="1b,7b,70b")
+    parser.add_argument("--targets", default="cuda,cpu")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--no-memtracker", action="store_true")
@@ -164,7 +201,8 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "load_average_at_start": list(os.getloadavg()),
         "config": {"precision": "bf16-mixed", "optimizer": "adamw", "batch": 1, "seq": args.seq,
-                   "steps": args.steps, "device": "cuda (modelled)"},
+                   "steps": args.steps, "targets": args.targets,
+                   "cpu": torch.backends.cpu.get_cpu_capability()},
         "models": {},
     }
     # Warm up once on a tiny model: the first trace in a process pays one-off imports and
@@ -172,22 +210,47 @@ def main() -> None:
     with torch.device("meta"):
         tiny = Llama(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256)
     time_memfit(tiny, torch.zeros(1, 16, dtype=torch.long, device="meta"), 1)
+    if "cpu" in args.targets:  # and the profiler's one-off start (kineto's init), uncached
+        os.environ["MEMFIT_NO_CACHE"], saved = "1", os.environ.get("MEMFIT_NO_CACHE")
+        time_memfit(tiny, torch.zeros(1, 16, dtype=torch.long, device="meta"), 1, "cpu")
+        if saved is None:
+            del os.environ["MEMFIT_NO_CACHE"]
+        else:
+            os.environ["MEMFIT_NO_CACHE"] = saved
+    targets = args.targets.split(",")
+    table = []
     for size in args.sizes.split(","):
         with torch.device("meta"):
             model = Llama(**SIZES[size])
         idx = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
         n = sum(p.numel() for p in model.parameters())
-        row: dict[str, object] = {"params": n, "memfit": time_memfit(model, idx, args.steps)}
+        row: dict[str, object] = {"params": n}
         if not args.no_memtracker:
             row["memtracker"] = time_memtracker(model, idx, args.steps)
-            mt = row["memtracker"]
-            if isinstance(mt, dict) and "seconds" in mt:
-                row["memtracker_over_memfit"] = round(
-                    float(mt["seconds"]) / float(row["memfit"]["seconds"]), 2)  # type: ignore[index]
+        mt = row.get("memtracker") or {}
+        for target in targets:
+            if target == "cuda":
+                runs = {"": time_memfit(model, idx, args.steps, "cuda")}
+                row["cuda"] = runs[""]
+            else:
+                row["cpu"] = time_cpu_target(model, idx, args.steps)
+                runs = {" cold": row["cpu"]["cold"], " warm": row["cpu"]["warm"]}
+            for label, r in runs.items():
+                ratio = (round(float(r["cpu_seconds"]) / float(mt["cpu_seconds"]), 3)
+                         if "cpu_seconds" in mt else None)
+                r["over_memtracker_cpu"] = ratio
+                table.append((size, target + label, r["seconds"], r["cpu_seconds"],
+                              mt.get("seconds"), mt.get("cpu_seconds"), ratio))
+                print(f"{size:>4} {target + label:<9} memfit {r['seconds']:7.2f} s wall "
+                      f"{r['cpu_seconds']:7.2f} s cpu   MemTracker {mt.get('seconds')} s wall "
+                      f"{mt.get('cpu_seconds')} s cpu   ratio {ratio}", flush=True)
         results["models"][size] = row  # type: ignore[index]
         del model
-        print(f"{size}: {n / 1e9:.2f}B params  memfit {row['memfit']}  "
-              f"memtracker {row.get('memtracker')}", flush=True)
+    print("\n| model | target | memfit wall s | memfit CPU s | MemTracker wall s "
+          "| MemTracker CPU s | ratio (CPU) |\n|---|---|---:|---:|---:|---:|---:|")
+    for size, target, w, c, mw, mc, ratio in table:
+        print(f"| {size} | {target} | {w} | {c} | {mw} | {mc} | {ratio} |")
+    results["load_average_at_end"] = list(os.getloadavg())
     results["peak_rss_mib"] = round(rss_mib(), 1)
     print(f"peak RSS {results['peak_rss_mib']} MiB")
     out = Path(__file__).parent / "results" / (

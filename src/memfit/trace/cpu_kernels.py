@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit._noise import quiet_profile
 from memfit.profile.cpu import allocator_deltas, running_peak
+from memfit.trace import kernel_cache
 
 aten = torch.ops.aten
 
@@ -118,57 +119,84 @@ def _signature(x: Any) -> Any:
     return x
 
 
-def _real(x: Any, budget: list[int]) -> Any:
+def _input_bytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.untyped_storage().nbytes()
+    if isinstance(x, list | tuple):
+        return sum(_input_bytes(v) for v in x)
+    return 0
+
+
+def _real(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         size = x.untyped_storage().nbytes()
-        budget[0] += size
-        if budget[0] > CALIBRATION_CAP_BYTES:
-            raise _TooLarge
         base = torch.zeros(max(size // max(x.element_size(), 1), 1), dtype=x.dtype)
         return base.as_strided(x.shape, x.stride(), x.storage_offset())
     if isinstance(x, list):
-        return [_real(v, budget) for v in x]
+        return [_real(v) for v in x]
     if isinstance(x, tuple):
-        return tuple(_real(v, budget) for v in x)
+        return tuple(_real(v) for v in x)
     return x
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def transient_peak(func: Any, args: Any, kwargs: dict[str, Any]) -> int | None:
     """Peak bytes the real CPU kernel allocates while it runs (its outputs included), or None
-    when it was not measured (inputs too large)."""
+    when it was not measured (inputs too large).
+
+    A measurement is kept in memory and, when its signature can be written down exactly, in the
+    on-disk cache (:mod:`memfit.trace.kernel_cache`), so a later process on the same machine and
+    torch build reads it instead of running the kernel again."""
     key = (func, _signature(args), _signature(tuple(sorted(kwargs.items()))))
     if key in _cache:
         return _cache[key]
+    disk_key = kernel_cache.entry_key(key)
+    if disk_key is not None:
+        hit = kernel_cache.get(disk_key)
+        if hit is not None:
+            peak, workspace = hit
+            _cache[key] = peak
+            if workspace is not None:
+                _workspace[key] = workspace
+            return peak
     if torch.autograd.profiler._is_profiler_enabled:  # cannot nest a profiler inside another
         return None
-    result: int | None
-    with _disable_current_modes():
-        try:
-            budget = [0]
-            real_args = _real(args, budget)
-            real_kwargs = {k: _real(v, budget) for k, v in kwargs.items()}
-        except _TooLarge:
-            result = None
-        else:
-            try:
-                if func is aten.mkldnn_rnn_layer_backward.default:
-                    real_args = _rnn_backward_args(real_args)
-                with quiet_profile(activities=[ProfilerActivity.CPU],
-                                   profile_memory=True) as prof:  # see memfit._noise
-                    out = func(*real_args, **real_kwargs)
-            except RuntimeError:  # a kernel refusing zeros (or this build): not measured
-                _cache[key] = None
-                return None
-            if func is aten.mkldnn_rnn_layer.default and isinstance(out[3], torch.Tensor):
-                _workspace[key] = out[3].untyped_storage().nbytes()
-            del out
-            result, _ = running_peak(allocator_deltas(prof))
+    result, measured = _measure(func, args, kwargs, key)
     _cache[key] = result
+    if measured and disk_key is not None:
+        kernel_cache.put(disk_key, result, _workspace.get(key))
     return result
+
+
+def _measure(func: Any, args: Any, kwargs: dict[str, Any], key: Any) -> tuple[int | None, bool]:
+    """Run the real kernel on zeros under the profiler: ``(peak bytes or None, measured)``;
+    ``measured`` is False when the inputs were over the cap (nothing learnt about the kernel)."""
+    # The cap is checked before any zeros are made (making them first cost 0.3 s per trace of a
+    # 1B model whose large GEMMs are over it).
+    if _input_bytes(args) + _input_bytes(list(kwargs.values())) > CALIBRATION_CAP_BYTES:
+        return None, False
+    with _disable_current_modes():
+        real_args = _real(args)
+        real_kwargs = {k: _real(v) for k, v in kwargs.items()}
+        try:
+            if func is aten.mkldnn_rnn_layer_backward.default:
+                real_args = _rnn_backward_args(real_args)
+            with quiet_profile(activities=[ProfilerActivity.CPU],
+                               profile_memory=True) as prof:  # see memfit._noise
+                out = func(*real_args, **real_kwargs)
+        except RuntimeError:  # a kernel refusing zeros (or this build): not measured
+            return None, True
+        if func is aten.mkldnn_rnn_layer.default and isinstance(out[3], torch.Tensor):
+            _workspace[key] = out[3].untyped_storage().nbytes()
+        del out
+        result, _ = running_peak(allocator_deltas(prof))
+    return result, True
+
+
+def clear_memory_cache() -> None:
+    """Forget this process's measurements (the on-disk cache stays): for tests."""
+    _cache.clear()
+    _workspace.clear()
+    kernel_cache.forget_loaded()
 
 
 def rnn_workspace_bytes(args: Any, kwargs: dict[str, Any]) -> int | None:
