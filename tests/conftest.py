@@ -31,5 +31,16 @@ def machine_line() -> str:
             f"torch {torch.__version__}")
 
 
+def pytest_configure(config):
+    """The kernel-scratch cache (``memfit.trace.kernel_cache``) in a directory of this run's own,
+    unless the caller chose one: the suite neither reads nor fills the user's
+    ``~/.cache/memfit``, and every run measures its kernels afresh, as CI's clean machine does.
+    Subprocesses (the CLI tests) inherit it."""
+    if "MEMFIT_CACHE_DIR" not in os.environ:
+        import tempfile
+
+        os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
+
+
 def pytest_report_header(config):
     return f"machine: {machine_line()}"

@@ -182,7 +182,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.utils._python_dispatch": (
         "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass"),
     "torch.utils._pytree": ("tree_flatten", "tree_map"),
-    "torch._C._profiler": ("_EventType",),
+    "torch._C._profiler": ("_EventType", "_RecordFunctionFast"),
+    "torch._ops": ("OpOverload",),
     "torch._C": ("DisableTorchFunction", "_current_graph_task_id", "_get_sdp_priority_order",
                  "_storage_Use_Count"),
     "torch._utils": ("_flatten_dense_tensors", "_unflatten_dense_tensors"),
