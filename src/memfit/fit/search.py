@@ -164,6 +164,10 @@ class _Search:
     (``measure_top``).
     """
 
+    traffic_bound = True
+    """Prune by compute + activation traffic (Note: [traffic bound]); False: by FLOPs alone
+    (``bench/fit.py --search --baseline`` times both in one run)."""
+
     def __init__(self, model: nn.Module, sample_batch: Any, *, optimizer: str,
                  global_batch: int, gpu: str | GpuSpec | None, budget_bytes: int | None,
                  device: str, loss_fn: LossFn | None, reduction: str,
@@ -299,15 +303,54 @@ class _Search:
         """Bytes of activations one micro-batch writes in the forward: what the step saves
         without checkpointing (checkpointing saves less but writes the same, and its recompute
         writes again, in proportion to the FLOPs it adds)."""
-        precision, _, opt, chunked, attention = combo
-        plain = next((v for k, v in self.traces.items()
-                      if k[:5] == (precision, "none", opt, chunked, attention)
-                      and not isinstance(v, str)), None)
-        if plain is None:
+        _, _, _, chunked, attention = combo
+        sibling = self.plain_sibling(combo)
+        if sibling is None:
             return int(ref.saved_activations * m / ref_m)
-        plain_m = next(k[5] for k, v in self.traces.items() if v is plain)
+        plain, plain_m = sibling
         plain_flops = self.flops("none", None, chunked, attention, m)
         return int(plain.saved_activations * m / plain_m * micro_flops / max(plain_flops, 1.0))
+
+    def plain_sibling(self, combo: Combo) -> tuple[_Traced, int] | None:
+        """The trace :meth:`activation_traffic` takes the activation traffic of ``combo`` from:
+        the first traced micro-batch of the same combination without checkpointing."""
+        precision, _, opt, chunked, attention = combo
+        return next(((v, k[5]) for k, v in self.traces.items()
+                     if k[:5] == (precision, "none", opt, chunked, attention)
+                     and not isinstance(v, str)), None)
+
+    def tighter_bound(self, combo: Combo, flop_bound: float) -> float:
+        """``flop_bound``, raised by the activation traffic once the combination's plain
+        sibling is traced (Note: [traffic bound]).
+
+        Note: [traffic bound] A candidate's step time is at least its compute plus its
+        activation traffic (``step_cost``: every other term is >= 0, dispatch overlaps or adds).
+        Both are known before ``combo`` is traced: the FLOPs are counted once per policy, and
+        the traffic comes from the plain sibling's trace (:meth:`activation_traffic`), which the
+        search has traced by then (same FLOP bound or lower, earlier in the product order), so
+        the bound is the same arithmetic as the cost, minimised over the micro-batches. A
+        checkpointing budget recomputes at least nothing, so its bound takes no-checkpointing
+        FLOPs (FLOPs and traffic only grow with recompute). Where activations dominate (GPT-2
+        at 1024 tokens: eager attention's s x s scores), this prunes the combinations whose
+        traffic alone is slower than the table, without tracing them."""
+        precision, ckpt, _, chunked, attention = combo
+        sibling = self.plain_sibling(combo) if self.traffic_bound else None
+        if sibling is None or precision not in self.rates.flops:
+            return flop_bound
+        plain, plain_m = sibling
+        rate, bandwidth = self.rates.flops[precision], self.rates.bandwidth
+        policy = "none" if ckpt == "budget" else ckpt
+        best = float("inf")
+        for m in self.micro_batches:
+            micro_flops = self.flops(policy, None, chunked, attention, m)
+            plain_flops = self.flops("none", None, chunked, attention, m)
+            traffic = int(plain.saved_activations * m / plain_m * micro_flops
+                          / max(plain_flops, 1.0))
+            accumulation = self.per_gpu // m
+            compute_s = accumulation * micro_flops / rate
+            traffic_s = accumulation * 3 * traffic / bandwidth
+            best = min(best, compute_s + traffic_s)
+        return max(flop_bound, best)
 
     def lower_bound(self, combo: Combo) -> float:
         """Seconds no configuration of ``combo`` can beat: its FLOPs at the achievable rate
@@ -340,7 +383,7 @@ class _Search:
             for combo in bar.track(combos):
                 bar.set_note(f"{sum(not isinstance(v, str) for v in self.traces.values())} "
                              f"traced, {len(self.candidates)} fit")
-                if not self.pruned(combo, bounds[combo]):
+                if not self.pruned(combo, self.tighter_bound(combo, bounds[combo])):
                     self.explore(combo)
         if not self.candidates:
             smallest = min((r.peak_bytes for r in self.rejected if r.peak_bytes), default=None)
@@ -370,8 +413,11 @@ class _Search:
         fastest found) or cannot run here (its precision has no rate); rejected with why."""
         precision, ckpt, opt, chunked, _ = combo
         top = self.top
-        if len(self.candidates) >= top and bound > 0:
-            kth = sorted(c.cost.total_s for c in self.candidates)[top - 1]
+        # Only settled candidates set the bar: an offload candidate not yet traced with its
+        # offload may still be rejected (Note: [offload is verified by a trace]).
+        settled = [c.cost.total_s for c in self.candidates if not _unverified(c)]
+        if len(settled) >= top and bound > 0:
+            kth = sorted(settled)[top - 1]
             if bound > kth * (1 + TIE_TOLERANCE):  # a tie could still enter
                 self.rejected.append(Rejected(
                     what=f"{precision}, ckpt={ckpt}, {opt}"
@@ -481,9 +527,7 @@ class _Search:
                       progress=self.progress, delay=0.5) as verifying:
             while True:
                 pending = [i for i, c in enumerate(self.candidates[:self.top])
-                           if id(c) not in verified
-                           and (c.config.offload_activations or c.config.offload_states)
-                           and c.config.sharding == "none"]
+                           if id(c) not in verified and _unverified(c)]
                 if not pending:
                     break
                 i = pending[0]
@@ -535,6 +579,13 @@ class _Search:
                     seconds=lambda c: c.measured_s)
         self.candidates = head + [c for c in self.candidates if c not in head]
         return oom_trials
+
+
+def _unverified(c: Candidate) -> bool:
+    """Whether ``c``'s peak is derived for an offload that :meth:`_Search.verify_offload`
+    traces once the search is done (it may yet be rejected)."""
+    return (c.config.offload_activations or c.config.offload_states) \
+        and c.config.sharding == "none"
 
 
 def _over(peak: int, budget: int) -> str:
