@@ -10,7 +10,6 @@ import torch
 
 from memfit.fit import search
 from memfit.fit.search import _Search
-
 from test_fit import make
 
 
