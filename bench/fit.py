@@ -18,6 +18,14 @@ For one model and memory budget:
 Reports throughput (samples/s) of the chosen config over the best of the grid (target >= 0.95)
 and over everything-on (target >= 1.3). On CPU a small model runs so the script is exercised;
 the targets are for a GPU. Writes ``bench/results/fit-<device>-<date>.json``.
+
+    python bench/fit.py --search [--baseline]
+
+times the search alone for the README's command, ``memfit fit gpt2 --gpu a100-40gb
+--global-batch 256 --seq 1024`` (a CUDA target, traced on this machine: target <= 60 s), and
+with ``--baseline`` the same search pruned by FLOPs alone (issue 13's 303.6 s search), in the
+same run, so the ratio holds on a shared machine. Writes
+``bench/results/fit-search-<date>.json``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import argparse
 import copy
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import sys
@@ -110,6 +119,56 @@ def _time_config(model: nn.Module, sample: Any, cfg: FitConfig, global_batch: in
     return row
 
 
+SEARCH_COMMAND = ["gpt2", "--gpu", "a100-40gb", "--global-batch", "256", "--seq", "1024"]
+
+
+def _search_row(baseline: bool) -> dict[str, Any]:
+    """Time ``memfit fit`` of SEARCH_COMMAND as the CLI runs it (preset on the meta device)."""
+    from memfit.cli.fit import _load_preset
+    from memfit.fit import search
+
+    model, sample = _load_preset("gpt2", 1024)
+    search._Search.traffic_bound = not baseline
+    try:
+        started, cpu_started = time.perf_counter(), time.process_time()
+        plan = fit(model, sample, global_batch=256, gpu="a100-40gb", device="cuda",
+                   progress=False)
+        seconds = time.perf_counter() - started
+        cpu_seconds = time.process_time() - cpu_started
+    finally:
+        search._Search.traffic_bound = True
+    return {"search": "FLOP bound (before)" if baseline else "FLOP + traffic bound",
+            "seconds": seconds, "cpu_seconds": cpu_seconds, "traces": plan.traces,
+            "candidates_considered": plan.candidates_considered,
+            "chosen": plan.config.label(), "peak_bytes": plan.peak_bytes,
+            "step_seconds": plan.step_seconds,
+            "table": [c.config.label() for c in (plan.chosen, *plan.runners_up)]}
+
+
+def search_main(baseline: bool, out: str | None) -> int:
+    rows = [_search_row(False)] + ([_search_row(True)] if baseline else [])
+    print(f"memfit fit {' '.join(SEARCH_COMMAND)}  (target <= 60 s)")
+    print(f"  {'search':<24} {'seconds':>8} {'CPU s':>8} {'traces':>7}  chosen")
+    for r in rows:
+        print(f"  {r['search']:<24} {r['seconds']:>8.1f} {r['cpu_seconds']:>8.1f} "
+              f"{r['traces']:>7}  {r['chosen']}")
+    if baseline:
+        print(f"  ratio (after / before): {rows[0]['seconds'] / rows[1]['seconds']:.2f}; "
+              f"same plan: {rows[0]['table'] == rows[1]['table']}")
+    result = {"device": platform.processor() or platform.machine(),
+              "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "python": platform.python_version(),
+              "command": "memfit fit " + " ".join(SEARCH_COMMAND),
+              "bench": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+              "date": dt.date.today().isoformat(), "target_seconds": 60, "rows": rows,
+              "note": "shared machine: compare rows of one run, not runs"}
+    path = Path(out or f"bench/results/fit-search-{result['date']}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"),
@@ -120,8 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default=None, help="default: CPU 12MB, CUDA 12GB")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--search", action="store_true",
+                        help="time the search of `memfit fit gpt2 --gpu a100-40gb "
+                        "--global-batch 256 --seq 1024` only")
+    parser.add_argument("--baseline", action="store_true",
+                        help="with --search: also the FLOP-bound search, in the same run")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
+    if args.search:
+        return search_main(args.baseline, args.out)
     cpu = args.device == "cpu"
     global_batch = args.global_batch or (16 if cpu else 32)
     budget = parse_bytes(args.budget or ("12MB" if cpu else "12GB"), what="--budget")

@@ -30,3 +30,24 @@ def test_offload_configs_match_real_cpu_runs(offload: str) -> None:
         warnings.simplefilter("ignore")
         result = run_config(config, size="small", device="cpu", gpu=None)
     assert abs(result.error_allocated) <= 0.01, result
+
+
+def test_quick_matrix_covers_every_family_and_axis_in_nine_configs() -> None:
+    # The CPU default (`memfit validate --device cpu`): one config per family and one per
+    # offload kind, every value of every axis run by some family; all of them are in the full
+    # matrix.
+    full = matrix("tiny")
+    quick = matrix("tiny", quick=True)
+    assert len(quick) == 7 + 2
+    assert set(quick) <= set(full)
+    assert {c.family for c in quick} == {c.family for c in full}
+    for axis in ("precision", "optimizer", "checkpointing", "batch", "offload"):
+        assert {getattr(c, axis) for c in quick} == {getattr(c, axis) for c in full}, axis
+
+
+def test_tiny_config_matches_its_real_cpu_run() -> None:
+    config = next(c for c in matrix("tiny", quick=True) if c.family == "gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = run_config(config, size="tiny", device="cpu", gpu=None)
+    assert abs(result.error_allocated) <= 0.01, result

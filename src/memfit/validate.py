@@ -12,6 +12,19 @@ backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``), and measures t
 The same model, copied to the meta device, is then traced by :func:`memfit.estimate`, and the
 two are compared. ``memfit validate`` and ``bench/validate_gpu.py`` drive it.
 
+Why the zoo is in the library, not in ``bench/``: ``memfit validate`` is a user command. A
+user who doubts a prediction runs it on their own GPU and torch version, where the published
+numbers may not hold; ``bench/`` is not installed with the package, so a zoo kept there would
+leave the command with nothing to run. The zoo is small (seven families, scaled by ``size``),
+imports nothing beyond torch and memfit's own builders, and costs nothing until called.
+``bench/validate_gpu.py`` only wraps the command to write a dated JSON under ``bench/results``.
+
+Speed: on the CPU the real run is measured under the profiler (every allocation an event), so
+a config costs seconds to minutes. The CPU default is therefore the ``tiny`` sizes and the
+``quick`` matrix (one config per family, the families together covering every precision,
+checkpointing, optimizer and offload kind: :func:`matrix`), a few minutes on two cores;
+``memfit validate --full`` runs the whole matrix.
+
 Known limitations: configs run one after another in one process, so CUDA's caching allocator
 starts each config with an empty cache but the CUDA context and library handles already exist
 (they are outside the allocator's statistics either way).
@@ -133,7 +146,7 @@ class _KwargsModel(nn.Module):
         return self.model(**dict(zip(self.keys, args, strict=True)))
 
 
-def _small_llama(layers: int, hidden: int, experts: int = 0) -> Any:
+def _small_llama(layers: int, hidden: int, experts: int = 0, vocab: int = 32000) -> Any:
     from memfit.models.spec import TransformerSpec
 
     heads = hidden // 64
@@ -141,17 +154,17 @@ def _small_llama(layers: int, hidden: int, experts: int = 0) -> Any:
         name=f"llama-{layers}x{hidden}" + (f"-moe{experts}" if experts else ""),
         family="mixtral" if experts else "llama", arch="decoder", hidden_size=hidden,
         num_layers=layers, num_heads=heads, num_kv_heads=max(heads // 4, 1), head_dim=64,
-        intermediate_size=int(hidden * 8 / 3) // 64 * 64, vocab_size=32000,
+        intermediate_size=int(hidden * 8 / 3) // 64 * 64, vocab_size=vocab,
         max_position_embeddings=4096, num_experts=experts, experts_per_token=2 if experts else 0)
 
 
-def _small_gpt2(layers: int, hidden: int) -> Any:
+def _small_gpt2(layers: int, hidden: int, vocab: int = 50257) -> Any:
     from memfit.models.spec import TransformerSpec
 
     return TransformerSpec(
         name=f"gpt2-{layers}x{hidden}", family="gpt2", arch="decoder", hidden_size=hidden,
         num_layers=layers, num_heads=hidden // 64, num_kv_heads=hidden // 64, head_dim=64,
-        intermediate_size=4 * hidden, vocab_size=50257, max_position_embeddings=2048,
+        intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=2048,
         mlp="gelu", norm="layernorm", qkv_bias=True, attn_out_bias=True, mlp_bias=True,
         position="learned", tie_embeddings=True)
 
@@ -167,6 +180,12 @@ def _small_vit() -> Any:
 
 
 _SCALED: dict[str, Callable[[], Any]] = {
+    # tiny: two blocks and a 2,048-token vocabulary (the logits of a 50,257-token vocabulary
+    # dominated a small CPU config's time)
+    "vit-tiny": _small_vit,
+    "gpt2-tiny": lambda: _small_gpt2(2, 128, vocab=2048),
+    "llama-tiny": lambda: _small_llama(2, 128, vocab=2048),
+    "moe-tiny": lambda: _small_llama(2, 128, experts=4, vocab=2048),
     "vit-small": _small_vit,
     "gpt2-small": lambda: _small_gpt2(4, 256),
     "gpt2-medium": lambda: _small_gpt2(12, 768),
@@ -177,15 +196,20 @@ _SCALED: dict[str, Callable[[], Any]] = {
 }
 
 
+SIZES = ("tiny", "small", "medium")
+
+
 def zoo(size: str) -> dict[str, Callable[[int], Factory]]:
-    """Model families by name -> ``batch -> factory``; ``size`` is "small" (CPU, seconds) or
-    "medium" (GPU: hundreds of MB to GBs, so the runtime constants are a small share)."""
-    if size not in ("small", "medium"):
-        raise MemfitError(f"unknown zoo size {size!r}; valid: small, medium")
-    small = size == "small"
-    seq = 128 if small else 1024
-    img = 32 if small else 128
-    width = 16 if small else 128
+    """Model families by name -> ``batch -> factory``; ``size`` is "tiny" (the CPU default:
+    seconds a config), "small" (CPU, tens of seconds) or "medium" (GPU: hundreds of MB to GBs,
+    so the runtime constants are a small share)."""
+    if size not in SIZES:
+        raise MemfitError(f"unknown zoo size {size!r}; valid: {', '.join(SIZES)}")
+    small = size != "medium"
+    tiny = size == "tiny"
+    seq = 64 if tiny else 128 if small else 1024
+    img = 16 if tiny else 32 if small else 128
+    width = 8 if tiny else 16 if small else 128
 
     def vision(make: Callable[[], nn.Module], shape: tuple[int, ...],
                loss: Callable[[Any], torch.Tensor]) -> Callable[[int], Factory]:
@@ -197,6 +221,7 @@ def zoo(size: str) -> dict[str, Callable[[int], Factory]]:
             return factory
         return with_batch
 
+    hidden = 32 if tiny else 64 if small else 1024
     return {
         "gpt2": lambda b: _transformer(f"gpt2-{size}", b, seq),
         "llama": lambda b: _transformer(f"llama-{size}", b, seq),
@@ -204,8 +229,7 @@ def zoo(size: str) -> dict[str, Callable[[int], Factory]]:
         "vit": lambda b: _transformer(f"vit-{size}", b, None),
         "resnet-bn": vision(lambda: ResNetBN(width, 2 if small else 6), (3, img, img), _ce),
         "unet-gn": vision(lambda: UNetGN(width), (3, img, img), _mse),
-        "lstm": vision(lambda: LSTMNet(64 if small else 1024, 2), (seq // 2, 64 if small
-                                                                   else 1024), _mse),
+        "lstm": vision(lambda: LSTMNet(hidden, 2), (seq // 2, hidden), _mse),
     }
 
 
@@ -229,14 +253,32 @@ class Config:
                                      else ""))
 
 
-def matrix(size: str, *, families: list[str] | None = None) -> list[Config]:
+def matrix(size: str, *, families: list[str] | None = None, quick: bool = False
+           ) -> list[Config]:
     """The validation matrix: families x precision x checkpointing x (optimizer, batch).
 
     Optimizer and batch vary together (adamw with the small batch, sgd-momentum with the large
     one) to keep the matrix at 2 x 2 x 2 = 8 configs per family.
+
+    ``quick``: one config per family, the i-th family taking the i-th point of precision x
+    checkpointing x (optimizer, batch), stepping by three (families without blocks to
+    checkpoint step through their uncheckpointed points), and one config per offload kind:
+    every value of every axis is still run, by some family, in 9 of the 56 configs.
     """
     names = families or list(zoo(size))
-    batches = (2, 4) if size == "small" else (4, 8)
+    if quick:
+        full = matrix(size, families=names)
+        picked: list[Config] = []
+        for i, family in enumerate(names):
+            own = [c for c in full if c.family == family and c.offload == "none"]
+            plain = [c for c in own if c.checkpointing == "none"]
+            points = own if len(own) == 8 else plain + plain  # no ckpt: the none half, twice
+            picked.append(points[(3 * i) % len(points)] if points else own[0])
+        offload = [c for c in full if c.offload != "none"]
+        for kind, ckpt in (("activations", "full"), ("states", "none")):
+            picked += [c for c in offload if c.offload == kind and c.checkpointing == ckpt][:1]
+        return picked
+    batches = (2, 4) if size != "medium" else (4, 8)
     configs = []
     for family, precision, ckpt, (opt, batch) in itertools.product(
             names, ("fp32", "bf16-mixed"), ("none", "full"),

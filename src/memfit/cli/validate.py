@@ -10,6 +10,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,12 @@ def register(sub: Any) -> None:
     p = sub.add_parser("validate", help="compare trace predictions with real runs",
                        description=__doc__)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--size", default=None, choices=["small", "medium"],
-                   help="model sizes (default: medium on cuda, small on cpu)")
+    p.add_argument("--size", default=None, choices=["tiny", "small", "medium"],
+                   help="model sizes (default: medium on cuda, tiny on cpu)")
+    p.add_argument("--full", action="store_true",
+                   help="the whole matrix (the default on cuda, and for the families named by "
+                   "--families); on cpu the default is the quick matrix: one config per family "
+                   "and per offload kind, every axis covered")
     p.add_argument("--families", help="comma list of zoo families (default: all)")
     p.add_argument("--limit", type=int, default=None, help="run only the first N configs")
     p.add_argument("--gpu", help="catalog GPU for the prediction (default: detected)")
@@ -58,19 +63,23 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise MemfitError("no CUDA device here: run `memfit validate --device cpu`, or run on a "
                           "GPU machine")
-    size = args.size or ("medium" if args.device == "cuda" else "small")
+    size = args.size or ("medium" if args.device == "cuda" else "tiny")
+    # The quick matrix is the CPU default for the whole zoo; named families run their whole
+    # matrix (a user who narrows to a family wants all of it).
+    quick = args.device == "cpu" and not args.full and not args.families
     families = [f.strip() for f in args.families.split(",")] if args.families else None
     if families:
         unknown = sorted(set(families) - set(zoo(size)))
         if unknown:
             raise MemfitError(f"unknown families {', '.join(unknown)}; valid: "
                               f"{', '.join(zoo(size))}")
-    configs = matrix(size, families=families)[: args.limit]
+    configs = matrix(size, families=families, quick=quick)[: args.limit]
     gpu = args.gpu or (_detect_gpu() if args.device == "cuda" else None)
     out = console()
     results: list[Result] = []
     failures: list[dict[str, str]] = []
     doc = _document(args, gpu, size, len(configs))
+    doc["started"] = time.perf_counter()
     interrupted = False
     # Note: [partial results] The JSON file is rewritten (temp file + os.replace, atomic on
     # POSIX and Windows) after every config, so Ctrl-C, a kill or a crash leaves a valid file
@@ -156,6 +165,8 @@ def _document(args: argparse.Namespace, gpu: str | None, size: str, total: int
         "gpu_catalog_entry": gpu,
         "command": " ".join(["memfit", *sys.argv[1:]]) if sys.argv else "memfit validate",
         "size": size,
+        "matrix": "quick" if args.device == "cpu" and not (args.full or args.families)
+        else "full",
         "configs_total": total,
     }
 
@@ -167,7 +178,9 @@ def _write_json(path: str, doc: dict[str, Any], results: list[Any],
 
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    body = {**doc, "complete": complete, "configs_done": len(results) + len(failures),
+    body = {**{k: v for k, v in doc.items() if k != "started"}, "complete": complete,
+            "wall_seconds": time.perf_counter() - doc.get("started", time.perf_counter()),
+            "configs_done": len(results) + len(failures),
             "summary": summarize(results), "results": [r.to_dict() for r in results],
             "failures": failures}
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)

@@ -142,301 +142,450 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     >>> plan = fit(model, (x, y), global_batch=64, budget_bytes=2**30, device="cpu")
     >>> model, optimizer, step = plan.apply(model)
     """
-    started = time.perf_counter()
-    if not isinstance(model, nn.Module):
-        raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    check_loss_fn(loss_fn)
-    check_reduction(reduction)
-    if device not in ("cuda", "cpu"):
-        raise MemfitError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise MemfitError(f"global_batch must be a positive integer, got {global_batch!r}")
-    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
-        raise MemfitError(f"num_gpus must be a positive integer, got {num_gpus!r}")
-    if global_batch % num_gpus:
-        raise MemfitError(f"global_batch {global_batch} is not divisible by num_gpus {num_gpus}; "
-                          "pick a multiple")
-    spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    if device == "cpu" and spec is not None:
-        raise MemfitError("device='cpu' takes budget_bytes, not gpu=; drop gpu or use "
-                          "device='cuda'")
-    if budget_bytes is not None and (isinstance(budget_bytes, bool)
-                                     or not isinstance(budget_bytes, int) or budget_bytes <= 0):
-        raise MemfitError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
-    if spec is None and budget_bytes is None:
-        raise MemfitError("give a budget: gpu='a100-40gb' (see `memfit gpus`) or budget_bytes=...")
-    if headroom is None:
-        headroom = TRACE_FITS_MARGIN if device == "cuda" else 0.05
-    if isinstance(headroom, bool) or not isinstance(headroom, int | float) \
-            or not 0 <= headroom < 1:
-        raise MemfitError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
-    full_budget = min(b for b in (budget_bytes, spec.usable_bytes if spec else None) if b)
-    # Note: [headroom] A candidate must fit in the budget less the headroom. On the CPU the
-    # applied step measures within 0.5% of the plan (tests/test_fit.py), so 5% is ample. On CUDA
-    # the default is the trace's margin, derived from its worst under-prediction of a published
-    # GPU measurement (TRACE_FITS_MARGIN); the OOM guard, not a crash, handles what is still
-    # missed.
-    budget = int(full_budget * (1 - headroom))
-    rates: Rates = gpu_rates(spec) if spec is not None else cpu_rates()
-    if device == "cuda" and spec is None:
-        rates = gpu_rates(get_gpu("a100-40gb"))
-        rates = Rates(flops=rates.flops, bandwidth=rates.bandwidth, host_link=rates.host_link,
-                      gpu_link=rates.gpu_link, launch_s=rates.launch_s,
-                      source="no GPU named: A100-40GB rates assumed; " + rates.source)
-    per_gpu = global_batch // num_gpus
-    _leading(sample_batch)
-    base = _meta_copy(model)
+    return _Search(model, sample_batch, optimizer=optimizer, global_batch=global_batch, gpu=gpu,
+                   budget_bytes=budget_bytes, device=device, loss_fn=loss_fn,
+                   reduction=reduction, count_fn=count_fn, num_gpus=num_gpus, measure=measure,
+                   space=space, progress=progress, top=top, headroom=headroom).run()
 
-    rejected: list[Rejected] = []
-    defaults = _default_space(base, optimizer, device, spec, num_gpus, per_gpu, rejected)
-    dims = _space(space, defaults)
-    for m in dims["micro_batch"]:
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or per_gpu % m:
-            raise MemfitError(f"space micro_batch {m!r} must divide the per-GPU batch {per_gpu}")
-    micro_batches = sorted(set(dims["micro_batch"]))
 
-    traces: dict[tuple[Any, ...], _Traced | str] = {}
-    flops_at: dict[tuple[Any, ...], float] = {}
+Combo = tuple[str, str, str, bool, str]
+"""(precision, checkpointing, optimizer, chunked loss, attention): a technique combination, the
+search's unit of work (its micro-batches, offload and sharding variants follow from its
+traces)."""
 
-    def trace(precision: str, ckpt: str, opt: str, chunked: bool, attention: str, m: int
-              ) -> _Traced | str:
-        key = (precision, ckpt, opt, chunked, attention, m)
-        if key not in traces:
+
+class _Search:
+    """One :func:`fit` call: the checked inputs, the caches, and the search's steps.
+
+    ``run`` orders the combinations by their lower bound (``lower_bound``), explores each one
+    (``explore``: the largest micro-batch that fits, by ``trace``; every fitting micro-batch and
+    variant costed by ``candidates_at``), ranks (``memfit.fit.plan.rank``), traces the offload
+    candidates that reach the table (``verify_offload``) and, with ``measure=True``, times them
+    (``measure_top``).
+    """
+
+    traffic_bound = True
+    """Prune by compute + activation traffic (Note: [traffic bound]); False: by FLOPs alone
+    (``bench/fit.py --search --baseline`` times both in one run)."""
+
+    def __init__(self, model: nn.Module, sample_batch: Any, *, optimizer: str,
+                 global_batch: int, gpu: str | GpuSpec | None, budget_bytes: int | None,
+                 device: str, loss_fn: LossFn | None, reduction: str,
+                 count_fn: Callable[[Any], Any] | None, num_gpus: int, measure: bool,
+                 space: dict[str, Any] | None, progress: bool | None, top: int,
+                 headroom: float | None) -> None:
+        self.started = time.perf_counter()
+        if not isinstance(model, nn.Module):
+            raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        check_loss_fn(loss_fn)
+        check_reduction(reduction)
+        if device not in ("cuda", "cpu"):
+            raise MemfitError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if isinstance(global_batch, bool) or not isinstance(global_batch, int) \
+                or global_batch < 1:
+            raise MemfitError(f"global_batch must be a positive integer, got {global_batch!r}")
+        if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+            raise MemfitError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+        if global_batch % num_gpus:
+            raise MemfitError(f"global_batch {global_batch} is not divisible by num_gpus "
+                              f"{num_gpus}; pick a multiple")
+        spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
+        if device == "cpu" and spec is not None:
+            raise MemfitError("device='cpu' takes budget_bytes, not gpu=; drop gpu or use "
+                              "device='cuda'")
+        if budget_bytes is not None and (isinstance(budget_bytes, bool)
+                                         or not isinstance(budget_bytes, int)
+                                         or budget_bytes <= 0):
+            raise MemfitError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+        if spec is None and budget_bytes is None:
+            raise MemfitError("give a budget: gpu='a100-40gb' (see `memfit gpus`) or "
+                              "budget_bytes=...")
+        if headroom is None:
+            headroom = TRACE_FITS_MARGIN if device == "cuda" else 0.05
+        if isinstance(headroom, bool) or not isinstance(headroom, int | float) \
+                or not 0 <= headroom < 1:
+            raise MemfitError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
+        self.full_budget = min(b for b in (budget_bytes, spec.usable_bytes if spec else None)
+                               if b)
+        # Note: [headroom] A candidate must fit in the budget less the headroom. On the CPU the
+        # applied step measures within 0.5% of the plan (tests/test_fit.py), so 5% is ample. On
+        # CUDA the default is the trace's margin, derived from its worst under-prediction of a
+        # published GPU measurement (TRACE_FITS_MARGIN); the OOM guard, not a crash, handles
+        # what is still missed.
+        self.budget = int(self.full_budget * (1 - headroom))
+        rates: Rates = gpu_rates(spec) if spec is not None else cpu_rates()
+        if device == "cuda" and spec is None:
+            rates = gpu_rates(get_gpu("a100-40gb"))
+            rates = Rates(flops=rates.flops, bandwidth=rates.bandwidth,
+                          host_link=rates.host_link, gpu_link=rates.gpu_link,
+                          launch_s=rates.launch_s,
+                          source="no GPU named: A100-40GB rates assumed; " + rates.source)
+        self.model, self.sample_batch, self.loss_fn = model, sample_batch, loss_fn
+        self.reduction, self.count_fn, self.measure = reduction, count_fn, measure
+        self.device, self.spec, self.rates, self.headroom = device, spec, rates, headroom
+        self.global_batch, self.num_gpus, self.top = global_batch, num_gpus, top
+        self.progress = progress
+        self.per_gpu = global_batch // num_gpus
+        _leading(sample_batch)
+        self.base = _meta_copy(model)
+        self.rejected: list[Rejected] = []
+        defaults = _default_space(self.base, optimizer, device, spec, num_gpus, self.per_gpu,
+                                  self.rejected)
+        self.dims = _space(space, defaults)
+        for m in self.dims["micro_batch"]:
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1 or self.per_gpu % m:
+                raise MemfitError(f"space micro_batch {m!r} must divide the per-GPU batch "
+                                  f"{self.per_gpu}")
+        self.micro_batches = sorted(set(self.dims["micro_batch"]))
+        self.traces: dict[tuple[Any, ...], _Traced | str] = {}
+        self.flops_at: dict[tuple[Any, ...], float] = {}
+        self.candidates: list[Candidate] = []
+
+    # -- memory: traces ------------------------------------------------------------------------
+
+    def trace(self, combo: Combo, m: int) -> _Traced | str:
+        """The combination's step traced at micro-batch ``m`` (cached)."""
+        precision, ckpt, opt, chunked, attention = combo
+        key = (*combo, m)
+        if key not in self.traces:
             phase(f"tracing {precision}, ckpt={ckpt}, {opt}{', chunked loss' if chunked else ''}"
                   f"{', sdpa' if attention == 'sdpa' else ''}, micro-batch {m}")
-            traces[key] = _trace_one(base, sample_batch, precision=precision, ckpt=ckpt,
-                                     optimizer=opt, chunked=chunked, attention=attention, m=m,
-                                     per_gpu=per_gpu, device=device, gpu=spec, loss_fn=loss_fn,
-                                     num_gpus=num_gpus, device_budget=budget)
-        return traces[key]
+            self.traces[key] = _trace_one(
+                self.base, self.sample_batch, precision=precision, ckpt=ckpt, optimizer=opt,
+                chunked=chunked, attention=attention, m=m, per_gpu=self.per_gpu,
+                device=self.device, gpu=self.spec, loss_fn=self.loss_fn,
+                num_gpus=self.num_gpus, device_budget=self.budget)
+        return self.traces[key]
 
-    def flops(ckpt: str, modes: Any, chunked: bool, attention: str, m: int) -> float:
+    def traced(self, combo: Combo, m: int) -> _Traced | str | None:
+        """The cached trace, None when ``m`` was not traced."""
+        return self.traces.get((*combo, m))
+
+    def derive(self, t: _Traced, ref_m: int, m: int, offload_states: bool,
+               offload_activations: bool, sharding: str) -> int:
+        return _derive(t, ref_m, m, offload_states, offload_activations, sharding,
+                       self.num_gpus, self.per_gpu)
+
+    def lowest_variant(self, t: _Traced, m: int) -> int:
+        """The derived peak of the most memory-saving offload/sharding variant at ``m``."""
+        return min(self.derive(t, m, m, s, a, z) for s in self.dims["offload_states"]
+                   for a in self.dims["offload_activations"] for z in self.dims["sharding"])
+
+    # -- time: FLOPs, traffic, bounds ----------------------------------------------------------
+
+    def flops(self, ckpt: str, modes: Any, chunked: bool, attention: str, m: int) -> float:
+        """FLOPs of one micro-batch of ``m`` (one sample's, counted once, times ``m``)."""
         key = (ckpt, modes, chunked, attention)
-        if key not in flops_at:
+        if key not in self.flops_at:
             cfg = FitConfig(checkpointing=ckpt if ckpt != "budget" else "full",
                             chunked_loss=chunked, attention=attention)
             if ckpt == "budget":
                 cfg = FitConfig(checkpointing="budget", checkpoint_budget_bytes=1,
-                                checkpoint_modes=modes, chunked_loss=chunked, attention=attention)
+                                checkpoint_modes=modes, chunked_loss=chunked,
+                                attention=attention)
             try:
-                flops_at[key] = _count_flops(base, sample_batch, cfg, loss_fn)[0]
+                self.flops_at[key] = _count_flops(self.base, self.sample_batch, cfg,
+                                                  self.loss_fn)[0]
             except RuntimeError:
                 # Some models cannot be recomputed under the FLOP counter (selective
                 # checkpointing's cache sees different ops): count the plain step and add the
                 # forward of the fully checkpointed share of the blocks (selective recomputes
                 # no matmul: + 0).
                 plain_total, plain_forward = _count_flops(
-                    base, sample_batch, FitConfig(chunked_loss=chunked, attention=attention),
-                    loss_fn)
+                    self.base, self.sample_batch,
+                    FitConfig(chunked_loss=chunked, attention=attention), self.loss_fn)
                 share = (sum(mode == "full" for mode in modes) / len(modes)) if modes else 0.0
-                flops_at[key] = plain_total + share * plain_forward
-        return flops_at[key] * m
+                self.flops_at[key] = plain_total + share * plain_forward
+        return self.flops_at[key] * m
 
-    def activation_traffic(precision: str, opt: str, chunked: bool, attention: str,
-                           ref: _Traced, ref_m: int, m: int, micro_flops: float) -> int:
+    def activation_traffic(self, combo: Combo, ref: _Traced, ref_m: int, m: int,
+                           micro_flops: float) -> int:
         """Bytes of activations one micro-batch writes in the forward: what the step saves
         without checkpointing (checkpointing saves less but writes the same, and its recompute
         writes again, in proportion to the FLOPs it adds)."""
-        plain = next((v for k, v in traces.items() if k[:5] == (precision, "none", opt, chunked,
-                                                                 attention)
-                      and not isinstance(v, str)), None)
-        if plain is None:
+        _, _, _, chunked, attention = combo
+        sibling = self.plain_sibling(combo)
+        if sibling is None:
             return int(ref.saved_activations * m / ref_m)
-        plain_m = next(k[5] for k, v in traces.items() if v is plain)
-        plain_flops = flops("none", None, chunked, attention, m)
+        plain, plain_m = sibling
+        plain_flops = self.flops("none", None, chunked, attention, m)
         return int(plain.saved_activations * m / plain_m * micro_flops / max(plain_flops, 1.0))
 
-    combos = list(itertools.product(dims["precision"], dims["checkpointing"], dims["optimizer"],
-                                    dims["chunked_loss"], dims["attention"]))
-    def lower_bound(combo: tuple[Any, ...]) -> float:
+    def plain_sibling(self, combo: Combo) -> tuple[_Traced, int] | None:
+        """The trace :meth:`activation_traffic` takes the activation traffic of ``combo`` from:
+        the first traced micro-batch of the same combination without checkpointing."""
+        precision, _, opt, chunked, attention = combo
+        return next(((v, k[5]) for k, v in self.traces.items()
+                     if k[:5] == (precision, "none", opt, chunked, attention)
+                     and not isinstance(v, str)), None)
+
+    def tighter_bound(self, combo: Combo, flop_bound: float) -> float:
+        """``flop_bound``, raised by the activation traffic once the combination's plain
+        sibling is traced (Note: [traffic bound]).
+
+        Note: [traffic bound] A candidate's step time is at least its compute plus its
+        activation traffic (``step_cost``: every other term is >= 0, dispatch overlaps or adds).
+        Both are known before ``combo`` is traced: the FLOPs are counted once per policy, and
+        the traffic comes from the plain sibling's trace (:meth:`activation_traffic`), which the
+        search has traced by then (same FLOP bound or lower, earlier in the product order), so
+        the bound is the same arithmetic as the cost, minimised over the micro-batches. A
+        checkpointing budget recomputes at least nothing, so its bound takes no-checkpointing
+        FLOPs (FLOPs and traffic only grow with recompute). Where activations dominate (GPT-2
+        at 1024 tokens: eager attention's s x s scores), this prunes the combinations whose
+        traffic alone is slower than the table, without tracing them."""
+        precision, ckpt, _, chunked, attention = combo
+        sibling = self.plain_sibling(combo) if self.traffic_bound else None
+        if sibling is None or precision not in self.rates.flops:
+            return flop_bound
+        plain, plain_m = sibling
+        rate, bandwidth = self.rates.flops[precision], self.rates.bandwidth
+        policy = "none" if ckpt == "budget" else ckpt
+        best = float("inf")
+        for m in self.micro_batches:
+            micro_flops = self.flops(policy, None, chunked, attention, m)
+            plain_flops = self.flops("none", None, chunked, attention, m)
+            traffic = int(plain.saved_activations * m / plain_m * micro_flops
+                          / max(plain_flops, 1.0))
+            accumulation = self.per_gpu // m
+            compute_s = accumulation * micro_flops / rate
+            traffic_s = accumulation * 3 * traffic / bandwidth
+            best = min(best, compute_s + traffic_s)
+        return max(flop_bound, best)
+
+    def lower_bound(self, combo: Combo) -> float:
         """Seconds no configuration of ``combo`` can beat: its FLOPs at the achievable rate
         (every other term of the cost model is >= 0; budget checkpointing recomputes >= 0)."""
         precision, ckpt, _, chunked, attention = combo
-        if precision not in rates.flops:
+        if precision not in self.rates.flops:
             return 0.0
         plain = "none" if ckpt == "budget" else ckpt
-        return flops(plain, None, chunked, attention, per_gpu) / rates.flops[precision]
+        return (self.flops(plain, None, chunked, attention, self.per_gpu)
+                / self.rates.flops[precision])
 
-    candidates: list[Candidate] = []
-    # Progress: a combination counts as done when its micro-batches are traced and costed (not
-    # when it starts); the ETA, the average time per finished combination times those left, is
-    # an upper bound: the branch and bound below skips combinations without tracing them.
-    with Progress("memfit fit: searching", total=len(combos), unit="combinations",
-                  progress=progress, eta_is_bound=True) as bar:
-        # Branch and bound: combinations in order of their lower bound; once ``top`` candidates
-        # are faster than the next bound, the rest cannot enter the table and are not traced.
-        bar.phase("counting FLOPs (fake tensors, one sample)")
-        bounds = {combo: lower_bound(combo) for combo in combos}
-        combos.sort(key=lambda c: bounds[c])
-        for combo in bar.track(combos):
-            precision, ckpt, opt, chunked, attention = combo
-            bar.set_note(f"{sum(not isinstance(v, str) for v in traces.values())} traced, "
-                         f"{len(candidates)} fit")
-            if len(candidates) >= top and bounds[combo] > 0:
-                kth = sorted(c.cost.total_s for c in candidates)[top - 1]
-                if bounds[combo] > kth * (1 + TIE_TOLERANCE):  # a tie could still enter
-                    rejected.append(Rejected(
-                        what=f"{precision}, ckpt={ckpt}, {opt}"
-                             + (", chunked-loss" if chunked else ""),
-                        reason=f"not traced: its compute alone ({format_seconds(bounds[combo])})"
-                               f" is slower than the {top} fastest found "
-                               f"({format_seconds(kth)})"))
-                    continue
-            if precision not in rates.flops:
-                rejected.append(Rejected(what=f"precision {precision}", reason=(
-                    f"{precision} is not supported on "
-                    f"{spec.name if spec else device}")))
-                continue
-            largest = _largest_fitting(micro_batches, lambda m, p=precision, c=ckpt, o=opt,
-                                       ch=chunked, a=attention: trace(p, c, o, ch, a, m),
-                                       budget, dims, num_gpus, per_gpu)
-            for m in micro_batches:
-                t = trace(precision, ckpt, opt, chunked, attention, m) \
-                    if (precision, ckpt, opt, chunked, attention, m) in traces else None
-                what = FitConfig(precision=precision, checkpointing=ckpt if ckpt != "budget"
-                                 else "none", micro_batch=m, accumulation=per_gpu // m,
-                                 optimizer=opt, chunked_loss=chunked, attention=attention).label()
-                if isinstance(t, str):
-                    rejected.append(Rejected(what=what if ckpt != "budget"
-                                             else what + ", ckpt=budget", reason=t))
-                    continue
-                if largest is None or m > largest[0]:
-                    if t is None:
-                        continue  # pruned by monotonicity: reported once below
-                ref = t if t is not None else (largest[1] if largest else None)
-                if ref is None:
-                    continue
-                ref_m = m if t is not None else largest[0]  # type: ignore[index]
-                plain = _plain_policy(ckpt, ref.checkpoint_modes)
-                if plain is not None and plain in dims["checkpointing"]:
-                    rejected.append(Rejected(what=f"{what}, ckpt=budget", reason=(
-                        f"the budget resolves to ckpt={plain} for every block: the same as "
-                        f"ckpt={plain}, searched on its own")))
-                    continue
-                for off_s, off_a, shard in itertools.product(
-                        dims["offload_states"], dims["offload_activations"], dims["sharding"]):
-                    cfg = FitConfig(precision=precision, checkpointing=plain or ckpt,
-                                    checkpoint_budget_bytes=_scaled(ref.checkpoint_budget, m,
-                                                                    ref_m, plain),
-                                    checkpoint_modes=(None if plain == "none"
-                                                      else ref.checkpoint_modes),
-                                    micro_batch=m, accumulation=per_gpu // m, optimizer=opt,
-                                    offload_states=off_s, offload_activations=off_a,
-                                    chunked_loss=chunked, attention=attention, sharding=shard)
-                    why = check_shardable(cfg)
-                    if why:
-                        rejected.append(Rejected(what=cfg.label(), reason=why))
-                        continue
-                    peak = _derive(ref, ref_m, m, off_s, off_a, shard, num_gpus, per_gpu)
-                    if peak > budget:
-                        rejected.append(Rejected(what=cfg.label(), reason=(
-                            f"predicted peak {_over(peak, budget)} (after {headroom:.0%} "
-                            "headroom)"), peak_bytes=peak))
-                        continue
-                    micro_flops = flops(plain or ckpt, None if plain else ref.checkpoint_modes,
-                                        chunked, attention, m)
-                    cost = step_cost(
-                        rates, precision=precision, micro_flops=micro_flops,
-                        accumulation=per_gpu // m,
-                        activation_traffic_bytes=activation_traffic(
-                            precision, opt, chunked, attention, ref, ref_m, m, micro_flops),
-                        offloaded_bytes=int(ref.saved_activations * m / ref_m),
-                        ops_per_micro=ref.ops_per_micro, param_bytes=ref.weights,
-                        grad_bytes=ref.grads, state_bytes=ref.states,
-                        offload_activations=off_a, offload_states=off_s, sharding=shard,
-                        num_gpus=num_gpus)
-                    candidates.append(Candidate(config=cfg, peak_bytes=peak, cost=cost,
-                                                traced=t is not None))
-            if largest is not None and largest[0] < micro_batches[-1]:
-                rejected.append(Rejected(
-                    what=f"{precision}, ckpt={ckpt}, {opt}, micro-batch > {largest[0]}",
-                    reason=f"micro-batch {_next(micro_batches, largest[0])} is predicted over "
-                           "budget; larger ones use more memory (monotonicity: not traced)"))
-            elif largest is None and not isinstance(
-                    traces.get((precision, ckpt, opt, chunked, attention, micro_batches[0])), str):
-                first = traces.get((precision, ckpt, opt, chunked, attention, micro_batches[0]))
-                smallest = None if isinstance(first, str) or first is None else min(
-                    _derive(first, micro_batches[0], micro_batches[0], s, a, z, num_gpus,
-                            per_gpu)
-                    for s in dims["offload_states"] for a in dims["offload_activations"]
-                    for z in dims["sharding"])
-                rejected.append(Rejected(
-                    what=f"{precision}, ckpt={ckpt}, {opt}, any micro-batch",
-                    reason=f"micro-batch {micro_batches[0]} is predicted over the budget of "
-                           f"{budget:,} bytes even with every offload/sharding option",
-                    peak_bytes=smallest))
-    if not candidates:
-        smallest = min((r.peak_bytes for r in rejected if r.peak_bytes), default=None)
-        need = f"; the smallest predicted peak is {smallest:,} bytes" if smallest else ""
-        raise MemfitError(f"no configuration fits the budget of {budget:,} bytes"
-                          f"{need}; raise the budget (a bigger GPU, more GPUs), shorten the "
-                          "sequence, or shrink the model")
-    # Ties (predicted times within TIE_TOLERANCE) go to the simpler option, then the smaller
-    # peak (Note: [ties go to the simpler option] in memfit/fit/plan.py).
-    candidates = rank(candidates)
-    # Note: [offload is verified by a trace] The search derives offload variants from the
-    # trace without offload (``_derive``); the ones that reach the table are traced with the
-    # offload applied (the engine keeps host copies out of the device peak), and their traced
-    # peak replaces the derived one, or rejects them.
-    verified: set[int] = set()
-    with Progress("memfit fit: tracing the offload candidates", total=None, progress=progress,
-                  delay=0.5) as verifying:
-        while True:
-            pending = [i for i, c in enumerate(candidates[:top]) if id(c) not in verified and
-                       (c.config.offload_activations or c.config.offload_states)
-                       and c.config.sharding == "none"]
-            if not pending:
-                break
-            i = pending[0]
-            c = candidates[i]
-            cfg = c.config
-            verifying.phase(cfg.label())
-            t = _trace_one(base, sample_batch, precision=cfg.precision, ckpt=cfg.checkpointing,
-                           optimizer=cfg.optimizer, chunked=cfg.chunked_loss,
-                           attention=cfg.attention, m=cfg.micro_batch, per_gpu=per_gpu,
-                           device=device, gpu=spec, loss_fn=loss_fn, num_gpus=num_gpus,
-                           offload_activations=cfg.offload_activations,
-                           offload_states=cfg.offload_states)
+    # -- the search ----------------------------------------------------------------------------
+
+    def run(self) -> Plan:
+        combos: list[Combo] = list(itertools.product(
+            self.dims["precision"], self.dims["checkpointing"], self.dims["optimizer"],
+            self.dims["chunked_loss"], self.dims["attention"]))
+        # Progress: a combination counts as done when its micro-batches are traced and costed
+        # (not when it starts); the ETA, the average time per finished combination times those
+        # left, is an upper bound: the branch and bound below skips combinations without
+        # tracing them.
+        with Progress("memfit fit: searching", total=len(combos), unit="combinations",
+                      progress=self.progress, eta_is_bound=True) as bar:
+            # Branch and bound: combinations in order of their lower bound; once ``top``
+            # candidates are faster than the next bound, the rest cannot enter the table and
+            # are not traced.
+            bar.phase("counting FLOPs (fake tensors, one sample)")
+            bounds = {combo: self.lower_bound(combo) for combo in combos}
+            combos.sort(key=lambda c: bounds[c])
+            for combo in bar.track(combos):
+                bar.set_note(f"{sum(not isinstance(v, str) for v in self.traces.values())} "
+                             f"traced, {len(self.candidates)} fit")
+                if not self.pruned(combo, self.tighter_bound(combo, bounds[combo])):
+                    self.explore(combo)
+        if not self.candidates:
+            smallest = min((r.peak_bytes for r in self.rejected if r.peak_bytes), default=None)
+            need = f"; the smallest predicted peak is {smallest:,} bytes" if smallest else ""
+            raise MemfitError(f"no configuration fits the budget of {self.budget:,} bytes"
+                              f"{need}; raise the budget (a bigger GPU, more GPUs), shorten the "
+                              "sequence, or shrink the model")
+        # Ties (predicted times within TIE_TOLERANCE) go to the simpler option, then the smaller
+        # peak (Note: [ties go to the simpler option] in memfit/fit/plan.py).
+        self.candidates = rank(self.candidates)
+        self.verify_offload()
+        oom_trials = self.measure_top() if self.measure else 0
+        cands = self.candidates
+        spec = self.spec
+        return Plan(chosen=cands[0], runners_up=tuple(cands[1:self.top]),
+                    rejected=tuple(self.rejected), budget_bytes=self.full_budget,
+                    headroom=self.headroom, oom_trials=oom_trials,
+                    global_batch=self.global_batch, num_gpus=self.num_gpus,
+                    device=self.device, gpu=spec.name if spec else None,
+                    rates_source=self.rates.source,
+                    search_seconds=time.perf_counter() - self.started,
+                    traces=sum(1 for v in self.traces.values() if not isinstance(v, str)),
+                    candidates_considered=len(cands) + len(self.rejected))
+
+    def pruned(self, combo: Combo, bound: float) -> bool:
+        """Whether ``combo`` cannot enter the table (its bound is slower than the ``top``
+        fastest found) or cannot run here (its precision has no rate); rejected with why."""
+        precision, ckpt, opt, chunked, _ = combo
+        top = self.top
+        # Only settled candidates set the bar: an offload candidate not yet traced with its
+        # offload may still be rejected (Note: [offload is verified by a trace]).
+        settled = [c.cost.total_s for c in self.candidates if not _unverified(c)]
+        if len(settled) >= top and bound > 0:
+            kth = sorted(settled)[top - 1]
+            if bound > kth * (1 + TIE_TOLERANCE):  # a tie could still enter
+                self.rejected.append(Rejected(
+                    what=f"{precision}, ckpt={ckpt}, {opt}"
+                         + (", chunked-loss" if chunked else ""),
+                    reason=f"not traced: its compute alone ({format_seconds(bound)}) is slower "
+                           f"than the {top} fastest found ({format_seconds(kth)})"))
+                return True
+        if precision not in self.rates.flops:
+            self.rejected.append(Rejected(what=f"precision {precision}", reason=(
+                f"{precision} is not supported on "
+                f"{self.spec.name if self.spec else self.device}")))
+            return True
+        return False
+
+    def explore(self, combo: Combo) -> None:
+        """Find the combination's largest fitting micro-batch and cost every micro-batch and
+        variant of it that fits (rejections recorded)."""
+        precision, ckpt, opt, chunked, attention = combo
+        micro_batches = self.micro_batches
+        largest = _largest_fitting(micro_batches, lambda m: self.trace(combo, m), self.budget,
+                                   self.lowest_variant)
+        for m in micro_batches:
+            t = self.traced(combo, m)
+            what = FitConfig(precision=precision, checkpointing=ckpt if ckpt != "budget"
+                             else "none", micro_batch=m, accumulation=self.per_gpu // m,
+                             optimizer=opt, chunked_loss=chunked, attention=attention).label()
             if isinstance(t, str):
-                rejected.append(Rejected(what=cfg.label(), reason=t))
-                del candidates[i]
+                self.rejected.append(Rejected(what=what if ckpt != "budget"
+                                              else what + ", ckpt=budget", reason=t))
                 continue
-            peak = (t.peak_accum + _rest_of_batch(t, cfg.micro_batch, per_gpu)
-                    if cfg.accumulation > 1 else t.peak)
-            if peak > budget:
-                rejected.append(Rejected(what=cfg.label(), reason=(
-                    f"traced with offload: peak {_over(peak, budget)} (after {headroom:.0%} "
+            if (largest is None or m > largest[0]) and t is None:
+                continue  # pruned by monotonicity: reported once below
+            ref = t if t is not None else (largest[1] if largest else None)
+            if ref is None:
+                continue
+            ref_m = m if t is not None else largest[0]  # type: ignore[index]
+            self.candidates_at(combo, m, ref, ref_m, what, traced=t is not None)
+        if largest is not None and largest[0] < micro_batches[-1]:
+            self.rejected.append(Rejected(
+                what=f"{precision}, ckpt={ckpt}, {opt}, micro-batch > {largest[0]}",
+                reason=f"micro-batch {_next(micro_batches, largest[0])} is predicted over "
+                       "budget; larger ones use more memory (monotonicity: not traced)"))
+        elif largest is None and not isinstance(self.traced(combo, micro_batches[0]), str):
+            first = self.traced(combo, micro_batches[0])
+            smallest = None if first is None or isinstance(first, str) else \
+                self.lowest_variant(first, micro_batches[0])
+            self.rejected.append(Rejected(
+                what=f"{precision}, ckpt={ckpt}, {opt}, any micro-batch",
+                reason=f"micro-batch {micro_batches[0]} is predicted over the budget of "
+                       f"{self.budget:,} bytes even with every offload/sharding option",
+                peak_bytes=smallest))
+
+    def candidates_at(self, combo: Combo, m: int, ref: _Traced, ref_m: int, what: str, *,
+                      traced: bool) -> None:
+        """Cost each offload/sharding variant of ``combo`` at micro-batch ``m`` from the trace
+        ``ref`` at ``ref_m``: those that fit become candidates, the others are rejected."""
+        precision, ckpt, opt, chunked, attention = combo
+        dims, per_gpu = self.dims, self.per_gpu
+        plain = _plain_policy(ckpt, ref.checkpoint_modes)
+        if plain is not None and plain in dims["checkpointing"]:
+            self.rejected.append(Rejected(what=f"{what}, ckpt=budget", reason=(
+                f"the budget resolves to ckpt={plain} for every block: the same as "
+                f"ckpt={plain}, searched on its own")))
+            return
+        for off_s, off_a, shard in itertools.product(
+                dims["offload_states"], dims["offload_activations"], dims["sharding"]):
+            cfg = FitConfig(precision=precision, checkpointing=plain or ckpt,
+                            checkpoint_budget_bytes=_scaled(ref.checkpoint_budget, m, ref_m,
+                                                            plain),
+                            checkpoint_modes=None if plain == "none" else ref.checkpoint_modes,
+                            micro_batch=m, accumulation=per_gpu // m, optimizer=opt,
+                            offload_states=off_s, offload_activations=off_a,
+                            chunked_loss=chunked, attention=attention, sharding=shard)
+            why = check_shardable(cfg)
+            if why:
+                self.rejected.append(Rejected(what=cfg.label(), reason=why))
+                continue
+            peak = self.derive(ref, ref_m, m, off_s, off_a, shard)
+            if peak > self.budget:
+                self.rejected.append(Rejected(what=cfg.label(), reason=(
+                    f"predicted peak {_over(peak, self.budget)} (after {self.headroom:.0%} "
                     "headroom)"), peak_bytes=peak))
-                del candidates[i]
                 continue
-            candidates[i] = dataclasses.replace(c, peak_bytes=peak, traced=True,
-                                                host_bytes=t.host_peak)
-            verified.add(id(candidates[i]))
-            candidates = rank(candidates)
-    if not candidates:
-        raise MemfitError(f"no configuration fits the budget of {budget:,} bytes once offload "
-                          "is traced; raise the budget, shorten the sequence, or shrink the "
-                          "model")
-    oom_trials = 0
-    if measure:
+            micro_flops = self.flops(plain or ckpt, None if plain else ref.checkpoint_modes,
+                                     chunked, attention, m)
+            cost = step_cost(
+                self.rates, precision=precision, micro_flops=micro_flops,
+                accumulation=per_gpu // m,
+                activation_traffic_bytes=self.activation_traffic(combo, ref, ref_m, m,
+                                                                 micro_flops),
+                offloaded_bytes=int(ref.saved_activations * m / ref_m),
+                ops_per_micro=ref.ops_per_micro, param_bytes=ref.weights,
+                grad_bytes=ref.grads, state_bytes=ref.states,
+                offload_activations=off_a, offload_states=off_s, sharding=shard,
+                num_gpus=self.num_gpus)
+            self.candidates.append(Candidate(config=cfg, peak_bytes=peak, cost=cost,
+                                             traced=traced))
+
+    def verify_offload(self) -> None:
+        """Note: [offload is verified by a trace] The search derives offload variants from the
+        trace without offload (``_derive``); the ones that reach the table are traced with the
+        offload applied (the engine keeps host copies out of the device peak), and their traced
+        peak replaces the derived one, or rejects them."""
+        verified: set[int] = set()
+        budget, per_gpu = self.budget, self.per_gpu
+        with Progress("memfit fit: tracing the offload candidates", total=None,
+                      progress=self.progress, delay=0.5) as verifying:
+            while True:
+                pending = [i for i, c in enumerate(self.candidates[:self.top])
+                           if id(c) not in verified and _unverified(c)]
+                if not pending:
+                    break
+                i = pending[0]
+                c = self.candidates[i]
+                cfg = c.config
+                verifying.phase(cfg.label())
+                t = _trace_one(self.base, self.sample_batch, precision=cfg.precision,
+                               ckpt=cfg.checkpointing, optimizer=cfg.optimizer,
+                               chunked=cfg.chunked_loss, attention=cfg.attention,
+                               m=cfg.micro_batch, per_gpu=per_gpu, device=self.device,
+                               gpu=self.spec, loss_fn=self.loss_fn, num_gpus=self.num_gpus,
+                               offload_activations=cfg.offload_activations,
+                               offload_states=cfg.offload_states)
+                if isinstance(t, str):
+                    self.rejected.append(Rejected(what=cfg.label(), reason=t))
+                    del self.candidates[i]
+                    continue
+                peak = (t.peak_accum + _rest_of_batch(t, cfg.micro_batch, per_gpu)
+                        if cfg.accumulation > 1 else t.peak)
+                if peak > budget:
+                    self.rejected.append(Rejected(what=cfg.label(), reason=(
+                        f"traced with offload: peak {_over(peak, budget)} (after "
+                        f"{self.headroom:.0%} headroom)"), peak_bytes=peak))
+                    del self.candidates[i]
+                    continue
+                self.candidates[i] = dataclasses.replace(c, peak_bytes=peak, traced=True,
+                                                         host_bytes=t.host_peak)
+                verified.add(id(self.candidates[i]))
+                self.candidates = rank(self.candidates)
+        if not self.candidates:
+            raise MemfitError(f"no configuration fits the budget of {budget:,} bytes once "
+                              "offload is traced; raise the budget, shorten the sequence, or "
+                              "shrink the model")
+
+    def measure_top(self) -> int:
+        """Time real steps of the ``top`` candidates and re-rank them by the measured times;
+        returns how many times the OOM guard split a micro-batch."""
         from memfit.fit.measure import measure_candidates
 
-        measured = measure_candidates(model, sample_batch, candidates[:top], device=device,
-                                      global_batch=per_gpu, loss_fn=loss_fn,
-                                      reduction=reduction, count_fn=count_fn)
+        top = self.candidates[:self.top]
+        measured = measure_candidates(self.model, self.sample_batch, top, device=self.device,
+                                      global_batch=self.per_gpu, loss_fn=self.loss_fn,
+                                      reduction=self.reduction, count_fn=self.count_fn)
+        oom_trials = 0
         for i, (seconds, recoveries) in measured.items():
-            candidates[i] = candidates[i].with_measured(seconds)
+            self.candidates[i] = self.candidates[i].with_measured(seconds)
             oom_trials += recoveries
-        head = rank([c for c in candidates[:top] if c.measured_s is not None],
+        head = rank([c for c in self.candidates[:self.top] if c.measured_s is not None],
                     seconds=lambda c: c.measured_s)
-        candidates = head + [c for c in candidates if c not in head]
-    return Plan(chosen=candidates[0], runners_up=tuple(candidates[1:top]),
-                rejected=tuple(rejected), budget_bytes=full_budget,
-                headroom=headroom, oom_trials=oom_trials, global_batch=global_batch,
-                num_gpus=num_gpus, device=device, gpu=spec.name if spec else None,
-                rates_source=rates.source, search_seconds=time.perf_counter() - started,
-                traces=sum(1 for v in traces.values() if not isinstance(v, str)),
-                candidates_considered=len(candidates) + len(rejected))
+        self.candidates = head + [c for c in self.candidates if c not in head]
+        return oom_trials
+
+
+def _unverified(c: Candidate) -> bool:
+    """Whether ``c``'s peak is derived for an offload that :meth:`_Search.verify_offload`
+    traces once the search is done (it may yet be rejected)."""
+    return (c.config.offload_activations or c.config.offload_states) \
+        and c.config.sharding == "none"
 
 
 def _over(peak: int, budget: int) -> str:
@@ -469,10 +618,10 @@ def _next(values: list[int], after: int) -> int:
 
 
 def _largest_fitting(micro_batches: list[int], trace: Callable[[int], _Traced | str],
-                     budget: int, dims: dict[str, list[Any]], num_gpus: int, per_gpu: int
+                     budget: int, lowest: Callable[[_Traced, int], int]
                      ) -> tuple[int, _Traced] | None:
     """Binary search over the sorted micro-batches for the largest whose most memory-saving
-    derived variant fits (memory grows with the micro-batch)."""
+    derived variant (``lowest(trace, m)``) fits (memory grows with the micro-batch)."""
     failed = False
 
     def fits(m: int) -> _Traced | None:
@@ -482,9 +631,7 @@ def _largest_fitting(micro_batches: list[int], trace: Callable[[int], _Traced | 
             # A failure unrelated to size would fail at every micro-batch: stop searching.
             failed = t.startswith(ENGINE_FAILED)
             return None
-        low = min(_derive(t, m, m, s, a, z, num_gpus, per_gpu) for s in dims["offload_states"]
-                  for a in dims["offload_activations"] for z in dims["sharding"])
-        return t if low <= budget else None
+        return t if lowest(t, m) <= budget else None
 
     # The largest first: it usually fits, and then one trace settles the combination.
     top = fits(micro_batches[-1])
