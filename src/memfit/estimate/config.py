@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from memfit import vocab
 from memfit.errors import MemfitError, suggest
 
 Mode = Literal["train", "lora", "qlora", "inference"]
@@ -16,9 +17,11 @@ WeightQuant = Literal["none", "int8", "int4"]
 KvDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8"]
 
 MODES: tuple[str, ...] = get_args(Mode)
-PRECISIONS: tuple[str, ...] = get_args(Precision)
-OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
-CHECKPOINTING: tuple[str, ...] = get_args(Checkpointing)
+# The names come from memfit.vocab (the Literal types above say the same, for type checkers;
+# tests/test_vocab.py holds them equal).
+PRECISIONS: tuple[str, ...] = vocab.names("precision", "plan")
+OPTIMIZERS: tuple[str, ...] = vocab.names("optimizer", "plan")
+CHECKPOINTING: tuple[str, ...] = vocab.names("checkpointing", "plan")
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
 WEIGHT_QUANTS: tuple[str, ...] = get_args(WeightQuant)
 KV_DTYPES: tuple[str, ...] = get_args(KvDtype)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from memfit import vocab
 from memfit.errors import MemfitError
 from memfit.units import format_bytes
 
 __all__ = ["CHECKPOINTING", "PRECISIONS", "SHARDING", "FitConfig"]
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
-CHECKPOINTING = ("none", "selective", "full", "budget")
+PRECISIONS = vocab.names("precision", "fit")  # ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+CHECKPOINTING = vocab.names("checkpointing", "fit")  # simplest first: none, selective, full, budget
 SHARDING = ("none", "zero1", "zero2", "zero3")
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from memfit import vocab
 from memfit._noise import quiet_import
 from memfit.errors import MemfitError, require, suggest
 from memfit.trace.host import host_memory
@@ -45,7 +46,7 @@ from memfit.trace.host import host_memory
 __all__ = ["IMPLS", "OPTIMIZER_NAMES", "CPUOffloadOptimizer", "constructor_settings",
            "make_optimizer", "state_bytes"]
 
-OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "adafactor", "adamw-8bit", "adam-8bit")
+OPTIMIZER_NAMES = vocab.names("optimizer", "apply")  # torch classes and the two 8-bit Adams
 IMPLS = ("foreach", "fused", "for-loop")
 BACKENDS_8BIT = ("auto", "bitsandbytes", "torchao")
 

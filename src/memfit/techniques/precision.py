@@ -36,13 +36,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import MemfitError, suggest
+from memfit import vocab
+from memfit.errors import MemfitError
 
 __all__ = ["PRECISIONS", "MasterWeights", "MixedPrecision", "apply_precision"]
 
 log = logging.getLogger("memfit")
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8")
+PRECISIONS = vocab.names("precision", "apply")
 _AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
                    "fp8": torch.bfloat16}
 FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor-core matmuls (torch._scaled_mm): Ada and newer
@@ -236,9 +237,7 @@ def apply_precision(model: nn.Module, precision: str = "bf16-mixed", *,
     >>> mp = apply_precision(model, "bf16", master_weights=True)
     >>> opt = mp.wrap_optimizer(torch.optim.AdamW(model.parameters()))
     """
-    if precision not in PRECISIONS:
-        raise MemfitError(f"unknown precision {precision!r}{suggest(precision, PRECISIONS)}; "
-                          f"valid: {', '.join(PRECISIONS)}")
+    vocab.check("precision", precision, "apply")
     if master_weights and precision != "bf16":
         raise MemfitError(f"master_weights=True only applies to precision='bf16' (the "
                           f"parameters of {precision!r} are already fp32)")

@@ -29,6 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from memfit import vocab
 from memfit._compat import torch_internals, transformers_internals
 from memfit._loss import LossFn, check_loss_fn, model_loss
 from memfit._tensors import call_model, tensor_leaves
@@ -45,13 +46,14 @@ from memfit.trace.sdpa import CudaSdpaRouting
 from memfit.trace.tracker import Tracker, TrackingFakeMode
 
 # precision -> (autocast dtype, parameter dtype); "-mixed": autocast with fp32 parameters.
-PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
     "fp32": (None, None),
     "bf16-mixed": (torch.bfloat16, None),
     "fp16-mixed": (torch.float16, None),
     "bf16": (None, torch.bfloat16),
     "fp16": (None, torch.float16),
 }
+PRECISIONS = {name: _DTYPES[name] for name in vocab.names("precision", "trace")}
 DEVICES = ("cuda", "cpu")
 _CUDA_BLOCK = 512  # the CUDA caching allocator rounds every request up to 512 bytes
 _DEFAULT_CC = (8, 0)  # SDPA routing when no GPU is named: an A100-class GPU
@@ -346,9 +348,7 @@ def _grouped_mm_rule() -> Iterator[None]:
 # -- the run -----------------------------------------------------------------------------------
 
 def _validate(optimizer: Any, precision: str, device: str, steps: int) -> None:
-    if precision not in PRECISIONS:
-        raise MemfitError(f"unknown precision {precision!r}{suggest(precision, PRECISIONS)}; "
-                          f"valid: {', '.join(PRECISIONS)}")
+    vocab.check("precision", precision, "trace")
     if device not in DEVICES:
         raise MemfitError(f"unknown device {device!r}{suggest(device, DEVICES)}; valid: "
                           f"{', '.join(DEVICES)} (the device to model, not where to run)")

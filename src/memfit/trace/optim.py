@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from memfit import vocab
 from memfit.errors import MemfitError, suggest
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -114,7 +115,7 @@ def _named(name: str, foreach: bool | None) -> OptimizerFactory:
             f"None (inference) or a callable params -> torch.optim.Optimizer") from None
 
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion")
+OPTIMIZERS = vocab.names("optimizer", "trace")
 
 
 def make_optimizer(spec: str | OptimizerFactory, params: list[torch.nn.Parameter], *,
