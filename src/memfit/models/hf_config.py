@@ -98,6 +98,16 @@ class _Config:
                             f"value in the config")
         return float(value)
 
+    def hidden_and_heads(self) -> tuple[int, int]:
+        """``hidden_size`` and ``num_attention_heads``, for models whose heads split the hidden
+        size evenly (no ``head_dim`` key)."""
+        hidden = self.int_("hidden_size")
+        heads = self.int_("num_attention_heads")
+        if hidden % heads:
+            raise self.fail(f"hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                            f"({heads}); fix one of them in the config")
+        return hidden, heads
+
     def head_dim(self, hidden: int, heads: int) -> int:
         """``head_dim`` if given, else hidden / heads (what transformers' modeling code does)."""
         if self._lookup(("head_dim",)) is not None:
@@ -219,11 +229,7 @@ def _gpt_neox(cfg: _Config, name: str) -> TransformerSpec:
     """GPTNeoXForCausalLM (Pythia): fused QKV and dense with ``attention_bias`` (default on),
     GeLU MLP with biases, two LayerNorms per block (parallel residual by default: same
     parameters), rotary positions, untied ``embed_out`` by default (GPTNeoXConfig)."""
-    hidden = cfg.int_("hidden_size")
-    heads = cfg.int_("num_attention_heads")
-    if hidden % heads:
-        raise cfg.fail(f"hidden_size ({hidden}) is not a multiple of num_attention_heads "
-                       f"({heads}); fix one of them in the config")
+    hidden, heads = cfg.hidden_and_heads()
     bias = cfg.bool_("attention_bias", True)
     return TransformerSpec(
         name=name, family="gpt_neox", arch="decoder", hidden_size=hidden,
@@ -272,11 +278,7 @@ def _falcon(cfg: _Config, name: str) -> TransformerSpec | None:
     else one; tied head by default. ALiBi models (no rotary) are left to the trace (None)."""
     if cfg.bool_("alibi", False):
         return None
-    hidden = cfg.int_("hidden_size")
-    heads = cfg.int_("num_attention_heads")
-    if hidden % heads:
-        raise cfg.fail(f"hidden_size ({hidden}) is not a multiple of num_attention_heads "
-                       f"({heads}); fix one of them in the config")
+    hidden, heads = cfg.hidden_and_heads()
     new = cfg.bool_("new_decoder_architecture", False)
     parallel = cfg.bool_("parallel_attn", True)
     if new:
@@ -303,11 +305,7 @@ def _falcon(cfg: _Config, name: str) -> TransformerSpec | None:
 
 
 def _encoder_common(cfg: _Config) -> dict[str, Any]:
-    hidden = cfg.int_("hidden_size")
-    heads = cfg.int_("num_attention_heads")
-    if hidden % heads:
-        raise cfg.fail(f"hidden_size ({hidden}) is not a multiple of num_attention_heads "
-                       f"({heads}); fix one of them in the config")
+    hidden, heads = cfg.hidden_and_heads()
     return dict(hidden_size=hidden, num_layers=cfg.int_("num_hidden_layers"), num_heads=heads,
                 num_kv_heads=heads, head_dim=hidden // heads,
                 intermediate_size=cfg.int_("intermediate_size"), mlp="gelu", norm="layernorm",
