@@ -89,7 +89,7 @@ from memfit._guard_dist import ERROR, OK, OOM, RankAgreement, fsdp_ranks, global
 from memfit._loss import LossFn, check_loss_fn, check_reduction
 from memfit._tensors import meta_batch, tensor_leaves
 from memfit.errors import MemfitError
-from memfit.techniques.accumulation import _sync_gradients, split_batch
+from memfit.techniques.accumulation import _sync_gradients, count_tokens, split_batch
 
 __all__ = ["GuardedStep", "Recovery", "causal_lm_count", "guard"]
 
@@ -111,7 +111,7 @@ def causal_lm_count(batch: Any, *, ignore_index: int = -100) -> int:
     if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
         raise MemfitError("causal_lm_count needs a dict micro-batch with a 2-D 'labels' tensor "
                           "(batch, sequence); pass your own count_fn for other batches")
-    return int((labels[..., 1:] != ignore_index).sum().item())
+    return count_tokens(labels, ignore_index=ignore_index, shift=True)
 
 
 @dataclass(frozen=True, kw_only=True)
