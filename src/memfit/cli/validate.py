@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
-import os
 import platform
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from memfit._files import write_atomic
 from memfit.cli._common import console
 from memfit.errors import MemfitError
 from memfit.progress import Progress
@@ -176,19 +173,9 @@ def _write_json(path: str, doc: dict[str, Any], results: list[Any],
     """Write the document atomically: a stopped run never leaves a half-written file."""
     from memfit.validate import summarize
 
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     body = {**{k: v for k, v in doc.items() if k != "started"}, "complete": complete,
             "wall_seconds": time.perf_counter() - doc.get("started", time.perf_counter()),
             "configs_done": len(results) + len(failures),
             "summary": summarize(results), "results": [r.to_dict() for r in results],
             "failures": failures}
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(body, f, indent=2)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, json.dumps(body, indent=2))

@@ -30,11 +30,12 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from memfit._files import write_atomic
 
 FORMAT = 1
 _ENV_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
@@ -186,16 +187,8 @@ def put(key: str, peak: int | None, workspace: int | None) -> None:
     entries = _load(path, fp)
     entries[key] = [peak, workspace]
     body = json.dumps({"format": FORMAT, "machine": fp, "entries": entries}, sort_keys=True)
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".cpu-kernels-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(body)
-            os.replace(tmp, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    with contextlib.suppress(OSError):  # an unwritable cache only costs the next run time
+        write_atomic(path, body)
 
 
 def forget_loaded() -> None:
