@@ -9,7 +9,7 @@ For one model and memory budget:
    (``measure=True``; OOM trials counted: target 0).
 2. The exhaustive grid: every precision x checkpointing (none/selective/full) x micro-batch
    (divisors of the global batch) with the user's optimizer, each applied with
-   ``memfit.fit.apply`` and timed for real. A config "fits" if it ran without the OOM guard
+   ``memfit.fitting.apply`` and timed for real. A config "fits" if it ran without the OOM guard
    splitting its micro-batch (CUDA: with ``torch.cuda.set_per_process_memory_fraction`` at the
    budget) and, on the CPU, if its measured peak (profiler allocator events) is within budget.
 3. "Turn everything on": full checkpointing, micro-batch 1, optimizer states offloaded (CUDA),
@@ -46,10 +46,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.fit import FitConfig, fit
-from memfit.fit.apply import apply_config
-from memfit.fit.measure import real_batch, time_steps
-from memfit.profile.cpu import measure_cpu_peak
+from memfit.fitting import FitConfig, fit
+from memfit.fitting.apply import apply_config
+from memfit.fitting.measure import real_batch, time_steps
+from memfit.profiling.cpu import measure_cpu_peak
 from memfit.units import parse_bytes
 
 
@@ -125,7 +125,7 @@ SEARCH_COMMAND = ["gpt2", "--gpu", "a100-40gb", "--global-batch", "256", "--seq"
 def _search_row(baseline: bool) -> dict[str, Any]:
     """Time ``memfit fit`` of SEARCH_COMMAND as the CLI runs it (preset on the meta device)."""
     from memfit.cli.fit import _load_preset
-    from memfit.fit import search
+    from memfit.fitting import search
 
     model, sample = _load_preset("gpt2", 1024)
     search._Search.traffic_bound = not baseline

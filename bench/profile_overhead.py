@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.profile.session import profile
+from memfit.profiling.session import profile
 
 CONFIGS = {
     # A GPT-2-small-width stack of pre-norm transformer blocks, 4 layers, 8 x 128 tokens.

@@ -49,8 +49,8 @@ def small_estimate() -> None:
 
 
 def slowest_preset_plan() -> tuple[float, float]:
-    from memfit.estimate.config import RunConfig
-    from memfit.estimate.planner import plan
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
     from memfit.gpus import get_gpu
     from memfit.models import list_presets
 
@@ -68,7 +68,7 @@ def slowest_preset_plan() -> tuple[float, float]:
 
 
 def small_fit() -> None:
-    from memfit.fit import fit
+    from memfit.fitting import fit
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fit import SmallNet  # bench/fit.py's model; at this size tests/test_fit.py's SeqNet

@@ -8,7 +8,7 @@ way a user applies it (``memfit.techniques``). Each row is measured in the same 
 baseline (fp32 parameters, AdamW with torch's default implementation for the device, SDPA
 attention) and reported relative to it.
 
-- Peak memory. CPU: PyTorch profiler allocator events (``memfit.profile.cpu.measure_cpu_peak``):
+- Peak memory. CPU: PyTorch profiler allocator events (``memfit.profiling.cpu.measure_cpu_peak``):
   the bytes the setup (build, technique, optimizer, one warm-up step) left allocated, measured by
   the same events, plus the inputs, plus the peak of one steady-state step above that. Counting
   the setup by its allocator events rather than by walking the model and optimizer catches what a
@@ -53,7 +53,7 @@ import memfit
 from memfit.errors import MemfitError, suggest
 from memfit.models.build import build_model, example_inputs
 from memfit.models.spec import TransformerSpec
-from memfit.profile.cpu import live_bytes, measure_cpu_peak
+from memfit.profiling.cpu import live_bytes, measure_cpu_peak
 from memfit.techniques import (
     AccumulatedStep,
     Budget,

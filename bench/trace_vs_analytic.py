@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
+from memfit.analytic.config import RunConfig
+from memfit.analytic.planner import plan
 from memfit.categories import MemoryCategory
 from memfit.cli.trace_plan import per_gpu_breakdown, traced_estimate
-from memfit.estimate.config import RunConfig
-from memfit.estimate.planner import plan
 from memfit.gpus import get_gpu
 from memfit.models import get_preset
 

@@ -1,7 +1,7 @@
 """Eager attention's saved score bytes per precision: first principles and the trace engine.
 
 Byte rules per element of the a×s×s score matrix (Note: [eager scores under autocast] in
-memfit.estimate.activations), from torch's source:
+memfit.analytic.activations), from torch's source:
 
 - CUDA autocast puts ``softmax`` on its fp32 list (``aten/src/ATen/autocast_mode.h``,
   ``AT_FORALL_FP32_SET_OPT_DTYPE``; registered for CUDA in ``autocast_mode.cpp``): it runs as
@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.analytic.activations import layer_terms, score_bytes_per_element, training_activations
+from memfit.analytic.config import RunConfig
 from memfit.categories import MemoryCategory
-from memfit.estimate.activations import layer_terms, score_bytes_per_element, training_activations
-from memfit.estimate.config import RunConfig
 from memfit.models.spec import TransformerSpec
 
 B, S, H = 2, 64, 128  # every tensor a multiple of 512 bytes: no CUDA rounding in the trace

@@ -19,7 +19,7 @@ from torch import nn
 import memfit.batch_size as batch_size_module
 from memfit.batch_size import find_batch_size
 from memfit.errors import MemfitError
-from memfit.profile.cpu import measure_cpu_peak
+from memfit.profiling.cpu import measure_cpu_peak
 
 IN, HIDDEN, OUT = 32, 128, 10
 

@@ -114,7 +114,7 @@ def test_fits_margin_covers_the_latest_published_results() -> None:
     bench/results/published-*.json (rerun ``python bench/published.py`` after model changes)."""
     import json
 
-    from memfit.estimate import planner
+    from memfit.analytic import planner
 
     results = sorted((BENCH.parent / "results").glob("published-*.json"))
     assert results, "run python bench/published.py"
@@ -143,7 +143,7 @@ def test_trace_margin_covers_the_published_evidence() -> None:
 
 def test_fits_keeps_the_margin() -> None:
     import memfit
-    from memfit.estimate import planner
+    from memfit.analytic import planner
 
     plan = memfit.plan(memfit.resolve_model("gpt2"), memfit.RunConfig(batch=1, seq=128),
                        gpu=memfit.get_gpu("a100-80gb"))
@@ -158,7 +158,7 @@ def test_fit_keeps_the_trace_margin_on_cuda() -> None:
     import torch
     from torch import nn
 
-    from memfit.fit import fit
+    from memfit.fitting import fit
     from memfit.trace.estimate import TRACE_FITS_MARGIN
 
     with torch.device("meta"):

@@ -130,28 +130,3 @@ def test_import_memfit_is_light_and_the_api_stays_whole() -> None:
 def test_every_public_name_has_a_source() -> None:
     assert set(memfit.__all__) - {"__version__"} == set(memfit._SOURCES)
     assert not hasattr(memfit, "no_such_name")
-
-
-def test_loading_a_subpackage_later_does_not_rebind_the_function() -> None:
-    # importlib binds a submodule on its parent when it loads; with lazy names that would turn
-    # memfit.estimate into the package. The function must win, whichever loads first.
-    code = textwrap.dedent("""
-        import importlib, types, memfit
-        fn_first = memfit.fit  # the function loads before its subpackage's submodules
-        for name, submodule in [("estimate", "memfit.estimate.planner"),
-                                ("fit", "memfit.fit.search"), ("guard", "memfit.guard"),
-                                ("profile", "memfit.profile.cpu")]:
-            importlib.import_module(submodule)
-            before = getattr(memfit, name)
-            importlib.import_module("memfit." + name)
-            imported = getattr(importlib.import_module("memfit"), name)
-            assert not isinstance(before, types.ModuleType), (name, before)
-            assert callable(before) and imported is before is getattr(memfit, name), name
-        assert memfit.fit is fn_first
-        from memfit import estimate, fit, guard, profile
-        print(" ".join(f.__module__ for f in (estimate, fit, guard, profile)))
-    """)
-    done = _python(code)
-    assert done.returncode == 0, done.stderr
-    modules = done.stdout.split()
-    assert len(modules) == 4 and all(m.startswith("memfit.") for m in modules), modules

@@ -1,14 +1,14 @@
 """Options that cannot act are refused, not ignored: exit code 2 and one line naming the flag
-(Note: [options that do nothing] in estimate/config.py); the Python API refuses the same."""
+(Note: [options that do nothing] in analytic/config.py); the Python API refuses the same."""
 
 from __future__ import annotations
 
 import pytest
 
 import memfit
+from memfit.analytic.config import RunConfig
 from memfit.cli import main
 from memfit.errors import MemfitError
-from memfit.estimate.config import RunConfig
 from memfit.models import resolve_model
 
 # llama-3-8b: max_position_embeddings 8192, RoPE, no rope_scaling; its smallest LoRA target of

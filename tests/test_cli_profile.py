@@ -10,7 +10,7 @@ import torch
 
 from memfit.cli import main
 from memfit.errors import MemfitError
-from memfit.profile import Profiler
+from memfit.profiling import Profiler
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -323,7 +323,7 @@ def test_norm_layers() -> None:
 
 def test_current_graph_task_id_tells_backward() -> None:
     task_id = ti.current_graph_task_id()
-    assert task_id is not None, "torch._C._current_graph_task_id is gone (profile/session.py)"
+    assert task_id is not None, "torch._C._current_graph_task_id is gone (profiling/session.py)"
     inside: list[int] = []
     x = torch.randn(2, requires_grad=True)
     y = x * 2

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from memfit.analytic.activations import layer_terms, training_activations
+from memfit.analytic.config import RunConfig
+from memfit.analytic.kv_cache import kv_cache_bytes
+from memfit.analytic.model_states import model_states
+from memfit.analytic.planner import plan
 from memfit.categories import MemoryCategory as C
 from memfit.errors import MemfitError
-from memfit.estimate.activations import layer_terms, training_activations
-from memfit.estimate.config import RunConfig
-from memfit.estimate.kv_cache import kv_cache_bytes
-from memfit.estimate.model_states import model_states
-from memfit.estimate.planner import plan
 from memfit.models.spec import ParamCountSpec, TransformerSpec
 
 GB = 1e9

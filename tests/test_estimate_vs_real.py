@@ -1,6 +1,6 @@
 """The analytic activation formulas against a real CPU training step.
 
-Measured independently: the PyTorch profiler's allocator events (memfit.profile.cpu) give the
+Measured independently: the PyTorch profiler's allocator events (memfit.profiling.cpu) give the
 bytes a real forward pass leaves allocated for backward (saved activations, logits, loss).
 Tolerance: 5%. The planner models CUDA; where the CPU differs the test says so and adjusts by
 first principles: the CPU's ``F.dropout`` multiplies by an fp32 mask (CUDA's fused dropout keeps
@@ -15,11 +15,11 @@ import importlib.util
 import pytest
 import torch
 
-from memfit.estimate.activations import input_terms, training_activations
-from memfit.estimate.config import RunConfig
+from memfit.analytic.activations import input_terms, training_activations
+from memfit.analytic.config import RunConfig
 from memfit.models.build import build_model, example_inputs
 from memfit.models.spec import TransformerSpec
-from memfit.profile.cpu import measure_cpu_peak
+from memfit.profiling.cpu import measure_cpu_peak
 
 GPT = TransformerSpec(
     name="gpt-tiny", family="gpt2", arch="decoder", hidden_size=256, num_layers=4, num_heads=4,

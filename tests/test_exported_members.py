@@ -14,16 +14,27 @@ def test_all_is_what_we_export() -> None:
     assert extra == set()
 
 
-def test_profile_and_watch_are_functions() -> None:
-    # memfit.profile is the context manager, not the subpackage it lives in
-    assert callable(memfit.profile) and callable(memfit.watch)
+def test_each_name_means_one_thing() -> None:
+    # No public name is also a submodule: importing every submodule (which binds each on
+    # memfit, importlib._bootstrap._find_and_load_unlocked) leaves every public name as it was.
     import importlib
+    import pkgutil
 
-    assert importlib.import_module("memfit.profile.cpu").measure_cpu_peak
-    assert callable(memfit.profile)  # importing the subpackage does not rebind the name
+    modules = {m.name for m in pkgutil.iter_modules(memfit.__path__)}
+    assert modules & set(memfit.__all__) == set()
+    before = {name: getattr(memfit, name) for name in memfit.__all__}
+    for info in pkgutil.walk_packages(memfit.__path__, "memfit."):
+        try:
+            importlib.import_module(info.name)
+        except ImportError as exc:  # an optional extra (lightning) that is not installed
+            assert "pip install" in str(exc), exc
+    assert {name: getattr(memfit, name) for name in memfit.__all__} == before
+
+
+def test_profile_and_watch_are_functions() -> None:
+    assert callable(memfit.profile) and callable(memfit.watch)
 
 
 def test_fit_and_guard_are_functions() -> None:
-    # memfit.fit / memfit.guard are the functions of issue 5, not their modules
     assert callable(memfit.fit) and callable(memfit.guard) and callable(memfit.find_batch_size)
-    assert memfit.Plan.__module__ == "memfit.fit.plan"
+    assert memfit.Plan.__module__ == "memfit.fitting.plan"

@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.errors import MemfitError
-from memfit.fit import FitConfig, Plan, fit
-from memfit.profile.cpu import measure_cpu_peak
+from memfit.fitting import FitConfig, Plan, fit
+from memfit.profiling.cpu import measure_cpu_peak
 
 D, T, C = 32, 64, 8
 
@@ -360,7 +360,7 @@ def test_attention_backend_is_searched_for_an_eager_model() -> None:
 def test_cuda_target_traces_checkpointed_attention_models() -> None:
     # Every checkpointing candidate of an SDPA model on a CUDA target is traced, none rejected
     # because the engine failed (the recompute in backward must use the same attention kernels).
-    from memfit.fit.search import ENGINE_FAILED
+    from memfit.fitting.search import ENGINE_FAILED
     from memfit.models.build import build_model, example_inputs
     from memfit.models.spec import TransformerSpec
 

@@ -9,10 +9,10 @@ import warnings
 import pytest
 from torch import nn
 
-from memfit.fit import FitConfig, Plan, fit
-from memfit.fit.cost import StepCost
-from memfit.fit.plan import TIE_TOLERANCE, Candidate, Rejected, rank, simplicity
-from memfit.fit.search import _meta_copy, _plain_policy, _trace_one
+from memfit.fitting import FitConfig, Plan, fit
+from memfit.fitting.cost import StepCost
+from memfit.fitting.plan import TIE_TOLERANCE, Candidate, Rejected, rank, simplicity
+from memfit.fitting.search import _meta_copy, _plain_policy, _trace_one
 from memfit.units import GiB, format_seconds
 
 # test_fit's activation-heavy model (pytest puts tests/ on sys.path).

@@ -1,5 +1,5 @@
-"""The fit search object (``memfit.fit.search._Search``): its traffic bound is a true lower bound
-of every candidate it prunes for, and pruning by it changes no plan."""
+"""The fit search object (``memfit.fitting.search._Search``): its traffic bound is a true lower
+bound of every candidate it prunes for, and pruning by it changes no plan."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-from memfit.fit import search
-from memfit.fit.search import _Search
+from memfit.fitting import search
+from memfit.fitting.search import _Search
 from test_fit import make
 
 

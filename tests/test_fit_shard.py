@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.fit import FitConfig
-from memfit.fit.apply import apply_config
+from memfit.fitting import FitConfig
+from memfit.fitting.apply import apply_config
 
 D, C = 16, 4
 
@@ -116,7 +116,7 @@ def test_guard_does_not_retry_an_oom_under_fsdp_with_several_ranks(
     # the guard says so instead of retrying. A second rank is pretended (the check reads the
     # world size); with one real rank a retry would be safe.
     pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2 (torch >= 2.6)")
-    from memfit.guard import guard
+    from memfit.oom_guard import guard
 
     torch.manual_seed(0)
     model, _, _ = apply_config(Net(), config("zero3"), num_gpus=1, log_recoveries=False)

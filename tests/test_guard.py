@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 import memfit
 from memfit.errors import MemfitError
-from memfit.guard import GuardedStep, guard
+from memfit.oom_guard import GuardedStep, guard
 from memfit.techniques.accumulation import accumulate, split_batch
 
 IN, HIDDEN, OUT = 6, 12, 3
@@ -572,7 +572,7 @@ def test_real_cuda_oom_is_recovered():
 
 
 def test_a_default_prediction_that_fails_warns_once_and_training_goes_on(monkeypatch, caplog):
-    guard_module = importlib.import_module("memfit.guard")  # memfit.guard is the function
+    guard_module = importlib.import_module("memfit.oom_guard")
 
     def untraceable(*args, **kwargs):  # type: ignore[no-untyped-def]
         def predict(meta_batch):  # type: ignore[no-untyped-def]
@@ -686,7 +686,7 @@ def gpt2_batch() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("micro", [4, 2, 1])
 def test_hf_causal_lm_loss_with_causal_lm_count_is_the_full_batch_step(micro):
-    from memfit.guard import causal_lm_count
+    from memfit.oom_guard import causal_lm_count
 
     batch = gpt2_batch()
     ref = tiny_gpt2()
@@ -707,5 +707,5 @@ def test_mean_with_token_labels_and_no_count_fn_is_refused():
     model = tiny_gpt2()
     step = guard(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda m, b: m(**b).loss,
                  micro_batch_size=2, log=False)
-    with pytest.raises(MemfitError, match=r"count_fn=causal_lm_count \(from memfit\.guard import"):
+    with pytest.raises(MemfitError, match=r"count_fn=causal_lm_count \(from memfit\.oom_guard import"):
         step(gpt2_batch())

@@ -1,7 +1,7 @@
 """The OOM guard under DDP with two real processes (gloo on the CPU): an OOM on one rank makes
 every rank retry the same batch at the same micro-batch size, and nobody hangs.
 
-Note: [OOM agreement under DDP] in memfit/guard.py.
+Note: [OOM agreement under DDP] in memfit/oom_guard.py.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def worker(rank: int, store_path: str, out_dir: str) -> None:
 def scenarios(rank: int, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from memfit.guard import guard
+    from memfit.oom_guard import guard
 
     for scenario in ("oom", "error"):
         model = DDP(make_model())

@@ -20,8 +20,8 @@ from torch import nn
 import memfit
 from memfit.batch_size import find_batch_size
 from memfit.errors import MemfitError
-from memfit.fit.apply import apply_config
-from memfit.fit.config import FitConfig
+from memfit.fitting.apply import apply_config
+from memfit.fitting.config import FitConfig
 from memfit.techniques.accumulation import AccumulatedStep, accumulate, split_batch
 
 ROWS, DIM, CLASSES, LR = 11, 16, 5, 0.1  # 11 rows: every split below is uneven

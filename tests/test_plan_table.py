@@ -9,9 +9,9 @@ import json
 
 import pytest
 
+from memfit.analytic.config import RunConfig
+from memfit.analytic.planner import plan
 from memfit.cli import main
-from memfit.estimate.config import RunConfig
-from memfit.estimate.planner import plan
 from memfit.models.spec import ParamCountSpec
 from memfit.units import format_bytes
 

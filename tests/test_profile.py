@@ -15,8 +15,8 @@ from torch import nn
 
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
-from memfit.profile import measure_cpu_peak
-from memfit.profile.session import profile
+from memfit.profiling import measure_cpu_peak
+from memfit.profiling.session import profile
 
 W, G, S, A, T = (MemoryCategory.WEIGHTS, MemoryCategory.GRADIENTS,
                  MemoryCategory.OPTIMIZER_STATES, MemoryCategory.ACTIVATIONS,

@@ -6,8 +6,8 @@ import gc
 
 import torch
 
-from memfit.profile import live_bytes, measure_cpu_peak
-from memfit.profile.cpu import session_deltas
+from memfit.profiling import live_bytes, measure_cpu_peak
+from memfit.profiling.cpu import session_deltas
 
 
 def test_one_known_allocation() -> None:

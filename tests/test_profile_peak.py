@@ -26,7 +26,7 @@ from torch.profiler import profile as torch_profile
 
 from memfit.categories import MemoryCategory
 from memfit.cli import main
-from memfit.profile import profile
+from memfit.profiling import profile
 from memfit.units import format_bytes
 
 F32, I64 = 4, 8
@@ -70,7 +70,7 @@ def _convnet_module(tmp_path: Path) -> dict[str, Callable[..., object]]:
 
 def allocator_peak(fn: Callable[[], object]) -> int:
     """Peak of the running sum of the CPU allocator's events while ``fn`` runs, above what was
-    alive before (written here, apart from memfit.profile.cpu, so the two cannot share a bug).
+    alive before (written here, apart from memfit.profiling.cpu, so the two cannot share a bug).
 
     A free is counted only if this session saw the block allocated: PyTorch's CPU allocator may
     report the free of a block allocated before with a stale size

@@ -206,7 +206,7 @@ def test_profiler_start_stop_lines_are_silenced(capfd) -> None:
     prints them."""
     from torch.profiler import ProfilerActivity, profile
 
-    from memfit.profile.cpu import measure_cpu_peak
+    from memfit.profiling.cpu import measure_cpu_peak
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
         torch.ones(8).sum()
@@ -302,7 +302,7 @@ def test_find_batch_size_is_silent_off_a_terminal(capfd) -> None:
 def test_fit_counts_a_combination_when_it_is_finished(monkeypatch) -> None:
     """fit's progress advances after a combination's traces (never before it starts: the old
     bar showed 1/16 while the first combination was still tracing) and ends at the total."""
-    from memfit.fit import fit
+    from memfit.fitting import fit
 
     events: list[tuple[str, float]] = []
     real_advance, real_phase = Progress.advance, Progress.phase

@@ -14,8 +14,8 @@ from torch import nn
 
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
-from memfit.profile.result import ProfileResult
-from memfit.profile.session import profile
+from memfit.profiling.result import ProfileResult
+from memfit.profiling.session import profile
 from memfit.report import embed_json, render_html, write_png
 from memfit.units import format_bytes
 
@@ -118,7 +118,7 @@ def test_write_html_via_profiler(tmp_path: Path) -> None:
 
 def cuda_like_result() -> ProfileResult:
     """A hand-made CUDA-shaped result (this machine may have no GPU) to render its parts."""
-    from memfit.profile.result import TRACKED, MeasuredPoint
+    from memfit.profiling.result import TRACKED, MeasuredPoint
 
     points = [MeasuredPoint(i, "aten.mm.default", "forward", "layer", (512 * i, 0, 0, 0, 0, 512),
                             512 * i + 512, 2 * 2**20) for i in range(5)]
@@ -167,7 +167,7 @@ def test_inside_kernels_row_and_prediction_against_the_allocator_peak() -> None:
     a prediction is compared with the allocator's peak, not the ledger's."""
     from types import SimpleNamespace
 
-    from memfit.profile.result import TRACKED, MeasuredPoint
+    from memfit.profiling.result import TRACKED, MeasuredPoint
 
     breakdown = {c: 0 for c in MemoryCategory}
     breakdown[MemoryCategory.WEIGHTS], breakdown[MemoryCategory.ACTIVATIONS] = 4096, 4096

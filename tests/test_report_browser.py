@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.profile.result import ProfileResult
-from memfit.profile.session import profile
+from memfit.profiling.result import ProfileResult
+from memfit.profiling.session import profile
 from memfit.units import format_bytes
 
 CHROMIUM = "/usr/bin/chromium"

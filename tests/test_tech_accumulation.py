@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.profile import measure_cpu_peak
+from memfit.profiling import measure_cpu_peak
 from memfit.techniques.accumulation import (
     AccumulatedStep,
     accumulate,

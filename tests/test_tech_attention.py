@@ -14,7 +14,7 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.models.build import build_model, example_inputs
 from memfit.models.spec import TransformerSpec
-from memfit.profile import measure_cpu_peak
+from memfit.profiling import measure_cpu_peak
 from memfit.techniques.attention import sdpa_backends, set_attn_implementation, use_sdpa
 from memfit.trace import estimate
 

@@ -17,7 +17,7 @@ from memfit import MemoryCategory, estimate
 from memfit.errors import MemfitError
 from memfit.models.build import build_model, example_inputs
 from memfit.models.spec import TransformerSpec
-from memfit.profile import measure_cpu_peak
+from memfit.profiling import measure_cpu_peak
 from memfit.techniques.checkpointing import (
     Budget,
     EveryK,

@@ -16,7 +16,7 @@ from memfit import estimate
 from memfit.errors import MemfitError
 from memfit.models.build import build_model, example_inputs
 from memfit.models.spec import TransformerSpec
-from memfit.profile import measure_cpu_peak
+from memfit.profiling import measure_cpu_peak
 from memfit.techniques.loss import apply_chunked_loss, chunked_cross_entropy
 
 # fp32 tolerance. Chunking sums the per-token losses per chunk and then over chunks, computes the

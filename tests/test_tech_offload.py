@@ -15,7 +15,7 @@ from torch import nn
 
 from memfit import estimate
 from memfit.errors import MemfitError
-from memfit.profile import measure_cpu_peak
+from memfit.profiling import measure_cpu_peak
 from memfit.techniques.checkpointing import EveryK, apply_activation_checkpointing
 from memfit.techniques.offload import (
     OffloadActivations,

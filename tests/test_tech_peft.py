@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.profile import measure_cpu_peak
+from memfit.profiling import measure_cpu_peak
 from memfit.techniques.peft import LoRALinear, apply_lora, apply_qlora, trainable_parameters
 from memfit.trace import estimate
 

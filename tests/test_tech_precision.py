@@ -15,7 +15,7 @@ from torch import nn
 
 from memfit import estimate
 from memfit.errors import MemfitError
-from memfit.profile import measure_cpu_peak
+from memfit.profiling import measure_cpu_peak
 from memfit.techniques.precision import MasterWeights, MixedPrecision, apply_precision
 
 DIM, HEADS, VOCAB = 64, 4, 256

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.profile import measure_cpu_peak
+from memfit.profiling import measure_cpu_peak
 from memfit.techniques.quant import convert_qat, prepare_qat, quantize_weights, weight_bytes
 from memfit.trace import estimate
 

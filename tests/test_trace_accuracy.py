@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfit._tensors import call_model
 from memfit.categories import MemoryCategory
-from memfit.profile import measure_cpu_peak
+from memfit.profiling import measure_cpu_peak
 from memfit.trace import estimate
 
 TOLERANCE = 0.01

@@ -15,8 +15,8 @@ from memfit.errors import MemfitError
 def test_each_layer_takes_what_its_code_handles() -> None:
     """The sets are checked against each layer's own code, not against vocab: the trace's dtype
     table, the analytic Literal types, the optimizers the trace and techniques can build."""
-    from memfit.estimate import config as plan_config
-    from memfit.fit import config as fit_config
+    from memfit.analytic import config as plan_config
+    from memfit.fitting import config as fit_config
     from memfit.techniques.optim import _TORCH_CLASSES
     from memfit.trace import engine
     from memfit.trace.optim import _named

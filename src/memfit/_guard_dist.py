@@ -1,6 +1,6 @@
-"""How the ranks of a distributed model agree inside :class:`memfit.guard.GuardedStep`.
+"""How the ranks of a distributed model agree inside :class:`memfit.oom_guard.GuardedStep`.
 
-Note: [OOM agreement under DDP] (the behaviour is described in :mod:`memfit.guard`). Every
+Note: [OOM agreement under DDP] (the behaviour is described in :mod:`memfit.oom_guard`). Every
 collective here is reached by every rank at the same point of a step, whatever happened on it:
 
 1. :meth:`RankAgreement.begin_batch`: rank 0's buffers are broadcast (DDP's own

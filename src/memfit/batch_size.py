@@ -7,7 +7,7 @@
    the predictions gives the largest batch predicted to fit (skipped when ``start`` is given).
 2. **Verify both ways**: real trial steps from the seed. A batch fits if the trial finished
    without ``torch.OutOfMemoryError`` and its measured peak is within the budget (CPU: the
-   profiler's allocator events, :func:`memfit.profile.cpu.measure_cpu_peak`; CUDA:
+   profiler's allocator events, :func:`memfit.profiling.cpu.measure_cpu_peak`; CUDA:
    ``torch.cuda.max_memory_reserved``). From a seed that fits it grows (+1, +2, +4, ...) until a
    batch does not; from one that does not it shrinks the same way; a bisection between the last
    fit and the first miss ends at ``b`` with ``b`` fitting and ``b + 1`` not (or ``max_batch``).
@@ -45,7 +45,7 @@ from torch import nn
 from memfit._loss import LossFn, check_loss_fn, model_loss
 from memfit._tensors import call_model, tensor_leaves
 from memfit.errors import MemfitError, suggest
-from memfit.profile.cpu import measure_cpu_peak
+from memfit.profiling.cpu import measure_cpu_peak
 from memfit.progress import Progress, current, phase
 from memfit.trace import estimate
 from memfit.trace.optim import OptimizerFactory, make_optimizer

@@ -7,7 +7,7 @@ backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``), and measures t
 - CUDA: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``, with the cache emptied,
   cuBLAS workspaces cleared and the peak stats reset before each config;
 - CPU: the profiler's allocator events plus the bytes alive before the run
-  (:func:`memfit.profile.cpu.measure_cpu_peak`).
+  (:func:`memfit.profiling.cpu.measure_cpu_peak`).
 
 The same model, copied to the meta device, is then traced by :func:`memfit.estimate`, and the
 two are compared. ``memfit validate`` and ``bench/validate_gpu.py`` drive it.
@@ -388,7 +388,7 @@ def _measure(config: Config, factory: Factory, device: str,
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(),
                 time.perf_counter() - start)
-    from memfit.profile.cpu import measure_cpu_peak
+    from memfit.profiling.cpu import measure_cpu_peak
 
     def run() -> None:
         # The optimizer is built inside the measurement: what it allocates up front (the host

@@ -49,7 +49,7 @@ def print_fit_verdict(out: Console, capacity: int | None, total: int, margin: fl
                       method: str) -> None:
     """The one line that says whether a planned step fits, keeping ``margin`` of the GPU free
     (the method's worst under-prediction of published GPU measurements; see the README)."""
-    from memfit.estimate.table import fit_verdict
+    from memfit.analytic.table import fit_verdict
 
     out.print(fit_verdict(capacity, total, margin, method))
 

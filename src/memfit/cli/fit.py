@@ -84,8 +84,8 @@ def _load_preset(name: str, seq: int | None) -> tuple[Any, Any]:
 
     spec = resolve_model(name)
     if seq is not None:
-        from memfit.estimate.config import RunConfig
-        from memfit.estimate.planner import check_context
+        from memfit.analytic.config import RunConfig
+        from memfit.analytic.planner import check_context
 
         if spec.arch == "vision":
             raise MemfitError(f"{spec.name} sees {spec.default_seq_len} tokens per image; drop "
@@ -98,7 +98,7 @@ def _load_preset(name: str, seq: int | None) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.fit import fit
+    from memfit.fitting import fit
 
     global_batch = positive_int(args.global_batch, "--global-batch")
     num_gpus = positive_int(args.gpus, "--gpus")

@@ -7,9 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from memfit.cli._common import console, nonneg_int, positive_int, print_fit_verdict, print_json
-from memfit.errors import MemfitError
-from memfit.estimate.config import (
+from memfit.analytic.config import (
     ATTENTIONS,
     CHECKPOINTING,
     KV_DTYPES,
@@ -19,7 +17,7 @@ from memfit.estimate.config import (
     WEIGHT_QUANTS,
     RunConfig,
 )
-from memfit.estimate.planner import (
+from memfit.analytic.planner import (
     GPUS_PER_NODE,
     MemoryPlan,
     default_precision,
@@ -27,7 +25,9 @@ from memfit.estimate.planner import (
     plan,
     scale_out_line,
 )
-from memfit.estimate.suggestions import suggest_changes
+from memfit.analytic.suggestions import suggest_changes
+from memfit.cli._common import console, nonneg_int, positive_int, print_fit_verdict, print_json
+from memfit.errors import MemfitError
 from memfit.models.spec import ModelSpec, ParamCountSpec
 from memfit.units import parse_count
 
@@ -120,7 +120,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         if zero not in (0, 3):
             raise MemfitError(f"--fsdp means ZeRO-3; it conflicts with --zero {zero}")
         zero = 3
-    # Note: [options that do nothing] in estimate/config.py: a flag given explicitly (its
+    # Note: [options that do nothing] in analytic/config.py: a flag given explicitly (its
     # default is None) that cannot act in this mode is refused, whatever its value.
     given = {"--optimizer": args.optimizer, "--new-tokens": args.new_tokens,
              "--lora-rank": args.lora_rank, "--lora-targets": args.lora_targets}
@@ -224,7 +224,7 @@ def render(p: MemoryPlan, suggestions: list[Any], gpus_per_node: int = GPUS_PER_
            scale_out: str | None = None, precision_note: str | None = None) -> None:
     """The shared memory table (:meth:`MemoryPlan.table`), the fit verdict, how many GPUs it
     needs when one will not do, the notes and the suggestions."""
-    from memfit.estimate.planner import FITS_MARGIN
+    from memfit.analytic.planner import FITS_MARGIN
 
     table = p.table(suggestions, gpus_per_node=gpus_per_node)
     if scale_out:

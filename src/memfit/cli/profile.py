@@ -46,8 +46,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.profile.script import parse_command, predict, run_script
-    from memfit.profile.session import Profiler
+    from memfit.profiling.script import parse_command, predict, run_script
+    from memfit.profiling.session import Profiler
 
     command = parse_command(args.command)
     import torch

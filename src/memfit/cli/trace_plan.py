@@ -9,11 +9,8 @@ import os
 import warnings
 from typing import Any
 
-from memfit.categories import MemoryCategory
-from memfit.cli._common import console, positive_int, print_fit_verdict, print_json
-from memfit.errors import MemfitError
-from memfit.estimate.config import RunConfig
-from memfit.estimate.planner import (
+from memfit.analytic.config import RunConfig
+from memfit.analytic.planner import (
     FITS_MARGIN,
     GPUS_PER_NODE,
     MemoryPlan,
@@ -22,8 +19,8 @@ from memfit.estimate.planner import (
     plan,
     scale_out_line,
 )
-from memfit.estimate.suggestions import suggest_changes
-from memfit.estimate.table import (
+from memfit.analytic.suggestions import suggest_changes
+from memfit.analytic.table import (
     Column,
     Footnote,
     MemoryTable,
@@ -31,6 +28,9 @@ from memfit.estimate.table import (
     format_params,
     reserve_not_modelled_note,
 )
+from memfit.categories import MemoryCategory
+from memfit.cli._common import console, positive_int, print_fit_verdict, print_json
+from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
 from memfit.models.hf_auto import HFModelSpec
 from memfit.models.spec import ModelSpec, TransformerSpec

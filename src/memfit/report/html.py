@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from memfit.categories import MemoryCategory
-from memfit.profile.result import TRACKED, ProfileResult, downsample
+from memfit.profiling.result import TRACKED, ProfileResult, downsample
 from memfit.report._assets import CATEGORY_COLORS, CSS, JS, PHASE_COLORS
 from memfit.units import format_bytes
 
@@ -182,7 +182,7 @@ def _breakdown(result: ProfileResult, estimate: Estimate | None) -> str:
             row += _predicted_cells(predicted, measured)
         rows.append(row + "</tr>")
     if inside is not None:
-        # Note: [inside kernels] in memfit.profile.session: allocator bytes no tensor owned.
+        # Note: [inside kernels] in memfit.profiling.session: allocator bytes no tensor owned.
         row = (f"<tr id=\"inside-kernels\"><td><span class=\"swatch\"></span>inside kernels"
                f"</td><td class=\"num\">{_e(format_bytes(inside))}</td>"
                f"<td class=\"num\">{100 * inside / total:.1f}%</td>")

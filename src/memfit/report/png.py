@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.profile.result import TRACKED, ProfileResult, downsample
+from memfit.profiling.result import TRACKED, ProfileResult, downsample
 from memfit.report._assets import CATEGORY_COLORS, PHASE_COLORS
 from memfit.report.html import legend_categories, phase_spans
 
@@ -80,7 +80,7 @@ def peak_marker_x(xs: list[int], peak_index: int) -> float:
     areas are drawn ``step="post"``: the point at ``x = xs[k]`` (live bytes after that op) spans
     ``xs[k]`` to ``xs[k + 1]`` (one op, or a downsampled bucket), so a line at ``xs[k]`` itself
     sits on the edge with the op before, whose bytes are drawn to its left. ``xs`` must hold
-    ``peak_index`` (:func:`memfit.profile.result.downsample` keeps it)."""
+    ``peak_index`` (:func:`memfit.profiling.result.downsample` keeps it)."""
     k = xs.index(peak_index)
     if k + 1 == len(xs):  # the last point: drawn as the plot's right edge
         return float(xs[k])

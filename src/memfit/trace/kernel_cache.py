@@ -13,7 +13,7 @@ version and git revision, the CPU capability ATen dispatches to (and ``ATEN_CPU_
 oneDNN's ISA limit (``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA``) and fp-math mode, the CPU model
 and flags (AVX-512-bf16 and AMX change oneDNN's bf16 GEMM scratch), the float32 matmul precision
 and the intra-op thread count (CPU flash attention keeps one buffer per thread); and the
-measuring code itself (a hash of ``cpu_kernels.py`` and ``profile/cpu.py``), so a memfit that
+measuring code itself (a hash of ``cpu_kernels.py`` and ``profiling/cpu.py``), so a memfit that
 measures differently never reads an older memfit's numbers.
 
 ``MEMFIT_NO_CACHE=1`` turns the disk cache off (measurements then live for the process only).
@@ -85,7 +85,7 @@ def _method_hash() -> str:
     """A hash of the code that measures (module docstring)."""
     global _method
     if _method is None:
-        from memfit.profile import cpu as profile_cpu
+        from memfit.profiling import cpu as profile_cpu
         from memfit.trace import cpu_kernels
 
         h = hashlib.sha256()

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError, read_json_file
-from memfit.fit.config import CHECKPOINTING, FitConfig
-from memfit.fit.cost import StepCost
+from memfit.fitting.config import CHECKPOINTING, FitConfig
+from memfit.fitting.cost import StepCost
 from memfit.units import format_bytes, format_seconds
 
 __all__ = ["Candidate", "Plan", "Rejected"]
@@ -168,14 +168,14 @@ class Plan:
               ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
         """Apply the chosen configuration to ``model`` (in place) and return ``(model,
         optimizer, step)``; ``step(batch) -> loss`` runs one optimizer step on a global batch
-        (split into the plan's micro-batches, OOM-guarded by :func:`memfit.guard.guard`).
+        (split into the plan's micro-batches, OOM-guarded by :func:`memfit.oom_guard.guard`).
 
         ``loss_fn(model, micro_batch) -> scalar`` returns the micro-batch's mean loss
         (``reduction="mean"``, default; weighted by the micro-batch's share of the items that
         ``count_fn`` counts, default its rows) or the sum of its per-item losses
         (``reduction="sum"``); default: the model's own loss, a mean. A Hugging Face causal LM's
-        ``.loss`` averages over tokens: pass ``count_fn=memfit.guard.causal_lm_count``."""
-        from memfit.fit.apply import apply_config
+        ``.loss`` averages over tokens: pass ``count_fn=memfit.oom_guard.causal_lm_count``."""
+        from memfit.fitting.apply import apply_config
 
         return apply_config(model, self.config, loss_fn=loss_fn, reduction=reduction,
                             count_fn=count_fn, budget_bytes=self.budget_bytes,

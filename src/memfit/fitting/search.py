@@ -1,5 +1,5 @@
 """The fit search: every technique combination x micro-batch, memory from the trace engine, time
-from the cost model (:mod:`memfit.fit.cost`).
+from the cost model (:mod:`memfit.fitting.cost`).
 
 Per technique combination, memory falls as the micro-batch shrinks and (in the cost model) time
 never rises as it grows, so the search binary-searches the largest micro-batch that fits (a
@@ -33,10 +33,10 @@ from memfit._loss import LossFn, check_loss_fn, check_reduction, model_loss
 from memfit._tensors import meta_batch, tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
-from memfit.fit.apply import apply_techniques, check_shardable
-from memfit.fit.config import CHECKPOINTING, PRECISIONS, SHARDING, FitConfig
-from memfit.fit.cost import Rates, cpu_rates, gpu_rates, step_cost
-from memfit.fit.plan import TIE_TOLERANCE, Candidate, Plan, Rejected, rank
+from memfit.fitting.apply import apply_techniques, check_shardable
+from memfit.fitting.config import CHECKPOINTING, PRECISIONS, SHARDING, FitConfig
+from memfit.fitting.cost import Rates, cpu_rates, gpu_rates, step_cost
+from memfit.fitting.plan import TIE_TOLERANCE, Candidate, Plan, Rejected, rank
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.progress import Progress, phase
 from memfit.trace.allocator import round_size
@@ -133,7 +133,7 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     ``loss_fn(model, batch) -> scalar`` as in :func:`memfit.estimate` (default: the model's own
     loss); with ``measure=True`` the timed steps split the batch as ``Plan.apply`` does, so
     ``reduction`` ("mean", default, or "sum") and ``count_fn`` say what the loss is, as for
-    :func:`memfit.guard.guard`. ``space`` narrows or widens a
+    :func:`memfit.oom_guard.guard`. ``space`` narrows or widens a
     dimension, e.g. ``{"precision": ["fp32"], "micro_batch": [4, 8]}``. ``measure=True`` times
     real steps of the top candidates (only those predicted to fit) and picks the fastest.
     ``headroom``: the share of the budget kept free for what the prediction misses (see Note:
@@ -159,7 +159,7 @@ class _Search:
 
     ``run`` orders the combinations by their lower bound (``lower_bound``), explores each one
     (``explore``: the largest micro-batch that fits, by ``trace``; every fitting micro-batch and
-    variant costed by ``candidates_at``), ranks (``memfit.fit.plan.rank``), traces the offload
+    variant costed by ``candidates_at``), ranks (``memfit.fitting.plan.rank``), traces the offload
     candidates that reach the table (``verify_offload``) and, with ``measure=True``, times them
     (``measure_top``).
     """
@@ -392,7 +392,7 @@ class _Search:
                               f"{need}; raise the budget (a bigger GPU, more GPUs), shorten the "
                               "sequence, or shrink the model")
         # Ties (predicted times within TIE_TOLERANCE) go to the simpler option, then the smaller
-        # peak (Note: [ties go to the simpler option] in memfit/fit/plan.py).
+        # peak (Note: [ties go to the simpler option] in memfit/fitting/plan.py).
         self.candidates = rank(self.candidates)
         self.verify_offload()
         oom_trials = self.measure_top() if self.measure else 0
@@ -565,7 +565,7 @@ class _Search:
     def measure_top(self) -> int:
         """Time real steps of the ``top`` candidates and re-rank them by the measured times;
         returns how many times the OOM guard split a micro-batch."""
-        from memfit.fit.measure import measure_candidates
+        from memfit.fitting.measure import measure_candidates
 
         top = self.candidates[:self.top]
         measured = measure_candidates(self.model, self.sample_batch, top, device=self.device,

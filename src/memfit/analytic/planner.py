@@ -10,13 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from memfit.categories import MemoryCategory, empty_breakdown
-from memfit.errors import MemfitError
-from memfit.estimate.activations import inference_activations, training_activations
-from memfit.estimate.config import RunConfig
-from memfit.estimate.kv_cache import kv_cache_bytes
-from memfit.estimate.model_states import model_states, split_params
-from memfit.estimate.table import (
+from memfit.analytic.activations import inference_activations, training_activations
+from memfit.analytic.config import RunConfig
+from memfit.analytic.kv_cache import kv_cache_bytes
+from memfit.analytic.model_states import model_states, split_params
+from memfit.analytic.table import (
     Column,
     MemoryTable,
     fit_verdict,
@@ -24,6 +22,8 @@ from memfit.estimate.table import (
     reserve_not_modelled_note,
     suggestion_rows,
 )
+from memfit.categories import MemoryCategory, empty_breakdown
+from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
 from memfit.runtime import cuda_runtime_bytes

@@ -14,7 +14,7 @@ from torch import nn
 from memfit._loss import LossFn, check_loss_fn, check_reduction, model_loss
 from memfit._tensors import call_model
 from memfit.errors import MemfitError
-from memfit.fit.config import FitConfig
+from memfit.fitting.config import FitConfig
 from memfit.techniques.checkpointing import BlockProfile, Mode, Policy
 
 __all__ = ["FixedModes", "apply_config", "call_model"]
@@ -145,15 +145,15 @@ def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: LossFn | None 
                  budget_bytes: int | None = None, log_recoveries: bool = True,
                  num_gpus: int = 1) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """Apply ``config`` to ``model`` (in place) and return ``(model, optimizer, step)`` where
-    ``step = memfit.guard.guard(...)`` runs one optimizer step on a global batch. A sharded
+    ``step = memfit.oom_guard.guard(...)`` runs one optimizer step on a global batch. A sharded
     ``config`` needs torch.distributed initialised with ``num_gpus`` ranks (see :func:`shard`);
     the returned model is then the DDP/FSDP2 one.
 
     ``loss_fn(model, micro_batch)`` returns the micro-batch's mean loss (``reduction="mean"``,
     default) or the sum of its per-item losses (``reduction="sum"``); ``count_fn`` counts the
-    items (see :func:`memfit.guard.guard`). The default is the model's own loss
+    items (see :func:`memfit.oom_guard.guard`). The default is the model's own loss
     (:func:`memfit.trace.default_loss` of its output), a mean."""
-    from memfit.guard import guard
+    from memfit.oom_guard import guard
     from memfit.techniques import apply_precision
 
     check_loss_fn(loss_fn)

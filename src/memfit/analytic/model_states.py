@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from memfit.analytic.config import RunConfig
 from memfit.errors import MemfitError
-from memfit.estimate.config import RunConfig
 from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
 
 # Optimizer state tensors per trainable parameter (each one parameter-sized).

@@ -6,8 +6,8 @@ Llama-3-8B (32 layers, 8 KV heads, head dim 128) in bf16: 128 KiB per token.
 
 from __future__ import annotations
 
+from memfit.analytic.config import RunConfig
 from memfit.dtypes import nbytes
-from memfit.estimate.config import RunConfig
 from memfit.models.spec import TransformerSpec
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.fit.plan import Candidate
+from memfit.fitting.plan import Candidate
 from memfit.progress import Progress
 
 __all__ = ["measure_candidates", "real_batch"]
@@ -50,7 +50,7 @@ def measure_candidates(model: nn.Module, sample: Any, candidates: Sequence[Candi
     steps after one warm-up, on a copy of ``model``, and how many times the OOM guard had to
     split the micro-batch (a misprediction). Every candidate here was predicted to fit: this
     never launches one that was not."""
-    from memfit.fit.apply import apply_config
+    from memfit.fitting.apply import apply_config
 
     batch = real_batch(sample, global_batch, device)
     results: dict[int, tuple[float, int]] = {}

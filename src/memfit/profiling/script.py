@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memfit.errors import MemfitError
-from memfit.profile.session import Profiler, TensorSpec
+from memfit.profiling.session import Profiler, TensorSpec
 
 if TYPE_CHECKING:
     from memfit.trace.estimate import Estimate

@@ -2,7 +2,7 @@
 ``print(plan)``): the same rows, the caching allocator's reserve on its own row, and numbered
 footnotes wherever a method counts a category differently.
 
-Rendering only: the numbers come from :class:`memfit.estimate.planner.MemoryPlan` and the trace's
+Rendering only: the numbers come from :class:`memfit.analytic.planner.MemoryPlan` and the trace's
 ``Estimate``; units are formatted here, at the edge.
 """
 

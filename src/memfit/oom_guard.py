@@ -14,7 +14,7 @@ accumulated gradient is the whole batch's gradient whatever the micro-batch size
   gradient and the returned loss are those of the full batch's mean loss. ``count_fn`` must
   count the items the loss averages over; the default counts rows (the batch dimension), exact
   for per-sample losses. A Hugging Face causal LM's ``.loss`` averages over *tokens* whose
-  shifted label is not -100: pass ``count_fn=causal_lm_count`` (``from memfit.guard import
+  shifted label is not -100: pass ``count_fn=causal_lm_count`` (``from memfit.oom_guard import
   causal_lm_count``). A dict batch with 2-D ``labels`` and no ``count_fn`` is refused: counting
   rows would weight padded micro-batches wrongly, and the guard cannot tell which tokens the
   model's loss counts. A micro-batch with no items (all labels ignored) is skipped.
@@ -186,10 +186,10 @@ class GuardedStep:
     (through ``scaler`` when given), sets the gradients to ``None``, and returns the batch's mean
     loss as a float (the batch's mean over its items, ``count_fn``; under
     ``torch.distributed`` this rank's share of the global mean). ``reduction`` says whether
-    ``loss_fn`` returns a micro-batch's mean (default) or sum. See :mod:`memfit.guard` for
+    ``loss_fn`` returns a micro-batch's mean (default) or sum. See :mod:`memfit.oom_guard` for
     both and for what happens on OOM.
 
-    Known limitations: see :mod:`memfit.guard`; the guard owns ``.grad``: gradients present
+    Known limitations: see :mod:`memfit.oom_guard`; the guard owns ``.grad``: gradients present
     before a step are discarded.
     """
 
@@ -331,7 +331,7 @@ class GuardedStep:
                 and isinstance(batch.get("labels"), torch.Tensor) and batch["labels"].dim() >= 2:
             raise MemfitError("reduction='mean' with a 2-D 'labels' batch needs count_fn: the "
                               "loss averages over tokens, not rows; for a Hugging Face causal "
-                              "LM's .loss pass count_fn=causal_lm_count (from memfit.guard "
+                              "LM's .loss pass count_fn=causal_lm_count (from memfit.oom_guard "
                               "import causal_lm_count)")
         num_items, world = global_item_count(int(self.count_fn(batch)))
         if num_items <= 0:
@@ -485,7 +485,7 @@ def guard(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *
           count_fn: CountFn | None = None, reduction: str = "mean",
           grow_after: int | None = None, log: bool = True) -> GuardedStep:
     """Wrap a training step so that running out of memory splits the micro-batch instead of
-    crashing (see :mod:`memfit.guard`).
+    crashing (see :mod:`memfit.oom_guard`).
 
     ``loss_fn(model, micro_batch) -> scalar loss``: with ``reduction="mean"`` (default) the
     micro-batch's mean over its items, weighted by ``count_fn(micro) / count_fn(batch)``; with

@@ -59,8 +59,8 @@ from memfit._compat import torch_internals
 from memfit._tensors import tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
-from memfit.profile.cpu import OP_MARKER, marked_allocator_events
-from memfit.profile.result import (
+from memfit.profiling.cpu import OP_MARKER, marked_allocator_events
+from memfit.profiling.result import (
     TRACKED,
     MeasuredPoint,
     ModuleUsage,
@@ -729,7 +729,7 @@ def profile(*, device: str = "auto", stacks: bool = False, record_history: bool 
     ``(model, optimizer, batch)`` (modules, optimizers, tensors, and dicts/lists of them); a
     model or optimizer not listed is still counted, from the moment it is first used.
 
-    >>> import torch, memfit.profile.session as s
+    >>> import torch, memfit.profiling.session as s
     >>> model = torch.nn.Linear(256, 256)
     >>> with s.profile(device="cpu") as prof:
     ...     model(torch.randn(32, 256)).sum().backward()

@@ -91,7 +91,7 @@ def live_bytes(*alive: object) -> int:
 
 
 OP_MARKER = "memfit::op"
-"""Name of the profiler range :class:`memfit.profile.Profiler` opens around each op it records,
+"""Name of the profiler range :class:`memfit.profiling.Profiler` opens around each op it records,
 so the allocator's events can be placed on its timeline (see :func:`marked_allocator_events`)."""
 
 

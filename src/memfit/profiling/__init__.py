@@ -5,9 +5,9 @@
 the trace engine's CPU accuracy is tested against.
 """
 
-from memfit.profile.cpu import CpuPeak, live_bytes, measure_cpu_peak
-from memfit.profile.result import MeasuredPoint, ModuleUsage, ProfileResult, TensorRecord
-from memfit.profile.session import Profiler, profile
+from memfit.profiling.cpu import CpuPeak, live_bytes, measure_cpu_peak
+from memfit.profiling.result import MeasuredPoint, ModuleUsage, ProfileResult, TensorRecord
+from memfit.profiling.session import Profiler, profile
 
 __all__ = ["CpuPeak", "MeasuredPoint", "ModuleUsage", "ProfileResult", "Profiler",
            "TensorRecord", "live_bytes", "measure_cpu_peak", "profile"]

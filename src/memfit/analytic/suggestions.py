@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memfit.analytic.planner import MemoryPlan, with_changes
 from memfit.errors import MemfitError
-from memfit.estimate.planner import MemoryPlan, with_changes
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.estimate.config import RunConfig
+from memfit.analytic.config import RunConfig
 from memfit.models.spec import TransformerSpec
 
 FORMAT_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
