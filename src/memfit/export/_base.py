@@ -144,7 +144,7 @@ def sharding_engine(s: PlanSettings, b: Builder) -> str:
             b.note(f"ZeRO-{s.zero}: exported for DeepSpeed (FSDP has no stage {s.zero})")
         return "deepspeed"
     if s.zero == 3:
-        b.note("ZeRO-3: exported as PyTorch FSDP2 (full sharding); name --engine deepspeed "
+        b.note("ZeRO-3: exported as PyTorch FSDP (full sharding); name --engine deepspeed "
                "in the plan for DeepSpeed ZeRO-3")
         return "fsdp"
     return "ddp" if s.dp > 1 else "none"

@@ -54,8 +54,11 @@ def export(s: PlanSettings) -> Export:
     if engine == "deepspeed":
         out["deepspeed"] = deepspeed.config(s, b, standalone=False)
     elif engine == "fsdp":
-        out["fsdp"] = "full_shard auto_wrap" + (" offload" if s.offload_params else "")
+        # transformers 5: fsdp=True, everything in fsdp_config (the option string is
+        # deprecated: training_args.py _apply_legacy_fsdp_to_config).
+        out["fsdp"] = True
         out["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
+                              "cpu_offload": s.offload_params,
                               "activation_checkpointing": full}
         if s.replicate > 1:
             b.gap("replicate", s.replicate, "HSDP with FSDP2 needs TrainingArguments("

@@ -151,10 +151,13 @@ def _parallel(data: dict[str, Any], where: str) -> dict[str, Any]:
     if nested is not None:
         if not isinstance(nested, dict):
             raise MemfitError(f"{where}: parallel must be a JSON object")
-        clash = sorted(set(nested) & set(data) - {"gpus"})
+        # A size given both inside and beside "parallel" must agree, except a default of 1
+        # beside it (RunConfig's tp=1, pp=1 next to a parallel layout).
+        clash = sorted(k for k in set(nested) & set(data)
+                       if data[k] != nested[k] and data[k] not in (None, 1, 0, False))
         if clash:
-            raise MemfitError(f"{where}: {', '.join(clash)} given both in parallel and beside "
-                              "it; keep one")
+            raise MemfitError(f"{where}: {', '.join(clash)} differ inside and beside "
+                              "\"parallel\"; keep one")
         data.update(nested)
     out: dict[str, Any] = {}
     for key in ("tp", "pp", "ep", "gpus_per_node"):
@@ -177,7 +180,7 @@ def _parallel(data: dict[str, Any], where: str) -> dict[str, Any]:
         if sharding is not None and stage not in (0, zero):
             raise MemfitError(f"{where}: sharding {sharding!r} conflicts with zero {zero}")
         stage = max(stage, zero)
-    if fsdp not in (None, False, 0, 1):
+    if fsdp is True or (not isinstance(fsdp, bool) and fsdp not in (None, 0, 1)):
         # fsdp: true (shard over every data-parallel rank) or the shard-group size (HSDP when
         # smaller than dp).
         if stage not in (0, 3):
