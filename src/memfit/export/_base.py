@@ -92,8 +92,8 @@ class Builder:
         if s.chunked_loss:
             self.gap("chunked_loss", True, "the chunked cross-entropy is in the loss code: "
                      "memfit.techniques.apply_chunked_loss")
-        switched = s.attention != ("model" if s.source == "fit" else "sdpa")
-        if switched:
+        # fit: "model" keeps the model's attention; plan: the kernel the formulas assumed.
+        if s.attention not in ("model", "sdpa") or (s.source == "fit" and s.attention != "model"):
             self.gap("attention", s.attention, "the attention kernel is chosen in model code "
                      "(Hugging Face: from_pretrained(attn_implementation=...))")
         for key, value in sorted(s.unknown.items()):

@@ -97,8 +97,10 @@ def export(s: PlanSettings) -> Export:
              " $(grep -v '^#' torchtitan_overrides.txt)"]
     for section in ("training", "parallelism"):
         for key, value in data[section].items():
-            text = str(value).lower() if isinstance(value, bool) else str(value)
-            lines.append(f"--{section}.{key}={text}")
+            if isinstance(value, bool):  # tyro's boolean flags: --a.b / --a.no-b
+                lines.append(f"--{section}.{'' if value else 'no-'}{key}")
+            else:
+                lines.append(f"--{section}.{key}={value}")
     if "activation_checkpoint" in data:
         lines.append(f"activation_checkpoint:{data['activation_checkpoint']['mode']}")
     return b.done("\n".join(lines) + "\n", "torchtitan_overrides.txt", data)
