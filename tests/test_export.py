@@ -227,6 +227,10 @@ def test_export_api_takes_plan_dict_settings_or_path(tmp_path):
     assert (tmp_path / "tt.yaml").read_text() == written.text
 
 
+def test_target_names_take_case_and_underscores():
+    assert export_plan(fit_plan(), "HF_Trainer").target == "hf-trainer"
+
+
 def test_settings_validate_directly():
     with pytest.raises(MemfitError, match="HSDP replicas need sharded"):
         PlanSettings(source="plan", gpus=8, replicate=2)

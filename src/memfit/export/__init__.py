@@ -39,6 +39,7 @@ def read_plan(path: str | Path) -> PlanSettings:
 
 
 def _exporter(to: str) -> Any:
+    to = str(to).strip().lower().replace("_", "-")  # HF_Trainer, hf_trainer: hf-trainer
     if to not in TARGETS:
         raise MemfitError(f"unknown export target {to!r}{suggest(str(to), TARGETS)}; valid: "
                           f"{', '.join(TARGETS)}")
