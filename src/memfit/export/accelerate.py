@@ -63,7 +63,7 @@ def export(s: PlanSettings) -> Export:
         if s.replicate > 1:
             b.gap("replicate", s.replicate, "HSDP needs FSDP2 in Accelerate; use a DeepSpeed "
                   "config file (memfit export --to deepspeed) for ZeRO++ hpZ")
-    else:
+    elif s.accumulation > 1:
         b.gap("accumulation", s.accumulation, "Accelerate's config file has no accumulation "
               f"outside DeepSpeed: Accelerator(gradient_accumulation_steps={s.accumulation}) or "
               f"accelerate launch --gradient_accumulation_steps {s.accumulation}")
