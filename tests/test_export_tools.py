@@ -110,13 +110,14 @@ def accelerate_launch_args(path: Path):
     """``accelerate launch --config_file path``'s arguments after it read the file
     (commands/launch.py: _validate_launch_command copies each nested key onto the launch
     argument of the same name)."""
+    import yaml
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     load_config_from_file(str(path))  # raises on a key Accelerate does not know
     args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
     known = set(vars(args))
-    data = __import__("yaml").safe_load(path.read_text())
+    data = yaml.safe_load(path.read_text())
     for section in ("deepspeed_config", "fsdp_config", "parallelism_config"):
         unknown = set(data.get(section, {})) - known
         assert not unknown, f"{section}: not accelerate launch arguments: {unknown}"
