@@ -24,7 +24,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from memfit import __version__
-    from memfit.cli import fit, gpus, models, monitor, plan, profile, validate
+    from memfit.cli import export, fit, gpus, models, monitor, plan, profile, validate
 
     parser = _Parser(prog="memfit", description="Predict, measure and reduce the GPU memory of "
                      "PyTorch training and inference.")
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.register(sub)
     monitor.register(sub)
     validate.register(sub)
+    export.register(sub)
     return parser
 
 

@@ -1,0 +1,123 @@
+"""An Accelerate config (``accelerate_config.yaml``), read by ``accelerate launch
+--config_file`` (``accelerate/commands/config/config_args.py: load_config_from_file``).
+
+Nested keys are the ones ``accelerate config`` writes; ``accelerate launch`` copies each onto
+its own command-line argument of the same name (``commands/launch.py:
+_validate_launch_command``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.export import _yaml
+from memfit.export._base import Builder, Export, sharding_engine
+from memfit.export.deepspeed import zero_stage
+from memfit.export.settings import PlanSettings
+
+_MIXED = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp8": "fp8"}
+
+
+def export(s: PlanSettings) -> Export:
+    b = Builder(s, "accelerate")
+    engine = sharding_engine(s, b)
+    if s.tp > 1 and engine == "deepspeed":
+        b.gap("tp", s.tp, "Accelerate runs tensor parallelism only with FSDP2 "
+              "(parallelism_config); this plan needs DeepSpeed for its sharding/offload")
+    elif s.tp > 1:
+        engine = "fsdp"  # Accelerate's parallelism_config needs FSDP2 (launch.py)
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": {"none": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP",
+                             "deepspeed": "DEEPSPEED"}[engine],
+        "downcast_bf16": "no",
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": _MIXED.get(s.precision, "no"),
+        "num_machines": s.nodes,
+        "num_processes": s.gpus,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+    if s.precision == "bf16":
+        b.gap("precision", "bf16", "Accelerate's mixed_precision is autocast over fp32 "
+              "weights; for pure bf16 load the model in bf16 (model.to(torch.bfloat16))")
+    elif s.precision not in _MIXED:
+        b.gap("precision", s.precision, "not an Accelerate mixed_precision (no, fp16, bf16, "
+              "fp8)")
+    if engine == "deepspeed":
+        ds: dict[str, Any] = {
+            "gradient_accumulation_steps": s.accumulation,
+            "offload_optimizer_device": s.offload_device if s.offload_optimizer else "none",
+            "offload_param_device": s.offload_device if s.offload_params else "none",
+            "zero_stage": zero_stage(s, b),
+        }
+        if ds["zero_stage"] == 3:
+            ds["zero3_init_flag"] = True
+        out["deepspeed_config"] = ds
+        if s.offload_device == "nvme":
+            b.gap("offload_device", "nvme", "the NVMe path is not in the plan: add "
+                  "offload_optimizer_nvme_path / offload_param_nvme_path")
+        if s.replicate > 1:
+            b.gap("replicate", s.replicate, "HSDP needs FSDP2 in Accelerate; use a DeepSpeed "
+                  "config file (memfit export --to deepspeed) for ZeRO++ hpZ")
+    elif s.accumulation > 1:
+        b.gap("accumulation", s.accumulation, "Accelerate's config file has no accumulation "
+              f"outside DeepSpeed: Accelerator(gradient_accumulation_steps={s.accumulation}) or "
+              f"accelerate launch --gradient_accumulation_steps {s.accumulation}")
+    if engine == "fsdp":
+        full = s.checkpointing == "full"
+        fsdp: dict[str, Any] = {
+            "fsdp_activation_checkpointing": full,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_offload_params": s.offload_params,
+            "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_version": 2,
+        }
+        if s.offload_activations and full:
+            fsdp["fsdp_activation_checkpointing_offload"] = True
+        if s.offload_params and not s.offload_optimizer:
+            b.note("FSDP's CPU offload (fsdp_offload_params) moves optimizer states too")
+        if s.offload_device == "nvme":
+            b.gap("offload_device", "nvme", "FSDP offloads to CPU memory only")
+        out["fsdp_config"] = fsdp
+        if s.tp > 1 or s.replicate > 1 or s.zero < 3:
+            # With the parallelism_config, Accelerate's FSDP shards over dp_shard_size ranks
+            # (1: no sharding, plain replicas).
+            out["parallelism_config"] = {
+                "parallelism_config_dp_replicate_size": s.replicate if s.zero == 3 else s.dp,
+                "parallelism_config_dp_shard_size": s.shard if s.zero == 3 else 1,
+                "parallelism_config_tp_size": s.tp,
+                "parallelism_config_cp_size": 1,
+            }
+    if s.checkpointing != "none" and not (engine == "fsdp" and s.checkpointing == "full"):
+        if not b.budget_checkpointing():
+            b.gap("checkpointing", s.checkpointing, "Accelerate's config turns on full "
+                  "checkpointing only under FSDP (fsdp_activation_checkpointing); do it in code "
+                  "(model.gradient_checkpointing_enable() or torch.utils.checkpoint)")
+    if s.offload_activations and "fsdp_activation_checkpointing_offload" not in out.get(
+            "fsdp_config", {}):
+        b.gap("offload_activations", True, "Accelerate offloads activations only with FSDP2 "
+              "and full checkpointing; use torch.autograd.graph.save_on_cpu in code")
+    if s.offload_gradients and engine != "deepspeed":
+        b.gap("offload_gradients", True, "only DeepSpeed's ZeRO-Offload moves gradients alone")
+    b.gap("micro_batch", s.micro_batch, "Accelerate's config has no batch size: "
+          f"DataLoader(batch_size={s.micro_batch})")
+    b.gap("optimizer", s.optimizer, "the optimizer is built in code (Accelerate prepares "
+          "the one you pass)")
+    if s.pp > 1:
+        b.gap("pp", s.pp, "Accelerate's config has no pipeline parallelism "
+              "(accelerate.inference.prepare_pippy is inference-only)")
+    if s.ep > 1:
+        b.gap("ep", s.ep, "Accelerate's config has no expert parallelism")
+    if s.sequence_parallel:
+        b.gap("sequence_parallel", True, "Accelerate's TP plan comes from the model "
+              "(tp_plan); sequence parallelism is not a config setting")
+    b.model_code()
+    header = ("Accelerate config from a memfit plan: accelerate launch --config_file "
+              "accelerate_config.yaml train.py")
+    return b.done(_yaml.dump(out, header), "accelerate_config.yaml", out)

@@ -1,0 +1,132 @@
+"""A DeepSpeed config (``ds_config.json``), read by ``deepspeed.initialize(config=...)`` and
+``deepspeed.runtime.config.DeepSpeedConfig``.
+
+Keys follow DeepSpeed's config reference (deepspeed.ai/docs/config-json) and its pydantic
+models (``deepspeed/runtime/zero/config.py``, ``zero/offload_config.py``,
+``precision_config.py``, ``tensor_parallel/config.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.export._base import Builder, Export, dump_json
+from memfit.export.settings import PlanSettings
+
+# memfit optimizer -> DeepSpeed's "optimizer.type" (DeepSpeed's own optimizers, else a
+# torch.optim class name: deepspeed/runtime/engine.py: _configure_basic_optimizer).
+_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "sgd-momentum": "SGD",
+               "lion": "Lion", "adafactor": None, "adamw-8bit": None, "adam-8bit": None}
+
+
+def zero_stage(s: PlanSettings, b: Builder) -> int:
+    """The ZeRO stage DeepSpeed runs: the plan's, or 1 where the plan offloads optimizer states
+    without sharding (DeepSpeed offloads only through ZeRO; on one GPU ZeRO-1 shards nothing)."""
+    if s.offload_optimizer and s.zero == 0:
+        b.note("offload_optimizer without sharding: exported as ZeRO stage 1 with "
+               "offload_optimizer (DeepSpeed offloads only through ZeRO)"
+               + ("; with one data-parallel rank stage 1 shards nothing" if s.dp == 1 else
+                  "; stage 1 also shards the optimizer states over the data-parallel ranks"))
+        return 1
+    return s.zero
+
+
+def config(s: PlanSettings, b: Builder, *, standalone: bool = True) -> dict[str, Any]:
+    """The DeepSpeed config dict. ``standalone=False``: embedded in another tool's config (the
+    Hugging Face Trainer's), which carries the optimizer, checkpointing and model-code settings
+    itself."""
+    out: dict[str, Any] = {
+        "train_batch_size": s.global_batch,
+        "train_micro_batch_size_per_gpu": s.micro_batch,
+        "gradient_accumulation_steps": s.accumulation,
+    }
+    stage = zero_stage(s, b)
+    if s.precision == "bf16-mixed":
+        out["bf16"] = {"enabled": True}
+        if s.source == "fit":
+            b.note("bf16-mixed: DeepSpeed's bf16 mode keeps 16-bit weights with fp32 masters "
+                   "in the optimizer; the fit plan traced torch.autocast over fp32 weights")
+    elif s.precision == "fp16-mixed":
+        out["fp16"] = {"enabled": True, "loss_scale": 0}  # 0: dynamic loss scaling
+    elif s.precision == "bf16":
+        if stage >= 1:
+            out["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True,
+                           "bf16_optimizer_states": True}
+        else:
+            out["bf16"] = {"enabled": True}
+            b.gap("precision", "bf16", "DeepSpeed keeps fp32 master weights unless ZeRO (stage "
+                  ">= 1) runs bf16_master_weights_and_grads; exported as bf16 with fp32 "
+                  "masters")
+    elif s.precision != "fp32":
+        b.gap("precision", s.precision, "DeepSpeed's config has no switch for it (fp8: "
+              "apply torchao's float8 in code); exported without mixed precision")
+    zero: dict[str, Any] = {"stage": stage}
+    if s.offload_optimizer:
+        zero["offload_optimizer"] = {"device": s.offload_device, "pin_memory": True}
+    if s.offload_params:
+        zero["offload_param"] = {"device": s.offload_device, "pin_memory": True}
+    if s.offload_device == "nvme" and (s.offload_optimizer or s.offload_params):
+        for key in ("offload_optimizer", "offload_param"):
+            if key in zero:
+                zero[key]["nvme_path"] = "/local_nvme"
+        b.gap("offload_device", "nvme", "the NVMe path is not in the plan; exported as "
+              "/local_nvme: set nvme_path to your NVMe mount")
+    if s.offload_gradients and not s.offload_optimizer:
+        b.gap("offload_gradients", True, "DeepSpeed moves gradients to the host only with "
+              "offload_optimizer (ZeRO-Offload)")
+    if s.replicate > 1:
+        zero["zero_hpz_partition_size"] = s.shard
+        b.note(f"HSDP ({s.replicate} replicas x {s.shard}): exported as ZeRO++ hierarchical "
+               "partitioning (zero_hpz_partition_size), which keeps a secondary copy of the "
+               "parameters within each group")
+    if stage or s.offload_optimizer:
+        out["zero_optimization"] = zero
+    name = _OPTIMIZERS.get(s.optimizer)
+    if not standalone:
+        pass
+    elif name is not None:
+        opt: dict[str, Any] = {"type": name, "params": {}}
+        if s.optimizer == "sgd-momentum":
+            opt["params"]["momentum"] = 0.9
+            b.note("sgd-momentum: exported as SGD with momentum 0.9 (memfit counts one "
+                   "momentum buffer; its value is yours)")
+        out["optimizer"] = opt
+        b.note("optimizer hyperparameters (lr, betas, weight_decay) are not in the plan: add "
+               "them under optimizer.params")
+    else:
+        out["zero_allow_untested_optimizer"] = True
+        b.gap("optimizer", s.optimizer, "not a DeepSpeed optimizer: pass it to "
+              "deepspeed.initialize(optimizer=...) (zero_allow_untested_optimizer is set)")
+    if s.tp > 1:
+        out["tensor_parallel"] = {"autotp_size": s.tp}
+        b.note(f"tp {s.tp}: exported as DeepSpeed AutoTP training (tensor_parallel.autotp_size)")
+    if s.sequence_parallel:
+        b.gap("sequence_parallel", True, "AutoTP has no Megatron-style sequence parallelism; "
+              "activations are not sharded along the sequence")
+    if s.pp > 1:
+        b.gap("pp", s.pp, "DeepSpeed's pipeline is built in code: "
+              f"deepspeed.pipe.PipelineModule(layers, num_stages={s.pp})")
+    if s.ep > 1:
+        b.gap("ep", s.ep, f"expert parallelism is set in code: deepspeed.moe.layer.MoE(..., "
+              f"ep_size={s.ep})")
+    if s.engine not in (None, "deepspeed"):
+        b.note(f"the plan names engine {s.engine!r}: DeepSpeed lays out memory its own way "
+               "(re-plan with --engine deepspeed to predict it)")
+    if not standalone:
+        return out
+    if not b.budget_checkpointing() and s.checkpointing != "none":
+        b.gap("checkpointing", s.checkpointing, "DeepSpeed's config cannot turn activation "
+              "checkpointing on; do it in code (model.gradient_checkpointing_enable() or "
+              "deepspeed.checkpointing.checkpoint)")
+    if s.offload_activations:
+        b.gap("offload_activations", True, "DeepSpeed offloads activations only for its own "
+              "deepspeed.checkpointing (activation_checkpointing.cpu_checkpointing); use "
+              "torch.autograd.graph.save_on_cpu in code")
+    b.model_code()
+    return out
+
+
+def export(s: PlanSettings) -> Export:
+    b = Builder(s, "deepspeed")
+    data = config(s, b)
+    return b.done(dump_json(data), "ds_config.json", data)

@@ -1,0 +1,315 @@
+"""The settings a plan chose, read from either kind of plan, in one shape every exporter reads.
+
+Two plans carry training settings:
+
+- a fit plan (``memfit fit --save plan.json`` / ``--json``, :class:`memfit.fitting.Plan`, JSON
+  ``"format": "memfit-plan/1"``): the chosen configuration;
+- an analytic or traced plan (``memfit plan ... --json``): its ``"run"`` object.
+
+Parallel layouts (issue 14) may name their sizes flat (``dp``, ``tp``, ``pp``, ``ep``, ``fsdp``,
+``zero``, ``replicate``, ...) or in a nested ``"parallel"`` object; both are read. A field this
+module does not know is kept in :attr:`PlanSettings.unknown`, and every export reports it as a
+setting it did not carry (never dropped silently).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.errors import MemfitError
+
+__all__ = ["PlanSettings", "settings_from_dict", "settings_from_plan"]
+
+FIT_FORMAT = "memfit-plan/1"
+
+# Keys of a fit plan's chosen config / an analytic plan's run that carry nothing an exporter
+# writes (bookkeeping, or a detail of a key read elsewhere).
+_BOOKKEEPING = {"checkpoint_budget_bytes", "checkpoint_modes", "seq", "lora_targets",
+                "kv_cache_dtype", "new_tokens"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """Everything an exporter needs from a plan. Sizes are per run; ``dp * tp * pp == gpus``.
+
+    Known limitations: a plan names no learning rate, scheduler, model or dataset; the exports
+    carry only what the plan chose.
+    """
+
+    source: str
+    """``fit`` (memfit fit) or ``plan`` (memfit plan --json, analytic or traced)."""
+    mode: str = "train"
+    """train, lora or qlora."""
+    precision: str = "fp32"
+    checkpointing: str = "none"
+    checkpoint_modes: tuple[str | None, ...] | None = None
+    micro_batch: int = 1
+    accumulation: int = 1
+    optimizer: str = "adamw"
+    gpus: int = 1
+    gpus_per_node: int = 8
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    """ZeRO stage over the data-parallel ranks (3 = parameters sharded: ZeRO-3 or FSDP)."""
+    replicate: int = 1
+    """HSDP: replicas of the sharded group (``dp = replicate * shard``)."""
+    engine: str | None = None
+    """The engine the plan names (fsdp2, deepspeed, megatron, ddp), or None (not named)."""
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    offload_gradients: bool = False
+    offload_device: str = "cpu"
+    """cpu, or nvme (ZeRO-Infinity)."""
+    offload_activations: bool = False
+    chunked_loss: bool = False
+    attention: str = "model"
+    """model (keep the model's attention), sdpa, or another kernel the plan switched to."""
+    lora_rank: int | None = None
+    weight_quant: str = "none"
+    unknown: dict[str, Any] = field(default_factory=dict)
+    """Plan fields this exporter does not understand (reported by every export)."""
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.dp
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.gpus / self.gpus_per_node)
+
+    @property
+    def shard(self) -> int:
+        """Ranks each sharded group spans (``dp`` without HSDP)."""
+        return self.dp // self.replicate
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "accumulation", "gpus", "gpus_per_node", "tp", "pp", "ep",
+                     "replicate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MemfitError(f"plan: {name} must be a positive integer, got {value!r}")
+        if self.gpus % (self.tp * self.pp):
+            raise MemfitError(f"plan: {self.gpus} GPUs do not split into tp {self.tp} x pp "
+                              f"{self.pp}; the GPU count must be a multiple of tp*pp")
+        if self.dp % self.replicate:
+            raise MemfitError(f"plan: {self.dp} data-parallel ranks do not split into "
+                              f"{self.replicate} HSDP replicas")
+        if self.dp % self.ep and self.ep > 1:
+            raise MemfitError(f"plan: ep {self.ep} must divide the {self.dp} data-parallel "
+                              "ranks")
+        if self.zero not in (0, 1, 2, 3):
+            raise MemfitError(f"plan: zero stage must be 0-3, got {self.zero!r}")
+        if self.offload_params and self.zero != 3:
+            raise MemfitError(f"plan: parameter offload needs ZeRO-3/FSDP, but the plan has "
+                              f"ZeRO-{self.zero}; re-plan with --zero 3 or without "
+                              "--offload-params")
+        if self.replicate > 1 and self.zero != 3:
+            raise MemfitError("plan: HSDP replicas need sharded parameters (ZeRO-3/FSDP)")
+        if self.offload_device not in ("cpu", "nvme"):
+            raise MemfitError(f"plan: offload device must be cpu or nvme, got "
+                              f"{self.offload_device!r}")
+        if self.mode not in ("train", "lora", "qlora"):
+            raise MemfitError(f"plan: mode {self.mode!r} trains nothing; export takes a "
+                              "training plan (memfit plan --mode train|lora|qlora, or memfit fit)")
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+_SHARDING = {"none": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "fsdp2": 3, "hsdp": 3}
+
+
+def _int(data: dict[str, Any], key: str, default: int, where: str) -> int:
+    value = data.pop(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MemfitError(f"{where}: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _bool(data: dict[str, Any], key: str, where: str) -> bool:
+    value = data.pop(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise MemfitError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _parallel(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """The scale-out fields, flat or under ``"parallel"``, consumed from ``data``."""
+    nested = data.pop("parallel", None)
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise MemfitError(f"{where}: parallel must be a JSON object")
+        # A size given both inside and beside "parallel" must agree, except a default of 1
+        # beside it (RunConfig's tp=1, pp=1 next to a parallel layout).
+        clash = sorted(k for k in set(nested) & set(data)
+                       if data[k] != nested[k] and data[k] not in (None, 1, 0, False))
+        if clash:
+            raise MemfitError(f"{where}: {', '.join(clash)} differ inside and beside "
+                              "\"parallel\"; keep one")
+        data.update(nested)
+    out: dict[str, Any] = {}
+    for key in ("tp", "pp", "ep", "gpus_per_node"):
+        out[key] = _int(data, key, 8 if key == "gpus_per_node" else 1, where)
+    out["sequence_parallel"] = _bool(data, "sequence_parallel", where)
+    zero = data.pop("zero", None)
+    sharding = data.pop("sharding", None)
+    fsdp = data.pop("fsdp", None)
+    replicate = _int(data, "replicate", 1, where)
+    dp = data.pop("dp", None)
+    stage = 0
+    if sharding is not None:
+        if sharding not in _SHARDING:
+            raise MemfitError(f"{where}: sharding {sharding!r} is not one of "
+                              f"{', '.join(_SHARDING)}")
+        stage = _SHARDING[sharding]
+    if zero is not None:
+        if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+            raise MemfitError(f"{where}: zero must be a ZeRO stage 0-3, got {zero!r}")
+        if sharding is not None and stage not in (0, zero):
+            raise MemfitError(f"{where}: sharding {sharding!r} conflicts with zero {zero}")
+        stage = max(stage, zero)
+    if fsdp is True or (not isinstance(fsdp, bool) and fsdp not in (None, 0, 1)):
+        # fsdp: true (shard over every data-parallel rank) or the shard-group size (HSDP when
+        # smaller than dp).
+        if stage not in (0, 3):
+            raise MemfitError(f"{where}: fsdp shards parameters (ZeRO-3); it conflicts with "
+                              f"zero {stage}")
+        stage = 3
+        out["fsdp_size"] = None if fsdp is True else fsdp
+        out.setdefault("engine", "fsdp2")
+    out["zero"] = stage
+    out["replicate"] = replicate
+    out["dp"] = dp
+    engine = data.pop("engine", None)
+    if engine is not None:
+        if not isinstance(engine, str):
+            raise MemfitError(f"{where}: engine must be a name, got {engine!r}")
+        out["engine"] = engine
+    return out
+
+
+def _finish(common: dict[str, Any], par: dict[str, Any], gpus: int, where: str) -> dict[str, Any]:
+    tp, pp = par["tp"], par["pp"]
+    dp = par.pop("dp")
+    if dp is not None:
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise MemfitError(f"{where}: dp must be a positive integer, got {dp!r}")
+        if dp * tp * pp != gpus:
+            raise MemfitError(f"{where}: dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp}, but the "
+                              f"plan has {gpus} GPUs")
+    fsdp_size = par.pop("fsdp_size", None)
+    if fsdp_size is not None:
+        if isinstance(fsdp_size, bool) or not isinstance(fsdp_size, int) or fsdp_size < 1:
+            raise MemfitError(f"{where}: fsdp must be true or a shard-group size")
+        dp_ranks = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
+        if not dp_ranks or dp_ranks % fsdp_size:
+            raise MemfitError(f"{where}: fsdp {fsdp_size} must divide the data-parallel "
+                              f"ranks (gpus {gpus} / (tp {tp} x pp {pp}))")
+        if par["replicate"] not in (1, dp_ranks // fsdp_size):
+            raise MemfitError(f"{where}: replicate {par['replicate']} x fsdp {fsdp_size} != "
+                              f"{dp_ranks} data-parallel ranks")
+        par["replicate"] = dp_ranks // fsdp_size
+    return {**common, **par, "gpus": gpus}
+
+
+def settings_from_plan(plan: Any) -> PlanSettings:
+    """The settings of a :class:`memfit.fitting.Plan` (``memfit fit``)."""
+    return settings_from_dict(plan.to_dict(), source="plan")
+
+
+def settings_from_dict(data: Any, source: str = "plan file") -> PlanSettings:
+    """The settings of a plan's JSON (a fit plan or ``memfit plan --json``). Anything else is
+    a one-line MemfitError."""
+    if not isinstance(data, dict):
+        raise MemfitError(f"{source}: not a memfit plan (a JSON object); write one with "
+                          "memfit fit --save plan.json or memfit plan ... --json > plan.json")
+    if data.get("format") == FIT_FORMAT:
+        return _from_fit(data, source)
+    if isinstance(data.get("run"), dict) and "per_gpu" in data:
+        return _from_run(data, source)
+    fmt = data.get("format")
+    what = f"format {fmt!r}" if fmt is not None else "no \"format\" and no \"run\""
+    raise MemfitError(f"{source}: not a memfit plan ({what}); write one with memfit fit --save "
+                      f"plan.json (format {FIT_FORMAT}) or memfit plan ... --json > plan.json")
+
+
+def _from_fit(data: dict[str, Any], source: str) -> PlanSettings:
+    from memfit.fitting.plan import Plan
+
+    plan = Plan.from_dict(data, source=source)  # validates the whole file
+    where = f"{source}: chosen config"
+    config = plan.config.to_dict()
+    for key in _BOOKKEEPING:
+        config.pop(key, None)
+    par = _parallel(config, where)
+    common = {
+        "source": "fit", "precision": config.pop("precision"),
+        "checkpointing": config.pop("checkpointing"),
+        "checkpoint_modes": plan.config.checkpoint_modes,
+        "micro_batch": config.pop("micro_batch"), "accumulation": config.pop("accumulation"),
+        "optimizer": config.pop("optimizer"),
+        "offload_optimizer": config.pop("offload_states"),
+        "offload_activations": config.pop("offload_activations"),
+        "chunked_loss": config.pop("chunked_loss"), "attention": config.pop("attention"),
+        "offload_params": _bool(config, "offload_params", where),
+        "offload_gradients": _bool(config, "offload_gradients", where),
+        "offload_device": config.pop("offload_device", None) or "cpu",
+    }
+    gpus = plan.num_gpus
+    out = _finish(common, par, gpus, where)
+    settings = PlanSettings(**out, unknown={k: v for k, v in config.items()
+                                            if v not in (None, False)})
+    if settings.global_batch != plan.global_batch:
+        raise MemfitError(f"{source}: micro-batch {settings.micro_batch} x accumulation "
+                          f"{settings.accumulation} x {settings.dp} data-parallel ranks = "
+                          f"{settings.global_batch}, but the plan's global batch is "
+                          f"{plan.global_batch}; re-create it with memfit fit --save")
+    return settings
+
+
+def _from_run(data: dict[str, Any], source: str) -> PlanSettings:
+    where = f"{source}: run"
+    run = dict(data["run"])
+    for key in _BOOKKEEPING:
+        run.pop(key, None)
+    gpus = _int(run, "gpus", 1, where)
+    par = _parallel(run, where)
+    try:
+        common = {
+            "source": "plan", "mode": run.pop("mode", "train"),
+            "precision": run.pop("precision"), "checkpointing": run.pop("checkpointing"),
+            "micro_batch": _int(run, "batch", 1, where),
+            "accumulation": _int(run, "grad_accum", 1, where),
+            "optimizer": run.pop("optimizer", "adamw"),
+            "attention": run.pop("attention", "sdpa"),
+            "offload_optimizer": _bool(run, "offload_optimizer", where),
+            "offload_params": _bool(run, "offload_params", where),
+            "offload_gradients": _bool(run, "offload_gradients", where),
+            "offload_activations": _bool(run, "offload_activations", where),
+            "offload_device": run.pop("offload_device", None) or "cpu",
+            "chunked_loss": _bool(run, "chunked_loss", where),
+            "weight_quant": run.pop("weight_quant", "none") or "none",
+        }
+    except KeyError as exc:
+        raise MemfitError(f"{where}: missing {exc.args[0]!r}; re-create the plan with memfit "
+                          "plan ... --json") from None
+    rank = run.pop("lora_rank", None)
+    if common["mode"] in ("lora", "qlora"):
+        common["lora_rank"] = rank
+    for name in ("precision", "checkpointing", "optimizer", "attention", "mode"):
+        if not isinstance(common[name], str):
+            raise MemfitError(f"{where}: {name} must be a name, got {common[name]!r}")
+    out = _finish(common, par, gpus, where)
+    return PlanSettings(**out, unknown={k: v for k, v in run.items() if v not in (None, False)})

@@ -1,0 +1,236 @@
+"""memfit export: reading both kinds of plan, the gaps every target reports, bad input.
+
+The exports' contents are checked by the tools' own parsers in tests/test_export_tools.py; here
+the settings a plan carries are compared with values written by hand in each test.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from memfit.cli import main
+from memfit.errors import MemfitError
+from memfit.export import TARGETS, PlanSettings, export_plan, read_plan
+from memfit.fitting.config import FitConfig
+from memfit.fitting.cost import StepCost
+from memfit.fitting.plan import Candidate, Plan
+
+
+def fit_plan(*, num_gpus: int = 1, global_batch: int | None = None, **config) -> Plan:
+    if global_batch is None:
+        global_batch = config.get("micro_batch", 1) * config.get("accumulation", 1) * num_gpus
+    cost = StepCost(compute_s=1.0, traffic_s=0.1, transfer_s=0.0, comm_s=0.0, dispatch_s=0.01,
+                    optimizer_s=0.05)
+    return Plan(chosen=Candidate(config=FitConfig(**config), peak_bytes=2**30, cost=cost),
+                runners_up=(), rejected=(), budget_bytes=2**31, global_batch=global_batch,
+                num_gpus=num_gpus, device="cuda", gpu="a100-80gb", rates_source="test")
+
+
+def analytic_plan(**run) -> dict:
+    """The shape `memfit plan --json` prints (cli/plan.py: MemoryPlan.to_dict + "run")."""
+    base = {"mode": "train", "precision": "bf16-mixed", "optimizer": "adamw",
+            "checkpointing": "none", "attention": "sdpa", "batch": 1, "seq": 1024,
+            "grad_accum": 1, "gpus": 1, "zero": 0, "tp": 1, "pp": 1,
+            "sequence_parallel": False, "offload_optimizer": False, "offload_params": False,
+            "lora_rank": 16, "lora_targets": ["q", "k", "v", "o"], "weight_quant": "none",
+            "kv_cache_dtype": None, "new_tokens": 0}
+    return {"model": {"name": "gpt2", "params": 124439808}, "per_gpu": {"total_bytes": 1},
+            "run": {**base, **run}}
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# -- reading plans ------------------------------------------------------------------------------
+
+def test_fit_plan_settings_round_trip_through_its_file(tmp_path):
+    plan = fit_plan(num_gpus=4, global_batch=64, precision="bf16-mixed", checkpointing="full",
+                    micro_batch=4, accumulation=4, sharding="zero2", offload_states=True,
+                    optimizer="adamw-8bit")
+    plan.save(tmp_path / "plan.json")
+    s = read_plan(tmp_path / "plan.json")
+    # 4 micro x 4 accumulation x 4 GPUs = 64, the plan's global batch.
+    assert (s.source, s.precision, s.checkpointing, s.micro_batch, s.accumulation) == (
+        "fit", "bf16-mixed", "full", 4, 4)
+    assert (s.gpus, s.dp, s.zero, s.offload_optimizer, s.optimizer) == (4, 4, 2, True,
+                                                                       "adamw-8bit")
+    assert s.global_batch == 64
+
+
+def test_analytic_plan_from_the_plan_command(tmp_path, capsys):
+    """What `memfit plan --json` prints is a plan export reads (its "run" object)."""
+    code, out, _ = cli(capsys, "plan", "gpt2", "--json", "--precision", "bf16-mixed",
+                       "--checkpointing", "full", "--gpus", "8", "--zero", "3", "--batch", "2",
+                       "--grad-accum", "4", "--offload-optimizer", "--offload-params")
+    assert code == 0
+    (tmp_path / "a.json").write_text(out)
+    s = read_plan(tmp_path / "a.json")
+    assert (s.source, s.gpus, s.dp, s.zero, s.micro_batch, s.accumulation) == (
+        "plan", 8, 8, 3, 2, 4)
+    assert s.offload_optimizer and s.offload_params and s.checkpointing == "full"
+    assert s.global_batch == 2 * 4 * 8
+
+
+def test_parallel_fields_flat_or_nested():
+    """Issue 14's layouts: 16 GPUs = tp 2 x pp 2 x dp 4; fsdp 2 shards groups of 2, so 2
+    HSDP replicas. Given nested ("parallel") or flat, the same settings."""
+    nested = analytic_plan(gpus=16, batch=1, grad_accum=2,
+                           parallel={"tp": 2, "pp": 2, "fsdp": 2, "gpus_per_node": 4})
+    flat = analytic_plan(gpus=16, batch=1, grad_accum=2, tp=2, pp=2, fsdp=2, gpus_per_node=4)
+    for data in (nested, flat):
+        s = export_plan(data, "deepspeed")  # reads; the text is checked elsewhere
+        assert s.target == "deepspeed"
+    from memfit.export.settings import settings_from_dict
+
+    s = settings_from_dict(nested)
+    assert (s.dp, s.tp, s.pp, s.zero, s.replicate, s.shard, s.nodes) == (4, 2, 2, 3, 2, 2, 4)
+    assert settings_from_dict(flat) == s
+
+
+def test_a_field_the_exporter_does_not_know_is_reported_by_every_target():
+    data = analytic_plan(cp=2)  # e.g. context parallelism, added by a later memfit
+    for target in TARGETS:
+        gaps = {g.setting: g.value for g in export_plan(data, target).gaps}
+        assert gaps.get("cp") == 2, target
+
+
+# -- gaps: nothing dropped silently -------------------------------------------------------------
+
+def test_model_code_settings_are_gaps_in_every_target():
+    plan = fit_plan(precision="bf16-mixed", chunked_loss=True, attention="sdpa",
+                    checkpointing="budget", checkpoint_budget_bytes=2**30,
+                    checkpoint_modes=("full", "full", None))
+    for target in TARGETS:
+        gaps = {g.setting: g.value for g in plan.export(target).gaps}
+        assert gaps["chunked_loss"] is True, target
+        assert gaps["attention"] == "sdpa", target
+        assert gaps["checkpointing"] == "budget", target
+        reason = next(g.reason for g in plan.export(target).gaps if g.setting == "checkpointing")
+        assert "2 full, 1 none" in reason
+
+
+def test_pipeline_parallel_is_a_gap_where_the_tool_has_none():
+    data = analytic_plan(gpus=4, pp=4, batch=1, grad_accum=8)
+    for target in TARGETS:
+        gaps = {g.setting for g in export_plan(data, target).gaps}
+        assert ("pp" in gaps) == (target != "torchtitan"), target
+
+
+def test_lora_plan_reports_the_adapters():
+    data = analytic_plan(mode="lora", lora_rank=8)
+    for target in TARGETS:
+        gaps = {g.setting: g.value for g in export_plan(data, target).gaps}
+        assert gaps["mode"] == "lora", target
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def test_cli_writes_stdout_and_lists_gaps_on_stderr(tmp_path, capsys):
+    fit_plan(precision="bf16-mixed", checkpointing="full", micro_batch=2, accumulation=4,
+             ).save(tmp_path / "p.json")
+    code, out, err = cli(capsys, "export", str(tmp_path / "p.json"), "--to", "deepspeed")
+    assert code == 0
+    ds = json.loads(out)  # stdout is the file alone
+    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 4
+    assert "checkpointing=full" in err
+
+
+def test_cli_output_file_and_json_report(tmp_path, capsys):
+    fit_plan(checkpointing="selective", micro_batch=8).save(tmp_path / "p.json")
+    target = tmp_path / "ta.json"
+    code, out, _ = cli(capsys, "export", str(tmp_path / "p.json"), "--to", "hf-trainer",
+                       "--output", str(target), "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["output"] == str(target) and "text" not in report
+    assert {"setting": "checkpointing", "value": "selective"}.items() <= \
+        report["gaps"][0].items()
+    assert json.loads(target.read_text())["per_device_train_batch_size"] == 8
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--to", "deepspeeed"], ["unknown export target 'deepspeeed'", "did you mean"]),
+    (["--to", "megatron"], ["unknown export target 'megatron'", "valid: deepspeed"]),
+])
+def test_unknown_target_is_one_line_exit_2(tmp_path, capsys, argv, words):
+    fit_plan().save(tmp_path / "p.json")
+    code, out, err = cli(capsys, "export", str(tmp_path / "p.json"), *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1
+    for word in words:
+        assert word in err
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"{not json", ["not valid JSON"]),
+    (pickle.dumps({"format": "memfit-plan/1"}), ["cannot read plan file"]),
+    (b"[1, 2]", ["not a memfit plan"]),
+    (json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 2}}).encode(),
+     ["not a memfit plan", "memfit fit --save"]),
+    (json.dumps({"format": "memfit-plan/9"}).encode(), ["format 'memfit-plan/9'"]),
+    (json.dumps({"format": "memfit-plan/1", "chosen": {}}).encode(), ["malformed"]),
+])
+def test_bad_plan_files_are_one_line_exit_2(tmp_path, capsys, content, words):
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    code, out, err = cli(capsys, "export", str(path), "--to", "accelerate")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1, err
+    for word in words:
+        assert word in err
+
+
+@pytest.mark.parametrize("run, words", [
+    ({"gpus": 6, "tp": 4}, ["6 GPUs do not split into tp 4"]),
+    ({"gpus": 8, "zero": 2, "offload_params": True}, ["parameter offload needs ZeRO-3"]),
+    ({"gpus": 8, "zero": 2, "fsdp": True}, ["conflicts with zero 2"]),
+    ({"gpus": 8, "dp": 4}, ["dp 4 x tp 1 x pp 1 = 4", "8 GPUs"]),
+    ({"gpus": 8, "fsdp": 3}, ["fsdp 3 must divide"]),
+    ({"mode": "inference"}, ["trains nothing"]),
+    ({"batch": 0}, ["batch must be a positive integer"]),
+])
+def test_conflicting_settings_are_one_line_exit_2(tmp_path, capsys, run, words):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(analytic_plan(**run)))
+    code, out, err = cli(capsys, "export", str(path), "--to", "torchtitan")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1, err
+    for word in words:
+        assert word in err, err
+
+
+def test_fit_plan_whose_batch_does_not_add_up(tmp_path, capsys):
+    """3 x 1 x 2 GPUs = 6, but the file says 8: edited by hand, refused."""
+    data = fit_plan(num_gpus=2, global_batch=6, micro_batch=3).to_dict()
+    data["global_batch"] = 8
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    code, _, err = cli(capsys, "export", str(path), "--to", "deepspeed")
+    assert code == 2 and "= 6, but the plan's global batch is 8" in err
+
+
+def test_export_api_takes_plan_dict_settings_or_path(tmp_path):
+    plan = fit_plan(micro_batch=2, accumulation=4)
+    plan.save(tmp_path / "p.json")
+    texts = {export_plan(p, "torchtune").text for p in (
+        plan, plan.to_dict(), tmp_path / "p.json", str(tmp_path / "p.json"))}
+    assert len(texts) == 1
+    with pytest.raises(MemfitError, match="cannot export a int"):
+        export_plan(3, "deepspeed")
+    written = plan.export("torchtune", tmp_path / "tt.yaml")
+    assert (tmp_path / "tt.yaml").read_text() == written.text
+
+
+def test_target_names_take_case_and_underscores():
+    assert export_plan(fit_plan(), "HF_Trainer").target == "hf-trainer"
+
+
+def test_settings_validate_directly():
+    with pytest.raises(MemfitError, match="HSDP replicas need sharded"):
+        PlanSettings(source="plan", gpus=8, replicate=2)
