@@ -707,5 +707,6 @@ def test_mean_with_token_labels_and_no_count_fn_is_refused():
     model = tiny_gpt2()
     step = guard(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda m, b: m(**b).loss,
                  micro_batch_size=2, log=False)
-    with pytest.raises(MemfitError, match=r"count_fn=causal_lm_count \(from memfit\.oom_guard import"):
+    with pytest.raises(MemfitError,
+                       match=r"count_fn=causal_lm_count \(from memfit\.oom_guard import"):
         step(gpt2_batch())
