@@ -372,3 +372,13 @@ def test_transformers_treats_fake_tensors_as_eager_inside_the_context() -> None:
     with pytest.raises(ValueError), tfi.fake_tensors_look_eager():
         raise ValueError
     assert import_utils.is_fake_tensor is original, "is_fake_tensor not restored after an error"
+
+
+def test_has_dispatch_kernel_reads_the_dispatcher() -> None:
+    """``has_dispatch_kernel`` answers from the dispatcher: ``aten::mm`` has a CPU kernel and an
+    AutocastCUDA one (``autocast_mode.cpp``, lower_precision_fp, every build registers it),
+    ``aten::add.Tensor`` has no AutocastCUDA kernel, and an op that does not exist is False."""
+    assert ti.has_dispatch_kernel("aten::mm", "CPU")
+    assert ti.has_dispatch_kernel("aten::mm", "AutocastCUDA")
+    assert not ti.has_dispatch_kernel("aten::add.Tensor", "AutocastCUDA")
+    assert not ti.has_dispatch_kernel("aten::no_such_op_memfit", "AutocastCUDA")

@@ -17,8 +17,8 @@ import torch
 
 __all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator_settings_setter",
            "called_by_autograd_engine", "clear_cublas_workspaces", "current_graph_task_id",
-           "engine_run_backward",
-           "fake_op_rule", "flatten_dense_tensors", "is_norm_layer", "reporting_get_rng_state",
+           "engine_run_backward", "fake_op_rule", "flatten_dense_tensors", "has_dispatch_kernel",
+           "is_norm_layer", "reporting_get_rng_state",
            "sdp_priority_order", "storage_use_count", "unflatten_dense_tensors"]
 
 # -- the frame walk ------------------------------------------------------------------------------
@@ -153,6 +153,16 @@ def sdp_priority_order() -> list[int] | None:
     return list(getter()) if getter is not None else None
 
 
+def has_dispatch_kernel(op: str, key: str) -> bool:
+    """Whether the installed torch registers a kernel for ``op`` (``"aten::rms_norm"``) under
+    dispatch key ``key`` (``"AutocastCUDA"``): ``torch._C._dispatch_has_kernel_for_dispatch_key``
+    (``torch/csrc/utils/python_dispatch.cpp``). False for an op this torch does not have."""
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, key))
+    except RuntimeError:  # no such operator in this torch
+        return False
+
+
 def clear_cublas_workspaces() -> None:
     """Free cuBLAS's per-handle workspaces (``torch._C._cuda_clearCublasWorkspaces``,
     ``torch/csrc/cuda/Module.cpp``), which ``torch.cuda.empty_cache`` keeps; no-op where torch
@@ -184,7 +194,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.utils._pytree": ("tree_flatten", "tree_map"),
     "torch._C._profiler": ("_EventType", "_RecordFunctionFast"),
     "torch._ops": ("OpOverload",),
-    "torch._C": ("DisableTorchFunction", "_current_graph_task_id", "_get_sdp_priority_order",
+    "torch._C": ("DisableTorchFunction", "_current_graph_task_id",
+                 "_dispatch_has_kernel_for_dispatch_key", "_get_sdp_priority_order",
                  "_storage_Use_Count"),
     "torch._utils": ("_flatten_dense_tensors", "_unflatten_dense_tensors"),
     "torch.autograd.graph": ("_engine_run_backward",),

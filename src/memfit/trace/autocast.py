@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from memfit._compat.torch_internals import has_dispatch_kernel
+
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -84,9 +86,22 @@ CUDA_RULES: dict[str, tuple[str, ...]] = {
     "promote": CUDA_PROMOTE, "none": CPU_ONLY}
 """The emulation's rules by CUDA policy ("none": no CUDA autocast kernel, CPU's is undone)."""
 
+# Rules for ops whose AutocastCUDA kernel arrived in a later torch than the floor: applied only
+# when the installed torch registers that kernel (the user's torch is the one that runs the step).
+# rms_norm: in AT_FORALL_FP32 of torch 2.13's autocast_mode.h; torch 2.11's dispatcher has no
+# AutocastCUDA kernel for aten::rms_norm (checked on 2.11.0+cu130), so 2.11 keeps bf16 there.
+_GATED = {"rms_norm": "aten::rms_norm"}
+
+
+def rule_applies(name: str) -> bool:
+    """Whether the emulation applies its rule for ``name`` in the installed torch."""
+    op = _GATED.get(name)
+    return op is None or has_dispatch_kernel(op, "AutocastCUDA")
+
+
 _POLICY: dict[Any, str] = {}
 for _policy, _names in CUDA_RULES.items():
-    for _fn in _functions(*_names):
+    for _fn in _functions(*(n for n in _names if rule_applies(n))):
         _POLICY[_fn] = _policy
 _CROSS_ENTROPY = {F.cross_entropy}
 

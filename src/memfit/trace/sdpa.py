@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from memfit._compat import torch_internals
 from memfit.errors import MemfitError
 from memfit.trace.dropout import cuda_dropout
+from memfit.trace.norms import cuda_rms_norm
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -372,6 +373,7 @@ def _host_device(args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]
     return args, kwargs
 
 
+_RMS_NORM = {F.rms_norm, torch.rms_norm}
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")  # F.scaled_dot_product_attention's parameters, in order
 
@@ -379,7 +381,8 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 class CudaRouting(TorchFunctionMode):
     """CUDA's choice of kernels on the CPU stand-in: ``F.scaled_dot_product_attention`` calls go to
     :func:`cuda_sdpa`, and (``cuda_on_cpu``) ``dropout`` takes CUDA's fused kernel
-    (:func:`memfit.trace.dropout.cuda_dropout`) for as long as the mode is entered: forward,
+    (:func:`memfit.trace.dropout.cuda_dropout`) and ``F.rms_norm`` CUDA's fused RMSNorm
+    (:func:`memfit.trace.norms.cuda_rms_norm`) for as long as the mode is entered: forward,
     backward and any recompute inside it.
 
     On the CPU stand-in for CUDA it also maps explicit CUDA devices in model code
@@ -420,6 +423,10 @@ class CudaRouting(TorchFunctionMode):
                 return args[0]
             if kwargs or len(args) > 1:
                 args, kwargs = _host_device(args, kwargs)
+        if self.cuda_on_cpu and func in _RMS_NORM:
+            # CUDA's fused kernel (trace/norms.py); autocast's fp32 rule, where this torch has
+            # it, was applied by the autocast emulation (entered inside this mode) before.
+            return cuda_rms_norm(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             call = dict(zip(_SDPA_ARGS, args, strict=False))
             call.update(kwargs)
