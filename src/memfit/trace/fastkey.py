@@ -113,3 +113,32 @@ def _device_handler() -> Any:
 
 
 _DEVICE_HANDLER = _device_handler()
+
+
+def _same_fake_impl() -> dict[Any, Any]:
+    """Ops whose fake implementation is the cacheable op's own: ``aten._unsafe_view`` and
+    ``aten.view`` are both ``_view_meta`` (``torch/_subclasses/fake_impls.py``, one
+    ``register_op_impl`` for the two), a view of the input's storage. The fake mode never caches
+    ``_unsafe_view`` (``FakeTensorMode._validate_cache_key``: "unsafe view", since its schema does
+    not say it aliases its input) and runs the whole fake dispatch for each one, while ``view``'s
+    cache entry rebuilds the same view of the same storage. Empty when the installed torch
+    registers them apart."""
+    from torch._subclasses import fake_impls
+
+    impls = getattr(fake_impls, "op_implementations_dict", {})
+    aten = torch.ops.aten
+    view, unsafe = aten.view.default, aten._unsafe_view.default
+    if view in impls and impls.get(unsafe) is impls[view]:
+        return {unsafe: view}
+    return {}
+
+
+SAME_FAKE_IMPL = _same_fake_impl()
+
+
+def cacheable_twin(func: Any, args: Any) -> Any:
+    """The op to dispatch for ``func`` on ``args``: see :func:`_same_fake_impl`."""
+    twin = SAME_FAKE_IMPL.get(func)
+    if twin is not None and args and isinstance(args[0], FakeTensor) and args[0].constant is None:
+        return twin
+    return func

@@ -33,7 +33,7 @@ from memfit._compat import torch_internals
 from memfit.categories import MemoryCategory
 from memfit.trace.cpu_kernels import is_opaque, rnn_workspace_bytes, transient_peak
 from memfit.trace.datadep import ASSUMPTION, DATA_DEPENDENT, DataDependentSizes
-from memfit.trace.fastkey import FastCacheKey, device_of
+from memfit.trace.fastkey import FastCacheKey, cacheable_twin, device_of
 from memfit.trace.fastkey import enabled as fast_keys_enabled
 
 _FORWARD = "forward"
@@ -401,6 +401,8 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
     def _run(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         # FakeTensorMode.__torch_dispatch__ minus its wrappers (a call counter, a second dynamo
         # disable inside this mode's own) and its "fake mode not set" assertion.
+        if self.fast_keys:
+            func = cacheable_twin(func, args)
         return self.dispatch(func, types, args, kwargs)
 
     def _tracked(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
