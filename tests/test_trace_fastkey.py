@@ -172,3 +172,22 @@ def test_fast_keys_tell_apart_what_torch_tells_apart(monkeypatch: pytest.MonkeyP
     assert expected_same == {"same": True, "transposed": False, "offset": False,
                              "bigger storage": False, "dtype": False, "requires_grad": False}
     assert expected_scalars == 3
+
+
+def test_unsafe_view_shares_view_fake_impl() -> None:
+    """``aten._unsafe_view`` is dispatched as ``aten.view`` only while torch registers one fake
+    implementation for both (``torch/_subclasses/fake_impls.py: _view_meta``); the result is a
+    view of the input's storage either way (no new allocation for the tracker)."""
+    from torch._subclasses import fake_impls
+
+    aten = torch.ops.aten
+    impls = fake_impls.op_implementations_dict
+    assert impls[aten._unsafe_view.default] is impls[aten.view.default]
+    assert fastkey.SAME_FAKE_IMPL == {aten._unsafe_view.default: aten.view.default}
+    with FakeTensorMode() as mode:
+        x = torch.empty(2, 3, 4)
+        out = aten._unsafe_view.default(x, [6, 4])
+        assert fastkey.cacheable_twin(aten._unsafe_view.default, (x, [6, 4])) is aten.view.default
+    assert mode is not None
+    assert out.untyped_storage()._cdata == x.untyped_storage()._cdata
+    assert (tuple(out.shape), out.stride()) == ((6, 4), (4, 1))

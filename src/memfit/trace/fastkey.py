@@ -19,6 +19,15 @@ emits, so they cannot meet a key that another fake mode in the process (sharing 
 cache) built from different arguments.
 
 ``MEMFIT_SLOW_KEYS=1`` turns this off (torch's keys throughout), e.g. to compare.
+
+Note: [identical blocks] Reusing the trace of one decoder block for its identical siblings was
+weighed and not built. The fake mode's cache already serves the second to last blocks op by op
+(after the first block nearly every op of the others is a cache hit), so what a block-level
+replay could still save is the per-op key and lookup, about a tenth of the trace once the key is
+the one here. The rest must run anyway: each block's
+outputs must exist as fake tensors for the blocks after it, autograd must record each block's
+graph (saved tensors, hooks, checkpointing) for the backward to make every parameter's gradient,
+and the optimizer needs those gradients.
 """
 
 from __future__ import annotations
