@@ -1,12 +1,17 @@
 """How long memfit's trace engine takes on Llama-2-7B- and 70B-sized steps, next to MemTracker.
 
-Run: ``python bench/trace_speed.py [--sizes 1b,7b,70b] [--targets cuda,cpu] [--steps 2]``
+Run: ``python bench/trace_speed.py [--sizes 1b,7b,70b,hf-7b,hf-70b] [--targets cuda,cpu]
+[--steps 2]``
 
-Builds a plain-torch Llama-like model (RMSNorm, RoPE, grouped-query SDPA attention, SwiGLU MLP) on
-the meta device, then times ``memfit.trace.estimate`` (bf16-mixed, AdamW, batch 1, seq 4096) for
-each target and PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``) running the
-same training step on the same meta model in this process (fp32: the meta device has no autocast;
-MemTracker has no notion of a target, so one MemTracker run is the baseline of both targets).
+Two kinds of model, both built on the meta device:
+- ``1b``, ``7b``, ``70b``: a plain-torch Llama-like model (RMSNorm, RoPE, grouped-query SDPA
+  attention, SwiGLU MLP), traced bf16-mixed at seq 4096 (``--seq``);
+- ``hf-7b``, ``hf-70b``: Hugging Face ``LlamaForCausalLM`` with Llama-2-7B's and Llama-3-70B's
+  configs, traced fp32 at seq 1024 with ``labels`` (the model's own loss): issue 13's rows.
+Each times ``memfit.estimate`` (AdamW, batch 1) for each target and PyTorch's ``MemTracker``
+(``torch.distributed._tools.mem_tracker``) running the same training step on the same meta model
+in this process (fp32: the meta device has no autocast; MemTracker has no notion of a target, so
+one MemTracker run is the baseline of both targets).
 
 A CPU target also measures the scratch of opaque CPU kernels by running them once on real zeros
 (``memfit/trace/cpu_kernels.py``), cached on disk (``memfit/trace/kernel_cache.py``). Its row is
@@ -40,6 +45,16 @@ SIZES = {  # Llama 2 (Touvron et al. 2023, table 1 / HF configs); 1b: Llama 3.2 
     "7b": dict(dim=4096, layers=32, heads=32, kv_heads=32, ffn=11008, vocab=32000),
     "70b": dict(dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000),
 }
+# Hugging Face configs: meta-llama/Llama-2-7b-hf and meta-llama/Meta-Llama-3-70B config.json.
+HF_SIZES = {
+    "hf-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                  max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "hf-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                   num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                   max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0),
+}
+HF_SEQ, HF_PRECISION = 1024, "fp32"
 
 
 class RMSNorm(nn.Module):
@@ -110,18 +125,33 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), idx.view(-1))
 
 
+def build(size: str, seq: int) -> tuple[nn.Module, object, str]:
+    """The meta model of ``size``, its inputs and the precision it is traced in."""
+    if size in HF_SIZES:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**HF_SIZES[size]))
+        ids = torch.zeros(1, HF_SEQ, dtype=torch.long, device="meta")
+        return model, {"input_ids": ids, "labels": ids}, HF_PRECISION
+    with torch.device("meta"):
+        model = Llama(**SIZES[size])
+    return model, torch.zeros(1, seq, dtype=torch.long, device="meta"), "bf16-mixed"
+
+
 def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def time_memfit(model: nn.Module, idx: torch.Tensor, steps: int,
-                target: str = "cuda") -> dict[str, object]:
-    from memfit.trace import estimate
+def time_memfit(model: nn.Module, idx: object, steps: int,
+                target: str = "cuda", precision: str = "bf16-mixed") -> dict[str, object]:
+    import memfit
 
     gpu = {"gpu": "h100-sxm-80gb"} if target == "cuda" else {}
+    inputs = idx if isinstance(idx, dict) else (idx,)
     start, cpu_start = time.perf_counter(), time.process_time()
-    est = estimate(model, (idx,), optimizer="adamw", precision="bf16-mixed", device=target,
-                   steps=steps, **gpu)
+    est = memfit.estimate(model, inputs, optimizer="adamw", precision=precision, device=target,
+                          steps=steps, **gpu)
     seconds = time.perf_counter() - start
     cpu_seconds = time.process_time() - cpu_start
     return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3),
@@ -132,7 +162,7 @@ def time_memfit(model: nn.Module, idx: torch.Tensor, steps: int,
             "rss_mib_after": round(rss_mib(), 1)}
 
 
-def time_memtracker(model: nn.Module, idx: torch.Tensor, steps: int) -> dict[str, object]:
+def time_memtracker(model: nn.Module, idx: object, steps: int) -> dict[str, object]:
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
     except ImportError as exc:  # torch built without distributed
@@ -146,7 +176,7 @@ def time_memtracker(model: nn.Module, idx: torch.Tensor, steps: int) -> dict[str
             for step in range(steps):
                 if step:
                     tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
-                loss = model(idx)
+                loss = model(**idx).loss if isinstance(idx, dict) else model(idx)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -161,7 +191,8 @@ def time_memtracker(model: nn.Module, idx: torch.Tensor, steps: int) -> dict[str
             "rss_mib_after": round(rss_mib(), 1)}
 
 
-def time_cpu_target(model: nn.Module, idx: torch.Tensor, steps: int) -> dict[str, object]:
+def time_cpu_target(model: nn.Module, idx: object, steps: int,
+                    precision: str = "bf16-mixed") -> dict[str, object]:
     """The CPU-target trace with an empty kernel cache, then with the file the first run left."""
     from memfit.trace import cpu_kernels
 
@@ -170,9 +201,9 @@ def time_cpu_target(model: nn.Module, idx: torch.Tensor, steps: int) -> dict[str
         os.environ["MEMFIT_CACHE_DIR"] = cache
         try:
             cpu_kernels.clear_memory_cache()
-            cold = time_memfit(model, idx, steps, "cpu")
+            cold = time_memfit(model, idx, steps, "cpu", precision)
             cpu_kernels.clear_memory_cache()  # as a new process would start
-            warm = time_memfit(model, idx, steps, "cpu")
+            warm = time_memfit(model, idx, steps, "cpu", precision)
             cold["kernels_cached"] = sum(
                 len(json.loads(p.read_text())["entries"]) for p in Path(cache).glob("*.json"))
         finally:
@@ -188,7 +219,7 @@ def time_cpu_target(model: nn.Module, idx: torch.Tensor, steps: int) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1b,7b,70b")
+    parser.add_argument("--sizes", default="1b,7b,70b,hf-7b,hf-70b")
     parser.add_argument("--targets", default="cuda,cpu")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seq", type=int, default=4096)
@@ -201,6 +232,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "load_average_at_start": list(os.getloadavg()),
         "config": {"precision": "bf16-mixed", "optimizer": "adamw", "batch": 1, "seq": args.seq,
+                   "hf": {"precision": HF_PRECISION, "seq": HF_SEQ, "loss": "labels"},
                    "steps": args.steps, "targets": args.targets,
                    "cpu": torch.backends.cpu.get_cpu_capability()},
         "models": {},
@@ -217,12 +249,19 @@ def main() -> None:
             del os.environ["MEMFIT_NO_CACHE"]
         else:
             os.environ["MEMFIT_NO_CACHE"] = saved
+    if any(size in HF_SIZES for size in args.sizes.split(",")):  # transformers' first call
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        with torch.device("meta"):
+            tiny_hf = LlamaForCausalLM(LlamaConfig(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+        ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+        time_memfit(tiny_hf, {"input_ids": ids, "labels": ids}, 1, precision=HF_PRECISION)
     targets = args.targets.split(",")
     table = []
     for size in args.sizes.split(","):
-        with torch.device("meta"):
-            model = Llama(**SIZES[size])
-        idx = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
+        model, idx, precision = build(size, args.seq)
         n = sum(p.numel() for p in model.parameters())
         row: dict[str, object] = {"params": n}
         if not args.no_memtracker:
@@ -230,10 +269,10 @@ def main() -> None:
         mt = row.get("memtracker") or {}
         for target in targets:
             if target == "cuda":
-                runs = {"": time_memfit(model, idx, args.steps, "cuda")}
+                runs = {"": time_memfit(model, idx, args.steps, "cuda", precision)}
                 row["cuda"] = runs[""]
             else:
-                row["cpu"] = time_cpu_target(model, idx, args.steps)
+                row["cpu"] = time_cpu_target(model, idx, args.steps, precision)
                 runs = {" cold": row["cpu"]["cold"], " warm": row["cpu"]["warm"]}
             for label, r in runs.items():
                 ratio = (round(float(r["cpu_seconds"]) / float(mt["cpu_seconds"]), 3)

@@ -33,6 +33,8 @@ from memfit._compat import torch_internals
 from memfit.categories import MemoryCategory
 from memfit.trace.cpu_kernels import is_opaque, rnn_workspace_bytes, transient_peak
 from memfit.trace.datadep import ASSUMPTION, DATA_DEPENDENT, DataDependentSizes
+from memfit.trace.fastkey import FastCacheKey, cacheable_twin, device_of
+from memfit.trace.fastkey import enabled as fast_keys_enabled
 
 _FORWARD = "forward"
 aten = torch.ops.aten
@@ -352,7 +354,7 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-class TrackingFakeMode(FakeTensorMode):
+class TrackingFakeMode(FastCacheKey, FakeTensorMode):
     """A FakeTensorMode that records the new output storages of every top-level op.
 
     Tracking inside the fake mode itself (rather than in a dispatch mode stacked on top) halves
@@ -373,10 +375,13 @@ class TrackingFakeMode(FakeTensorMode):
         # (cuBLAS keeps one per handle, and the backward runs on another thread: another handle).
         self.matmul_workspaces: dict[str, list[int]] = {}
         self._oom_noted: Any = None
+        self.fast_keys = fast_keys_enabled()  # see Note: [fast cache key] in fastkey.py
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _PRIM_DEVICE or self._depth:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _PRIM_DEVICE:
+            return device_of(args)  # FakeTensorMode.dispatch's own answer (_device_handler)
+        if self._depth:
+            return self.dispatch(func, types, args, kwargs)
         if not self.tracking:
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if self.tracker.host_depth:
@@ -394,7 +399,11 @@ class TrackingFakeMode(FakeTensorMode):
             self._depth -= 1
 
     def _run(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        # FakeTensorMode.__torch_dispatch__ minus its wrappers (a call counter, a second dynamo
+        # disable inside this mode's own) and its "fake mode not set" assertion.
+        if self.fast_keys:
+            func = cacheable_twin(func, args)
+        return self.dispatch(func, types, args, kwargs)
 
     def _tracked(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         tracker = self.tracker

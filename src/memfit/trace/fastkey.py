@@ -1,0 +1,161 @@
+"""A cheaper fake-tensor cache key for the trace's fake mode, with the same hits and outputs.
+
+Note: [fast cache key] Most of a trace's time is fake-tensor dispatch, and a third of that is
+building the key of the fake mode's op cache (``torch/_subclasses/fake_tensor.py:
+FakeTensorMode._cache_key``): for each tensor argument ``_prep_args_for_hash`` builds a
+``TensorMetadata`` (``extract_tensor_metadata``: the suggested memory format and a contiguity
+check in Python, three sparse-layout checks) and flattens its 17 fields one by one
+(``TensorMetadata._flatten_into``, through ``dataclasses.fields``). For the tensors a trace
+passes (this mode's own dense fake tensors, concrete sizes, not quantized), the key here records
+the same facts in one tuple: dtype, shape, stride, device, storage offset, storage bytes,
+requires_grad, conj, neg, inference. The fields it leaves out are constants on that path
+(layout strided, not sparse, not quantized) or functions of shape and stride (the memory format
+and whether the tensor is contiguous in it), so two calls get one key here exactly when they get
+one key from torch, and the cache returns what it would have returned: the same cache entry
+logic (``_cached_dispatch_impl``, ``_make_cache_entry``, ``_output_from_cache_entry``) runs
+unchanged on top of it. Anything else (SymInts, sparse or quantized tensors, another mode's fake
+tensors, graph modules) is keyed by torch's own code. The keys carry a marker object torch never
+emits, so they cannot meet a key that another fake mode in the process (sharing the class-level
+cache) built from different arguments.
+
+``MEMFIT_SLOW_KEYS=1`` turns this off (torch's keys throughout), e.g. to compare.
+
+Note: [identical blocks] Reusing the trace of one decoder block for its identical siblings was
+weighed and not built. The fake mode's cache already serves the second to last blocks op by op
+(after the first block nearly every op of the others is a cache hit), so what a block-level
+replay could still save is the per-op key and lookup, about a tenth of the trace once the key is
+the one here. The rest must run anyway: each block's
+outputs must exist as fake tensors for the blocks after it, autograd must record each block's
+graph (saved tensors, hooks, checkpointing) for the backward to make every parameter's gradient,
+and the optimizer needs those gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, TensorMetadata
+
+_TENSOR = object()  # marks a tensor keyed here
+_DELEGATED = object()  # marks an argument keyed by torch's code
+_STRIDED = torch.strided
+
+# TensorMetadata's fields (torch 2.4 to 2.13): the key below stands for all of them. A torch that
+# adds a field may key on something this key does not record, so the fast key is then off.
+EXPECTED_FIELDS = ("dtype", "shape", "stride", "device", "layout", "memory_format",
+                   "storage_offset", "storage_bytes", "requires_grad", "is_quantized", "is_conj",
+                   "is_neg", "is_inference", "is_sparse", "is_coalesced", "dense_dim",
+                   "sparse_dim")
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format)
+
+
+def supported() -> bool:
+    """Whether the installed torch keys fake tensors by the fields the fast key stands for."""
+    if not dataclasses.is_dataclass(TensorMetadata):
+        return False
+    fields = tuple(f.name for f in dataclasses.fields(TensorMetadata))
+    return fields == EXPECTED_FIELDS and hasattr(torch.Tensor, "_has_symbolic_sizes_strides")
+
+
+def enabled() -> bool:
+    return os.environ.get("MEMFIT_SLOW_KEYS", "") in ("", "0") and _SUPPORTED
+
+
+_SUPPORTED = supported()
+
+
+class FastCacheKey:
+    """Mixin for a ``FakeTensorMode`` subclass: see Note: [fast cache key]. ``fast_keys`` turns
+    it on for an instance."""
+
+    fast_keys = False
+
+    def _prep_args_for_hash(self, result: list[Any], args: Any, state: Any,
+                            *rest: Any) -> None:
+        if not self.fast_keys:
+            super()._prep_args_for_hash(result, args, state, *rest)  # type: ignore[misc]
+            return
+        if isinstance(args, list | tuple | dict):
+            result.append(type(args))
+            result.append(f"length_{len(args)}")
+        if isinstance(args, dict):
+            self._prep_args_for_hash(result, args.keys(), state, *rest)
+            self._prep_args_for_hash(result, args.values(), state, *rest)
+            return
+        append = result.append
+        for arg in args:
+            if isinstance(arg, FakeTensor):
+                if (arg.fake_mode is self and arg.constant is None and arg.layout is _STRIDED
+                        and not arg._has_symbolic_sizes_strides and not arg.is_quantized):
+                    append((_TENSOR, arg.dtype, arg.shape, arg.stride(), arg.device,
+                            arg.storage_offset(), arg.untyped_storage().nbytes(),
+                            arg.requires_grad, arg.is_conj(), arg.is_neg(), arg.is_inference()))
+                    continue
+            elif isinstance(arg, _PLAIN):
+                # As torch: the type too, since 1, 1.0 and True hash alike.
+                append(type(arg))
+                append(arg)
+                continue
+            elif isinstance(arg, list | tuple | dict):
+                self._prep_args_for_hash(result, arg, state, *rest)
+                continue
+            append(_DELEGATED)
+            super()._prep_args_for_hash(result, (arg,), state, *rest)  # type: ignore[misc]
+
+
+def device_of(args: Any) -> Any:
+    """``prim.device`` of a fake tensor, as ``FakeTensorMode.dispatch`` answers it
+    (``torch/_subclasses/fake_tensor.py: _DISPATCH_META_HANDLERS[prim.device]``, i.e.
+    ``_device_handler``), without the mode's dispatch wrappers around it: C++ asks it for each
+    tensor an op touches (a trace asks it about twice per op)."""
+    return _DEVICE_HANDLER(args)
+
+
+def _device_handler() -> Any:
+    from torch._subclasses import fake_tensor
+
+    handlers = getattr(fake_tensor, "_DISPATCH_META_HANDLERS", {})
+    handler = handlers.get(torch.ops.prim.device.default)
+    if handler is not None:
+        return handler
+
+    def device(args: Any) -> Any:  # the same answer, for a torch without the table
+        t = args[0]
+        return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
+    return device
+
+
+_DEVICE_HANDLER = _device_handler()
+
+
+def _same_fake_impl() -> dict[Any, Any]:
+    """Ops whose fake implementation is the cacheable op's own: ``aten._unsafe_view`` and
+    ``aten.view`` are both ``_view_meta`` (``torch/_subclasses/fake_impls.py``, one
+    ``register_op_impl`` for the two), a view of the input's storage. The fake mode never caches
+    ``_unsafe_view`` (``FakeTensorMode._validate_cache_key``: "unsafe view", since its schema does
+    not say it aliases its input) and runs the whole fake dispatch for each one, while ``view``'s
+    cache entry rebuilds the same view of the same storage. Empty when the installed torch
+    registers them apart."""
+    from torch._subclasses import fake_impls
+
+    impls = getattr(fake_impls, "op_implementations_dict", {})
+    aten = torch.ops.aten
+    view, unsafe = aten.view.default, aten._unsafe_view.default
+    if view in impls and impls.get(unsafe) is impls[view]:
+        return {unsafe: view}
+    return {}
+
+
+SAME_FAKE_IMPL = _same_fake_impl()
+
+
+def cacheable_twin(func: Any, args: Any) -> Any:
+    """The op to dispatch for ``func`` on ``args``: see :func:`_same_fake_impl`."""
+    twin = SAME_FAKE_IMPL.get(func)
+    if twin is not None and args and isinstance(args[0], FakeTensor) and args[0].constant is None:
+        return twin
+    return func
