@@ -187,7 +187,8 @@ def allocator_settings_setter() -> Callable[[str], None] | None:
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch._subclasses.fake_tensor": (
         "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
-        "FakeTensorMode", "in_kernel_invocation_manager", "is_fake", "unset_fake_temporarily"),
+        "FakeTensorMode", "TensorMetadata", "in_kernel_invocation_manager", "is_fake",
+        "unset_fake_temporarily"),
     "torch._subclasses.fake_impls": ("op_implementations_checks",),
     "torch.utils._python_dispatch": (
         "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass"),
@@ -211,6 +212,12 @@ OPTIONAL_NAMES: dict[str, str] = {
     "torch._C._accelerator_setAllocatorSettings": "torch >= 2.9",
     "torch._C._cuda_cudaCachingAllocator_set_allocator_settings": "CUDA builds of older torch",
     "torch._C._cuda_clearCublasWorkspaces": "builds with CUDA",
+    # trace/fastkey.py (the fake cache key): each checked before use, the fast key off without it;
+    # present in torch 2.11 and 2.13 (the versions the suite ran on)
+    "torch.Tensor._has_symbolic_sizes_strides": "2.11, 2.13 (fastkey.supported)",
+    "torch._subclasses.fake_tensor.FakeTensorMode._prep_args_for_hash": "2.11, 2.13",
+    "torch._subclasses.fake_tensor._DISPATCH_META_HANDLERS": "2.11, 2.13",
+    "torch._subclasses.fake_impls.op_implementations_dict": "2.11, 2.13",
 }
 """Private names looked up with ``getattr`` (absent from some torch versions or builds): when
 each is present."""
