@@ -13,42 +13,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from memfit.categories import MemoryCategory
+from memfit.ledger import STORAGE_CATEGORIES, ModuleMemory, TimelinePoint
 
 if TYPE_CHECKING:
     from memfit.trace.estimate import Estimate
 
 SCHEMA_VERSION = 1
 
-TRACKED = (MemoryCategory.WEIGHTS, MemoryCategory.GRADIENTS, MemoryCategory.OPTIMIZER_STATES,
-           MemoryCategory.ACTIVATIONS, MemoryCategory.KV_CACHE, MemoryCategory.TEMPORARIES)
+TRACKED = STORAGE_CATEGORIES
 """Categories a live tensor can be in, in the order of ``MeasuredPoint.bytes``."""
 
-
-@dataclass(frozen=True, slots=True)
-class MeasuredPoint:
-    """Live tracked bytes right after one op of the profiled run (or a user mark)."""
-
-    index: int
-    """Position of the op in the run (0-based)."""
-    op: str
-    """The aten op (``aten.mm.default``), or ``mark: <label>`` for :meth:`Profiler.mark`."""
-    phase: str
-    """``forward``, ``backward``, ``optimizer`` or ``other``."""
-    module: str
-    """Dotted name of the innermost module running the op (``""``: none)."""
-    bytes: tuple[int, ...]
-    """Live bytes per category, in the order of ``TRACKED``."""
-    allocated: int | None = None
-    """CUDA only: ``torch.cuda.memory_allocated()`` after the op."""
-    reserved: int | None = None
-    """CUDA only: ``torch.cuda.memory_reserved()`` after the op."""
-
-    @property
-    def total(self) -> int:
-        return sum(self.bytes)
-
-    def by_category(self) -> dict[MemoryCategory, int]:
-        return dict(zip(TRACKED, self.bytes, strict=True))
+MeasuredPoint = TimelinePoint
+"""A measured run's timeline point: the trace's type (:class:`memfit.ledger.TimelinePoint`),
+positionally ``(index, op, phase, module, bytes, allocated, reserved)``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,17 +44,9 @@ class TensorRecord:
     """Python frames (file, line, function), innermost first; empty unless ``stacks=True``."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModuleUsage:
-    """Bytes live at the peak attributed to one module: what it created, and the weights,
-    gradients and optimizer states of its own parameters."""
-
-    name: str
-    at_peak: dict[MemoryCategory, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.at_peak.values())
+ModuleUsage = ModuleMemory
+"""Bytes live at the peak attributed to one module: the trace's type
+(:class:`memfit.ledger.ModuleMemory`; ``activation_bytes`` is 0, not measured)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,8 +80,8 @@ class ProfileResult:
     peak_phase: str
     peak_module: str
     num_ops: int
-    timeline: list[MeasuredPoint] = field(repr=False)
-    modules: list[ModuleUsage] = field(repr=False)
+    timeline: list[TimelinePoint] = field(repr=False)
+    modules: list[ModuleMemory] = field(repr=False)
     top_tensors: list[TensorRecord] = field(repr=False)
     marks: list[tuple[int, str]] = field(default_factory=list)
     """``(timeline index, label)`` of each :meth:`Profiler.mark`."""
@@ -172,7 +141,7 @@ class ProfileResult:
         return doc
 
 
-def point_dict(p: MeasuredPoint) -> dict[str, Any]:
+def point_dict(p: TimelinePoint) -> dict[str, Any]:
     d: dict[str, Any] = {"i": p.index, "op": p.op, "phase": p.phase, "module": p.module,
                          "bytes": list(p.bytes)}
     if p.allocated is not None:
@@ -181,13 +150,13 @@ def point_dict(p: MeasuredPoint) -> dict[str, Any]:
     return d
 
 
-def downsample(points: list[MeasuredPoint], n: int, *, keep: int = -1) -> list[MeasuredPoint]:
+def downsample(points: list[TimelinePoint], n: int, *, keep: int = -1) -> list[TimelinePoint]:
     """At most about ``n`` points: in each bucket the one with the most live bytes (so no peak is
     lost), always keeping the point at index ``keep``."""
     if len(points) <= n:
         return list(points)
     size = -(-len(points) // n)
-    out: list[MeasuredPoint] = []
+    out: list[TimelinePoint] = []
     for start in range(0, len(points), size):
         bucket = points[start:start + size]
         best = max(bucket, key=lambda p: p.total)

@@ -14,6 +14,9 @@
   output gradient was computed last), and with ``stacks=True`` the Python stack of each
   allocation.
 
+The storages, their events and the replay at the peak are :mod:`memfit.ledger`'s, the ledger
+the trace keeps too; the timeline is the trace's type (:class:`memfit.ledger.TimelinePoint`).
+
 Baseline: memory allocated before the block counts. By default (``baseline="gc"``) every tensor
 reachable from the garbage collector at entry (``gc.get_objects()``: tensors, parameters, module
 buffers, optimizer states, ``.grad``) is registered as live with its role, by storage (views and
@@ -43,7 +46,6 @@ import pickle
 import sys
 import time
 import warnings
-import weakref
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -59,11 +61,11 @@ from memfit._compat import torch_internals
 from memfit._tensors import tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
+from memfit.ledger import Ledger, ModuleMemory, ModuleStack, Storage, replay
 from memfit.profiling.cpu import OP_MARKER, marked_allocator_events
 from memfit.profiling.result import (
     TRACKED,
     MeasuredPoint,
-    ModuleUsage,
     ProfileResult,
     TensorRecord,
 )
@@ -73,11 +75,6 @@ if TYPE_CHECKING:
 
 PHASES = ("other", "forward", "backward", "optimizer")
 _OTHER, _FORWARD, _BACKWARD, _OPTIMIZER = range(4)
-_CAT_INDEX = {cat: i for i, cat in enumerate(TRACKED)}
-# Lower wins: a parameter saved for backward stays a weight, a .grad saved stays a gradient.
-_PRIORITY = {MemoryCategory.WEIGHTS: 0, MemoryCategory.GRADIENTS: 1,
-             MemoryCategory.OPTIMIZER_STATES: 2, MemoryCategory.KV_CACHE: 3,
-             MemoryCategory.ACTIVATIONS: 4, MemoryCategory.TEMPORARIES: 5}
 _BASELINE_OP = -1
 _MARK_OP = -2
 _TOP_TENSORS = 12
@@ -87,19 +84,19 @@ _SKIP_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep
 _in_backward = torch_internals.current_graph_task_id()
 
 
-class _Storage:
-    __slots__ = ("dtype", "module", "nbytes", "op", "phase", "role", "shape", "stack")
+class _Storage(Storage):
+    """A measured storage (:class:`memfit.ledger.Storage`; phase and module are indices into
+    ``PHASES`` and the profiler's module names), with what made it."""
+
+    __slots__ = ("dtype", "op", "shape", "stack")
 
     def __init__(self, nbytes: int, op: int, phase: int, module: int,
                  shape: torch.Size, dtype: torch.dtype, stack: int) -> None:
-        self.nbytes = nbytes
+        super().__init__(nbytes, phase, 0, module)
         self.op = op
-        self.phase = phase
-        self.module = module
         self.shape = shape
         self.dtype = dtype
         self.stack = stack
-        self.role = MemoryCategory.TEMPORARIES
 
 
 class _Mode(TorchDispatchMode):
@@ -116,13 +113,14 @@ class _Mode(TorchDispatchMode):
         # Note: [ops on the allocator's clock] a profiler range around each op places the
         # allocator's events on this ledger's timeline: the ledger's event counts when op k
         # started and when it was recorded are kept, the k-th range's events are op k's.
-        prof._op_starts.append(len(prof._events))
+        events = prof._ledger.events
+        prof._op_starts.append(len(events))
         try:
             with _RecordFunctionFast(OP_MARKER):
                 out = func(*args, **(kwargs or {}))
             prof._after_op(func, out)
         finally:
-            prof._op_ends.append(len(prof._events))
+            prof._op_ends.append(len(events))
         return out
 
 
@@ -165,12 +163,9 @@ class Profiler:
         self._op_ends: list[int] = []          # ... and when it had been recorded
         self._baseline_events = 0
         self.max_history_entries = max_history_entries
-        self._round = 512 if device == "cuda" else 1
         self._cuda = device == "cuda"
-        self._infos: list[_Storage] = []
-        self._live: dict[int, int] = {}          # StorageImpl address -> uid
-        self._refs: dict[int, weakref.ref[Any]] = {}
-        self._events = array("q")                # uid for an allocation, ~uid for a free
+        # The storages of the run: the ledger the trace keeps too (memfit.ledger).
+        self._ledger = Ledger(round_to=512 if self._cuda else 1)
         self._op_events = array("q")             # events recorded once op i returned
         self._op_func = array("l")
         self._op_phase = array("b")
@@ -184,12 +179,8 @@ class Profiler:
         self._stacks: dict[tuple[tuple[str, int, str], ...], int] = {(): 0}
         self._stack_list: list[tuple[tuple[str, int, str], ...]] = [()]
         self._marks: list[tuple[int, str]] = []
-        self._current = 0
-        self._peak = 0
-        self._peak_events = 0
         self._baseline = 0
-        self._module_stack: list[int] = []
-        self._backward_module = 0
+        self._modules = ModuleStack(0)
         self._in_optimizer = 0
         self._names: dict[int, str] = {}       # id(module) -> dotted name
         self._num_roots = 0
@@ -229,15 +220,15 @@ class Profiler:
         finally:
             self._exit = None
         self._closed = True
+        self._ledger.close()
         self.result = self._build(elapsed, self._allocator_peak())
-        self._refs.clear()
 
     def mark(self, label: str) -> None:
         """Add a labelled point to the timeline now (e.g. ``prof.mark("after forward")``)."""
         if self._exit is None:
             raise MemfitError("prof.mark() works only inside the `with memfit.profile() as "
                               "prof:` block")
-        self._record(_MARK_OP, len(self._events))
+        self._record(_MARK_OP, len(self._ledger.events))
         self._marks.append((len(self._op_events) - 1, str(label)))
 
     @property
@@ -348,7 +339,7 @@ class Profiler:
             if uid is None:
                 continue
             if isinstance(t, nn.Parameter):
-                self._set_role(uid, MemoryCategory.WEIGHTS)
+                self._ledger.claim(uid, MemoryCategory.WEIGHTS)
                 if t.grad is not None:
                     self._mark(t.grad, MemoryCategory.GRADIENTS)
         for m in modules:
@@ -357,8 +348,8 @@ class Profiler:
                     self._mark(b, MemoryCategory.WEIGHTS)
         for opt in optimizers:
             self._opt_post(opt, (), {})
-        self._baseline = self._current
-        self._baseline_events = len(self._events)
+        self._baseline = self._ledger.current
+        self._baseline_events = len(self._ledger.events)
 
     def _drop_param_hooks(self) -> None:
         for h in self._param_hooks:
@@ -378,53 +369,25 @@ class Profiler:
         except (RuntimeError, NotImplementedError):  # sparse, or a subclass without storage
             return None
         key = st._cdata
-        uid = self._live.get(key)
+        ledger = self._ledger
+        uid = ledger.live.get(key)
         if uid is not None:
             return uid
         nbytes = st.nbytes()
         if nbytes == 0:
             return None
-        uid = len(self._infos)
         phase, module = self._where() if where is None else where
-        self._infos.append(_Storage(nbytes, op, phase, module, t.shape, t.dtype,
-                                    self._stack() if self.stacks else 0))
-        self._live[key] = uid
-        self._refs[uid] = weakref.ref(st, self._freer(uid, key))
-        self._events.append(uid)
-        r = self._round
-        self._current += nbytes if r == 1 else -(-nbytes // r) * r
-        if self._current > self._peak:
-            self._peak = self._current
-            self._peak_events = len(self._events)
+        uid = ledger.add(_Storage(nbytes, op, phase, module, t.shape, t.dtype,
+                                  self._stack() if self.stacks else 0), key, st)
+        if ledger.current > ledger.peak:
+            ledger.reached(ledger.current)
         return uid
-
-    def _freer(self, uid: int, key: int) -> Any:
-        def free(_: Any) -> None:
-            if self._closed:
-                return
-            if self._live.get(key) == uid:
-                del self._live[key]
-            self._refs.pop(uid, None)
-            self._events.append(~uid)
-            nbytes = self._infos[uid].nbytes
-            r = self._round
-            self._current -= nbytes if r == 1 else -(-nbytes // r) * r
-        return free
-
-    def _set_role(self, uid: int, role: MemoryCategory, owner: str | None = None) -> None:
-        info = self._infos[uid]
-        if _PRIORITY[role] < _PRIORITY[info.role]:
-            info.role = role
-            if owner is not None:
-                info.module = self._module_id(owner)
-        elif role is info.role and owner is not None and role is not MemoryCategory.ACTIVATIONS:
-            info.module = self._module_id(owner)
 
     def _mark(self, t: Any, role: MemoryCategory, owner: str | None = None) -> None:
         if isinstance(t, torch.Tensor):
             uid = self._track(t, _BASELINE_OP)
             if uid is not None:
-                self._set_role(uid, role, owner)
+                self._ledger.claim(uid, role, None if owner is None else self._module_id(owner))
 
     def _after_op(self, func: Any, out: Any) -> None:
         fid = self._funcs.get(func)
@@ -442,7 +405,7 @@ class Profiler:
                     for p in o:
                         if isinstance(p, torch.Tensor):
                             self._track(p, fid, where)
-        self._record(fid, len(self._events), where)
+        self._record(fid, len(self._ledger.events), where)
 
     def _record(self, fid: int, n_events: int, where: tuple[int, int] | None = None) -> None:
         phase, module = self._where() if where is None else where
@@ -457,15 +420,16 @@ class Profiler:
     def _where(self) -> tuple[int, int]:
         """(phase, module index) of the op running now."""
         backward = _in_backward is not None and _in_backward() != -1
-        if self._module_stack:
-            module = self._module_stack[-1]
+        stack = self._modules.stack
+        if stack:
+            module = stack[-1]
         else:
-            module = self._backward_module if backward else 0
+            module = self._modules.backward if backward else 0
         if self._in_optimizer:
             return _OPTIMIZER, module
         if backward:
             return _BACKWARD, module
-        return (_FORWARD if self._module_stack else _OTHER), module
+        return (_FORWARD if stack else _OTHER), module
 
     def _module_id(self, name: str) -> int:
         idx = self._module_index.get(name)
@@ -496,7 +460,7 @@ class Profiler:
         return type(mod).__name__ if name is None else name
 
     def _pre(self, mod: nn.Module, args: Any) -> None:
-        if not self._module_stack:
+        if not self._modules.stack:
             if id(mod) not in self._names:
                 self._discover(mod)
             for a in tensor_leaves(args):
@@ -504,20 +468,10 @@ class Profiler:
             if self.first_call is None and torch.is_grad_enabled():
                 # Shapes only: holding the tensors would change what is measured.
                 self.first_call = (mod, tuple(_spec(a) for a in args))
-        self._module_stack.append(self._module_id(self._name_of(mod)))
+        self._modules.enter(self._module_id(self._name_of(mod)))
 
     def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if self._module_stack:
-            idx = self._module_stack.pop()
-            if torch.is_grad_enabled():
-                for t in tensor_leaves(out):
-                    if t.requires_grad and t.grad_fn is not None:
-                        t.register_hook(self._backward_marker(idx))
-
-    def _backward_marker(self, idx: int) -> Any:
-        def mark(_grad: Any) -> None:
-            self._backward_module = idx
-        return mark
+        self._modules.leave(tensor_leaves(out) if torch.is_grad_enabled() else ())
 
     def _discover(self, root: nn.Module) -> None:
         """Name the modules of a newly seen top-level module and mark its parameters and buffers
@@ -572,74 +526,32 @@ class Profiler:
     def _build(self, elapsed: float, measured: tuple[int, int] | None) -> ProfileResult:
         """The result; ``measured`` is ``(allocator peak, ledger events at its moment)`` (CPU
         with allocator events), else the ledger's own peak is the peak."""
-        infos = self._infos
-        peak_events = self._peak_events if measured is None else measured[1]
-        r = self._round
-        size = [(i.nbytes if r == 1 else -(-i.nbytes // r) * r) for i in infos]
-        cat = [_CAT_INDEX[i.role] for i in infos]
-        totals = [0] * len(TRACKED)
-        live: set[int] = set()
-        events = self._events
-        done = 0
-
-        def replay(upto: int) -> None:
-            nonlocal done
-            for e in events[done:upto]:
-                if e >= 0:
-                    totals[cat[e]] += size[e]
-                    live.add(e)
-                else:
-                    totals[cat[~e]] -= size[~e]
-                    live.discard(~e)
-            done = upto
-
+        ledger = self._ledger
+        peak_events = ledger.peak_events if measured is None else measured[1]
+        run = replay(ledger, self._op_events, peak_events, TRACKED)
         names = self._func_names
+        marks = dict(self._marks)
         cuda = self.device == "cuda"
-        timeline: list[MeasuredPoint] = []
-        peak_index = -1
-        at_peak: set[int] | None = None
-        breakdown = {c: 0 for c in MemoryCategory}
-        baseline_events = self._op_events[0] if self._op_events else len(events)
-        if peak_events <= baseline_events:
-            replay(peak_events)
-            at_peak = set(live)
-            for c, v in zip(TRACKED, totals, strict=True):
-                breakdown[c] = v
-        for i, n_events in enumerate(self._op_events):
-            if at_peak is None and peak_events <= n_events:
-                replay(peak_events)
-                at_peak = set(live)
-                peak_index = i
-                for c, v in zip(TRACKED, totals, strict=True):
-                    breakdown[c] = v
-            replay(n_events)
-            fid = self._op_func[i]
-            op = "mark" if fid == _MARK_OP else names[fid]
-            timeline.append(MeasuredPoint(
-                i, op, PHASES[self._op_phase[i]], self._module_names[self._op_module[i]],
-                tuple(totals), self._op_alloc[i] if cuda else None,
-                self._op_reserved[i] if cuda else None))
-        if at_peak is None:  # the peak came after the last op (e.g. an allocation in a hook)
-            replay(peak_events)
-            at_peak = set(live)
-            peak_index = len(timeline) - 1
-            for c, v in zip(TRACKED, totals, strict=True):
-                breakdown[c] = v
-        for i, label in self._marks:
-            old = timeline[i]
-            timeline[i] = MeasuredPoint(old.index, f"mark: {label}", old.phase, old.module,
-                                        old.bytes, old.allocated, old.reserved)
-        per_module: dict[str, dict[MemoryCategory, int]] = {}
-        for uid in at_peak:
-            info = infos[uid]
-            per = per_module.setdefault(self._module_names[info.module], {})
-            per[info.role] = per.get(info.role, 0) + size[uid]
-        modules = sorted((ModuleUsage(name=n, at_peak=v) for n, v in per_module.items()),
+        timeline = [
+            MeasuredPoint(i, f"mark: {marks[i]}" if self._op_func[i] == _MARK_OP
+                          else names[self._op_func[i]], PHASES[self._op_phase[i]],
+                          self._module_names[self._op_module[i]], after,
+                          self._op_alloc[i] if cuda else None,
+                          self._op_reserved[i] if cuda else None)
+            for i, after in enumerate(run.after)]
+        # The peak before op 0's events were all recorded counts as the baseline's.
+        peak_index = -1 if run.peak_op == 0 else min(run.peak_op, len(timeline) - 1)
+        breakdown = run.peak.by_category(TRACKED)
+        at_peak = run.peak.live
+        modules = sorted((ModuleMemory(name=self._module_names[m], at_peak=v)
+                          for m, v in ledger.by_module(at_peak).items()),
                          key=lambda m: m.total, reverse=True)
-        top = sorted(at_peak, key=lambda u: size[u], reverse=True)[:_TOP_TENSORS]
+        infos = ledger.infos
+        top = sorted(at_peak, key=lambda u: ledger.size(infos[u].nbytes),
+                     reverse=True)[:_TOP_TENSORS]
         top_tensors = [self._record_of(u) for u in top]
         peak_point = timeline[peak_index] if peak_index >= 0 else None
-        peak_bytes = self._peak if measured is None else measured[0]
+        peak_bytes = ledger.peak if measured is None else measured[0]
         reserved: int | None = None
         cuda_facts: dict[str, Any] | None = None
         if cuda:
@@ -658,7 +570,7 @@ class Profiler:
             inside_kernels = peak_bytes - sum(breakdown.values())
         return ProfileResult(
             device=self.device, peak_bytes=peak_bytes, peak_reserved_bytes=reserved,
-            breakdown=breakdown, tracked_peak_bytes=self._peak, baseline_bytes=self._baseline,
+            breakdown=breakdown, tracked_peak_bytes=ledger.peak, baseline_bytes=self._baseline,
             peak_index=peak_index, peak_op=peak_point.op if peak_point else "baseline",
             peak_phase=peak_point.phase if peak_point else "other",
             peak_module=peak_point.module if peak_point else "", num_ops=len(timeline),
@@ -668,9 +580,9 @@ class Profiler:
             seconds=elapsed, torch_version=torch.__version__)
 
     def _record_of(self, uid: int) -> TensorRecord:
-        info = self._infos[uid]
+        info: _Storage = self._ledger.infos[uid]  # type: ignore[assignment]
         op = "baseline" if info.op == _BASELINE_OP else self._func_names[info.op]
-        return TensorRecord(nbytes=info.nbytes, category=info.role,
+        return TensorRecord(nbytes=info.nbytes, category=info.category(),
                             module=self._module_names[info.module], phase=PHASES[info.phase],
                             op=op, shape=tuple(info.shape),
                             dtype=str(info.dtype).removeprefix("torch."),
@@ -686,13 +598,14 @@ class Profiler:
         """
         if self._kineto is None:
             return None
-        starts, ends, events = self._op_starts, self._op_ends, self._events
+        starts, ends, events = self._op_starts, self._op_ends, self._ledger.events
+        infos: list[_Storage] = self._ledger.infos  # type: ignore[assignment]
         merged: list[tuple[int, int, int, int]] = [  # (slot, order, ±bytes, ledger position)
             (slot, i, nbytes, -1)
             for i, (slot, nbytes) in enumerate(marked_allocator_events(self._kineto))]
         for idx in range(self._baseline_events, len(events)):
             e = events[idx]
-            info = self._infos[e if e >= 0 else ~e]
+            info = infos[e if e >= 0 else ~e]
             if info.op == _BASELINE_OP:
                 slot = 2 * bisect.bisect_right(starts, idx)
                 merged.append((slot, len(merged), info.nbytes if e >= 0 else -info.nbytes,

@@ -19,6 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from memfit.categories import MemoryCategory
+from memfit.ledger import CATEGORIES, TimelinePoint
 from memfit.profiling.result import TRACKED, ProfileResult, downsample
 from memfit.report._assets import CATEGORY_COLORS, CSS, JS, PHASE_COLORS
 from memfit.units import format_bytes
@@ -36,7 +37,7 @@ def embed_json(obj: Any) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def phase_spans(points: list[Any]) -> list[tuple[str, int, int]]:
+def phase_spans(points: list[TimelinePoint]) -> list[tuple[str, int, int]]:
     """``(phase, start, end)`` of each run of consecutive points in one phase of the training
     step (forward, backward, optimizer), over point indices: the run covers ``start <= i <
     end``, ``end`` being where the next run (or an ``other`` point: outside the step, no span
@@ -55,10 +56,11 @@ def phase_spans(points: list[Any]) -> list[tuple[str, int, int]]:
     return spans
 
 
-def legend_categories(points: list[Any]) -> list[MemoryCategory]:
-    """The tracked categories that hold bytes at some point of the run (the legend lists these
-    only: an empty category is noise)."""
-    return [c for i, c in enumerate(TRACKED) if any(p.bytes[i] for p in points)]
+def legend_categories(points: list[TimelinePoint]) -> list[MemoryCategory]:
+    """The categories that hold bytes at some point of the run (the legend lists these only: an
+    empty category is noise), predicted or measured (a measured run has no runtime column)."""
+    return [c for i, c in enumerate(CATEGORIES)
+            if any(i < len(p.bytes) and p.bytes[i] for p in points)]
 
 
 def _e(value: object) -> str:

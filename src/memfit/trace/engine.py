@@ -36,6 +36,7 @@ from memfit._tensors import call_model, tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError, suggest
 from memfit.gpus import GpuSpec
+from memfit.ledger import replay
 from memfit.progress import trace_progress
 from memfit.trace import host
 from memfit.trace.autocast import cuda_autocast_emulation, target_autocast
@@ -234,28 +235,19 @@ def default_loss(output: Any) -> torch.Tensor:
 @contextlib.contextmanager
 def _module_hooks(model: nn.Module, tracker: Tracker) -> Iterator[None]:
     handles = []
+    modules = tracker.modules
 
     def pre(name: str) -> Callable[..., None]:
         def hook(_mod: nn.Module, _args: Any) -> None:
-            tracker.module_stack.append(name)
+            modules.enter(name)
         return hook
 
-    def post(name: str) -> Callable[..., None]:
-        def mark(_grad: Any) -> None:
-            tracker.backward_module = name
-
-        def hook(_mod: nn.Module, _args: Any, out: Any) -> None:
-            if tracker.module_stack:
-                tracker.module_stack.pop()
-            if torch.is_grad_enabled():
-                for t in tensor_leaves(out, objects=True):
-                    if t.requires_grad and t.grad_fn is not None:
-                        t.register_hook(mark)
-        return hook
+    def post(_mod: nn.Module, _args: Any, out: Any) -> None:
+        modules.leave(tensor_leaves(out, objects=True) if torch.is_grad_enabled() else ())
 
     for name, mod in model.named_modules():
         handles.append(mod.register_forward_pre_hook(pre(name)))
-        handles.append(mod.register_forward_hook(post(name)))
+        handles.append(mod.register_forward_hook(post))
     try:
         yield
     finally:
@@ -544,7 +536,7 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
                 replay.stop()
             if loss is not None and opt is not None:
                 tracker.phase = "backward"
-                tracker.backward_module = ""
+                tracker.modules.backward = ""
                 _backward(loss)
                 del loss, out
                 _mark_grads(tracker, params, owners)
@@ -640,56 +632,19 @@ def _result(tracker: Tracker, allocator: Any, runtime: dict[str, int],
             in_allocator: frozenset[str], *, device: str,
             precision: str, optimizer: Any, steps: int, notes: list[str],
             elapsed: float) -> Estimate:
-    infos = tracker.infos
-    index = {cat: i for i, cat in enumerate(TRACKED)}
-    cat_of = [index[info.category()] for info in infos]
-    totals = [0] * len(TRACKED)
-    live: set[int] = set()
-    timeline: list[TimelinePoint] = []
-    at_peak: dict[str, dict[MemoryCategory, int]] = {}
     activation: dict[str, int] = {}
-    for info in infos:
+    for info in tracker.infos:
         if info.saved and info.step == 0 and info.role is None:
             activation[info.module] = activation.get(info.module, 0) + info.nbytes
-    size = tracker._size
-    events = tracker.events
-    replayed = 0
-
-    def replay(upto: int) -> None:
-        nonlocal replayed
-        for e in events[replayed:upto]:
-            if e >= 0:
-                totals[cat_of[e]] += size(infos[e].nbytes)
-                live.add(e)
-            else:
-                totals[cat_of[~e]] -= size(infos[~e].nbytes)
-                live.discard(~e)
-        replayed = upto
-
-    breakdown = {cat: 0 for cat in MemoryCategory}
-    peak_replayed = False
-    for i, (func, phase, step, module, n_events) in enumerate(tracker.ops):
-        if not peak_replayed and tracker.peak_events <= n_events:
-            replay(tracker.peak_events)
-            peak_replayed = True
-            for cat, v in zip(TRACKED, totals, strict=True):
-                breakdown[cat] = v
-            breakdown[MemoryCategory.TEMPORARIES] += tracker.peak_extra
-            for uid in live:
-                info = infos[uid]
-                per = at_peak.setdefault(info.module, {})
-                cat = info.category()
-                per[cat] = per.get(cat, 0) + size(info.nbytes)
-        replay(n_events)
-        timeline.append(TimelinePoint(i, str(func), phase, step, module, tuple(totals)))
-    if not peak_replayed:  # the peak is the baseline (nothing allocated by any op)
-        replay(tracker.peak_events)
-        for cat, v in zip(TRACKED, totals, strict=True):
-            breakdown[cat] = v
-        for uid in live:
-            info = infos[uid]
-            per = at_peak.setdefault(info.module, {})
-            per[info.category()] = per.get(info.category(), 0) + size(info.nbytes)
+    ops = tracker.ops
+    run = replay(tracker, [op[4] for op in ops], tracker.peak_events, TRACKED)
+    timeline = [TimelinePoint(index=i, op=str(op[0]), phase=op[1], step=op[2], module=op[3],
+                              bytes=after)
+                for i, (op, after) in enumerate(zip(ops, run.after, strict=True))]
+    breakdown = run.peak.by_category(TRACKED)
+    if run.peak_op < len(ops):  # else the peak is the baseline (nothing allocated by any op)
+        breakdown[MemoryCategory.TEMPORARIES] += tracker.peak_extra
+    at_peak = tracker.by_module(run.peak.live)
     breakdown[MemoryCategory.RUNTIME] += sum(v for k, v in runtime.items()
                                              if k not in in_allocator)
     peak_bytes = tracker.peak

@@ -1,4 +1,7 @@
-"""The result of tracing a step: peak, breakdown, timeline and per-module attribution."""
+"""The result of tracing a step: peak, breakdown, timeline and per-module attribution.
+
+The timeline's points and the modules are :class:`memfit.ledger.TimelinePoint` and
+:class:`memfit.ledger.ModuleMemory`, the types of a profiled run's."""
 
 from __future__ import annotations
 
@@ -6,16 +9,16 @@ import io
 from dataclasses import dataclass, field
 
 from memfit.categories import MemoryCategory
+from memfit.ledger import CATEGORIES, ModuleMemory, TimelinePoint
 from memfit.units import format_bytes
 
 PHASES = ("forward", "backward", "optimizer", "zero_grad")
 """Phase tags of timeline points, in the order a training step runs them."""
 
-# The categories tracked per op. RUNTIME here is only what lives inside the caching allocator
-# (cuBLAS workspaces); the CUDA context and NCCL buffers are added on top at the end.
-TRACKED = (MemoryCategory.WEIGHTS, MemoryCategory.GRADIENTS, MemoryCategory.OPTIMIZER_STATES,
-           MemoryCategory.ACTIVATIONS, MemoryCategory.KV_CACHE, MemoryCategory.TEMPORARIES,
-           MemoryCategory.RUNTIME)
+# The categories tracked per op (memfit.ledger.CATEGORIES). RUNTIME here is only what lives
+# inside the caching allocator (cuBLAS workspaces); the CUDA context and NCCL buffers are added on
+# top at the end.
+TRACKED = CATEGORIES
 
 
 # A traced CUDA step "fits" when this share of the GPU stays free. Derived from evidence, not
@@ -26,48 +29,6 @@ TRACKED = (MemoryCategory.WEIGHTS, MemoryCategory.GRADIENTS, MemoryCategory.OPTI
 # statistics it is 0.0%. Rounded up to the next percent. tests/test_bench_published.py checks that
 # it still covers the latest results.
 TRACE_FITS_MARGIN = 0.15
-
-
-@dataclass(frozen=True, slots=True)
-class TimelinePoint:
-    """Live bytes right after one traced op."""
-
-    index: int
-    """Position of the op in the trace (0-based, over all steps)."""
-    op: str
-    """The aten op, e.g. ``aten.mm.default``."""
-    phase: str
-    """One of ``forward``, ``backward``, ``optimizer``, ``zero_grad``."""
-    step: int
-    """Training step (0-based)."""
-    module: str
-    """Dotted name of the innermost module running the op (``""``: the model itself / none)."""
-    bytes: tuple[int, ...]
-    """Live bytes per category, in the order of ``TRACKED``."""
-
-    @property
-    def total(self) -> int:
-        return sum(self.bytes)
-
-    def by_category(self) -> dict[MemoryCategory, int]:
-        return dict(zip(TRACKED, self.bytes, strict=True))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModuleMemory:
-    """Bytes attributed to one module (its own tensors, not its children's)."""
-
-    name: str
-    at_peak: dict[MemoryCategory, int]
-    """Bytes live at the peak that this module created (or owns: weights, their gradients and
-    optimizer states)."""
-    activation_bytes: int
-    """Bytes this module created in the forward pass that were still alive when it ended
-    (saved for backward), summed over all calls in the first step."""
-
-    @property
-    def peak_total(self) -> int:
-        return sum(self.at_peak.values())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,9 @@ state, a forward tensor still alive when the forward ended...), so the breakdown
 exact even though the peak happens before some roles are known (e.g. Adam's states created in the
 first step).
 
+The log, the running peak, the replay and module attribution are :mod:`memfit.ledger`'s, the one
+ledger the profiler of real runs keeps too; this module feeds it from fake tensors.
+
 Where real tensors behave differently from fake ones, the real behaviour is modelled:
 - autograd sums two gradients of one input in place when it holds the only reference, but never
   for tensor subclasses (fake tensors): see ``_gradient_accumulation``;
@@ -31,6 +34,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit._compat import torch_internals
 from memfit.categories import MemoryCategory
+from memfit.ledger import Ledger, ModuleStack, Storage
 from memfit.trace.cpu_kernels import is_opaque, rnn_workspace_bytes, transient_peak
 from memfit.trace.datadep import ASSUMPTION, DATA_DEPENDENT, DataDependentSizes
 from memfit.trace.fastkey import FastCacheKey, cacheable_twin, device_of
@@ -43,80 +47,57 @@ _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.
             aten._addmm_activation.default, aten.addmv.default, aten.mv.default}
 
 
-class StorageInfo:
-    """One allocation: its size and what it was created by."""
+class StorageInfo(Storage):
+    """One allocation of the trace (see :class:`memfit.ledger.Storage`), with its block in the
+    allocator model and whether it is host memory."""
 
-    __slots__ = ("handle", "host", "module", "nbytes", "phase", "role", "saved", "step")
+    __slots__ = ("handle", "host")
 
     def __init__(self, nbytes: int, phase: str, step: int, module: str,
                  host: bool = False) -> None:
-        self.nbytes = nbytes
+        super().__init__(nbytes, phase, step, module)
         self.host = host  # host memory of a device target: not part of the device's peak
-        self.phase = phase
-        self.step = step
-        self.module = module
-        self.role: MemoryCategory | None = None
-        self.saved = False  # created in a forward and still alive when that forward ended
         self.handle: int | None = None
 
-    def category(self) -> MemoryCategory:
-        if self.role is not None:
-            return self.role
-        if self.saved:
-            return MemoryCategory.ACTIVATIONS
-        return MemoryCategory.TEMPORARIES
 
-
-class Tracker:
-    """Allocation log of a traced run on one device type ("cpu" or "cuda").
+class Tracker(Ledger):
+    """Allocation log of a traced run on one device type ("cpu" or "cuda"): the shared storage
+    ledger (:class:`memfit.ledger.Ledger`) fed from fake tensors, with the CUDA allocator model
+    and host memory.
 
     ``host_split``: the target is a device with memory of its own (CUDA), so storages created as
     host memory (see host.py) are kept out of the device's log and counted in ``host_peak``."""
 
     def __init__(self, device_type: str, *, round_to: int = 1, allocator: Any = None,
                  host_split: bool = False) -> None:
+        super().__init__(round_to=round_to)
         self.device_type = device_type
-        self.round_to = round_to
         self.allocator = allocator
         self.host_split = host_split
         self.host_depth = 0  # > 0 inside host.host_memory(): new storages are host memory
         self._host_keys: dict[int, weakref.ref[Any]] = {}  # host storages made while not tracking
         self.host_current = 0
         self.host_peak = 0
-        self.infos: list[StorageInfo] = []
-        self.live: dict[int, int] = {}  # storage address (_cdata) -> uid
-        self._refs: dict[int, weakref.ref[Any]] = {}
-        # Event log: uid for an allocation, ~uid for a free.
-        self.events: list[int] = []
+        self.infos: list[StorageInfo] = []  # type: ignore[assignment]
         # One mark per op: (op, phase, step, module, number of events once the op returned).
         self.ops: list[tuple[Any, str, int, str, int]] = []
         self.phase = "setup"
         self.step = 0
-        self.module_stack: list[str] = []
-        self.backward_module = ""
-        self.current = 0
-        self.peak = 0
-        self.peak_events = 0  # events replayed at the peak
+        self.modules = ModuleStack("")
         self.peak_op = -1
-        # Bytes at the peak beyond the storages' sizes (counted as temporaries): transient
-        # scratch inside an opaque CPU kernel, or on CUDA the allocator's whole-block excess
-        # (Note: [peak in allocator blocks]).
-        self.peak_extra = 0
+        # ``peak_extra`` (the ledger's bytes at the peak beyond the storages, counted as
+        # temporaries): transient scratch inside an opaque CPU kernel, or on CUDA the
+        # allocator's whole-block excess (Note: [peak in allocator blocks]).
         self.phase_peaks: dict[tuple[int, str], int] = {}  # (step, phase) -> its high point
         self.op_peaks: dict[int, int] = {}  # op index -> high point inside that op's kernel
-        self.closed = False
         self.stream = 0  # CUDA stream new device storages are allocated on (0: the compute one)
         self.oom: Any = None  # the first SimulatedOOM of the allocator model (then unlimited)
 
     @property
     def module(self) -> str:
         if self.phase == "backward":
-            return self.backward_module
-        return self.module_stack[-1] if self.module_stack else ""
-
-    def _size(self, nbytes: int) -> int:
-        r = self.round_to
-        return nbytes if r == 1 else -(-nbytes // r) * r
+            return str(self.modules.backward)
+        return str(self.modules.top())
 
     def track(self, t: torch.Tensor, role: MemoryCategory | None = None,
               module: str | None = None) -> int | None:
@@ -142,31 +123,19 @@ class Tracker:
                 return None
             uid = self._allocate(StorageInfo(nbytes, self.phase, self.step,
                                              self.module if module is None else module, host))
-            self.live[key] = uid
-            self._refs[uid] = weakref.ref(st, self._freer(uid, key))
+            self.watch(uid, key, st)
         if role is not None:
-            info = self.infos[uid]
-            info.role = role
-            if module is not None:
-                info.module = module
+            self.assign(uid, role, module)
         return uid
 
-    def _freer(self, uid: int, key: int) -> Any:
-        def free(_: Any) -> None:
-            if self.closed:
-                return
-            if self.live.get(key) == uid:
-                del self.live[key]
-            del self._refs[uid]
-            info = self.infos[uid]
-            if info.host:
-                self.host_current -= info.nbytes
-                return
-            self.events.append(~uid)
-            self.current -= self._size(info.nbytes)
-            if self.allocator is not None and info.handle is not None:
-                self.allocator.free(info.handle)
-        return free
+    def freed(self, uid: int) -> None:
+        info = self.infos[uid]
+        if info.host:
+            self.host_current -= info.nbytes
+            return
+        super().freed(uid)
+        if self.allocator is not None and info.handle is not None:
+            self.allocator.free(info.handle)
 
     def add_pseudo(self, nbytes: int, role: MemoryCategory, module: str = "") -> None:
         """An allocation no tensor stands for (a library workspace) that lives to the end."""
@@ -176,14 +145,11 @@ class Tracker:
 
     def _allocate(self, info: StorageInfo) -> int:
         """Record a new allocation: its event, the allocator model, the running peak."""
-        uid = len(self.infos)
-        self.infos.append(info)
         if info.host:
             self.host_current += info.nbytes
             self.host_peak = max(self.host_peak, self.host_current)
-            return uid
-        self.events.append(uid)
-        self.current += self._size(info.nbytes)
+            return self.add_untracked(info)
+        uid = self.add(info)
         level = self.current
         if self.allocator is not None:
             info.handle = self._malloc(info.nbytes)
@@ -193,15 +159,17 @@ class Tracker:
             # max_split_size) is handed out and counted whole, above the 512-rounded request.
             # That excess is carried as peak_extra (counted with the temporaries).
             level = self.allocator.allocated_bytes
+        self.reached(level)
+        return uid
+
+    def reached(self, level: int) -> bool:
         key = (self.step, self.phase)
         if level > self.phase_peaks.get(key, 0):
             self.phase_peaks[key] = level
-        if level > self.peak:
-            self.peak = level
-            self.peak_events = len(self.events)
+        if super().reached(level):
             self.peak_op = len(self.ops)
-            self.peak_extra = level - self.current
-        return uid
+            return True
+        return False
 
     def _malloc(self, nbytes: int) -> int:
         """The allocator model's malloc on the current stream. A simulated out-of-memory (the
@@ -270,16 +238,9 @@ class Tracker:
 
     def transient(self, candidate: int) -> None:
         """An op's kernel held ``candidate`` live bytes at its high point (see cpu_kernels.py)."""
-        key = (self.step, self.phase)
-        if candidate > self.phase_peaks.get(key, 0):
-            self.phase_peaks[key] = candidate
         op = len(self.ops)  # this op's index (it is appended once it returns)
         self.op_peaks[op] = max(candidate, self.op_peaks.get(op, 0))
-        if candidate > self.peak:
-            self.peak = candidate
-            self.peak_events = len(self.events)
-            self.peak_op = len(self.ops)
-            self.peak_extra = candidate - self.current
+        self.reached(candidate)
 
     def end_forward(self) -> None:
         """Mark forward-created storages alive now as saved activations."""
@@ -288,10 +249,6 @@ class Tracker:
             info = infos[uid]
             if info.phase == _FORWARD and info.step == self.step and not info.host:
                 info.saved = True
-
-    def close(self) -> None:
-        self.closed = True
-        self._refs.clear()
 
 
 _ADD = aten.add.Tensor
