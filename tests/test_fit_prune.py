@@ -94,12 +94,12 @@ def test_pruned_search_equals_exhaustive_on_a_cuda_target() -> None:
              "micro_batch": [4, 16], "optimizer": ["adamw"], "chunked_loss": [False],
              "attention": ["model"], "offload_states": [False], "offload_activations": [False]}
     kw: dict[str, Any] = dict(global_batch=16, gpu="a100-40gb", device="cuda", space=space,
-                              top=3)
+                              top=2)
     fast = _run(model, batch, exhaustive=False, **kw)
     full = _run(model, batch, exhaustive=True, **kw)
     _check(fast, full)
     assert {c[1] for c in fast.skipped} == {"selective"}
-    assert any("ties with 3 simpler" in r.reason for r in fast.rejected)
+    assert any("ties with 2 simpler" in r.reason for r in fast.rejected)
 
 
 def test_fp16_mixed_traces_as_bf16_mixed_on_a_cuda_target() -> None:
@@ -140,8 +140,10 @@ def test_model_states_depend_on_precision_and_optimizer_only() -> None:
             assert not isinstance(t, str)
             states.add((t.weights, t.grads, t.states))
         assert len(states) == 1, (precision, states)
-        # First principles: fp32 weights and gradients, AdamW's two fp32 states per parameter.
+        # First principles: fp32 weights and gradients (mixed precision keeps fp32 weights;
+        # the weights' blocks also hold the buffers and the allocator's rounding), AdamW's two
+        # fp32 states per parameter, at least.
         n = sum(p.numel() for p in model.parameters())
         weights, grads, opt = states.pop()
-        assert weights == grads == 4 * n or precision != "fp32"
-        assert opt >= 8 * n
+        assert grads == 4 * n, precision
+        assert weights >= 4 * n and opt >= 8 * n, precision

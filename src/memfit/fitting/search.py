@@ -380,9 +380,10 @@ class _Search:
         state per parameter; checkpointing, chunked loss and the attention kernel change
         activations), so a traced sibling with the same precision and optimizer gives them
         before ``combo`` is traced (``tests/test_fit_search.py`` checks that siblings agree).
-        The bound is then ``step_cost`` itself with no dispatch and no activation transfer (both
-        >= 0), minimised over the micro-batches and the offload/sharding variants: a candidate
-        that ties with it differs from it only by those two terms."""
+        The bound is then ``step_cost`` itself with no activation transfer (>= 0) and the plain
+        sibling's ops per micro-batch for the dispatch (checkpointing only adds ops: the
+        recompute; none before the plain sibling is traced), minimised over the offload and
+        sharding variants: a candidate that ties with it differs from it only by those terms."""
         by_m = self.bounds(combo)
         return max(flop_bound, min(by_m.values())) if by_m else flop_bound
 
@@ -411,7 +412,8 @@ class _Search:
             out[m] = min(step_cost(
                 self.rates, precision=precision, micro_flops=micro_flops,
                 accumulation=self.per_gpu // m, activation_traffic_bytes=traffic,
-                offloaded_bytes=0, ops_per_micro=0, param_bytes=weights, grad_bytes=grads,
+                offloaded_bytes=0, ops_per_micro=sibling[0].ops_per_micro if sibling else 0,
+                param_bytes=weights, grad_bytes=grads,
                 state_bytes=state_bytes, offload_activations=off_a, offload_states=off_s,
                 sharding=shard, num_gpus=self.num_gpus).total_s
                 for off_s, off_a, shard in itertools.product(
