@@ -290,8 +290,10 @@ class _Search:
         Note: [fp16 is traced as bf16] On a CUDA target, fp16-mixed and bf16-mixed run the same
         step: CUDA autocast has one set of op lists for both lower-precision dtypes (the
         ``lower_precision_fp`` policy casts to the autocast dtype, whichever it is:
-        ``aten/src/ATen/autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP``, registered once for
-        CUDA in ``aten/src/ATen/autocast_mode.cpp: TORCH_LIBRARY_IMPL(aten, Autocast, m)``),
+        ``aten/src/ATen/autocast_mode.h: WrapFunction_<CastPolicy::lower_precision_fp>`` casts
+        to ``get_lower_precision_fp_from_device_type(CUDA)``, which is
+        ``get_autocast_gpu_dtype()``; the list is ``AT_FORALL_LOWER_PRECISION_FP``, registered
+        once for CUDA in ``autocast_mode.cpp: TORCH_LIBRARY_IMPL(aten, Autocast, m)``),
         both dtypes are 2 bytes, the fp32 master weights, gradients and optimizer states do not
         depend on it, and the one place the trace engine branches on the half dtype, the SDPA
         kernel choice (``sdp_utils.cpp: check_tensor_dtype``, ``check_dtypes_low_precision``:
