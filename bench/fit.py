@@ -23,9 +23,9 @@ the targets are for a GPU. Writes ``bench/results/fit-<device>-<date>.json``.
 
 times the search alone for the README's command, ``memfit fit gpt2 --gpu a100-40gb
 --global-batch 256 --seq 1024`` (a CUDA target, traced on this machine: target <= 60 s), and
-with ``--baseline`` the same search pruned by FLOPs alone (issue 13's 303.6 s search), in the
-same run, so the ratio holds on a shared machine. Writes
-``bench/results/fit-search-<date>.json``.
+with ``--baseline`` the search of commit BASELINE_REF (loaded from git), in the same run, so
+the ratio holds on a shared machine; the table (configurations, peaks, step times) must be the
+same. Writes ``bench/results/fit-search-<date>.json``.
 """
 
 from __future__ import annotations
@@ -122,27 +122,45 @@ def _time_config(model: nn.Module, sample: Any, cfg: FitConfig, global_batch: in
 SEARCH_COMMAND = ["gpt2", "--gpu", "a100-40gb", "--global-batch", "256", "--seq", "1024"]
 
 
+BASELINE_REF = "0fcdf59"
+"""The commit whose search ``--baseline`` runs (before trace sharing and simpler-first pruning:
+60 traces)."""
+
+
+def _baseline_search() -> Any:
+    """``memfit.fitting.search`` as it was at BASELINE_REF, loaded from git beside the current
+    one (same trace engine, so the rows differ by the search alone)."""
+    import subprocess
+    import types
+
+    source = subprocess.run(["git", "show", f"{BASELINE_REF}:src/memfit/fitting/search.py"],
+                            capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parent.parent).stdout
+    module = types.ModuleType("memfit.fitting._search_baseline")
+    sys.modules[module.__name__] = module
+    exec(compile(source, f"{BASELINE_REF}:search.py", "exec"), module.__dict__)
+    return module
+
+
 def _search_row(baseline: bool) -> dict[str, Any]:
     """Time ``memfit fit`` of SEARCH_COMMAND as the CLI runs it (preset on the meta device)."""
     from memfit.cli.fit import _load_preset
     from memfit.fitting import search
 
+    module = _baseline_search() if baseline else search
     model, sample = _load_preset("gpt2", 1024)
-    search._Search.traffic_bound = not baseline
-    try:
-        started, cpu_started = time.perf_counter(), time.process_time()
-        plan = fit(model, sample, global_batch=256, gpu="a100-40gb", device="cuda",
-                   progress=False)
-        seconds = time.perf_counter() - started
-        cpu_seconds = time.process_time() - cpu_started
-    finally:
-        search._Search.traffic_bound = True
-    return {"search": "FLOP bound (before)" if baseline else "FLOP + traffic bound",
+    started, cpu_started = time.perf_counter(), time.process_time()
+    plan = module.fit(model, sample, global_batch=256, gpu="a100-40gb", device="cuda",
+                      progress=False)
+    seconds = time.perf_counter() - started
+    cpu_seconds = time.process_time() - cpu_started
+    return {"search": f"{BASELINE_REF} (before)" if baseline else "this commit",
             "seconds": seconds, "cpu_seconds": cpu_seconds, "traces": plan.traces,
             "candidates_considered": plan.candidates_considered,
             "chosen": plan.config.label(), "peak_bytes": plan.peak_bytes,
             "step_seconds": plan.step_seconds,
-            "table": [c.config.label() for c in (plan.chosen, *plan.runners_up)]}
+            "table": [[c.config.label(), c.peak_bytes, c.step_s]
+                      for c in (plan.chosen, *plan.runners_up)]}
 
 
 def search_main(baseline: bool, out: str | None) -> int:
@@ -183,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="time the search of `memfit fit gpt2 --gpu a100-40gb "
                         "--global-batch 256 --seq 1024` only")
     parser.add_argument("--baseline", action="store_true",
-                        help="with --search: also the FLOP-bound search, in the same run")
+                        help="with --search: also the search of commit BASELINE_REF, in the "
+                        "same run")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     if args.search:

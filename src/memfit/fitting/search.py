@@ -11,6 +11,14 @@ Activation offload, optimizer-state offload and ZeRO sharding are first derived 
 from the trace's timeline (see ``_derive``); the offload configurations that reach the table are
 then traced with the offload applied, and that peak replaces the derived one (Note: [offload is
 verified by a trace]). ZeRO sharding stays analytic.
+
+Most of the search's time is its traces (97% of the README's GPT-2 search, cProfile). It runs
+fewer of them without changing the answer: fp16-mixed shares bf16-mixed's traces on a CUDA
+target (Note: [fp16 is traced as bf16]), and a combination is not traced when ``top`` settled
+candidates are ranked ahead of anything it could give (Note: [pruning]), by a bound that is the
+cost model's own arithmetic (Note: [traffic bound], Note: [model-state bound]).
+``_Search.prune = False`` with ``share_traces = False`` is the exhaustive search the tests
+compare with (``tests/test_fit_prune.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from memfit.errors import MemfitError, suggest
 from memfit.fitting.apply import apply_techniques, check_shardable
 from memfit.fitting.config import CHECKPOINTING, PRECISIONS, SHARDING, FitConfig
 from memfit.fitting.cost import Rates, cpu_rates, gpu_rates, step_cost
-from memfit.fitting.plan import TIE_TOLERANCE, Candidate, Plan, Rejected, rank
+from memfit.fitting.plan import TIE_TOLERANCE, Candidate, Plan, Rejected, rank, simplicity
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.progress import Progress, phase
 from memfit.trace.allocator import round_size
@@ -167,6 +175,14 @@ class _Search:
     traffic_bound = True
     """Prune by compute + activation traffic (Note: [traffic bound]); False: by FLOPs alone
     (``bench/fit.py --search --baseline`` times both in one run)."""
+    prune = True
+    """Branch and bound (Note: [pruning]); False: every combination is explored, the exhaustive
+    search the tests compare the pruned one with."""
+    simpler_first = True
+    """Prune what can at best tie with ``top`` simpler candidates (Note: [pruning], rule 2)."""
+    share_traces = True
+    """Trace fp16-mixed as bf16-mixed on a CUDA target that runs both (Note: [fp16 is traced as
+    bf16])."""
 
     def __init__(self, model: nn.Module, sample_batch: Any, *, optimizer: str,
                  global_batch: int, gpu: str | GpuSpec | None, budget_bytes: int | None,
@@ -238,24 +254,57 @@ class _Search:
                                   f"{self.per_gpu}")
         self.micro_batches = sorted(set(self.dims["micro_batch"]))
         self.traces: dict[tuple[Any, ...], _Traced | str] = {}
+        """By (combination, micro-batch): what the search uses (shared traces appear twice)."""
+        self.runs: dict[tuple[Any, ...], _Traced | str] = {}
+        """By (combination as traced, micro-batch): the traces run."""
         self.flops_at: dict[tuple[Any, ...], float] = {}
         self.candidates: list[Candidate] = []
+        self.skipped: dict[Combo, dict[int, float]] = {}
+        """The combinations pruned without a trace, with their bounds by micro-batch."""
 
     # -- memory: traces ------------------------------------------------------------------------
 
     def trace(self, combo: Combo, m: int) -> _Traced | str:
-        """The combination's step traced at micro-batch ``m`` (cached)."""
-        precision, ckpt, opt, chunked, attention = combo
+        """The combination's step traced at micro-batch ``m`` (cached; fp16-mixed shares
+        bf16-mixed's trace, Note: [fp16 is traced as bf16])."""
         key = (*combo, m)
         if key not in self.traces:
-            phase(f"tracing {precision}, ckpt={ckpt}, {opt}{', chunked loss' if chunked else ''}"
-                  f"{', sdpa' if attention == 'sdpa' else ''}, micro-batch {m}")
-            self.traces[key] = _trace_one(
-                self.base, self.sample_batch, precision=precision, ckpt=ckpt, optimizer=opt,
-                chunked=chunked, attention=attention, m=m, per_gpu=self.per_gpu,
-                device=self.device, gpu=self.spec, loss_fn=self.loss_fn,
-                num_gpus=self.num_gpus, device_budget=self.budget)
+            precision, ckpt, opt, chunked, attention = combo
+            precision = self.traced_precision(precision)
+            run = (precision, *combo[1:], m)
+            if run not in self.runs:
+                phase(f"tracing {precision}, ckpt={ckpt}, {opt}"
+                      f"{', chunked loss' if chunked else ''}"
+                      f"{', sdpa' if attention == 'sdpa' else ''}, micro-batch {m}")
+                self.runs[run] = _trace_one(
+                    self.base, self.sample_batch, precision=precision, ckpt=ckpt,
+                    optimizer=opt, chunked=chunked, attention=attention, m=m,
+                    per_gpu=self.per_gpu, device=self.device, gpu=self.spec,
+                    loss_fn=self.loss_fn, num_gpus=self.num_gpus, device_budget=self.budget)
+            self.traces[key] = self.runs[run]
         return self.traces[key]
+
+    def traced_precision(self, precision: str) -> str:
+        """The precision ``precision``'s step is traced with.
+
+        Note: [fp16 is traced as bf16] On a CUDA target, fp16-mixed and bf16-mixed run the same
+        step: CUDA autocast has one set of op lists for both lower-precision dtypes (the
+        ``lower_precision_fp`` policy casts to the autocast dtype, whichever it is:
+        ``aten/src/ATen/autocast_mode.h: WrapFunction_<CastPolicy::lower_precision_fp>`` casts
+        to ``get_lower_precision_fp_from_device_type(CUDA)``, which is
+        ``get_autocast_gpu_dtype()``; the list is ``AT_FORALL_LOWER_PRECISION_FP``, registered
+        once for CUDA in ``autocast_mode.cpp: TORCH_LIBRARY_IMPL(aten, Autocast, m)``),
+        both dtypes are 2 bytes, the fp32 master weights, gradients and optimizer states do not
+        depend on it, and the one place the trace engine branches on the half dtype, the SDPA
+        kernel choice (``sdp_utils.cpp: check_tensor_dtype``, ``check_dtypes_low_precision``:
+        bf16 needs sm80+), accepts both on a GPU that runs bf16-mixed. So one trace serves both
+        (``tests/test_fit_search.py`` traces both and compares them). GradScaler's state (a
+        scale and a growth tracker, two scalars) is not in the trace of either. On the CPU only
+        bf16-mixed is searched (the CPU kernels' scratch differs by dtype)."""
+        if (self.share_traces and precision == "fp16-mixed" and self.device == "cuda"
+                and self.spec is not None and self.spec.supports("bf16-mixed")):
+            return "bf16-mixed"
+        return precision
 
     def traced(self, combo: Combo, m: int) -> _Traced | str | None:
         """The cached trace, None when ``m`` was not traced."""
@@ -321,7 +370,9 @@ class _Search:
 
     def tighter_bound(self, combo: Combo, flop_bound: float) -> float:
         """``flop_bound``, raised by the activation traffic once the combination's plain
-        sibling is traced (Note: [traffic bound]).
+        sibling is traced (Note: [traffic bound]) and by the optimizer step, transfers and
+        communication of the model states once a sibling with the same precision and optimizer
+        is traced (Note: [model-state bound]).
 
         Note: [traffic bound] A candidate's step time is at least its compute plus its
         activation traffic (``step_cost``: every other term is >= 0, dispatch overlaps or adds).
@@ -332,25 +383,62 @@ class _Search:
         checkpointing budget recomputes at least nothing, so its bound takes no-checkpointing
         FLOPs (FLOPs and traffic only grow with recompute). Where activations dominate (GPT-2
         at 1024 tokens: eager attention's s x s scores), this prunes the combinations whose
-        traffic alone is slower than the table, without tracing them."""
-        precision, ckpt, _, chunked, attention = combo
+        traffic alone is slower than the table, without tracing them.
+
+        Note: [model-state bound] The weights, gradients and optimizer states a trace reports
+        depend on the precision and the optimizer only (the same parameters, the same optimizer
+        state per parameter; checkpointing, chunked loss and the attention kernel change
+        activations), so a traced sibling with the same precision and optimizer gives them
+        before ``combo`` is traced (``tests/test_fit_search.py`` checks that siblings agree).
+        The bound is then ``step_cost`` itself with no activation transfer (>= 0) and the plain
+        sibling's ops per micro-batch for the dispatch (checkpointing only adds ops: the
+        recompute; none before the plain sibling is traced), minimised over the offload and
+        sharding variants: a candidate that ties with it differs from it only by those terms."""
+        by_m = self.bounds(combo)
+        return max(flop_bound, min(by_m.values())) if by_m else flop_bound
+
+    def bounds(self, combo: Combo) -> dict[int, float]:
+        """By micro-batch: seconds no candidate of ``combo`` at that micro-batch can beat
+        (``step_cost``'s own arithmetic, Note: [traffic bound], Note: [model-state bound]);
+        empty when the precision has no rate. Per micro-batch, so that a candidate tying a
+        simpler one to the last bit is seen to tie (Note: [pruning])."""
+        precision, ckpt, opt, chunked, attention = combo
+        if precision not in self.rates.flops:
+            return {}
         sibling = self.plain_sibling(combo) if self.traffic_bound else None
-        if sibling is None or precision not in self.rates.flops:
-            return flop_bound
-        plain, plain_m = sibling
-        rate, bandwidth = self.rates.flops[precision], self.rates.bandwidth
+        states = self.model_states(precision, opt) if self.traffic_bound else None
+        weights, grads, state_bytes = states or (0, 0, 0)
         policy = "none" if ckpt == "budget" else ckpt
-        best = float("inf")
+        dims = self.dims
+        out: dict[int, float] = {}
         for m in self.micro_batches:
             micro_flops = self.flops(policy, None, chunked, attention, m)
-            plain_flops = self.flops("none", None, chunked, attention, m)
-            traffic = int(plain.saved_activations * m / plain_m * micro_flops
-                          / max(plain_flops, 1.0))
-            accumulation = self.per_gpu // m
-            compute_s = accumulation * micro_flops / rate
-            traffic_s = accumulation * 3 * traffic / bandwidth
-            best = min(best, compute_s + traffic_s)
-        return max(flop_bound, best)
+            traffic = 0
+            if sibling is not None:
+                plain, plain_m = sibling
+                plain_flops = self.flops("none", None, chunked, attention, m)
+                traffic = int(plain.saved_activations * m / plain_m * micro_flops
+                              / max(plain_flops, 1.0))
+            out[m] = min(step_cost(
+                self.rates, precision=precision, micro_flops=micro_flops,
+                accumulation=self.per_gpu // m, activation_traffic_bytes=traffic,
+                offloaded_bytes=0, ops_per_micro=sibling[0].ops_per_micro if sibling else 0,
+                param_bytes=weights, grad_bytes=grads,
+                state_bytes=state_bytes, offload_activations=off_a, offload_states=off_s,
+                sharding=shard, num_gpus=self.num_gpus).total_s
+                for off_s, off_a, shard in itertools.product(
+                    dims["offload_states"], dims["offload_activations"], dims["sharding"]))
+        return out
+
+    def model_states(self, precision: str, opt: str) -> tuple[int, int, int] | None:
+        """Weights, gradients and optimizer-state bytes of any traced combination with this
+        precision and optimizer (Note: [model-state bound]); None before one is traced."""
+        found = [(v.weights, v.grads, v.states) for k, v in self.traces.items()
+                 if k[0] == precision and k[2] == opt and not isinstance(v, str)]
+        if not found:
+            return None
+        return min(w for w, _, _ in found), min(g for _, g, _ in found), \
+            min(s for _, _, s in found)
 
     def lower_bound(self, combo: Combo) -> float:
         """Seconds no configuration of ``combo`` can beat: its FLOPs at the achievable rate
@@ -379,11 +467,13 @@ class _Search:
             # are not traced.
             bar.phase("counting FLOPs (fake tensors, one sample)")
             bounds = {combo: self.lower_bound(combo) for combo in combos}
-            combos.sort(key=lambda c: bounds[c])
+            # Simpler first among equal bounds, so that rule 2 of Note: [pruning] finds the
+            # simpler candidates before the combinations they rule out.
+            combos.sort(key=lambda c: (bounds[c], self.simplest(c)))
             for combo in bar.track(combos):
-                bar.set_note(f"{sum(not isinstance(v, str) for v in self.traces.values())} "
+                bar.set_note(f"{sum(not isinstance(v, str) for v in self.runs.values())} "
                              f"traced, {len(self.candidates)} fit")
-                if not self.pruned(combo, self.tighter_bound(combo, bounds[combo])):
+                if not self.pruned(combo, bounds[combo]):
                     self.explore(combo)
         if not self.candidates:
             smallest = min((r.peak_bytes for r in self.rejected if r.peak_bytes), default=None)
@@ -405,25 +495,64 @@ class _Search:
                     device=self.device, gpu=spec.name if spec else None,
                     rates_source=self.rates.source,
                     search_seconds=time.perf_counter() - self.started,
-                    traces=sum(1 for v in self.traces.values() if not isinstance(v, str)),
+                    traces=sum(1 for v in self.runs.values() if not isinstance(v, str)),
                     candidates_considered=len(cands) + len(self.rejected))
 
-    def pruned(self, combo: Combo, bound: float) -> bool:
-        """Whether ``combo`` cannot enter the table (its bound is slower than the ``top``
-        fastest found) or cannot run here (its precision has no rate); rejected with why."""
+    def pruned(self, combo: Combo, flop_bound: float) -> bool:
+        """Whether ``combo`` cannot enter the table (Note: [pruning]) or cannot run here (its
+        precision has no rate); rejected with why.
+
+        Note: [pruning] ``bound`` is at most the step time of every candidate ``combo`` could
+        give (Note: [traffic bound], Note: [model-state bound]). A settled candidate ``B`` (one
+        no later trace can reject: not an offload candidate awaiting its trace, Note: [offload
+        is verified by a trace]) is ranked ahead of every candidate ``X`` of ``combo`` by
+        :func:`memfit.fitting.plan.rank`, whatever else the search finds, when
+
+        1. ``B``'s time times ``1 + TIE_TOLERANCE`` is below ``bound``: ``X`` is too slow to tie
+           with ``B``, so ``B``'s tie group comes first; or
+        2. ``B``'s time is at most ``bound`` and ``B`` is simpler than the simplest candidate
+           ``combo`` can give (:meth:`simplest`): any tie group that holds ``X`` holds ``B``
+           (groups are runs of the candidates sorted by time) or comes after ``B``'s, and
+           within a group the simpler goes first.
+
+        With ``top`` such candidates, no candidate of ``combo`` enters the table, and leaving
+        them out changes nothing in it either: a left-out ``X`` could only matter as the
+        fastest of a tie group (which sets where the group ends), but every ``B`` is at least
+        as fast, so when ``X`` would head a group either all ``B`` are placed already (the
+        table is full) or one heads it at the same time. ``tests/test_fit_search.py`` compares
+        the search with the exhaustive one (``prune = False``) and checks every pruned
+        combination's candidates against its bound."""
         precision, ckpt, opt, chunked, _ = combo
         top = self.top
-        # Only settled candidates set the bar: an offload candidate not yet traced with its
-        # offload may still be rejected (Note: [offload is verified by a trace]).
-        settled = [c.cost.total_s for c in self.candidates if not _unverified(c)]
-        if len(settled) >= top and bound > 0:
-            kth = sorted(settled)[top - 1]
-            if bound > kth * (1 + TIE_TOLERANCE):  # a tie could still enter
+        by_m = self.bounds(combo) if self.prune else {}
+        if by_m:
+            bound = max(flop_bound, min(by_m.values()))
+            settled = [c for c in self.candidates if not _unverified(c)]
+            floor = self.simplest(combo)
+
+            def ahead(m_bound: float) -> tuple[int, int]:
+                """Settled candidates ranked ahead of one at ``m_bound`` or slower, by rule."""
+                slower = sum(1 for c in settled
+                             if c.cost.total_s * (1 + TIE_TOLERANCE) < max(m_bound, bound))
+                simpler = sum(1 for c in settled
+                              if c.cost.total_s * (1 + TIE_TOLERANCE) >= max(m_bound, bound)
+                              and c.cost.total_s <= m_bound and self.simpler_first
+                              and simplicity(c.config) < floor)
+                return slower, simpler
+
+            counts = [ahead(b) for b in by_m.values()]
+            if all(a + b >= top for a, b in counts):
+                self.skipped[combo] = by_m
+                kth = sorted(c.cost.total_s for c in settled)[top - 1]
+                why = (f"its compute alone ({format_seconds(bound)}) is slower than the {top} "
+                       f"fastest found ({format_seconds(kth)})"
+                       if all(a >= top for a, _ in counts) else
+                       f"at best ({format_seconds(bound)}) it ties with {top} simpler "
+                       "configurations found, and a tie goes to the simpler")
                 self.rejected.append(Rejected(
                     what=f"{precision}, ckpt={ckpt}, {opt}"
                          + (", chunked-loss" if chunked else ""),
-                    reason=f"not traced: its compute alone ({format_seconds(bound)}) is slower "
-                           f"than the {top} fastest found ({format_seconds(kth)})"))
+                    reason=f"not traced: {why}"))
                 return True
         if precision not in self.rates.flops:
             self.rejected.append(Rejected(what=f"precision {precision}", reason=(
@@ -431,6 +560,20 @@ class _Search:
                 f"{self.spec.name if self.spec else self.device}")))
             return True
         return False
+
+    def simplest(self, combo: Combo) -> tuple[int, int]:
+        """The :func:`memfit.fitting.plan.simplicity` of the simplest candidate ``combo`` can
+        give: no offload, no sharding, and for a checkpointing budget the simplest plain policy
+        it may resolve to that is not searched on its own (``candidates_at``)."""
+        precision, ckpt, opt, chunked, attention = combo
+        policies = [ckpt]
+        if ckpt == "budget":
+            policies += [p for p in ("none", "selective", "full")
+                         if p not in self.dims["checkpointing"]]
+        return min(simplicity(FitConfig(
+            precision=precision, checkpointing=p, optimizer=opt, chunked_loss=chunked,
+            attention=attention, checkpoint_budget_bytes=1 if p == "budget" else None))
+            for p in policies)
 
     def explore(self, combo: Combo) -> None:
         """Find the combination's largest fitting micro-batch and cost every micro-batch and
