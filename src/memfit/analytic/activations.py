@@ -13,6 +13,10 @@ Korthikanti's 34sbh + 5as²b (a test checks this). Under autocast the attention 
 than Korthikanti's 5 bytes per element (Note: [eager scores under autocast]), and separate
 projections keep one 16-bit input each (Note: [projection inputs under autocast]).
 
+``selective`` is op-level selective activation checkpointing as ``memfit.techniques`` applies
+it (Note: [op-level selective checkpointing]); Korthikanti's score-only recompute is
+``selective-attn``.
+
 Known limitations: the logits/loss terms assume Hugging Face's loss (logits upcast to fp32 then
 log-softmax); fused/chunked losses (Liger) need far less. Kernel workspaces are not counted.
 """
@@ -211,6 +215,92 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     return LayerTerms(replicated=replicated, split=split, attention_scores=scores)
 
 
+# Note: [op-level selective checkpointing]
+# memfit.techniques.checkpointing wraps each block in torch.utils.checkpoint.checkpoint with a
+# context_fn from create_selective_checkpoint_contexts whose policy is MUST_SAVE for the ops in
+# its SAVE_OPS (mm, addmm, bmm, baddbmm, the SDPA kernels, convolution) and PREFER_RECOMPUTE for
+# every other op. In forward, the checkpoint's saved-tensor hooks drop what autograd saves, and
+# torch/utils/checkpoint.py's _CachingTorchDispatchMode stores the outputs of every MUST_SAVE op
+# (whether or not backward needs them); the block's input is kept for the recompute. So a block
+# keeps, from first principles:
+#   its input (the residual stream, e_r bytes per token x hidden);
+#   every projection's matmul output (q, k, v, o; gate, up, down or fc, proj; each LoRA
+#   adapter's x.A (rank r) and (x.A).B (the layer's output width); an MoE router's logits and
+#   each of the k experts' matmuls), e bytes per element (autocast's matmul output dtype);
+#   attention: the fused kernel's output (e bytes per q element) and its fp32 logsumexp, or, in
+#   eager attention, the two bmm outputs: QK^T (a x s x s) and softmax(.)V.
+# Norms, activations, RoPE, residual adds, casts and dropout masks are recomputed. During
+# backward one block at a time is recomputed: its tensors that are not already cached come back
+# (see selective_layer_bytes: ``recompute``).
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelectiveTerms:
+    """Bytes one block keeps under op-level selective checkpointing, per GPU."""
+
+    saved: int
+    """The block input and its matmul/attention outputs (Note: [op-level selective
+    checkpointing])."""
+    recompute: int
+    """What recomputing one block in backward brings back beyond ``saved``."""
+
+
+def selective_layer_bytes(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
+                          attention: str, residual_bytes: int, per_layer: int, tp: int = 1,
+                          sequence_parallel: bool = False,
+                          lora_targets: tuple[str, ...] | None = None,
+                          lora_rank: int = 0) -> SelectiveTerms:
+    """Saved bytes of one block under ``memfit.techniques``' selective policy (SAVE_OPS), from
+    the shapes: see Note: [op-level selective checkpointing]. ``per_layer``: what the block
+    saves without checkpointing on this GPU (bounds the recompute transient).
+
+    Tensor parallelism divides the column-parallel outputs (q, k, v, gate, up, attention); the
+    row-parallel ones (o, down) are full-width partial sums on every GPU.
+
+    >>> from memfit.models import get_preset
+    >>> t = selective_layer_bytes(get_preset("gpt2"), seq=1, batch=1, act_bytes=2,
+    ...                           attention="sdpa", residual_bytes=2, per_layer=0)
+    >>> t.saved == 2 * 768 + 2 * (3 * 768 + 768 + 3072 + 768) + 2 * 768 + 4 * 12
+    True
+    """
+    s, b, e, h = seq, batch, act_bytes, spec.hidden_size
+    sb = s * b
+    block_input = residual_bytes * sb * h
+    if sequence_parallel:
+        block_input = -(-block_input // tp)
+    split = e * sb * (spec.q_dim + 2 * spec.kv_dim)  # q, k, v projections
+    full = e * sb * h  # o projection (row-parallel: full width per GPU)
+    if attention == "eager":
+        split += e * spec.num_heads * s * s * b  # QK^T (bmm)
+        split += e * sb * spec.q_dim  # softmax(QK^T) V (bmm)
+    else:
+        split += e * sb * spec.q_dim + LSE_BYTES * spec.num_heads * sb  # output + logsumexp
+    f = spec.intermediate_size
+    wide = 1 if spec.mlp == "gelu" else 2  # fc; or gate and up
+    if spec.is_moe:
+        k = spec.experts_per_token
+        split += e * sb * spec.num_experts  # router logits
+        split += k * wide * e * sb * f
+        full += k * e * sb * h  # each expert's down projection
+    else:
+        split += wide * e * sb * f
+        full += e * sb * h  # down / second projection
+    if lora_targets is not None and lora_rank:
+        for shape in spec.linear_shapes():
+            if shape.role in lora_targets:
+                # x.A (rank r) and (x.A).B (the layer's output width), both mm outputs
+                split += e * sb * (lora_rank + shape.out_features) * shape.count
+    saved = block_input + -(-split // tp) + full
+    # Recomputing a block brings back what its backward needs; the SDPA output and logsumexp
+    # and the MLP's wide matmul outputs (GeLU's input; SiLU's and the product's inputs) are the
+    # cached tensors themselves, so they do not come twice.
+    cached_in_use = wide * e * sb * f * (spec.experts_per_token if spec.is_moe else 1)
+    if attention != "eager":
+        cached_in_use += e * sb * spec.q_dim + LSE_BYTES * spec.num_heads * sb
+    recompute = max(0, per_layer - -(-cached_in_use // tp))
+    return SelectiveTerms(saved=saved, recompute=recompute)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Activations:
     """Activation and temporary bytes per GPU at the backward peak."""
@@ -263,12 +353,14 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     e = FORMAT_BYTES[run.compute_format]
     s, b, h = seq, run.batch, spec.hidden_size
     lora = run.mode in ("lora", "qlora")
-    # Under autocast the residual stream stays fp32 (fp32 embeddings and residual adds).
-    residual = 4 if run.mixed else e
+    # Under autocast the residual stream stays fp32 (fp32 embeddings and residual adds); the
+    # engines that cast the model to 16-bit (FSDP2's MixedPrecisionPolicy, DeepSpeed, Megatron)
+    # keep it in 16-bit (RunConfig.autocast).
+    residual = 4 if run.autocast else e
     terms = layer_terms(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                         trainable=frozenset(run.lora_targets) if lora else None,
                         lora_rank=run.lora_rank if lora else 0, residual_bytes=residual,
-                        autocast=run.mixed)
+                        autocast=run.autocast)
     per_layer = terms.per_gpu(run.tp, run.sequence_parallel)
     layers = -(-spec.num_layers // run.pp)
     notes: list[str] = []
@@ -281,8 +373,21 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
             block_input = -(-block_input // run.tp)
         saved = layers * block_input + per_layer
     elif run.checkpointing == "selective":
+        sel = selective_layer_bytes(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
+                                    residual_bytes=residual, per_layer=per_layer, tp=run.tp,
+                                    sequence_parallel=run.sequence_parallel,
+                                    lora_targets=run.lora_targets if lora else None,
+                                    lora_rank=run.lora_rank if lora else 0)
+        saved = layers * sel.saved + sel.recompute
+    elif run.checkpointing == "selective-attn":
+        # Korthikanti et al.'s selective recompute: only the attention scores are recomputed
+        # (nothing to drop when a fused kernel keeps no scores)
         scores = -(-terms.attention_scores // run.tp)
         saved = layers * (per_layer - scores) + scores
+        if not scores:
+            notes.append("selective-attn recomputes only the attention scores, which fused "
+                         "attention (sdpa/flash) does not keep: the same as no checkpointing; "
+                         "--checkpointing selective is op-level selective checkpointing")
     else:
         saved = layers * per_layer
 
