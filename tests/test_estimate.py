@@ -21,8 +21,10 @@ LLAMA3_8B = TransformerSpec(
     max_position_embeddings=8192)
 
 # A GPT-style block as Korthikanti et al. assume: LayerNorm, GeLU MLP of 4h, dropout, MHA.
+# Korthikanti's GPT block: a fused QKV projection and a fused GeLU (GPT-NeoX's; Hugging Face's
+# GPT-2 calls gelu_new, whose plain-PyTorch ops keep more: Note: [gelu_new])
 GPT = TransformerSpec(
-    name="gpt", family="gpt2", arch="decoder", hidden_size=1024, num_layers=4, num_heads=16,
+    name="gpt", family="gpt_neox", arch="decoder", hidden_size=1024, num_layers=4, num_heads=16,
     num_kv_heads=16, head_dim=64, intermediate_size=4096, vocab_size=1000,
     max_position_embeddings=2048, mlp="gelu", norm="layernorm", qkv_bias=True,
     attn_out_bias=True, mlp_bias=True, position="learned", tie_embeddings=True,

@@ -39,6 +39,10 @@ NORM_UPCAST_BYTES = 4  # Hugging Face's RMSNorm computes in fp32
 # ViT) have one nn.Linear per projection.
 FUSED_QKV_FAMILIES = frozenset({"gpt2", "phi3", "gpt_neox", "falcon"})
 FUSED_GATE_UP_FAMILIES = frozenset({"phi3"})
+# Hugging Face model types whose MLP activation is "gelu_new" (transformers/activations.py:
+# NewGELUActivation), the tanh approximation written as plain PyTorch ops; the others call a
+# fused kernel (nn.functional.gelu, silu) that keeps only its input.
+PYTHON_GELU_FAMILIES = frozenset({"gpt2"})
 # Hugging Face model types whose eager attention runs softmax(..., dtype=torch.float32) and
 # casts back (Llama's eager_attention_forward and its copies), in any precision; GPT-2, BERT
 # and ViT call a plain softmax.
@@ -57,6 +61,27 @@ SOFTMAX_FP32_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen
 # still keeps its own 16-bit cast of the softmax output: 4 + e, where pure 16-bit keeps one e.
 # Models whose eager attention upcasts softmax itself (SOFTMAX_FP32_FAMILIES) keep the same
 # 4 + e (+ mask) in pure 16-bit too.
+
+# Note: [gelu_new]
+# NewGELUActivation computes 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3)))) op by
+# op, and autograd keeps, per element of the s x b x f input (beyond x itself): pow's input (under
+# CUDA autocast pow is on the fp32 list, aten/src/ATen/autocast_mode.h AT_FORALL_FP32, so an fp32
+# copy of x: 4; in pure precision x itself: 0), tanh's output (fp32 after type promotion with the
+# fp32 pow result under autocast: 4; else e), the two factors of the last mul: 0.5 * x (e) and
+# 1 + tanh(.) (4 under autocast; else e). 4 + 4 + e + 4 under autocast, 3e otherwise. The
+# scalar multiplications and the adds keep nothing.
+
+
+def gelu_new_bytes_per_element(*, act_bytes: int, autocast: bool) -> int:
+    """Bytes NewGELUActivation keeps per element beyond its input (Note: [gelu_new]).
+
+    >>> gelu_new_bytes_per_element(act_bytes=2, autocast=True)
+    14
+    >>> gelu_new_bytes_per_element(act_bytes=4, autocast=False)
+    12
+    """
+    return 4 + 4 + act_bytes + 4 if autocast else 3 * act_bytes
+
 
 # Note: [projection inputs under autocast]
 # Under CUDA autocast the residual stream is fp32 and so is every norm's output (layer_norm and
@@ -202,6 +227,8 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     if not keeps("down"):
         wide -= 1  # the down projection's input (GeLU output / gated product) is not kept
     mlp = wide * e * s * b * f
+    if spec.family in PYTHON_GELU_FAMILIES:
+        mlp += gelu_new_bytes_per_element(act_bytes=e, autocast=autocast) * s * b * f
     if spec.is_moe:
         k = spec.experts_per_token
         # Each token visits k experts: k copies of the dispatched input, k expert MLPs, and the
