@@ -107,6 +107,10 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
                   "plan_peak": planned.peak_phase, "trace_peak": est.peak_phase})
 
 
+def _gib(b: int | None) -> str:
+    return "" if b is None else f"{b / 2**30:9.2f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default=",".join(s.name for s in list_presets()))
@@ -128,10 +132,9 @@ def main() -> None:
                     for batch, seq in POINTS:
                         r = compare(name, mode, ckpt, batch, seq, gpu, gpus)
                         rows.append(r)
-                        fmt = (lambda b: "" if b is None else f"{b / 2**30:9.2f}")
                         err = "" if r.error is None else f"{100 * r.error:+6.1f}%"
                         print(f"{name:15} {mode:5} {ckpt:9} {f'{batch}x{r.seq}':>9} {gpus:>4} "
-                              f"{fmt(r.plan_bytes):>9} {fmt(r.trace_live_bytes):>9} {err:>7}  "
+                              f"{_gib(r.plan_bytes):>9} {_gib(r.trace_live_bytes):>9} {err:>7}  "
                               f"{'' if r.agrees else r.why[:90]}", flush=True)
     compared = [r for r in rows if r.error is not None]
     summary = {

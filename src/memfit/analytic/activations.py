@@ -337,6 +337,9 @@ class Activations:
     per_layer: int
     """One block's saved bytes on this GPU, without recompute."""
     notes: tuple[str, ...] = ()
+    moment: str = "loss"
+    """When in backward the peak is: ``loss`` (the head's tensors and the logits' gradient) or
+    ``block`` (the last block's backward, the head freed)."""
 
 
 def input_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int) -> int:
@@ -392,55 +395,67 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     layers = -(-spec.num_layers // run.pp)
     notes: list[str] = []
 
+    # kept: what every block keeps until its backward; recompute: what recomputing one block in
+    # backward brings back (once, whatever the micro-batches in flight)
     if run.checkpointing == "full":
         # Only each block's input is kept (Korthikanti's 2sbh); during backward one block is
         # recomputed, so its full activations exist once.
         block_input = residual * s * b * h
         if run.sequence_parallel:
             block_input = -(-block_input // run.tp)
-        saved = layers * block_input + per_layer
+        kept, recompute = layers * block_input, per_layer
     elif run.checkpointing == "selective":
         sel = selective_layer_bytes(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                                     residual_bytes=residual, per_layer=per_layer, tp=run.tp,
                                     sequence_parallel=run.sequence_parallel,
                                     lora_targets=run.lora_targets if lora else None,
                                     lora_rank=run.lora_rank if lora else 0)
-        saved = layers * sel.saved + sel.recompute
+        kept, recompute = layers * sel.saved, sel.recompute
+        if lora and sel.saved > per_layer:
+            notes.append("op-level selective checkpointing keeps every matmul output, the frozen "
+                         "base's too, which a LoRA step without checkpointing does not keep: "
+                         "here it holds more than --checkpointing none")
     elif run.checkpointing == "selective-attn":
         # Korthikanti et al.'s selective recompute: only the attention scores are recomputed
         # (nothing to drop when a fused kernel keeps no scores)
         scores = -(-terms.attention_scores // run.tp)
-        saved = layers * (per_layer - scores) + scores
+        kept, recompute = layers * (per_layer - scores), scores
         if not scores:
             notes.append("selective-attn recomputes only the attention scores, which fused "
                          "attention (sdpa/flash) does not keep: the same as no checkpointing; "
                          "--checkpointing selective is op-level selective checkpointing")
     else:
-        saved = layers * per_layer
+        kept, recompute = layers * per_layer, 0
 
     # 1F1B: stage i holds activations of min(pp - i, micro-batches) micro-batches at once.
     in_flight = min(run.pp - stage, run.grad_accum)
     if run.pp > 1:
         notes.append(f"pipeline 1F1B: stage {stage} holds {in_flight} micro-batches in flight")
     first, last = stage == 0, stage == run.pp - 1
-    activations = in_flight * saved
+    held = in_flight * kept
     if first:
-        activations += in_flight * input_terms(spec, seq=s, batch=b, act_bytes=e)
-    if last:
-        activations += output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.tp,
-                                    residual_bytes=residual, trained=not lora)
+        held += in_flight * input_terms(spec, seq=s, batch=b, act_bytes=e)
+    outputs = output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.tp,
+                           residual_bytes=residual, trained=not lora) if last else 0
 
-    # Largest transient in backward: at the loss, the fp32 gradient of the logits (and its
-    # 16-bit cast); inside a block, the gradients of the MLP's wide tensors.
+    # Largest transient in backward: at the loss, two logits-sized fp32 tensors: the gradient
+    # nll_loss_backward returns and the one _log_softmax_backward_data makes from it (both alive
+    # during the latter); inside a block, the gradients of the MLP's wide tensors.
     vocab = -(-spec.vocab_size // run.tp) if spec.arch == "decoder" and last else 0
-    loss_grad = (4 + (e if e != 4 else 0)) * s * b * vocab
+    loss_grad = (4 + 4) * s * b * vocab
     f_local = -(-spec.intermediate_size // run.tp)
     block_grad = 2 * e * s * b * f_local + 2 * e * s * b * h
     if run.attention == "eager":
         block_grad += -(-terms.attention_scores // run.tp)
-    temporaries = max(loss_grad, block_grad)
+    # Two moments of backward compete for the peak: at the loss (the head's saved tensors and
+    # the logits' gradient) and in the last block's backward (the head's tensors are freed by
+    # then; the recomputed block and its gradients exist).
+    at_loss = (held + outputs, loss_grad)
+    at_block = (held + recompute, block_grad)
+    activations, temporaries = max(at_loss, at_block, key=sum)
+    moment = "loss" if (activations, temporaries) == at_loss else "block"
     return Activations(activations=activations, temporaries=temporaries, per_layer=per_layer,
-                       notes=tuple(notes))
+                       notes=tuple(notes), moment=moment)
 
 
 def inference_activations(spec: TransformerSpec, run: RunConfig, seq: int) -> Activations:

@@ -337,6 +337,14 @@ def optimizer_step_temporaries(model: ModelSpec, run: RunConfig, stage: int) -> 
     return STEP_TEMPORARIES_PER_PARAM[run.optimizer] * state_bytes * trainable
 
 
+def _head_share(model: ModelSpec, gradients: int) -> int:
+    """The share of ``gradients`` that belongs to the LM head (and a tied embedding)."""
+    if not isinstance(model, TransformerSpec) or not model.param_count():
+        return 0
+    head = model.head_params() + (model.embedding_params() if model.tie_embeddings else 0)
+    return gradients * head // model.param_count()
+
+
 def largest_module_params(model: ModelSpec, run: RunConfig) -> int:
     """DeepSpeed's "largest layer": the most parameters one module holds itself (stage3.py:
     model_to_params sums ``m.parameters(recurse=False)`` per module): the embedding, the LM head
@@ -486,17 +494,30 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
                      "use a preset or config.json for activations")
     breakdown[MemoryCategory.TEMPORARIES] += sum(buffers.values())
     peak_phase = "backward" if run.training else "forward"
+    all_gradients = breakdown[MemoryCategory.GRADIENTS]
+    if (run.training and known and seq is not None and isinstance(model, TransformerSpec)
+            and run.layout in ("ddp", "fsdp2")):
+        # PyTorch frees gradients between steps (torch/optim/optimizer.py: zero_grad(set_to_none
+        # =True), the default since 2.0): at the loss none exist yet; in the last block's
+        # backward only the head's (and a tied embedding's).
+        breakdown[MemoryCategory.GRADIENTS] = (0 if acts.moment == "loss" else
+                                               _head_share(model, all_gradients))
+        where = "at the loss" if acts.moment == "loss" else "in the last block"
+        notes.append(f"backward peak {where}: gradients are allocated during backward "
+                     "(zero_grad sets them to None), so only those made by then are counted")
     step_temporaries = optimizer_step_temporaries(model, run, stage)
     engine_step = _engine_step_temporaries(model, run, stage) if run.training else None
     if engine_step is not None:
         step_temporaries = engine_step
     step_temporaries += sum(b for name, b in buffers.items() if name in PERSISTENT_BUFFERS)
     backward_peak = (breakdown[MemoryCategory.ACTIVATIONS]
-                     + breakdown[MemoryCategory.TEMPORARIES])
-    if step_temporaries > backward_peak:
+                     + breakdown[MemoryCategory.TEMPORARIES]
+                     + breakdown[MemoryCategory.GRADIENTS])
+    if step_temporaries + all_gradients > backward_peak:
         # The optimizer step runs after backward has freed the activations; its foreach
         # temporaries are the peak when they outgrow activations + backward temporaries.
         breakdown[MemoryCategory.ACTIVATIONS] = 0
+        breakdown[MemoryCategory.GRADIENTS] = all_gradients
         breakdown[MemoryCategory.TEMPORARIES] = step_temporaries
         peak_phase = "optimizer"
         notes.append("peak in the optimizer step: PyTorch's default foreach implementation "
