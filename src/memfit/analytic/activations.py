@@ -338,8 +338,9 @@ class Activations:
     """One block's saved bytes on this GPU, without recompute."""
     notes: tuple[str, ...] = ()
     moment: str = "loss"
-    """When in backward the peak is: ``loss`` (the head's tensors and the logits' gradient) or
-    ``block`` (the last block's backward, the head freed)."""
+    """When the peak is: ``loss`` (at the loss, end of forward or start of backward: the head's
+    tensors and the logits or their gradient) or ``block`` (the last block's backward, the head
+    freed)."""
 
 
 def input_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int) -> int:
@@ -450,10 +451,35 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     # Two moments of backward compete for the peak: at the loss (the head's saved tensors and
     # the logits' gradient) and in the last block's backward (the head's tensors are freed by
     # then; the recomputed block and its gradients exist).
-    at_loss = (held + outputs, loss_grad)
-    at_block = (held + recompute, block_grad)
-    activations, temporaries = max(at_loss, at_block, key=sum)
-    moment = "loss" if (activations, temporaries) == at_loss else "block"
+    # Note: [autocast weight casts] Under torch.autocast with fp32 parameters (plain PyTorch,
+    # engine ddp), each linear layer casts its fp32 weight to 16-bit; the cast of a leaf that
+    # requires grad is cached until autocast exits (aten/src/ATen/autocast_mode.cpp: cached_cast)
+    # and mm keeps it for the input's gradient, so every trained weight has a 16-bit copy at the
+    # loss. In backward, without checkpointing each copy lives until its layer's backward; a
+    # checkpointed block makes its copies again only while it is recomputed. (The ZeRO paper's
+    # layout counts these 16-bit copies as the weights themselves.)
+    casts_per_layer = casts_head = 0
+    if run.autocast and run.layout == "ddp":
+        targets = run.lora_targets if lora else None
+        casts_per_layer = e * sum(
+            (run.lora_rank * (sh.in_features + sh.out_features) if lora
+             else sh.in_features * sh.out_features) * sh.count
+            for sh in spec.linear_shapes() if targets is None or sh.role in targets)
+        casts_per_layer = -(-casts_per_layer // run.tp)
+        if last and not lora and spec.arch == "decoder":
+            casts_head = e * -(-spec.vocab_size * h // run.tp)
+    checkpointed = run.checkpointing in ("selective", "full")
+    casts = layers * casts_per_layer + casts_head
+    # A third moment, the end of forward (the loss is computed inside the model's forward): the
+    # 16-bit logits and their fp32 copy, and the weight casts still in autocast's cache, which a
+    # checkpointed block does not keep for backward.
+    logits_forward = (e + 4 if e != 4 else 4) * s * b * vocab
+    at_forward = (held + outputs, logits_forward + casts) if checkpointed else (0, 0)
+    at_loss = (held + outputs + (0 if checkpointed else casts), loss_grad)
+    at_block = (held + recompute + casts_per_layer * (1 if checkpointed else layers),
+                block_grad)
+    activations, temporaries = max(at_loss, at_forward, at_block, key=sum)
+    moment = "block" if (activations, temporaries) == at_block else "loss"
     return Activations(activations=activations, temporaries=temporaries, per_layer=per_layer,
                        notes=tuple(notes), moment=moment)
 
