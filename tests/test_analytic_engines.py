@@ -235,7 +235,7 @@ def test_megatron_bytes_per_parameter(precision: str, zero: int,
     p = plan(ParamCountSpec(name="8B", params=8 * 10**9),
              RunConfig(engine="megatron", precision=precision, gpus=8, zero=zero))
     assert states_on_gpu(p) == bytes_per_param * 8 * 10**9
-    assert "engine Megatron-LM" in p.describe()
+    assert "engine: Megatron-LM" in p.describe()
 
 
 def test_ddp_keeps_fp32_parameters_and_gradients_and_buckets() -> None:

@@ -187,7 +187,7 @@ def test_offload_moves_states_to_host() -> None:
     p = plan(model, RunConfig(precision="bf16-mixed", offload_optimizer=True))
     assert p.breakdown[C.OPTIMIZER_STATES] == 0
     assert p.host_bytes == 16 * 10**9
-    assert p.run.layout == "deepspeed" and "engine DeepSpeed" in p.describe()
+    assert p.run.layout == "deepspeed" and "engine: DeepSpeed" in p.describe()
     p3 = plan(model, RunConfig(precision="bf16-mixed", gpus=8, zero=3, offload_optimizer=True,
                                offload_params=True))
     assert p3.breakdown[C.WEIGHTS] == p3.breakdown[C.GRADIENTS] == 0

@@ -132,8 +132,8 @@ class MemoryPlan:
             parts.append(f"grad-accum {r.grad_accum}")
         if r.gpus > 1:
             parts.append(f"{r.gpus} GPUs (dp {r.dp}, tp {r.tp}, pp {r.pp}, zero {r.zero})")
-        if r.training and r.layout != "zero-paper":
-            parts.append(f"engine {self.engine_label}")
+        if r.training and r.layout != "zero-paper":  # (the notes name the default layout)
+            parts.append(f"engine: {self.engine_label}")
         if r.mode in ("lora", "qlora"):
             parts.append(f"rank {r.lora_rank} on {','.join(r.lora_targets)}")
         if r.mode == "inference":
@@ -454,9 +454,13 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
     notes = list(states.notes)
     buffers = engine_buffers(model, run, stage)
     if run.mode == "train" and run.mixed and run.layout == "zero-paper":
-        notes.append("mixed precision counted as in the ZeRO paper: 16-bit weights and "
-                     "gradients, fp32 masters with the optimizer; plain torch.autocast keeps "
-                     "fp32 gradients (+2 bytes/param): use --method trace to model that")
+        notes.append("no --engine: mixed precision counted as in the ZeRO paper: 16-bit weights "
+                     "and gradients, fp32 masters with the optimizer; plain torch.autocast keeps "
+                     "fp32 gradients (+2 bytes/param): --engine ddp (or --method trace) models "
+                     "that")
+    elif run.training and run.layout == "zero-paper":
+        notes.append("no --engine: the ZeRO paper's layout; --engine picks fsdp2, ddp, "
+                     "deepspeed or megatron")
     known = isinstance(model, TransformerSpec)
     dp = run.dp
     if isinstance(model, TransformerSpec) and seq is not None:
