@@ -292,3 +292,20 @@ def test_plan_names_its_engine(capsys) -> None:
     assert json.loads(out)["engine"] == "megatron"
     with pytest.raises(MemfitError, match="ZeRO-3"):
         RunConfig(engine="fsdp2", zero=1, gpus=2)
+
+
+def test_megatron_vocab_parallel_cross_entropy() -> None:
+    """megatron/core/tensor_parallel/cross_entropy.py: _VocabParallelCrossEntropy saves
+    exp(logits) in fp32 (4 B per local logit) and computes the gradient in place on it, so the
+    loss's backward adds only the bf16 cast (2 B per local logit, vocabulary / tp), where Hugging
+    Face's loss holds two fp32 logits-sized gradients (8 B)."""
+    spec = get_preset("llama-3-8b")
+    s, b, tp = 4096, 1, 8
+    hf = training_activations(spec, RunConfig(engine="fsdp2", gpus=8, tp=8, batch=b, seq=s,
+                                              checkpointing="full"), s)
+    mega = training_activations(spec, RunConfig(engine="megatron", gpus=8, tp=8, batch=b, seq=s,
+                                                checkpointing="full"), s)
+    local_vocab = 128_256 // tp
+    assert hf.moment == mega.moment == "loss"
+    assert hf.temporaries == 8 * s * b * local_vocab
+    assert mega.temporaries == 2 * s * b * local_vocab

@@ -444,6 +444,12 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     # during the latter); inside a block, the gradients of the MLP's wide tensors.
     vocab = -(-spec.vocab_size // run.tp) if spec.arch == "decoder" and last else 0
     loss_grad = (4 + 4) * s * b * vocab
+    if run.layout == "megatron":
+        # Megatron's vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py:
+        # _VocabParallelCrossEntropy) keeps exp(logits) in fp32 (the same 4 bytes per local logit
+        # as the log-softmax in output_terms) and its backward turns that saved tensor into the
+        # gradient in place: only the 16-bit cast back to the logits' dtype is new.
+        loss_grad = e * s * b * vocab
     f_local = -(-spec.intermediate_size // run.tp)
     block_grad = 2 * e * s * b * f_local + 2 * e * s * b * h
     if run.attention == "eager":
@@ -474,6 +480,8 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     # 16-bit logits and their fp32 copy, and the weight casts still in autocast's cache, which a
     # checkpointed block does not keep for backward.
     logits_forward = (e + 4 if e != 4 else 4) * s * b * vocab
+    if run.layout == "megatron":
+        logits_forward = e * s * b * vocab  # the fp32 copy is the exp(logits) it saves
     at_forward = (held + outputs, logits_forward + casts) if checkpointed else (0, 0)
     at_loss = (held + outputs + (0 if checkpointed else casts), loss_grad)
     at_block = (held + recompute + casts_per_layer * (1 if checkpointed else layers),

@@ -617,6 +617,12 @@ class ScaleOut:
                 "host_bytes_per_node": self.host_bytes_per_node}
 
 
+def _widest_zero(run: RunConfig) -> int:
+    """The most sharding the run's engine offers when adding data-parallel ranks: ZeRO-3 (FSDP,
+    DeepSpeed), the distributed optimizer (Megatron) or ZeroRedundancyOptimizer (DDP)."""
+    return 1 if run.engine in ("megatron", "ddp") else 3
+
+
 def _fits(model: ModelSpec, run: RunConfig, gpu: GpuSpec) -> MemoryPlan | None:
     try:
         p = plan(model, run, gpu)
@@ -646,7 +652,7 @@ def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
         return None
     model, run, gpu = p.model, p.run, p.gpu
     if run.training:
-        zero = run.zero or 3
+        zero = run.zero or _widest_zero(run)
         step = run.tp * run.pp
 
         def at(dp: int) -> MemoryPlan | None:
@@ -664,6 +670,8 @@ def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
         found = at(lo)
         assert found is not None
         strategy = {1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}[zero]
+        if run.engine == "megatron":
+            strategy = "Megatron distributed optimizer"
         if step > 1:
             strategy += f" with tp {run.tp} x pp {run.pp}"
         return ScaleOut(plan=found, strategy=strategy, gpus_per_node=gpus_per_node)
@@ -687,11 +695,19 @@ def scale_out_line(p: MemoryPlan, scale: ScaleOut | None, *,
     no count up to :data:`MAX_GPUS` will do."""
     if scale is None:
         if p.run.training:
-            zero = p.run.zero or 3
+            zero = p.run.zero or _widest_zero(p.run)
             widest = plan(p.model, replace(p.run, gpus=MAX_GPUS // (p.run.tp * p.run.pp)
                                            * p.run.tp * p.run.pp, zero=zero), p.gpu)
             held = (widest.breakdown[MemoryCategory.ACTIVATIONS]
                     + widest.breakdown[MemoryCategory.TEMPORARIES])
+            if zero < 3:
+                kept = (widest.breakdown[MemoryCategory.WEIGHTS]
+                        + widest.breakdown[MemoryCategory.GRADIENTS])
+                return (f"no number of GPUs up to {MAX_GPUS} holds this step with ZeRO-{zero} "
+                        f"({widest.engine_label}): the weights and gradients "
+                        f"({format_bytes(kept)} per GPU) and one micro-batch's activations and "
+                        f"temporaries ({format_bytes(held)}) do not shrink with more GPUs; try "
+                        "--tp, --pp or an engine that shards parameters (--engine fsdp2)")
             return (f"no number of GPUs up to {MAX_GPUS} holds this step with ZeRO-{zero}: the "
                     f"activations and temporaries of one micro-batch ({format_bytes(held)} per "
                     "GPU) do not shrink with more GPUs; try --checkpointing full, a smaller "
