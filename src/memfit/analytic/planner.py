@@ -381,8 +381,9 @@ def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, in
     if layout == "fsdp2":
         # fully_shard all-gathers the unit being run and prefetches the next; in backward the
         # unit's unsharded gradients (param dtype) are copied into the reduce-scatter input
-        # (reduce dtype: fp32 under MixedPrecisionPolicy(reduce_dtype=float32), as torchtitan
-        # sets it).
+        # before they are freed (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:
+        # foreach_reduce allocates reduce_scatter_input in reduce_dtype: fp32 under
+        # MixedPrecisionPolicy(reduce_dtype=torch.float32), as torchtitan sets it).
         unit, block = fsdp_unit_params(model, run), split.largest_layer
         out["all-gathered parameters"] = (unit + block) * cb
         reduce = 4 if run.mixed else cb
