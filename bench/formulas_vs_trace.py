@@ -101,10 +101,40 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
     live = int(est.total_bytes - (est.peak_reserved_bytes - est.peak_bytes))
     error = planned.total_bytes / live - 1
     agrees = abs(error) <= TOLERANCE
-    why = "" if agrees else "; ".join(planned.notes)
+    why = ""
+    if not agrees:
+        peaks = ("" if planned.peak_phase == est.peak_phase else
+                 f"peaks differ (plan: {planned.peak_phase}, trace: {est.peak_phase} at "
+                 f"{est.peak_op}); ")
+        why = peaks + "; ".join(planned.notes)
     return Row(**{**asdict(base), "plan_bytes": planned.total_bytes, "trace_live_bytes": live,
                   "error": error, "agrees": agrees, "why": why, "trace_seconds": seconds,
                   "plan_peak": planned.peak_phase, "trace_peak": est.peak_phase})
+
+
+def _summary(rows: list[Row]) -> dict[str, Any]:
+    compared = [r for r in rows if r.error is not None]
+    return {
+        "compared": len(compared),
+        "within_tolerance": sum(1 for r in compared if r.agrees),
+        "worst_error": max((r.error for r in compared), key=abs, default=None),
+        "pending_or_not_traced": len(rows) - len(compared),
+    }
+
+
+def _write(rows: list[Row], gpu: GpuSpec, *, partial: bool) -> Path:
+    import torch
+
+    out = Path(f"bench/results/formulas-vs-trace-cpu-{dt.date.today().isoformat()}.json")
+    out.write_text(json.dumps({
+        "what": "analytic plan (engine ddp) total vs trace live bytes at its peak, bf16-mixed "
+                "AdamW, CUDA target; 8-GPU FSDP rows are a hook until the per-rank trace lands",
+        "gpu_target": gpu.name, "torch": torch.__version__, "tolerance": TOLERANCE,
+        "device": "cpu (meta tensors), machine shared with other jobs",
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "partial": partial, "summary": _summary(rows), "rows": [asdict(r) for r in rows]},
+        indent=2))
+    return out
 
 
 def _gib(b: int | None) -> str:
@@ -119,8 +149,6 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--checkpointing", default=",".join(CHECKPOINTING))
     args = ap.parse_args()
-    import torch
-
     gpu = get_gpu(args.gpu)
     rows: list[Row] = []
     print(f"{'preset':15} {'mode':5} {'ckpt':9} {'b x s':>9} {'gpus':>4} {'plan GiB':>9} "
@@ -136,22 +164,9 @@ def main() -> None:
                         print(f"{name:15} {mode:5} {ckpt:9} {f'{batch}x{r.seq}':>9} {gpus:>4} "
                               f"{_gib(r.plan_bytes):>9} {_gib(r.trace_live_bytes):>9} {err:>7}  "
                               f"{'' if r.agrees else r.why[:90]}", flush=True)
-    compared = [r for r in rows if r.error is not None]
-    summary = {
-        "compared": len(compared),
-        "within_tolerance": sum(1 for r in compared if r.agrees),
-        "worst_error": max((r.error for r in compared), key=abs, default=None),
-        "pending_or_not_traced": len(rows) - len(compared),
-    }
-    print(summary)
-    out = Path(f"bench/results/formulas-vs-trace-cpu-{dt.date.today().isoformat()}.json")
-    out.write_text(json.dumps({
-        "what": "analytic plan (engine ddp) total vs trace live bytes at its peak, bf16-mixed "
-                "AdamW, CUDA target; 8-GPU FSDP rows are a hook until the per-rank trace lands",
-        "gpu_target": gpu.name, "torch": torch.__version__, "tolerance": TOLERANCE,
-        "device": "cpu (meta tensors), machine shared with other jobs",
-        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-        "summary": summary, "rows": [asdict(r) for r in rows]}, indent=2))
+        out = _write(rows, gpu, partial=True)  # after each preset: a cut-off run keeps its rows
+    out = _write(rows, gpu, partial=False)
+    print(_summary(rows))
     print(f"wrote {out}")
 
 
