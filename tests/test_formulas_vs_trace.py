@@ -16,6 +16,8 @@ the per-rank trace of issue 14 §1; until it lands those rows are reported as pe
 from __future__ import annotations
 
 import importlib.util
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +28,16 @@ HAS_HF = importlib.util.find_spec("transformers") is not None
 
 
 @pytest.fixture(scope="module")
-def bench() -> Any:
+def bench() -> Iterator[Any]:
     spec = importlib.util.spec_from_file_location("bench_formulas_vs_trace", BENCH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.modules[spec.name] = module  # its dataclasses resolve annotations through it
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
 
 
 @pytest.mark.slow
