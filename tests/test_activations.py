@@ -86,11 +86,12 @@ def test_autocast_scores_reach_training_activations() -> None:
     gap = (training_activations(spec, mixed, S).per_layer
            - training_activations(spec, pure, S).per_layer)
     assert gap == residual + projection_inputs + 2 * 4 * S * S * B
-    # selective recompute (Korthikanti) drops every layer's whole score term, fp32 softmax
-    # output included, and holds one layer's during its backward
+    # selective-attn (Korthikanti's selective recompute) drops every layer's whole score term,
+    # fp32 softmax output included, and holds one layer's during its backward
     deep = dataclasses.replace(spec, num_layers=3)
     scores = 7 * 4 * S * S * B
-    sel = training_activations(deep, dataclasses.replace(mixed, checkpointing="selective"), S)
+    korthikanti = dataclasses.replace(mixed, checkpointing="selective-attn")
+    sel = training_activations(deep, korthikanti, S)
     none = training_activations(deep, mixed, S)
     assert none.activations - sel.activations == (3 - 1) * scores
 

@@ -64,13 +64,23 @@ def test_llama_activations_within_5_percent(backend: str, attention: str) -> Non
     assert predicted == pytest.approx(measured, rel=0.05)
 
 
-def test_gpt_activations_within_5_percent() -> None:
-    measured, predicted = measured_and_predicted(GPT, "builtin", "eager")
+@pytest.mark.parametrize("backend", [
+    "builtin",
+    pytest.param("transformers", marks=pytest.mark.skipif(not HAS_HF,
+                                                          reason="transformers not installed")),
+])
+def test_gpt_activations_within_5_percent(backend: str) -> None:
+    measured, predicted = measured_and_predicted(GPT, backend, "eager")
     batch, seq, h, a = 2, 256, GPT.hidden_size, GPT.num_heads
     # dropout masks: attention probabilities and two residual streams per layer, + embeddings
     mask_elements = GPT.num_layers * (a * seq * seq * batch + 2 * seq * batch * h) + (
         seq * batch * h)
     cpu_predicted = predicted + (4 - 1) * mask_elements  # fp32 masks on the CPU, not bool
+    if backend == "builtin":
+        # memfit's builtin GPT-2 calls the fused F.gelu(approximate="tanh"), which keeps only its
+        # input; the planner counts Hugging Face's gelu_new, whose plain-PyTorch ops keep 3
+        # more fp32 tensors per element in fp32 (Note: [gelu_new] in analytic/activations.py)
+        cpu_predicted -= GPT.num_layers * 3 * 4 * seq * batch * GPT.intermediate_size
     assert cpu_predicted == pytest.approx(measured, rel=0.05)
 
 

@@ -46,7 +46,9 @@ the trace and ``memfit.techniques`` take)."""
 
 CHECKPOINTING: dict[str, frozenset[str]] = {
     "none": _ALL,
-    "selective": _ALL,
+    "selective": _ALL,  # op-level SAC: keep matmul/attention outputs (memfit.techniques)
+    # Korthikanti et al. 2022's selective recompute (attention scores only): a planner formula
+    "selective-attn": frozenset({"plan"}),
     "full": _ALL,
     "budget": frozenset({"fit", "apply"}),  # a byte budget resolved per block
 }

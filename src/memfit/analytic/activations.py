@@ -13,6 +13,10 @@ Korthikanti's 34sbh + 5as²b (a test checks this). Under autocast the attention 
 than Korthikanti's 5 bytes per element (Note: [eager scores under autocast]), and separate
 projections keep one 16-bit input each (Note: [projection inputs under autocast]).
 
+``selective`` is op-level selective activation checkpointing as ``memfit.techniques`` applies
+it (Note: [op-level selective checkpointing]); Korthikanti's score-only recompute is
+``selective-attn``.
+
 Known limitations: the logits/loss terms assume Hugging Face's loss (logits upcast to fp32 then
 log-softmax); fused/chunked losses (Liger) need far less. Kernel workspaces are not counted.
 """
@@ -35,6 +39,10 @@ NORM_UPCAST_BYTES = 4  # Hugging Face's RMSNorm computes in fp32
 # ViT) have one nn.Linear per projection.
 FUSED_QKV_FAMILIES = frozenset({"gpt2", "phi3", "gpt_neox", "falcon"})
 FUSED_GATE_UP_FAMILIES = frozenset({"phi3"})
+# Hugging Face model types whose MLP activation is "gelu_new" (transformers/activations.py:
+# NewGELUActivation), the tanh approximation written as plain PyTorch ops; the others call a
+# fused kernel (nn.functional.gelu, silu) that keeps only its input.
+PYTHON_GELU_FAMILIES = frozenset({"gpt2"})
 # Hugging Face model types whose eager attention runs softmax(..., dtype=torch.float32) and
 # casts back (Llama's eager_attention_forward and its copies), in any precision; GPT-2, BERT
 # and ViT call a plain softmax.
@@ -53,6 +61,27 @@ SOFTMAX_FP32_FAMILIES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen
 # still keeps its own 16-bit cast of the softmax output: 4 + e, where pure 16-bit keeps one e.
 # Models whose eager attention upcasts softmax itself (SOFTMAX_FP32_FAMILIES) keep the same
 # 4 + e (+ mask) in pure 16-bit too.
+
+# Note: [gelu_new]
+# NewGELUActivation computes 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3)))) op by
+# op, and autograd keeps, per element of the s x b x f input (beyond x itself): pow's input (under
+# CUDA autocast pow is on the fp32 list, aten/src/ATen/autocast_mode.h AT_FORALL_FP32, so an fp32
+# copy of x: 4; in pure precision x itself: 0), tanh's output (fp32 after type promotion with the
+# fp32 pow result under autocast: 4; else e), the two factors of the last mul: 0.5 * x (e) and
+# 1 + tanh(.) (4 under autocast; else e). 4 + 4 + e + 4 under autocast, 3e otherwise. The
+# scalar multiplications and the adds keep nothing.
+
+
+def gelu_new_bytes_per_element(*, act_bytes: int, autocast: bool) -> int:
+    """Bytes NewGELUActivation keeps per element beyond its input (Note: [gelu_new]).
+
+    >>> gelu_new_bytes_per_element(act_bytes=2, autocast=True)
+    14
+    >>> gelu_new_bytes_per_element(act_bytes=4, autocast=False)
+    12
+    """
+    return 4 + 4 + act_bytes + 4 if autocast else 3 * act_bytes
+
 
 # Note: [projection inputs under autocast]
 # Under CUDA autocast the residual stream is fp32 and so is every norm's output (layer_norm and
@@ -198,6 +227,8 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     if not keeps("down"):
         wide -= 1  # the down projection's input (GeLU output / gated product) is not kept
     mlp = wide * e * s * b * f
+    if spec.family in PYTHON_GELU_FAMILIES:
+        mlp += gelu_new_bytes_per_element(act_bytes=e, autocast=autocast) * s * b * f
     if spec.is_moe:
         k = spec.experts_per_token
         # Each token visits k experts: k copies of the dispatched input, k expert MLPs, and the
@@ -211,6 +242,92 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     return LayerTerms(replicated=replicated, split=split, attention_scores=scores)
 
 
+# Note: [op-level selective checkpointing]
+# memfit.techniques.checkpointing wraps each block in torch.utils.checkpoint.checkpoint with a
+# context_fn from create_selective_checkpoint_contexts whose policy is MUST_SAVE for the ops in
+# its SAVE_OPS (mm, addmm, bmm, baddbmm, the SDPA kernels, convolution) and PREFER_RECOMPUTE for
+# every other op. In forward, the checkpoint's saved-tensor hooks drop what autograd saves, and
+# torch/utils/checkpoint.py's _CachingTorchDispatchMode stores the outputs of every MUST_SAVE op
+# (whether or not backward needs them); the block's input is kept for the recompute. So a block
+# keeps, from first principles:
+#   its input (the residual stream, e_r bytes per token x hidden);
+#   every projection's matmul output (q, k, v, o; gate, up, down or fc, proj; each LoRA
+#   adapter's x.A (rank r) and (x.A).B (the layer's output width); an MoE router's logits and
+#   each of the k experts' matmuls), e bytes per element (autocast's matmul output dtype);
+#   attention: the fused kernel's output (e bytes per q element) and its fp32 logsumexp, or, in
+#   eager attention, the two bmm outputs: QK^T (a x s x s) and softmax(.)V.
+# Norms, activations, RoPE, residual adds, casts and dropout masks are recomputed. During
+# backward one block at a time is recomputed: its tensors that are not already cached come back
+# (see selective_layer_bytes: ``recompute``).
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelectiveTerms:
+    """Bytes one block keeps under op-level selective checkpointing, per GPU."""
+
+    saved: int
+    """The block input and its matmul/attention outputs (Note: [op-level selective
+    checkpointing])."""
+    recompute: int
+    """What recomputing one block in backward brings back beyond ``saved``."""
+
+
+def selective_layer_bytes(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
+                          attention: str, residual_bytes: int, per_layer: int, tp: int = 1,
+                          sequence_parallel: bool = False,
+                          lora_targets: tuple[str, ...] | None = None,
+                          lora_rank: int = 0) -> SelectiveTerms:
+    """Saved bytes of one block under ``memfit.techniques``' selective policy (SAVE_OPS), from
+    the shapes: see Note: [op-level selective checkpointing]. ``per_layer``: what the block
+    saves without checkpointing on this GPU (bounds the recompute transient).
+
+    Tensor parallelism divides the column-parallel outputs (q, k, v, gate, up, attention); the
+    row-parallel ones (o, down) are full-width partial sums on every GPU.
+
+    >>> from memfit.models import get_preset
+    >>> t = selective_layer_bytes(get_preset("gpt2"), seq=1, batch=1, act_bytes=2,
+    ...                           attention="sdpa", residual_bytes=2, per_layer=0)
+    >>> t.saved == 2 * 768 + 2 * (3 * 768 + 768 + 3072 + 768) + 2 * 768 + 4 * 12
+    True
+    """
+    s, b, e, h = seq, batch, act_bytes, spec.hidden_size
+    sb = s * b
+    block_input = residual_bytes * sb * h
+    if sequence_parallel:
+        block_input = -(-block_input // tp)
+    split = e * sb * (spec.q_dim + 2 * spec.kv_dim)  # q, k, v projections
+    full = e * sb * h  # o projection (row-parallel: full width per GPU)
+    if attention == "eager":
+        split += e * spec.num_heads * s * s * b  # QK^T (bmm)
+        split += e * sb * spec.q_dim  # softmax(QK^T) V (bmm)
+    else:
+        split += e * sb * spec.q_dim + LSE_BYTES * spec.num_heads * sb  # output + logsumexp
+    f = spec.intermediate_size
+    wide = 1 if spec.mlp == "gelu" else 2  # fc; or gate and up
+    if spec.is_moe:
+        k = spec.experts_per_token
+        split += e * sb * spec.num_experts  # router logits
+        split += k * wide * e * sb * f
+        full += k * e * sb * h  # each expert's down projection
+    else:
+        split += wide * e * sb * f
+        full += e * sb * h  # down / second projection
+    if lora_targets is not None and lora_rank:
+        for shape in spec.linear_shapes():
+            if shape.role in lora_targets:
+                # x.A (rank r) and (x.A).B (the layer's output width), both mm outputs
+                split += e * sb * (lora_rank + shape.out_features) * shape.count
+    saved = block_input + -(-split // tp) + full
+    # Recomputing a block brings back what its backward needs; the SDPA output and logsumexp
+    # and the MLP's wide matmul outputs (GeLU's input; SiLU's and the product's inputs) are the
+    # cached tensors themselves, so they do not come twice.
+    cached_in_use = wide * e * sb * f * (spec.experts_per_token if spec.is_moe else 1)
+    if attention != "eager":
+        cached_in_use += e * sb * spec.q_dim + LSE_BYTES * spec.num_heads * sb
+    recompute = max(0, per_layer - -(-cached_in_use // tp))
+    return SelectiveTerms(saved=saved, recompute=recompute)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Activations:
     """Activation and temporary bytes per GPU at the backward peak."""
@@ -220,6 +337,10 @@ class Activations:
     per_layer: int
     """One block's saved bytes on this GPU, without recompute."""
     notes: tuple[str, ...] = ()
+    moment: str = "loss"
+    """When the peak is: ``loss`` (at the loss, end of forward or start of backward: the head's
+    tensors and the logits or their gradient) or ``block`` (the last block's backward, the head
+    freed)."""
 
 
 def input_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int) -> int:
@@ -263,52 +384,122 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     e = FORMAT_BYTES[run.compute_format]
     s, b, h = seq, run.batch, spec.hidden_size
     lora = run.mode in ("lora", "qlora")
-    # Under autocast the residual stream stays fp32 (fp32 embeddings and residual adds).
-    residual = 4 if run.mixed else e
+    # Under autocast the residual stream stays fp32 (fp32 embeddings and residual adds); the
+    # engines that cast the model to 16-bit (FSDP2's MixedPrecisionPolicy, DeepSpeed, Megatron)
+    # keep it in 16-bit (RunConfig.autocast).
+    residual = 4 if run.autocast else e
     terms = layer_terms(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                         trainable=frozenset(run.lora_targets) if lora else None,
                         lora_rank=run.lora_rank if lora else 0, residual_bytes=residual,
-                        autocast=run.mixed)
+                        autocast=run.autocast)
     per_layer = terms.per_gpu(run.tp, run.sequence_parallel)
     layers = -(-spec.num_layers // run.pp)
     notes: list[str] = []
 
+    # kept: what every block keeps until its backward; recompute: what recomputing one block in
+    # backward brings back (once, whatever the micro-batches in flight)
     if run.checkpointing == "full":
         # Only each block's input is kept (Korthikanti's 2sbh); during backward one block is
         # recomputed, so its full activations exist once.
         block_input = residual * s * b * h
         if run.sequence_parallel:
             block_input = -(-block_input // run.tp)
-        saved = layers * block_input + per_layer
+        kept, recompute = layers * block_input, per_layer
+        if lora and residual > e:
+            notes.append("full checkpointing with a 16-bit frozen base: each block input is "
+                         "counted in fp32 (autocast's residual stream); a bf16 base keeps it in "
+                         "bf16, up to 2 bytes x tokens x hidden per layer less (the trace: "
+                         "Mistral-7B/OLMo-2-7B LoRA at 4 x 1024 tokens, 5-6% under this plan)")
     elif run.checkpointing == "selective":
+        sel = selective_layer_bytes(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
+                                    residual_bytes=residual, per_layer=per_layer, tp=run.tp,
+                                    sequence_parallel=run.sequence_parallel,
+                                    lora_targets=run.lora_targets if lora else None,
+                                    lora_rank=run.lora_rank if lora else 0)
+        kept, recompute = layers * sel.saved, sel.recompute
+        if spec.is_moe:
+            notes.append("MoE under op-level selective checkpointing: every routed expert's "
+                         "matmul outputs are counted (k per token); the trace of Hugging Face's "
+                         "expert loop keeps fewer (bench/formulas_vs_trace.py: Mixtral and "
+                         "Qwen3-MoE LoRA at 4 x 1024 tokens, 16-18% under this plan)")
+        if lora and sel.saved > per_layer:
+            notes.append("op-level selective checkpointing keeps every matmul output, the frozen "
+                         "base's too, which a LoRA step without checkpointing does not keep: "
+                         "here it holds more than --checkpointing none")
+    elif run.checkpointing == "selective-attn":
+        # Korthikanti et al.'s selective recompute: only the attention scores are recomputed
+        # (nothing to drop when a fused kernel keeps no scores)
         scores = -(-terms.attention_scores // run.tp)
-        saved = layers * (per_layer - scores) + scores
+        kept, recompute = layers * (per_layer - scores), scores
+        if not scores:
+            notes.append("selective-attn recomputes only the attention scores, which fused "
+                         "attention (sdpa/flash) does not keep: the same as no checkpointing; "
+                         "--checkpointing selective is op-level selective checkpointing")
     else:
-        saved = layers * per_layer
+        kept, recompute = layers * per_layer, 0
 
     # 1F1B: stage i holds activations of min(pp - i, micro-batches) micro-batches at once.
     in_flight = min(run.pp - stage, run.grad_accum)
     if run.pp > 1:
         notes.append(f"pipeline 1F1B: stage {stage} holds {in_flight} micro-batches in flight")
     first, last = stage == 0, stage == run.pp - 1
-    activations = in_flight * saved
+    held = in_flight * kept
     if first:
-        activations += in_flight * input_terms(spec, seq=s, batch=b, act_bytes=e)
-    if last:
-        activations += output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.tp,
-                                    residual_bytes=residual, trained=not lora)
+        held += in_flight * input_terms(spec, seq=s, batch=b, act_bytes=e)
+    outputs = output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.tp,
+                           residual_bytes=residual, trained=not lora) if last else 0
 
-    # Largest transient in backward: at the loss, the fp32 gradient of the logits (and its
-    # 16-bit cast); inside a block, the gradients of the MLP's wide tensors.
+    # Largest transient in backward: at the loss, two logits-sized fp32 tensors: the gradient
+    # nll_loss_backward returns and the one _log_softmax_backward_data makes from it (both alive
+    # during the latter); inside a block, the gradients of the MLP's wide tensors.
     vocab = -(-spec.vocab_size // run.tp) if spec.arch == "decoder" and last else 0
-    loss_grad = (4 + (e if e != 4 else 0)) * s * b * vocab
+    loss_grad = (4 + 4) * s * b * vocab
+    if run.layout == "megatron":
+        # Megatron's vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py:
+        # _VocabParallelCrossEntropy) keeps exp(logits) in fp32 (the same 4 bytes per local logit
+        # as the log-softmax in output_terms) and its backward turns that saved tensor into the
+        # gradient in place: only the 16-bit cast back to the logits' dtype is new.
+        loss_grad = e * s * b * vocab
     f_local = -(-spec.intermediate_size // run.tp)
     block_grad = 2 * e * s * b * f_local + 2 * e * s * b * h
     if run.attention == "eager":
         block_grad += -(-terms.attention_scores // run.tp)
-    temporaries = max(loss_grad, block_grad)
+    # Two moments of backward compete for the peak: at the loss (the head's saved tensors and
+    # the logits' gradient) and in the last block's backward (the head's tensors are freed by
+    # then; the recomputed block and its gradients exist).
+    # Note: [autocast weight casts] Under torch.autocast with fp32 parameters (plain PyTorch,
+    # engine ddp), each linear layer casts its fp32 weight to 16-bit; the cast of a leaf that
+    # requires grad is cached until autocast exits (aten/src/ATen/autocast_mode.cpp: cached_cast)
+    # and mm keeps it for the input's gradient, so every trained weight has a 16-bit copy at the
+    # loss. In backward, without checkpointing each copy lives until its layer's backward; a
+    # checkpointed block makes its copies again only while it is recomputed. (The ZeRO paper's
+    # layout counts these 16-bit copies as the weights themselves.)
+    casts_per_layer = casts_head = 0
+    if run.autocast and run.layout == "ddp":
+        targets = run.lora_targets if lora else None
+        casts_per_layer = e * sum(
+            (run.lora_rank * (sh.in_features + sh.out_features) if lora
+             else sh.in_features * sh.out_features) * sh.count
+            for sh in spec.linear_shapes() if targets is None or sh.role in targets)
+        casts_per_layer = -(-casts_per_layer // run.tp)
+        if last and not lora and spec.arch == "decoder":
+            casts_head = e * -(-spec.vocab_size * h // run.tp)
+    checkpointed = run.checkpointing in ("selective", "full")
+    casts = layers * casts_per_layer + casts_head
+    # A third moment, the end of forward (the loss is computed inside the model's forward): the
+    # 16-bit logits and their fp32 copy, and the weight casts still in autocast's cache, which a
+    # checkpointed block does not keep for backward.
+    logits_forward = (e + 4 if e != 4 else 4) * s * b * vocab
+    if run.layout == "megatron":
+        logits_forward = e * s * b * vocab  # the fp32 copy is the exp(logits) it saves
+    at_forward = (held + outputs, logits_forward + casts) if checkpointed else (0, 0)
+    at_loss = (held + outputs + (0 if checkpointed else casts), loss_grad)
+    at_block = (held + recompute + casts_per_layer * (1 if checkpointed else layers),
+                block_grad)
+    activations, temporaries = max(at_loss, at_forward, at_block, key=sum)
+    moment = "block" if (activations, temporaries) == at_block else "loss"
     return Activations(activations=activations, temporaries=temporaries, per_layer=per_layer,
-                       notes=tuple(notes))
+                       notes=tuple(notes), moment=moment)
 
 
 def inference_activations(spec: TransformerSpec, run: RunConfig, seq: int) -> Activations:

@@ -11,7 +11,9 @@ from memfit.errors import MemfitError, suggest
 Mode = Literal["train", "lora", "qlora", "inference"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16", "fp8"]
 Optimizer = Literal["adam", "adamw", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion"]
-Checkpointing = Literal["none", "selective", "full"]
+Checkpointing = Literal["none", "selective", "selective-attn", "full"]
+Engine = Literal["auto", "fsdp2", "ddp", "deepspeed", "megatron"]
+OffloadTo = Literal["cpu", "nvme"]
 Attention = Literal["sdpa", "flash", "eager"]
 WeightQuant = Literal["none", "int8", "int4"]
 KvDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8"]
@@ -25,6 +27,8 @@ CHECKPOINTING: tuple[str, ...] = vocab.names("checkpointing", "plan")
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
 WEIGHT_QUANTS: tuple[str, ...] = get_args(WeightQuant)
 KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
+ENGINES: tuple[str, ...] = get_args(Engine)
+OFFLOAD_TARGETS: tuple[str, ...] = get_args(OffloadTo)
 
 
 def _check_choice(what: str, value: str, valid: tuple[str, ...]) -> None:
@@ -49,8 +53,11 @@ class RunConfig:
     fp8 (fp8 matmuls, bf16-mixed storage; needs a GPU with fp8)."""
     optimizer: Optimizer = "adamw"
     checkpointing: Checkpointing = "none"
-    """none; selective (recompute attention scores, Korthikanti et al.); full (keep block inputs
-    only, recompute one block at a time)."""
+    """none; selective (op-level selective activation checkpointing as memfit.techniques applies
+    it: each block keeps its input and the outputs of its matmuls and attention kernels, the
+    rest is recomputed); selective-attn (Korthikanti et al.'s selective recompute: only the
+    attention scores are recomputed; nothing to drop with fused attention); full (keep block
+    inputs only, recompute one block at a time)."""
     attention: Attention = "sdpa"
     """sdpa/flash: fused attention, no s×s score matrix kept; eager: scores and softmax kept."""
     batch: int = 1
@@ -70,6 +77,16 @@ class RunConfig:
     """Optimizer states (and fp32 masters) live in host memory (ZeRO-Offload)."""
     offload_params: bool = False
     """Parameters live in host memory and are fetched per block (ZeRO-Infinity; needs zero=3)."""
+    offload_to: OffloadTo = "cpu"
+    """Where offloaded states go: cpu (host memory) or nvme (ZeRO-Infinity's NVMe tier: DeepSpeed
+    only; host memory keeps the swap buffers)."""
+    engine: Engine = "auto"
+    """The training engine whose memory layout is planned: fsdp2 (PyTorch fully_shard,
+    MixedPrecisionPolicy, CPUOffloadPolicy), ddp (PyTorch DDP under autocast; ZeRO-1 as
+    ZeroRedundancyOptimizer), deepspeed (ZeRO 1-3, ZeRO-Offload, ZeRO-Infinity), megatron
+    (Megatron-LM: bf16 parameters, fp32 main-grad buffer, distributed optimizer = ZeRO-1).
+    auto: the ZeRO paper's layout (16-bit weights and gradients, fp32 masters with the
+    optimizer, activations under autocast), DeepSpeed's when something is offloaded."""
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
     weight_quant: WeightQuant = "none"
@@ -85,6 +102,8 @@ class RunConfig:
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("checkpointing policy", self.checkpointing, CHECKPOINTING)
         _check_choice("attention implementation", self.attention, ATTENTIONS)
+        _check_choice("engine", self.engine, ENGINES)
+        _check_choice("offload target", self.offload_to, OFFLOAD_TARGETS)
         _check_choice("weight quantization", self.weight_quant, WEIGHT_QUANTS)
         if self.kv_cache_dtype is not None:
             _check_choice("KV cache dtype", self.kv_cache_dtype, KV_DTYPES)
@@ -104,6 +123,9 @@ class RunConfig:
             raise MemfitError(
                 f"--gpus {self.gpus} is not divisible by tp x pp = {self.tp * self.pp}; "
                 "use a GPU count that is a multiple of --tp times --pp")
+        if self.engine == "fsdp2" and self.zero == 0 and self.training:
+            object.__setattr__(self, "zero", 3)  # fully_shard is ZeRO-3 (frozen dataclass)
+        self._check_engine()
         if self.offload_params and self.zero != 3:
             raise MemfitError("parameter offload needs ZeRO-3 / FSDP: add --zero 3, "
                               "or use --offload-optimizer alone")
@@ -140,6 +162,61 @@ class RunConfig:
         if bad:
             raise MemfitError(f"unknown LoRA target(s) {', '.join(bad)}; valid: q, k, v, o, "
                               "gate, up, down (or 'all')")
+
+    def _check_engine(self) -> None:
+        """What each engine can run (one line each, with the fix)."""
+        offload = self.offload_optimizer or self.offload_params
+        if self.engine != "auto" and not self.training:
+            raise MemfitError(f"--engine {self.engine} chooses a training engine's memory "
+                              "layout; --mode inference has none: drop --engine")
+        if self.offload_to == "nvme" and not offload:
+            raise MemfitError("--offload-to nvme needs something to offload: add "
+                              "--offload-optimizer and/or --offload-params (ZeRO-Infinity)")
+        engine = self.engine
+        if self.offload_to == "nvme" and engine not in ("auto", "deepspeed"):
+            raise MemfitError(f"--offload-to nvme is ZeRO-Infinity's NVMe tier, a DeepSpeed "
+                              f"feature; --engine {engine} cannot offload to NVMe: use --engine "
+                              "deepspeed or --offload-to cpu")
+        if engine == "fsdp2":
+            if self.zero in (1, 2):
+                raise MemfitError(f"--engine fsdp2 shards parameters, gradients and optimizer "
+                                  f"states (ZeRO-3); --zero {self.zero} is not an FSDP2 layout: "
+                                  "use --zero 3 or --engine deepspeed")
+            if self.offload_optimizer and not self.offload_params:
+                raise MemfitError("FSDP2's CPUOffloadPolicy moves parameters, gradients and "
+                                  "optimizer states together: add --offload-params, or use "
+                                  "--engine deepspeed for optimizer offload alone")
+        elif engine == "ddp":
+            if self.zero >= 2:
+                raise MemfitError(f"--engine ddp replicates the model; --zero {self.zero} needs "
+                                  "--engine fsdp2 (zero 3) or deepspeed (ZeRO-1 in DDP is "
+                                  "ZeroRedundancyOptimizer: --zero 1)")
+            if offload:
+                raise MemfitError("--engine ddp does not offload; use --engine deepspeed "
+                                  "(ZeRO-Offload) or fsdp2 (CPUOffloadPolicy)")
+        elif engine == "megatron":
+            if self.zero >= 2:
+                raise MemfitError(f"--engine megatron shards only the optimizer (its distributed "
+                                  f"optimizer, --zero 1); --zero {self.zero} is not a Megatron-LM "
+                                  "layout: use --zero 1, or --engine fsdp2/deepspeed")
+            if offload:
+                raise MemfitError("--engine megatron: optimizer/parameter offload is not "
+                                  "planned; use --engine deepspeed or fsdp2 to offload")
+
+    @property
+    def layout(self) -> str:
+        """The engine whose memory layout is planned: ``auto`` resolves to ``deepspeed`` when
+        something is offloaded (ZeRO-Offload), else to ``zero-paper``."""
+        if self.engine != "auto":
+            return self.engine
+        return "deepspeed" if (self.offload_optimizer or self.offload_params) else "zero-paper"
+
+    @property
+    def autocast(self) -> bool:
+        """Activations are computed under torch.autocast (fp32 parameters and residual stream,
+        16-bit matmuls): memfit's own way and DDP's. FSDP2's MixedPrecisionPolicy, DeepSpeed's
+        bf16/fp16 modes and Megatron-LM cast the model to 16-bit and compute in it."""
+        return self.mixed and self.engine in ("auto", "ddp")
 
     @property
     def dp(self) -> int:

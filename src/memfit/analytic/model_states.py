@@ -7,6 +7,8 @@ Sources (see shared facts):
 - EleutherAI "Transformer Math 101": optimizer bytes per parameter: AdamW 8, 8-bit Adam 2,
   SGD with momentum 4 (+4 fp32 master under mixed precision).
 - QLoRA (Dettmers et al. 2023): NF4 base weights with double quantization, 4.127 bits/param.
+
+Each engine keeps its own layout (RunConfig.layout; Note: [engine layouts]).
 """
 
 from __future__ import annotations
@@ -133,9 +135,37 @@ def split_params(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ParamSp
     )
 
 
+# Note: [engine layouts] bytes per trainable parameter Ψ under bf16/fp16 mixed precision with
+# AdamW (K = 8 bytes of states), N data-parallel ranks:
+# - zero-paper (auto): the ZeRO paper's 2Ψ 16-bit weights + 2Ψ 16-bit gradients + (4 + K)Ψ fp32
+#   master and states, sharded per ZeRO stage (Rajbhandari et al., Fig. 1).
+# - deepspeed: the same layout (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py keep 16-bit
+#   parameters and gradients and an fp32 partition of master weights and states); ZeRO-Offload
+#   (offload_optimizer) moves the fp32 master, states and an fp32 gradient partition to the host,
+#   and with ZeRO-2/3 the 16-bit gradients leave the GPU bucket by bucket
+#   (stage_1_and_2.py: async_inplace_copy_grad_to_fp32_buffer_from_gpu); offload_param moves the
+#   16-bit parameter partitions too. Host bytes per GPU 16Ψ/N (18Ψ/N with parameters), as
+#   DeepSpeed's estimators count (stage_1_and_2.py: estimate_zero2_model_states_mem_needs,
+#   stage3.py: estimate_zero3_model_states_mem_needs, without their 1.5 buffer factor).
+#   ZeRO-Infinity's NVMe tier (offload_to="nvme") puts those bytes on NVMe instead.
+# - fsdp2: fully_shard keeps the sharded parameters in their own dtype (fp32 under
+#   MixedPrecisionPolicy(param_dtype=bf16)), sharded gradients in the same dtype, and states;
+#   the optimizer steps on the fp32 shards, so there is no separate master: 4Ψ/N + 4Ψ/N + KΨ/N.
+#   CPUOffloadPolicy keeps all three on the host (the optimizer steps on the CPU).
+# - ddp: torch.autocast with fp32 parameters (4Ψ), fp32 gradients (4Ψ) and states (KΨ);
+#   ZeroRedundancyOptimizer (zero 1) shards the states.
+# - megatron: bf16 parameters (2Ψ) in a contiguous buffer, a contiguous fp32 main-grad buffer (4Ψ,
+#   megatron/core/distributed/param_and_grad_buffer.py: grad_dtype = torch.float if
+#   grad_reduce_in_fp32; bf16 turns that on, megatron/training/arguments.py) and fp32 master +
+#   states (12Ψ), sharded over N by the distributed optimizer (zero 1): 6 + 12/d bytes per
+#   parameter; fp16: 4 + 16/d (fp16 gradients, an fp32 main-grad copy with the optimizer); fp32:
+#   8 + 8/d (docs/user-guide/features/dist_optimizer.md, megatron/core/optimizer/
+#   distrib_optimizer.py).
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelStates:
-    """Bytes per GPU of the model states, and what went to host memory."""
+    """Bytes per GPU of the model states, and what went to host memory (or NVMe)."""
 
     weights: int
     gradients: int
@@ -143,17 +173,16 @@ class ModelStates:
     host_bytes: int
     """Host (CPU) memory holding offloaded optimizer states / parameters, per GPU."""
     notes: tuple[str, ...] = ()
+    nvme_bytes: int = 0
+    """NVMe bytes holding offloaded states per GPU (ZeRO-Infinity, ``offload_to="nvme"``)."""
 
 
-def _optimizer_bytes_per_param(run: RunConfig) -> Fraction:
-    """Optimizer state bytes per trainable parameter, fp32 master copy included."""
+def _optimizer_states_per_param(run: RunConfig) -> Fraction:
+    """Optimizer state bytes per trainable parameter, without the fp32 master copy."""
     pure16 = run.precision in ("bf16", "fp16")
     if run.optimizer == "adamw-8bit":
-        states = STATES_PER_PARAM["adamw-8bit"] * BNB_8BIT_BYTES_PER_STATE
-    else:
-        states = Fraction(STATES_PER_PARAM[run.optimizer] * (2 if pure16 else 4))
-    master = 4 if run.mixed else 0
-    return states + master
+        return STATES_PER_PARAM["adamw-8bit"] * BNB_8BIT_BYTES_PER_STATE
+    return Fraction(STATES_PER_PARAM[run.optimizer] * (2 if pure16 else 4))
 
 
 def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelStates:
@@ -182,15 +211,31 @@ def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelSt
         return ModelStates(weights=weights, gradients=0, optimizer_states=0, host_bytes=0)
 
     # --- gradients and optimizer states of the trainable parameters
-    gradients = split.trainable * compute_bytes
+    layout = run.layout
+    master = 4 if run.mixed else 0
+    if layout in ("fsdp2", "ddp"):
+        # PyTorch keeps the trainable parameters in fp32 under mixed precision (autocast or
+        # MixedPrecisionPolicy): they are the optimizer's master copy; gradients match them.
+        param_bytes = 4 if run.mixed else compute_bytes
+        weights += split.trainable * (param_bytes - compute_bytes)
+        gradients = split.trainable * param_bytes
+        master = 0
+    elif layout == "megatron":
+        # fp32 main-grad buffer for bf16 (and fp32); fp16 keeps fp16 model gradients and the
+        # optimizer an fp32 main-grad copy (Note: [engine layouts])
+        grad_bytes = {"bf16-mixed": 4, "fp8": 4, "fp32": 4}.get(run.precision, compute_bytes)
+        gradients = split.trainable * grad_bytes
+        if run.precision == "fp16-mixed":
+            master += 4  # the fp32 main gradients live with the optimizer
+    else:
+        gradients = split.trainable * compute_bytes
     if run.optimizer == "adafactor":
-        opt_per = Fraction(4 if run.mixed else 0)
-        optimizer = _ceil(split.trainable * opt_per) + 4 * split.adafactor_state_elements
+        optimizer = _ceil(split.trainable * master) + 4 * split.adafactor_state_elements
         if isinstance(model, ParamCountSpec):
             notes.append("adafactor: factored states of a model known only by its parameter "
                          "count are taken as negligible")
     else:
-        optimizer = _ceil(split.trainable * _optimizer_bytes_per_param(run))
+        optimizer = _ceil(split.trainable * (_optimizer_states_per_param(run) + master))
 
     # --- ZeRO sharding over the data-parallel ranks
     dp = run.dp
@@ -202,14 +247,38 @@ def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelSt
         weights = _ceil(Fraction(weights, dp))
 
     host = 0
-    if run.offload_optimizer:
-        host += optimizer
-        optimizer = 0
-        notes.append("optimizer states and fp32 masters live in host memory; the optimizer "
-                     "step runs on the CPU")
-    if run.offload_params:
-        host += weights
-        weights = 0
-        notes.append("parameters live in host memory; each block is fetched before use")
+    if layout == "fsdp2" and run.offload_params:
+        # CPUOffloadPolicy: sharded parameters, gradients and optimizer states on the host
+        host = weights + gradients + optimizer
+        weights = gradients = optimizer = 0
+        notes.append("FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer "
+                     "states live in host memory; each block is copied in before use and the "
+                     "optimizer steps on the CPU")
+    elif run.offload_optimizer or run.offload_params:
+        if run.offload_optimizer:
+            # ZeRO-Offload: fp32 master + states and an fp32 gradient partition on the host
+            fp32_grads = _ceil(Fraction(split.trainable * 4, dp if run.zero >= 1 else 1))
+            host += optimizer + fp32_grads
+            optimizer = 0
+            if run.zero >= 2:
+                gradients = 0  # reduced bucket by bucket straight into the host partition
+                notes.append("DeepSpeed ZeRO-Offload: fp32 masters, optimizer states and fp32 "
+                             "gradients live in host memory; 16-bit gradients leave the GPU "
+                             "through the reduce bucket; the optimizer steps on the CPU")
+            else:
+                notes.append("DeepSpeed ZeRO-Offload (stage 0/1): fp32 masters, optimizer "
+                             "states and an fp32 gradient copy live in host memory; the 16-bit "
+                             "gradients stay on the GPU until the step (--zero 2 moves them)")
+        if run.offload_params:
+            host += weights
+            weights = 0
+            notes.append("ZeRO-Infinity parameter offload: 16-bit parameter partitions live "
+                         "in host memory; each module is fetched before use")
+    nvme = 0
+    if run.offload_to == "nvme":
+        # ZeRO-Infinity: the offloaded states sit on NVMe; the host keeps the swap buffers
+        # (planner.py: nvme_host_buffers counts them)
+        nvme, host = host, 0
     return ModelStates(weights=weights, gradients=gradients, optimizer_states=optimizer,
-                       host_bytes=host, notes=tuple(notes))
+                       host_bytes=host, notes=tuple(notes), nvme_bytes=nvme)
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 from memfit.analytic.activations import inference_activations, training_activations
@@ -41,6 +42,29 @@ FITS_MARGIN = 0.19
 GPUS_PER_NODE = 8
 """GPUs per node when the user does not say (DGX/HGX A100, H100, H200, B200 nodes)."""
 
+ENGINE_LABELS: dict[str, str] = {
+    "zero-paper": "the ZeRO paper's layout",
+    "fsdp2": "PyTorch FSDP2",
+    "ddp": "PyTorch DDP",
+    "deepspeed": "DeepSpeed",
+    "megatron": "Megatron-LM",
+}
+"""RunConfig.layout -> the engine's name, as the plan prints it."""
+
+# DeepSpeed's defaults, in elements: deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig:
+# reduce_bucket_size, stage3_prefetch_bucket_size, sub_group_size) and offload_config.py
+# (DeepSpeedZeroOffloadParamConfig: buffer_count 5, buffer_size 1e8;
+# DeepSpeedZeroOffloadOptimizerConfig: buffer_count 4).
+DS_REDUCE_BUCKET = 500_000_000
+DS_PREFETCH_BUCKET = 50_000_000
+DS_SUB_GROUP = 1_000_000_000
+DS_PARAM_SWAP_BUFFERS = 5 * 100_000_000
+DS_OPTIMIZER_SWAP_BUFFERS = 4
+
+PERSISTENT_BUFFERS = frozenset({"DDP gradient buckets", "reduce bucket"})
+"""Engine buffers allocated once and kept through the optimizer step (the others are freed
+after each module's backward)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
@@ -62,6 +86,16 @@ class MemoryPlan:
     peak_phase: str = "backward"
     """Where the planned peak is: ``backward`` (activations saved, backward temporaries),
     ``optimizer`` (the optimizer step's temporaries outgrow them) or ``forward`` (inference)."""
+    nvme_bytes: int = 0
+    """NVMe bytes per GPU for states offloaded to ZeRO-Infinity's NVMe tier."""
+    engine_buffers: dict[str, int] = field(default_factory=dict)
+    """The engine's own GPU buffers, counted in ``temporaries`` (gathered parameters, reduce
+    buckets), by name."""
+
+    @property
+    def engine_label(self) -> str:
+        """The engine whose memory layout is planned, in words."""
+        return ENGINE_LABELS[self.run.layout]
 
     @property
     def total_bytes(self) -> int:
@@ -98,6 +132,8 @@ class MemoryPlan:
             parts.append(f"grad-accum {r.grad_accum}")
         if r.gpus > 1:
             parts.append(f"{r.gpus} GPUs (dp {r.dp}, tp {r.tp}, pp {r.pp}, zero {r.zero})")
+        if r.training and r.layout != "zero-paper":  # (the notes name the default layout)
+            parts.append(f"engine: {self.engine_label}")
         if r.mode in ("lora", "qlora"):
             parts.append(f"rank {r.lora_rank} on {','.join(r.lora_targets)}")
         if r.mode == "inference":
@@ -126,6 +162,13 @@ class MemoryPlan:
                             f"{on_node} GPUs")
             after.append(f"host memory for offloaded states: {format_bytes(self.host_bytes)} "
                          f"per GPU{per_node}")
+        if self.nvme_bytes:
+            after.append(f"NVMe for offloaded states (ZeRO-Infinity): "
+                         f"{format_bytes(self.nvme_bytes)} per GPU")
+        if self.engine_buffers:
+            parts = ", ".join(f"{name} {format_bytes(b)}" for name, b in
+                              self.engine_buffers.items())
+            after.append(f"{self.engine_label} buffers in temporaries: {parts}")
         after += [f"note: {note}" for note in self.notes]
         return MemoryTable(
             title="Memory per GPU" + (f" (pipeline stage {self.stage})" if self.run.pp > 1
@@ -168,6 +211,9 @@ class MemoryPlan:
             "headroom_bytes": self.headroom_bytes,
             "activations_known": self.activations_known,
             "host_bytes": self.host_bytes,
+            "nvme_bytes": self.nvme_bytes,
+            "engine": self.run.layout,
+            "engine_buffers": dict(self.engine_buffers),
             "runtime_parts": dict(self.runtime_parts),
             "stage": self.stage,
             # One source of truth for the sequence: the length planned (the model's default when
@@ -281,13 +327,122 @@ STEP_TEMPORARIES_PER_PARAM: dict[str, int] = {
 
 def optimizer_step_temporaries(model: ModelSpec, run: RunConfig, stage: int) -> int:
     """Device bytes of the optimizer step's temporaries on one GPU (0 when offloaded)."""
-    if not run.training or run.offload_optimizer:
-        return 0
+    if not run.training or run.offload_optimizer or (run.layout == "fsdp2"
+                                                      and run.offload_params):
+        return 0  # the step runs on the host
     trainable = split_params(model, run, stage=stage).trainable
     if run.zero >= 1:
         trainable = -(-trainable // run.dp)
     state_bytes = 2 if run.precision in ("bf16", "fp16") else 4
     return STEP_TEMPORARIES_PER_PARAM[run.optimizer] * state_bytes * trainable
+
+
+def _head_share(model: ModelSpec, gradients: int) -> int:
+    """The share of ``gradients`` that belongs to the LM head (and a tied embedding)."""
+    if not isinstance(model, TransformerSpec) or not model.param_count():
+        return 0
+    head = model.head_params() + (model.embedding_params() if model.tie_embeddings else 0)
+    return gradients * head // model.param_count()
+
+
+def largest_module_params(model: ModelSpec, run: RunConfig) -> int:
+    """DeepSpeed's "largest layer": the most parameters one module holds itself (stage3.py:
+    model_to_params sums ``m.parameters(recurse=False)`` per module): the embedding, the LM head
+    or one linear layer, divided by tp. 0 when only the parameter count is known."""
+    if not isinstance(model, TransformerSpec):
+        return 0
+    h = model.hidden_size
+    largest = max(s.in_features * s.out_features for s in model.linear_shapes())
+    if model.arch != "vision":
+        largest = max(largest, model.vocab_size * h)
+    return -(-largest // run.tp)
+
+
+def fsdp_unit_params(model: ModelSpec, run: RunConfig) -> int:
+    """The largest fully_shard unit: a block, or the root's embedding / LM head (torchtitan
+    shards each block and the root; the root gathers its own parameters)."""
+    if not isinstance(model, TransformerSpec):
+        return 0
+    unit = max(model.layer_params(), model.embedding_params(), model.head_params())
+    return -(-unit // run.tp)
+
+
+def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, int]:
+    """GPU bytes of the engine's own buffers during backward, by name (Note: [engine layouts] in
+    model_states.py for the states themselves). The ZeRO paper's layout has none here (its
+    gathered blocks are counted in ``_plan_stage``)."""
+    if not run.training or run.layout == "zero-paper":
+        return {}
+    split = split_params(model, run, stage=stage)
+    cb = 2 if run.compute_format != "fp32" else 4
+    trained = Fraction(split.trainable, split.total) if split.total else Fraction(1)
+    out: dict[str, int] = {}
+    layout, dp = run.layout, run.dp
+    if layout == "fsdp2":
+        # fully_shard all-gathers the unit being run and prefetches the next; in backward the
+        # unit's unsharded gradients (param dtype) are copied into the reduce-scatter input
+        # before they are freed (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:
+        # foreach_reduce allocates reduce_scatter_input in reduce_dtype: fp32 under
+        # MixedPrecisionPolicy(reduce_dtype=torch.float32), as torchtitan sets it).
+        unit, block = fsdp_unit_params(model, run), split.largest_layer
+        out["all-gathered parameters"] = (unit + block) * cb
+        reduce = 4 if run.mixed else cb
+        out["unsharded gradients"] = int(unit * trained) * (cb + reduce)
+    elif layout == "ddp" and dp > 1:
+        # DDP copies gradients into its buckets unless gradient_as_bucket_view=True
+        # (torch.nn.parallel.DistributedDataParallel docs: the saving "will be equal to the total
+        # gradients size")
+        out["DDP gradient buckets"] = split.trainable * (4 if run.mixed else cb)
+    elif layout == "deepspeed":
+        if run.zero >= 1:
+            # stage_1_and_2.py: setup_buckets / stage3.py: _setup_for_real_optimizer allocate
+            # torch.empty(reduce_bucket_size) in the 16-bit dtype (contiguous_gradients, on by
+            # default and forced on by cpu_offload)
+            out["reduce bucket"] = DS_REDUCE_BUCKET * cb
+        elif dp > 1:
+            out["reduce bucket"] = min(DS_REDUCE_BUCKET, split.trainable) * cb
+        if run.zero == 3:
+            largest = largest_module_params(model, run)
+            # the module being run, gathered, and its 16-bit gradient: 4 bytes per parameter of
+            # the largest module, DeepSpeed's largest_layer_memory (stage3.py:
+            # estimate_zero3_model_states_mem_needs)
+            out["gathered module and its gradient"] = largest * 2 * cb
+            out["prefetch bucket"] = min(DS_PREFETCH_BUCKET,
+                                         split.total - largest) * cb if split.total else 0
+    return {name: b for name, b in out.items() if b}
+
+
+def _engine_step_temporaries(model: ModelSpec, run: RunConfig, stage: int) -> int | None:
+    """The optimizer step's device temporaries where the engine decides them; None: PyTorch's
+    foreach optimizer (``optimizer_step_temporaries``)."""
+    if run.layout == "deepspeed":
+        if run.offload_optimizer:
+            return 0  # DeepSpeedCPUAdam steps on the host
+        trainable = split_params(model, run, stage=stage).trainable
+        part = -(-trainable // run.dp) if run.zero >= 1 else trainable
+        if run.zero == 3:
+            part = min(part, DS_SUB_GROUP)  # stage3.py: _prepare_fp32_grad_for_sub_group
+        # stage_1_and_2.py: step() casts the flat 16-bit gradient partition to fp32
+        # (flat_grad_partition.to(fp32)); FusedAdam keeps no temporaries
+        return 4 * part
+    if run.layout == "megatron":
+        return 0  # fused Adam over the fp32 main grads already counted
+    return None
+
+
+def nvme_host_buffers(model: ModelSpec, run: RunConfig, stage: int) -> int:
+    """Pinned host buffers ZeRO-Infinity swaps NVMe through (offload_config.py defaults)."""
+    if run.offload_to != "nvme":
+        return 0
+    cb = 2 if run.compute_format != "fp32" else 4
+    total = 0
+    if run.offload_params:
+        total += DS_PARAM_SWAP_BUFFERS * cb
+    if run.offload_optimizer:
+        trainable = split_params(model, run, stage=stage).trainable
+        part = -(-trainable // run.dp) if run.zero >= 1 else trainable
+        total += DS_OPTIMIZER_SWAP_BUFFERS * min(part, DS_SUB_GROUP) * 4
+    return total
 
 
 def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int | None,
@@ -298,10 +453,15 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
     breakdown[MemoryCategory.GRADIENTS] = states.gradients
     breakdown[MemoryCategory.OPTIMIZER_STATES] = states.optimizer_states
     notes = list(states.notes)
-    if run.mode == "train" and run.mixed:
-        notes.append("mixed precision counted as in the ZeRO paper: 16-bit weights and "
-                     "gradients, fp32 masters with the optimizer; plain torch.autocast keeps "
-                     "fp32 gradients (+2 bytes/param): use --method trace to model that")
+    buffers = engine_buffers(model, run, stage)
+    if run.mode == "train" and run.mixed and run.layout == "zero-paper":
+        notes.append("no --engine: mixed precision counted as in the ZeRO paper: 16-bit weights "
+                     "and gradients, fp32 masters with the optimizer; plain torch.autocast keeps "
+                     "fp32 gradients (+2 bytes/param): --engine ddp (or --method trace) models "
+                     "that")
+    elif run.training and run.layout == "zero-paper":
+        notes.append("no --engine: the ZeRO paper's layout; --engine picks fsdp2, ddp, "
+                     "deepspeed or megatron")
     known = isinstance(model, TransformerSpec)
     dp = run.dp
     if isinstance(model, TransformerSpec) and seq is not None:
@@ -315,7 +475,7 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
         notes.extend(acts.notes)
         breakdown[MemoryCategory.ACTIVATIONS] = acts.activations
         temporaries = acts.temporaries
-        if run.training:
+        if run.training and run.layout == "zero-paper":
             split = split_params(model, run, stage=stage)
             compute_bytes = 2 if run.compute_format != "fp32" else 4
             if run.zero == 3:
@@ -337,23 +497,47 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
         known = False
         notes.append("activations unknown: only the parameter count is given; "
                      "use a preset or config.json for activations")
+    breakdown[MemoryCategory.TEMPORARIES] += sum(buffers.values())
     peak_phase = "backward" if run.training else "forward"
+    all_gradients = breakdown[MemoryCategory.GRADIENTS]
+    if (run.training and known and seq is not None and isinstance(model, TransformerSpec)
+            and run.layout in ("ddp", "fsdp2")):
+        # PyTorch frees gradients between steps (torch/optim/optimizer.py: zero_grad(set_to_none
+        # =True), the default since 2.0): at the loss none exist yet; in the last block's
+        # backward only the head's (and a tied embedding's).
+        breakdown[MemoryCategory.GRADIENTS] = (0 if acts.moment == "loss" else
+                                               _head_share(model, all_gradients))
+        where = "at the loss" if acts.moment == "loss" else "in the last block"
+        notes.append(f"backward peak {where}: gradients are allocated during backward "
+                     "(zero_grad sets them to None), so only those made by then are counted")
     step_temporaries = optimizer_step_temporaries(model, run, stage)
+    engine_step = _engine_step_temporaries(model, run, stage) if run.training else None
+    if engine_step is not None:
+        step_temporaries = engine_step
+    step_temporaries += sum(b for name, b in buffers.items() if name in PERSISTENT_BUFFERS)
     backward_peak = (breakdown[MemoryCategory.ACTIVATIONS]
-                     + breakdown[MemoryCategory.TEMPORARIES])
-    if step_temporaries > backward_peak:
+                     + breakdown[MemoryCategory.TEMPORARIES]
+                     + breakdown[MemoryCategory.GRADIENTS])
+    if step_temporaries + all_gradients > backward_peak:
         # The optimizer step runs after backward has freed the activations; its foreach
         # temporaries are the peak when they outgrow activations + backward temporaries.
         breakdown[MemoryCategory.ACTIVATIONS] = 0
+        breakdown[MemoryCategory.GRADIENTS] = all_gradients
         breakdown[MemoryCategory.TEMPORARIES] = step_temporaries
         peak_phase = "optimizer"
         notes.append("peak in the optimizer step: PyTorch's default foreach implementation "
-                     "makes a parameter-sized temporary (fused=True avoids it)")
+                     "makes a parameter-sized temporary (fused=True avoids it)"
+                     if engine_step is None else
+                     "peak in the optimizer step: DeepSpeed casts the gradient partition to "
+                     "fp32 for the step")
     runtime = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=run.gpus)
     breakdown[MemoryCategory.RUNTIME] = sum(runtime.values())
     return MemoryPlan(model=model, run=run, gpu=gpu, seq=seq, breakdown=breakdown,
-                activations_known=known, host_bytes=states.host_bytes, runtime_parts=runtime,
-                notes=tuple(dict.fromkeys(notes)), stage=stage, peak_phase=peak_phase)
+                      activations_known=known,
+                      host_bytes=states.host_bytes + nvme_host_buffers(model, run, stage),
+                      runtime_parts=runtime, notes=tuple(dict.fromkeys(notes)), stage=stage,
+                      peak_phase=peak_phase, nvme_bytes=states.nvme_bytes,
+                      engine_buffers=buffers)
 
 
 def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = None) -> MemoryPlan:
@@ -434,6 +618,12 @@ class ScaleOut:
                 "host_bytes_per_node": self.host_bytes_per_node}
 
 
+def _widest_zero(run: RunConfig) -> int:
+    """The most sharding the run's engine offers when adding data-parallel ranks: ZeRO-3 (FSDP,
+    DeepSpeed), the distributed optimizer (Megatron) or ZeroRedundancyOptimizer (DDP)."""
+    return 1 if run.engine in ("megatron", "ddp") else 3
+
+
 def _fits(model: ModelSpec, run: RunConfig, gpu: GpuSpec) -> MemoryPlan | None:
     try:
         p = plan(model, run, gpu)
@@ -463,7 +653,7 @@ def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
         return None
     model, run, gpu = p.model, p.run, p.gpu
     if run.training:
-        zero = run.zero or 3
+        zero = run.zero or _widest_zero(run)
         step = run.tp * run.pp
 
         def at(dp: int) -> MemoryPlan | None:
@@ -481,6 +671,8 @@ def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
         found = at(lo)
         assert found is not None
         strategy = {1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 / FSDP"}[zero]
+        if run.engine == "megatron":
+            strategy = "Megatron distributed optimizer"
         if step > 1:
             strategy += f" with tp {run.tp} x pp {run.pp}"
         return ScaleOut(plan=found, strategy=strategy, gpus_per_node=gpus_per_node)
@@ -504,11 +696,19 @@ def scale_out_line(p: MemoryPlan, scale: ScaleOut | None, *,
     no count up to :data:`MAX_GPUS` will do."""
     if scale is None:
         if p.run.training:
-            zero = p.run.zero or 3
+            zero = p.run.zero or _widest_zero(p.run)
             widest = plan(p.model, replace(p.run, gpus=MAX_GPUS // (p.run.tp * p.run.pp)
                                            * p.run.tp * p.run.pp, zero=zero), p.gpu)
             held = (widest.breakdown[MemoryCategory.ACTIVATIONS]
                     + widest.breakdown[MemoryCategory.TEMPORARIES])
+            if zero < 3:
+                kept = (widest.breakdown[MemoryCategory.WEIGHTS]
+                        + widest.breakdown[MemoryCategory.GRADIENTS])
+                return (f"no number of GPUs up to {MAX_GPUS} holds this step with ZeRO-{zero} "
+                        f"({widest.engine_label}): the weights and gradients "
+                        f"({format_bytes(kept)} per GPU) and one micro-batch's activations and "
+                        f"temporaries ({format_bytes(held)}) do not shrink with more GPUs; try "
+                        "--tp, --pp or an engine that shards parameters (--engine fsdp2)")
             return (f"no number of GPUs up to {MAX_GPUS} holds this step with ZeRO-{zero}: the "
                     f"activations and temporaries of one micro-batch ({format_bytes(held)} per "
                     "GPU) do not shrink with more GPUs; try --checkpointing full, a smaller "

@@ -27,7 +27,7 @@ def _candidates(p: MemoryPlan) -> list[tuple[str, dict[str, Any]]]:
     if run.training:
         if run.checkpointing != "full":
             out.append(("--checkpointing full", {"checkpointing": "full"}))
-        if run.checkpointing == "none" and run.attention == "eager":
+        if run.checkpointing == "none":  # op-level: keeps matmul outputs, any attention
             out.append(("--checkpointing selective", {"checkpointing": "selective"}))
         if run.attention == "eager":
             out.append(("--attention sdpa", {"attention": "sdpa"}))

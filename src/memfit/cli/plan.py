@@ -10,8 +10,10 @@ from typing import Any
 from memfit.analytic.config import (
     ATTENTIONS,
     CHECKPOINTING,
+    ENGINES,
     KV_DTYPES,
     MODES,
+    OFFLOAD_TARGETS,
     OPTIMIZERS,
     PRECISIONS,
     WEIGHT_QUANTS,
@@ -36,6 +38,10 @@ EPILOG = """examples:
   memfit plan ./config.json --gpu h100-80gb --precision bf16-mixed --checkpointing full \\
       --gpus 8 --zero 3
   memfit plan --params 7.5e9 --precision fp16-mixed --optimizer adam --gpus 64 --zero 2
+  memfit plan llama-3.1-8b --gpu h100-80gb --gpus 8 --engine fsdp2 --checkpointing selective \
+      --batch 2 --seq 8192
+  memfit plan llama-2-7b --engine deepspeed --zero 3 --offload-optimizer --offload-params \
+      --offload-to nvme
   memfit plan llama-3-8b --mode inference --batch 8 --seq 4096 --new-tokens 512 --quant int4
 """
 
@@ -58,7 +64,9 @@ def register(sub: Any) -> None:
     p.add_argument("--optimizer",
                    help=f"one of {', '.join(OPTIMIZERS)} (default adamw; training modes only)")
     p.add_argument("--checkpointing", default="none",
-                   help=f"activation checkpointing: {', '.join(CHECKPOINTING)}")
+                   help=f"activation checkpointing: {', '.join(CHECKPOINTING)} (selective: "
+                   "op-level, keep matmul/attention outputs; selective-attn: Korthikanti's "
+                   "score-only recompute, analytic only)")
     p.add_argument("--attention", default="sdpa", help=f"one of {', '.join(ATTENTIONS)}")
     p.add_argument("--batch", default="1", help="micro-batch per GPU (default 1)")
     p.add_argument("--seq", help="sequence length (default: the model's, capped at 2048)")
@@ -76,6 +84,12 @@ def register(sub: Any) -> None:
                    help="keep optimizer states in host memory")
     p.add_argument("--offload-params", action="store_true",
                    help="keep parameters in host memory (needs --zero 3)")
+    p.add_argument("--offload-to", default="cpu",
+                   help=f"where offloaded states go: {', '.join(OFFLOAD_TARGETS)} (nvme: "
+                   "ZeRO-Infinity, DeepSpeed)")
+    p.add_argument("--engine", default="auto",
+                   help=f"training engine whose memory layout is planned: {', '.join(ENGINES)} "
+                   "(auto: the ZeRO paper's layout, DeepSpeed's when offloading)")
     p.add_argument("--lora-rank", help="LoRA rank (default 16; --mode lora/qlora only)")
     p.add_argument("--lora-targets",
                    help="comma list of q,k,v,o,gate,up,down, or 'all' (default q,k,v,o; "
@@ -149,6 +163,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         pp=positive_int(args.pp, "--pp") or 1,
         sequence_parallel=args.sequence_parallel,
         offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
+        offload_to=args.offload_to, engine=args.engine,
         lora_rank=positive_int(args.lora_rank, "--lora-rank") or 16,
         lora_targets=targets,
         weight_quant=args.quant, kv_cache_dtype=args.kv_cache_dtype,
@@ -193,7 +208,14 @@ def run(args: argparse.Namespace) -> int:
     if checkpoint is not None and not args.json:
         console().print(compare_with_config(checkpoint, model), soft_wrap=True)
     if args.method == "trace":
+        from memfit import vocab
         from memfit.cli.trace_plan import run_trace
+
+        vocab.check("checkpointing", config.checkpointing, "trace",
+                    what="checkpointing policy")
+        if config.engine != "auto" or config.offload_to != "cpu":
+            raise MemfitError("--method trace runs plain PyTorch on one GPU; --engine and "
+                              "--offload-to are analytic only: use --method analytic")
 
         args.checkpoint_json = (None if checkpoint is None
                                 else checkpoint_dict(checkpoint, model))

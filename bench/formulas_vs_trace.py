@@ -1,0 +1,174 @@
+"""The analytic formulas against the trace (issue 14 §2): every preset x {train, lora} x
+{none, selective, full} at two batch/seq points, one GPU.
+
+    python bench/formulas_vs_trace.py [--presets gpt2,llama-3.2-1b] [--gpu h100-sxm-80gb]
+
+Prints a table and writes bench/results/formulas-vs-trace-cpu-<date>.json. Both columns are
+predictions for a CUDA target: the trace runs the real module on meta tensors; the formulas are
+``memfit.analytic``. What is compared: the plan's total against the trace's live bytes at its
+peak (its total less the caching allocator's reserve, which the plan does not model: the fit
+margin covers it). The plan is run with ``engine="ddp"``: plain PyTorch under autocast, as the
+trace runs it (fp32 parameters and gradients). Agreement is within 5% or the row says why not.
+
+Multi-GPU (8 GPUs with FSDP) rows are a hook: ``TRACERS[8]`` is None until the per-rank trace
+of issue 14 §1 lands (helper "parallel"); those rows are listed as pending, not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from memfit.analytic.config import RunConfig
+from memfit.analytic.planner import plan
+from memfit.errors import MemfitError
+from memfit.gpus import GpuSpec, get_gpu
+from memfit.models import get_preset, list_presets
+
+TOLERANCE = 0.05
+POINTS = ((1, 512), (4, 1024))
+"""(batch, seq) points; vision models see their fixed token count."""
+MODES = ("train", "lora")
+CHECKPOINTING = ("none", "selective", "full")
+
+
+def _single_gpu(spec: Any, run: RunConfig, gpu: GpuSpec) -> Any:
+    from memfit.cli.trace_plan import traced_estimate
+
+    return traced_estimate(spec, run, gpu)
+
+
+TRACERS: dict[int, Callable[[Any, RunConfig, GpuSpec], Any] | None] = {
+    1: _single_gpu,
+    8: None,  # hook: the per-rank FSDP trace (issue 14 §1) plugs in here
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    preset: str
+    mode: str
+    checkpointing: str
+    batch: int
+    seq: int | None
+    gpus: int
+    plan_bytes: int | None = None
+    trace_live_bytes: int | None = None
+    error: float | None = None
+    """plan / trace - 1."""
+    agrees: bool | None = None
+    why: str = ""
+    """Why a row is not compared, or why it disagrees (the plan's note)."""
+    trace_seconds: float = 0.0
+    plan_peak: str = ""
+    trace_peak: str = ""
+
+
+def run_config(spec: Any, mode: str, checkpointing: str, batch: int, seq: int,
+               gpus: int = 1) -> RunConfig:
+    seq_used = None if spec.arch == "vision" else min(seq, spec.default_seq_len)
+    extra = {"engine": "ddp"} if gpus == 1 else {"engine": "fsdp2", "gpus": gpus, "zero": 3}
+    return RunConfig(mode=mode, checkpointing=checkpointing, batch=batch, seq=seq_used,
+                     precision="bf16-mixed", optimizer="adamw", **extra)
+
+
+def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
+            gpu: GpuSpec, gpus: int = 1) -> Row:
+    """One cell of the matrix."""
+    spec = get_preset(name)
+    run = run_config(spec, mode, checkpointing, batch, seq, gpus)
+    base = Row(preset=name, mode=mode, checkpointing=checkpointing, batch=batch, seq=run.seq,
+               gpus=gpus)
+    tracer = TRACERS.get(gpus)
+    if tracer is None:
+        return Row(**{**asdict(base), "why": "pending: the multi-GPU per-rank trace "
+                      "(issue 14 §1) is not available yet"})
+    planned = plan(spec, run, gpu)
+    start = time.perf_counter()
+    try:
+        est = tracer(spec, run, gpu)
+    except MemfitError as exc:  # e.g. LoRA on a model without *_proj layers
+        return Row(**{**asdict(base), "plan_bytes": planned.total_bytes,
+                      "why": f"not traced: {exc}"})
+    seconds = time.perf_counter() - start
+    live = int(est.total_bytes - (est.peak_reserved_bytes - est.peak_bytes))
+    error = planned.total_bytes / live - 1
+    agrees = abs(error) <= TOLERANCE
+    why = ""
+    if not agrees:
+        peaks = ("" if planned.peak_phase == est.peak_phase else
+                 f"peaks differ (plan: {planned.peak_phase}, trace: {est.peak_phase} at "
+                 f"{est.peak_op}); ")
+        why = peaks + "; ".join(planned.notes)
+    return Row(**{**asdict(base), "plan_bytes": planned.total_bytes, "trace_live_bytes": live,
+                  "error": error, "agrees": agrees, "why": why, "trace_seconds": seconds,
+                  "plan_peak": planned.peak_phase, "trace_peak": est.peak_phase})
+
+
+def _summary(rows: list[Row]) -> dict[str, Any]:
+    compared = [r for r in rows if r.error is not None]
+    return {
+        "compared": len(compared),
+        "within_tolerance": sum(1 for r in compared if r.agrees),
+        "worst_error": max((r.error for r in compared), key=abs, default=None),
+        "pending_or_not_traced": len(rows) - len(compared),
+    }
+
+
+def _write(rows: list[Row], gpu: GpuSpec, *, partial: bool) -> Path:
+    import torch
+
+    out = Path(f"bench/results/formulas-vs-trace-cpu-{dt.date.today().isoformat()}.json")
+    out.write_text(json.dumps({
+        "what": "analytic plan (engine ddp) total vs trace live bytes at its peak, bf16-mixed "
+                "AdamW, CUDA target; 8-GPU FSDP rows are a hook until the per-rank trace lands",
+        "gpu_target": gpu.name, "torch": torch.__version__, "tolerance": TOLERANCE,
+        "device": "cpu (meta tensors), machine shared with other jobs",
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "partial": partial, "summary": _summary(rows), "rows": [asdict(r) for r in rows]},
+        indent=2))
+    return out
+
+
+def _gib(b: int | None) -> str:
+    return "" if b is None else f"{b / 2**30:9.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default=",".join(s.name for s in list_presets()))
+    ap.add_argument("--gpu", default="h100-sxm-80gb")
+    ap.add_argument("--gpus", default="1,8", help="GPU counts (8 is a hook for now)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--checkpointing", default=",".join(CHECKPOINTING))
+    args = ap.parse_args()
+    gpu = get_gpu(args.gpu)
+    rows: list[Row] = []
+    print(f"{'preset':15} {'mode':5} {'ckpt':9} {'b x s':>9} {'gpus':>4} {'plan GiB':>9} "
+          f"{'trace GiB':>9} {'error':>7}  note", flush=True)
+    for name in args.presets.split(","):
+        for gpus in (int(g) for g in args.gpus.split(",")):
+            for mode in args.modes.split(","):
+                for ckpt in args.checkpointing.split(","):
+                    for batch, seq in POINTS:
+                        r = compare(name, mode, ckpt, batch, seq, gpu, gpus)
+                        rows.append(r)
+                        err = "" if r.error is None else f"{100 * r.error:+6.1f}%"
+                        print(f"{name:15} {mode:5} {ckpt:9} {f'{batch}x{r.seq}':>9} {gpus:>4} "
+                              f"{_gib(r.plan_bytes):>9} {_gib(r.trace_live_bytes):>9} {err:>7}  "
+                              f"{'' if r.agrees else r.why[:90]}", flush=True)
+        out = _write(rows, gpu, partial=True)  # after each preset: a cut-off run keeps its rows
+    out = _write(rows, gpu, partial=False)
+    print(_summary(rows))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
