@@ -405,7 +405,7 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
         if run.sequence_parallel:
             block_input = -(-block_input // run.tp)
         kept, recompute = layers * block_input, per_layer
-        if lora and residual > e:
+        if run.mode == "lora" and residual > e:
             notes.append("full checkpointing with a 16-bit frozen base: each block input is "
                          "counted in fp32 (autocast's residual stream); a bf16 base keeps it in "
                          "bf16, up to 2 bytes x tokens x hidden per layer less (the trace: "

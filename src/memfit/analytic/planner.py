@@ -459,7 +459,7 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
                      "and gradients, fp32 masters with the optimizer; plain torch.autocast keeps "
                      "fp32 gradients (+2 bytes/param): --engine ddp (or --method trace) models "
                      "that")
-    elif run.training and run.layout == "zero-paper":
+    elif run.training and run.layout == "zero-paper" and run.gpus > 1:
         notes.append("no --engine: the ZeRO paper's layout; --engine picks fsdp2, ddp, "
                      "deepspeed or megatron")
     known = isinstance(model, TransformerSpec)
