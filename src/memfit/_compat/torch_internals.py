@@ -17,8 +17,8 @@ import torch
 
 __all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator_settings_setter",
            "called_by_autograd_engine", "clear_cublas_workspaces", "current_graph_task_id",
-           "engine_run_backward",
-           "fake_op_rule", "flatten_dense_tensors", "is_norm_layer", "reporting_get_rng_state",
+           "engine_run_backward", "fake_op_rule", "fake_store", "flatten_dense_tensors",
+           "is_norm_layer", "reporting_get_rng_state",
            "sdp_priority_order", "storage_use_count", "unflatten_dense_tensors"]
 
 # -- the frame walk ------------------------------------------------------------------------------
@@ -172,6 +172,17 @@ def allocator_settings_setter() -> Callable[[str], None] | None:
     return setter
 
 
+def fake_store() -> Any:
+    """A ``torch.testing._internal.distributed.fake_pg.FakeStore``: the store for
+    ``init_process_group("fake", ...)``. Importing that module registers the ``"fake"`` backend
+    (``dist.Backend.register_backend(dist.Backend.FAKE, _create_fake_pg, ...)``, a
+    ``torch._C._distributed_c10d.FakeProcessGroup`` that communicates nothing); checked in torch
+    2.13.0 (the same module and names since torch 2.1)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
 # -- private names other modules import directly ------------------------------------------------
 
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
@@ -191,6 +202,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.autograd.profiler": ("_is_profiler_enabled",),
     "torch.cuda.memory": ("_record_memory_history", "_snapshot"),
     "torch.nn.modules.batchnorm": ("_NormBase",),
+    "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
 }
 """Every private torch name memfit uses, by module (those looked up with ``getattr`` are in
 :data:`OPTIONAL_NAMES`). ``tests/test_compat.py`` checks that each still exists and that

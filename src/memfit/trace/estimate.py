@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from typing import Any
 
 from memfit.categories import MemoryCategory
 from memfit.units import format_bytes
@@ -122,6 +123,13 @@ class Estimate:
     offloaded optimizer states and the host copies their step works on (tensor bytes, before
     the pinned-memory allocator rounds them up). 0 for a CPU target, where it is device memory
     and part of ``peak_bytes``."""
+    ranks: tuple[int, ...] = ()
+    """With ``parallel=``: the ranks this estimate is for (they hold the same shapes)."""
+    parallel: Any = None
+    """The :class:`memfit.Parallel` layout traced, or None (one device)."""
+    per_rank: tuple[Estimate, ...] = field(default=(), repr=False)
+    """With ``parallel=``: one estimate per distinct rank role (``ranks`` says which); the
+    estimate itself is the role with the highest peak."""
 
     @property
     def runtime_bytes(self) -> int:
