@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.errors import MemfitError
 from memfit.parallel.config import Parallel
 
 _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,8 +34,9 @@ def device_mesh(parallel: Parallel, device_type: str) -> Any:
 
 def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
                blocks: list[str] | None = None) -> nn.Module:
-    """FSDP2 ``fully_shard`` on each block, then on the root (in place), with the layout's
-    ``reshard_after_forward``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``."""
+    """FSDP2 ``fully_shard`` on each block (``blocks``; default: the repeated blocks that
+    ``memfit.techniques.checkpointing.find_blocks`` finds), then on the root (in place), with
+    the layout's ``reshard_after_forward``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from memfit.techniques.checkpointing import find_blocks
@@ -47,7 +49,12 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
             reduce_dtype=_DTYPE.get(parallel.reduce_dtype or ""))
     if parallel.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for name in find_blocks(model) if blocks is None else blocks:
+    if blocks is None:
+        try:
+            blocks = find_blocks(model)
+        except MemfitError:  # no repeated blocks: the root holds every parameter
+            blocks = []
+    for name in blocks:
         fully_shard(model.get_submodule(name), **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -69,8 +76,6 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
     """The model as this rank runs it: FSDP2/HSDP-sharded (on ``mesh``, default
     :func:`device_mesh`), DDP-wrapped, or itself."""
     if parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1:
-        from memfit.errors import MemfitError
-
         raise MemfitError(f"Parallel(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}): only "
                           "the data-parallel family (fsdp, hsdp, ddp, zero=1) is traced so far; "
                           "use tp=pp=ep=1, or memfit plan's formulas for the rest")
