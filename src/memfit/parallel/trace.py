@@ -70,6 +70,10 @@ class RankRole:
         """The fake model as this rank runs it. DDP's buckets are made by its constructor
         (``Reducer::initialize_buckets``) and live as long as the model: they are tracked as
         gradients from there."""
+        if self.parallel.cpu_offload:
+            raise MemfitError("Parallel(cpu_offload=True) is not traced yet (FSDP2's "
+                              "CPUOffloadPolicy pins host memory, which fake tensors cannot); "
+                              "use memfit plan's formulas for offload")
         if self.parallel.strategy not in ("ddp", "zero1"):
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 

@@ -398,7 +398,8 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
         return estimate_ranks(lambda role: estimate(
             model, inputs, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
             device=device, gpu=gpu, steps=steps, expandable_segments=expandable_segments,
-            num_gpus=num_gpus, keep_output=keep_output, parallel=parallel, _rank=role),
+            num_gpus=max(num_gpus, getattr(parallel, "gpus", 1)), keep_output=keep_output,
+            parallel=parallel, _rank=role),
             model, parallel)
     trace = functools.partial(_trace, model, inputs, optimizer=optimizer, precision=precision,
                               compute_loss=compute_loss, device=device, gpu=gpu, steps=steps,
