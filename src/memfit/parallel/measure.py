@@ -33,6 +33,8 @@ from memfit.parallel.config import Parallel
 
 STEP_MARKER = "memfit::parallel_step"
 """The profiler range around each measured step."""
+PHASE_MARKER = "memfit::phase::"
+"""The profiler ranges around each phase of a step: ``memfit::phase::<step>:<phase>``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +89,15 @@ def _measure_case(case: Case) -> dict[str, int]:
             params = [p for p in model.parameters() if p.requires_grad]
             opt = apply_optimizer(make_optimizer(case.optimizer, params, cuda_target=False),
                                   case.parallel)
-            for _ in range(case.steps):
+            for step in range(case.steps):
                 with torch.profiler.record_function(STEP_MARKER):
-                    model_loss(model, inputs).backward()
-                    opt.step()
+                    with torch.profiler.record_function(f"{PHASE_MARKER}{step}:forward"):
+                        loss = model_loss(model, inputs)
+                    with torch.profiler.record_function(f"{PHASE_MARKER}{step}:backward"):
+                        loss.backward()
+                    del loss
+                    with torch.profiler.record_function(f"{PHASE_MARKER}{step}:optimizer"):
+                        opt.step()
                     opt.zero_grad(set_to_none=True)
             del model, opt, inputs, params
     finally:
@@ -112,7 +119,9 @@ def _step_peaks(prof: Any) -> dict[str, int]:
     """Peaks of the running sum of this session's allocator events inside the steps: of the
     blocks the step allocated itself (``peak``: the main thread, outside the process group's
     ops), of all blocks (``peak_all_threads``) and of the backend's (``backend``: allocated by
-    gloo's worker threads or inside a ``c10d::`` op).
+    gloo's worker threads or inside a ``c10d::`` op); ``phases``: the step's own peak inside
+    each ``"<step>:forward|backward|optimizer"`` (at its allocations, as the trace's
+    ``Estimate.phase_peaks``).
 
     Note: [gloo's own buffers] ProcessGroupGloo allocates scratch that NCCL does not:
     ``reduce_scatter_tensor`` clones its input on the calling thread and all-reduces the clone,
@@ -129,6 +138,7 @@ def _step_peaks(prof: Any) -> dict[str, int]:
     main_tid = None
     start = end = None
     allocations: list[Any] = []
+    windows: dict[str, tuple[int, int]] = {}
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
@@ -137,6 +147,8 @@ def _step_peaks(prof: Any) -> dict[str, int]:
             if fields.device.type == "cpu" and fields.alloc_size != 0:
                 allocations.append(event)
             continue
+        if event.name.startswith(PHASE_MARKER):
+            windows[event.name[len(PHASE_MARKER):]] = (event.start_time_ns, event.end_time_ns)
         if event.name == STEP_MARKER:
             main_tid = event.start_tid
             start = event.start_time_ns if start is None else min(start, event.start_time_ns)
@@ -151,6 +163,7 @@ def _step_peaks(prof: Any) -> dict[str, int]:
     running = {True: 0, False: 0}
     peaks = {True: 0, False: 0}
     peak_all = 0
+    phases: dict[str, int] = {}  # "<step>:<phase>" -> the step's own peak inside it
     for time_ns, ptr, nbytes, own in events:
         if nbytes > 0:
             owner[ptr] = own
@@ -163,7 +176,12 @@ def _step_peaks(prof: Any) -> dict[str, int]:
         if start <= time_ns <= end:  # type: ignore[operator]
             peaks[own] = max(peaks[own], running[own])
             peak_all = max(peak_all, running[True] + running[False])
-    return {"peak": peaks[True], "peak_all_threads": peak_all, "backend": peaks[False]}
+            if own and nbytes > 0:
+                for name, (lo, hi) in windows.items():
+                    if lo <= time_ns <= hi:
+                        phases[name] = max(phases.get(name, 0), running[True])
+    return {"peak": peaks[True], "peak_all_threads": peak_all, "backend": peaks[False],
+            "phases": phases}  # type: ignore[dict-item]
 
 
 def _repeated(case: Case, repeats: int) -> dict[str, int]:
@@ -180,7 +198,9 @@ def _repeated(case: Case, repeats: int) -> dict[str, int]:
     lowest peak removes that delay, which a real rank can show (NCCL does not: it keeps no
     reference to FSDP's buffers once the collective is enqueued)."""
     runs = [_measure_case(case) for _ in range(repeats)]
-    return {"peak": min(r["peak"] for r in runs),
+    phases = {name: min(r["phases"].get(name, 0) for r in runs)  # type: ignore[union-attr]
+              for name in runs[0]["phases"]}  # type: ignore[union-attr]
+    return {"peak": min(r["peak"] for r in runs), "phases": phases,  # type: ignore[dict-item]
             "peak_highest": max(r["peak"] for r in runs),
             "peak_all_threads": max(r["peak_all_threads"] for r in runs),
             "backend": max(r["backend"] for r in runs)}
