@@ -9,7 +9,10 @@ torch/distributed/optim/zero_redundancy_optimizer.py: _partition_parameters; FSD
 torch.chunk on dim 0: torch/distributed/fsdp/_fully_shard/_fsdp_param.py:
 FSDPParam._init_sharded_param) or from real runs: one process per rank over gloo, each measuring
 its step's peak with the profiler's allocator events (memfit/parallel/measure.py; gloo's own
-scratch is reported apart, see Note: [gloo's own buffers] there).
+scratch is reported apart, see Note: [gloo's own buffers] there). The ranks of one role run the
+same code on the same shapes; the truth for a role is its ranks' lowest measurement, since gloo's
+worker thread can delay the free of a finished all-gather's output on a busy machine (Note:
+[gloo's timing] there), which only adds.
 """
 
 from __future__ import annotations
@@ -145,17 +148,15 @@ def _tiny() -> tuple[nn.Module, dict]:
     return build(Case(spec=tiny_spec(), batch=2, seq=64, parallel=P(gpus=1)))
 
 
-def _rank_estimates(case: object) -> list[memfit.Estimate]:
+def _roles(case: object) -> tuple[memfit.Estimate, ...]:
+    """The trace's estimate of each rank role (``ranks``: the ranks it stands for)."""
     from memfit.parallel.measure import build
 
     model, inputs = build(case)  # type: ignore[arg-type]
     est = memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)  # type: ignore[attr-defined]
-    by_rank = {r: e for e in est.per_rank for r in e.ranks}
-    return [by_rank[r] for r in range(case.parallel.gpus)]  # type: ignore[attr-defined]
-
-
-def _predicted(case: object) -> list[int]:
-    return [e.peak_bytes for e in _rank_estimates(case)]
+    assert sorted(r for e in est.per_rank for r in e.ranks) == list(
+        range(case.parallel.gpus))  # type: ignore[attr-defined]
+    return est.per_rank
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +165,15 @@ def measured_two_ranks() -> dict[str, tuple[object, list[dict[str, int]]]]:
 
     spec = dataclasses.replace(tiny_spec(), vocab_size=250)  # uneven shards of the embedding
     cases = [Case(spec=spec, batch=2, seq=64, parallel=p) for p in TWO_RANKS.values()]
+    # The optimizer's first step near the peak: a wide embedding and head, one token per row.
+    # DTensor's metadata propagation made phantom full-size tensors there in the trace
+    # (memfit/_compat/torch_internals.py: dtensor_meta_propagation_within).
+    wide = dataclasses.replace(tiny_spec(), hidden_size=256, intermediate_size=512, head_dim=64,
+                               vocab_size=2048)
+    cases.append(Case(spec=wide, batch=1, seq=4, parallel=P(gpus=2, fsdp=2)))
+    names = [*TWO_RANKS, "fsdp2-reshard-optimizer-bound"]
     peaks = measure(cases, world=2)
-    return {name: (case, peak) for name, case, peak in zip(TWO_RANKS, cases, peaks, strict=True)}
+    return {name: (case, peak) for name, case, peak in zip(names, cases, peaks, strict=True)}
 
 
 @pytest.mark.slow
@@ -176,26 +184,27 @@ def test_each_rank_matches_a_real_gloo_run_within_1_percent(
     profiler's allocator events; FSDP2 with and without reshard_after_forward, DDP with its
     buckets, ZeRO-1 as ZeroRedundancyOptimizer)."""
     case, measured = measured_two_ranks[name]
-    predicted = _predicted(case)
-    for rank, (pred, real) in enumerate(zip(predicted, measured, strict=True)):
-        assert abs(pred - real["peak"]) <= 0.01 * real["peak"], (
-            f"{name} rank {rank}: predicted {pred:,} bytes, measured {real['peak']:,}")
+    for est in _roles(case):
+        real = min(measured[r]["peak"] for r in est.ranks)
+        assert abs(est.peak_bytes - real) <= 0.01 * real, (
+            f"{name} ranks {est.ranks}: predicted {est.peak_bytes:,} bytes, measured {real:,}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(TWO_RANKS))
+@pytest.mark.parametrize("name", [*TWO_RANKS, "fsdp2-reshard-optimizer-bound"])
 def test_each_phase_of_each_rank_matches_a_real_gloo_run_within_1_percent(
         name: str, measured_two_ranks: dict) -> None:
     """Per rank and per (step, phase), the trace's high point (Estimate.phase_peaks) is within 1%
     of the real rank's high point inside that phase (the profiler ranges the measurement puts
     around each phase)."""
     case, measured = measured_two_ranks[name]
-    for rank, est in enumerate(_rank_estimates(case)):
-        for key, real in measured[rank]["phases"].items():
+    for est in _roles(case):
+        for key in measured[est.ranks[0]]["phases"]:
+            real = min(measured[r]["phases"][key] for r in est.ranks)
             step, phase = key.split(":")
             pred = est.phase_peaks[(int(step), phase)]
             assert abs(pred - real) <= 0.01 * real, (
-                f"{name} rank {rank} {key}: predicted {pred:,} bytes, measured {real:,}")
+                f"{name} ranks {est.ranks} {key}: predicted {pred:,} bytes, measured {real:,}")
 
 
 @pytest.mark.slow
@@ -205,7 +214,7 @@ def test_hsdp_on_four_ranks_matches_real_gloo_runs_within_1_percent() -> None:
 
     case = Case(spec=tiny_spec(), batch=2, seq=64, parallel=P(gpus=4, fsdp=2))
     measured = measure([case], world=4, repeats=2)[0]
-    predicted = _predicted(case)
-    for rank, (pred, real) in enumerate(zip(predicted, measured, strict=True)):
-        assert abs(pred - real["peak"]) <= 0.01 * real["peak"], (
-            f"hsdp rank {rank}: predicted {pred:,} bytes, measured {real['peak']:,}")
+    for est in _roles(case):
+        real = min(measured[r]["peak"] for r in est.ranks)
+        assert abs(est.peak_bytes - real) <= 0.01 * real, (
+            f"hsdp ranks {est.ranks}: predicted {est.peak_bytes:,} bytes, measured {real:,}")

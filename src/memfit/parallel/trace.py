@@ -51,7 +51,11 @@ class RankRole:
     @contextlib.contextmanager
     def tracing(self, tracker: Any, fake_mode: Any) -> Iterator[None]:
         """``UntypedStorage.resize_`` becomes a free and an allocation in ``tracker`` while
-        ``fake_mode`` tracks (see the module's note)."""
+        ``fake_mode`` tracks (see the module's note); DTensor's metadata propagation, which
+        runs each op on global-shape tensors in the active fake mode, is not tracked
+        (``torch_internals.dtensor_meta_propagation_within``)."""
+        from memfit._compat.torch_internals import dtensor_meta_propagation_within
+
         original = torch.UntypedStorage.resize_
 
         def resize_(st: torch.UntypedStorage, size: int) -> Any:
@@ -60,9 +64,18 @@ class RankRole:
                 tracker.resize(st, int(size))
             return out
 
+        @contextlib.contextmanager
+        def untracked() -> Iterator[None]:
+            before, fake_mode.tracking = fake_mode.tracking, False
+            try:
+                yield
+            finally:
+                fake_mode.tracking = before
+
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         try:
-            yield
+            with dtensor_meta_propagation_within(untracked):
+                yield
         finally:
             torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
