@@ -117,6 +117,7 @@ def test_ddp_adds_one_bucket_copy_of_every_gradient() -> None:
     assert [e.ranks for e in ddp.per_rank] == [(0, 1)]
     assert ddp.parallel == Parallel(gpus=2) and ddp.ranks == (0, 1)
     assert ddp.breakdown[memfit.MemoryCategory.GRADIENTS] >= 2 * 4 * params  # .grad + buckets
+    assert "per rank: ddp 2 x tp 1 x pp 1 on 2 GPUs" in str(ddp)
 
 
 def test_fsdp_holds_one_shard_of_the_weights() -> None:

@@ -171,6 +171,15 @@ class Estimate:
         summary.add_row("peak at", f"{self.peak_op} ({self.peak_phase}, step {self.peak_step}"
                         + (f", module {self.peak_module}" if self.peak_module else "") + ")")
         console.print(summary)
+        if self.per_rank:
+            ranks = Table(title=f"per rank: {self.parallel.describe()}")
+            ranks.add_column("ranks")
+            ranks.add_column("peak allocated", justify="right")
+            ranks.add_column("peak reserved", justify="right")
+            for est in self.per_rank:
+                ranks.add_row(_ranks_text(est.ranks), format_bytes(est.peak_bytes),
+                              format_bytes(est.peak_reserved_bytes))
+            console.print(ranks)
         cats = Table(title="at the peak, by category")
         cats.add_column("category")
         cats.add_column("bytes", justify="right")
@@ -194,3 +203,10 @@ class Estimate:
         for note in self.assumptions:
             console.print(f"assumed: {note}")
         return buf.getvalue().rstrip() + "\n"
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    """``0-6`` for a run of ranks, ``0, 2`` otherwise."""
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
