@@ -66,6 +66,8 @@ def test_tp_must_divide_the_heads_and_pp_fit_the_layers() -> None:
     model, inputs = _tiny()
     with pytest.raises(MemfitError, match="tp=8\\) does not divide the model's 4 attention heads"):
         Parallel(gpus=8, tp=8).check_model(heads=4, layers=2)
+    with pytest.raises(MemfitError, match="tp=8\\) does not divide the model's 4 attention heads"):
+        memfit.estimate(model, inputs, device="cpu", parallel=Parallel(gpus=8, tp=8))
     with pytest.raises(MemfitError, match="pp=4\\) is more stages than the model's 2 layers"):
         memfit.estimate(model, inputs, device="cpu", parallel=Parallel(gpus=4, pp=4))
     with pytest.raises(MemfitError, match="only the data-parallel family") as info:
@@ -140,6 +142,7 @@ TWO_RANKS = {
     "fsdp2-no-reshard": P(gpus=2, fsdp=2, reshard_after_forward=False),
     "ddp": P(gpus=2),
     "zero1": P(gpus=2, zero=1),
+    "tp2": P(gpus=2, tp=2),
 }
 
 
@@ -183,7 +186,8 @@ def test_each_rank_matches_a_real_gloo_run_within_1_percent(
         name: str, measured_two_ranks: dict) -> None:
     """Per rank, the trace's peak is within 1% of the real rank's (2 gloo processes; the
     profiler's allocator events; FSDP2 with and without reshard_after_forward, DDP with its
-    buckets, ZeRO-1 as ZeroRedundancyOptimizer)."""
+    buckets, ZeRO-1 as ZeroRedundancyOptimizer, tensor parallelism through parallelize_module:
+    torch/distributed/tensor/parallel/style.py ColwiseParallel / RowwiseParallel)."""
     case, measured = measured_two_ranks[name]
     for est in _roles(case):
         real = min(measured[r]["peak"] for r in est.ranks)

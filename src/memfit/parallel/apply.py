@@ -71,14 +71,55 @@ def apply_ddp(model: nn.Module, parallel: Parallel, init_sync: bool = True) -> n
                                    init_sync=init_sync)
 
 
+def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
+    """Tensor parallelism with ``parallelize_module`` (Megatron's layout, as torchtitan's
+    ``apply_tp`` writes it): in each block the attention's q/k/v and the MLP's gate/up
+    projections are split by output features (``ColwiseParallel``), the attention output and
+    MLP down projections by input features (``RowwiseParallel``, an all-reduce of the output);
+    each attention module then runs ``heads / tp`` heads. Embeddings, norms and the head stay
+    replicated (no sequence parallelism yet)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from memfit.techniques.checkpointing import find_blocks
+
+    plan_names = {"q_proj": ColwiseParallel, "k_proj": ColwiseParallel,
+                  "v_proj": ColwiseParallel, "o_proj": RowwiseParallel,
+                  "gate_proj": ColwiseParallel, "up_proj": ColwiseParallel,
+                  "down_proj": RowwiseParallel}
+    for name in find_blocks(model):
+        block = model.get_submodule(name)
+        plan = {sub: plan_names[sub.rsplit(".", 1)[-1]]() for sub, mod in block.named_modules()
+                if sub.rsplit(".", 1)[-1] in plan_names and isinstance(mod, nn.Linear)}
+        if not plan:
+            raise MemfitError(f"Parallel(tp={parallel.tp}): block {name} has none of the "
+                              f"projections tensor parallelism splits ({', '.join(plan_names)})")
+        parallelize_module(block, mesh, plan)
+        for mod in block.modules():  # the attention's view() takes the local head counts
+            if hasattr(mod, "q_proj"):
+                for attr in ("num_heads", "num_kv_heads"):
+                    if isinstance(getattr(mod, attr, None), int):
+                        setattr(mod, attr, getattr(mod, attr) // parallel.tp)
+    return model
+
+
 def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
                 mesh: Any = None, init_sync: bool = True) -> nn.Module:
     """The model as this rank runs it: FSDP2/HSDP-sharded (on ``mesh``, default
     :func:`device_mesh`), DDP-wrapped, or itself."""
+    if parallel.tp > 1 and parallel.tp == parallel.gpus:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return apply_tp(model, parallel, init_device_mesh(device_type, (parallel.tp,))
+                        if mesh is None else mesh)
     if parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1:
         raise MemfitError(f"Parallel(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}): only "
-                          "the data-parallel family (fsdp, hsdp, ddp, zero=1) is traced so far; "
-                          "use tp=pp=ep=1, or memfit plan's formulas for the rest")
+                          "the data-parallel family (fsdp, hsdp, ddp, zero=1) and tp alone "
+                          "(tp == gpus) are traced so far; use memfit plan's formulas for the "
+                          "rest")
     if parallel.strategy in ("fsdp", "hsdp"):
         return apply_fsdp(model, parallel,
                           device_mesh(parallel, device_type) if mesh is None else mesh)

@@ -27,8 +27,9 @@ class Parallel:
     >>> Parallel(gpus=4).strategy, Parallel(gpus=4, zero=1).strategy
     ('ddp', 'zero1')
 
-    Known limitations: only the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) is traced yet;
-    ``tp``, ``pp`` and ``ep`` > 1 are checked against the model but refused by the trace.
+    Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) and
+    tensor parallelism alone (``tp == gpus``, no sequence parallelism); other ``tp``, ``pp`` and
+    ``ep`` > 1 are checked against the model but refused by the trace.
     """
 
     gpus: int

@@ -93,7 +93,12 @@ class RankRole:
             from memfit.parallel.apply import device_mesh
 
             with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
-                mesh = device_mesh(self.parallel, "cpu") if self.parallel.dp > 1 else None
+                if self.parallel.tp > 1:
+                    from torch.distributed.device_mesh import init_device_mesh
+
+                    mesh = init_device_mesh("cpu", (self.parallel.tp,))
+                else:
+                    mesh = device_mesh(self.parallel, "cpu") if self.parallel.dp > 1 else None
             return apply_model(model, self.parallel, "cpu", mesh)
         before = len(tracker.infos)
         fake_mode.tracking = True
@@ -225,6 +230,9 @@ def _model_shape(model: nn.Module) -> tuple[int | None, int | None]:
         if isinstance(value, int):
             heads = value
             break
+    if heads is None:  # a module's own attribute (memfit's builtin Attention: num_heads)
+        heads = next((m.num_heads for m in model.modules()
+                      if isinstance(getattr(m, "num_heads", None), int)), None)
     from memfit.techniques.checkpointing import find_blocks
 
     try:
