@@ -44,6 +44,7 @@ LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
     "fsdp2 (no reshard)": (2, P(gpus=2, fsdp=2, reshard_after_forward=False)),
     "ddp": (2, P(gpus=2)),
     "zero1": (2, P(gpus=2, zero=1)),
+    "tp 2": (2, P(gpus=2, tp=2)),
     "hsdp 2x2": (4, P(gpus=4, fsdp=2)),
     "fsdp2 x4 (reshard)": (4, P(gpus=4, fsdp=4)),
     "fsdp2 x4 bf16 params": (4, P(gpus=4, fsdp=4, param_dtype="bf16", reduce_dtype="fp32")),
@@ -114,7 +115,8 @@ def main() -> None:
     for name, case in cases.items():
         model, inputs = build(case)
         pred, seconds = memfit_peaks(model, inputs, case.parallel)
-        fmt = fsdp_mem_tracker_peak(lambda case=case: build(case), case.parallel)
+        fmt = fsdp_mem_tracker_peak(lambda case=case: build(case),  # type: ignore[misc]
+                                    case.parallel)
         for rank in range(case.parallel.gpus):
             real = measured.get(name, [{}] * case.parallel.gpus)[rank]
             truth = real.get("peak")
