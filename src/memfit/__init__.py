@@ -26,6 +26,7 @@ _SOURCES: dict[str, str] = {
     "MemfitError": "memfit.errors",
     "MemoryCategory": "memfit.categories",
     "MemoryPlan": "memfit.analytic.planner",
+    "Parallel": "memfit.parallel",
     "ParamCountSpec": "memfit.models",
     "Plan": "memfit.fitting",
     "RunConfig": "memfit.analytic.config",
@@ -53,6 +54,7 @@ __all__ = [
     "MemfitError",
     "MemoryCategory",
     "MemoryPlan",
+    "Parallel",
     "ParamCountSpec",
     "Plan",
     "RunConfig",
@@ -99,5 +101,6 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.models.build import build_model, example_inputs
     from memfit.monitor import watch
     from memfit.oom_guard import GuardedStep, guard
+    from memfit.parallel import Parallel
     from memfit.profiling.session import profile
     from memfit.trace import Estimate, estimate

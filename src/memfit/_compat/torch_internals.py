@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator_settings_setter",
            "called_by_autograd_engine", "clear_cublas_workspaces", "current_graph_task_id",
-           "engine_run_backward", "fake_op_rule", "flatten_dense_tensors", "has_dispatch_kernel",
+           "dtensor_meta_propagation_within", "engine_run_backward", "fake_op_rule", "fake_store",
+           "flatten_dense_tensors", "has_dispatch_kernel",
            "is_norm_layer", "reporting_get_rng_state",
            "sdp_priority_order", "storage_use_count", "unflatten_dense_tensors"]
 
@@ -109,6 +110,33 @@ def fake_op_rule(ops: frozenset[Any] | set[Any],
         fake_impls.op_implementations_checks.remove(entry)
 
 
+@contextlib.contextmanager
+def dtensor_meta_propagation_within(
+        context: Callable[[], contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
+    """Within the context, DTensor's output-metadata propagation runs inside ``context()``.
+
+    ``torch/distributed/tensor/_sharding_prop.py:
+    ShardingPropagator._propagate_tensor_meta_non_cached`` (torch 2.13.0; since 2.5) derives an
+    op's global output shape by running it on global-shape tensors made in the active fake mode
+    (``detect_fake_mode() or FakeTensorMode()``, "so that it avoids materializing memory"). In a
+    trace that mode is the tracking one, and those metadata-only tensors would count as
+    allocations (the full size of every parameter an optimizer touches, at each cache miss).
+    Patched on the class, restored on exit."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: Any, op_schema: Any) -> Any:
+        with context():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
 # -- calls ---------------------------------------------------------------------------------------
 
 
@@ -182,6 +210,17 @@ def allocator_settings_setter() -> Callable[[str], None] | None:
     return setter
 
 
+def fake_store() -> Any:
+    """A ``torch.testing._internal.distributed.fake_pg.FakeStore``: the store for
+    ``init_process_group("fake", ...)``. Importing that module registers the ``"fake"`` backend
+    (``dist.Backend.register_backend(dist.Backend.FAKE, _create_fake_pg, ...)``, a
+    ``torch._C._distributed_c10d.FakeProcessGroup`` that communicates nothing); checked in torch
+    2.13.0 (the same module and names since torch 2.1)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
 # -- private names other modules import directly ------------------------------------------------
 
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
@@ -203,6 +242,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.autograd.profiler": ("_is_profiler_enabled",),
     "torch.cuda.memory": ("_record_memory_history", "_snapshot"),
     "torch.nn.modules.batchnorm": ("_NormBase",),
+    "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
+    "torch.distributed.tensor._sharding_prop": ("ShardingPropagator",),
 }
 """Every private torch name memfit uses, by module (those looked up with ``getattr`` are in
 :data:`OPTIONAL_NAMES`). ``tests/test_compat.py`` checks that each still exists and that

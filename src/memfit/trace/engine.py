@@ -353,7 +353,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
              precision: str = "fp32", loss_fn: LossFn | None = None,
              device: str = "cuda", gpu: str | GpuSpec | None = None, steps: int = 2,
              expandable_segments: bool = False, num_gpus: int = 1,
-             keep_output: bool = False) -> Estimate:
+             keep_output: bool = False, parallel: Any = None, _rank: Any = None) -> Estimate:
     """Trace ``steps`` training steps (or forward passes if ``optimizer=None``) of ``model`` on
     ``inputs`` and predict their peak memory on ``device``.
 
@@ -369,6 +369,11 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
     the backward only what the loss's autograd graph saved is alive, e.g. not the logits that a
     cross-entropy (which saves its log-softmax) was computed from.
 
+    ``parallel``: a :class:`memfit.Parallel` layout; each distinct rank of it is traced running
+    PyTorch's own DDP / ZeRO-1 / FSDP2 / HSDP over a fake process group (see
+    ``memfit/parallel/trace.py``), the result being the rank with the highest peak and
+    ``per_rank`` holding one estimate per rank role.
+
     >>> with torch.device("meta"):
     ...     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     >>> est = estimate(model, torch.empty(32, 1024, device="meta"), device="cpu")
@@ -379,10 +384,19 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
     compute_loss = check_loss_fn(loss_fn) or model_loss
     if not isinstance(model, nn.Module):
         raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if parallel is not None and _rank is None:
+        from memfit.parallel.trace import estimate_ranks
+
+        return estimate_ranks(lambda role: estimate(
+            model, inputs, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
+            device=device, gpu=gpu, steps=steps, expandable_segments=expandable_segments,
+            num_gpus=max(num_gpus, getattr(parallel, "gpus", 1)), keep_output=keep_output,
+            parallel=parallel, _rank=role),
+            model, parallel)
     trace = functools.partial(_trace, model, inputs, optimizer=optimizer, precision=precision,
                               compute_loss=compute_loss, device=device, gpu=gpu, steps=steps,
                               expandable_segments=expandable_segments, num_gpus=num_gpus,
-                              keep_output=keep_output)
+                              keep_output=keep_output, rank=_rank)
     if not _real_step(model, inputs):
         return trace(None)[0]
     # Note: [real values of a real step] in datadep.py: trace once; if its forward needed an
@@ -437,7 +451,7 @@ def _real_step(model: nn.Module, inputs: Any) -> bool:
 def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
            optimizer: str | OptimizerFactory | None, precision: str,
            compute_loss: LossFn, device: str, gpu: str | GpuSpec | None, steps: int,
-           expandable_segments: bool, num_gpus: int, keep_output: bool
+           expandable_segments: bool, num_gpus: int, keep_output: bool, rank: Any = None
            ) -> tuple[Estimate, DataDependentSizes]:
     """One trace of ``steps`` steps (see :func:`estimate`); ``replay``: the data-dependent answers
     of a real forward, replayed in each forward."""
@@ -471,6 +485,9 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         stack.enter_context(host.tracing(tracker))
         stack.enter_context(_grouped_mm_rule())
         fmodel = _fake_model(model, fake_device, param_dtype)
+        if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/trace.py)
+            stack.enter_context(rank.tracing(tracker, fake_mode))
+            fmodel = rank.wrap_model(fmodel, tracker, fake_mode)
         memo: dict[int, torch.Tensor] = {}
         finputs = _fake_inputs(inputs, fake_device, memo, param_dtype)
         for real in tensor_leaves(inputs, objects=True):
@@ -485,6 +502,8 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         with unset_fake_temporarily():
             opt = (make_optimizer(optimizer, params, cuda_target=cuda_target)
                    if training and params else None)
+            if rank is not None and opt is not None:
+                opt = rank.wrap_optimizer(opt)
         if training and not params:
             raise MemfitError("the model has no parameter that requires grad; pass "
                               "optimizer=None to estimate inference")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from typing import Any
 
 from memfit.categories import MemoryCategory
 from memfit.ledger import CATEGORIES, ModuleMemory, TimelinePoint
@@ -83,6 +84,13 @@ class Estimate:
     offloaded optimizer states and the host copies their step works on (tensor bytes, before
     the pinned-memory allocator rounds them up). 0 for a CPU target, where it is device memory
     and part of ``peak_bytes``."""
+    ranks: tuple[int, ...] = ()
+    """With ``parallel=``: the ranks this estimate is for (they hold the same shapes)."""
+    parallel: Any = None
+    """The :class:`memfit.Parallel` layout traced, or None (one device)."""
+    per_rank: tuple[Estimate, ...] = field(default=(), repr=False)
+    """With ``parallel=``: one estimate per distinct rank role (``ranks`` says which); the
+    estimate itself is the role with the highest peak."""
 
     @property
     def runtime_bytes(self) -> int:
@@ -124,6 +132,15 @@ class Estimate:
         summary.add_row("peak at", f"{self.peak_op} ({self.peak_phase}, step {self.peak_step}"
                         + (f", module {self.peak_module}" if self.peak_module else "") + ")")
         console.print(summary)
+        if self.per_rank:
+            ranks = Table(title=f"per rank: {self.parallel.describe()}")
+            ranks.add_column("ranks")
+            ranks.add_column("peak allocated", justify="right")
+            ranks.add_column("peak reserved", justify="right")
+            for est in self.per_rank:
+                ranks.add_row(_ranks_text(est.ranks), format_bytes(est.peak_bytes),
+                              format_bytes(est.peak_reserved_bytes))
+            console.print(ranks)
         cats = Table(title="at the peak, by category")
         cats.add_column("category")
         cats.add_column("bytes", justify="right")
@@ -147,3 +164,10 @@ class Estimate:
         for note in self.assumptions:
             console.print(f"assumed: {note}")
         return buf.getvalue().rstrip() + "\n"
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    """``0-6`` for a run of ranks, ``0, 2`` otherwise."""
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))

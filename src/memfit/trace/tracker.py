@@ -79,6 +79,7 @@ class Tracker(Ledger):
         self.host_current = 0
         self.host_peak = 0
         self.infos: list[StorageInfo] = []  # type: ignore[assignment]
+        self._resized: set[int] = set()  # storages resize_ freed (see resize)
         # One mark per op: (op, phase, step, module, number of events once the op returned).
         self.ops: list[tuple[Any, str, int, str, int]] = []
         self.phase = "setup"
@@ -107,7 +108,9 @@ class Tracker(Ledger):
         if is_traceable_wrapper_subclass(t):
             uid = None
             for name in t.__tensor_flatten__()[0]:  # type: ignore[attr-defined]
-                uid = self.track(getattr(t, name), role, module)
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):  # DTensor also names its device_mesh
+                    uid = self.track(inner, role, module)
             return uid
         # A FakeTensor's ``.device`` is a dispatched op (prim.device); its attribute is not.
         device = getattr(t, "fake_device", None) or t.device
@@ -142,6 +145,22 @@ class Tracker(Ledger):
         info = StorageInfo(nbytes, self.phase, self.step, module)
         info.role = role
         self._allocate(info)
+
+    def resize(self, st: Any, nbytes: int) -> None:
+        """``UntypedStorage.resize_(nbytes)`` of a storage this tracker has seen: the old
+        allocation is freed and, for ``nbytes > 0``, a new one is made for the same storage, as
+        the allocator does (FSDP2 frees and re-allocates its all-gather outputs so:
+        ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py: free_storage, alloc_storage``)."""
+        key = st._cdata
+        uid = self.live.get(key)
+        if uid is not None:
+            self._freer(uid, key)(None)
+            self._resized.add(key)
+        elif key not in self._resized:
+            return  # never tracked (another device, or made before the trace)
+        if nbytes > 0:
+            new = self._allocate(StorageInfo(nbytes, self.phase, self.step, self.module))
+            self.watch(new, key, st)
 
     def _allocate(self, info: StorageInfo) -> int:
         """Record a new allocation: its event, the allocator model, the running peak."""

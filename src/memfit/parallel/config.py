@@ -1,0 +1,150 @@
+"""How a training step is spread over GPUs: the :class:`Parallel` layout a per-rank trace runs.
+
+Pure data (no torch import), so the CLI can build and check one without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.errors import MemfitError, suggest
+
+_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """A data/tensor/pipeline-parallel layout of ``gpus`` ranks.
+
+    The data-parallel degree is what ``tp * pp`` leaves: ``gpus // (tp * pp)`` ranks, of which
+    ``fsdp`` shard the model (FSDP2 ``fully_shard``) and ``replicate = dp // fsdp`` hold
+    replicas (DDP when ``fsdp == 1``; HSDP on a 2-D mesh when both are > 1).
+
+    >>> Parallel(gpus=8, fsdp=8).strategy
+    'fsdp'
+    >>> Parallel(gpus=8, fsdp=4).strategy, Parallel(gpus=8, fsdp=4).replicate
+    ('hsdp', 2)
+    >>> Parallel(gpus=4).strategy, Parallel(gpus=4, zero=1).strategy
+    ('ddp', 'zero1')
+
+    Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) and
+    tensor parallelism alone (``tp == gpus``, no sequence parallelism); other ``tp``, ``pp`` and
+    ``ep`` > 1 are checked against the model but refused by the trace.
+    """
+
+    gpus: int
+    """Ranks in all (one per GPU)."""
+    gpus_per_node: int | None = None
+    """GPUs per node (None: all on one node). Sets the HSDP mesh's shape check and, later, which
+    links collectives cross."""
+    fsdp: int = 1
+    """Ranks that shard parameters, gradients and optimizer states (FSDP2 ``fully_shard``)."""
+    tp: int = 1
+    """Tensor-parallel degree (must divide the attention heads)."""
+    pp: int = 1
+    """Pipeline stages (at most the number of layers)."""
+    ep: int = 1
+    """Expert-parallel degree (MoE)."""
+    zero: int | None = None
+    """ZeRO stage as a name for the data-parallel sharding: 1 = DDP with
+    ``ZeroRedundancyOptimizer`` (states sharded); 2 = FSDP2 without resharding after forward
+    (``fsdp`` defaults to every data-parallel rank); 3 = FSDP2 with it; None: as ``fsdp`` says."""
+    reshard_after_forward: bool | None = None
+    """FSDP2: free each block's gathered parameters after its forward (True, default) or keep
+    them until its backward (False; more memory, one all-gather less). None: True, except
+    ``zero=2``."""
+    param_dtype: str | None = None
+    """FSDP2 ``MixedPrecisionPolicy.param_dtype``: the dtype parameters are all-gathered and
+    computed in (None: their own)."""
+    reduce_dtype: str | None = None
+    """FSDP2 ``MixedPrecisionPolicy.reduce_dtype``: the dtype gradients are reduced in."""
+    cpu_offload: bool = False
+    """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer states on the
+    host."""
+    bucket_cap_mb: float = 25.0
+    """DDP ``bucket_cap_mb``: gradients are all-reduced in flat buckets of about this size."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "fsdp", "tp", "pp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MemfitError(f"Parallel({name}={value!r}): must be a positive integer")
+        if self.gpus_per_node is not None and (
+                not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1
+                or self.gpus % self.gpus_per_node):
+            raise MemfitError(f"Parallel(gpus_per_node={self.gpus_per_node!r}) must be a positive "
+                              f"integer dividing gpus={self.gpus}")
+        if self.zero not in (None, 1, 2, 3):
+            raise MemfitError(f"Parallel(zero={self.zero!r}): valid stages are 1, 2, 3 or None")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise MemfitError(f"Parallel({name}={value!r}){suggest(str(value), _DTYPES)}; "
+                                  f"valid: {', '.join(_DTYPES)} or None")
+        if self.bucket_cap_mb <= 0:
+            raise MemfitError(f"Parallel(bucket_cap_mb={self.bucket_cap_mb!r}) must be > 0")
+        model_parallel = self.tp * self.pp
+        if self.gpus % model_parallel:
+            raise MemfitError(f"Parallel: tp*pp = {self.tp}*{self.pp} = {model_parallel} does not "
+                              f"divide gpus={self.gpus}; choose degrees whose product divides it")
+        dp = self.gpus // model_parallel
+        if self.zero in (2, 3) and self.fsdp == 1:
+            object.__setattr__(self, "fsdp", dp)  # ZeRO-2/3 shard over every data-parallel rank
+        if self.zero == 1 and self.fsdp > 1:
+            raise MemfitError(f"Parallel(zero=1, fsdp={self.fsdp}): ZeRO-1 shards only optimizer "
+                              "states (DDP + ZeroRedundancyOptimizer); drop fsdp or use zero=2/3")
+        if self.zero == 2 and self.reshard_after_forward:
+            raise MemfitError("Parallel(zero=2, reshard_after_forward=True) is ZeRO-3; use zero=3"
+                              " or drop reshard_after_forward")
+        if dp % self.fsdp:
+            raise MemfitError(f"Parallel: fsdp={self.fsdp} does not divide the {dp} data-parallel "
+                              f"ranks (gpus={self.gpus} / (tp*pp)={model_parallel})")
+        if dp % self.ep:
+            raise MemfitError(f"Parallel: ep={self.ep} does not divide the {dp} data-parallel "
+                              f"ranks (gpus={self.gpus} / (tp*pp)={model_parallel})")
+        if self.reshard_after_forward is None:
+            object.__setattr__(self, "reshard_after_forward", self.zero != 2)
+        if (self.cpu_offload or self.param_dtype or self.reduce_dtype) and self.fsdp == 1:
+            raise MemfitError("Parallel: param_dtype, reduce_dtype and cpu_offload are FSDP2 "
+                              "policies; set fsdp > 1 (or zero=2/3) to use them")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: ``gpus // (tp * pp)``."""
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def replicate(self) -> int:
+        """Replicas among the data-parallel ranks (HSDP's replicate degree): ``dp // fsdp``."""
+        return self.dp // self.fsdp
+
+    @property
+    def strategy(self) -> str:
+        """``fsdp``, ``hsdp``, ``ddp``, ``zero1`` or ``none`` (one rank's data parallelism)."""
+        if self.fsdp > 1:
+            return "hsdp" if self.replicate > 1 else "fsdp"
+        if self.dp == 1:
+            return "none"
+        return "zero1" if self.zero == 1 else "ddp"
+
+    def describe(self) -> str:
+        """One line, e.g. ``fsdp 8 (reshard after forward) x tp 1 x pp 1 on 8 GPUs``."""
+        parts = [self.strategy if self.strategy != "none" else "dp 1"]
+        if self.fsdp > 1:
+            parts[0] += f" {self.fsdp}" + (f"x{self.replicate}" if self.replicate > 1 else "")
+            parts[0] += (" (reshard after forward)" if self.reshard_after_forward
+                         else " (no reshard after forward)")
+        elif self.dp > 1:
+            parts[0] += f" {self.dp}"
+        parts += [f"tp {self.tp}", f"pp {self.pp}"] + ([f"ep {self.ep}"] if self.ep > 1 else [])
+        return " x ".join(parts) + f" on {self.gpus} GPUs"
+
+    def check_model(self, *, heads: int | None, layers: int | None) -> None:
+        """One-line errors for degrees the model cannot take: ``tp`` must divide the attention
+        heads, ``pp`` at most the layers."""
+        if heads is not None and heads % self.tp:
+            raise MemfitError(f"Parallel(tp={self.tp}) does not divide the model's {heads} "
+                              f"attention heads; choose a tp that divides {heads}")
+        if layers is not None and self.pp > layers:
+            raise MemfitError(f"Parallel(pp={self.pp}) is more stages than the model's {layers} "
+                              f"layers; use pp <= {layers}")
