@@ -147,3 +147,49 @@ def test_model_states_depend_on_precision_and_optimizer_only() -> None:
         weights, grads, opt = states.pop()
         assert grads == 4 * n, precision
         assert weights >= 4 * n and opt >= 8 * n, precision
+
+
+def test_pruning_compares_times_as_rank_does() -> None:
+    # Note: [tie arithmetic] / [pruning]: the README's GPT-2 search, in small. Plain 8-bit
+    # AdamW costed at micro-batch 8 is 6e-11 s slower than at 4 (float rounding before an int
+    # truncation of the traffic bytes); selective checkpointing with 8-bit AdamW can at best
+    # equal plain 8-bit at each micro-batch. By raw floats only the two micro-batch-4
+    # candidates are <= its bound at 4, fewer than top = 5, so it was traced; rank() groups by
+    # 9 significant digits, where all six simpler candidates are <= the bound: pruned.
+    from memfit.fitting.config import FitConfig
+    from memfit.fitting.cost import StepCost
+    from memfit.fitting.plan import Candidate, rank, tie_time
+
+    t4, t8 = 1.3342232941971166, 1.334223294258853  # the README search's two times
+    assert t4 < t8 and tie_time(t4) == tie_time(t8)
+    model, batch = _tiny_lm()
+    space = {"precision": ["bf16-mixed", "fp16-mixed"], "checkpointing": ["none", "selective"],
+             "micro_batch": [4, 8, 16], "optimizer": ["adamw-8bit"], "chunked_loss": [False],
+             "attention": ["model"], "offload_states": [False], "offload_activations": [False]}
+
+    def cand(precision: str, ckpt: str, m: int, seconds: float) -> Candidate:
+        cfg = FitConfig(precision=precision, checkpointing=ckpt, micro_batch=m,
+                        accumulation=16 // m, optimizer="adamw-8bit")
+        return Candidate(config=cfg, peak_bytes=m, cost=StepCost(
+            compute_s=seconds, traffic_s=0.0, transfer_s=0.0, comm_s=0.0, dispatch_s=0.0,
+            optimizer_s=0.0))
+
+    plain = [cand(p, "none", m, t4 if m == 4 else t8) for p in ("bf16-mixed", "fp16-mixed")
+             for m in (4, 8, 16)]
+    combo = ("bf16-mixed", "selective", "adamw-8bit", False, "model")
+    kept = {}
+    for tie in (False, True):
+        s = _Search(model, batch, optimizer="adamw", global_batch=16, gpu="a100-40gb",
+                    budget_bytes=None, device="cuda", loss_fn=None, reduction="mean",
+                    count_fn=None, num_gpus=1, measure=False, space=space, progress=False,
+                    top=5, headroom=None)
+        s.tie_arithmetic = tie
+        s.candidates = list(plain)
+        s.bounds = lambda c: {4: t4, 8: t8, 16: t8}  # type: ignore[method-assign]
+        kept[tie] = not s.pruned(combo, 0.0)
+    assert kept == {False: True, True: False}
+    # And rank() agrees: the combination's best candidates (at their bounds) rank after all
+    # six simpler ones, so none of them could have entered a table of 5.
+    best = [cand("bf16-mixed", "selective", m, t4 if m == 4 else t8) for m in (4, 8, 16)]
+    ranked = rank(best + plain)
+    assert ranked[:6] == rank(plain) and set(map(id, ranked[6:])) == set(map(id, best))
