@@ -122,9 +122,10 @@ def _time_config(model: nn.Module, sample: Any, cfg: FitConfig, global_batch: in
 SEARCH_COMMAND = ["gpt2", "--gpu", "a100-40gb", "--global-batch", "256", "--seq", "1024"]
 
 
-BASELINE_REF = "0fcdf59"
-"""The commit whose search ``--baseline`` runs (before trace sharing and simpler-first pruning:
-60 traces)."""
+BASELINE_REF = "e7c8995"
+"""The commit whose search ``--baseline`` runs: main after round 1 (trace sharing, simpler-first
+pruning by raw float times: 22 traces). Round 1 compared with ``0fcdf59`` (60 traces). The
+baseline's search.py runs with this checkout's plan.py (``rank`` by ``tie_time``)."""
 
 
 def _baseline_search() -> Any:

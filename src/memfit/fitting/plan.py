@@ -29,6 +29,23 @@ TIE_TOLERANCE = 0.01
 """Step times within 1% of the fastest are a tie (Note: [ties go to the simpler option])."""
 
 
+TIE_DIGITS = 9
+"""Significant digits of a step time that :func:`rank` compares (Note: [tie arithmetic])."""
+
+
+def tie_time(seconds: float) -> float:
+    """``seconds`` rounded to :data:`TIE_DIGITS` significant digits: the time :func:`rank`
+    groups ties by.
+
+    Note: [tie arithmetic] Predicted step times are sums of float terms, some from byte counts
+    truncated to integers (``int(saved * m / ref_m)``), so one step costed at micro-batches 4
+    and 8 can differ by 1e-11 relative; no measurement or rate tells those apart. Rounded to 9
+    significant digits (a grid of 1e-9 to 1e-8 relative, far below TIE_TOLERANCE) they are one
+    time. Rounding is monotone (``a <= b`` gives ``tie_time(a) <= tie_time(b)``), which the fit
+    search's pruning relies on (Note: [pruning] in memfit/fitting/search.py)."""
+    return float(f"{seconds:.{TIE_DIGITS}g}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
     """A configuration predicted to fit, with its predicted peak and step time."""
@@ -102,9 +119,9 @@ def rank(candidates: Any, *, seconds: Any = None, tolerance: float = TIE_TOLERAN
     time_of = seconds or (lambda c: c.step_s)
     rest = sorted(candidates, key=time_of)
     out: list[Candidate] = []
-    while rest:
-        limit = time_of(rest[0]) * (1 + tolerance)
-        n = next((i for i, c in enumerate(rest) if time_of(c) > limit), len(rest))
+    while rest:  # groups by tie_time (Note: [tie arithmetic]); sorted by time, so is tie_time
+        limit = tie_time(time_of(rest[0])) * (1 + tolerance)
+        n = next((i for i, c in enumerate(rest) if tie_time(time_of(c)) > limit), len(rest))
         group, rest = rest[:n], rest[n:]
         out += sorted(group, key=lambda c: (simplicity(c.config), c.peak_bytes,
                                             c.config.accumulation, time_of(c)))
