@@ -160,3 +160,42 @@ def cacheable_twin(func: Any, args: Any) -> Any:
     if twin is not None and args and isinstance(args[0], FakeTensor) and args[0].constant is None:
         return twin
     return func
+
+
+# Note: [lifted constants] ``torch.tensor(0.0)`` under the fake mode makes a real CPU tensor and
+# dispatches ``aten.lift_fresh`` on it (Adam makes one ``step`` tensor per parameter: 452 on a
+# 7B Llama-2 trace, 11% of it). ``torch/_subclasses/fake_tensor.py: FakeTensorMode._dispatch_impl``
+# (its constant-propagation branch: ``is_lift_func and not flat_arg_fake_tensors``) runs the real
+# ``lift_fresh`` (which returns its argument), and, the result having at most
+# ``CONSTANT_NUMEL_LIMIT`` (1) element (``may_turn_const``), returns
+# ``converter.from_real_tensor(mode, out.clone(), make_constant=True)``: a fake tensor of the same
+# dtype, shape, stride and device over a fresh meta storage, whose ``constant`` is the clone,
+# built by the meta converter (``torch/_subclasses/meta_utils.py: MetaConverter.__call__``, a
+# general description of the tensor first, about a millisecond). For a plain dense 0-dim CPU
+# tensor without autograd or view history (what ``torch.tensor(scalar)`` makes) the converter's
+# answer is ``FakeTensor(mode, empty_strided(shape, stride, dtype, meta), device,
+# constant=clone)`` (its ``mk_fake_tensor`` callback on that meta tensor), which is what
+# :func:`lifted_constant` builds directly, memo included. Anything else goes to torch's path.
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+def lifted_constant(mode: Any, func: Any, args: Any, kwargs: Any) -> FakeTensor | None:
+    """The fake mode's answer to ``aten.lift_fresh`` of ``torch.tensor(scalar)`` (Note:
+    [lifted constants]), or None for any other call."""
+    if func is not _LIFT_FRESH or kwargs or len(args) != 1:
+        return None
+    t = args[0]
+    if (type(t) is not torch.Tensor or t.dim() != 0 or t.layout is not _STRIDED
+            or t.device.type != "cpu" or t.requires_grad or t.grad_fn is not None
+            or t._base is not None or t.is_quantized or t.is_conj() or t.is_neg()
+            or t.is_inference() or t.dtype.is_complex):
+        return None
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        constant = t.clone()
+        meta = torch.empty_strided(constant.shape, constant.stride(), dtype=constant.dtype,
+                                   device="meta")
+        fake = FakeTensor(mode, meta, constant.device, constant=constant)
+    mode.fake_tensor_converter.set_tensor_memo(constant, fake)
+    return fake
