@@ -24,7 +24,8 @@ LIFT = torch.ops.aten.lift_fresh.default
 
 @pytest.mark.parametrize("value", [
     torch.tensor(0.0), torch.tensor(3, dtype=torch.int64), torch.tensor(2.5, dtype=torch.float64),
-    torch.tensor(True), torch.tensor(1.5, dtype=torch.bfloat16)])
+    torch.tensor(True), torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor([]),
+    torch.tensor([7], dtype=torch.int32), torch.tensor([[2.0]])])
 def test_same_fake_as_torch(value: torch.Tensor) -> None:
     mode = FakeTensorMode()
     ours = lifted_constant(mode, LIFT, (value,), {})
@@ -38,16 +39,16 @@ def test_same_fake_as_torch(value: torch.Tensor) -> None:
     assert ours.fake_mode is mode and ours.fake_device == theirs.fake_device
     assert sorted(vars(ours)) == sorted(vars(theirs))
     assert ours.constant.dtype == theirs.constant.dtype
-    assert ours.constant.item() == theirs.constant.item() == value.item()
+    assert torch.equal(ours.constant, theirs.constant) and torch.equal(ours.constant, value)
     assert ours.constant is not value  # a copy, as torch's clone
     with mode:  # both take part in the fake mode's constant propagation alike
         ours_plus, theirs_plus = ours + 1, theirs + 1
-    assert ours_plus.constant.item() == theirs_plus.constant.item()
+    assert torch.equal(ours_plus.constant, theirs_plus.constant)
 
 
 @pytest.mark.parametrize("value", [
     torch.zeros(2), torch.tensor(1.0, requires_grad=True), torch.tensor(1 + 2j),
-    torch.zeros(4)[1]])
+    torch.zeros(4)[1], torch.zeros(4)[:0]])
 def test_anything_else_goes_to_torch(value: torch.Tensor) -> None:
     """Not a fresh plain 0-dim tensor (more elements, autograd, complex, a view): None."""
     assert lifted_constant(FakeTensorMode(), LIFT, (value,), {}) is None
@@ -82,5 +83,27 @@ def test_estimates_equal_the_slow_path(optimizer: str, device: str,
     slow = dataclasses.asdict(estimate(model, x, optimizer=optimizer, device=device, steps=2,
                                        **kw))
     assert LIFT in calls  # the slow run did go through torch's path
+    fast.pop("trace_seconds"), slow.pop("trace_seconds")
+    assert fast == slow
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_hugging_face_estimate_equals_the_slow_path(device: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hugging Face's KV cache lifts ``torch.tensor([])`` per layer, AdamW a step per parameter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128))
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    kw = {"gpu": "h100-sxm-80gb"} if device == "cuda" else {}
+    inputs = {"input_ids": ids, "labels": ids}
+    fast = dataclasses.asdict(estimate(model, inputs, optimizer="adamw", device=device, steps=2,
+                                       **kw))
+    monkeypatch.setattr(tracker, "lifted_constant", lambda *args: None)
+    slow = dataclasses.asdict(estimate(model, inputs, optimizer="adamw", device=device, steps=2,
+                                       **kw))
     fast.pop("trace_seconds"), slow.pop("trace_seconds")
     assert fast == slow

@@ -37,6 +37,7 @@ import os
 from typing import Any
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorConfig,
@@ -209,12 +210,14 @@ def cacheable_twin(func: Any, args: Any) -> Any:
 # ``converter.from_real_tensor(mode, out.clone(), make_constant=True)``: a fake tensor of the same
 # dtype, shape, stride and device over a fresh meta storage, whose ``constant`` is the clone,
 # built by the meta converter (``torch/_subclasses/meta_utils.py: MetaConverter.__call__``, a
-# general description of the tensor first, about a millisecond). For a plain dense 0-dim CPU
-# tensor without autograd or view history (what ``torch.tensor(scalar)`` makes) the converter's
+# general description of the tensor first, about a millisecond). Hugging Face's KV cache makes
+# ``torch.tensor([])`` per layer the same way. For a plain contiguous CPU tensor of at most one
+# element, not a view, without autograd (what ``torch.tensor(scalar)`` makes) the converter's
 # answer is ``FakeTensor(mode, empty_strided(shape, stride, dtype, meta), device,
 # constant=clone)`` (its ``mk_fake_tensor`` callback on that meta tensor), which is what
 # :func:`lifted_constant` builds directly, memo included. Anything else goes to torch's path.
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_CONSTANT_NUMEL_LIMIT = getattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 1)
 
 
 def lifted_constant(mode: Any, func: Any, args: Any, kwargs: Any) -> FakeTensor | None:
@@ -223,10 +226,12 @@ def lifted_constant(mode: Any, func: Any, args: Any, kwargs: Any) -> FakeTensor 
     if func is not _LIFT_FRESH or kwargs or len(args) != 1:
         return None
     t = args[0]
-    if (type(t) is not torch.Tensor or t.dim() != 0 or t.layout is not _STRIDED
-            or t.device.type != "cpu" or t.requires_grad or t.grad_fn is not None
-            or t._base is not None or t.is_quantized or t.is_conj() or t.is_neg()
-            or t.is_inference() or t.dtype.is_complex):
+    if (type(t) is not torch.Tensor or t.numel() > _CONSTANT_NUMEL_LIMIT
+            or t.layout is not _STRIDED or t.device.type != "cpu" or t.requires_grad
+            or t.grad_fn is not None or t._base is not None or t.storage_offset()
+            or not t.is_contiguous() or t.is_quantized or t.is_conj() or t.is_neg()
+            or t.is_inference() or t.dtype.is_complex
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         return None
     from torch.utils._mode_utils import no_dispatch
 
