@@ -224,6 +224,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--no-memtracker", action="store_true")
+    parser.add_argument("--out", help="the JSON file to write (default: "
+                        "bench/results/trace-speed-cpu-<date>.json)")
     args = parser.parse_args()
     results: dict[str, object] = {
         "torch": torch.__version__, "python": platform.python_version(),
@@ -292,7 +294,7 @@ def main() -> None:
     results["load_average_at_end"] = list(os.getloadavg())
     results["peak_rss_mib"] = round(rss_mib(), 1)
     print(f"peak RSS {results['peak_rss_mib']} MiB")
-    out = Path(__file__).parent / "results" / (
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         f"trace-speed-cpu-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -495,7 +495,8 @@ class CachingAllocatorSim:
     @property
     def pending_free_bytes(self) -> int:
         """Bytes of freed blocks still waiting on another stream's event (not reusable)."""
-        return sum(b.size for b in self._pending)
+        pending = self._pending
+        return sum(b.size for b in pending) if pending else 0  # asked before every op
 
     def _free_block(self, block: _Block) -> None:
         """``free_block``: merge with free neighbours and return the block to its pool."""

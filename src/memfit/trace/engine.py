@@ -42,6 +42,7 @@ from memfit.trace import host
 from memfit.trace.autocast import cuda_autocast_emulation, target_autocast
 from memfit.trace.datadep import DataDependentSizes, RealValues, record_real_values
 from memfit.trace.estimate import TRACKED, Estimate, ModuleMemory, TimelinePoint
+from memfit.trace.heap import with_frozen_heap
 from memfit.trace.optim import OptimizerFactory, make_optimizer
 from memfit.trace.sdpa import CudaSdpaRouting
 from memfit.trace.tracker import Tracker, TrackingFakeMode
@@ -448,6 +449,7 @@ def _real_step(model: nn.Module, inputs: Any) -> bool:
                                 for t in (*tensors, *leaves))
 
 
+@with_frozen_heap  # Note: [frozen heap] in heap.py
 def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
            optimizer: str | OptimizerFactory | None, precision: str,
            compute_loss: LossFn, device: str, gpu: str | GpuSpec | None, steps: int,

@@ -37,7 +37,7 @@ from memfit.categories import MemoryCategory
 from memfit.ledger import Ledger, ModuleStack, Storage
 from memfit.trace.cpu_kernels import is_opaque, rnn_workspace_bytes, transient_peak
 from memfit.trace.datadep import ASSUMPTION, DATA_DEPENDENT, DataDependentSizes
-from memfit.trace.fastkey import FastCacheKey, cacheable_twin, device_of
+from memfit.trace.fastkey import FastCacheKey, cacheable_twin, device_of, lifted_constant
 from memfit.trace.fastkey import enabled as fast_keys_enabled
 
 _FORWARD = "forward"
@@ -379,6 +379,9 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
         # disable inside this mode's own) and its "fake mode not set" assertion.
         if self.fast_keys:
             func = cacheable_twin(func, args)
+            lifted = lifted_constant(self, func, args, kwargs)  # Note: [lifted constants]
+            if lifted is not None:
+                return lifted
         return self.dispatch(func, types, args, kwargs)
 
     def _tracked(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:

@@ -1,0 +1,76 @@
+"""The collector during a trace (Note: [frozen heap] in ``memfit/trace/heap.py``).
+
+Expected values: the estimates of the same trace with the collector left alone (``_trace``
+unwrapped), and hand-computed bytes for a tensor that only the collector frees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from memfit.trace import engine, estimate, heap
+
+
+def test_nested_freezes_unfreeze_once() -> None:
+    gc.unfreeze()
+    before = gc.get_freeze_count()
+    assert before == 0
+    with heap.frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with heap.frozen_heap():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen  # the inner exit keeps the outer freeze
+    assert gc.get_freeze_count() == 0
+
+
+class CycleNet(nn.Module):
+    """Makes a 4 MiB tensor held only by a reference cycle, then collects: the collector must
+    still free it inside the trace, so it is not live at the later 4 MiB allocation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cycle: list[object] = [torch.empty(1 << 20)]  # 4 MiB fp32
+        cycle.append(cycle)
+        del cycle
+        gc.collect()
+        later = torch.empty(1 << 20)
+        return self.lin(x).sum() + later.sum()
+
+
+def test_cycles_made_in_the_trace_are_collected() -> None:
+    with torch.device("meta"):
+        model = CycleNet()
+    x = torch.empty(4, 8, device="meta")
+    est = estimate(model, x, optimizer="sgd", device="cpu", steps=1)
+    # Both 4 MiB tensors live at once would make the peak at least 8 MiB.
+    assert est.peak_bytes < 2 * (4 << 20)
+    assert est.peak_bytes >= 4 << 20
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_estimates_equal_the_unfrozen_trace(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128))
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    kw = {"gpu": "h100-sxm-80gb"} if device == "cuda" else {}
+    inputs = {"input_ids": ids, "labels": ids}
+    frozen = dataclasses.asdict(estimate(model, inputs, optimizer="adamw", device=device,
+                                         steps=2, **kw))
+    monkeypatch.setattr(engine, "_trace", engine._trace.__wrapped__)
+    plain = dataclasses.asdict(estimate(model, inputs, optimizer="adamw", device=device,
+                                        steps=2, **kw))
+    frozen.pop("trace_seconds"), plain.pop("trace_seconds")
+    assert frozen == plain
