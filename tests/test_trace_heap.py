@@ -74,3 +74,21 @@ def test_estimates_equal_the_unfrozen_trace(device: str, monkeypatch: pytest.Mon
                                         steps=2, **kw))
     frozen.pop("trace_seconds"), plain.pop("trace_seconds")
     assert frozen == plain
+
+
+def test_a_freeze_the_process_made_is_left_alone() -> None:
+    """A process that called gc.freeze() itself keeps its permanent generation after a trace
+    (unfreezing would move the user's objects back into collections)."""
+    import gc
+
+    from memfit.trace.heap import frozen_heap
+
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        assert before > 0
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() >= before
+    finally:
+        gc.unfreeze()

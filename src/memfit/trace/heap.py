@@ -9,7 +9,8 @@ the permanent generation, which collections skip: ``Modules/gcmodule.c: gc_freez
 ``gc.unfreeze()`` after (they go back to the oldest generation, collected as before). Only the
 objects made before the trace are left out of its collections; the trace's own objects are
 collected as before, so a tensor freed by the collector during a trace is still freed. Nested
-and concurrent traces share one freeze (a count under a lock).
+and concurrent traces share one freeze (a count under a lock); a process that has frozen
+objects itself is left as it is.
 """
 
 from __future__ import annotations
@@ -23,23 +24,28 @@ from typing import Any, TypeVar
 
 _lock = threading.Lock()
 _depth = 0
+_ours = False  # whether the outermost frozen_heap froze (False: the process had frozen already)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """Leave the objects that exist now out of the collections made inside (module docstring)."""
-    global _depth
+    global _depth, _ours
     with _lock:
         if _depth == 0:
-            gc.freeze()
+            # A process that froze objects itself (a forking server's gc.freeze()) keeps its
+            # permanent generation: unfreezing after the trace would undo the user's freeze.
+            _ours = gc.get_freeze_count() == 0
+            if _ours:
+                gc.freeze()
         _depth += 1
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0:
+            if _depth == 0 and _ours:
                 gc.unfreeze()
 
 
