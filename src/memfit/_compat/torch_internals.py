@@ -226,7 +226,8 @@ def fake_store() -> Any:
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch._subclasses.fake_tensor": (
         "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor",
-        "FakeTensorMode", "TensorMetadata", "in_kernel_invocation_manager", "is_fake",
+        "FakeTensorConfig", "FakeTensorMode", "TensorMetadata", "in_kernel_invocation_manager",
+        "is_fake",
         "unset_fake_temporarily"),
     "torch._subclasses.fake_impls": ("op_implementations_checks",),
     "torch.utils._python_dispatch": (
@@ -234,9 +235,11 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.utils._pytree": ("tree_flatten", "tree_map"),
     "torch._C._profiler": ("_EventType", "_RecordFunctionFast"),
     "torch._ops": ("OpOverload",),
-    "torch._C": ("DisableTorchFunction", "_current_graph_task_id",
+    "torch._C": ("DisableTorchFunction", "_DisableTorchDispatch", "_current_graph_task_id",
                  "_dispatch_has_kernel_for_dispatch_key", "_get_sdp_priority_order",
-                 "_storage_Use_Count"),
+                 "_set_conj", "_set_neg", "_set_throw_on_mutable_data_ptr",
+                 "_set_warn_deprecated_on_mutable_data_ptr", "_storage_Use_Count"),
+    "torch.utils._mode_utils": ("no_dispatch",),
     "torch._utils": ("_flatten_dense_tensors", "_unflatten_dense_tensors"),
     "torch.autograd.graph": ("_engine_run_backward",),
     "torch.autograd.profiler": ("_is_profiler_enabled",),
@@ -259,6 +262,7 @@ OPTIONAL_NAMES: dict[str, str] = {
     "torch._subclasses.fake_tensor.FakeTensorMode._prep_args_for_hash": "2.11, 2.13",
     "torch._subclasses.fake_tensor._DISPATCH_META_HANDLERS": "2.11, 2.13",
     "torch._subclasses.fake_impls.op_implementations_dict": "2.11, 2.13",
+    "torch.Tensor._make_subclass": "2.11, 2.13 (fastkey: cached outputs, lifted constants)",
 }
 """Private names looked up with ``getattr`` (absent from some torch versions or builds): when
 each is present."""
