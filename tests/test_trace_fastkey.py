@@ -18,6 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState
 from torch.utils.checkpoint import checkpoint
 
+from _hf import tiny_hf_llama
 from memfit.trace import estimate, fastkey
 from memfit.trace.tracker import TrackingFakeMode
 
@@ -60,12 +61,7 @@ class Stack(nn.Module):
 
 
 def _hf_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
-    with torch.device("meta"):
-        return LlamaForCausalLM(cfg)
+    return tiny_hf_llama(layers=3)
 
 
 def _hf_gpt2() -> nn.Module:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from _hf import tiny_hf_llama
 from memfit.trace import engine, estimate, heap
 
 
@@ -58,12 +59,7 @@ def test_cycles_made_in_the_trace_are_collected() -> None:
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_estimates_equal_the_unfrozen_trace(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128))
+    model = tiny_hf_llama()
     ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
     kw = {"gpu": "h100-sxm-80gb"} if device == "cuda" else {}
     inputs = {"input_ids": ids, "labels": ids}

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from _hf import tiny_hf_llama
 from memfit.trace import datadep, estimate
 
 
@@ -92,12 +93,7 @@ def test_unread_values_are_not_computed() -> None:
 def test_hugging_face_masks_lazy_equals_eager(padded: bool) -> None:
     """A Hugging Face Llama with a real attention mask (padded: the masked path) and math-kernel
     fp32 attention: the lazy estimate equals the eager one field by field, both targets."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128))
+    model = tiny_hf_llama()
     ids = torch.zeros(2, 16, dtype=torch.long)
     mask = torch.ones(2, 16, dtype=torch.long)
     if padded:

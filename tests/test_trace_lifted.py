@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from _hf import tiny_hf_llama
 from memfit.trace import estimate, tracker
 from memfit.trace.fastkey import lifted_constant
 
@@ -91,12 +92,7 @@ def test_estimates_equal_the_slow_path(optimizer: str, device: str,
 def test_hugging_face_estimate_equals_the_slow_path(device: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Hugging Face's KV cache lifts ``torch.tensor([])`` per layer, AdamW a step per parameter."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128))
+    model = tiny_hf_llama()
     ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
     kw = {"gpu": "h100-sxm-80gb"} if device == "cuda" else {}
     inputs = {"input_ids": ids, "labels": ids}
