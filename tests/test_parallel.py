@@ -223,3 +223,19 @@ def test_hsdp_on_four_ranks_matches_real_gloo_runs_within_1_percent() -> None:
         real = min(measured[r]["peak"] for r in est.ranks)
         assert abs(est.peak_bytes - real) <= 0.01 * real, (
             f"hsdp ranks {est.ranks}: predicted {est.peak_bytes:,} bytes, measured {real:,}")
+
+
+def test_plan_and_trace_share_the_layout_checks() -> None:
+    """One check for both layers (``parallel/config.py: check_degrees``): the trace's
+    ColwiseParallel splits the key/value projections, so its tp must divide the KV heads; the
+    plan's engines replicate KV heads (Megatron), so a multiple of them is fine there."""
+    from memfit.parallel.config import check_degrees
+
+    kw = {"heads": 32, "kv_heads": 8, "layers": 32, "owner": "the model's"}
+    check_degrees(16, 1, tp_name="--tp 16", pp_name="--pp 1", kv_replicated=True, **kw)
+    with pytest.raises(MemfitError, match=r"tp=16\) does not divide the model's 8 KV heads"):
+        check_degrees(16, 1, tp_name="Parallel(tp=16)", pp_name="", kv_replicated=False, **kw)
+    with pytest.raises(MemfitError, match="--pp 33 is more stages than the model's 32 layers"):
+        check_degrees(1, 33, tp_name="", pp_name="--pp 33", kv_replicated=True, **kw)
+    with pytest.raises(MemfitError, match="KV heads"):
+        Parallel(gpus=16, tp=16).check_model(heads=32, kv_heads=8, layers=32)

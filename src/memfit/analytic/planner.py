@@ -27,6 +27,7 @@ from memfit.categories import MemoryCategory, empty_breakdown
 from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
+from memfit.parallel.config import check_degrees
 from memfit.runtime import cuda_runtime_bytes
 from memfit.units import format_bytes
 
@@ -254,16 +255,9 @@ def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> 
     elif run.precision == "fp8":
         raise MemfitError("fp8 needs a GPU that supports it: add --gpu (e.g. --gpu h100-80gb)")
     if isinstance(model, TransformerSpec):
-        if model.num_heads % run.tp:
-            raise MemfitError(
-                f"--tp {run.tp} does not divide {model.name}'s {model.num_heads} attention "
-                "heads; choose a tp that divides the head count")
-        if model.num_kv_heads % run.tp and run.tp % model.num_kv_heads:
-            raise MemfitError(
-                f"--tp {run.tp} and {model.name}'s {model.num_kv_heads} KV heads do not "
-                "divide one another; choose a tp that divides or is a multiple of them")
-        if run.pp > model.num_layers:
-            raise MemfitError(f"--pp {run.pp} exceeds {model.name}'s {model.num_layers} layers")
+        check_degrees(run.tp, run.pp, heads=model.num_heads, kv_heads=model.num_kv_heads,
+                      layers=model.num_layers, tp_name=f"--tp {run.tp}",
+                      pp_name=f"--pp {run.pp}", owner=f"{model.name}'s", kv_replicated=True)
         check_model_options(model, run)
 
 

@@ -139,12 +139,29 @@ class Parallel:
         parts += [f"tp {self.tp}", f"pp {self.pp}"] + ([f"ep {self.ep}"] if self.ep > 1 else [])
         return " x ".join(parts) + f" on {self.gpus} GPUs"
 
-    def check_model(self, *, heads: int | None, layers: int | None) -> None:
-        """One-line errors for degrees the model cannot take: ``tp`` must divide the attention
-        heads, ``pp`` at most the layers."""
-        if heads is not None and heads % self.tp:
-            raise MemfitError(f"Parallel(tp={self.tp}) does not divide the model's {heads} "
-                              f"attention heads; choose a tp that divides {heads}")
-        if layers is not None and self.pp > layers:
-            raise MemfitError(f"Parallel(pp={self.pp}) is more stages than the model's {layers} "
-                              f"layers; use pp <= {layers}")
+    def check_model(self, *, heads: int | None, layers: int | None,
+                    kv_heads: int | None = None) -> None:
+        """One-line errors for degrees the model cannot take (:func:`check_degrees`); the
+        trace's ``ColwiseParallel`` splits the key/value projections, so ``tp`` must divide the
+        KV heads too (no replication)."""
+        check_degrees(self.tp, self.pp, heads=heads, kv_heads=kv_heads, layers=layers,
+                      tp_name=f"Parallel(tp={self.tp})", pp_name=f"Parallel(pp={self.pp})",
+                      owner="the model's", kv_replicated=False)
+
+
+def check_degrees(tp: int, pp: int, *, heads: int | None, kv_heads: int | None,
+                  layers: int | None, tp_name: str, pp_name: str, owner: str,
+                  kv_replicated: bool) -> None:
+    """The layout checks the plan (``--tp``, ``--pp``) and the trace (``Parallel``) share: ``tp``
+    divides the attention heads, and the KV heads (or, where the engine replicates KV heads, as
+    Megatron does, is a multiple of them); ``pp`` is at most the layers. One line each."""
+    if heads is not None and heads % tp:
+        raise MemfitError(f"{tp_name} does not divide {owner} {heads} attention heads; choose a "
+                          f"tp that divides {heads}")
+    if kv_heads is not None and kv_heads % tp and not (kv_replicated and tp % kv_heads == 0):
+        more = " or is a multiple of" if kv_replicated else ""
+        raise MemfitError(f"{tp_name} does not divide {owner} {kv_heads} KV heads; choose a tp "
+                          f"that divides{more} {kv_heads}")
+    if layers is not None and pp > layers:
+        raise MemfitError(f"{pp_name} is more stages than {owner} {layers} layers; use pp <= "
+                          f"{layers}")

@@ -221,25 +221,29 @@ def fake_world(world: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _model_shape(model: nn.Module) -> tuple[int | None, int | None]:
-    """(attention heads, layers) of a model, where its config or structure says them."""
+def _count(model: nn.Module, config_names: tuple[str, ...], attr: str) -> int | None:
+    """A head count from the model's config, else from a module's own attribute (memfit's
+    builtin Attention: ``num_heads``, ``num_kv_heads``)."""
     config = getattr(model, "config", None)
-    heads = None
-    for name in ("num_attention_heads", "n_head", "num_heads"):
+    for name in config_names:
         value = getattr(config, name, None)
         if isinstance(value, int):
-            heads = value
-            break
-    if heads is None:  # a module's own attribute (memfit's builtin Attention: num_heads)
-        heads = next((m.num_heads for m in model.modules()
-                      if isinstance(getattr(m, "num_heads", None), int)), None)
+            return value
+    return next((getattr(m, attr) for m in model.modules()
+                 if isinstance(getattr(m, attr, None), int)), None)
+
+
+def _model_shape(model: nn.Module) -> tuple[int | None, int | None, int | None]:
+    """(attention heads, KV heads, layers) of a model, where its config or structure says them."""
+    heads = _count(model, ("num_attention_heads", "n_head", "num_heads"), "num_heads")
+    kv_heads = _count(model, ("num_key_value_heads",), "num_kv_heads")
     from memfit.techniques.checkpointing import find_blocks
 
     try:
         layers: int | None = len(find_blocks(model)) or None
     except MemfitError:
         layers = None
-    return heads, layers
+    return heads, kv_heads, layers
 
 
 def estimate_ranks(run: Callable[[RankRole], Any], model: nn.Module, parallel: Parallel) -> Any:
@@ -248,8 +252,8 @@ def estimate_ranks(run: Callable[[RankRole], Any], model: nn.Module, parallel: P
     ``per_rank``."""
     if not isinstance(parallel, Parallel):
         raise MemfitError(f"parallel must be a memfit.Parallel, not {type(parallel).__name__}")
-    heads, layers = _model_shape(model)
-    parallel.check_model(heads=heads, layers=layers)
+    heads, kv_heads, layers = _model_shape(model)
+    parallel.check_model(heads=heads, kv_heads=kv_heads, layers=layers)
     estimates = []
     for role in rank_roles(model, parallel):
         with fake_world(parallel.gpus, role.rank):
