@@ -247,6 +247,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.nn.modules.batchnorm": ("_NormBase",),
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
     "torch.distributed.tensor._sharding_prop": ("ShardingPropagator",),
+    "torch.distributed._functional_collectives": ("wait_tensor",),
 }
 """Every private torch name memfit uses, by module (those looked up with ``getattr`` are in
 :data:`OPTIONAL_NAMES`). ``tests/test_compat.py`` checks that each still exists and that
