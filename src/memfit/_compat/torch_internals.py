@@ -17,6 +17,7 @@ import torch
 
 __all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator_settings_setter",
            "called_by_autograd_engine", "clear_cublas_workspaces", "current_graph_task_id",
+           "ddp_ignore",
            "dtensor_meta_propagation_within", "engine_run_backward", "fake_op_rule", "fake_store",
            "flatten_dense_tensors", "has_dispatch_kernel",
            "is_norm_layer", "reporting_get_rng_state",
@@ -210,6 +211,18 @@ def allocator_settings_setter() -> Callable[[str], None] | None:
     return setter
 
 
+def ddp_ignore(module: torch.nn.Module, names: list[str]) -> None:
+    """DDP leaves the parameters and buffers named ``names`` (qualified) of ``module`` out of its
+    buckets and all-reduce: ``torch/nn/parallel/distributed.py:
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` (a static method that
+    sets ``module._ddp_params_and_buffers_to_ignore``, read by the constructor, and marks each
+    tensor ``_ddp_ignored``; checked in torch 2.13.0, the same since torch 1.8). Call it before
+    wrapping ``module``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
 def fake_store() -> Any:
     """A ``torch.testing._internal.distributed.fake_pg.FakeStore``: the store for
     ``init_process_group("fake", ...)``. Importing that module registers the ``"fake"`` backend
@@ -247,7 +260,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.nn.modules.batchnorm": ("_NormBase",),
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
     "torch.distributed.tensor._sharding_prop": ("ShardingPropagator",),
-    "torch.distributed._functional_collectives": ("wait_tensor",),
+    "torch.distributed._functional_collectives": ("wait_tensor", "all_to_all_single_autograd"),
 }
 """Every private torch name memfit uses, by module (those looked up with ``getattr`` are in
 :data:`OPTIONAL_NAMES`). ``tests/test_compat.py`` checks that each still exists and that

@@ -115,6 +115,8 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
 
         return apply_tp(model, parallel, init_device_mesh(device_type, (parallel.tp,))
                         if mesh is None else mesh)
+    if parallel.ep > 1:
+        return apply_ep_ddp(model, parallel, init_sync)
     if parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1:
         raise MemfitError(f"Parallel(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}): only "
                           "the data-parallel family (fsdp, hsdp, ddp, zero=1) and tp alone "
@@ -126,6 +128,19 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
     if parallel.strategy in ("ddp", "zero1"):
         return apply_ddp(model, parallel, init_sync)
     return model
+
+
+def apply_ep_ddp(model: nn.Module, parallel: Parallel, init_sync: bool = True) -> nn.Module:
+    """Expert parallelism (``memfit.parallel.expert.apply_ep``: each rank keeps ``1/ep`` of the
+    experts, tokens exchanged by all-to-all), then DDP over the other parameters, which every rank
+    holds whole: the experts' shards are left out of DDP's buckets and all-reduce
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``)."""
+    from memfit._compat.torch_internals import ddp_ignore
+    from memfit.parallel.expert import apply_ep, expert_parameter_names
+
+    model = apply_ep(model, parallel)
+    ddp_ignore(model, expert_parameter_names(model))
+    return apply_ddp(model, parallel, init_sync)
 
 
 def apply_optimizer(optimizer: torch.optim.Optimizer, parallel: Parallel) -> torch.optim.Optimizer:

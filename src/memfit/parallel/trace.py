@@ -100,6 +100,10 @@ class RankRole:
                 else:
                     mesh = device_mesh(self.parallel, "cpu") if self.parallel.dp > 1 else None
             return apply_model(model, self.parallel, "cpu", mesh)
+        if self.parallel.ep > 1:  # the experts' shards are weights: made before tracking
+            from memfit.parallel.expert import apply_ep
+
+            model = apply_ep(model, self.parallel)
         before = len(tracker.infos)
         fake_mode.tracking = True
         try:
@@ -254,6 +258,10 @@ def estimate_ranks(run: Callable[[RankRole], Any], model: nn.Module, parallel: P
         raise MemfitError(f"parallel must be a memfit.Parallel, not {type(parallel).__name__}")
     heads, kv_heads, layers = _model_shape(model)
     parallel.check_model(heads=heads, kv_heads=kv_heads, layers=layers)
+    if parallel.ep > 1:
+        from memfit.parallel.expert import check_experts
+
+        check_experts(model, parallel)
     estimates = []
     for role in rank_roles(model, parallel):
         with fake_world(parallel.gpus, role.rank):

@@ -1,0 +1,132 @@
+"""Expert parallelism for memfit's builtin MoE layers: each rank keeps ``num_experts / ep`` of the
+experts and exchanges tokens with the other ranks by all-to-all.
+
+The layout follows torchtitan's ``ExpertParallel`` (``torchtitan/distributed/expert_parallel.py``
+before 0.3; ``torchtitan/models/common/token_dispatcher.py: AllToAllTokenDispatcher`` since): the
+stacked expert weights ``[experts, ...]`` are split on dim 0 (torchtitan: ``Shard(0)`` over the
+"ep" mesh dimension), tokens go to the rank that holds their expert with
+``torch.distributed._functional_collectives.all_to_all_single`` (autograd-aware: the backward is
+the reverse all-to-all) and come back with a second one. The non-expert parameters (attention,
+norms, embeddings, the router) are replicated over the same ranks, which see different tokens:
+data parallel, with DDP all-reducing their gradients and skipping the experts'
+(``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``), as each expert lives on
+one rank only when ``ep`` is every data-parallel rank.
+
+Note: [expert parallelism without data-dependent sizes] torchtitan dispatches a variable number of
+tokens per expert, so its all-to-all's split sizes come from a token-count exchange read on the
+host (``AllToAllTokenDispatcher._sync_token_count_exchange``: ``.tolist()``). memfit's builtin
+``MoE`` (``memfit/models/build.py``) gives every expert a fixed buffer of ``capacity`` token slots
+(GShard / Switch Transformer's capacity formulation; tokens past it are dropped), so the exchange
+has equal splits: rank ``j`` gets ``[num_experts / ep, capacity, hidden]`` from every rank, and
+every size is known before the step. A rank's bytes do not depend on the routing: its expert
+buffers are the same size whether the router balances the tokens or not (the default
+``capacity_factor=1.0`` is the balanced load, ``ceil(tokens * k / num_experts)`` slots per
+expert, the balanced-routing assumption memfit's trace makes elsewhere,
+``memfit/trace/datadep.py``). An imbalanced router drops more tokens; it does not take more
+memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.models.build import MoE
+from memfit.parallel.config import Parallel
+
+_EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
+"""The builtin MoE's stacked expert parameters (dim 0: the expert); the router stays replicated."""
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The builtin MoE layers of ``model`` (``memfit.models.build.MoE``), by qualified name."""
+    return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
+
+
+def check_experts(model: nn.Module, parallel: Parallel) -> None:
+    """One-line errors for an ``ep`` the model or the layout cannot take: the model has
+    memfit's builtin MoE layers, ``ep`` divides their experts, and the layout is the one traced
+    (every data-parallel rank in the expert group, DDP for the rest, no tp / pp)."""
+    if parallel.ep == 1:
+        return
+    layers = moe_layers(model)
+    if not layers:
+        raise MemfitError(f"Parallel(ep={parallel.ep}) needs a mixture-of-experts model built by "
+                          "memfit (memfit.models.build_model with num_experts > 0); this model "
+                          "has no MoE layer: use ep=1")
+    for name, moe in layers:
+        experts = int(moe.num_experts)
+        if experts % parallel.ep:
+            raise MemfitError(f"Parallel(ep={parallel.ep}) does not divide the {experts} experts "
+                              f"of {name}; choose an ep that divides {experts}")
+    if parallel.tp > 1 or parallel.pp > 1:
+        raise MemfitError(f"Parallel(ep={parallel.ep}, tp={parallel.tp}, pp={parallel.pp}): "
+                          "expert parallelism is traced with data parallelism only so far; use "
+                          "tp=1 and pp=1")
+    if parallel.ep != parallel.dp or parallel.strategy != "ddp":
+        raise MemfitError(f"Parallel(ep={parallel.ep}) on {parallel.describe()}: expert "
+                          "parallelism is traced with ep equal to the data-parallel ranks and "
+                          f"DDP for the other parameters (no fsdp, zero); use "
+                          f"Parallel(gpus={parallel.dp * parallel.tp * parallel.pp}, "
+                          f"ep={parallel.dp})")
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """Qualified names of the expert parameters (sharded by ``ep``: not all-reduced by DDP)."""
+    return [f"{name}.{attr}" for name, moe in moe_layers(model) for attr in _EXPERT_PARAMS
+            if getattr(moe, attr, None) is not None]
+
+
+def apply_ep(model: nn.Module, parallel: Parallel, group: Any = None) -> nn.Module:
+    """Expert parallelism on every builtin MoE layer of ``model`` (in place): this rank keeps
+    experts ``[rank * E / ep, (rank + 1) * E / ep)`` of each layer's stacked weights and runs
+    them on the tokens every rank sends it (:class:`ExpertParallelMoE`). ``group``: the expert
+    group (default: every rank, ``ep == gpus``). Applying it twice changes nothing."""
+    import torch.distributed as dist
+
+    check_experts(model, parallel)
+    group = dist.group.WORLD if group is None else group
+    rank, ep = dist.get_rank(group), parallel.ep
+    for _, moe in moe_layers(model):
+        if isinstance(moe, ExpertParallelMoE):
+            continue
+        local = moe.num_experts // ep
+        for attr in _EXPERT_PARAMS:
+            param = getattr(moe, attr, None)
+            if param is not None:  # this rank's experts, a tensor of their own
+                shard = param.detach()[rank * local:(rank + 1) * local].clone()
+                setattr(moe, attr, nn.Parameter(shard, requires_grad=param.requires_grad))
+        moe.__class__ = ExpertParallelMoE
+        moe.ep_group, moe.ep_size = group, ep  # type: ignore[assignment]
+    return model
+
+
+class ExpertParallelMoE(MoE):
+    """A builtin MoE layer holding ``num_experts / ep_size`` experts: the routing and the capacity
+    buffers are :class:`memfit.models.build.MoE`'s; the experts step exchanges the buffers (see
+    the module's note)."""
+
+    ep_group: Any
+    ep_size: int
+
+    def run_experts(self, expert_in: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        experts, capacity, hidden = expert_in.shape
+        ep, local = self.ep_size, experts // self.ep_size
+        # Dispatch: chunk j of the buffers (rank j's experts) goes to rank j; what arrives is
+        # rank-major [ep, local, capacity, hidden], made expert-major for the batched matmuls
+        # (torchtitan: AllToAllTokenDispatcher._permute).
+        received = funcol.all_to_all_single_autograd(
+            expert_in.reshape(experts * capacity, hidden), None, None, self.ep_group)
+        tokens = received.view(ep, local, capacity, hidden).transpose(0, 1).reshape(
+            local, ep * capacity, hidden)
+        out = super().run_experts(tokens)
+        # Combine: back to rank-major, each rank's slots sent home (the reverse exchange).
+        back = out.view(local, ep, capacity, hidden).transpose(0, 1).reshape(
+            experts * capacity, hidden)
+        returned = funcol.all_to_all_single_autograd(back, None, None, self.ep_group)
+        return returned.view(experts, capacity, hidden)
