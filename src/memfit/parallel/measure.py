@@ -63,6 +63,13 @@ def tiny_spec(layers: int = 2) -> Any:
         max_position_embeddings=512)
 
 
+def tiny_moe_spec(layers: int = 2, experts: int = 4, top_k: int = 2) -> Any:
+    """:func:`tiny_spec` with memfit's builtin MoE layers (``experts`` SwiGLU experts, top
+    ``top_k``, capacity factor 1.0) in place of the MLPs: the case expert parallelism runs."""
+    return dataclasses.replace(tiny_spec(layers), name="tiny-moe", family="mixtral",
+                               num_experts=experts, experts_per_token=top_k)
+
+
 def build(case: Case) -> tuple[torch.nn.Module, Any]:
     """The case's model (real, CPU, seeded) and inputs."""
     from memfit.models.build import build_model, example_inputs
