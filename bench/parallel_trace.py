@@ -3,7 +3,7 @@
 Run: ``python bench/parallel_trace.py [--skip-measured] [--gpt2]``
 
 For each layout of a tiny Llama-like decoder (hidden 64, 2 layers, vocab 250; batch 2 x seq 64;
-fp32, AdamW, 2 steps; CPU):
+fp32, AdamW, 2 steps; CPU; the expert-parallel row: its MLPs as 4 builtin MoE experts, top 2):
 
 - ``measured``: one process per rank over gloo (``memfit.parallel.measure``): the profiler's
   allocator events of the step's own blocks, lowest of 3 runs; ``gloo scratch``: gloo's own
@@ -36,7 +36,7 @@ import torch
 
 import memfit
 from memfit.parallel import Parallel
-from memfit.parallel.measure import Case, build, measure, tiny_spec
+from memfit.parallel.measure import Case, build, measure, tiny_moe_spec, tiny_spec
 
 P = Parallel
 LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
@@ -48,6 +48,9 @@ LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
     "hsdp 2x2": (4, P(gpus=4, fsdp=2)),
     "fsdp2 x4 (reshard)": (4, P(gpus=4, fsdp=4)),
     "fsdp2 x4 bf16 params": (4, P(gpus=4, fsdp=4, param_dtype="bf16", reduce_dtype="fp32")),
+}
+MOE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # the same decoder, MLPs as 4 MoE experts (top 2)
+    "ep 2 (moe)": (2, P(gpus=2, ep=2)),
 }
 
 
@@ -99,10 +102,13 @@ def main() -> None:
     args = ap.parse_args()
     spec = dataclasses.replace(tiny_spec(), vocab_size=250)
     cases = {name: Case(spec=spec, batch=2, seq=64, parallel=p) for name, (_, p) in LAYOUTS.items()}
+    moe_spec = dataclasses.replace(tiny_moe_spec(), vocab_size=250)
+    cases.update({name: Case(spec=moe_spec, batch=2, seq=64, parallel=p)
+                  for name, (_, p) in MOE_LAYOUTS.items()})
     measured: dict[str, list[dict[str, int]]] = {}
     if not args.skip_measured:
-        for world in sorted({w for w, _ in LAYOUTS.values()}):
-            names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        for world in sorted({w for w, _ in {**LAYOUTS, **MOE_LAYOUTS}.values()}):
+            names = [n for n, (w, _) in {**LAYOUTS, **MOE_LAYOUTS}.items() if w == world]
             started = time.perf_counter()
             for name, peaks in zip(names, measure([cases[n] for n in names], world), strict=True):
                 measured[name] = peaks
@@ -135,6 +141,7 @@ def main() -> None:
                 "with the profiler, memfit's per-rank trace, FSDPMemTracker",
         "model": dataclasses.asdict(spec), "batch": 2, "seq": 64, "precision": "fp32",
         "optimizer": "adamw", "steps": 2,
+        "moe_model": dataclasses.asdict(moe_spec),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__, "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs)",

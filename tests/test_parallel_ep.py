@@ -190,12 +190,30 @@ def test_expert_parallel_step_computes_what_one_process_computes() -> None:
 @pytest.mark.slow
 def test_each_rank_matches_a_real_gloo_run_within_1_percent() -> None:
     """ep=2 on 2 gloo processes (the profiler's allocator events per rank, memfit/parallel/
-    measure.py): each rank's peak, and its high point in each phase, within 1% of the trace."""
+    measure.py): each rank's peak, and its high point in each phase, within 1% of the trace. A
+    rank that is off is measured again from scratch and the lower kept, as tests/test_parallel.py
+    does: gloo's worker thread can hold a finished collective's output past its use, which only
+    adds bytes (one run of three held 5% more on one rank here)."""
     from memfit.parallel.measure import measure
 
     case = _case(Parallel(gpus=2, ep=2))
-    measured = measure([case], world=2, repeats=2)[0]
     est = _estimate(case)
+    (role,) = est.per_rank
+
+    def off(m: list) -> bool:
+        pairs = [(role.peak_bytes, m[r]["peak"]) for r in role.ranks] + [
+            (role.phase_peaks[(int(k.split(":")[0]), k.split(":")[1])], v)
+            for r in role.ranks for k, v in m[r]["phases"].items()]
+        return any(abs(pred - real) > 0.01 * real for pred, real in pairs)
+
+    measured = measure([case], world=2, repeats=2)[0]
+    for _ in range(2):  # Note: [gloo's timing] in memfit/parallel/measure.py: only ever adds
+        if not off(measured):
+            break
+        again = measure([case], world=2, repeats=1)[0]
+        measured = [{"peak": min(a["peak"], b["peak"]),
+                     "phases": {k: min(v, b["phases"][k]) for k, v in a["phases"].items()}}
+                    for a, b in zip(measured, again, strict=True)]
     for role in est.per_rank:
         for rank in role.ranks:
             real = measured[rank]["peak"]

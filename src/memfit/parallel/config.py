@@ -30,6 +30,11 @@ class Parallel:
     Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) and
     tensor parallelism alone (``tp == gpus``, no sequence parallelism); other ``tp``, ``pp`` and
     ``ep`` > 1 are checked against the model but refused by the trace.
+    Expert parallelism (``memfit/parallel/expert.py``) runs on memfit's builtin MoE layers only
+    (not Hugging Face MoE modules), with ``ep`` equal to the data-parallel ranks and DDP for the
+    other parameters: no fsdp, zero, tp or pp beside it yet. ``ep`` must divide the experts. Its
+    token exchange has fixed sizes (each expert's buffer holds ``capacity`` slots, balanced
+    routing at the default capacity factor 1.0), so a rank's bytes do not depend on the router.
     """
 
     gpus: int
@@ -44,7 +49,8 @@ class Parallel:
     pp: int = 1
     """Pipeline stages (at most the number of layers)."""
     ep: int = 1
-    """Expert-parallel degree (MoE)."""
+    """Expert-parallel degree (MoE): each rank keeps ``num_experts / ep`` experts and exchanges
+    tokens with the others by all-to-all."""
     zero: int | None = None
     """ZeRO stage as a name for the data-parallel sharding: 1 = DDP with
     ``ZeroRedundancyOptimizer`` (states sharded); 2 = FSDP2 without resharding after forward
