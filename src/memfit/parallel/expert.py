@@ -26,11 +26,12 @@ expert, the balanced-routing assumption memfit's trace makes elsewhere,
 memory.
 
 Note: [the all-to-all's buffers] ``_c10d_functional::all_to_all_single``
-(``torch/csrc/distributed/c10d/Functional.cpp: all_to_all_single``, v2.11.0 and 2.13) allocates
-its output on the caller with ``input.new_empty`` (dim 0: the sum of the output splits) and hands
-it to the backend's ``alltoall_base`` (NCCL: ``ProcessGroupNCCL::alltoall_base``, into that
-output; gloo on CPU: measured, no block of its own); the backward (``AllToAllSingle::backward``
-there; in 2.13 ``torch/distributed/_functional_collectives.py: all_to_all_single_backward``)
+(``torch/csrc/distributed/c10d/Functional.cpp: all_to_all_single``, read at pytorch commit
+00295ae; the same in the installed 2.13) allocates its output on the caller with
+``input.new_empty`` (dim 0: the sum of the output splits) and hands it to the backend's
+``alltoall_base`` (NCCL: ``ProcessGroupNCCL::alltoall_base``, into that output; gloo on CPU:
+measured, no block of its own); the backward (``AllToAllSingle::backward`` in that file at that
+commit; in 2.13 ``torch/distributed/_functional_collectives.py: all_to_all_single_backward``)
 makes the incoming gradient contiguous and runs the reverse exchange the same way. The trace sees
 each allocation through the op's fake kernel, as the real step makes it.
 """
