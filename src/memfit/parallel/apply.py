@@ -33,7 +33,8 @@ def device_mesh(parallel: Parallel, device_type: str) -> Any:
 
 
 def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
-               blocks: list[str] | None = None) -> nn.Module:
+               blocks: list[str] | None = None,
+               ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """FSDP2 ``fully_shard`` on each block (``blocks``; default: the repeated blocks that
     ``memfit.techniques.checkpointing.find_blocks`` finds), then on the root (in place), with
     the layout's ``reshard_after_forward``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``."""
@@ -49,6 +50,8 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
             reduce_dtype=_DTYPE.get(parallel.reduce_dtype or ""))
     if parallel.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if ignored_params:  # neither sharded nor reduced (expert parallelism's own experts)
+        kwargs["ignored_params"] = ignored_params
     if blocks is None:
         try:
             blocks = find_blocks(model)
@@ -116,7 +119,7 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
         return apply_tp(model, parallel, init_device_mesh(device_type, (parallel.tp,))
                         if mesh is None else mesh)
     if parallel.ep > 1:
-        return apply_ep_ddp(model, parallel, init_sync)
+        return apply_ep_dp(model, parallel, device_type, mesh, init_sync)
     if parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1:
         raise MemfitError(f"Parallel(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}): only "
                           "the data-parallel family (fsdp, hsdp, ddp, zero=1) and tp alone "
@@ -130,16 +133,23 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
     return model
 
 
-def apply_ep_ddp(model: nn.Module, parallel: Parallel, init_sync: bool = True) -> nn.Module:
+def apply_ep_dp(model: nn.Module, parallel: Parallel, device_type: str, mesh: Any = None,
+                init_sync: bool = True) -> nn.Module:
     """Expert parallelism (``memfit.parallel.expert.apply_ep``: each rank keeps ``1/ep`` of the
-    experts, tokens exchanged by all-to-all), then DDP over the other parameters, which every rank
-    holds whole: the experts' shards are left out of DDP's buckets and all-reduce
-    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``)."""
+    experts, tokens exchanged by all-to-all), then data parallelism over the other parameters,
+    which every rank holds whole, with the experts' shards left out: DDP skips them
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``), FSDP2 neither
+    shards nor reduces them (``fully_shard(..., ignored_params=...)``)."""
     from memfit._compat.torch_internals import ddp_ignore
     from memfit.parallel.expert import apply_ep, expert_parameter_names
 
     model = apply_ep(model, parallel)
-    ddp_ignore(model, expert_parameter_names(model))
+    names = expert_parameter_names(model)
+    if parallel.strategy == "fsdp":
+        return apply_fsdp(model, parallel,
+                          device_mesh(parallel, device_type) if mesh is None else mesh,
+                          ignored_params={model.get_parameter(n) for n in names})
+    ddp_ignore(model, names)
     return apply_ddp(model, parallel, init_sync)
 
 

@@ -8,9 +8,11 @@ stacked expert weights ``[experts, ...]`` are split on dim 0 (torchtitan: ``Shar
 ``torch.distributed._functional_collectives.all_to_all_single`` (autograd-aware: the backward is
 the reverse all-to-all) and come back with a second one. The non-expert parameters (attention,
 norms, embeddings, the router) are replicated over the same ranks, which see different tokens:
-data parallel, with DDP all-reducing their gradients and skipping the experts'
-(``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``), as each expert lives on
-one rank only when ``ep`` is every data-parallel rank.
+data parallel, with DDP or FSDP2 reducing their gradients and leaving the experts out
+(``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``; ``fully_shard``'s
+``ignored_params``), as each expert lives on one rank only when ``ep`` is every data-parallel
+rank (torchtitan 0.3 shards the experts over the rest, its "efsdp" mesh dimension,
+``fsdp * tp // ep`` ranks: ``torchtitan/distributed/parallel_dims.py``, 1 here).
 
 Note: [expert parallelism without data-dependent sizes] torchtitan dispatches a variable number of
 tokens per expert, so its all-to-all's split sizes come from a token-count exchange read on the
@@ -59,7 +61,7 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def check_experts(model: nn.Module, parallel: Parallel) -> None:
     """One-line errors for an ``ep`` the model or the layout cannot take: the model has
     memfit's builtin MoE layers, ``ep`` divides their experts, and the layout is the one traced
-    (every data-parallel rank in the expert group, DDP for the rest, no tp / pp)."""
+    (every data-parallel rank in the expert group, DDP or FSDP2 for the rest, no tp / pp)."""
     if parallel.ep == 1:
         return
     layers = moe_layers(model)
@@ -76,12 +78,16 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
         raise MemfitError(f"Parallel(ep={parallel.ep}, tp={parallel.tp}, pp={parallel.pp}): "
                           "expert parallelism is traced with data parallelism only so far; use "
                           "tp=1 and pp=1")
-    if parallel.ep != parallel.dp or parallel.strategy != "ddp":
+    if parallel.ep != parallel.dp or parallel.strategy not in ("ddp", "fsdp"):
         raise MemfitError(f"Parallel(ep={parallel.ep}) on {parallel.describe()}: expert "
                           "parallelism is traced with ep equal to the data-parallel ranks and "
-                          f"DDP for the other parameters (no fsdp, zero); use "
-                          f"Parallel(gpus={parallel.dp * parallel.tp * parallel.pp}, "
-                          f"ep={parallel.dp})")
+                          "DDP or FSDP2 over all of them for the other parameters (no hsdp, "
+                          f"zero=1); use Parallel(gpus={parallel.dp * parallel.tp * parallel.pp}"
+                          f", ep={parallel.dp}) or add fsdp={parallel.dp}")
+    if parallel.param_dtype or parallel.reduce_dtype or parallel.cpu_offload:
+        raise MemfitError(f"Parallel(ep={parallel.ep}) with FSDP2's param_dtype, reduce_dtype or "
+                          "cpu_offload is not traced yet (the experts, outside FSDP, would keep "
+                          "their own dtype); use precision= for mixed precision instead")
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
