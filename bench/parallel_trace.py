@@ -51,6 +51,7 @@ LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
 }
 MOE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # the same decoder, MLPs as 4 MoE experts (top 2)
     "ep 2 (moe)": (2, P(gpus=2, ep=2)),
+    "ep 2 + fsdp2 (moe)": (2, P(gpus=2, fsdp=2, ep=2)),
 }
 
 

@@ -67,8 +67,9 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
     layers = moe_layers(model)
     if not layers:
         raise MemfitError(f"Parallel(ep={parallel.ep}) needs a mixture-of-experts model built by "
-                          "memfit (memfit.models.build_model with num_experts > 0); this model "
-                          "has no MoE layer: use ep=1")
+                          "memfit (memfit.models.build_model with num_experts > 0, builtin "
+                          "backend); this model has no such MoE layer (Hugging Face MoE modules "
+                          "are not split yet): use ep=1")
     for name, moe in layers:
         experts = int(moe.num_experts)
         if experts % parallel.ep:
