@@ -11,8 +11,11 @@ norms, embeddings, the router) are replicated over the same ranks, which see dif
 data parallel, with DDP or FSDP2 reducing their gradients and leaving the experts out
 (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``; ``fully_shard``'s
 ``ignored_params``), as each expert lives on one rank only when ``ep`` is every data-parallel
-rank (torchtitan 0.3 shards the experts over the rest, its "efsdp" mesh dimension,
-``fsdp * tp // ep`` ranks: ``torchtitan/distributed/parallel_dims.py``, 1 here).
+rank. torchtitan 0.3 keeps the experts in FSDP2 all the same, on its "efsdp" mesh dimension of
+``fsdp * tp // ep`` ranks (``torchtitan/distributed/parallel_dims.py``; 1 here), through a
+per-parameter mesh (``torchtitan/distributed/fsdp.py``: ``shard_placement_fn`` returning
+``ShardPlacementResult``); memfit leaves them out of FSDP2 instead (``ignored_params``), which
+computes the same step, and does not model that 1-rank FSDP2 group's buffers.
 
 Note: [expert parallelism without data-dependent sizes] torchtitan dispatches a variable number of
 tokens per expert, so its all-to-all's split sizes come from a token-count exchange read on the
