@@ -52,6 +52,7 @@ LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
 MOE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # the same decoder, MLPs as 4 MoE experts (top 2)
     "ep 2 (moe)": (2, P(gpus=2, ep=2)),
     "ep 2 + fsdp2 (moe)": (2, P(gpus=2, fsdp=2, ep=2)),
+    "ep 2 + fsdp2 x4 (moe)": (4, P(gpus=4, fsdp=4, ep=2)),
 }
 
 

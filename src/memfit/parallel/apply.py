@@ -137,18 +137,27 @@ def apply_ep_dp(model: nn.Module, parallel: Parallel, device_type: str, mesh: An
                 init_sync: bool = True) -> nn.Module:
     """Expert parallelism (``memfit.parallel.expert.apply_ep``: each rank keeps ``1/ep`` of the
     experts, tokens exchanged by all-to-all), then data parallelism over the other parameters,
-    which every rank holds whole, with the experts' shards left out: DDP skips them
+    which every rank holds whole. With ``ep`` equal to the data-parallel ranks each expert is on
+    one rank and is left out: DDP skips it
     (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``), FSDP2 neither
-    shards nor reduces them (``fully_shard(..., ignored_params=...)``)."""
+    shards nor reduces it (``fully_shard(..., ignored_params=...)``). With fewer, the ``dp / ep``
+    ranks holding the same experts shard them with FSDP2 on the "efsdp" mesh dimension first
+    (``fully_shard(moe.experts, mesh=efsdp)``, as torchtitan's ``apply_fsdp`` did before 0.3),
+    then each block and the root on the data-parallel mesh."""
     from memfit._compat.torch_internals import ddp_ignore
-    from memfit.parallel.expert import apply_ep, expert_parameter_names
+    from memfit.parallel.expert import apply_ep, ep_mesh, expert_parameter_names, moe_layers
 
-    model = apply_ep(model, parallel)
+    experts_mesh = ep_mesh(parallel, device_type)
+    model = apply_ep(model, parallel, experts_mesh)
     names = expert_parameter_names(model)
     if parallel.strategy == "fsdp":
-        return apply_fsdp(model, parallel,
-                          device_mesh(parallel, device_type) if mesh is None else mesh,
-                          ignored_params={model.get_parameter(n) for n in names})
+        dp_mesh = device_mesh(parallel, device_type) if mesh is None else mesh
+        if experts_mesh is None:
+            return apply_fsdp(model, parallel, dp_mesh,
+                              ignored_params={model.get_parameter(n) for n in names})
+        for _, moe in moe_layers(model):
+            apply_fsdp(moe.experts, parallel, experts_mesh["efsdp"], blocks=[])
+        return apply_fsdp(model, parallel, dp_mesh)
     ddp_ignore(model, names)
     return apply_ddp(model, parallel, init_sync)
 

@@ -31,12 +31,13 @@ class Parallel:
     tensor parallelism alone (``tp == gpus``, no sequence parallelism); other ``tp``, ``pp`` and
     ``ep`` > 1 are checked against the model but refused by the trace.
     Expert parallelism (``memfit/parallel/expert.py``) runs on memfit's builtin MoE layers only
-    (not Hugging Face MoE modules), with ``ep`` equal to the data-parallel ranks (each expert on
-    one rank) and DDP or FSDP2 over all of them for the other parameters; ``ep`` below the
-    data-parallel ranks (experts replicated and reduced), HSDP, ZeRO-1, FSDP2's dtype and offload
-    policies, tp or pp beside it are refused. ``ep`` must divide the experts. Its token exchange
-    has fixed sizes (each expert's buffer holds ``capacity`` slots, balanced routing at the
-    default capacity factor 1.0), so a rank's bytes do not depend on the router.
+    (not Hugging Face MoE modules), with FSDP2 over every data-parallel rank for the other
+    parameters (the ``dp / ep`` ranks that hold the same experts shard them), or DDP when ``ep``
+    is every data-parallel rank; HSDP, ZeRO-1, DDP with ``ep`` below the data-parallel ranks,
+    FSDP2's dtype and offload policies, tp or pp beside it are refused. ``ep`` must divide the
+    experts, and ``dp / ep`` each rank's experts. Its token exchange has fixed sizes (each
+    expert's buffer holds ``capacity`` slots, balanced routing at the default capacity factor
+    1.0), so a rank's bytes do not depend on the router.
     """
 
     gpus: int

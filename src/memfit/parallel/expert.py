@@ -8,14 +8,19 @@ stacked expert weights ``[experts, ...]`` are split on dim 0 (torchtitan: ``Shar
 ``torch.distributed._functional_collectives.all_to_all_single`` (autograd-aware: the backward is
 the reverse all-to-all) and come back with a second one. The non-expert parameters (attention,
 norms, embeddings, the router) are replicated over the same ranks, which see different tokens:
-data parallel, with DDP or FSDP2 reducing their gradients and leaving the experts out
+data parallel, with DDP or FSDP2 reducing their gradients. When ``ep`` is every data-parallel
+rank, each expert lives on one rank and is left out
 (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``; ``fully_shard``'s
-``ignored_params``), as each expert lives on one rank only when ``ep`` is every data-parallel
-rank. torchtitan 0.3 keeps the experts in FSDP2 all the same, on its "efsdp" mesh dimension of
-``fsdp * tp // ep`` ranks (``torchtitan/distributed/parallel_dims.py``; 1 here), through a
-per-parameter mesh (``torchtitan/distributed/fsdp.py``: ``shard_placement_fn`` returning
-``ShardPlacementResult``); memfit leaves them out of FSDP2 instead (``ignored_params``), which
-computes the same step, and does not model that 1-rank FSDP2 group's buffers.
+``ignored_params``); with fewer, the ``dp / ep`` ranks that hold the same experts shard them with
+FSDP2 on their own mesh dimension (:func:`ep_mesh`: "efsdp" x "ep"), as torchtitan did before
+0.3 (``torchtitan/models/llama4/infra/parallelize.py: apply_fsdp``:
+``fully_shard(transformer_block.moe.experts, mesh=dp_mod_ep_mesh)``, then the block on the
+data-parallel mesh; its gradient divide factor changes no byte). torchtitan 0.3 keeps
+the experts in FSDP2 even when that dimension (``fsdp * tp // ep`` ranks,
+``torchtitan/distributed/parallel_dims.py``) is 1, through a per-parameter mesh
+(``torchtitan/distributed/fsdp.py``: ``shard_placement_fn`` returning ``ShardPlacementResult``);
+memfit leaves them out of FSDP2 then, which computes the same step, and does not model that
+1-rank FSDP2 group's buffers.
 
 Note: [expert parallelism without data-dependent sizes] torchtitan dispatches a variable number of
 tokens per expert, so its all-to-all's split sizes come from a token-count exchange read on the
@@ -82,12 +87,20 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
         raise MemfitError(f"Parallel(ep={parallel.ep}, tp={parallel.tp}, pp={parallel.pp}): "
                           "expert parallelism is traced with data parallelism only so far; use "
                           "tp=1 and pp=1")
-    if parallel.ep != parallel.dp or parallel.strategy not in ("ddp", "fsdp"):
+    if parallel.strategy not in ("ddp", "fsdp") or (
+            parallel.strategy == "ddp" and parallel.ep != parallel.dp):
         raise MemfitError(f"Parallel(ep={parallel.ep}) on {parallel.describe()}: expert "
-                          "parallelism is traced with ep equal to the data-parallel ranks and "
-                          "DDP or FSDP2 over all of them for the other parameters (no hsdp, "
-                          f"zero=1); use Parallel(gpus={parallel.dp * parallel.tp * parallel.pp}"
-                          f", ep={parallel.dp}) or add fsdp={parallel.dp}")
+                          "parallelism is traced with FSDP2 over every data-parallel rank "
+                          "(fsdp = gpus / (tp*pp)), or DDP when ep is all of them (no hsdp, "
+                          f"zero=1); use Parallel(gpus={parallel.gpus}, fsdp={parallel.dp}, "
+                          f"ep={parallel.ep}) or ep={parallel.dp}")
+    for name, moe in layers:
+        local, shards = int(moe.num_experts) // parallel.ep, parallel.dp // parallel.ep
+        if local % shards:
+            raise MemfitError(f"Parallel(ep={parallel.ep}): the {local} experts each rank of "
+                              f"{name} keeps do not split evenly over the {shards} ranks that "
+                              f"shard them (dp / ep); choose an ep with {int(moe.num_experts)} "
+                              f"/ ep divisible by {parallel.dp} / ep")
     if parallel.param_dtype or parallel.reduce_dtype or parallel.cpu_offload:
         raise MemfitError(f"Parallel(ep={parallel.ep}) with FSDP2's param_dtype, reduce_dtype or "
                           "cpu_offload is not traced yet (the experts, outside FSDP, would keep "
@@ -95,40 +108,76 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
-    """Qualified names of the expert parameters (sharded by ``ep``: not all-reduced by DDP)."""
-    return [f"{name}.{attr}" for name, moe in moe_layers(model) for attr in _EXPERT_PARAMS
-            if getattr(moe, attr, None) is not None]
+    """Qualified names of the expert parameters of an expert-parallel ``model`` (after
+    :func:`apply_ep`: sharded by ``ep``, left out of the dense parameters' DDP / FSDP2)."""
+    return [f"{name}.experts.{attr}" for name, moe in moe_layers(model)
+            for attr, _ in moe.experts.named_parameters()]
 
 
-def apply_ep(model: nn.Module, parallel: Parallel, group: Any = None) -> nn.Module:
-    """Expert parallelism on every builtin MoE layer of ``model`` (in place): this rank keeps
-    experts ``[rank * E / ep, (rank + 1) * E / ep)`` of each layer's stacked weights and runs
-    them on the tokens every rank sends it (:class:`ExpertParallelMoE`). ``group``: the expert
-    group (default: every rank, ``ep == gpus``). Applying it twice changes nothing."""
+def ep_mesh(parallel: Parallel, device_type: str) -> Any:
+    """None when ``ep`` is every data-parallel rank (the expert group is the world); otherwise
+    the 2-D DeviceMesh ``(efsdp, ep)`` = ``(dp // ep, ep)`` (torchtitan's sparse mesh, "ep"
+    innermost: ranks ``0..ep-1`` exchange tokens, and rank ``r`` holds the same experts as
+    ``r + ep``, ``r + 2 ep``..., which shard them with FSDP2 over "efsdp")."""
+    if parallel.ep == parallel.dp:
+        return None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
+        return init_device_mesh(device_type, (parallel.dp // parallel.ep, parallel.ep),
+                                mesh_dim_names=("efsdp", "ep"))
+
+
+class Experts(nn.Module):
+    """One MoE layer's local experts, a module of their own (torchtitan: ``GroupedExperts``) so
+    that FSDP2 can shard them on another mesh than the layer's other parameters; its forward is
+    :meth:`memfit.models.build.MoE.run_experts` on its own parameters."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+        for attr in _EXPERT_PARAMS:
+            setattr(self, attr, None)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return MoE.run_experts(self, tokens)  # type: ignore[arg-type]
+
+
+def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Module:
+    """Expert parallelism on every builtin MoE layer of ``model`` (in place): in the expert group
+    (``mesh["ep"]``, or every rank when ``mesh`` is None), the rank of index ``i`` keeps experts
+    ``[i * E / ep, (i + 1) * E / ep)`` of each layer's stacked weights, moved to an
+    :class:`Experts` child, and runs them on the tokens the group sends it
+    (:class:`ExpertParallelMoE`). Applying it twice changes nothing."""
     import torch.distributed as dist
 
     check_experts(model, parallel)
-    group = dist.group.WORLD if group is None else group
-    rank, ep = dist.get_rank(group), parallel.ep
+    group = dist.group.WORLD if mesh is None else mesh["ep"].get_group()
+    index, ep = dist.get_rank(group), parallel.ep
     for _, moe in moe_layers(model):
         if isinstance(moe, ExpertParallelMoE):
             continue
         local = moe.num_experts // ep
+        experts = Experts(moe.act)
         for attr in _EXPERT_PARAMS:
             param = getattr(moe, attr, None)
+            delattr(moe, attr)
             if param is not None:  # this rank's experts, a tensor of their own
-                shard = param.detach()[rank * local:(rank + 1) * local].clone()
-                setattr(moe, attr, nn.Parameter(shard, requires_grad=param.requires_grad))
+                shard = param.detach()[index * local:(index + 1) * local].clone()
+                setattr(experts, attr, nn.Parameter(shard, requires_grad=param.requires_grad))
         moe.__class__ = ExpertParallelMoE
+        moe.experts = experts
         moe.ep_group, moe.ep_size = group, ep  # type: ignore[assignment]
     return model
 
 
 class ExpertParallelMoE(MoE):
-    """A builtin MoE layer holding ``num_experts / ep_size`` experts: the routing and the capacity
-    buffers are :class:`memfit.models.build.MoE`'s; the experts step exchanges the buffers (see
-    the module's note)."""
+    """A builtin MoE layer holding ``num_experts / ep_size`` experts (its :class:`Experts`
+    child): the routing and the capacity buffers are :class:`memfit.models.build.MoE`'s; the
+    experts step exchanges the buffers (see the module's note)."""
 
+    experts: Experts
     ep_group: Any
     ep_size: int
 
@@ -144,7 +193,7 @@ class ExpertParallelMoE(MoE):
             expert_in.reshape(experts * capacity, hidden), None, None, self.ep_group)
         tokens = received.view(ep, local, capacity, hidden).transpose(0, 1).reshape(
             local, ep * capacity, hidden)
-        out = super().run_experts(tokens)
+        out = self.experts(tokens)
         # Combine: back to rank-major, each rank's slots sent home (the reverse exchange).
         back = out.view(local, ep, capacity, hidden).transpose(0, 1).reshape(
             experts * capacity, hidden)
