@@ -127,7 +127,8 @@ def _wait_returns_its_input() -> Iterator[None]:
     on real ones.
 
     Note: [wait_tensor on fake tensors] The kernel of ``_c10d_functional::wait_tensor``
-    (``torch/csrc/distributed/c10d/Functional.cpp: wait_tensor``) waits for the tensor's work
+    (``c10d::wait_tensor``, declared in ``torch/csrc/distributed/c10d/ProcessGroup.hpp`` of the
+    installed 2.13 and defined in ``ProcessGroup.cpp``) pops the tensor's works, waits for them
     and returns the tensor itself; its meta function (``torch/distributed/
     _functional_collectives.py: _wait_tensor_meta``, torch 2.13) returns
     ``torch.empty_like(self)``, a new block the size of the collective's output that the real
