@@ -71,38 +71,156 @@ def apply_ddp(model: nn.Module, parallel: Parallel, init_sync: bool = True) -> n
                                    init_sync=init_sync)
 
 
-def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
-    """Tensor parallelism with ``parallelize_module`` (Megatron's layout, as torchtitan's
-    ``apply_tp`` writes it): in each block the attention's q/k/v and the MLP's gate/up
-    projections are split by output features (``ColwiseParallel``), the attention output and
-    MLP down projections by input features (``RowwiseParallel``, an all-reduce of the output);
-    each attention module then runs ``heads / tp`` heads. Embeddings, norms and the head stay
-    replicated (no sequence parallelism yet)."""
+def tp_plan(model: nn.Module, parallel: Parallel) -> dict[str, Any]:
+    """The ``parallelize_module`` plan (module name -> ``ParallelStyle``) of :func:`apply_tp`.
+
+    Megatron's layout, as torchtitan's llama ``apply_tp`` writes it
+    (``torchtitan/models/llama3/infra/parallelize.py``): in each block the attention's q/k/v and
+    the MLP's gate/up projections are split by output features (``ColwiseParallel``), the
+    attention output and MLP down projections by input features (``RowwiseParallel``); each
+    attention module then runs ``heads / tp`` heads. Without sequence parallelism the row-wise
+    outputs are all-reduced and the embeddings, norms and head stay replicated.
+
+    Note: [sequence parallelism] With ``parallel.sp`` the residual stream between the
+    projections is split along the sequence (dim 1), as torchtitan's plan does it
+    (``torch/distributed/tensor/parallel/style.py``): the norms run on the local sequence shard
+    (``SequenceParallel``: "Replicate the module's parameters and shard the input along the
+    sequence dimension"; its output stays a ``Shard(1)`` DTensor); the attention and the MLP
+    all-gather it first (``PrepareModuleInput(input_layouts=Shard(1),
+    desired_input_layouts=Replicate())``); ``o_proj`` and ``down_proj`` reduce-scatter their
+    output back to the shard (``RowwiseParallel(output_layouts=Shard(1))``); the token embedding
+    is split by vocabulary rows and reduce-scatters its output (``RowwiseParallel(
+    input_layouts=Replicate(), output_layouts=Shard(1))``); the final norm is sequence-parallel
+    and the head all-gathers its input and its logits (``ColwiseParallel(input_layouts=Shard(1),
+    output_layouts=Replicate())``: no loss parallelism, as torchtitan with
+    ``disable_loss_parallel``, so the loss is the model's own, on the full logits)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
-        parallelize_module,
+        SequenceParallel,
     )
 
     from memfit.techniques.checkpointing import find_blocks
 
+    sp = parallel.sp
+    row_out = {"output_layouts": Shard(1)} if sp else {}
     plan_names = {"q_proj": ColwiseParallel, "k_proj": ColwiseParallel,
                   "v_proj": ColwiseParallel, "o_proj": RowwiseParallel,
                   "gate_proj": ColwiseParallel, "up_proj": ColwiseParallel,
                   "down_proj": RowwiseParallel}
+    plan: dict[str, Any] = {}
     for name in find_blocks(model):
         block = model.get_submodule(name)
-        plan = {sub: plan_names[sub.rsplit(".", 1)[-1]]() for sub, mod in block.named_modules()
-                if sub.rsplit(".", 1)[-1] in plan_names and isinstance(mod, nn.Linear)}
-        if not plan:
+        found = {sub: plan_names[sub.rsplit(".", 1)[-1]] for sub, mod in block.named_modules()
+                 if sub.rsplit(".", 1)[-1] in plan_names and isinstance(mod, nn.Linear)}
+        if not found:
             raise MemfitError(f"Parallel(tp={parallel.tp}): block {name} has none of the "
                               f"projections tensor parallelism splits ({', '.join(plan_names)})")
-        parallelize_module(block, mesh, plan)
-        for mod in block.modules():  # the attention's view() takes the local head counts
-            if hasattr(mod, "q_proj"):
-                for attr in ("num_heads", "num_kv_heads"):
-                    if isinstance(getattr(mod, attr, None), int):
-                        setattr(mod, attr, getattr(mod, attr) // parallel.tp)
+        for sub, style in found.items():
+            plan[f"{name}.{sub}"] = (style(**row_out) if style is RowwiseParallel else style())
+        if sp:
+            for sub, mod in block.named_children():
+                if _is_norm(mod):
+                    plan[f"{name}.{sub}"] = SequenceParallel()
+                elif hasattr(mod, "q_proj"):  # the attention: (x, rope)
+                    plan[f"{name}.{sub}"] = PrepareModuleInput(
+                        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+                elif hasattr(mod, "down_proj"):  # the MLP: (x,)
+                    plan[f"{name}.{sub}"] = PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if sp:
+        embed, norm, head = _sp_root(model, parallel)
+        plan[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        plan[norm] = SequenceParallel()
+        plan[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return plan
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A LayerNorm or an RMS norm (torch's or a model's own class named ``*RMSNorm``)."""
+    return isinstance(module, nn.LayerNorm | nn.RMSNorm) or type(module).__name__.endswith(
+        "RMSNorm")
+
+
+def _sp_root(model: nn.Module, parallel: Parallel) -> tuple[str, str, str]:
+    """Names of the token embedding, final norm and head that sequence parallelism splits, for
+    memfit's builtin decoders (``memfit.models.build.DecoderLM``): a one-line error for other
+    models, whose forward may read the sequence length off the (now split) hidden states, as
+    Hugging Face's position ids do."""
+    from memfit.models.build import DecoderLM
+
+    where = f"Parallel(tp={parallel.tp}, sp=True)"
+    if not isinstance(model, DecoderLM):
+        raise MemfitError(f"{where} is traced for memfit's builtin decoders so far (build the "
+                          f"model with backend='builtin'), not {type(model).__name__}")
+    if model.model.embed_positions is not None:
+        raise MemfitError(f"{where}: learned position embeddings are added to the full "
+                          "sequence, which sequence parallelism splits; use sp=False")
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        raise MemfitError(f"{where}: tied embeddings are split two ways (embedding by rows, "
+                          "head by columns of the same weight); use sp=False")
+    return "model.embed_tokens", "model.norm", "lm_head"
+
+
+def tp_split_dims(model: nn.Module, parallel: Parallel) -> dict[int, int]:
+    """``id(parameter) -> dim`` of each parameter :func:`apply_tp` shards, as the styles place
+    them (``style.py``: ``ColwiseParallel`` shards a Linear's weight and bias on dim 0,
+    ``RowwiseParallel`` a Linear's weight on dim 1 (bias replicated) and an Embedding's weight
+    on dim 0); DTensor splits a dim as ``torch.chunk`` does."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    dims: dict[int, int] = {}
+    for name, style in tp_plan(model, parallel).items():
+        mod = model.get_submodule(name)
+        if isinstance(style, ColwiseParallel) and isinstance(mod, nn.Linear):
+            dims.update({id(p): 0 for p in mod.parameters(recurse=False)})
+        elif isinstance(style, RowwiseParallel) and isinstance(mod, nn.Linear):
+            dims[id(mod.weight)] = 1
+        elif isinstance(style, RowwiseParallel) and isinstance(mod, nn.Embedding):
+            dims[id(mod.weight)] = 0
+    return dims
+
+
+def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
+    """Tensor (and, with ``parallel.sp``, sequence) parallelism with ``parallelize_module`` over
+    the 1-D tensor-parallel ``mesh``, the plan of :func:`tp_plan`."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh, tp_plan(model, parallel))
+    for mod in model.modules():  # the attention's view() takes the local head counts
+        if hasattr(mod, "q_proj"):
+            for attr in ("num_heads", "num_kv_heads"):
+                if isinstance(getattr(mod, attr, None), int):
+                    setattr(mod, attr, getattr(mod, attr) // parallel.tp)
+    return model
+
+
+def tp_device_mesh(parallel: Parallel, device_type: str) -> Any:
+    """The mesh of a layout with tensor parallelism: 1-D ``("tp",)`` alone, 2-D ``("dp", "tp")``
+    with data parallelism (torchtitan's ``ParallelDims.build_mesh`` order: the tensor-parallel
+    ranks are the adjacent ones, ``rank = dp_index * tp + tp_index``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if parallel.dp == 1:
+        return init_device_mesh(device_type, (parallel.tp,), mesh_dim_names=("tp",))
+    return init_device_mesh(device_type, (parallel.dp, parallel.tp), mesh_dim_names=("dp", "tp"))
+
+
+def apply_tp_dp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
+    """Tensor parallelism on ``mesh["tp"]``, then FSDP2 on ``mesh["dp"]`` (torchtitan's order in
+    ``parallelize_llama``: TP first, then ``fully_shard`` with the data-parallel sub-mesh; FSDP2
+    then shards each DTensor parameter's local tensor on dim 0 over the dp ranks)."""
+    if parallel.dp > 1 and parallel.strategy != "fsdp":
+        raise MemfitError(
+            f"Parallel(tp={parallel.tp}) with {parallel.strategy} over {parallel.dp} "
+            "data-parallel ranks is not traced yet: only the data-parallel family (fsdp, hsdp, "
+            "ddp, zero=1), tp alone and tp x fsdp are; use fsdp=gpus//tp")
+    tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
+    apply_tp(model, parallel, tp_mesh)
+    if parallel.dp > 1:
+        apply_fsdp(model, parallel, mesh["dp"])
     return model
 
 
@@ -110,15 +228,13 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
                 mesh: Any = None, init_sync: bool = True) -> nn.Module:
     """The model as this rank runs it: FSDP2/HSDP-sharded (on ``mesh``, default
     :func:`device_mesh`), DDP-wrapped, or itself."""
-    if parallel.tp > 1 and parallel.tp == parallel.gpus:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return apply_tp(model, parallel, init_device_mesh(device_type, (parallel.tp,))
-                        if mesh is None else mesh)
+    if parallel.tp > 1 and parallel.pp == 1 and parallel.ep == 1:
+        return apply_tp_dp(model, parallel,
+                           tp_device_mesh(parallel, device_type) if mesh is None else mesh)
     if parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1:
         raise MemfitError(f"Parallel(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}): only "
-                          "the data-parallel family (fsdp, hsdp, ddp, zero=1) and tp alone "
-                          "(tp == gpus) are traced so far; use memfit plan's formulas for the "
+                          "the data-parallel family (fsdp, hsdp, ddp, zero=1), tp alone and tp x "
+                          "fsdp are traced so far; use memfit plan's formulas for the "
                           "rest")
     if parallel.strategy in ("fsdp", "hsdp"):
         return apply_fsdp(model, parallel,

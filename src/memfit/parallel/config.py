@@ -27,9 +27,12 @@ class Parallel:
     >>> Parallel(gpus=4).strategy, Parallel(gpus=4, zero=1).strategy
     ('ddp', 'zero1')
 
-    Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) and
-    tensor parallelism alone (``tp == gpus``, no sequence parallelism); other ``tp``, ``pp`` and
-    ``ep`` > 1 are checked against the model but refused by the trace.
+    Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP),
+    tensor parallelism alone (``tp == gpus``) and tensor parallelism with FSDP2 over the other
+    dim of a 2-D ``("dp", "tp")`` mesh (``Parallel(gpus=4, tp=2, fsdp=2)``); tp with DDP, ZeRO-1
+    or HSDP, and ``pp``, ``ep`` > 1 are checked against the model but refused by the trace.
+    Sequence parallelism (``sp=True``) is traced for memfit's builtin decoders (untied
+    embeddings, rotary positions), without loss parallelism: the head all-gathers its logits.
     """
 
     gpus: int
@@ -45,6 +48,11 @@ class Parallel:
     """Pipeline stages (at most the number of layers)."""
     ep: int = 1
     """Expert-parallel degree (MoE)."""
+    sp: bool = False
+    """Sequence parallelism with ``tp`` (Megatron-SP, torchtitan's plan): the norms, the
+    residual stream and the embedding's output are split along the sequence over the ``tp``
+    ranks (their activations are ``1/tp`` of the unsplit ones); the attention and the MLP
+    all-gather their input and reduce-scatter their output instead of all-reducing it."""
     zero: int | None = None
     """ZeRO stage as a name for the data-parallel sharding: 1 = DDP with
     ``ZeroRedundancyOptimizer`` (states sharded); 2 = FSDP2 without resharding after forward
@@ -74,6 +82,10 @@ class Parallel:
                 or self.gpus % self.gpus_per_node):
             raise MemfitError(f"Parallel(gpus_per_node={self.gpus_per_node!r}) must be a positive "
                               f"integer dividing gpus={self.gpus}")
+        if self.sp is not False and (self.sp is not True or self.tp == 1):
+            raise MemfitError(f"Parallel(sp={self.sp!r}, tp={self.tp}): sequence parallelism "
+                              "splits the tensor-parallel ranks' activations; use sp=True with "
+                              "tp > 1, or sp=False")
         if self.zero not in (None, 1, 2, 3):
             raise MemfitError(f"Parallel(zero={self.zero!r}): valid stages are 1, 2, 3 or None")
         for name in ("param_dtype", "reduce_dtype"):
@@ -136,7 +148,8 @@ class Parallel:
                          else " (no reshard after forward)")
         elif self.dp > 1:
             parts[0] += f" {self.dp}"
-        parts += [f"tp {self.tp}", f"pp {self.pp}"] + ([f"ep {self.ep}"] if self.ep > 1 else [])
+        parts += [f"tp {self.tp}" + (" (sp)" if self.sp else ""), f"pp {self.pp}"] + (
+            [f"ep {self.ep}"] if self.ep > 1 else [])
         return " x ".join(parts) + f" on {self.gpus} GPUs"
 
     def check_model(self, *, heads: int | None, layers: int | None,
