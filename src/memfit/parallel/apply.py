@@ -208,15 +208,19 @@ def tp_device_mesh(parallel: Parallel, device_type: str) -> Any:
     return init_device_mesh(device_type, (parallel.dp, parallel.tp), mesh_dim_names=("dp", "tp"))
 
 
-def apply_tp_dp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
-    """Tensor parallelism on ``mesh["tp"]``, then FSDP2 on ``mesh["dp"]`` (torchtitan's order in
-    ``parallelize_llama``: TP first, then ``fully_shard`` with the data-parallel sub-mesh; FSDP2
-    then shards each DTensor parameter's local tensor on dim 0 over the dp ranks)."""
+def _check_tp_dp(parallel: Parallel) -> None:
     if parallel.dp > 1 and parallel.strategy != "fsdp":
         raise MemfitError(
             f"Parallel(tp={parallel.tp}) with {parallel.strategy} over {parallel.dp} "
             "data-parallel ranks is not traced yet: only the data-parallel family (fsdp, hsdp, "
             "ddp, zero=1), tp alone and tp x fsdp are; use fsdp=gpus//tp")
+
+
+def apply_tp_dp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
+    """Tensor parallelism on ``mesh["tp"]``, then FSDP2 on ``mesh["dp"]`` (torchtitan's order in
+    ``parallelize_llama``: TP first, then ``fully_shard`` with the data-parallel sub-mesh; FSDP2
+    then shards each DTensor parameter's local tensor on dim 0 over the dp ranks)."""
+    _check_tp_dp(parallel)
     tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
     apply_tp(model, parallel, tp_mesh)
     if parallel.dp > 1:
@@ -229,6 +233,7 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
     """The model as this rank runs it: FSDP2/HSDP-sharded (on ``mesh``, default
     :func:`device_mesh`), DDP-wrapped, or itself."""
     if parallel.tp > 1 and parallel.pp == 1 and parallel.ep == 1:
+        _check_tp_dp(parallel)  # before a mesh is made
         return apply_tp_dp(model, parallel,
                            tp_device_mesh(parallel, device_type) if mesh is None else mesh)
     if parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1:

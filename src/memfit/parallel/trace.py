@@ -297,6 +297,26 @@ def fake_world(world: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_dtensor_shardings()
+
+
+def _forget_dtensor_shardings() -> None:
+    """Clear DTensor's sharding-propagation caches (``torch/distributed/tensor/debug:
+    _clear_sharding_prop_cache``, torch 2.13; its Python half alone where that is missing).
+
+    Note: [DTensor's caches outlive a world] The caches are keyed by the ops' specs, whose
+    meshes compare equal across process groups (``device_mesh.py: DeviceMesh.__eq__``: rank
+    map, layout, device type, names), and a cached output sharding keeps the mesh it was made
+    on: the next world (another rank role, another estimate) would redistribute over the
+    destroyed world's groups ("Could not resolve the process group registered under the
+    name 3", seen with tp 2 x fsdp 2 after a tp 2 trace in one process)."""
+    import importlib
+
+    debug = importlib.import_module("torch.distributed.tensor.debug")
+    clear = (getattr(debug, "_clear_sharding_prop_cache", None)
+             or getattr(debug, "_clear_python_sharding_prop_cache", None))
+    if clear is not None:
+        clear()
 
 
 def _count(model: nn.Module, config_names: tuple[str, ...], attr: str) -> int | None:
