@@ -52,8 +52,9 @@ def _estimate(case: object) -> memfit.Estimate:
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"gpus": 2, "sp": True}, "sp=True, tp=1\\): sequence parallelism splits"),
     ({"gpus": 2, "tp": 2, "sp": 1}, "sp=1, tp=2"),
+    ({"gpus": 2, "loss_parallel": True}, r"loss_parallel=True, tp=1\): loss parallelism"),
 ])
-def test_sp_needs_tp(kwargs: dict, match: str) -> None:
+def test_sp_and_loss_parallel_need_tp(kwargs: dict, match: str) -> None:
     with pytest.raises(MemfitError, match=match) as info:
         Parallel(**kwargs)
     assert "\n" not in str(info.value)
@@ -69,8 +70,12 @@ def test_layouts_the_trace_refuses_get_one_line_errors() -> None:
     with pytest.raises(MemfitError, match="tied embeddings") as info:
         _estimate(_case(P(gpus=2, tp=2, sp=True), tie_embeddings=True))
     assert "\n" not in str(info.value)
+    with pytest.raises(MemfitError, match="loss_parallel=True\\): tied embeddings"):
+        _estimate(_case(P(gpus=2, tp=2, loss_parallel=True), tie_embeddings=True))
     assert P(gpus=4, tp=2, fsdp=2, sp=True).describe() == (
         "fsdp 2 (reshard after forward) x tp 2 (sp) x pp 1 on 4 GPUs")
+    assert P(gpus=2, tp=2, sp=True, loss_parallel=True).describe() == (
+        "dp 1 x tp 2 (sp, loss parallel) x pp 1 on 2 GPUs")
 
 
 # -- which ranks differ ------------------------------------------------------------------------
@@ -174,11 +179,14 @@ def _check_against_gloo(cases: list, world: int, repeats: int) -> None:
 
 @pytest.mark.slow
 def test_tp_with_sequence_parallelism_matches_two_gloo_ranks_within_1_percent() -> None:
-    """tp 2 with sequence parallelism on 2 gloo processes: each rank's peak and each phase's
-    within 1% (ColwiseParallel / RowwiseParallel / SequenceParallel / PrepareModuleInput:
-    torch/distributed/tensor/parallel/style.py; the collectives' waits return their input:
-    torch/csrc/distributed/c10d/Functional.cpp: wait_tensor)."""
-    _check_against_gloo([_case(P(gpus=2, tp=2, sp=True))], world=2, repeats=3)
+    """tp 2 with sequence parallelism on 2 gloo processes, without and with loss parallelism:
+    each rank's peak and each phase's within 1% (ColwiseParallel / RowwiseParallel /
+    SequenceParallel / PrepareModuleInput: torch/distributed/tensor/parallel/style.py;
+    loss_parallel: torch/distributed/tensor/parallel/loss.py; the collectives' waits return
+    their input: torch/csrc/distributed/c10d/Functional.cpp: wait_tensor)."""
+    _check_against_gloo([_case(P(gpus=2, tp=2, sp=True)),
+                         _case(P(gpus=2, tp=2, sp=True, loss_parallel=True))],
+                        world=2, repeats=3)
 
 
 @pytest.mark.slow

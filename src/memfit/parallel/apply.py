@@ -130,11 +130,20 @@ def tp_plan(model: nn.Module, parallel: Parallel) -> dict[str, Any]:
                 elif hasattr(mod, "down_proj"):  # the MLP: (x,)
                     plan[f"{name}.{sub}"] = PrepareModuleInput(
                         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    if sp:
+    if sp or parallel.loss_parallel:
         embed, norm, head = _sp_root(model, parallel)
-        plan[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-        plan[norm] = SequenceParallel()
-        plan[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        # Note: [loss parallelism] the logits stay a vocabulary-split DTensor and the loss
+        # runs inside torch's loss_parallel() (torch/distributed/tensor/parallel/loss.py: "the
+        # input is sharded on the class dimension"), as torchtitan's apply_tp writes the head
+        # (output_layouts=Shard(-1), use_local_output=False) when loss parallelism is on.
+        logits: dict[str, Any] = ({"output_layouts": Shard(-1), "use_local_output": False}
+                                  if parallel.loss_parallel else
+                                  {"output_layouts": Replicate()})
+        if sp:
+            plan[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+            plan[norm] = SequenceParallel()
+            logits["input_layouts"] = Shard(1)
+        plan[head] = ColwiseParallel(**logits)
     return plan
 
 
@@ -151,17 +160,31 @@ def _sp_root(model: nn.Module, parallel: Parallel) -> tuple[str, str, str]:
     Hugging Face's position ids do."""
     from memfit.models.build import DecoderLM
 
-    where = f"Parallel(tp={parallel.tp}, sp=True)"
+    where = f"Parallel(tp={parallel.tp}, {'sp' if parallel.sp else 'loss_parallel'}=True)"
     if not isinstance(model, DecoderLM):
         raise MemfitError(f"{where} is traced for memfit's builtin decoders so far (build the "
                           f"model with backend='builtin'), not {type(model).__name__}")
-    if model.model.embed_positions is not None:
+    if parallel.sp and model.model.embed_positions is not None:
         raise MemfitError(f"{where}: learned position embeddings are added to the full "
                           "sequence, which sequence parallelism splits; use sp=False")
     if model.lm_head.weight is model.model.embed_tokens.weight:
         raise MemfitError(f"{where}: tied embeddings are split two ways (embedding by rows, "
-                          "head by columns of the same weight); use sp=False")
+                          "head by columns of the same weight); use sp=False and "
+                          "loss_parallel=False")
     return "model.embed_tokens", "model.norm", "lm_head"
+
+
+def loss_context(parallel: Parallel) -> Any:
+    """The context the loss and its backward run in: torch's ``loss_parallel()`` with
+    ``parallel.loss_parallel`` ("The corresponding backward() call, if any, also needs to happen
+    under this context manager"), else a null one."""
+    import contextlib
+
+    if not parallel.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def tp_split_dims(model: nn.Module, parallel: Parallel) -> dict[int, int]:
@@ -209,11 +232,16 @@ def tp_device_mesh(parallel: Parallel, device_type: str) -> Any:
 
 
 def _check_tp_dp(parallel: Parallel) -> None:
+    """Tensor parallelism combines with FSDP2 only. DDP (and ZeRO-1, DDP with a sharded
+    optimizer) over a mesh dim beside TP is refused as torchtitan refuses it
+    (``parallelize_llama``: "DDP has not supported > 1D parallelism"); HSDP with TP needs a
+    3-D mesh, not traced yet."""
     if parallel.dp > 1 and parallel.strategy != "fsdp":
         raise MemfitError(
             f"Parallel(tp={parallel.tp}) with {parallel.strategy} over {parallel.dp} "
             "data-parallel ranks is not traced yet: only the data-parallel family (fsdp, hsdp, "
-            "ddp, zero=1), tp alone and tp x fsdp are; use fsdp=gpus//tp")
+            "ddp, zero=1), tp alone and tp x fsdp are (DDP beside TP is refused by torchtitan "
+            f"too); use fsdp={parallel.dp}")
 
 
 def apply_tp_dp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:

@@ -32,7 +32,8 @@ class Parallel:
     dim of a 2-D ``("dp", "tp")`` mesh (``Parallel(gpus=4, tp=2, fsdp=2)``); tp with DDP, ZeRO-1
     or HSDP, and ``pp``, ``ep`` > 1 are checked against the model but refused by the trace.
     Sequence parallelism (``sp=True``) is traced for memfit's builtin decoders (untied
-    embeddings, rotary positions), without loss parallelism: the head all-gathers its logits.
+    embeddings, rotary positions), as is loss parallelism (``loss_parallel=True``: the
+    model's own cross-entropy on vocabulary-split logits).
     """
 
     gpus: int
@@ -53,6 +54,11 @@ class Parallel:
     residual stream and the embedding's output are split along the sequence over the ``tp``
     ranks (their activations are ``1/tp`` of the unsplit ones); the attention and the MLP
     all-gather their input and reduce-scatter their output instead of all-reducing it."""
+    loss_parallel: bool = False
+    """With ``tp``: the head's logits stay split by vocabulary over the ``tp`` ranks and the
+    cross-entropy runs on the shards (torch's ``loss_parallel()``, torchtitan's default), so
+    each rank holds ``1/tp`` of the logits and their gradient; False: the head all-gathers
+    them."""
     zero: int | None = None
     """ZeRO stage as a name for the data-parallel sharding: 1 = DDP with
     ``ZeroRedundancyOptimizer`` (states sharded); 2 = FSDP2 without resharding after forward
@@ -86,6 +92,10 @@ class Parallel:
             raise MemfitError(f"Parallel(sp={self.sp!r}, tp={self.tp}): sequence parallelism "
                               "splits the tensor-parallel ranks' activations; use sp=True with "
                               "tp > 1, or sp=False")
+        if self.loss_parallel is not False and (self.loss_parallel is not True or self.tp == 1):
+            raise MemfitError(f"Parallel(loss_parallel={self.loss_parallel!r}, tp={self.tp}): "
+                              "loss parallelism splits the logits over the tensor-parallel "
+                              "ranks; use loss_parallel=True with tp > 1, or False")
         if self.zero not in (None, 1, 2, 3):
             raise MemfitError(f"Parallel(zero={self.zero!r}): valid stages are 1, 2, 3 or None")
         for name in ("param_dtype", "reduce_dtype"):
@@ -148,7 +158,9 @@ class Parallel:
                          else " (no reshard after forward)")
         elif self.dp > 1:
             parts[0] += f" {self.dp}"
-        parts += [f"tp {self.tp}" + (" (sp)" if self.sp else ""), f"pp {self.pp}"] + (
+        tp_notes = [n for n, on in (("sp", self.sp), ("loss parallel", self.loss_parallel)) if on]
+        parts += [f"tp {self.tp}" + (f" ({', '.join(tp_notes)})" if tp_notes else ""),
+                  f"pp {self.pp}"] + (
             [f"ep {self.ep}"] if self.ep > 1 else [])
         return " x ".join(parts) + f" on {self.gpus} GPUs"
 

@@ -55,6 +55,7 @@ class RankRole:
         runs each op on global-shape tensors in the active fake mode, is not tracked
         (``torch_internals.dtensor_meta_propagation_within``)."""
         from memfit._compat.torch_internals import dtensor_meta_propagation_within
+        from memfit.parallel.apply import loss_context
 
         original = torch.UntypedStorage.resize_
 
@@ -75,7 +76,7 @@ class RankRole:
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         try:
             with (dtensor_meta_propagation_within(untracked), _meshes_made_real(),
-                  _waits_return_their_input()):
+                  _waits_return_their_input(), loss_context(self.parallel)):
                 yield
         finally:
             torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
