@@ -56,9 +56,10 @@ LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
 
 
 def fsdp_mem_tracker_peak(make: Any, parallel: Parallel, steps: int = 2) -> int | None:
-    """FSDPMemTracker's peak for rank 0 of ``parallel`` (None: not an FSDP layout).
-    ``make()`` builds ``(model, inputs)``; it runs inside a FakeTensorMode."""
-    if parallel.strategy not in ("fsdp", "hsdp"):
+    """FSDPMemTracker's peak for rank 0 of ``parallel`` (None: not an FSDP layout, or FSDP
+    beside tensor parallelism, which it does not apply). ``make()`` builds ``(model, inputs)``;
+    it runs inside a FakeTensorMode."""
+    if parallel.strategy not in ("fsdp", "hsdp") or parallel.tp > 1:
         return None
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker

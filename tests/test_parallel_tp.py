@@ -62,7 +62,8 @@ def test_sp_and_loss_parallel_need_tp(kwargs: dict, match: str) -> None:
 
 def test_layouts_the_trace_refuses_get_one_line_errors() -> None:
     """TP with DDP (tp 2 x dp 2, no fsdp) is not traced; sequence parallelism needs untied
-    embeddings (the embedding is split by rows and the head by columns of the weight)."""
+    embeddings (the embedding is split by rows and the head by columns of the weight) and
+    Llama's blocks (the plan has no place for a norm after a sub-layer, nor for MoE)."""
     with pytest.raises(MemfitError, match="with ddp over 2 data-parallel ranks is not traced"
                        ) as info:
         _estimate(_case(P(gpus=4, tp=2)))
@@ -70,6 +71,8 @@ def test_layouts_the_trace_refuses_get_one_line_errors() -> None:
     with pytest.raises(MemfitError, match="tied embeddings") as info:
         _estimate(_case(P(gpus=2, tp=2, sp=True), tie_embeddings=True))
     assert "\n" not in str(info.value)
+    with pytest.raises(MemfitError, match="not sandwich / post-sub-layer norms or MoE"):
+        _estimate(_case(P(gpus=2, tp=2, sp=True), norms_per_layer=4))  # Gemma-2's blocks
     with pytest.raises(MemfitError, match="loss_parallel=True\\): tied embeddings"):
         _estimate(_case(P(gpus=2, tp=2, loss_parallel=True), tie_embeddings=True))
     assert P(gpus=4, tp=2, fsdp=2, sp=True).describe() == (

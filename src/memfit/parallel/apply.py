@@ -158,12 +158,17 @@ def _sp_root(model: nn.Module, parallel: Parallel) -> tuple[str, str, str]:
     memfit's builtin decoders (``memfit.models.build.DecoderLM``): a one-line error for other
     models, whose forward may read the sequence length off the (now split) hidden states, as
     Hugging Face's position ids do."""
-    from memfit.models.build import DecoderLM
+    from memfit.models.build import DecoderLM, Mlp
 
     where = f"Parallel(tp={parallel.tp}, {'sp' if parallel.sp else 'loss_parallel'}=True)"
     if not isinstance(model, DecoderLM):
         raise MemfitError(f"{where} is traced for memfit's builtin decoders so far (build the "
                           f"model with backend='builtin'), not {type(model).__name__}")
+    if parallel.sp and any(layer.sandwich or layer.post_norm or not isinstance(layer.mlp, Mlp)
+                           for layer in model.model.layers):
+        raise MemfitError(f"{where}: sequence parallelism is traced for blocks with a norm "
+                          "before the attention and one before a dense MLP (Llama's), not "
+                          "sandwich / post-sub-layer norms or MoE; use sp=False")
     if parallel.sp and model.model.embed_positions is not None:
         raise MemfitError(f"{where}: learned position embeddings are added to the full "
                           "sequence, which sequence parallelism splits; use sp=False")
