@@ -98,6 +98,19 @@ def test_rank_roles_follow_the_tp_local_shards() -> None:
     assert [r.ranks for r in rank_roles(model, P(gpus=4, tp=2, fsdp=2))] == [(0, 1, 2, 3)]
 
 
+def test_the_shorter_shards_hold_one_row_less_of_adamw_states() -> None:
+    """The two roles of tp 2 (sp) x fsdp 2 with vocabulary 250 (above), each traced in its own
+    fake world: FSDP2 pads every shard to 63 rows, but the optimizer states follow the unpadded
+    local shard (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: _init_sharded_param), so
+    the dp index-1 ranks keep one row (h = 64 fp32) less of the embedding's and the head's
+    AdamW exp_avg and exp_avg_sq. The second role also needs DTensor's sharding caches cleared
+    between the worlds (Note: [DTensor's caches outlive a world] in memfit/parallel/trace.py)."""
+    est = _estimate(_case(P(gpus=4, tp=2, fsdp=2, sp=True), vocab_size=250))
+    first, second = est.per_rank
+    assert (first.ranks, second.ranks) == ((0, 1), (2, 3))
+    assert first.peak_bytes - second.peak_bytes == 2 * 2 * 64 * 4  # 2 states x 2 weights x 1 row
+
+
 # -- the trace, from first principles -------------------------------------------------------
 
 
