@@ -52,6 +52,7 @@ LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
     "fsdp2 x4 bf16 params": (4, P(gpus=4, fsdp=4, param_dtype="bf16", reduce_dtype="fp32")),
     "tp 2 x fsdp 2": (4, P(gpus=4, tp=2, fsdp=2)),
     "tp 2 + sp x fsdp 2": (4, P(gpus=4, tp=2, fsdp=2, sp=True)),
+    "tp 2 + sp x hsdp 2x2": (8, P(gpus=8, tp=2, fsdp=2, sp=True)),
 }
 
 

@@ -96,6 +96,10 @@ def test_rank_roles_follow_the_tp_local_shards() -> None:
     sp = rank_roles(model, P(gpus=4, tp=2, fsdp=2, sp=True))
     assert [r.ranks for r in sp] == [(0, 1), (2, 3)]
     assert [r.ranks for r in rank_roles(model, P(gpus=4, tp=2, fsdp=2))] == [(0, 1, 2, 3)]
+    # HSDP x TP on ("replicate", "shard", "tp"): rank = (replica * 2 + shard) * 2 + t; the
+    # shard index is 1 on ranks 2, 3, 6, 7
+    hsdp = rank_roles(model, P(gpus=8, tp=2, fsdp=2, sp=True))
+    assert [r.ranks for r in hsdp] == [(0, 1, 4, 5), (2, 3, 6, 7)]
 
 
 def test_the_shorter_shards_hold_one_row_less_of_adamw_states() -> None:

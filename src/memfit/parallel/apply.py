@@ -233,6 +233,9 @@ def tp_device_mesh(parallel: Parallel, device_type: str) -> Any:
 
     if parallel.dp == 1:
         return init_device_mesh(device_type, (parallel.tp,), mesh_dim_names=("tp",))
+    if parallel.strategy == "hsdp":  # 3-D: torchtitan's ("dp_replicate", "dp_shard", "tp")
+        return init_device_mesh(device_type, (parallel.replicate, parallel.fsdp, parallel.tp),
+                                mesh_dim_names=("replicate", "shard", "tp"))
     return init_device_mesh(device_type, (parallel.dp, parallel.tp), mesh_dim_names=("dp", "tp"))
 
 
@@ -240,13 +243,13 @@ def _check_tp_dp(parallel: Parallel) -> None:
     """Tensor parallelism combines with FSDP2 only. DDP (and ZeRO-1, DDP with a sharded
     optimizer) over a mesh dim beside TP is refused as torchtitan refuses it
     (``parallelize_llama``: "DDP has not supported > 1D parallelism"); HSDP with TP needs a
-    3-D mesh, not traced yet."""
-    if parallel.dp > 1 and parallel.strategy != "fsdp":
+    3-D ``("replicate", "shard", "tp")`` mesh."""
+    if parallel.dp > 1 and parallel.strategy not in ("fsdp", "hsdp"):
         raise MemfitError(
             f"Parallel(tp={parallel.tp}) with {parallel.strategy} over {parallel.dp} "
             "data-parallel ranks is not traced yet: only the data-parallel family (fsdp, hsdp, "
-            "ddp, zero=1), tp alone and tp x fsdp are (DDP beside TP is refused by torchtitan "
-            f"too); use fsdp={parallel.dp}")
+            "ddp, zero=1), tp alone and tp x fsdp / hsdp are (DDP beside TP is refused by "
+            f"torchtitan too); use fsdp={parallel.dp}")
 
 
 def apply_tp_dp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
@@ -257,7 +260,8 @@ def apply_tp_dp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
     tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
     apply_tp(model, parallel, tp_mesh)
     if parallel.dp > 1:
-        apply_fsdp(model, parallel, mesh["dp"])
+        apply_fsdp(model, parallel, mesh["replicate", "shard"] if parallel.strategy == "hsdp"
+                   else mesh["dp"])
     return model
 
 
@@ -272,7 +276,7 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
     if parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1:
         raise MemfitError(f"Parallel(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}): only "
                           "the data-parallel family (fsdp, hsdp, ddp, zero=1), tp alone and tp x "
-                          "fsdp are traced so far; use memfit plan's formulas for the "
+                          "fsdp / hsdp are traced so far; use memfit plan's formulas for the "
                           "rest")
     if parallel.strategy in ("fsdp", "hsdp"):
         return apply_fsdp(model, parallel,

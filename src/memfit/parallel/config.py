@@ -29,8 +29,9 @@ class Parallel:
 
     Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP),
     tensor parallelism alone (``tp == gpus``) and tensor parallelism with FSDP2 over the other
-    dim of a 2-D ``("dp", "tp")`` mesh (``Parallel(gpus=4, tp=2, fsdp=2)``); tp with DDP, ZeRO-1
-    or HSDP, and ``pp``, ``ep`` > 1 are checked against the model but refused by the trace.
+    dim of a 2-D ``("dp", "tp")`` mesh (``Parallel(gpus=4, tp=2, fsdp=2)``) or HSDP on a 3-D
+    ``("replicate", "shard", "tp")`` one; tp with DDP or ZeRO-1 (torchtitan refuses it too), and
+    ``pp``, ``ep`` > 1 are checked against the model but refused by the trace.
     Sequence parallelism (``sp=True``) is traced for memfit's builtin decoders (untied
     embeddings, rotary positions), as is loss parallelism (``loss_parallel=True``: the
     model's own cross-entropy on vocabulary-split logits).
