@@ -122,11 +122,12 @@ def test_sequence_parallel_norms_save_a_tp_th_of_the_activations() -> None:
     """An RMSNorm (``x * rsqrt(mean(x^2) + eps)``, then ``weight * x``; fp32) saves the rsqrt
     [b, s, 1] and the normalised x [b, s, h] for backward; without sequence parallelism its
     output [b, s, h] is saved too (the q/k/v projections' input). With ``SequenceParallel``
-    (style.py: "shard the input along the sequence dimension") the norm runs on s / tp tokens
-    and its output is all-gathered before the attention (``PrepareModuleInput``), so only the
-    gathered copy is kept: the norm's own saved bytes are 1/tp of the first two. The token
-    embedding's output is reduce-scattered (``RowwiseParallel(output_layouts=Shard(1))``):
-    s / tp tokens. b = 2, s = 64, h = 64, tp = 2."""
+    (style.py: it "runs the sharded computation with input sharded on the sequence
+    dimension") the norm runs on s / tp tokens and its output is all-gathered before the
+    attention (``PrepareModuleInput``), so only the gathered copy is kept: the norm's own
+    saved bytes are 1/tp of the first two. The token embedding's output is reduce-scattered
+    (``RowwiseParallel(output_layouts=Shard(1))``): s / tp tokens. b = 2, s = 64, h = 64,
+    tp = 2."""
     b, s, h, tp = BATCH, SEQ, 64, 2
     plain = _estimate(_case(P(gpus=2, tp=2))).per_rank[0].modules
     sp = _estimate(_case(P(gpus=2, tp=2, sp=True))).per_rank[0].modules

@@ -84,16 +84,17 @@ def tp_plan(model: nn.Module, parallel: Parallel) -> dict[str, Any]:
     Note: [sequence parallelism] With ``parallel.sp`` the residual stream between the
     projections is split along the sequence (dim 1), as torchtitan's plan does it
     (``torch/distributed/tensor/parallel/style.py``): the norms run on the local sequence shard
-    (``SequenceParallel``: "Replicate the module's parameters and shard the input along the
-    sequence dimension"; its output stays a ``Shard(1)`` DTensor); the attention and the MLP
+    (``SequenceParallel``: it "replicates a compatible ``nn.Module`` parameters and runs the
+    sharded computation with input sharded on the sequence dimension"; its output stays a
+    ``Shard(1)`` DTensor); the attention and the MLP
     all-gather it first (``PrepareModuleInput(input_layouts=Shard(1),
     desired_input_layouts=Replicate())``); ``o_proj`` and ``down_proj`` reduce-scatter their
     output back to the shard (``RowwiseParallel(output_layouts=Shard(1))``); the token embedding
     is split by vocabulary rows and reduce-scatters its output (``RowwiseParallel(
     input_layouts=Replicate(), output_layouts=Shard(1))``); the final norm is sequence-parallel
     and the head all-gathers its input and its logits (``ColwiseParallel(input_layouts=Shard(1),
-    output_layouts=Replicate())``: no loss parallelism, as torchtitan with
-    ``disable_loss_parallel``, so the loss is the model's own, on the full logits)."""
+    output_layouts=Replicate())``, as torchtitan with ``disable_loss_parallel``), unless
+    ``parallel.loss_parallel`` keeps the logits split (Note: [loss parallelism])."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
