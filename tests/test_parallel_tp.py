@@ -63,7 +63,8 @@ def test_sp_and_loss_parallel_need_tp(kwargs: dict, match: str) -> None:
 def test_layouts_the_trace_refuses_get_one_line_errors() -> None:
     """TP with DDP (tp 2 x dp 2, no fsdp) is not traced; sequence parallelism needs untied
     embeddings (the embedding is split by rows and the head by columns of the weight) and
-    Llama's blocks (the plan has no place for a norm after a sub-layer, nor for MoE)."""
+    Llama's blocks (the plan has no place for a norm after a sub-layer, nor for MoE) and a
+    sequence that tp divides (ranks of one role must hold as many tokens)."""
     with pytest.raises(MemfitError, match="with ddp over 2 data-parallel ranks is not traced"
                        ) as info:
         _estimate(_case(P(gpus=4, tp=2)))
@@ -71,6 +72,13 @@ def test_layouts_the_trace_refuses_get_one_line_errors() -> None:
     with pytest.raises(MemfitError, match="tied embeddings") as info:
         _estimate(_case(P(gpus=2, tp=2, sp=True), tie_embeddings=True))
     assert "\n" not in str(info.value)
+    with pytest.raises(MemfitError, match="sequence of 63 tokens does not split evenly"):
+        from memfit.parallel.measure import Case, build
+
+        case = Case(spec=_case(P(gpus=1)).spec, batch=BATCH, seq=63,  # type: ignore[attr-defined]
+                    parallel=P(gpus=2, tp=2, sp=True))
+        model, inputs = build(case)
+        memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)
     with pytest.raises(MemfitError, match="not sandwich / post-sub-layer norms or MoE"):
         _estimate(_case(P(gpus=2, tp=2, sp=True), norms_per_layer=4))  # Gemma-2's blocks
     with pytest.raises(MemfitError, match="loss_parallel=True\\): tied embeddings"):

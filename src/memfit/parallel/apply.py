@@ -218,12 +218,29 @@ def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, mesh, tp_plan(model, parallel))
+    if parallel.sp:
+        model.register_forward_pre_hook(_even_sequence(parallel.tp), with_kwargs=True)
     for mod in model.modules():  # the attention's view() takes the local head counts
         if hasattr(mod, "q_proj"):
             for attr in ("num_heads", "num_kv_heads"):
                 if isinstance(getattr(mod, attr, None), int):
                     setattr(mod, attr, getattr(mod, attr) // parallel.tp)
     return model
+
+
+def _even_sequence(tp: int) -> Any:
+    """A forward pre-hook refusing a sequence that ``tp`` does not divide: sequence parallelism
+    would give the last ranks fewer tokens (DTensor's ``Shard`` splits as ``torch.chunk``), and
+    a rank role is traced once for ranks that hold the same parameters."""
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() > 1 and ids.shape[1] % tp:
+            raise MemfitError(f"Parallel(tp={tp}, sp=True): the sequence of {ids.shape[1]} "
+                              f"tokens does not split evenly over {tp} ranks; use a sequence "
+                              f"length divisible by {tp}")
+
+    return hook
 
 
 def tp_device_mesh(parallel: Parallel, device_type: str) -> Any:
