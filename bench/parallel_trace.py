@@ -1,4 +1,4 @@
-"""Per-rank peaks of data-parallel steps: memfit's trace, PyTorch's FSDPMemTracker, real gloo ranks.
+"""Per-rank peaks of parallel steps: memfit's trace, PyTorch's FSDPMemTracker, real gloo ranks.
 
 Run: ``python bench/parallel_trace.py [--skip-measured] [--gpt2]``
 
@@ -45,9 +45,14 @@ LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
     "ddp": (2, P(gpus=2)),
     "zero1": (2, P(gpus=2, zero=1)),
     "tp 2": (2, P(gpus=2, tp=2)),
+    "tp 2 + sp": (2, P(gpus=2, tp=2, sp=True)),
+    "tp 2 + sp + loss par.": (2, P(gpus=2, tp=2, sp=True, loss_parallel=True)),
     "hsdp 2x2": (4, P(gpus=4, fsdp=2)),
     "fsdp2 x4 (reshard)": (4, P(gpus=4, fsdp=4)),
     "fsdp2 x4 bf16 params": (4, P(gpus=4, fsdp=4, param_dtype="bf16", reduce_dtype="fp32")),
+    "tp 2 x fsdp 2": (4, P(gpus=4, tp=2, fsdp=2)),
+    "tp 2 + sp x fsdp 2": (4, P(gpus=4, tp=2, fsdp=2, sp=True)),
+    "tp 2 + sp x hsdp 2x2": (8, P(gpus=8, tp=2, fsdp=2, sp=True)),
 }
 MOE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # the same decoder, MLPs as 4 MoE experts (top 2)
     "ep 2 (moe)": (2, P(gpus=2, ep=2)),
@@ -57,9 +62,10 @@ MOE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # the same decoder, MLPs as 4 
 
 
 def fsdp_mem_tracker_peak(make: Any, parallel: Parallel, steps: int = 2) -> int | None:
-    """FSDPMemTracker's peak for rank 0 of ``parallel`` (None: not an FSDP layout).
-    ``make()`` builds ``(model, inputs)``; it runs inside a FakeTensorMode."""
-    if parallel.strategy not in ("fsdp", "hsdp"):
+    """FSDPMemTracker's peak for rank 0 of ``parallel`` (None: not an FSDP layout, or FSDP
+    beside tensor parallelism, which it does not apply). ``make()`` builds ``(model, inputs)``;
+    it runs inside a FakeTensorMode."""
+    if parallel.strategy not in ("fsdp", "hsdp") or parallel.tp > 1:
         return None
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -139,7 +145,7 @@ def main() -> None:
                   f"{fmt if rank == 0 and fmt else '':>14} "
                   f"{pct(fmt, truth) if rank == 0 and fmt and truth else '':>7}")
     results: dict[str, Any] = {
-        "what": "per-rank peak bytes of data-parallel steps (CPU target): gloo ranks measured "
+        "what": "per-rank peak bytes of parallel steps (CPU target): gloo ranks measured "
                 "with the profiler, memfit's per-rank trace, FSDPMemTracker",
         "model": dataclasses.asdict(spec), "batch": 2, "seq": 64, "precision": "fp32",
         "optimizer": "adamw", "steps": 2,

@@ -277,6 +277,9 @@ OPTIONAL_NAMES: dict[str, str] = {
     "torch._subclasses.fake_tensor._DISPATCH_META_HANDLERS": "2.11, 2.13",
     "torch._subclasses.fake_impls.op_implementations_dict": "2.11, 2.13",
     "torch.Tensor._make_subclass": "2.11, 2.13 (fastkey: cached outputs, lifted constants)",
+    # parallel/trace.py: _forget_dtensor_shardings (between fake worlds)
+    "torch.distributed.tensor.debug._clear_sharding_prop_cache": "2.13",
+    "torch.distributed.tensor.debug._clear_python_sharding_prop_cache": "2.13 (its Python half)",
 }
 """Private names looked up with ``getattr`` (absent from some torch versions or builds): when
 each is present."""

@@ -27,9 +27,14 @@ class Parallel:
     >>> Parallel(gpus=4).strategy, Parallel(gpus=4, zero=1).strategy
     ('ddp', 'zero1')
 
-    Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) and
-    tensor parallelism alone (``tp == gpus``, no sequence parallelism); other ``tp``, ``pp`` and
-    ``ep`` > 1 are checked against the model but refused by the trace.
+    Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP),
+    tensor parallelism alone (``tp == gpus``) and tensor parallelism with FSDP2 over the other
+    dim of a 2-D ``("dp", "tp")`` mesh (``Parallel(gpus=4, tp=2, fsdp=2)``) or HSDP on a 3-D
+    ``("replicate", "shard", "tp")`` one; tp with DDP or ZeRO-1 is refused (torchtitan
+    refuses it too), and ``pp`` beside tp or ep.
+    Sequence parallelism (``sp=True``) is traced for memfit's builtin decoders (untied
+    embeddings, rotary positions), as is loss parallelism (``loss_parallel=True``: the
+    model's own cross-entropy on vocabulary-split logits).
     Expert parallelism (``memfit/parallel/expert.py``) runs on memfit's builtin MoE layers only
     (not Hugging Face MoE modules), with FSDP2 over every data-parallel rank for the other
     parameters (the ``dp / ep`` ranks that hold the same experts shard them), or DDP when ``ep``
@@ -54,6 +59,16 @@ class Parallel:
     ep: int = 1
     """Expert-parallel degree (MoE): each rank keeps ``num_experts / ep`` experts and exchanges
     tokens with the others by all-to-all."""
+    sp: bool = False
+    """Sequence parallelism with ``tp`` (Megatron-SP, torchtitan's plan): the norms, the
+    residual stream and the embedding's output are split along the sequence over the ``tp``
+    ranks (their activations are ``1/tp`` of the unsplit ones); the attention and the MLP
+    all-gather their input and reduce-scatter their output instead of all-reducing it."""
+    loss_parallel: bool = False
+    """With ``tp``: the head's logits stay split by vocabulary over the ``tp`` ranks and the
+    cross-entropy runs on the shards (torch's ``loss_parallel()``, torchtitan's default), so
+    each rank holds ``1/tp`` of the logits and their gradient; False: the head all-gathers
+    them."""
     zero: int | None = None
     """ZeRO stage as a name for the data-parallel sharding: 1 = DDP with
     ``ZeroRedundancyOptimizer`` (states sharded); 2 = FSDP2 without resharding after forward
@@ -83,6 +98,14 @@ class Parallel:
                 or self.gpus % self.gpus_per_node):
             raise MemfitError(f"Parallel(gpus_per_node={self.gpus_per_node!r}) must be a positive "
                               f"integer dividing gpus={self.gpus}")
+        if self.sp is not False and (self.sp is not True or self.tp == 1):
+            raise MemfitError(f"Parallel(sp={self.sp!r}, tp={self.tp}): sequence parallelism "
+                              "splits the tensor-parallel ranks' activations; use sp=True with "
+                              "tp > 1, or sp=False")
+        if self.loss_parallel is not False and (self.loss_parallel is not True or self.tp == 1):
+            raise MemfitError(f"Parallel(loss_parallel={self.loss_parallel!r}, tp={self.tp}): "
+                              "loss parallelism splits the logits over the tensor-parallel "
+                              "ranks; use loss_parallel=True with tp > 1, or False")
         if self.zero not in (None, 1, 2, 3):
             raise MemfitError(f"Parallel(zero={self.zero!r}): valid stages are 1, 2, 3 or None")
         for name in ("param_dtype", "reduce_dtype"):
@@ -145,7 +168,10 @@ class Parallel:
                          else " (no reshard after forward)")
         elif self.dp > 1:
             parts[0] += f" {self.dp}"
-        parts += [f"tp {self.tp}", f"pp {self.pp}"] + ([f"ep {self.ep}"] if self.ep > 1 else [])
+        tp_notes = [n for n, on in (("sp", self.sp), ("loss parallel", self.loss_parallel)) if on]
+        parts += [f"tp {self.tp}" + (f" ({', '.join(tp_notes)})" if tp_notes else ""),
+                  f"pp {self.pp}"] + (
+            [f"ep {self.ep}"] if self.ep > 1 else [])
         return " x ".join(parts) + f" on {self.gpus} GPUs"
 
     def check_model(self, *, heads: int | None, layers: int | None,

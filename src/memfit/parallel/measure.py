@@ -86,14 +86,14 @@ def _measure_case(case: Case) -> dict[str, int]:
 
     from memfit._loss import model_loss
     from memfit._noise import quiet_profile
-    from memfit.parallel.apply import apply_model, apply_optimizer
+    from memfit.parallel.apply import apply_model, apply_optimizer, loss_context
     from memfit.trace.optim import make_optimizer
 
     gc.collect()
     gc.disable()
     try:
-        with _gloo_lets_go(), quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                            profile_memory=True) as prof:
+        with _gloo_lets_go(), loss_context(case.parallel), quiet_profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             model, inputs = build(case)
             model = apply_model(model, case.parallel, "cpu")
             params = [p for p in model.parameters() if p.requires_grad]
