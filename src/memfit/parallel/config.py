@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from memfit.errors import MemfitError, suggest
 
 _DTYPES = ("fp32", "bf16", "fp16")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +64,12 @@ class Parallel:
     host."""
     bucket_cap_mb: float = 25.0
     """DDP ``bucket_cap_mb``: gradients are all-reduced in flat buckets of about this size."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule (``torch.distributed.pipelining``): ``gpipe`` (every micro-batch's
+    forward, then every backward: all micro-batches' activations alive), ``1f1b`` (at most
+    ``pp - stage`` micro-batches in flight) or ``interleaved-1f1b`` (two stages per rank)."""
+    microbatches: int | None = None
+    """Micro-batches per step, each ``batch / microbatches`` rows (None: ``pp``)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "fsdp", "tp", "pp", "ep"):
@@ -81,6 +88,15 @@ class Parallel:
             if value is not None and value not in _DTYPES:
                 raise MemfitError(f"Parallel({name}={value!r}){suggest(str(value), _DTYPES)}; "
                                   f"valid: {', '.join(_DTYPES)} or None")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise MemfitError(f"Parallel(pp_schedule={self.pp_schedule!r})"
+                              f"{suggest(str(self.pp_schedule), PP_SCHEDULES)}; valid: "
+                              f"{', '.join(PP_SCHEDULES)}")
+        if self.microbatches is not None and (
+                not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool)
+                or self.microbatches < 1):
+            raise MemfitError(f"Parallel(microbatches={self.microbatches!r}): must be a positive "
+                              "integer or None (pp micro-batches)")
         if self.bucket_cap_mb <= 0:
             raise MemfitError(f"Parallel(bucket_cap_mb={self.bucket_cap_mb!r}) must be > 0")
         model_parallel = self.tp * self.pp
@@ -136,7 +152,9 @@ class Parallel:
                          else " (no reshard after forward)")
         elif self.dp > 1:
             parts[0] += f" {self.dp}"
-        parts += [f"tp {self.tp}", f"pp {self.pp}"] + ([f"ep {self.ep}"] if self.ep > 1 else [])
+        pp = f"pp {self.pp}" + (f" ({self.pp_schedule}, {self.microbatches or self.pp} "
+                                 "micro-batches)" if self.pp > 1 else "")
+        parts += [f"tp {self.tp}", pp] + ([f"ep {self.ep}"] if self.ep > 1 else [])
         return " x ".join(parts) + f" on {self.gpus} GPUs"
 
     def check_model(self, *, heads: int | None, layers: int | None,

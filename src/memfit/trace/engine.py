@@ -543,9 +543,14 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
             if replay is not None:
                 replay.start()
             grad_mode = torch.enable_grad() if training else torch.no_grad()
+            # A pipeline rank's schedule runs forward and backward of every micro-batch as its
+            # step (memfit/parallel/pipeline.py: PipelineRole.run_step); the optimizer follows.
+            pipeline = training and getattr(rank, "runs_step", False)
             with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda), \
                     _outputs(fmodel, keep_output) as out:
-                if training:
+                if pipeline:
+                    loss = rank.run_step(fmodel, finputs, tracker)
+                elif training:
                     loss = compute_loss(fmodel, finputs)
                 else:
                     loss = None
@@ -555,10 +560,11 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
             tracker.end_forward()
             if replay is not None:
                 replay.stop()
-            if loss is not None and opt is not None:
+            if (loss is not None or pipeline) and opt is not None:
                 tracker.phase = "backward"
                 tracker.modules.backward = ""
-                _backward(loss)
+                if not pipeline:
+                    _backward(loss)
                 del loss, out
                 _mark_grads(tracker, params, owners)
                 tracker.phase = "optimizer"
