@@ -248,6 +248,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
     "torch.distributed.tensor._sharding_prop": ("ShardingPropagator",),
     "torch.distributed._functional_collectives": ("wait_tensor",),
+    # memfit/parallel/pipeline.py: the schedule's P2P works (Note: [a P2P work keeps its tensor])
+    "torch.distributed.pipelining.schedules": ("_batch_p2p",),
 }
 """Every private torch name memfit uses, by module (those looked up with ``getattr`` are in
 :data:`OPTIONAL_NAMES`). ``tests/test_compat.py`` checks that each still exists and that
@@ -264,6 +266,8 @@ OPTIONAL_NAMES: dict[str, str] = {
     "torch._subclasses.fake_tensor._DISPATCH_META_HANDLERS": "2.11, 2.13",
     "torch._subclasses.fake_impls.op_implementations_dict": "2.11, 2.13",
     "torch.Tensor._make_subclass": "2.11, 2.13 (fastkey: cached outputs, lifted constants)",
+    # memfit/parallel/pipeline.py: _static_metadata, the schedule's warm-up vote
+    "torch.distributed.pipelining._utils.InferenceMode": "2.13 (absent: no vote to answer)",
 }
 """Private names looked up with ``getattr`` (absent from some torch versions or builds): when
 each is present."""
