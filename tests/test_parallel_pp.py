@@ -145,7 +145,8 @@ def test_gpipe_keeps_every_micro_batch_and_1f1b_at_most_pp() -> None:
 
 # -- the truth: real ranks over gloo --------------------------------------------------------------
 
-GLOO_CASES = {"1f1b": _case(4, "1f1b"), "gpipe": _case(4, "gpipe")}
+GLOO_CASES = {"1f1b": _case(4, "1f1b"), "gpipe": _case(4, "gpipe"),
+              "interleaved-1f1b": _case(4, "interleaved-1f1b")}
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +164,8 @@ def test_each_stage_matches_a_real_gloo_run_within_1_percent(
     """Per stage (rank), the trace's peak is within 1% of the real rank's: 2 gloo processes,
     4 layers on 2 stages, 4 micro-batches of 2 rows (more than pp, so that 1F1B and GPipe keep
     different numbers in flight), AdamW, 2 steps; each rank runs
-    torch.distributed.pipelining's PipelineStage and Schedule1F1B / ScheduleGPipe."""
+    torch.distributed.pipelining's PipelineStage and Schedule1F1B / ScheduleGPipe /
+    ScheduleInterleaved1F1B (two stages per rank)."""
     measured = measured_pipelines[name]
     for est in _per_rank(GLOO_CASES[name]):
         real = measured[est.ranks[0]]["peak"]
@@ -181,6 +183,22 @@ def test_gpipe_keeps_more_in_flight_than_1f1b_on_real_ranks(measured_pipelines: 
     traced = _per_rank(GLOO_CASES["gpipe"])[0].peak_bytes / _per_rank(
         GLOO_CASES["1f1b"])[0].peak_bytes
     assert abs(ratio - traced) < 0.01
+
+
+@pytest.mark.slow
+def test_four_stages_match_real_gloo_runs_within_1_percent() -> None:
+    """pp = 4 over 4 gloo processes, 1F1B with 4 micro-batches: the middle stages receive
+    activations and send gradients both ways (stage 1: blocks 1-2, stage 2: block 3), the last
+    holds only the final norm and head (torchtitan's split of 4 blocks + 2 on 4 stages)."""
+    from memfit.parallel.measure import measure
+
+    case = Case(spec=tiny_spec(4), batch=8, seq=SEQ,
+                parallel=Parallel(gpus=4, pp=4, microbatches=4))
+    measured = measure([case], world=4, repeats=1)[0]
+    for est in _per_rank(case):
+        real = measured[est.ranks[0]]["peak"]
+        assert abs(est.peak_bytes - real) <= 0.01 * real, (
+            f"pp4 stage {est.ranks}: predicted {est.peak_bytes:,} bytes, measured {real:,}")
 
 
 def test_interleaved_1f1b_traces_two_stages_per_rank() -> None:
