@@ -3,7 +3,7 @@
 Run: ``python bench/parallel_trace.py [--skip-measured] [--gpt2]``
 
 For each layout of a tiny Llama-like decoder (hidden 64, 2 layers, vocab 250; batch 2 x seq 64;
-fp32, AdamW, 2 steps; CPU):
+fp32, AdamW, 2 steps; CPU; the pipeline layouts: 4 layers, batch 8 in 4 micro-batches):
 
 - ``measured``: one process per rank over gloo (``memfit.parallel.measure``): the profiler's
   allocator events of the step's own blocks, lowest of 3 runs; ``gloo scratch``: gloo's own
@@ -48,6 +48,13 @@ LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
     "hsdp 2x2": (4, P(gpus=4, fsdp=2)),
     "fsdp2 x4 (reshard)": (4, P(gpus=4, fsdp=4)),
     "fsdp2 x4 bf16 params": (4, P(gpus=4, fsdp=4, param_dtype="bf16", reduce_dtype="fp32")),
+}
+PIPELINE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # 4 layers, batch 8 in 4 micro-batches
+    "pp 2 (1f1b)": (2, P(gpus=2, pp=2, microbatches=4)),
+    "pp 2 (gpipe)": (2, P(gpus=2, pp=2, microbatches=4, pp_schedule="gpipe")),
+    "pp 2 (interleaved 1f1b)": (2, P(gpus=2, pp=2, microbatches=4,
+                                     pp_schedule="interleaved-1f1b")),
+    "pp 4 (1f1b)": (4, P(gpus=4, pp=4, microbatches=4)),
 }
 
 
@@ -99,17 +106,20 @@ def main() -> None:
     args = ap.parse_args()
     spec = dataclasses.replace(tiny_spec(), vocab_size=250)
     cases = {name: Case(spec=spec, batch=2, seq=64, parallel=p) for name, (_, p) in LAYOUTS.items()}
+    cases.update({name: Case(spec=dataclasses.replace(spec, num_layers=4), batch=8, seq=64,
+                             parallel=p) for name, (_, p) in PIPELINE_LAYOUTS.items()})
+    worlds = {**LAYOUTS, **PIPELINE_LAYOUTS}
     measured: dict[str, list[dict[str, int]]] = {}
     if not args.skip_measured:
-        for world in sorted({w for w, _ in LAYOUTS.values()}):
-            names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        for world in sorted({w for w, _ in worlds.values()}):
+            names = [n for n, (w, _) in worlds.items() if w == world]
             started = time.perf_counter()
             for name, peaks in zip(names, measure([cases[n] for n in names], world), strict=True):
                 measured[name] = peaks
             print(f"measured {len(names)} layouts on {world} gloo ranks in "
                   f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
     rows = []
-    header = (f"{'layout':22} {'rank':>4} {'measured':>10} {'gloo scratch':>12} {'memfit':>10} "
+    header = (f"{'layout':24} {'rank':>4} {'measured':>10} {'gloo scratch':>12} {'memfit':>10} "
               f"{'err':>7} {'FSDPMemTracker':>14} {'err':>7}")
     print(header)
     for name, case in cases.items():
@@ -126,7 +136,7 @@ def main() -> None:
                    "memfit_seconds": round(seconds, 2),
                    "fsdp_mem_tracker": fmt if rank == 0 else None}
             rows.append(row)
-            print(f"{name:22} {rank:>4} {truth or '':>10} {real.get('backend', ''):>12} "
+            print(f"{name:24} {rank:>4} {truth or '':>10} {real.get('backend', ''):>12} "
                   f"{pred[rank]:>10} {pct(pred[rank], truth) if truth else '':>7} "
                   f"{fmt if rank == 0 and fmt else '':>14} "
                   f"{pct(fmt, truth) if rank == 0 and fmt and truth else '':>7}")
