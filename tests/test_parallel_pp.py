@@ -76,6 +76,17 @@ def test_pipeline_the_model_or_batch_cannot_take_gets_one_line_errors(
     assert "\n" not in str(info.value)
 
 
+def test_pipeline_traces_training_with_the_models_own_loss() -> None:
+    model, inputs = build(_case(2, "1f1b"))
+    parallel = Parallel(gpus=2, pp=2)
+    with pytest.raises(MemfitError, match="pass an optimizer") as info:
+        memfit.estimate(model, inputs, device="cpu", optimizer=None, parallel=parallel)
+    assert "\n" not in str(info.value)
+    with pytest.raises(MemfitError, match="drop loss_fn"):
+        memfit.estimate(model, inputs, device="cpu", parallel=parallel,
+                        loss_fn=lambda m, b: m(**b))
+
+
 def test_stages_split_the_effective_layers_as_torchtitan_does() -> None:
     """generate_llm_fqn_per_model_part (input_weight = output_weight = 1): the embedding and the
     norm + head count as one layer each, the effective layers are dealt out evenly, the first

@@ -250,10 +250,18 @@ class PipelineRole(RankRole):
         self.state["modules"] = modules
         return modules[0] if len(modules) == 1 else nn.ModuleList(modules)
 
-    def run_step(self, model: nn.Module, inputs: Any, tracker: Any) -> None:
+    def run_step(self, model: nn.Module, inputs: Any, tracker: Any, loss_fn: Any) -> None:
         """One schedule step; each micro-batch's forward is traced as phase ``forward`` and its
         backward as ``backward``. The stages and schedule are built at the first step, from the
-        batch's shape."""
+        batch's shape. ``loss_fn``: the trace's loss (None: no optimizer, an inference trace)."""
+        from memfit._loss import model_loss
+
+        if loss_fn is None:
+            raise MemfitError("Parallel(pp>1) traces training steps (the schedule runs each "
+                              "micro-batch's forward and backward); pass an optimizer")
+        if loss_fn is not model_loss:
+            raise MemfitError("Parallel(pp>1) computes the model's own loss on the last stage "
+                              "(cross-entropy on the batch's labels); drop loss_fn")
         if "pipeline" not in self.state:
             batch, seq = _batch_shape(inputs)
             self.state["pipeline"] = build_pipeline(self.state["modules"], self.parallel,

@@ -545,11 +545,12 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
             grad_mode = torch.enable_grad() if training else torch.no_grad()
             # A pipeline rank's schedule runs forward and backward of every micro-batch as its
             # step (memfit/parallel/pipeline.py: PipelineRole.run_step); the optimizer follows.
-            pipeline = training and getattr(rank, "runs_step", False)
+            pipeline = getattr(rank, "runs_step", False)
             with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda), \
                     _outputs(fmodel, keep_output) as out:
                 if pipeline:
-                    loss = rank.run_step(fmodel, finputs, tracker)
+                    loss = rank.run_step(fmodel, finputs, tracker,
+                                         compute_loss if training else None)
                 elif training:
                     loss = compute_loss(fmodel, finputs)
                 else:
