@@ -185,6 +185,25 @@ def test_each_stage_matches_a_real_gloo_run_within_1_percent(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", list(GLOO_CASES))
+def test_each_phase_of_each_stage_matches_a_real_gloo_run_within_1_percent(
+        name: str, measured_pipelines: dict) -> None:
+    """Per stage and step: the schedule's part of the step (its forwards and backwards
+    interleave, so the measurement has one range around ``schedule.step``: the trace's higher of
+    its forward and backward phases) and the optimizer's, each within 1% of the real rank's high
+    point inside the same range."""
+    measured = measured_pipelines[name]
+    for est in _per_rank(GLOO_CASES[name]):
+        real = measured[est.ranks[0]]["phases"]
+        for step in range(2):
+            pred = max(est.phase_peaks[(step, "forward")], est.phase_peaks[(step, "backward")])
+            for key, value in ((f"{step}:pipeline", pred),
+                               (f"{step}:optimizer", est.phase_peaks[(step, "optimizer")])):
+                assert abs(value - real[key]) <= 0.01 * real[key], (
+                    f"{name} stage {est.ranks} {key}: predicted {value:,}, measured {real[key]:,}")
+
+
+@pytest.mark.slow
 def test_gpipe_keeps_more_in_flight_than_1f1b_on_real_ranks(measured_pipelines: dict) -> None:
     """The measured stage-0 peak is higher under GPipe (4 micro-batches in flight) than under
     1F1B (2), as the trace says."""
