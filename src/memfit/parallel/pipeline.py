@@ -244,11 +244,16 @@ class PipelineRole(RankRole):
     state: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     runs_step = True
 
-    def wrap_model(self, model: nn.Module, tracker: Any, fake_mode: Any) -> nn.Module:
-        """This rank's stages of the fake model (the rest of it is never tracked)."""
+    def local_model(self, model: nn.Module) -> nn.Module:
+        """This rank's stages of the real model (the engine fakes only these): a
+        :class:`StageModule`, or a ``ModuleList`` of two (interleaved)."""
         modules = stage_modules(model, self.parallel, self.rank)
-        self.state["modules"] = modules
         return modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+
+    def wrap_model(self, model: nn.Module, tracker: Any, fake_mode: Any) -> nn.Module:
+        """The fake stages themselves (the schedule is built at the first step)."""
+        self.state["modules"] = list(model) if isinstance(model, nn.ModuleList) else [model]
+        return model
 
     def run_step(self, model: nn.Module, inputs: Any, tracker: Any, loss_fn: Any) -> None:
         """One schedule step; each micro-batch's forward is traced as phase ``forward`` and its

@@ -486,7 +486,9 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         stack.enter_context(fake_mode)
         stack.enter_context(host.tracing(tracker))
         stack.enter_context(_grouped_mm_rule())
-        fmodel = _fake_model(model, fake_device, param_dtype)
+        # A pipeline rank fakes only its own stages (memfit/parallel/pipeline.py: local_model).
+        local = getattr(rank, "local_model", None)
+        fmodel = _fake_model(model if local is None else local(model), fake_device, param_dtype)
         if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/trace.py)
             stack.enter_context(rank.tracing(tracker, fake_mode))
             fmodel = rank.wrap_model(fmodel, tracker, fake_mode)
