@@ -55,6 +55,8 @@ PIPELINE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # 4 layers, batch 8 in 4 
     "pp 2 (interleaved 1f1b)": (2, P(gpus=2, pp=2, microbatches=4,
                                      pp_schedule="interleaved-1f1b")),
     "pp 4 (1f1b)": (4, P(gpus=4, pp=4, microbatches=4)),
+    "pp 2 x fsdp 2 (1f1b)": (4, P(gpus=4, pp=2, fsdp=2, microbatches=4,
+                                  reshard_after_forward=False)),
 }
 
 

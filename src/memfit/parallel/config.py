@@ -31,7 +31,8 @@ class Parallel:
     Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) and
     tensor parallelism alone (``tp == gpus``, no sequence parallelism); other ``tp``, ``pp`` and
     ``ep`` > 1 are checked against the model but refused by the trace. Pipeline parallelism is
-    traced alone (``pp == gpus``: no data or tensor parallelism beside it), on memfit's builtin
+    traced alone (``pp == gpus``) or with FSDP2 on each stage over the other ranks (a
+    ``(pp, dp)`` mesh; not with DDP, ZeRO-1, HSDP, tp or ep beside it), on memfit's builtin
     decoders (``memfit.models.build_model``), with the model's own loss on the last stage (a
     ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it (``input_ids``,
     ``labels``); each pipeline rank is one rank role.

@@ -123,7 +123,12 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
     import torch.distributed as dist
 
     from memfit._noise import quiet_profile
-    from memfit.parallel.pipeline import build_pipeline, stage_modules
+    from memfit.parallel.pipeline import (
+        build_pipeline,
+        pipeline_mesh,
+        shard_stages,
+        stage_modules,
+    )
     from memfit.trace.optim import make_optimizer
 
     rank = dist.get_rank()
@@ -136,7 +141,12 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
             modules = stage_modules(model, case.parallel, rank)
             del model
             gc.collect()  # the other stages' blocks, embedding or head: not this rank's
-            pipeline = build_pipeline(modules, case.parallel, rank, case.batch, case.seq)
+            group = None
+            if case.parallel.dp > 1:  # FSDP2 on each stage over the dp ranks
+                mesh = pipeline_mesh(case.parallel)
+                shard_stages(modules, case.parallel, mesh)
+                group = mesh["pp"].get_group()
+            pipeline = build_pipeline(modules, case.parallel, case.batch, case.seq, group=group)
             params = [p for m in modules for p in m.parameters() if p.requires_grad]
             opt = make_optimizer(case.optimizer, params, cuda_target=False)
             for step in range(case.steps):

@@ -90,10 +90,11 @@ class StageModule(nn.Module):
     token ids (first stage) or the hidden states and returns the hidden states, or the logits
     on the last stage."""
 
-    def __init__(self, model: nn.Module, layers: range, *, first: bool, last: bool) -> None:
+    def __init__(self, model: nn.Module, layers: range, *, index: int, first: bool,
+                 last: bool) -> None:
         super().__init__()
         decoder, head = _decoder_parts(model)
-        self.first, self.last = first, last
+        self.index, self.first, self.last = index, first, last
         self.hidden_size = int(decoder.embed_tokens.weight.shape[1])
         self.hidden_dtype = decoder.embed_tokens.weight.dtype
         self.embed_tokens = decoder.embed_tokens if first else None
@@ -135,10 +136,10 @@ def num_microbatches(parallel: Parallel) -> int:
 def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> None:
     """One-line errors for a pipeline layout the model or batch cannot take."""
     decoder, _ = _decoder_parts(model)
-    if parallel.tp > 1 or parallel.dp > 1 or parallel.ep > 1:
-        raise MemfitError(f"Parallel(pp={parallel.pp}) with tp, ep or data parallelism (gpus="
-                          f"{parallel.gpus}) is not traced yet; use gpus == pp, or memfit plan's "
-                          "formulas")
+    if parallel.tp > 1 or parallel.ep > 1 or parallel.strategy not in ("none", "fsdp"):
+        raise MemfitError(f"Parallel(pp={parallel.pp}) is traced alone or with FSDP over the "
+                          f"other ranks, not with {parallel.describe()}; use gpus == pp or "
+                          "fsdp = gpus / pp, or memfit plan's formulas")
     stages = parallel.pp * stages_per_rank(parallel)
     layers = len(decoder.layers)
     if stages > layers:
@@ -182,18 +183,43 @@ class Pipeline:
             self.schedule.step(target=target, return_outputs=False)
 
 
+def pp_rank(parallel: Parallel, rank: int) -> int:
+    """The pipeline rank of a global rank: the mesh is ``(pp, dp)``, pipeline outermost, as
+    torchtitan orders it (``ParallelDims``: pp, dp_replicate, dp_shard, cp, tp)."""
+    return rank // parallel.dp
+
+
 def stage_modules(model: nn.Module, parallel: Parallel, rank: int) -> list[StageModule]:
-    """This rank's stages of ``model`` (its own submodules): stage ``rank``, and for the
-    interleaved schedule also ``rank + pp`` (torchtitan's "loop" placement)."""
+    """This rank's stages of ``model`` (its own submodules): stage ``pp_rank``, and for the
+    interleaved schedule also ``pp_rank + pp`` (torchtitan's "loop" placement)."""
     decoder, _ = _decoder_parts(model)
     num_stages = parallel.pp * stages_per_rank(parallel)
     layers = stage_layers(len(decoder.layers), num_stages)
-    return [StageModule(model, layers[index], first=index == 0, last=index == num_stages - 1)
-            for index in (rank + s * parallel.pp for s in range(stages_per_rank(parallel)))]
+    first_index = pp_rank(parallel, rank)
+    return [StageModule(model, layers[index], index=index, first=index == 0,
+                        last=index == num_stages - 1)
+            for index in (first_index + s * parallel.pp for s in range(stages_per_rank(parallel)))]
 
 
-def build_pipeline(modules: list[StageModule], parallel: Parallel, rank: int, batch: int,
-                   seq: int, device: str = "cpu") -> Pipeline:
+def pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
+    """The ``(pp, dp)`` DeviceMesh of a pipeline layout with data parallelism (torch.distributed
+    initialised with ``parallel.gpus`` ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (parallel.pp, parallel.dp), mesh_dim_names=("pp", "dp"))
+
+
+def shard_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> None:
+    """FSDP2 on each stage over the mesh's ``dp`` dimension: each of its blocks, then the
+    stage (``memfit.parallel.apply.apply_fsdp``), as torchtitan shards each model part."""
+    from memfit.parallel.apply import apply_fsdp
+
+    for module in modules:
+        apply_fsdp(module, parallel, mesh["dp"], blocks=[f"layers.{k}" for k in module.layers])
+
+
+def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, seq: int,
+                   device: str = "cpu", group: Any = None) -> Pipeline:
     """``modules`` (:func:`stage_modules` of ``rank``) as ``PipelineStage``s and the layout's
     schedule over them; torch.distributed must be initialised with ``parallel.gpus`` ranks.
     Every stage is given its input and output shapes (``input_args``, ``output_args``), so no
@@ -213,8 +239,8 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, rank: int, ba
                           "choose a number of micro-batches that divides it")
     micro = batch // n
     stages = []
-    for s, module in enumerate(modules):
-        index = rank + s * parallel.pp
+    for module in modules:
+        index = module.index
         width, dtype = module.hidden_size, module.hidden_dtype
         with torch.device("meta"):
             ids = torch.zeros(micro, seq, dtype=torch.long)
@@ -225,7 +251,7 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, rank: int, ba
                                  dtype=dtype, requires_grad=True)  # type: ignore[union-attr]
         stages.append(PipelineStage(module, index, num_stages, torch.device(device),
                                     input_args=ids if module.first else states,
-                                    output_args=logits if module.last else states))
+                                    output_args=logits if module.last else states, group=group))
     if parallel.pp_schedule == "interleaved-1f1b":
         schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=stage_loss)
     else:
@@ -251,8 +277,17 @@ class PipelineRole(RankRole):
         return modules[0] if len(modules) == 1 else nn.ModuleList(modules)
 
     def wrap_model(self, model: nn.Module, tracker: Any, fake_mode: Any) -> nn.Module:
-        """The fake stages themselves (the schedule is built at the first step)."""
-        self.state["modules"] = list(model) if isinstance(model, nn.ModuleList) else [model]
+        """The fake stages, FSDP2-sharded over the data-parallel ranks when there are some (the
+        schedule is built at the first step)."""
+        modules = list(model) if isinstance(model, nn.ModuleList) else [model]
+        self.state["modules"] = modules
+        if self.parallel.dp > 1:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
+                mesh = pipeline_mesh(self.parallel)
+            shard_stages(modules, self.parallel, mesh)
+            self.state["group"] = mesh["pp"].get_group()
         return model
 
     def run_step(self, model: nn.Module, inputs: Any, tracker: Any, loss_fn: Any) -> None:
@@ -270,7 +305,7 @@ class PipelineRole(RankRole):
         if "pipeline" not in self.state:
             batch, seq = _batch_shape(inputs)
             self.state["pipeline"] = build_pipeline(self.state["modules"], self.parallel,
-                                                    self.rank, batch, seq)
+                                                    batch, seq, group=self.state.get("group"))
             _static_metadata(self.state["pipeline"].schedule)
         pipeline: Pipeline = self.state["pipeline"]
         with _phases(pipeline.schedule, tracker), _works_hold_their_tensors():
@@ -390,6 +425,16 @@ def _phases(schedule: Any, tracker: Any) -> Iterator[None]:
 
 
 def pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
-    """One role per pipeline rank (each holds other stages)."""
+    """Ranks grouped by stage and, with FSDP, by the shard sizes they hold (the unpadded
+    ``torch.chunk`` of each parameter's dim 0, as in ``trace.rank_roles``)."""
+    from memfit.parallel.trace import _chunk
+
     check_pipeline(model, parallel, None)
-    return [PipelineRole(parallel, rank, (rank,)) for rank in range(parallel.gpus)]
+    groups: dict[Any, list[int]] = {}
+    for rank in range(parallel.gpus):
+        params = [p for m in stage_modules(model, parallel, rank) for p in m.parameters()]
+        shard = rank % parallel.dp
+        sig = (pp_rank(parallel, rank), tuple(_chunk(p.shape[0] if p.dim() else 1,
+                                                     parallel.dp, shard) for p in params))
+        groups.setdefault(sig, []).append(rank)
+    return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]
