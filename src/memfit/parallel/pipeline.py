@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.parallel.apply import _DTYPE
 from memfit.parallel.config import PP_SCHEDULES, Parallel
 from memfit.parallel.trace import RankRole
 
@@ -96,7 +97,6 @@ class StageModule(nn.Module):
         decoder, head = _decoder_parts(model)
         self.index, self.first, self.last = index, first, last
         self.hidden_size = int(decoder.embed_tokens.weight.shape[1])
-        self.hidden_dtype = decoder.embed_tokens.weight.dtype
         self.embed_tokens = decoder.embed_tokens if first else None
         self.embed_positions = decoder.embed_positions if first else None
         self.dropout = decoder.dropout
@@ -241,7 +241,11 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
     stages = []
     for module in modules:
         index = module.index
-        width, dtype = module.hidden_size, module.hidden_dtype
+        # the hidden states' dtype: FSDP2's compute dtype, else the parameters' (an fp32 model
+        # under autocast keeps an fp32 residual stream: embedding + residual adds)
+        width = module.hidden_size
+        dtype = (_DTYPE[parallel.param_dtype] if parallel.param_dtype else
+                 next(p.dtype for p in module.parameters() if p.is_floating_point()))
         with torch.device("meta"):
             ids = torch.zeros(micro, seq, dtype=torch.long)
             # requires_grad: the metadata of the gradients sent back (stage.py:
