@@ -5,9 +5,11 @@ The model is split the way torchtitan splits it by hand (``torchtitan/distribute
 pipeline_parallel.py: generate_llm_fqn_per_model_part, pipeline_module_split``): the embedding
 counts as one layer and the final norm + head as one more, those "effective layers" are dealt
 out evenly, first stages first; each stage keeps its slice of the transformer blocks, the first
-the embedding, the last the final norm, the head and the loss. A rank runs stage ``rank`` (and,
-for the interleaved schedule, ``rank + pp``: torchtitan's "loop" placement, two stages per
-rank). The step is the schedule's ``step`` (``torch/distributed/pipelining/schedules.py:
+the embedding, the last the final norm, the head and the loss. The ranks form a ``(pp, dp)``
+mesh, pipeline outermost (torchtitan's order); a rank runs stage ``pp_rank`` (and, for the
+interleaved schedule, ``pp_rank + pp``: torchtitan's "loop" placement, two stages per rank),
+FSDP2-sharded over its ``dp`` ranks when ``dp > 1``. Only a rank's own stages are faked and
+traced. The step is the schedule's ``step`` (``torch/distributed/pipelining/schedules.py:
 PipelineScheduleSingle.step``, ``PipelineScheduleMulti.step``) with ``return_outputs=False``, as
 torchtitan's trainer calls it, so the last stage keeps no micro-batch's logits for merging.
 
