@@ -3,7 +3,8 @@
 Run: ``python bench/parallel_trace.py [--skip-measured] [--gpt2]``
 
 For each layout of a tiny Llama-like decoder (hidden 64, 2 layers, vocab 250; batch 2 x seq 64;
-fp32, AdamW, 2 steps; CPU; the expert-parallel row: its MLPs as 4 builtin MoE experts, top 2):
+fp32, AdamW, 2 steps; CPU; the expert-parallel row: its MLPs as 4 builtin MoE experts, top 2;
+the pipeline layouts: 4 layers, batch 8 in 4 micro-batches):
 
 - ``measured``: one process per rank over gloo (``memfit.parallel.measure``): the profiler's
   allocator events of the step's own blocks, lowest of 3 runs; ``gloo scratch``: gloo's own
@@ -59,6 +60,15 @@ MOE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # the same decoder, MLPs as 4 
     "ep 2 + fsdp2 (moe)": (2, P(gpus=2, fsdp=2, ep=2)),
     "ep 2 + fsdp2 x4 (moe)": (4, P(gpus=4, fsdp=4, ep=2)),
 }
+PIPELINE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # 4 layers, batch 8 in 4 micro-batches
+    "pp 2 (1f1b)": (2, P(gpus=2, pp=2, microbatches=4)),
+    "pp 2 (gpipe)": (2, P(gpus=2, pp=2, microbatches=4, pp_schedule="gpipe")),
+    "pp 2 (interleaved 1f1b)": (2, P(gpus=2, pp=2, microbatches=4,
+                                     pp_schedule="interleaved-1f1b")),
+    "pp 4 (1f1b)": (4, P(gpus=4, pp=4, microbatches=4)),
+    "pp 2 x fsdp 2 (1f1b)": (4, P(gpus=4, pp=2, fsdp=2, microbatches=4,
+                                  reshard_after_forward=False)),
+}
 
 
 def fsdp_mem_tracker_peak(make: Any, parallel: Parallel, steps: int = 2) -> int | None:
@@ -113,17 +123,20 @@ def main() -> None:
     moe_spec = dataclasses.replace(tiny_moe_spec(), vocab_size=250)
     cases.update({name: Case(spec=moe_spec, batch=2, seq=64, parallel=p)
                   for name, (_, p) in MOE_LAYOUTS.items()})
+    cases.update({name: Case(spec=dataclasses.replace(spec, num_layers=4), batch=8, seq=64,
+                             parallel=p) for name, (_, p) in PIPELINE_LAYOUTS.items()})
+    worlds = {**LAYOUTS, **MOE_LAYOUTS, **PIPELINE_LAYOUTS}
     measured: dict[str, list[dict[str, int]]] = {}
     if not args.skip_measured:
-        for world in sorted({w for w, _ in {**LAYOUTS, **MOE_LAYOUTS}.values()}):
-            names = [n for n, (w, _) in {**LAYOUTS, **MOE_LAYOUTS}.items() if w == world]
+        for world in sorted({w for w, _ in worlds.values()}):
+            names = [n for n, (w, _) in worlds.items() if w == world]
             started = time.perf_counter()
             for name, peaks in zip(names, measure([cases[n] for n in names], world), strict=True):
                 measured[name] = peaks
             print(f"measured {len(names)} layouts on {world} gloo ranks in "
                   f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
     rows = []
-    header = (f"{'layout':22} {'rank':>4} {'measured':>10} {'gloo scratch':>12} {'memfit':>10} "
+    header = (f"{'layout':24} {'rank':>4} {'measured':>10} {'gloo scratch':>12} {'memfit':>10} "
               f"{'err':>7} {'FSDPMemTracker':>14} {'err':>7}")
     print(header)
     for name, case in cases.items():
@@ -140,7 +153,7 @@ def main() -> None:
                    "memfit_seconds": round(seconds, 2),
                    "fsdp_mem_tracker": fmt if rank == 0 else None}
             rows.append(row)
-            print(f"{name:22} {rank:>4} {truth or '':>10} {real.get('backend', ''):>12} "
+            print(f"{name:24} {rank:>4} {truth or '':>10} {real.get('backend', ''):>12} "
                   f"{pred[rank]:>10} {pct(pred[rank], truth) if truth else '':>7} "
                   f"{fmt if rank == 0 and fmt else '':>14} "
                   f"{pct(fmt, truth) if rank == 0 and fmt and truth else '':>7}")

@@ -261,6 +261,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
     "torch.distributed.tensor._sharding_prop": ("ShardingPropagator",),
     "torch.distributed._functional_collectives": ("wait_tensor", "all_to_all_single_autograd"),
+    # memfit/parallel/pipeline.py: the schedule's P2P works (Note: [a P2P work keeps its tensor])
+    "torch.distributed.pipelining.schedules": ("_batch_p2p",),
 }
 """Every private torch name memfit uses, by module (those looked up with ``getattr`` are in
 :data:`OPTIONAL_NAMES`). ``tests/test_compat.py`` checks that each still exists and that
@@ -280,6 +282,8 @@ OPTIONAL_NAMES: dict[str, str] = {
     # parallel/trace.py: _forget_dtensor_shardings (between fake worlds)
     "torch.distributed.tensor.debug._clear_sharding_prop_cache": "2.13",
     "torch.distributed.tensor.debug._clear_python_sharding_prop_cache": "2.13 (its Python half)",
+    # memfit/parallel/pipeline.py: _static_metadata, the schedule's warm-up vote
+    "torch.distributed.pipelining._utils.InferenceMode": "2.13 (absent: no vote to answer)",
 }
 """Private names looked up with ``getattr`` (absent from some torch versions or builds): when
 each is present."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from memfit.errors import MemfitError, suggest
 
 _DTYPES = ("fp32", "bf16", "fp16")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +32,7 @@ class Parallel:
     tensor parallelism alone (``tp == gpus``) and tensor parallelism with FSDP2 over the other
     dim of a 2-D ``("dp", "tp")`` mesh (``Parallel(gpus=4, tp=2, fsdp=2)``) or HSDP on a 3-D
     ``("replicate", "shard", "tp")`` one; tp with DDP or ZeRO-1 is refused (torchtitan
-    refuses it too), and ``pp`` beside tp or ep.
+    refuses it too).
     Sequence parallelism (``sp=True``) is traced for memfit's builtin decoders (untied
     embeddings, rotary positions), as is loss parallelism (``loss_parallel=True``: the
     model's own cross-entropy on vocabulary-split logits).
@@ -43,6 +44,11 @@ class Parallel:
     experts, and ``dp / ep`` each rank's experts. Its token exchange has fixed sizes (each
     expert's buffer holds ``capacity`` slots, balanced routing at the default capacity factor
     1.0), so a rank's bytes do not depend on the router.
+    Pipeline parallelism is traced alone (``pp == gpus``) or with FSDP2 on each stage over the
+    other ranks (a ``(pp, dp)`` mesh; not with DDP, ZeRO-1, HSDP, tp or ep beside it), on
+    memfit's builtin decoders (``memfit.models.build_model``), with the model's own loss on the
+    last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
+    (``input_ids``, ``labels``); each pipeline rank is one rank role.
     """
 
     gpus: int
@@ -87,6 +93,12 @@ class Parallel:
     host."""
     bucket_cap_mb: float = 25.0
     """DDP ``bucket_cap_mb``: gradients are all-reduced in flat buckets of about this size."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule (``torch.distributed.pipelining``): ``gpipe`` (every micro-batch's
+    forward, then every backward: all micro-batches' activations alive), ``1f1b`` (at most
+    ``pp - stage`` micro-batches in flight) or ``interleaved-1f1b`` (two stages per rank)."""
+    microbatches: int | None = None
+    """Micro-batches per step, each ``batch / microbatches`` rows (None: ``pp``)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "fsdp", "tp", "pp", "ep"):
@@ -113,6 +125,15 @@ class Parallel:
             if value is not None and value not in _DTYPES:
                 raise MemfitError(f"Parallel({name}={value!r}){suggest(str(value), _DTYPES)}; "
                                   f"valid: {', '.join(_DTYPES)} or None")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise MemfitError(f"Parallel(pp_schedule={self.pp_schedule!r})"
+                              f"{suggest(str(self.pp_schedule), PP_SCHEDULES)}; valid: "
+                              f"{', '.join(PP_SCHEDULES)}")
+        if self.microbatches is not None and (
+                not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool)
+                or self.microbatches < 1):
+            raise MemfitError(f"Parallel(microbatches={self.microbatches!r}): must be a positive "
+                              "integer or None (pp micro-batches)")
         if self.bucket_cap_mb <= 0:
             raise MemfitError(f"Parallel(bucket_cap_mb={self.bucket_cap_mb!r}) must be > 0")
         model_parallel = self.tp * self.pp
@@ -169,9 +190,10 @@ class Parallel:
         elif self.dp > 1:
             parts[0] += f" {self.dp}"
         tp_notes = [n for n, on in (("sp", self.sp), ("loss parallel", self.loss_parallel)) if on]
+        pp = f"pp {self.pp}" + (f" ({self.pp_schedule}, {self.microbatches or self.pp} "
+                                 "micro-batches)" if self.pp > 1 else "")
         parts += [f"tp {self.tp}" + (f" ({', '.join(tp_notes)})" if tp_notes else ""),
-                  f"pp {self.pp}"] + (
-            [f"ep {self.ep}"] if self.ep > 1 else [])
+                  pp] + ([f"ep {self.ep}"] if self.ep > 1 else [])
         return " x ".join(parts) + f" on {self.gpus} GPUs"
 
     def check_model(self, *, heads: int | None, layers: int | None,

@@ -486,7 +486,9 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         stack.enter_context(fake_mode)
         stack.enter_context(host.tracing(tracker))
         stack.enter_context(_grouped_mm_rule())
-        fmodel = _fake_model(model, fake_device, param_dtype)
+        # A pipeline rank fakes only its own stages (memfit/parallel/pipeline.py: local_model).
+        local = getattr(rank, "local_model", None)
+        fmodel = _fake_model(model if local is None else local(model), fake_device, param_dtype)
         if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/trace.py)
             stack.enter_context(rank.tracing(tracker, fake_mode))
             fmodel = rank.wrap_model(fmodel, tracker, fake_mode)
@@ -543,9 +545,15 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
             if replay is not None:
                 replay.start()
             grad_mode = torch.enable_grad() if training else torch.no_grad()
+            # A pipeline rank's schedule runs forward and backward of every micro-batch as its
+            # step (memfit/parallel/pipeline.py: PipelineRole.run_step); the optimizer follows.
+            pipeline = getattr(rank, "runs_step", False)
             with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda), \
                     _outputs(fmodel, keep_output) as out:
-                if training:
+                if pipeline:
+                    loss = rank.run_step(fmodel, finputs, tracker,
+                                         compute_loss if training else None)
+                elif training:
                     loss = compute_loss(fmodel, finputs)
                 else:
                     loss = None
@@ -555,10 +563,11 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
             tracker.end_forward()
             if replay is not None:
                 replay.stop()
-            if loss is not None and opt is not None:
+            if (loss is not None or pipeline) and opt is not None:
                 tracker.phase = "backward"
                 tracker.modules.backward = ""
-                _backward(loss)
+                if not pipeline:
+                    _backward(loss)
                 del loss, out
                 _mark_grads(tracker, params, owners)
                 tracker.phase = "optimizer"
