@@ -1,0 +1,185 @@
+"""``memfit plan --gpus N``: the per-rank trace by default (cli/parallel_plan.py), the formulas
+under ``--method analytic`` / ``--params`` / ``--engine deepspeed``, and one-line errors.
+
+The expected per-rank numbers come from an independent call of ``memfit.estimate(...,
+parallel=memfit.Parallel(...))`` on the same model, with the layout written out here as PyTorch
+runs it (FSDP2 ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`` under bf16-mixed, as torchtitan does; DDP under autocast), not through the
+CLI's own mapping.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memfit.categories import MemoryCategory
+from memfit.cli import main
+
+# A tiny Llama: 2 layers, hidden 64, 4 heads (2 KV heads), MLP 128, vocab 96 (not a multiple of
+# 64: FSDP's chunks of the embedding differ across 8 ranks, not across 2).
+H, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 64, 2, 4, 2, 128, 96
+BATCH, SEQ = 2, 32
+
+
+def tiny_llama(tmp_path) -> str:
+    cfg = {"model_type": "llama", "hidden_size": H, "num_hidden_layers": LAYERS,
+           "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+           "intermediate_size": FFN, "vocab_size": VOCAB, "max_position_embeddings": 256,
+           "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def independent_estimate(path: str, parallel, *, checkpointing: str = "none"):
+    """``memfit.estimate`` of the model the config builds (memfit's builder, SDPA), two AdamW
+    steps in bf16-mixed on an H100 target, each rank role of ``parallel``."""
+    import torch
+
+    import memfit
+    from memfit.models.build import build_model, example_inputs
+
+    spec = memfit.resolve_model(path)
+    with torch.device("meta"):
+        model = build_model(spec, device="meta", attn_implementation="sdpa")
+    if checkpointing != "none":
+        from memfit.techniques.checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, policy=checkpointing)
+    inputs = example_inputs(spec, batch=BATCH, seq=SEQ, device="meta")
+    return memfit.estimate(model, inputs, optimizer="adamw", precision="bf16-mixed",
+                           device="cuda", gpu="h100-80gb", steps=2, parallel=parallel)
+
+
+def assert_same_roles(data: dict, est) -> None:
+    roles = data["per_rank"]
+    assert [r["ranks"] for r in roles] == [list(e.ranks) for e in est.per_rank]
+    for got, want in zip(roles, est.per_rank, strict=True):
+        assert got["total_bytes"] == want.total_bytes
+        assert got["peak_bytes"] == want.peak_bytes
+        assert got["peak_reserved_bytes"] == want.peak_reserved_bytes
+        assert got["breakdown"] == {c.value: int(want.breakdown.get(c, 0))
+                                    for c in MemoryCategory}
+    assert data["per_gpu"]["total_bytes"] == est.total_bytes
+
+
+COMMON = ("--gpu", "h100-80gb", "--batch", str(BATCH), "--seq", str(SEQ))
+
+
+def test_fsdp_plan_traces_each_rank_by_default(capsys, tmp_path) -> None:
+    """`plan --gpus 2 --fsdp` reports the per-rank trace's numbers, equal to an independent
+    `memfit.estimate(..., parallel=Parallel(gpus=2, fsdp=2, param_dtype="bf16",
+    reduce_dtype="fp32"))`, and says which method and engine produced them."""
+    import memfit
+
+    path = tiny_llama(tmp_path)
+    code, out, err = run(capsys, "plan", path, "--gpus", "2", "--fsdp", *COMMON, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "trace" and data["engine"] == "fsdp2"
+    assert data["parallel"]["strategy"] == "fsdp" and data["parallel"]["fsdp"] == 2
+    est = independent_estimate(path, memfit.Parallel(gpus=2, fsdp=2, param_dtype="bf16",
+                                                     reduce_dtype="fp32"))
+    assert_same_roles(data, est)
+    # The analytic plan of the same engine rides along, with its distance from the trace.
+    assert data["analytic"]["engine"] == "fsdp2"
+    live = est.total_bytes - (est.peak_reserved_bytes - est.peak_bytes)
+    assert data["analytic"]["trace_live_bytes"] == live
+    assert data["analytic"]["error"] == pytest.approx(data["analytic"]["total_bytes"] / live - 1)
+    assert data["analytic"]["agrees"] == (abs(data["analytic"]["error"]) <= 0.05)
+    assert data["analytic"]["agrees"] or data["analytic"]["why"]
+    # The run object an export reads.
+    assert data["run"]["gpus"] == 2 and data["run"]["zero"] == 3
+
+    code, out, err = run(capsys, "plan", path, "--gpus", "2", "--fsdp", *COMMON)
+    assert code == 0, err
+    assert "method: per-rank trace" in out and "PyTorch FSDP2 fully_shard" in out
+    assert "formulas (PyTorch FSDP2)" in out
+
+
+def test_ddp_plan_traces_under_autocast(capsys, tmp_path) -> None:
+    """`--gpus 2` without sharding is DDP (its gradient buckets) under autocast: the same
+    numbers as `memfit.estimate(..., parallel=Parallel(gpus=2))`; full checkpointing is applied
+    before the layout, as the single-GPU trace applies it."""
+    import memfit
+
+    path = tiny_llama(tmp_path)
+    code, out, err = run(capsys, "plan", path, "--gpus", "2", "--checkpointing", "full",
+                         *COMMON, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "trace" and data["parallel"]["strategy"] == "ddp"
+    assert_same_roles(data, independent_estimate(path, memfit.Parallel(gpus=2),
+                                                 checkpointing="full"))
+    assert data["analytic"]["engine"] == "ddp"
+
+
+def test_method_analytic_gives_the_formulas(capsys, tmp_path) -> None:
+    """`--method analytic` is `memfit.plan` with the same RunConfig: no per-rank trace."""
+    import memfit
+
+    path = tiny_llama(tmp_path)
+    code, out, err = run(capsys, "plan", path, "--gpus", "2", "--fsdp", *COMMON,
+                         "--method", "analytic", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert "per_rank" not in data
+    want = memfit.plan(memfit.resolve_model(path),
+                       memfit.RunConfig(gpus=2, zero=3, batch=BATCH, seq=SEQ),
+                       memfit.get_gpu("h100-80gb"))
+    assert data["per_gpu"]["total_bytes"] == want.total_bytes
+    assert data["engine"] == "zero-paper"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (("--engine", "deepspeed", "--zero", "3"), "DeepSpeed's memory layout comes from the formulas"),
+    (("--engine", "megatron", "--zero", "1"), "Megatron-LM's memory layout"),
+    (("--zero", "3", "--offload-optimizer"), "ZeRO-Offload"),
+    (("--engine", "fsdp2", "--offload-params"), "CPUOffloadPolicy"),
+    (("--checkpointing", "selective-attn"), "analytic variant"),
+])
+def test_formulas_where_the_trace_does_not_run(capsys, tmp_path, argv, says) -> None:
+    """Engines other than PyTorch's, and layouts the trace refuses, fall back to the formulas
+    with one line saying why (in the table's header and in --json's notes)."""
+    path = tiny_llama(tmp_path)
+    code, out, err = run(capsys, "plan", path, "--gpus", "2", *argv, *COMMON, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "analytic" and "per_rank" not in data
+    assert data["notes"][0].startswith("method: the formulas, not the per-rank trace")
+    assert says in data["notes"][0] and "\n" not in data["notes"][0]
+    code, out, err = run(capsys, "plan", path, "--gpus", "2", *argv, *COMMON)
+    assert code == 0, err
+    assert "method: the formulas, not the per-rank trace" in out
+
+
+def test_params_stays_on_the_formulas(capsys) -> None:
+    code, out, err = run(capsys, "plan", "--params", "7e9", "--gpus", "8", "--zero", "3",
+                         "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "analytic" and "no architecture to trace" in data["notes"][0]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (("--tp", "3", "--gpus", "3"), "does not divide"),  # 4 heads
+    (("--pp", "4", "--gpus", "4"), "layers"),  # 2 layers
+    (("--gpus", "2", "--ep", "2"), "--ep 2"),  # the trace does not split experts yet
+    (("--gpus", "2", "--method", "trace", "--engine", "deepspeed", "--zero", "3"),
+     "--method trace over 2 GPUs"),
+])
+def test_bad_layout_is_one_line_exit_2(capsys, tmp_path, argv, needle) -> None:
+    path = tiny_llama(tmp_path)
+    code, _, err = run(capsys, "plan", path, *argv, *COMMON)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert needle in lines[0]
