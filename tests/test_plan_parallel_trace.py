@@ -3,9 +3,10 @@ under ``--method analytic`` / ``--params`` / ``--engine deepspeed``, and one-lin
 
 The expected per-rank numbers come from an independent call of ``memfit.estimate(...,
 parallel=memfit.Parallel(...))`` on the same model, with the layout written out here as PyTorch
-runs it (FSDP2 ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)`` under bf16-mixed, as torchtitan does; DDP under autocast), not through the
-CLI's own mapping.
+runs it, not through the CLI's own mapping: bf16-mixed under FSDP2 is fp32 parameters with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and no autocast, as torchtitan runs
+it (``torchtitan/distributed/utils.py: maybe_enable_amp``: "FSDP handles mixed precision
+internally", a ``nullcontext``); DDP runs under autocast.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def independent_estimate(path: str, parallel, *, checkpointing: str = "none"):
+def independent_estimate(path: str, parallel, *, checkpointing: str = "none",
+                         precision: str = "bf16-mixed"):
     """``memfit.estimate`` of the model the config builds (memfit's builder, SDPA), two AdamW
-    steps in bf16-mixed on an H100 target, each rank role of ``parallel``."""
+    steps on an H100 target, each rank role of ``parallel``."""
     import torch
 
     import memfit
@@ -55,7 +57,7 @@ def independent_estimate(path: str, parallel, *, checkpointing: str = "none"):
 
         apply_activation_checkpointing(model, policy=checkpointing)
     inputs = example_inputs(spec, batch=BATCH, seq=SEQ, device="meta")
-    return memfit.estimate(model, inputs, optimizer="adamw", precision="bf16-mixed",
+    return memfit.estimate(model, inputs, optimizer="adamw", precision=precision,
                            device="cuda", gpu="h100-80gb", steps=2, parallel=parallel)
 
 
@@ -75,9 +77,10 @@ COMMON = ("--gpu", "h100-80gb", "--batch", str(BATCH), "--seq", str(SEQ))
 
 
 def test_fsdp_plan_traces_each_rank_by_default(capsys, tmp_path) -> None:
-    """`plan --gpus 2 --fsdp` reports the per-rank trace's numbers, equal to an independent
-    `memfit.estimate(..., parallel=Parallel(gpus=2, fsdp=2, param_dtype="bf16",
-    reduce_dtype="fp32"))`, and says which method and engine produced them."""
+    """`plan --gpus 2 --fsdp` (bf16-mixed) reports the per-rank trace's numbers, equal to an
+    independent `memfit.estimate(..., precision="fp32", parallel=Parallel(gpus=2, fsdp=2,
+    param_dtype="bf16", reduce_dtype="fp32"))` (torchtitan's FSDP2 mixed precision: see the
+    module's docstring), and says which method and engine produced them."""
     import memfit
 
     path = tiny_llama(tmp_path)
@@ -87,7 +90,7 @@ def test_fsdp_plan_traces_each_rank_by_default(capsys, tmp_path) -> None:
     assert data["method"] == "trace" and data["engine"] == "fsdp2"
     assert data["parallel"]["strategy"] == "fsdp" and data["parallel"]["fsdp"] == 2
     est = independent_estimate(path, memfit.Parallel(gpus=2, fsdp=2, param_dtype="bf16",
-                                                     reduce_dtype="fp32"))
+                                                     reduce_dtype="fp32"), precision="fp32")
     assert_same_roles(data, est)
     # The analytic plan of the same engine rides along, with its distance from the trace.
     assert data["analytic"]["engine"] == "fsdp2"
@@ -102,6 +105,7 @@ def test_fsdp_plan_traces_each_rank_by_default(capsys, tmp_path) -> None:
     code, out, err = run(capsys, "plan", path, "--gpus", "2", "--fsdp", *COMMON)
     assert code == 0, err
     assert "method: per-rank trace" in out and "PyTorch FSDP2 fully_shard" in out
+    assert "no autocast" in out
     assert "formulas (PyTorch FSDP2)" in out
 
 
@@ -145,6 +149,7 @@ def test_method_analytic_gives_the_formulas(capsys, tmp_path) -> None:
     (("--zero", "3", "--offload-optimizer"), "ZeRO-Offload"),
     (("--engine", "fsdp2", "--offload-params"), "CPUOffloadPolicy"),
     (("--checkpointing", "selective-attn"), "analytic variant"),
+    (("--mode", "inference"), "replicas"),
 ])
 def test_formulas_where_the_trace_does_not_run(capsys, tmp_path, argv, says) -> None:
     """Engines other than PyTorch's, and layouts the trace refuses, fall back to the formulas

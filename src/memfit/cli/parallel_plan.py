@@ -52,6 +52,9 @@ def formulas_reason(model: ModelSpec, run: RunConfig, ep: int = 1) -> str | None
                else "offload under --engine auto is planned as DeepSpeed's ZeRO-Offload")
         return (f"{why}: the trace runs PyTorch FSDP2 / DDP, so {label}'s memory layout comes "
                 "from the formulas")
+    if not run.training and run.tp * run.pp == 1:
+        return (f"inference on {run.gpus} GPUs runs {run.gpus} replicas and no collective: "
+                "plan --gpus 1 to trace one")
     if run.offload_optimizer:
         return "--offload-optimizer over several GPUs is not traced yet"
     if run.weight_quant != "none" or run.kv_cache_dtype is not None or run.new_tokens:
@@ -92,6 +95,14 @@ def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = Non
                     cpu_offload=run.offload_params and sharded)
 
 
+def trace_precision(run: RunConfig, parallel: Any) -> str:
+    """The trace's precision: the run's, except under FSDP2's ``MixedPrecisionPolicy``, which
+    handles mixed precision itself: fp32 parameters, gradients and optimizer states, 16-bit
+    all-gathers and compute, no autocast (torchtitan, ``torchtitan/distributed/utils.py:
+    maybe_enable_amp``: "FSDP handles mixed precision internally", a ``nullcontext``)."""
+    return "fp32" if parallel.param_dtype else run.precision
+
+
 def engine_words(parallel: Any, run: RunConfig) -> str:
     """The PyTorch engine the trace ran, in words."""
     strategy = parallel.strategy
@@ -110,8 +121,8 @@ def engine_words(parallel: Any, run: RunConfig) -> str:
         words += ", tensor parallel (parallelize_module)"
     if parallel.pp > 1:
         words += ", pipeline stages"
-    if run.mixed and strategy not in ("fsdp", "hsdp"):
-        words += ", torch.autocast"
+    words += (", no autocast" if parallel.param_dtype
+              else ", torch.autocast" if run.mixed else "")
     return words
 
 
@@ -135,18 +146,33 @@ def live_bytes(est: Any) -> int:
 
 
 def disagreement_reason(analytic: MemoryPlan, est: Any) -> str:
-    """Why the analytic plan and the trace differ by more than :data:`AGREEMENT`: the known gaps
-    first, then where each puts its peak, then the plan's own notes."""
+    """Why the analytic plan and the trace differ by more than :data:`AGREEMENT`, in one line:
+    the known gap that explains it, where each puts its peak, and the categories that differ
+    (plan - trace, those over 1% of the trace's live bytes)."""
+    live = live_bytes(est)
+    gap = analytic.total_bytes - live
+    deltas = {c: analytic.breakdown.get(c, 0) - int(est.breakdown.get(c, 0)) for c in _CATEGORIES}
     reasons = []
-    run = analytic.run
-    if run.mode == "lora" and run.checkpointing == "full":
-        reasons.append("LoRA with full checkpointing: the formulas keep each block's 16-bit "
-                       "input and the adapters' inputs; the trace's recompute frees more")
-    if analytic.peak_phase != est.peak_phase:
-        reasons.append(f"peaks differ (plan: {analytic.peak_phase}, trace: {est.peak_phase} "
-                       f"at {est.peak_op})")
-    reasons += list(analytic.notes)
-    return "; ".join(reasons) or "no known gap explains it"
+    unsharded = analytic.engine_buffers.get("unsharded gradients", 0)
+    if unsharded and gap > 0 and deltas[MemoryCategory.TEMPORARIES] > 0:
+        # Note: [unsharded gradients at the loss] The formulas add the largest fully_shard
+        # unit's unsharded gradients and their fp32 reduce-scatter input (planner.py:
+        # engine_buffers) to every activation at the loss. The largest unit is usually the
+        # root (embeddings, head), whose gradients the head's backward makes after the loss and
+        # which FSDP2 reduce-scatters at the end of the backward, when the activations are gone.
+        reasons.append(f"the formulas hold the largest fully_shard unit's unsharded gradients "
+                       f"and their reduce-scatter copy ({format_bytes(unsharded)}) with every "
+                       "activation at the loss; in the trace they come later, when activations "
+                       "have been freed")
+    where = f"{est.peak_op} in {est.peak_module}" if est.peak_module else est.peak_op
+    reasons.append(f"peaks: formulas in the {analytic.peak_phase}, trace at {where} "
+                   f"({est.peak_phase})")
+    big = [f"{c.value} {'+' if d > 0 else '-'}{format_bytes(abs(d))}"
+           for c, d in sorted(deltas.items(), key=lambda kv: -abs(kv[1]))
+           if abs(d) >= 0.01 * live]
+    if big:
+        reasons.append("plan - trace: " + ", ".join(big))
+    return "; ".join(reasons)
 
 
 def comparison(analytic: MemoryPlan, est: Any) -> dict[str, Any]:
@@ -168,7 +194,8 @@ def trace_parallel(spec: TransformerSpec | HFModelSpec, run: RunConfig, gpu: Gpu
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="memfit: assumed")
-            return traced_estimate(spec, run, gpu, parallel=parallel)
+            return traced_estimate(spec, run, gpu, parallel=parallel,
+                                   precision=trace_precision(run, parallel))
     except (MemfitError, KeyboardInterrupt):
         raise
     except Exception as exc:
@@ -310,16 +337,19 @@ def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
     unit, scale = _unit(max(r.total_bytes for r in roles))
     table = Table(title=f"Memory per GPU by rank role, {unit} (method: per-rank trace)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("ranks")
-    table.add_column("total", justify="right")
-    for c in shown:
-        table.add_column(_SHORT[c], justify="right")
-    table.add_column("reserve", justify="right")
-    table.add_column("peak")
-    for r in roles:
-        table.add_row(_role_label(r), f"{r.total_bytes / scale:.2f}",
-                      *[f"{int(r.breakdown.get(c, 0)) / scale:.2f}" for c in shown],
-                      f"{int(r.peak_reserved_bytes - r.peak_bytes) / scale:.2f}", r.peak_phase)
+    cells = [[_role_label(r), f"{r.total_bytes / scale:.2f}",
+              *[f"{int(r.breakdown.get(c, 0)) / scale:.2f}" for c in shown],
+              f"{int(r.peak_reserved_bytes - r.peak_bytes) / scale:.2f}", r.peak_phase]
+             for r in roles]
+    headers = ["ranks", "total", *[_SHORT[c] for c in shown], "reserve", "peak"]
+    for i, header in enumerate(headers):
+        numeric = 0 < i < len(headers) - 1
+        # Numbers never shrink into an ellipsis at a narrow width: the text columns give way.
+        table.add_column(header, justify="right" if numeric else "left", no_wrap=numeric,
+                         min_width=max(len(header), *(len(row[i]) for row in cells))
+                         if numeric else None)
+    for row in cells:
+        table.add_row(*row)
     out.print(table)
     out.print(f"peak of the most loaded rank ({_role_label(est)}): {est.peak_op} in "
               f"{est.peak_module or 'the model'} ({est.peak_phase}, step {est.peak_step}); "
