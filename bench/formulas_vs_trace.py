@@ -81,6 +81,11 @@ class Row:
     trace_seconds: float = 0.0
     plan_peak: str = ""
     trace_peak: str = ""
+    error_without_unsharded_grads: float | None = None
+    """8 GPUs: plan / trace - 1 with the plan's "unsharded gradients" buffer (the largest
+    fully_shard unit's, with its fp32 reduce-scatter input) left out of its peak: how much of
+    the disagreement that one buffer explains (Note: [unsharded gradients at the loss] in
+    memfit/cli/parallel_plan.py)."""
 
 
 def run_config(spec: Any, mode: str, checkpointing: str, batch: int, seq: int,
@@ -125,7 +130,13 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
         why = peaks + "; ".join(planned.notes)
     return Row(**{**asdict(base), "plan_bytes": planned.total_bytes, "trace_live_bytes": live,
                   "error": error, "agrees": agrees, "why": why, "trace_seconds": seconds,
-                  "plan_peak": planned.peak_phase, "trace_peak": est.peak_phase})
+                  "plan_peak": planned.peak_phase, "trace_peak": est.peak_phase,
+                  "error_without_unsharded_grads": _without_unsharded(planned, live)})
+
+
+def _without_unsharded(planned: Any, live: int) -> float | None:
+    unsharded = planned.engine_buffers.get("unsharded gradients", 0)
+    return (planned.total_bytes - unsharded) / live - 1 if unsharded and live else None
 
 
 def _summary(rows: list[Row]) -> dict[str, Any]:

@@ -188,3 +188,37 @@ def test_bad_layout_is_one_line_exit_2(capsys, tmp_path, argv, needle) -> None:
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert needle in lines[0]
+
+
+def test_disagreement_reason_names_the_gap_and_the_categories(tmp_path) -> None:
+    """The line the plan prints when formulas and trace are more than 5% apart: the formulas'
+    unsharded-gradient buffer of the largest fully_shard unit (here a block of the tiny Llama:
+    q 64x64 + k 64x32 + v 64x32 + o 64x64 + gate/up/down 3 x 64x128 + two norms of 64 = 36,992
+    parameters, bf16 gradients + fp32 reduce-scatter input = 6 bytes each), both peaks, and the
+    categories that differ by over 1% of the trace's live bytes (stand-in traces: 1 MiB fewer
+    temporaries than the plan; 16 MiB more activations, of about 760 MiB with the runtime)."""
+    from types import SimpleNamespace
+
+    import memfit
+    from memfit.cli.parallel_plan import disagreement_reason
+    from memfit.units import format_bytes
+
+    spec = memfit.resolve_model(tiny_llama(tmp_path))
+    analytic = memfit.plan(spec, memfit.RunConfig(gpus=8, zero=3, engine="fsdp2", batch=BATCH,
+                                                  seq=SEQ))
+    assert analytic.engine_buffers["unsharded gradients"] == 36_992 * 6
+
+    def stand_in(category: MemoryCategory, change: int) -> SimpleNamespace:
+        trace = dict(analytic.breakdown)
+        trace[category] += change
+        return SimpleNamespace(breakdown=trace, total_bytes=sum(trace.values()), peak_bytes=0,
+                               peak_reserved_bytes=0, peak_op="aten.mm.default",
+                               peak_module="model.layers.1.mlp", peak_phase="backward")
+
+    why = disagreement_reason(analytic, stand_in(MemoryCategory.TEMPORARIES, -2**20))
+    assert f"unsharded gradients and their reduce-scatter copy ({format_bytes(36_992 * 6)})" in why
+    assert "trace at aten.mm.default in model.layers.1.mlp (backward)" in why
+    assert "plan - trace" not in why and "\n" not in why  # 1 MiB: under 1% of the live bytes
+    why = disagreement_reason(analytic, stand_in(MemoryCategory.ACTIVATIONS, 2**24))
+    assert "unsharded" not in why  # the plan is under the trace: not that gap
+    assert why.endswith(f"plan - trace: activations -{format_bytes(2**24)}")
