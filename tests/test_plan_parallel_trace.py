@@ -109,6 +109,25 @@ def test_fsdp_plan_traces_each_rank_by_default(capsys, tmp_path) -> None:
     assert "formulas (PyTorch FSDP2)" in out
 
 
+def test_fsdp_n_is_hsdp(capsys, tmp_path) -> None:
+    """`--gpus 4 --fsdp 2` shards over 2 ranks and replicates across the other 2 (HSDP on a
+    2-D mesh): the same numbers as `Parallel(gpus=4, fsdp=2, ...)`; no formulas beside it
+    (they shard over every data-parallel rank), and `--method analytic` refuses it."""
+    import memfit
+
+    path = tiny_llama(tmp_path)
+    code, out, err = run(capsys, "plan", path, "--gpus", "4", "--fsdp", "2", *COMMON, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["parallel"]["strategy"] == "hsdp" and data["analytic"] is None
+    assert_same_roles(data, independent_estimate(
+        path, memfit.Parallel(gpus=4, fsdp=2, param_dtype="bf16", reduce_dtype="fp32"),
+        precision="fp32"))
+    code, _, err = run(capsys, "plan", path, "--gpus", "4", "--fsdp", "2", *COMMON,
+                       "--method", "analytic")
+    assert code == 2 and "HSDP" in err and "\n" not in err.strip()
+
+
 def test_ddp_plan_traces_under_autocast(capsys, tmp_path) -> None:
     """`--gpus 2` without sharding is DDP (its gradient buckets) under autocast: the same
     numbers as `memfit.estimate(..., parallel=Parallel(gpus=2))`; full checkpointing is applied

@@ -70,7 +70,8 @@ def formulas_reason(model: ModelSpec, run: RunConfig, ep: int = 1) -> str | None
     return None
 
 
-def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = None) -> Any:
+def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = None,
+                    fsdp: int | None = None) -> Any:
     """The :class:`memfit.Parallel` layout the plan's options name, as PyTorch runs it.
 
     Training: ``--zero 0`` is DDP over the data-parallel ranks, ``--zero 1`` DDP with
@@ -79,7 +80,8 @@ def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = Non
     FSDP2 runs with ``MixedPrecisionPolicy(param_dtype=<16-bit>, reduce_dtype=fp32)``, as
     torchtitan does (fp32 sharded parameters and optimizer states, 16-bit all-gathers and
     compute); DDP and ZeRO-1 run under autocast. ``--offload-params`` is FSDP2's
-    ``CPUOffloadPolicy``. Inference: the ranks of one model replica (``tp x pp``); the other
+    ``CPUOffloadPolicy``. ``fsdp``: the ranks that shard (``--fsdp N``; fewer than the
+    data-parallel ranks is HSDP). Inference: the ranks of one model replica (``tp x pp``); the other
     data-parallel ranks hold the same."""
     from memfit.parallel import Parallel
 
@@ -89,7 +91,7 @@ def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = Non
     mixed = sharded and run.mixed
     per_node = gpus_per_node if gpus_per_node and run.gpus % gpus_per_node == 0 else None
     return Parallel(gpus=run.gpus, gpus_per_node=per_node, tp=run.tp, pp=run.pp, ep=ep,
-                    zero=run.zero or None,
+                    zero=run.zero or None, fsdp=fsdp if fsdp and sharded else 1,
                     param_dtype=run.compute_format if mixed else None,
                     reduce_dtype="fp32" if mixed else None,
                     cpu_offload=run.offload_params and sharded)
@@ -208,11 +210,11 @@ def trace_parallel(spec: TransformerSpec | HFModelSpec, run: RunConfig, gpu: Gpu
 
 
 def run_parallel_plan(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
-                      gpu: GpuSpec | None, *, explicit: bool, ep: int = 1,
-                      gpus_per_node: int | None = None) -> int | str:
-    """Trace the multi-GPU plan and print it; returns the exit code, or (unless ``explicit``:
-    ``--method trace`` or a model only the trace covers) the one-line reason the formulas answer
-    instead."""
+                      gpu: GpuSpec | None, *, explicit: str | None, ep: int = 1,
+                      gpus_per_node: int | None = None, fsdp: int | None = None) -> int | str:
+    """Trace the multi-GPU plan and print it; returns the exit code, or the one-line reason the
+    formulas answer instead. ``explicit``: the option that asks for the trace (``--method
+    trace``, ``--fsdp N`` for HSDP), whose refusal is an error instead."""
     analytic_check = plan(model, run, gpu)  # bad input (tp vs heads, pp vs layers) first
     reason = formulas_reason(model, run, ep)
     parallel = None
@@ -222,7 +224,7 @@ def run_parallel_plan(args: argparse.Namespace, model: ModelSpec, run: RunConfig
         assert isinstance(model, TransformerSpec | HFModelSpec)
         check_model_options(model, run)
         try:
-            parallel = parallel_layout(run, ep, gpus_per_node)
+            parallel = parallel_layout(run, ep, gpus_per_node, fsdp)
         except MemfitError as exc:
             reason = str(exc)
     if reason is None:
@@ -237,11 +239,13 @@ def run_parallel_plan(args: argparse.Namespace, model: ModelSpec, run: RunConfig
             raise MemfitError(f"--ep {ep}: {reason} (the formulas do not model expert "
                               "parallelism)")
         if explicit:
-            raise MemfitError(f"--method trace over {run.gpus} GPUs: {reason}")
+            raise MemfitError(f"{explicit} over {run.gpus} GPUs: {reason}")
         return reason
-    covered = not isinstance(model, HFModelSpec)
-    analytic = plan(model, comparable_run(run, parallel), gpu) if covered else analytic_check
-    render_parallel(args, model, run, gpu, parallel, est, analytic if covered else None)
+    # The formulas of the same engine, beside the trace: not for a model type they do not cover
+    # (model states alone) nor for HSDP (they shard over every data-parallel rank).
+    covered = not isinstance(model, HFModelSpec) and parallel.strategy != "hsdp"
+    analytic = plan(model, comparable_run(run, parallel), gpu) if covered else None
+    render_parallel(args, model, run, gpu, parallel, est, analytic, analytic_check.seq)
     return 0
 
 
@@ -279,7 +283,7 @@ def _role_dict(est: Any) -> dict[str, Any]:
 
 def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
                     gpu: GpuSpec | None, parallel: Any, est: Any,
-                    analytic: MemoryPlan | None) -> None:
+                    analytic: MemoryPlan | None, seq: int | None) -> None:
     """One row per rank role (its ranks, total, categories, where its peak is), the method and
     engine, the analytic plan's number next to it, and the fit verdict of the worst rank."""
     from memfit.analytic.table import format_params
@@ -320,7 +324,7 @@ def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
             "notes": notes,
             "run": {**{k: (list(v) if isinstance(v, tuple) else v)
                        for k, v in dataclasses.asdict(run).items()},
-                    "seq": None if analytic is None else analytic.seq},
+                    "seq": seq},
         })
         return
     from rich import box

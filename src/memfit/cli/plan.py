@@ -75,7 +75,10 @@ def register(sub: Any) -> None:
     p.add_argument("--grad-accum", default="1", help="micro-batches per optimizer step")
     p.add_argument("--gpus", default="1", help="total GPUs (data x tensor x pipeline)")
     p.add_argument("--zero", default="0", help="ZeRO stage 0-3 over data-parallel ranks")
-    p.add_argument("--fsdp", action="store_true", help="FSDP full sharding (same as --zero 3)")
+    p.add_argument("--fsdp", nargs="?", const="all", default=None, metavar="N",
+                   help="FSDP full sharding (same as --zero 3) over every data-parallel rank, "
+                   "or over N of them: HSDP, N-way sharded and replicated across the rest "
+                   "(traced only)")
     p.add_argument("--gpus-per-node", default="8",
                    help="GPUs per node, for host memory per node (default 8)")
     p.add_argument("--tp", default="1", help="tensor-parallel size")
@@ -134,7 +137,7 @@ def resolve(args: argparse.Namespace) -> tuple[ModelSpec, Any]:
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     zero = nonneg_int(args.zero, "--zero")
-    if args.fsdp:
+    if args.fsdp is not None:
         if zero not in (0, 3):
             raise MemfitError(f"--fsdp means ZeRO-3; it conflicts with --zero {zero}")
         zero = 3
@@ -214,14 +217,18 @@ def run(args: argparse.Namespace) -> int:
         console().print(compare_with_config(checkpoint, model), soft_wrap=True)
     ep = positive_int(args.ep, "--ep") or 1
     per_node = positive_int(args.gpus_per_node, "--gpus-per-node") or GPUS_PER_NODE
+    shard = None if args.fsdp in (None, "all") else positive_int(args.fsdp, "--fsdp")
+    hsdp = shard is not None and shard != config.dp
     method_note = None
     if config.gpus > 1 and asked != "analytic":
         # Several GPUs: trace each rank role of the real parallel step when the model can be
         # built (cli/parallel_plan.py); the formulas answer otherwise, with one line saying why.
         from memfit.cli.parallel_plan import run_parallel_plan
 
-        outcome = run_parallel_plan(args, model, config, gpu, explicit=asked == "trace",
-                                    ep=ep, gpus_per_node=per_node)
+        explicit = ("--method trace" if asked == "trace"
+                    else f"--fsdp {shard} (HSDP)" if hsdp else None)
+        outcome = run_parallel_plan(args, model, config, gpu, explicit=explicit, ep=ep,
+                                    gpus_per_node=per_node, fsdp=shard)
         if isinstance(outcome, int):
             return outcome
         method_note = f"method: the formulas, not the per-rank trace: {outcome}"
@@ -229,6 +236,10 @@ def run(args: argparse.Namespace) -> int:
     elif ep > 1:
         raise MemfitError(f"--ep {ep}: the formulas do not model expert parallelism; it is "
                           "traced (drop --method analytic; needs --gpus > 1)")
+    elif hsdp:
+        raise MemfitError(f"--fsdp {shard} of {config.dp} data-parallel ranks is HSDP, which the "
+                          "formulas do not model (they shard over every data-parallel rank); "
+                          "drop --method analytic to trace it, or give --fsdp alone")
     if args.method == "trace":
         from memfit import vocab
         from memfit.cli.trace_plan import run_trace
