@@ -25,8 +25,10 @@ from memfit.gpus import GpuSpec
 from memfit.models.hf_auto import HFModelSpec
 from memfit.models.spec import ModelSpec, TransformerSpec
 from memfit.progress import Progress
-from memfit.trace.estimate import TRACE_FITS_MARGIN
 from memfit.units import format_bytes
+
+# Nothing here imports torch at module level: `plan --params --gpus N` and the engines the trace
+# does not run stay on the light analytic path (tests/test_cli_no_torch.py).
 
 AGREEMENT = 0.05
 """The analytic plan agrees with the trace when within 5% of its live bytes at the peak (issue
@@ -287,6 +289,7 @@ def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
     """One row per rank role (its ranks, total, categories, where its peak is), the method and
     engine, the analytic plan's number next to it, and the fit verdict of the worst rank."""
     from memfit.analytic.table import format_params
+    from memfit.trace.estimate import TRACE_FITS_MARGIN
 
     roles = est.per_rank or (est,)
     capacity = gpu.usable_bytes if gpu else None
