@@ -241,3 +241,31 @@ def test_disagreement_reason_names_the_gap_and_the_categories(tmp_path) -> None:
     why = disagreement_reason(analytic, stand_in(MemoryCategory.ACTIVATIONS, 2**24))
     assert "unsharded" not in why  # the plan is under the trace: not that gap
     assert why.endswith(f"plan - trace: activations -{format_bytes(2**24)}")
+
+
+def test_disagreement_reason_names_an_untied_root(tmp_path) -> None:
+    """With untied embeddings the root fully_shard unit gathers the embedding and the head
+    together: vocab 4096 x hidden 64 twice + the final norm's 64 = 524,352 parameters, against
+    a block's 36,992 (the largest unit the formulas gather); said when the trace is above the
+    plan (a stand-in trace with 16 MiB more temporaries)."""
+    from types import SimpleNamespace
+
+    import memfit
+    from memfit.analytic.table import format_params
+    from memfit.cli.parallel_plan import disagreement_reason
+
+    cfg = json.loads(open(tiny_llama(tmp_path)).read()) | {"vocab_size": 4096}
+    path = tmp_path / "big_vocab.json"
+    path.write_text(json.dumps(cfg))
+    spec = memfit.resolve_model(str(path))
+    analytic = memfit.plan(spec, memfit.RunConfig(gpus=8, zero=3, engine="fsdp2", batch=BATCH,
+                                                  seq=SEQ))
+    trace = dict(analytic.breakdown)
+    trace[MemoryCategory.TEMPORARIES] += 2**24
+    est = SimpleNamespace(breakdown=trace, total_bytes=sum(trace.values()), peak_bytes=0,
+                          peak_reserved_bytes=0, peak_op="aten.view.default", peak_module="model",
+                          peak_phase="forward")
+    why = disagreement_reason(analytic, est)
+    assert (f"gathers the embeddings and the head together ({format_params(524_352)} "
+            f"parameters)") in why
+    assert f"({format_params(4096 * 64)})" in why  # the embedding: the formulas' largest unit

@@ -168,6 +168,21 @@ def disagreement_reason(analytic: MemoryPlan, est: Any) -> str:
                        f"and their reduce-scatter copy ({format_bytes(unsharded)}) with every "
                        "activation at the loss; in the trace they come later, when activations "
                        "have been freed")
+    model = analytic.model
+    if isinstance(model, TransformerSpec) and analytic.run.layout == "fsdp2" and gap < 0:
+        from memfit.analytic.planner import fsdp_unit_params
+        from memfit.analytic.table import format_params
+
+        # apply_fsdp shards each block, then the root, which takes every parameter no block
+        # holds (memfit/parallel/apply.py, as torchtitan's apply_fsdp): the embeddings, the final
+        # norm and, untied, the head, gathered together.
+        root = model.embedding_params() + model.head_params()
+        largest = fsdp_unit_params(model, analytic.run)
+        if root > largest:
+            reasons.append(f"the root fully_shard unit gathers the embeddings and the head "
+                           f"together ({format_params(root)} parameters); the formulas gather "
+                           f"the largest of a block, the embeddings and the head "
+                           f"({format_params(largest)})")
     where = f"{est.peak_op} in {est.peak_module}" if est.peak_module else est.peak_op
     reasons.append(f"peaks: formulas in the {analytic.peak_phase}, trace at {where} "
                    f"({est.peak_phase})")
