@@ -365,11 +365,11 @@ def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
              for r in roles]
     headers = ["ranks", "total", *[_SHORT[c] for c in shown], "reserve", "peak"]
     for i, header in enumerate(headers):
-        numeric = 0 < i < len(headers) - 1
-        # Numbers never shrink into an ellipsis at a narrow width: the text columns give way.
-        table.add_column(header, justify="right" if numeric else "left", no_wrap=numeric,
-                         min_width=max(len(header), *(len(row[i]) for row in cells))
-                         if numeric else None)
+        fixed = i < len(headers) - 1
+        # Ranks and numbers never shrink into an ellipsis at a narrow width: "peak" gives way.
+        table.add_column(header, justify="right" if 0 < i < len(headers) - 1 else "left",
+                         no_wrap=fixed, min_width=max(len(header), *(len(row[i]) for row in cells))
+                         if fixed else None)
     for row in cells:
         table.add_row(*row)
     out.print(table)
