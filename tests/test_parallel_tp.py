@@ -160,6 +160,37 @@ def test_fsdp_over_tp_holds_a_quarter_of_each_split_weight() -> None:
     assert first == 4 * (split // 4 + whole // 2 + head_dim // 2)
 
 
+def test_tp_without_sp_keeps_every_parameter_a_dtensor_for_the_foreach_optimizer() -> None:
+    """tp 2 without sp on a CUDA target: torch picks the foreach AdamW for CUDA parameters
+    (``torch/optim/optimizer.py: _default_to_fused_or_foreach``), whose kernels refuse plain
+    tensors beside DTensors, so the norms, embedding and head become replicated DTensors
+    (apply.py Note: [one kind of parameter]). The step traces, and each rank holds the replicated
+    parameters whole and half of each projection (hand-counted fp32 bytes, as in the test
+    above; CPU target, whose allocator does not round), the rotary ``inv_freq`` buffer beside
+    them."""
+    from torch.distributed.tensor import DTensor
+
+    from memfit.parallel.apply import apply_model
+    from memfit.parallel.measure import build
+    from memfit.parallel.trace import fake_world
+
+    h, f, v, layers, head_dim = 64, 128, 256, 2, 16
+    split = layers * (4 * h * h + 3 * h * f)
+    whole = 2 * v * h + h + layers * 2 * h
+    case = _case(P(gpus=2, tp=2))
+    model, inputs = build(case)  # type: ignore[arg-type]
+    cuda = memfit.estimate(model, inputs, device="cuda", gpu="h100-80gb",
+                           parallel=case.parallel)  # type: ignore[attr-defined]
+    assert cuda.peak_bytes > 0
+    est = _estimate(case)
+    assert est.timeline[0].by_category()[MemoryCategory.WEIGHTS] == 4 * (
+        split // 2 + whole + head_dim // 2)
+    model, _ = build(case)  # type: ignore[arg-type]
+    with fake_world(2, 0):
+        tp_model = apply_model(model, case.parallel, "cpu")  # type: ignore[attr-defined]
+        assert all(isinstance(p, DTensor) for p in tp_model.parameters())
+
+
 # -- the truth: real ranks over gloo -------------------------------------------------------------
 
 

@@ -220,7 +220,9 @@ def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
     the 1-D tensor-parallel ``mesh``, the plan of :func:`tp_plan`."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, mesh, tp_plan(model, parallel))
+    plan = tp_plan(model, parallel)
+    parallelize_module(model, mesh, plan)
+    _replicate_the_rest(model, mesh, plan)
     if parallel.sp:
         model.register_forward_pre_hook(_even_sequence(parallel.tp), with_kwargs=True)
     for mod in model.modules():  # the attention's view() takes the local head counts
@@ -229,6 +231,51 @@ def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
                 if isinstance(getattr(mod, attr, None), int):
                     setattr(mod, attr, getattr(mod, attr) // parallel.tp)
     return model
+
+
+def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> None:
+    """Every parameter the plan left a plain tensor becomes a replicated DTensor on ``mesh``
+    (``distribute_tensor(..., [Replicate()])``), and the modules that hold them take plain
+    inputs as replicated DTensors and give plain outputs back, so that no op mixes the two.
+
+    Note: [one kind of parameter] Without sequence parallelism the norms, the embedding and
+    (without loss parallelism) the head are not in the plan. Their parameters stayed plain
+    tensors beside the projections' DTensors, and the optimizer's foreach kernels, which torch
+    picks for CUDA parameters (``torch/optim/optimizer.py: _default_to_fused_or_foreach``;
+    DTensor adds itself to ``_foreach_supported_types``), refuse the mix: "aten._foreach_mul_
+    got mixed torch.Tensor and DTensor" on every CUDA-target trace of tp without sp. torchtitan
+    keeps every parameter on the mesh for the same reason (its ``NoParallel`` style: "to ensure
+    all parameters are on the same 1D/2D mesh, which is assumed by ... optimizer fused
+    implementation"). A replicated DTensor holds the same local bytes; tied weights stay one
+    parameter."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    inside = tuple(f"{name}." for name in plan)
+    made: dict[int, nn.Parameter] = {}
+
+    def wrap(_module: nn.Module, args: tuple) -> tuple:
+        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                     for a in args)
+
+    def unwrap(_module: nn.Module, _args: tuple, out: Any) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    for name, module in model.named_modules():
+        if name in plan or name.startswith(inside):
+            continue
+        plain = [(key, p) for key, p in module.named_parameters(recurse=False)
+                 if not isinstance(p, DTensor)]
+        if not plain:
+            continue
+        for key, param in plain:
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(
+                    distribute_tensor(param.data, mesh, [Replicate()]),
+                    requires_grad=param.requires_grad)
+            setattr(module, key, made[id(param)])
+        module.register_forward_pre_hook(wrap)
+        module.register_forward_hook(unwrap)
 
 
 def _even_sequence(tp: int) -> Any:
