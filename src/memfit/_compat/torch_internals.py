@@ -15,12 +15,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator_settings_setter",
-           "called_by_autograd_engine", "clear_cublas_workspaces", "current_graph_task_id",
-           "dtensor_meta_propagation_within", "engine_run_backward", "fake_op_rule", "fake_store",
-           "flatten_dense_tensors", "has_dispatch_kernel",
-           "is_norm_layer", "reporting_get_rng_state",
-           "sdp_priority_order", "storage_use_count", "unflatten_dense_tensors"]
+__all__ = [
+    "OPTIONAL_NAMES",
+    "PRIVATE_NAMES",
+    "DisableTorchFunction",
+    "allocator_settings_setter",
+    "called_by_autograd_engine",
+    "clear_cublas_workspaces",
+    "current_graph_task_id",
+    "dtensor_foreach_propagation_once_per_shape",
+    "dtensor_meta_propagation_within",
+    "engine_run_backward",
+    "fake_op_rule",
+    "fake_store",
+    "flatten_dense_tensors",
+    "has_dispatch_kernel",
+    "is_norm_layer",
+    "reporting_get_rng_state",
+    "sdp_priority_order",
+    "storage_use_count",
+    "unflatten_dense_tensors",
+]
 
 # -- the frame walk ------------------------------------------------------------------------------
 
@@ -137,6 +152,128 @@ def dtensor_meta_propagation_within(
         ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def dtensor_foreach_propagation_once_per_shape() -> Iterator[None]:
+    """Within the context, DTensor's sharding propagation of a foreach op (an optimizer's
+    ``_foreach_*`` over every parameter) works once per distinct element, not once per element;
+    its result is the same.
+
+    Note: [DTensor's foreach propagation] ``torch/distributed/tensor/_sharding_prop.py:
+    ShardingPropagator.propagate_op_sharding_non_cached`` (torch 2.13.0) costs, at the first
+    call of each foreach op (its result is cached by schema after that), time quadratic in the
+    list's length, ~30 CPU-s for the first AdamW step of a 64-way FSDP2 Llama-3-70B (723
+    parameters):
+
+    - ``_expand_single_dim_strategy_to_mesh``'s ``expanded_foreach_strategy`` (``_ops/
+      single_dim_strategy.py``) builds each element's schema with a pytree map over every list
+      and expands each element's strategy. An element's strategy is a function of its own
+      inputs' specs (the ``DTensorSpec`` of each list at that index: mesh, placements, shard
+      order, strided flag, shape, stride, dtype), its output's ``TensorMeta`` and the arguments
+      that are not lists of tensors, which all elements share. Here the elements are grouped by
+      exactly those values, the original expands a schema holding one element of each group, and
+      each element gets its group's strategy (the caller only reads it: ``_propagate_use_
+      strided_shard_flag`` fixes it up idempotently, ``_select_min_cost_strategy`` selects, the
+      specs are copied with each element's own tensor metadata).
+    - ``_propagate_use_strided_shard_flag(strategy, op_schema)``, called for each element,
+      rebuilds ``op_schema.args_spec`` (every list) and scans every spec's placements each time;
+      it reads ``op_schema`` only through ``args_spec`` and returns at once when no spec holds a
+      ``_StridedShard``. Here the specs are found once per ``op_schema`` and the function runs
+      (on those specs) only when one does.
+
+    Both are patched on ``_sharding_prop`` (the caller looks the names up there) and restored on
+    exit; each is skipped where torch lacks it."""
+    from torch.distributed.tensor import _sharding_prop
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    flag = getattr(_sharding_prop, "_propagate_use_strided_shard_flag", None)
+    expand = getattr(_sharding_prop, "_expand_single_dim_strategy_to_mesh", None)
+    last: list[Any] = [None, None]  # the op_schema seen last, its specs if one is strided
+
+    class _Specs:
+        __slots__ = ("args_spec",)
+
+        def __init__(self, specs: tuple[Any, ...]) -> None:
+            self.args_spec = specs
+
+    def propagate_flag(op_strategy: Any, op_schema: Any = None, *rest: Any, **kw: Any) -> Any:
+        if rest or kw or type(op_schema) is not OpSchema:  # another signature
+            return flag(op_strategy, op_schema, *rest, **kw)  # type: ignore[misc]
+        if last[0] is not op_schema:
+            specs = op_schema.args_spec
+            strided = any(isinstance(p, _StridedShard) for s in specs for p in s.placements)
+            last[0], last[1] = op_schema, _Specs(specs) if strided else None
+        if last[1] is not None:
+            flag(op_strategy, last[1])  # type: ignore[misc]
+        return None
+
+    def element_key(child: Any) -> Any:
+        """The whole state of a list element's input strategy as ``_wrap_with_op_strategy``
+        makes it (one ``OpSpec`` of one ``DTensorSpec``), or None for any other shape."""
+        if type(child) is not OpStrategy or len(child.strategies) != 1:
+            return None
+        spec = child.strategies[0]
+        out = spec.output_specs
+        if (type(spec) is not OpSpec or spec.input_specs is not None
+                or spec.redistribute_cost is not None or type(out) is not DTensorSpec):
+            return None
+        return out, out.use_strided_shard_as_shard_order
+
+    def expand_grouped(*call: Any, **kw: Any) -> Any:
+        if len(call) != 4 or kw or type(call[1]) is not OpSchema:  # another signature
+            return expand(*call, **kw)  # type: ignore[misc]
+        mesh, op_schema, info, out_meta = call
+        args = op_schema.args_schema
+        lists = [i for i, a in enumerate(args) if type(a) is TupleStrategy]
+        if not lists or not op_schema.op.name().startswith(
+                ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")):
+            return expand(mesh, op_schema, info, out_meta)  # type: ignore[misc]
+        length = len(args[lists[0]].children)
+        if any(len(args[i].children) != length for i in lists) or (
+                out_meta is not None and (not isinstance(out_meta, (list, tuple))
+                                          or len(out_meta) != length)):
+            return expand(mesh, op_schema, info, out_meta)  # type: ignore[misc]
+        group_of: dict[Any, int] = {}
+        groups: list[int] = []
+        firsts: list[int] = []
+        for j in range(length):
+            key = tuple(element_key(args[i].children[j]) for i in lists)
+            if None in key:
+                return expand(mesh, op_schema, info, out_meta)  # type: ignore[misc]
+            key += (out_meta[j] if out_meta is not None else None,)
+            g = group_of.setdefault(key, len(group_of))
+            if g == len(firsts):
+                firsts.append(j)
+            groups.append(g)
+        if len(firsts) == length:
+            return expand(mesh, op_schema, info, out_meta)  # type: ignore[misc]
+        reduced = OpSchema(op_schema.op, tuple(
+            TupleStrategy([a.children[j] for j in firsts]) if i in lists else a
+            for i, a in enumerate(args)), op_schema.kwargs_schema,
+            schema_info=op_schema.schema_info)
+        reduced_meta = None if out_meta is None else [out_meta[j] for j in firsts]
+        run = expand(mesh, reduced, info, reduced_meta)  # type: ignore[misc]
+
+        def expanded(op: Any, _args: Any, _kwargs: Any) -> Any:
+            children = run(op, reduced.args_meta, reduced.kwargs_meta).children
+            return TupleStrategy([children[g] for g in groups])
+
+        return expanded
+
+    if flag is not None:
+        _sharding_prop._propagate_use_strided_shard_flag = propagate_flag
+    if expand is not None:
+        _sharding_prop._expand_single_dim_strategy_to_mesh = expand_grouped
+    try:
+        yield
+    finally:
+        if flag is not None:
+            _sharding_prop._propagate_use_strided_shard_flag = flag
+        if expand is not None:
+            _sharding_prop._expand_single_dim_strategy_to_mesh = expand
+        last.clear()
+
 # -- calls ---------------------------------------------------------------------------------------
 
 
@@ -247,6 +384,9 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.nn.modules.batchnorm": ("_NormBase",),
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
     "torch.distributed.tensor._sharding_prop": ("ShardingPropagator",),
+    "torch.distributed.tensor._op_schema": ("OpSchema", "OpSpec", "OpStrategy", "TupleStrategy"),
+    "torch.distributed.tensor._dtensor_spec": ("DTensorSpec",),
+    "torch.distributed.tensor.placement_types": ("_StridedShard",),
     "torch.distributed._functional_collectives": ("wait_tensor",),
 }
 """Every private torch name memfit uses, by module (those looked up with ``getattr`` are in
@@ -264,6 +404,9 @@ OPTIONAL_NAMES: dict[str, str] = {
     "torch._subclasses.fake_tensor._DISPATCH_META_HANDLERS": "2.11, 2.13",
     "torch._subclasses.fake_impls.op_implementations_dict": "2.11, 2.13",
     "torch.Tensor._make_subclass": "2.11, 2.13 (fastkey: cached outputs, lifted constants)",
+    # dtensor_foreach_propagation_once_per_shape: each patched only where present
+    "torch.distributed.tensor._sharding_prop._propagate_use_strided_shard_flag": "2.13",
+    "torch.distributed.tensor._sharding_prop._expand_single_dim_strategy_to_mesh": "2.13",
 }
 """Private names looked up with ``getattr`` (absent from some torch versions or builds): when
 each is present."""
