@@ -25,10 +25,10 @@ from memfit.parallel.trace import fake_world
 
 pytest.importorskip("torch.distributed.tensor")
 
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
-from torch.distributed.tensor._ops import single_dim_strategy  # noqa: E402
-from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._ops import single_dim_strategy
+from torch.distributed.tensor.placement_types import _StridedShard
 
 aten = torch.ops.aten
 
