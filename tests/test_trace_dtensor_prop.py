@@ -151,3 +151,48 @@ def test_the_patch_is_restored() -> None:
     with ti.dtensor_foreach_propagation_once_per_shape():
         assert [getattr(_sharding_prop, n) for n in names] != before
     assert [getattr(_sharding_prop, n) for n in names] == before
+
+
+# -- FSDP2's chunks, made when read (torch_internals.fsdp_chunks_on_demand) ----------------------
+
+
+@pytest.mark.parametrize(("shape", "parts", "dim"), [
+    ((128, 8), 64, 0), ((130, 8), 64, 0), ((6, 2), 4, 0), ((3,), 8, 0), ((1, 5), 64, 0),
+    ((4, 10), 3, 1), ((64,), 64, 0), ((7, 3, 2), 2, 2)])
+def test_chunks_on_demand_are_torchs_chunks(shape: tuple[int, ...], parts: int, dim: int) -> None:
+    # the expected chunks: torch/distributed/fsdp/_fully_shard/_fsdp_common.py:
+    # _chunk_with_empty (torch.chunk, then new_empty(0) for each missing chunk)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    t = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    want = _chunk_with_empty(t, parts, dim)
+    got = ti._ChunksOnDemand(t, parts, dim)
+    assert len(got) == len(want) == parts
+    for i in (*range(parts), -1):
+        w, g = want[i], got[i]
+        assert (g.shape, g.stride(), g.storage_offset(), g.dtype) == \
+            (w.shape, w.stride(), w.storage_offset(), w.dtype), i
+        same_storage = g.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        assert same_storage == (w.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
+        assert torch.equal(g, w)
+
+
+def test_fully_shard_with_chunks_on_demand_shards_as_torch() -> None:
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(patched: bool) -> list[tuple[Any, ...]]:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(6, 130), nn.Linear(130, 3), nn.LayerNorm(3))
+        with fake_world(64, 63), ti.fsdp_chunks_on_demand() if patched \
+                else contextlib.nullcontext():
+            mesh = init_device_mesh("cpu", (64,))
+            fully_shard(model, mesh=mesh, reshard_after_forward=8)
+        state = fully_shard.state(model)  # type: ignore[attr-defined]
+        return [(p.sharded_size, p.padded_sharded_param_size, p.sharded_post_forward_size,
+                 p._sharded_param_data.shape, p.sharded_param._local_tensor.shape)
+                for p in state._fsdp_param_group.fsdp_params]
+
+    want = sharded(False)
+    assert want[0][0] == torch.Size([0, 6])  # rank 63 of 64 holds none of 130 rows
+    assert sharded(True) == want

@@ -490,6 +490,7 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/trace.py)
             stack.enter_context(rank.tracing(tracker, fake_mode))
             stack.enter_context(torch_internals.dtensor_foreach_propagation_once_per_shape())
+            stack.enter_context(torch_internals.fsdp_chunks_on_demand())
             fmodel = rank.wrap_model(fmodel, tracker, fake_mode)
         memo: dict[int, torch.Tensor] = {}
         finputs = _fake_inputs(inputs, fake_device, memo, param_dtype)
