@@ -110,6 +110,7 @@ def test_foreach_propagation_equals_torchs_and_expands_each_distinct_element_onc
                          (aten._foreach_add.List, (replicated, grads)),
                          (aten._foreach_div_.ScalarList, (params, [1.0 + i for i in
                                                                   range(len(shapes))])),
+                         (aten._foreach_add.ScalarList, (params, [1.0, 1.0, 2.0, 1.0, 2.0, 1.0])),
                          (aten._foreach_sqrt.default, (halves,))]:
             want, torch_expanded = _propagate(op, args, patched=False)
             got, expanded = _propagate(op, args, patched=True)

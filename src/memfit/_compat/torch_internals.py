@@ -166,8 +166,17 @@ def dtensor_foreach_propagation_once_per_shape() -> Iterator[None]:
       ``_StridedShard``. Here the specs are found once per ``op_schema`` and the function runs
       (on those specs) only when one does.
 
-    Both are patched on ``_sharding_prop`` (the caller looks the names up there) and restored on
-    exit; each is skipped where torch lacks it."""
+    - ``ShardingPropagator._propagate_tensor_meta_non_cached`` runs the op on global-shape fake
+      tensors made from every element's spec to learn the outputs' ``TensorMeta`` (the meta
+      kernel of each element in Python). A foreach op's output at an index is a function of the
+      inputs at that index (the lists' specs, a scalar list's value) and of the shared scalars,
+      so the op runs on one element of each group of identical indices and each element gets
+      its group's ``TensorMeta`` (an immutable tuple). Only ops whose arguments are lists of
+      specs or numbers and shared numbers are grouped; anything else runs as torch runs it.
+
+    The first two are patched on ``_sharding_prop`` (the caller looks the names up there), the
+    third on the class (on top of :func:`dtensor_meta_propagation_within`'s patch when that is
+    entered first), each restored on exit; the first two are skipped where torch lacks them."""
     from torch.distributed.tensor import _sharding_prop
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
@@ -247,10 +256,53 @@ def dtensor_foreach_propagation_once_per_shape() -> Iterator[None]:
 
         return expanded
 
+    propagator = _sharding_prop.ShardingPropagator
+    meta = propagator._propagate_tensor_meta_non_cached
+
+    def meta_grouped(self: Any, op_schema: Any) -> Any:
+        args = op_schema.args_schema
+        if (type(op_schema) is not OpSchema or op_schema.kwargs_schema
+                or not op_schema.op.name().startswith(("aten::_foreach_", "aten::_fused_"))):
+            return meta(self, op_schema)
+        lists = [i for i, a in enumerate(args) if isinstance(a, list | tuple)]
+        length = len(args[lists[0]]) if lists else 0
+        for i, a in enumerate(args):
+            if i in lists:
+                if len(a) != length or not all(type(x) is DTensorSpec or type(x) in _NUMBERS
+                                               for x in a):
+                    return meta(self, op_schema)
+            elif not (a is None or type(a) in _NUMBERS):  # a tensor, a spec: shared, keep
+                return meta(self, op_schema)
+        if not any(type(args[i][0]) is DTensorSpec for i in lists):
+            return meta(self, op_schema)
+        group_of: dict[Any, int] = {}
+        groups: list[int] = []
+        firsts: list[int] = []
+        for j in range(length):
+            key = tuple((args[i][j], args[i][j].use_strided_shard_as_shard_order)
+                        if type(args[i][j]) is DTensorSpec else (type(args[i][j]), args[i][j])
+                        for i in lists)
+            g = group_of.setdefault(key, len(group_of))
+            if g == len(firsts):
+                firsts.append(j)
+            groups.append(g)
+        if len(firsts) == length:
+            return meta(self, op_schema)
+        reduced = OpSchema(op_schema.op, tuple(
+            type(a)(a[j] for j in firsts) if i in lists else a for i, a in enumerate(args)),
+            {}, schema_info=op_schema.schema_info)
+        out = meta(self, reduced)
+        if out is None:
+            return None
+        if not isinstance(out, list | tuple) or len(out) != len(firsts):
+            return meta(self, op_schema)
+        return type(out)(out[g] for g in groups)
+
     if flag is not None:
         _sharding_prop._propagate_use_strided_shard_flag = propagate_flag
     if expand is not None:
         _sharding_prop._expand_single_dim_strategy_to_mesh = expand_grouped
+    propagator._propagate_tensor_meta_non_cached = meta_grouped  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -258,7 +310,12 @@ def dtensor_foreach_propagation_once_per_shape() -> Iterator[None]:
             _sharding_prop._propagate_use_strided_shard_flag = flag
         if expand is not None:
             _sharding_prop._expand_single_dim_strategy_to_mesh = expand
+        propagator._propagate_tensor_meta_non_cached = meta  # type: ignore[method-assign]
         last.clear()
+
+
+_NUMBERS = (int, float, bool, complex)
+
 
 class _ChunksOnDemand:
     """``torch/distributed/fsdp/_fully_shard/_fsdp_common.py: _chunk_with_empty(tensor,
@@ -426,7 +483,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
         "FakeTensorConfig", "FakeTensorMode", "TensorMetadata", "in_kernel_invocation_manager",
         "is_fake",
         "unset_fake_temporarily"),
-    "torch._subclasses.fake_impls": ("op_implementations_checks",),
+    "torch._subclasses.fake_impls": ("foreach_run_and_map_input_device",
+                                     "op_implementations_checks"),
     "torch.utils._python_dispatch": (
         "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass"),
     "torch.utils._pytree": ("tree_flatten", "tree_map"),
