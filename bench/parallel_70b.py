@@ -107,7 +107,8 @@ def main() -> None:
             row: dict[str, object] = {"param_dtype": param_dtype}
             for name, got in runs.items():
                 row[name] = {
-                    "cpu_seconds": statistics.median(r["cpu_seconds"] for r in got),  # type: ignore[misc]
+                    "cpu_seconds": round(statistics.median(  # type: ignore[type-var]
+                        r["cpu_seconds"] for r in got), 2),
                     "cpu_seconds_each": [r["cpu_seconds"] for r in got],
                     "wall_seconds_each": [r["wall_seconds"] for r in got],
                     **{k: got[0][k] for k in ("peak_bytes", "peak_reserved_bytes", "breakdown")}}

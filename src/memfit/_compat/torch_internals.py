@@ -147,8 +147,8 @@ def dtensor_foreach_propagation_once_per_shape() -> Iterator[None]:
     Note: [DTensor's foreach propagation] ``torch/distributed/tensor/_sharding_prop.py:
     ShardingPropagator.propagate_op_sharding_non_cached`` (torch 2.13.0) costs, at the first
     call of each foreach op (its result is cached by schema after that), time quadratic in the
-    list's length, ~30 CPU-s for the first AdamW step of a 64-way FSDP2 Llama-3-70B (723
-    parameters):
+    list's length: about 11 of the 19-23 CPU-s of a process's first per-rank trace of a 64-way
+    FSDP2 Llama-3-70B (its first AdamW step: 723 parameters, 7 foreach ops):
 
     - ``_expand_single_dim_strategy_to_mesh``'s ``expanded_foreach_strategy`` (``_ops/
       single_dim_strategy.py``) builds each element's schema with a pytree map over every list
@@ -363,8 +363,8 @@ def fsdp_chunks_on_demand() -> Iterator[None]:
     (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py: FSDPParam._init_sharded_param``:
     ``chunks[shard_rank]`` and ``chunks[0].size()``; ``_init_sharded_post_forward_param_
     metadata``: ``chunks[shard_mesh_rank]``), through ``_chunk_with_empty``. On fake tensors
-    each of the 64 views of a 64-way split costs a fake tensor (a fifth of a 70B per-rank
-    trace, torch 2.13.0); :class:`_ChunksOnDemand` makes the same views, those read. Patched on
+    each of the 64 views of a 64-way split costs a fake tensor (about 1.5 CPU-s of a 70B
+    per-rank trace over 64 ranks, torch 2.13.0); :class:`_ChunksOnDemand` makes the same views, those read. Patched on
     ``_fsdp_param`` (which imported the name), restored on exit; a no-op where torch lacks it.
     Anything but a positive count and a non-empty dimension goes to the original."""
     try:
