@@ -364,8 +364,9 @@ def fsdp_chunks_on_demand() -> Iterator[None]:
     ``chunks[shard_rank]`` and ``chunks[0].size()``; ``_init_sharded_post_forward_param_
     metadata``: ``chunks[shard_mesh_rank]``), through ``_chunk_with_empty``. On fake tensors
     each of the 64 views of a 64-way split costs a fake tensor (about 1.5 CPU-s of a 70B
-    per-rank trace over 64 ranks, torch 2.13.0); :class:`_ChunksOnDemand` makes the same views, those read. Patched on
-    ``_fsdp_param`` (which imported the name), restored on exit; a no-op where torch lacks it.
+    per-rank trace over 64 ranks, torch 2.13.0); :class:`_ChunksOnDemand` makes the same
+    views, those read. Patched on ``_fsdp_param`` (which imported the name), restored on exit;
+    a no-op where torch lacks it.
     Anything but a positive count and a non-empty dimension goes to the original."""
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_param
