@@ -230,7 +230,8 @@ def disagreement_reason(analytic: MemoryPlan, est: Any) -> str:
                        "activation at the loss; in the trace they come later, when activations "
                        "have been freed")
     model = analytic.model
-    if isinstance(model, TransformerSpec) and analytic.run.layout == "fsdp2" and gap < 0:
+    if (isinstance(model, TransformerSpec) and analytic.run.layout == "fsdp2" and gap < 0
+            and analytic.run.pp == 1):  # pipeline stages split the root: no such unit
         from memfit.analytic.planner import fsdp_unit_params
         from memfit.analytic.table import format_params
 

@@ -84,9 +84,9 @@ def register(sub: Any) -> None:
                    help="GPUs per node, for host memory per node (default 8)")
     p.add_argument("--tp", default="1", help="tensor-parallel size")
     p.add_argument("--pp", default="1", help="pipeline-parallel size (1F1B)")
-    p.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None,
-                   help="with --pp: torch.distributed.pipelining schedule (default 1f1b; "
-                   "traced only)")
+    p.add_argument("--pp-schedule", default=None,
+                   help=f"with --pp: torch.distributed.pipelining schedule, one of "
+                   f"{', '.join(PP_SCHEDULES)} (default 1f1b; traced only)")
     p.add_argument("--microbatches", default=None, metavar="N",
                    help="with --pp: micro-batches of --batch rows per step (default: "
                    "--grad-accum when above 1, else --pp; traced only)")
