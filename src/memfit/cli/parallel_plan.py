@@ -286,10 +286,18 @@ def trace_parallel(spec: TransformerSpec | HFModelSpec, run: RunConfig, gpu: Gpu
     except Exception as exc:
         if os.environ.get("MEMFIT_DEBUG"):
             raise
-        detail = str(exc).splitlines()[0] if str(exc) else ""
+        detail = _first_line(exc)
+        cause = exc.__cause__
+        if cause is not None:  # e.g. the pipeline's "Failed to run stage backward" wraps it
+            detail += f" ({type(cause).__name__}: {_first_line(cause)})"
         raise MemfitError(
             f"tracing {spec.name} over {parallel.describe()} failed: {type(exc).__name__}: "
             f"{detail} (set MEMFIT_DEBUG=1 for the traceback)") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first non-blank line of an exception's message."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
 
 
 def builtin_line(model: TransformerSpec, needs: list[str]) -> str:
@@ -443,7 +451,8 @@ def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
                          "reshard_after_forward": parallel.reshard_after_forward,
                          "param_dtype": parallel.param_dtype,
                          "reduce_dtype": parallel.reduce_dtype},
-            "engine": "fsdp2" if parallel.strategy in ("fsdp", "hsdp") else "ddp",
+            "engine": ("fsdp2" if parallel.strategy in ("fsdp", "hsdp")
+                       else "pytorch" if parallel.strategy == "none" else "ddp"),
             "engine_description": engine,
             "per_gpu": {"total_bytes": est.total_bytes,
                         "breakdown": {c.value: int(est.breakdown.get(c, 0))
