@@ -41,6 +41,8 @@ EPILOG = """examples:
   memfit plan --params 7.5e9 --precision fp16-mixed --optimizer adam --gpus 64 --zero 2
   memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --fsdp      # traces each rank role
   memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --fsdp --method analytic   # the formulas
+  memfit plan llama-3-8b --gpu h100-80gb --gpus 16 --tp 2 --fsdp 8 --sp   # tp x fsdp, traced
+  memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --pp 4 --fsdp --pp-schedule gpipe
   memfit plan llama-3.1-8b --gpu h100-80gb --gpus 8 --engine fsdp2 --checkpointing selective \
       --batch 2 --seq 8192
   memfit plan llama-2-7b --engine deepspeed --zero 3 --offload-optimizer --offload-params \
