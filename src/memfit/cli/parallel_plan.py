@@ -6,6 +6,12 @@ The trace is the default whenever the model can be built (a preset or a config.j
 engine is one the trace runs (PyTorch FSDP2 / DDP); the formulas answer for ``--params``,
 ``--method analytic``, ``--engine deepspeed|megatron`` and any layout the trace refuses, with one
 line saying why (:func:`formulas_reason`, and the trace's own refusal).
+
+Pipeline, sequence, loss and expert parallelism are traced on memfit's builtin decoders
+(``memfit.parallel.pipeline``, ``apply._sp_root``, ``expert.check_experts`` refuse Hugging Face
+modules), so a preset or config.json is built with ``build_model(backend="builtin")`` for those
+layouts (:func:`builtin_needs`); ``build_model`` checks that its parameter count is the spec's,
+as it checks the transformers build's, so the numbers count the same model.
 """
 
 from __future__ import annotations
@@ -72,8 +78,49 @@ def formulas_reason(model: ModelSpec, run: RunConfig, ep: int = 1) -> str | None
     return None
 
 
+def trace_flags(args: argparse.Namespace, run: RunConfig) -> list[str]:
+    """The options of ``args`` only the per-rank trace models (``--ep``, ``--loss-parallel``,
+    ``--pp-schedule``, ``--microbatches``): the formulas would ignore them, so a plan that
+    cannot trace them is an error, not a fallback. A pipeline option without ``--pp`` > 1 does
+    nothing and is refused in one line."""
+    flags = []
+    ep = getattr(args, "ep", "1")
+    if ep not in (None, "1", 1):
+        flags.append(f"--ep {ep}")
+    if getattr(args, "loss_parallel", False):
+        flags.append("--loss-parallel")
+    for flag, value in (("--pp-schedule", getattr(args, "pp_schedule", None)),
+                        ("--microbatches", getattr(args, "microbatches", None))):
+        if value is None:
+            continue
+        if run.pp == 1:
+            raise MemfitError(f"{flag} {value} does nothing without pipeline stages; add "
+                              "--pp N (N > 1) or drop it")
+        flags.append(f"{flag} {value}")
+    return flags
+
+
+def builtin_needs(parallel: Any) -> list[str]:
+    """The options of ``parallel`` that only memfit's builtin decoders are traced with."""
+    needs = [f"--pp {parallel.pp}"] if parallel.pp > 1 else []
+    needs += ["--sp"] if parallel.sp else []
+    needs += ["--loss-parallel"] if parallel.loss_parallel else []
+    needs += [f"--ep {parallel.ep}"] if parallel.ep > 1 else []
+    return needs
+
+
+def pipeline_microbatches(run: RunConfig, microbatches: int | None) -> int | None:
+    """Micro-batches of a pipeline step: ``--microbatches``, else ``--grad-accum`` when above
+    1 (the formulas' micro-batches), else one per stage (``Parallel``'s default, torchtitan's
+    minimum for 1F1B); None without pipeline stages."""
+    if run.pp == 1:
+        return None
+    return microbatches or (run.grad_accum if run.grad_accum > 1 else run.pp)
+
+
 def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = None,
-                    fsdp: int | None = None) -> Any:
+                    fsdp: int | None = None, *, loss_parallel: bool = False,
+                    pp_schedule: str | None = None, microbatches: int | None = None) -> Any:
     """The :class:`memfit.Parallel` layout the plan's options name, as PyTorch runs it.
 
     Training: ``--zero 0`` is DDP over the data-parallel ranks, ``--zero 1`` DDP with
@@ -84,19 +131,25 @@ def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = Non
     compute); DDP and ZeRO-1 run under autocast. ``--offload-params`` is FSDP2's
     ``CPUOffloadPolicy``. ``fsdp``: the ranks that shard (``--fsdp N``; fewer than the
     data-parallel ranks is HSDP). Inference: the ranks of one model replica (``tp x pp``); the other
-    data-parallel ranks hold the same."""
+    data-parallel ranks hold the same. ``--sp`` (``run.sequence_parallel``), ``loss_parallel``,
+    ``pp_schedule`` and ``microbatches`` (:func:`pipeline_microbatches`) are ``Parallel``'s own;
+    its checks give the one-line errors. With ``ep`` > 1 FSDP2 runs under autocast, without
+    ``MixedPrecisionPolicy`` (expert parallelism refuses FSDP2's dtype policies)."""
     from memfit.parallel import Parallel
 
+    pipeline = {"pp_schedule": pp_schedule or "1f1b",
+                "microbatches": pipeline_microbatches(run, microbatches)}
+    tensor = {"sp": run.sequence_parallel, "loss_parallel": loss_parallel}
     if not run.training:
-        return Parallel(gpus=run.tp * run.pp, tp=run.tp, pp=run.pp, ep=ep)
+        return Parallel(gpus=run.tp * run.pp, tp=run.tp, pp=run.pp, ep=ep, **tensor, **pipeline)
     sharded = run.zero in (2, 3) and run.dp > 1
-    mixed = sharded and run.mixed
+    mixed = sharded and run.mixed and ep == 1
     per_node = gpus_per_node if gpus_per_node and run.gpus % gpus_per_node == 0 else None
     return Parallel(gpus=run.gpus, gpus_per_node=per_node, tp=run.tp, pp=run.pp, ep=ep,
                     zero=run.zero or None, fsdp=fsdp if fsdp and sharded else 1,
                     param_dtype=run.compute_format if mixed else None,
                     reduce_dtype="fp32" if mixed else None,
-                    cpu_offload=run.offload_params and sharded)
+                    cpu_offload=run.offload_params and sharded, **tensor, **pipeline)
 
 
 def trace_precision(run: RunConfig, parallel: Any) -> str:
@@ -123,8 +176,14 @@ def engine_words(parallel: Any, run: RunConfig) -> str:
         words = "PyTorch"
     if parallel.tp > 1:
         words += ", tensor parallel (parallelize_module)"
+    if parallel.sp:
+        words += ", sequence parallel"
+    if parallel.loss_parallel:
+        words += ", loss_parallel()"
     if parallel.pp > 1:
-        words += ", pipeline stages"
+        words += f", torch.distributed.pipelining stages ({parallel.pp_schedule})"
+    if parallel.ep > 1:
+        words += ", expert parallel (all-to-all)"
     words += (", no autocast" if parallel.param_dtype
               else ", torch.autocast" if run.mixed else "")
     return words
@@ -135,6 +194,8 @@ def comparable_run(run: RunConfig, parallel: Any) -> RunConfig:
     FSDP2 ``fully_shard``, ``ddp`` for DDP and ZeRO-1), so both numbers count one layout."""
     if run.engine != "auto" or not run.training:
         return run
+    if parallel.pp > 1:  # the formulas' micro-batches in flight are --grad-accum's
+        run = dataclasses.replace(run, grad_accum=parallel.microbatches or parallel.pp)
     if parallel.strategy in ("fsdp", "hsdp") and run.zero == 3:
         return dataclasses.replace(run, engine="fsdp2")
     if parallel.strategy in ("ddp", "zero1", "none") and run.zero in (0, 1):
@@ -169,7 +230,8 @@ def disagreement_reason(analytic: MemoryPlan, est: Any) -> str:
                        "activation at the loss; in the trace they come later, when activations "
                        "have been freed")
     model = analytic.model
-    if isinstance(model, TransformerSpec) and analytic.run.layout == "fsdp2" and gap < 0:
+    if (isinstance(model, TransformerSpec) and analytic.run.layout == "fsdp2" and gap < 0
+            and analytic.run.pp == 1):  # pipeline stages split the root: no such unit
         from memfit.analytic.planner import fsdp_unit_params
         from memfit.analytic.table import format_params
 
@@ -205,33 +267,58 @@ def comparison(analytic: MemoryPlan, est: Any) -> dict[str, Any]:
 
 
 def trace_parallel(spec: TransformerSpec | HFModelSpec, run: RunConfig, gpu: GpuSpec | None,
-                   parallel: Any) -> Any:
+                   parallel: Any, backend: str = "auto") -> Any:
     """Each rank role of ``parallel`` traced (:func:`memfit.cli.trace_plan.traced_estimate`);
-    the model's own code failing on this config is said in one line."""
+    the model's own code failing on this config is said in one line. A pipeline step's batch
+    is ``microbatches`` micro-batches of ``--batch`` rows each (the plan's ``--batch`` is the
+    micro-batch; ``Parallel`` splits the batch it is given)."""
     from memfit.cli.trace_plan import traced_estimate
 
+    if parallel.pp > 1:
+        run = dataclasses.replace(run, batch=run.batch * (parallel.microbatches or parallel.pp))
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="memfit: assumed")
             return traced_estimate(spec, run, gpu, parallel=parallel,
-                                   precision=trace_precision(run, parallel))
+                                   precision=trace_precision(run, parallel), backend=backend)
     except (MemfitError, KeyboardInterrupt):
         raise
     except Exception as exc:
         if os.environ.get("MEMFIT_DEBUG"):
             raise
-        detail = str(exc).splitlines()[0] if str(exc) else ""
+        detail = _first_line(exc)
+        cause = exc.__cause__
+        if cause is not None:  # e.g. the pipeline's "Failed to run stage backward" wraps it
+            detail += f" ({type(cause).__name__}: {_first_line(cause)})"
         raise MemfitError(
             f"tracing {spec.name} over {parallel.describe()} failed: {type(exc).__name__}: "
             f"{detail} (set MEMFIT_DEBUG=1 for the traceback)") from None
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first non-blank line of an exception's message."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+
+
+def builtin_line(model: TransformerSpec, needs: list[str]) -> str:
+    """The line saying the trace built memfit's builtin decoder, and why."""
+    from memfit.analytic.table import format_params
+
+    return (f"model: memfit's builtin {model.family} decoder (build_model(backend='builtin')): "
+            f"{', '.join(needs)} {'is' if len(needs) == 1 else 'are'} traced on memfit's "
+            f"decoders, not Hugging Face's; {format_params(model.param_count())} parameters, "
+            "the count of the spec and of the Hugging Face build")
+
+
 def run_parallel_plan(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
                       gpu: GpuSpec | None, *, explicit: str | None, ep: int = 1,
-                      gpus_per_node: int | None = None, fsdp: int | None = None) -> int | str:
+                      gpus_per_node: int | None = None, fsdp: int | None = None,
+                      loss_parallel: bool = False, pp_schedule: str | None = None,
+                      microbatches: int | None = None) -> int | str:
     """Trace the multi-GPU plan and print it; returns the exit code, or the one-line reason the
     formulas answer instead. ``explicit``: the option that asks for the trace (``--method
-    trace``, ``--fsdp N`` for HSDP), whose refusal is an error instead."""
+    trace``, ``--fsdp N`` for HSDP, the options only the trace models: :func:`trace_flags`),
+    whose refusal is an error instead. A layout ``Parallel`` refuses is an error (exit 2)."""
     analytic_check = plan(model, run, gpu)  # bad input (tp vs heads, pp vs layers) first
     reason = formulas_reason(model, run, ep)
     parallel = None
@@ -240,29 +327,38 @@ def run_parallel_plan(args: argparse.Namespace, model: ModelSpec, run: RunConfig
 
         assert isinstance(model, TransformerSpec | HFModelSpec)
         check_model_options(model, run)
-        try:
-            parallel = parallel_layout(run, ep, gpus_per_node, fsdp)
-        except MemfitError as exc:
-            reason = str(exc)
+        parallel = parallel_layout(run, ep, gpus_per_node, fsdp, loss_parallel=loss_parallel,
+                                   pp_schedule=pp_schedule, microbatches=microbatches)
+    backend, note = "auto", None
+    if reason is None:
+        assert parallel is not None and isinstance(model, TransformerSpec | HFModelSpec)
+        needs = builtin_needs(parallel)
+        if needs and isinstance(model, HFModelSpec):
+            reason = (f"{', '.join(needs)} {'is' if len(needs) == 1 else 'are'} traced on "
+                      f"memfit's builtin decoders; model_type {model.model_type!r} is built by "
+                      "transformers' Auto classes")
+        elif needs:
+            assert isinstance(model, TransformerSpec)
+            backend, note = "builtin", builtin_line(model, needs)
     if reason is None:
         assert parallel is not None and isinstance(model, TransformerSpec | HFModelSpec)
         try:
             with Progress(f"memfit plan: tracing {model.name} per rank", total=None):
-                est = trace_parallel(model, run, gpu, parallel)
+                est = trace_parallel(model, run, gpu, parallel, backend)
         except MemfitError as exc:
             reason = f"the trace refused it: {exc}"
     if reason is not None:
-        if ep > 1:
-            raise MemfitError(f"--ep {ep}: {reason} (the formulas do not model expert "
-                              "parallelism)")
         if explicit:
             raise MemfitError(f"{explicit} over {run.gpus} GPUs: {reason}")
         return reason
     # The formulas of the same engine, beside the trace: not for a model type they do not cover
     # (model states alone) nor for HSDP (they shard over every data-parallel rank).
-    covered = not isinstance(model, HFModelSpec) and parallel.strategy != "hsdp"
+    # Nor beside expert or loss parallelism, which they do not model.
+    covered = (not isinstance(model, HFModelSpec) and parallel.strategy != "hsdp"
+               and parallel.ep == 1 and not parallel.loss_parallel)
     analytic = plan(model, comparable_run(run, parallel), gpu) if covered else None
-    render_parallel(args, model, run, gpu, parallel, est, analytic, analytic_check.seq)
+    render_parallel(args, model, run, gpu, parallel, est, analytic, analytic_check.seq,
+                    backend=_backend_name(model, backend), backend_note=note)
     return 0
 
 
@@ -279,16 +375,29 @@ def _unit(largest: int) -> tuple[str, int]:
     return "B", 1
 
 
-def _role_label(est: Any) -> str:
+def _role_stages(est: Any, parallel: Any) -> list[int]:
+    """The pipeline stages a role's ranks run (``memfit/parallel/pipeline.py: pp_rank``, the
+    ``(pp, dp)`` mesh; two per rank, ``pp_rank`` and ``pp_rank + pp``, when interleaved)."""
+    if parallel is None or parallel.pp == 1 or not est.ranks:
+        return []
+    first = est.ranks[0] // parallel.dp
+    return [first, first + parallel.pp] if parallel.pp_schedule == "interleaved-1f1b" else [first]
+
+
+def _role_label(est: Any, parallel: Any = None) -> str:
     from memfit.trace.estimate import _ranks_text
 
     label = _ranks_text(est.ranks) if est.ranks else "0"
-    stage = getattr(est, "stage", None)
-    return f"{label} (stage {stage})" if isinstance(stage, int) else label
+    stages = _role_stages(est, parallel)
+    if stages:
+        return f"{label} (stage{'s' if len(stages) > 1 else ''} " + \
+            f"{', '.join(map(str, stages))})"
+    return label
 
 
-def _role_dict(est: Any) -> dict[str, Any]:
-    return {"ranks": list(est.ranks), "total_bytes": est.total_bytes,
+def _role_dict(est: Any, parallel: Any = None) -> dict[str, Any]:
+    return {"ranks": list(est.ranks), "stages": _role_stages(est, parallel),
+            "total_bytes": est.total_bytes,
             "peak_bytes": est.peak_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
             "live_bytes": live_bytes(est),
             "breakdown": {c.value: int(est.breakdown.get(c, 0)) for c in MemoryCategory},
@@ -298,9 +407,20 @@ def _role_dict(est: Any) -> dict[str, Any]:
             "trace_seconds": est.trace_seconds}
 
 
+def _backend_name(model: ModelSpec, backend: str) -> str:
+    """The builder that made the traced model: ``builtin`` or ``transformers``."""
+    if backend != "auto":
+        return backend
+    from memfit.models.build import _transformers_available
+
+    return ("transformers" if isinstance(model, HFModelSpec) or _transformers_available()
+            else "builtin")
+
+
 def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
                     gpu: GpuSpec | None, parallel: Any, est: Any,
-                    analytic: MemoryPlan | None, seq: int | None) -> None:
+                    analytic: MemoryPlan | None, seq: int | None, *,
+                    backend: str = "transformers", backend_note: str | None = None) -> None:
     """One row per rank role (its ranks, total, categories, where its peak is), the method and
     engine, the analytic plan's number next to it, and the fit verdict of the worst rank."""
     from memfit.analytic.table import format_params
@@ -315,26 +435,31 @@ def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
     compared = None if analytic is None else comparison(analytic, est)
     engine = engine_words(parallel, run)
     notes = [args.precision_note] if getattr(args, "precision_note", None) else []
+    notes += [backend_note] if backend_note else []
     if args.json:
         print_json({
             "method": "trace",
-            "model": {"name": spec.name, "params": spec.param_count()},
+            "model": {"name": spec.name, "params": spec.param_count(), "backend": backend},
             "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity,
                                              "capacity_measured": gpu.usable_measured},
             "parallel": {"describe": parallel.describe(), "strategy": parallel.strategy,
                          "gpus": parallel.gpus, "fsdp": parallel.fsdp, "tp": parallel.tp,
                          "pp": parallel.pp, "ep": parallel.ep, "zero": parallel.zero,
+                         "sp": parallel.sp, "loss_parallel": parallel.loss_parallel,
+                         "pp_schedule": parallel.pp_schedule if parallel.pp > 1 else None,
+                         "microbatches": parallel.microbatches,
                          "reshard_after_forward": parallel.reshard_after_forward,
                          "param_dtype": parallel.param_dtype,
                          "reduce_dtype": parallel.reduce_dtype},
-            "engine": "fsdp2" if parallel.strategy in ("fsdp", "hsdp") else "ddp",
+            "engine": ("fsdp2" if parallel.strategy in ("fsdp", "hsdp")
+                       else "pytorch" if parallel.strategy == "none" else "ddp"),
             "engine_description": engine,
             "per_gpu": {"total_bytes": est.total_bytes,
                         "breakdown": {c.value: int(est.breakdown.get(c, 0))
                                       for c in MemoryCategory},
                         "allocator_reserve_bytes": int(est.peak_reserved_bytes - est.peak_bytes),
                         "ranks": list(est.ranks)},
-            "per_rank": [_role_dict(r) for r in roles],
+            "per_rank": [_role_dict(r, parallel) for r in roles],
             "fits": fits, "headroom_bytes": headroom,
             "analytic": compared,
             "trace_seconds": seconds,
@@ -359,7 +484,7 @@ def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
     unit, scale = _unit(max(r.total_bytes for r in roles))
     table = Table(title=f"Memory per GPU by rank role, {unit} (method: per-rank trace)",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    cells = [[_role_label(r), f"{r.total_bytes / scale:.2f}",
+    cells = [[_role_label(r, parallel), f"{r.total_bytes / scale:.2f}",
               *[f"{int(r.breakdown.get(c, 0)) / scale:.2f}" for c in shown],
               f"{int(r.peak_reserved_bytes - r.peak_bytes) / scale:.2f}", r.peak_phase]
              for r in roles]
@@ -373,7 +498,7 @@ def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
     for row in cells:
         table.add_row(*row)
     out.print(table)
-    out.print(f"peak of the most loaded rank ({_role_label(est)}): {est.peak_op} in "
+    out.print(f"peak of the most loaded rank ({_role_label(est, parallel)}): {est.peak_op} in "
               f"{est.peak_module or 'the model'} ({est.peak_phase}, step {est.peak_step}); "
               "reserve: the caching allocator's, beyond live tensors", soft_wrap=True)
     if capacity is not None:

@@ -31,6 +31,7 @@ from memfit.analytic.suggestions import suggest_changes
 from memfit.cli._common import console, nonneg_int, positive_int, print_fit_verdict, print_json
 from memfit.errors import MemfitError
 from memfit.models.spec import ModelSpec, ParamCountSpec
+from memfit.parallel.config import PP_SCHEDULES
 from memfit.units import parse_count
 
 EPILOG = """examples:
@@ -40,6 +41,8 @@ EPILOG = """examples:
   memfit plan --params 7.5e9 --precision fp16-mixed --optimizer adam --gpus 64 --zero 2
   memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --fsdp      # traces each rank role
   memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --fsdp --method analytic   # the formulas
+  memfit plan llama-3-8b --gpu h100-80gb --gpus 16 --tp 2 --fsdp 8 --sp   # tp x fsdp, traced
+  memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --pp 4 --fsdp --pp-schedule gpipe
   memfit plan llama-3.1-8b --gpu h100-80gb --gpus 8 --engine fsdp2 --checkpointing selective \
       --batch 2 --seq 8192
   memfit plan llama-2-7b --engine deepspeed --zero 3 --offload-optimizer --offload-params \
@@ -83,9 +86,19 @@ def register(sub: Any) -> None:
                    help="GPUs per node, for host memory per node (default 8)")
     p.add_argument("--tp", default="1", help="tensor-parallel size")
     p.add_argument("--pp", default="1", help="pipeline-parallel size (1F1B)")
-    p.add_argument("--ep", default="1", help="expert-parallel size (MoE; traced only)")
-    p.add_argument("--sequence-parallel", action="store_true",
+    p.add_argument("--pp-schedule", default=None,
+                   help=f"with --pp: torch.distributed.pipelining schedule, one of "
+                   f"{', '.join(PP_SCHEDULES)} (default 1f1b; traced only)")
+    p.add_argument("--microbatches", default=None, metavar="N",
+                   help="with --pp: micro-batches of --batch rows per step (default: "
+                   "--grad-accum when above 1, else --pp; traced only)")
+    p.add_argument("--ep", default="1", help="expert-parallel size (memfit's builtin MoE "
+                   "layers; traced only)")
+    p.add_argument("--sequence-parallel", "--sp", action="store_true",
                    help="with --tp: shard norms/dropouts along the sequence (Megatron SP)")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="with --tp: cross-entropy on vocabulary-split logits (torch's "
+                   "loss_parallel(); traced only)")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="keep optimizer states in host memory")
     p.add_argument("--offload-params", action="store_true",
@@ -219,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
     per_node = positive_int(args.gpus_per_node, "--gpus-per-node") or GPUS_PER_NODE
     shard = None if args.fsdp in (None, "all") else positive_int(args.fsdp, "--fsdp")
     hsdp = shard is not None and shard != config.dp
+    from memfit.cli.parallel_plan import trace_flags
+
+    only_traced = trace_flags(args, config)
     method_note = None
     if config.gpus > 1 and asked != "analytic":
         # Several GPUs: trace each rank role of the real parallel step when the model can be
@@ -226,15 +242,18 @@ def run(args: argparse.Namespace) -> int:
         from memfit.cli.parallel_plan import run_parallel_plan
 
         explicit = ("--method trace" if asked == "trace"
-                    else f"--fsdp {shard} (HSDP)" if hsdp else None)
-        outcome = run_parallel_plan(args, model, config, gpu, explicit=explicit, ep=ep,
-                                    gpus_per_node=per_node, fsdp=shard)
+                    else f"--fsdp {shard} (HSDP)" if hsdp
+                    else ", ".join(only_traced) if only_traced else None)
+        outcome = run_parallel_plan(
+            args, model, config, gpu, explicit=explicit, ep=ep, gpus_per_node=per_node,
+            fsdp=shard, loss_parallel=args.loss_parallel, pp_schedule=args.pp_schedule,
+            microbatches=positive_int(args.microbatches, "--microbatches"))
         if isinstance(outcome, int):
             return outcome
         method_note = f"method: the formulas, not the per-rank trace: {outcome}"
         args.method = "analytic"
-    elif ep > 1:
-        raise MemfitError(f"--ep {ep}: the formulas do not model expert parallelism; it is "
+    elif only_traced:
+        raise MemfitError(f"{', '.join(only_traced)}: the formulas do not model this; it is "
                           "traced (drop --method analytic; needs --gpus > 1)")
     elif hsdp:
         raise MemfitError(f"--fsdp {shard} of {config.dp} data-parallel ranks is HSDP, which the "

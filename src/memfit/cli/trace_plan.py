@@ -64,12 +64,14 @@ def _check_traceable(model: ModelSpec, run: RunConfig) -> TransformerSpec | HFMo
 
 def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
                     gpu: GpuSpec | None, parallel: Any = None,
-                    precision: str | None = None) -> Any:
+                    precision: str | None = None, backend: str = "auto") -> Any:
     """Build ``spec`` on meta (transformers when installed, else memfit's builtin modules; any
     other model type through transformers' Auto classes), apply the run's checkpointing, and
     trace one step on the CUDA target (each rank role of ``parallel``, a
     :class:`memfit.Parallel`, when given; ``precision`` overrides the run's for the trace, e.g.
-    fp32 parameters without autocast under FSDP2's MixedPrecisionPolicy)."""
+    fp32 parameters without autocast under FSDP2's MixedPrecisionPolicy; ``backend``: the
+    :func:`memfit.models.build_model` backend of a preset or config.json, ``"builtin"`` for
+    the layouts only memfit's decoders take: pipeline, sequence and expert parallelism)."""
     from memfit.models.build import build_model, example_inputs
     from memfit.trace import estimate
 
@@ -78,7 +80,7 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
     if isinstance(spec, HFModelSpec):
         model = spec.build(device="meta", attn_implementation=None if attn == "sdpa" else attn)
     else:
-        model = build_model(spec, device="meta", attn_implementation=attn)
+        model = build_model(spec, device="meta", attn_implementation=attn, backend=backend)
     if run.mode in ("lora", "qlora"):
         _apply_adapters(model, run)
     if run.checkpointing != "none":
