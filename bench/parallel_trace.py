@@ -73,9 +73,11 @@ PIPELINE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # 4 layers, batch 8 in 4 
 
 def fsdp_mem_tracker_peak(make: Any, parallel: Parallel, steps: int = 2) -> int | None:
     """FSDPMemTracker's peak for rank 0 of ``parallel`` (None: not an FSDP layout, or FSDP
-    beside tensor parallelism, which it does not apply). ``make()`` builds ``(model, inputs)``;
-    it runs inside a FakeTensorMode."""
-    if parallel.strategy not in ("fsdp", "hsdp") or parallel.tp > 1:
+    beside tensor, pipeline or expert parallelism, which it does not apply: it would run the
+    whole model on every rank). ``make()`` builds ``(model, inputs)``; it runs inside a
+    FakeTensorMode."""
+    if parallel.strategy not in ("fsdp", "hsdp") or max(parallel.tp, parallel.pp,
+                                                          parallel.ep) > 1:
         return None
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
