@@ -339,8 +339,9 @@ class Activations:
     notes: tuple[str, ...] = ()
     moment: str = "loss"
     """When the peak is: ``loss`` (at the loss, end of forward or start of backward: the head's
-    tensors and the logits or their gradient) or ``block`` (the last block's backward, the head
-    freed)."""
+    tensors and the logits or their gradient), ``block`` (the last block's backward, the head
+    freed), or, for an engine that gathers parameters in forward, ``forward start`` / ``forward
+    end`` (its all-gather of the first / last block)."""
 
 
 def input_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int) -> int:
@@ -379,8 +380,13 @@ def output_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
 
 
 def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
-                         stage: int = 0) -> Activations:
-    """Saved activations on one pipeline stage plus the largest backward temporary."""
+                         stage: int = 0, engine: tuple[int, ...] = (0, 0)) -> Activations:
+    """Saved activations on one pipeline stage plus the largest backward temporary.
+
+    ``engine``: the engine's buffer bytes (not returned here) alive at the loss / end of forward,
+    in a block's backward, and optionally while the forward gathers its last and its first block;
+    they only decide which moment is the peak (``Activations.moment``; FSDP2 holds different
+    buffers at each: planner.py: fsdp2_buffers)."""
     e = FORMAT_BYTES[run.compute_format]
     s, b, h = seq, run.batch, spec.hidden_size
     lora = run.mode in ("lora", "qlora")
@@ -496,8 +502,19 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     at_loss = (held + outputs + (0 if checkpointed else casts), loss_grad)
     at_block = (held + recompute + casts_per_layer * (1 if checkpointed else layers),
                 block_grad)
-    activations, temporaries = max(at_loss, at_forward, at_block, key=sum)
-    moment = "block" if (activations, temporaries) == at_block else "loss"
+    at_loss_engine, at_block_engine, *forward_engine = (*engine, 0, 0)[:4]
+    # Two moments of the forward, for an engine that gathers parameters as it goes (FSDP2:
+    # planner.py: fsdp2_buffers): the first block's all-gather, with only the inputs saved, and
+    # the last block's, with every earlier block's activations
+    first_forward = (held - in_flight * kept if first else held, 0)
+    last_forward = (held - in_flight * kept // max(layers, 1), 0)
+    candidates = {"loss": (*at_loss, at_loss_engine),
+                  "forward": (*at_forward, at_loss_engine if checkpointed else 0),
+                  "block": (*at_block, at_block_engine),
+                  "forward start": (*first_forward, forward_engine[1]),
+                  "forward end": (*last_forward, forward_engine[0])}
+    moment, (activations, temporaries, _) = max(candidates.items(), key=lambda kv: sum(kv[1]))
+    moment = {"forward": "loss"}.get(moment, moment)
     return Activations(activations=activations, temporaries=temporaries, per_layer=per_layer,
                        notes=tuple(notes), moment=moment)
 
