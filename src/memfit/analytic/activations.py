@@ -23,6 +23,7 @@ log-softmax); fused/chunked losses (Liger) need far less. Kernel workspaces are 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memfit.analytic.config import RunConfig
@@ -340,8 +341,9 @@ class Activations:
     moment: str = "loss"
     """When the peak is: ``loss`` (at the loss, end of forward or start of backward: the head's
     tensors and the logits or their gradient), ``block`` (the last block's backward, the head
-    freed), or, for an engine that gathers parameters in forward, ``forward start`` / ``forward
-    end`` (its all-gather of the first / last block)."""
+    freed), or, for an engine that gathers parameters as it goes, ``forward start`` / ``forward
+    end`` (its all-gather of the first / last block) and ``backward start`` (the root's
+    all-gather again, before the loss's backward)."""
 
 
 def input_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int) -> int:
@@ -380,13 +382,13 @@ def output_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
 
 
 def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
-                         stage: int = 0, engine: tuple[int, ...] = (0, 0)) -> Activations:
+                         stage: int = 0, engine: Mapping[str, int] | None = None) -> Activations:
     """Saved activations on one pipeline stage plus the largest backward temporary.
 
-    ``engine``: the engine's buffer bytes (not returned here) alive at the loss / end of forward,
-    in a block's backward, and optionally while the forward gathers its last and its first block;
-    they only decide which moment is the peak (``Activations.moment``; FSDP2 holds different
-    buffers at each: planner.py: fsdp2_buffers)."""
+    ``engine``: the engine's buffer bytes (not returned here) by moment (``loss``, ``block``,
+    ``backward start``, ``forward start``, ``forward end``: see ``Activations.moment``); they
+    only decide which moment is the peak (FSDP2 holds different buffers at each: planner.py:
+    fsdp2_buffers). The last three are moments only such an engine has."""
     e = FORMAT_BYTES[run.compute_format]
     s, b, h = seq, run.batch, spec.hidden_size
     lora = run.mode in ("lora", "qlora")
@@ -502,17 +504,21 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     at_loss = (held + outputs + (0 if checkpointed else casts), loss_grad)
     at_block = (held + recompute + casts_per_layer * (1 if checkpointed else layers),
                 block_grad)
-    at_loss_engine, at_block_engine, *forward_engine = (*engine, 0, 0)[:4]
-    # Two moments of the forward, for an engine that gathers parameters as it goes (FSDP2:
-    # planner.py: fsdp2_buffers): the first block's all-gather, with only the inputs saved, and
-    # the last block's, with every earlier block's activations
-    first_forward = (held - in_flight * kept if first else held, 0)
-    last_forward = (held - in_flight * kept // max(layers, 1), 0)
-    candidates = {"loss": (*at_loss, at_loss_engine),
-                  "forward": (*at_forward, at_loss_engine if checkpointed else 0),
-                  "block": (*at_block, at_block_engine),
-                  "forward start": (*first_forward, forward_engine[1]),
-                  "forward end": (*last_forward, forward_engine[0])}
+    eng = dict(engine or {})
+    candidates = {"loss": (*at_loss, eng.get("loss", 0)),
+                  "forward": (*at_forward, eng.get("loss", 0) if checkpointed else 0),
+                  "block": (*at_block, eng.get("block", 0))}
+    if engine:
+        # Moments of an engine that gathers parameters as it goes (FSDP2): the forward's
+        # all-gather of its first block, with only the inputs saved, and of its last block, with
+        # every earlier block's activations; the root's all-gather again at the start of
+        # backward, with every activation and no logits yet
+        candidates |= {
+            "forward start": (held - in_flight * kept if first else held, 0,
+                              eng.get("forward start", 0)),
+            "forward end": (held - in_flight * kept // max(layers, 1), 0,
+                            eng.get("forward end", 0)),
+            "backward start": (at_loss[0], 0, eng.get("backward start", 0))}
     moment, (activations, temporaries, _) = max(candidates.items(), key=lambda kv: sum(kv[1]))
     moment = {"forward": "loss"}.get(moment, moment)
     return Activations(activations=activations, temporaries=temporaries, per_layer=per_layer,

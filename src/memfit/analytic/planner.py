@@ -371,19 +371,22 @@ def fsdp_unit_params(model: ModelSpec, run: RunConfig) -> int:
     return max(-(-model.layer_params() // run.tp), fsdp_root_params(model, run))
 
 
-def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int
-                  ) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, int]]:
-    """FSDP2's buffers at the moments of a training step that compete for the peak: (at the
-    loss / end of forward, in a block's backward, the forward's all-gather of its last block, of
-    its first block).
+def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, dict[str, int]]:
+    """FSDP2's buffers at each moment of a training step that competes for the peak (the
+    moments of ``Activations.moment``): by moment, by name.
 
     Note: [FSDP2 buffers by moment] (torch/distributed/fsdp/_fully_shard/, torch 2.13; the
     same functions in 2.11)
-    - The root group is not resharded after forward (_fsdp_state.py: FSDPState._lazy_init sets
-      the root's post_forward_mesh_info to None): its parameters stay gathered to the end of
-      backward. At the loss the root's pre-backward prefetches the last block
-      (_fsdp_param_group.py: FSDPParamGroup.pre_backward -> _backward_prefetch): root + one block
-      gathered. No gradient exists yet (zero_grad(set_to_none=True)).
+    - At the loss: the root gathered, and the last block's all-gather output, which forward
+      keeps until the next copy-out (below). No gradient exists yet (zero_grad(set_to_none=
+      True)).
+    - Start of backward: with ``reshard_after_forward=True`` passed to every fully_shard call
+      (memfit/parallel/apply.py: apply_fsdp, as torchtitan does) the root is resharded after
+      its forward too (FSDPState._lazy_init keeps it gathered only when the argument is left to
+      its default, ``_auto_reshard_after_forward``); its pre-backward gathers it again, and
+      during that copy-out its all_gather_output and its unsharded parameters are both alive
+      (FSDPParamGroup.wait_for_unshard frees the output "immediately after the current
+      copy-out" in backward): twice the root, with every activation.
     - In a block's backward: the root, the block being run and the one prefetched; the block's
       unsharded gradients (param dtype) until FSDPParamGroup.post_backward hands them to
       foreach_reduce (_fsdp_collectives.py), which copies them into reduce_scatter_input
@@ -413,7 +416,9 @@ def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int
     gathering = "all-gathered parameters and all-gather outputs"
     forward_end = {gathering: (root + 3 * block) * cb}
     forward_start = {gathering: (2 * root + 2 * block) * cb}
-    return at_loss, in_backward, forward_end, forward_start
+    backward_start = {gathering: 2 * root * cb}
+    return {"loss": at_loss, "block": in_backward, "forward end": forward_end,
+            "forward start": forward_start, "backward start": backward_start}
 
 
 def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, int]:
@@ -429,7 +434,7 @@ def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, in
     if layout == "fsdp2":
         # the buffers of a block's backward (Note: [FSDP2 buffers by moment]); _plan_stage
         # takes those at the loss when that is the peak
-        out.update(fsdp2_buffers(model, run, stage)[1])
+        out.update(fsdp2_buffers(model, run, stage)["block"])
     elif layout == "ddp" and dp > 1:
         # DDP copies gradients into its buckets unless gradient_as_bucket_view=True
         # (torch.nn.parallel.DistributedDataParallel docs: the saving "will be equal to the total
@@ -511,10 +516,9 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
             fsdp2 = (fsdp2_buffers(model, run, stage) if run.layout == "fsdp2" else None)
             acts = training_activations(
                 model, run, seq, stage,
-                engine=tuple(sum(d.values()) for d in fsdp2) if fsdp2 else (0, 0))
+                engine={m: sum(d.values()) for m, d in fsdp2.items()} if fsdp2 else None)
             if fsdp2:
-                moments = ("loss", "block", "forward end", "forward start")
-                chosen = fsdp2[moments.index(acts.moment)]
+                chosen = fsdp2.get(acts.moment, fsdp2["loss"])
                 buffers = {name: b for name, b in chosen.items() if b}
         else:
             acts = inference_activations(model, run, seq)
