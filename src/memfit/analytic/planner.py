@@ -421,6 +421,22 @@ def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, dic
             "forward start": forward_start, "backward start": backward_start}
 
 
+def _fsdp2_backward_end(model: ModelSpec, run: RunConfig, all_gradients: int
+                        ) -> dict[str, int] | None:
+    """FSDP2 at the end of backward (Note: [FSDP2 root reduce-scatter]): every block's sharded
+    gradient, and the root's unsharded gradients with their reduce-scatter input. None when the
+    root has no trained parameter (LoRA) or the layout is not FSDP2."""
+    if (run.layout != "fsdp2" or not run.training or run.mode != "train"
+            or not isinstance(model, TransformerSpec) or not model.param_count()):
+        return None
+    cb = 2 if run.compute_format != "fp32" else 4
+    reduce = 4 if run.mixed else cb
+    root = fsdp_root_params(model, run)
+    blocks_sharded = all_gradients - all_gradients * root * run.tp // model.param_count()
+    return {"gradients": blocks_sharded,
+            "root's unsharded gradients and reduce-scatter input": root * (cb + reduce)}
+
+
 def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, int]:
     """GPU bytes of the engine's own buffers during backward, by name (Note: [engine layouts] in
     model_states.py for the states themselves). The ZeRO paper's layout has none here (its
@@ -577,6 +593,21 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
     backward_peak = (breakdown[MemoryCategory.ACTIVATIONS]
                      + breakdown[MemoryCategory.TEMPORARIES]
                      + breakdown[MemoryCategory.GRADIENTS])
+    end = _fsdp2_backward_end(model, run, all_gradients) if known and seq is not None else None
+    if end is not None and sum(end.values()) > backward_peak:
+        # Note: [FSDP2 root reduce-scatter] The end of backward: the root's post-backward
+        # (_fsdp_param_group.py: FSDPParamGroup.post_backward) reshards its parameters, then
+        # foreach_reduce holds its unsharded gradients and their reduce-scatter input (fp32)
+        # together, while every block's sharded gradient already exists.
+        buffers = {"root's unsharded gradients and reduce-scatter input":
+                   end["root's unsharded gradients and reduce-scatter input"]}
+        breakdown[MemoryCategory.ACTIVATIONS] = 0
+        breakdown[MemoryCategory.GRADIENTS] = end["gradients"]
+        breakdown[MemoryCategory.TEMPORARIES] = sum(buffers.values())
+        backward_peak = sum(end.values())
+        peak_phase = "backward"
+        notes.append("peak at the end of backward: FSDP2 reduce-scatters the root's gradients "
+                     "(embeddings, head) last, from an fp32 copy")
     if step_temporaries + all_gradients > backward_peak:
         # The optimizer step runs after backward has freed the activations; its foreach
         # temporaries are the peak when they outgrow activations + backward temporaries.
