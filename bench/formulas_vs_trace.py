@@ -2,7 +2,7 @@
 {none, selective, full} at two batch/seq points, on one GPU and on 8 GPUs with FSDP.
 
     python bench/formulas_vs_trace.py [--presets gpt2,llama-3.2-1b] [--gpu h100-sxm-80gb]
-        [--gpus 1,8] [--out bench/results/NAME.json]
+        [--gpus 1,8] [--out bench/results/NAME.json] [--reuse-trace OLD.json]
 
 Prints a table and writes bench/results/formulas-vs-trace-cpu-<date>.json (with ``--gpus 8``
 alone: formulas-vs-trace-fsdp8-cpu-<date>.json). Both columns are
@@ -17,7 +17,12 @@ trace runs it (fp32 parameters and gradients). Agreement is within 5% or the row
 --gpus 8 --fsdp`` runs it (``memfit.cli.parallel_plan.parallel_layout``: ``fully_shard`` per
 block then the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), and the
 number compared is its most loaded rank's; the reason string is the one the plan prints
-(``parallel_plan.disagreement_reason``).
+(``parallel_plan.disagreement_reason``). The formulas model FSDP2's buffers moment by moment
+(Note: [FSDP2 buffers by moment] in memfit/analytic/planner.py).
+
+``--reuse-trace OLD.json`` takes the trace's numbers from an earlier results file instead of
+tracing again: the trace does not depend on ``memfit.analytic``, so a change to the formulas is
+checked over the whole matrix in seconds (the file records where its trace numbers came from).
 """
 
 from __future__ import annotations
@@ -82,10 +87,9 @@ class Row:
     plan_peak: str = ""
     trace_peak: str = ""
     error_without_unsharded_grads: float | None = None
-    """8 GPUs: plan / trace - 1 with the plan's "unsharded gradients" buffer (the largest
-    fully_shard unit's, with its fp32 reduce-scatter input) left out of its peak: how much of
-    the disagreement that one buffer explains (Note: [unsharded gradients at the loss] in
-    memfit/cli/parallel_plan.py)."""
+    """8 GPUs: plan / trace - 1 with the plan's "unsharded gradients" buffer (a block's, with
+    its fp32 reduce-scatter input, and the root's; only when the plan's peak is in a block's
+    backward) left out of its peak: how much of the disagreement that buffer explains."""
 
 
 def run_config(spec: Any, mode: str, checkpointing: str, batch: int, seq: int,
@@ -169,7 +173,8 @@ def _summary(rows: list[Row]) -> dict[str, Any]:
     }
 
 
-def _write(rows: list[Row], gpu: GpuSpec, *, partial: bool, out: Path) -> Path:
+def _write(rows: list[Row], gpu: GpuSpec, *, partial: bool, out: Path,
+           trace_from: str | None = None) -> Path:
     import torch
 
     out.write_text(json.dumps({
@@ -180,7 +185,10 @@ def _write(rows: list[Row], gpu: GpuSpec, *, partial: bool, out: Path) -> Path:
         "gpu_target": gpu.name, "torch": torch.__version__, "tolerance": TOLERANCE,
         "device": "cpu (meta tensors), machine shared with other jobs",
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-        "partial": partial, "summary": _summary(rows), "rows": [asdict(r) for r in rows]},
+        "partial": partial, "summary": _summary(rows),
+        **({"trace_from": f"trace numbers (trace_live_bytes, trace_peak, trace_seconds) taken "
+                          f"from {trace_from} (--reuse-trace)"} if trace_from else {}),
+        "rows": [asdict(r) for r in rows]},
         indent=2))
     return out
 
@@ -228,8 +236,9 @@ def main() -> None:
                         print(f"{name:15} {mode:5} {ckpt:9} {f'{batch}x{r.seq}':>9} {gpus:>4} "
                               f"{_gib(r.plan_bytes):>9} {_gib(r.trace_live_bytes):>9} {err:>7}  "
                               f"{'' if r.agrees else r.why[:90]}", flush=True)
-        _write(rows, gpu, partial=True, out=out)  # after each preset: a cut-off run keeps rows
-    _write(rows, gpu, partial=False, out=out)
+        # after each preset: a cut-off run keeps rows
+        _write(rows, gpu, partial=True, out=out, trace_from=args.reuse_trace)
+    _write(rows, gpu, partial=False, out=out, trace_from=args.reuse_trace)
     print(_summary(rows))
     print(f"wrote {out}")
 

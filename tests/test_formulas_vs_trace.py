@@ -9,8 +9,9 @@ and records what autograd and the CUDA caching allocator hold. The plan is run w
 total within 5% of the trace's live bytes at its peak (its total less the allocator's reserve,
 which the plan leaves to its fit margin).
 
-Multi-GPU (8 GPUs with FSDP): ``bench/formulas_vs_trace.py``'s ``TRACERS[8]`` is the hook for
-the per-rank trace of issue 14 §1; until it lands those rows are reported as pending.
+Multi-GPU (8 GPUs with FSDP2): ``bench/formulas_vs_trace.py``'s ``TRACERS[8]`` is the per-rank
+trace of issue 14 §1; three cells, one per moment where FSDP2's buffers make the peak, are
+checked here (the whole 8-GPU matrix: bench/results/formulas-vs-trace-fsdp8-cpu-2026-11-24b.json).
 """
 
 from __future__ import annotations
