@@ -2,7 +2,7 @@
 {none, selective, full} at two batch/seq points, on one GPU and on 8 GPUs with FSDP.
 
     python bench/formulas_vs_trace.py [--presets gpt2,llama-3.2-1b] [--gpu h100-sxm-80gb]
-        [--gpus 1,8] [--out bench/results/NAME.json]
+        [--gpus 1,8] [--out bench/results/NAME.json] [--reuse-trace OLD.json]
 
 Prints a table and writes bench/results/formulas-vs-trace-cpu-<date>.json (with ``--gpus 8``
 alone: formulas-vs-trace-fsdp8-cpu-<date>.json). Both columns are
@@ -17,7 +17,12 @@ trace runs it (fp32 parameters and gradients). Agreement is within 5% or the row
 --gpus 8 --fsdp`` runs it (``memfit.cli.parallel_plan.parallel_layout``: ``fully_shard`` per
 block then the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), and the
 number compared is its most loaded rank's; the reason string is the one the plan prints
-(``parallel_plan.disagreement_reason``).
+(``parallel_plan.disagreement_reason``). The formulas model FSDP2's buffers moment by moment
+(Note: [FSDP2 buffers by moment] in memfit/analytic/planner.py).
+
+``--reuse-trace OLD.json`` takes the trace's numbers from an earlier results file instead of
+tracing again: the trace does not depend on ``memfit.analytic``, so a change to the formulas is
+checked over the whole matrix in seconds (the file records where its trace numbers came from).
 """
 
 from __future__ import annotations
@@ -82,10 +87,9 @@ class Row:
     plan_peak: str = ""
     trace_peak: str = ""
     error_without_unsharded_grads: float | None = None
-    """8 GPUs: plan / trace - 1 with the plan's "unsharded gradients" buffer (the largest
-    fully_shard unit's, with its fp32 reduce-scatter input) left out of its peak: how much of
-    the disagreement that one buffer explains (Note: [unsharded gradients at the loss] in
-    memfit/cli/parallel_plan.py)."""
+    """8 GPUs: plan / trace - 1 with the plan's "unsharded gradients" buffer (a block's, with
+    its fp32 reduce-scatter input, and the root's; only when the plan's peak is in a block's
+    backward) left out of its peak: how much of the disagreement that buffer explains."""
 
 
 def run_config(spec: Any, mode: str, checkpointing: str, batch: int, seq: int,
@@ -96,14 +100,32 @@ def run_config(spec: Any, mode: str, checkpointing: str, batch: int, seq: int,
                      precision="bf16-mixed", optimizer="adamw", **extra)
 
 
+def _stored_tracer(rows: dict[tuple, dict[str, Any]]) -> Callable[..., Any]:
+    """A tracer that answers from a stored results file (``--reuse-trace``): the trace side does
+    not depend on memfit.analytic, so a change to the formulas is checked against the stored
+    trace numbers in seconds instead of the half-hour trace of the whole matrix."""
+    from types import SimpleNamespace
+
+    def tracer(spec: Any, run: RunConfig, gpu: GpuSpec) -> Any:
+        key = (spec.name, run.mode, run.checkpointing, run.batch, run.seq, run.gpus)
+        row = rows.get(key)
+        if row is None or row.get("trace_live_bytes") is None:
+            raise MemfitError(f"no stored trace for {key}")
+        return SimpleNamespace(total_bytes=row["trace_live_bytes"], peak_reserved_bytes=0,
+                               peak_bytes=0, peak_phase=row.get("trace_peak", ""),
+                               peak_op="(stored)", stored_seconds=row.get("trace_seconds", 0.0))
+
+    return tracer
+
+
 def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
-            gpu: GpuSpec, gpus: int = 1) -> Row:
-    """One cell of the matrix."""
+            gpu: GpuSpec, gpus: int = 1, tracer: Callable[..., Any] | None = None) -> Row:
+    """One cell of the matrix (``tracer``: the trace to compare with, by default TRACERS')."""
     spec = get_preset(name)
     run = run_config(spec, mode, checkpointing, batch, seq, gpus)
     base = Row(preset=name, mode=mode, checkpointing=checkpointing, batch=batch, seq=run.seq,
                gpus=gpus)
-    tracer = TRACERS.get(gpus)
+    tracer = tracer or TRACERS.get(gpus)
     if tracer is None:
         return Row(**{**asdict(base), "why": "pending: the multi-GPU per-rank trace "
                       "(issue 14 §1) is not available yet"})
@@ -114,12 +136,14 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
     except MemfitError as exc:  # e.g. LoRA on a model without *_proj layers
         return Row(**{**asdict(base), "plan_bytes": planned.total_bytes,
                       "why": f"not traced: {exc}"})
-    seconds = time.perf_counter() - start
+    seconds = getattr(est, "stored_seconds", time.perf_counter() - start)
     live = int(est.total_bytes - (est.peak_reserved_bytes - est.peak_bytes))
     error = planned.total_bytes / live - 1
     agrees = abs(error) <= TOLERANCE
     why = ""
-    if not agrees and gpus > 1:
+    if not agrees and gpus > 1 and hasattr(est, "stored_seconds"):
+        why = "; ".join(planned.notes)
+    elif not agrees and gpus > 1:
         from memfit.cli.parallel_plan import disagreement_reason
 
         why = disagreement_reason(planned, est)
@@ -149,7 +173,8 @@ def _summary(rows: list[Row]) -> dict[str, Any]:
     }
 
 
-def _write(rows: list[Row], gpu: GpuSpec, *, partial: bool, out: Path) -> Path:
+def _write(rows: list[Row], gpu: GpuSpec, *, partial: bool, out: Path,
+           trace_from: str | None = None) -> Path:
     import torch
 
     out.write_text(json.dumps({
@@ -160,7 +185,10 @@ def _write(rows: list[Row], gpu: GpuSpec, *, partial: bool, out: Path) -> Path:
         "gpu_target": gpu.name, "torch": torch.__version__, "tolerance": TOLERANCE,
         "device": "cpu (meta tensors), machine shared with other jobs",
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-        "partial": partial, "summary": _summary(rows), "rows": [asdict(r) for r in rows]},
+        "partial": partial, "summary": _summary(rows),
+        **({"trace_from": f"trace numbers (trace_live_bytes, trace_peak, trace_seconds) taken "
+                          f"from {trace_from} (--reuse-trace)"} if trace_from else {}),
+        "rows": [asdict(r) for r in rows]},
         indent=2))
     return out
 
@@ -180,7 +208,15 @@ def main() -> None:
                     "cpu-<date>.json; with --gpus 8 alone, formulas-vs-trace-fsdp8-cpu-<date>)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--checkpointing", default=",".join(CHECKPOINTING))
+    ap.add_argument("--reuse-trace", metavar="JSON",
+                    help="take the trace's numbers from this earlier results file instead of "
+                    "tracing again (the trace does not depend on the formulas)")
     args = ap.parse_args()
+    stored = None
+    if args.reuse_trace:
+        old = json.loads(Path(args.reuse_trace).read_text())["rows"]
+        stored = _stored_tracer({(r["preset"], r["mode"], r["checkpointing"], r["batch"],
+                                  r["seq"], r["gpus"]): r for r in old})
     gpu = get_gpu(args.gpu)
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
     kind = "fsdp8-" if args.gpus == "8" else ""
@@ -194,14 +230,15 @@ def main() -> None:
             for mode in args.modes.split(","):
                 for ckpt in args.checkpointing.split(","):
                     for batch, seq in points:
-                        r = compare(name, mode, ckpt, batch, seq, gpu, gpus)
+                        r = compare(name, mode, ckpt, batch, seq, gpu, gpus, stored)
                         rows.append(r)
                         err = "" if r.error is None else f"{100 * r.error:+6.1f}%"
                         print(f"{name:15} {mode:5} {ckpt:9} {f'{batch}x{r.seq}':>9} {gpus:>4} "
                               f"{_gib(r.plan_bytes):>9} {_gib(r.trace_live_bytes):>9} {err:>7}  "
                               f"{'' if r.agrees else r.why[:90]}", flush=True)
-        _write(rows, gpu, partial=True, out=out)  # after each preset: a cut-off run keeps rows
-    _write(rows, gpu, partial=False, out=out)
+        # after each preset: a cut-off run keeps rows
+        _write(rows, gpu, partial=True, out=out, trace_from=args.reuse_trace)
+    _write(rows, gpu, partial=False, out=out, trace_from=args.reuse_trace)
     print(_summary(rows))
     print(f"wrote {out}")
 

@@ -23,6 +23,7 @@ log-softmax); fused/chunked losses (Liger) need far less. Kernel workspaces are 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memfit.analytic.config import RunConfig
@@ -339,8 +340,10 @@ class Activations:
     notes: tuple[str, ...] = ()
     moment: str = "loss"
     """When the peak is: ``loss`` (at the loss, end of forward or start of backward: the head's
-    tensors and the logits or their gradient) or ``block`` (the last block's backward, the head
-    freed)."""
+    tensors and the logits or their gradient), ``block`` (the last block's backward, the head
+    freed), or, for an engine that gathers parameters as it goes, ``forward start`` / ``forward
+    end`` (its all-gather of the first / last block) and ``backward start`` (the root's
+    all-gather again, before the loss's backward)."""
 
 
 def input_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int) -> int:
@@ -379,8 +382,13 @@ def output_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
 
 
 def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
-                         stage: int = 0) -> Activations:
-    """Saved activations on one pipeline stage plus the largest backward temporary."""
+                         stage: int = 0, engine: Mapping[str, int] | None = None) -> Activations:
+    """Saved activations on one pipeline stage plus the largest backward temporary.
+
+    ``engine``: the engine's buffer bytes (not returned here) by moment (``loss``, ``block``,
+    ``backward start``, ``forward start``, ``forward end``: see ``Activations.moment``); they
+    only decide which moment is the peak (FSDP2 holds different buffers at each: planner.py:
+    fsdp2_buffers). The last three are moments only such an engine has."""
     e = FORMAT_BYTES[run.compute_format]
     s, b, h = seq, run.batch, spec.hidden_size
     lora = run.mode in ("lora", "qlora")
@@ -496,8 +504,23 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     at_loss = (held + outputs + (0 if checkpointed else casts), loss_grad)
     at_block = (held + recompute + casts_per_layer * (1 if checkpointed else layers),
                 block_grad)
-    activations, temporaries = max(at_loss, at_forward, at_block, key=sum)
-    moment = "block" if (activations, temporaries) == at_block else "loss"
+    eng = dict(engine or {})
+    candidates = {"loss": (*at_loss, eng.get("loss", 0)),
+                  "forward": (*at_forward, eng.get("loss", 0) if checkpointed else 0),
+                  "block": (*at_block, eng.get("block", 0))}
+    if engine:
+        # Moments of an engine that gathers parameters as it goes (FSDP2): the forward's
+        # all-gather of its first block, with only the inputs saved, and of its last block, with
+        # every earlier block's activations; the root's all-gather again at the start of
+        # backward, with every activation and no logits yet
+        candidates |= {
+            "forward start": (held - in_flight * kept if first else held, 0,
+                              eng.get("forward start", 0)),
+            "forward end": (held - in_flight * kept // max(layers, 1), 0,
+                            eng.get("forward end", 0)),
+            "backward start": (at_loss[0], 0, eng.get("backward start", 0))}
+    moment, (activations, temporaries, _) = max(candidates.items(), key=lambda kv: sum(kv[1]))
+    moment = {"forward": "loss"}.get(moment, moment)
     return Activations(activations=activations, temporaries=temporaries, per_layer=per_layer,
                        notes=tuple(notes), moment=moment)
 

@@ -352,13 +352,89 @@ def largest_module_params(model: ModelSpec, run: RunConfig) -> int:
     return -(-largest // run.tp)
 
 
-def fsdp_unit_params(model: ModelSpec, run: RunConfig) -> int:
-    """The largest fully_shard unit: a block, or the root's embedding / LM head (torchtitan
-    shards each block and the root; the root gathers its own parameters)."""
+def fsdp_root_params(model: ModelSpec, run: RunConfig) -> int:
+    """The root fully_shard unit: every parameter outside the blocks (embeddings, final norm and
+    an untied LM head). ``fully_shard(model)`` after each block puts them in one
+    FSDPParamGroup, and FSDPParamGroup.unshard all-gathers a group's parameters together
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: foreach_all_gather), so an untied
+    embedding and head are gathered at once."""
     if not isinstance(model, TransformerSpec):
         return 0
-    unit = max(model.layer_params(), model.embedding_params(), model.head_params())
-    return -(-unit // run.tp)
+    return -(-(model.embedding_params() + model.head_params()) // run.tp)
+
+
+def fsdp_unit_params(model: ModelSpec, run: RunConfig) -> int:
+    """The largest fully_shard unit: a block, or the root (torchtitan shards each block and the
+    root; the root gathers its own parameters, embedding and untied head together)."""
+    if not isinstance(model, TransformerSpec):
+        return 0
+    return max(-(-model.layer_params() // run.tp), fsdp_root_params(model, run))
+
+
+def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, dict[str, int]]:
+    """FSDP2's buffers at each moment of a training step that competes for the peak (the
+    moments of ``Activations.moment``): by moment, by name.
+
+    Note: [FSDP2 buffers by moment] (torch/distributed/fsdp/_fully_shard/, torch 2.13; the
+    same functions in 2.11)
+    - At the loss: the root gathered, and the last block's all-gather output, which forward
+      keeps until the next copy-out (below). No gradient exists yet (zero_grad(set_to_none=
+      True)).
+    - Start of backward: with ``reshard_after_forward=True`` passed to every fully_shard call
+      (memfit/parallel/apply.py: apply_fsdp, as torchtitan does) the root is resharded after
+      its forward too (FSDPState._lazy_init keeps it gathered only when the argument is left to
+      its default, ``_auto_reshard_after_forward``); its pre-backward gathers it again, and
+      during that copy-out its all_gather_output and its unsharded parameters are both alive
+      (FSDPParamGroup.wait_for_unshard frees the output "immediately after the current
+      copy-out" in backward): twice the root, with every activation.
+    - In a block's backward: the root, the block being run and the one prefetched; the block's
+      unsharded gradients (param dtype) until FSDPParamGroup.post_backward hands them to
+      foreach_reduce (_fsdp_collectives.py), which copies them into reduce_scatter_input
+      (reduce_dtype: fp32 under torchtitan's MixedPrecisionPolicy) before
+      ``unsharded_grads.clear()`` frees them; and the root's own gradients (the LM head's, or a
+      tied embedding's), which stay unsharded until the root's post-backward at the end of
+      backward.
+    - In forward, FSDPParamGroup.wait_for_unshard keeps the previous group's all-gather result
+      (its all_gather_output, as large as its unsharded parameters) "to free after the next
+      copy-out" (implicit prefetching): while block i's parameters are copied out of their own
+      all_gather_output, the previous group's output is still alive. At the first block that
+      previous group is the root: root twice and block twice; later a block: root and three
+      blocks. With LoRA's small activations these are the step's peak."""
+    split = split_params(model, run, stage=stage)
+    cb = 2 if run.compute_format != "fp32" else 4
+    reduce = 4 if run.mixed else cb
+    trained = Fraction(split.trainable, split.total) if split.total else Fraction(1)
+    root, block = fsdp_root_params(model, run), split.largest_layer
+    if not isinstance(model, TransformerSpec):  # only the parameter count: the old bound
+        root = block
+    root_grads = 0
+    if isinstance(model, TransformerSpec) and run.mode == "train":
+        root_grads = root * cb  # trained in full fine-tuning; frozen under LoRA
+    at_loss = {"all-gathered parameters": (root + block) * cb}
+    in_backward = {"all-gathered parameters": (root + 2 * block) * cb,
+                   "unsharded gradients": int(block * trained) * (cb + reduce) + root_grads}
+    gathering = "all-gathered parameters and all-gather outputs"
+    forward_end = {gathering: (root + 3 * block) * cb}
+    forward_start = {gathering: (2 * root + 2 * block) * cb}
+    backward_start = {gathering: 2 * root * cb}
+    return {"loss": at_loss, "block": in_backward, "forward end": forward_end,
+            "forward start": forward_start, "backward start": backward_start}
+
+
+def _fsdp2_backward_end(model: ModelSpec, run: RunConfig, all_gradients: int
+                        ) -> dict[str, int] | None:
+    """FSDP2 at the end of backward (Note: [FSDP2 root reduce-scatter]): every block's sharded
+    gradient, and the root's unsharded gradients with their reduce-scatter input. None when the
+    root has no trained parameter (LoRA) or the layout is not FSDP2."""
+    if (run.layout != "fsdp2" or not run.training or run.mode != "train"
+            or not isinstance(model, TransformerSpec) or not model.param_count()):
+        return None
+    cb = 2 if run.compute_format != "fp32" else 4
+    reduce = 4 if run.mixed else cb
+    root = fsdp_root_params(model, run)
+    blocks_sharded = all_gradients - all_gradients * root * run.tp // model.param_count()
+    return {"gradients": blocks_sharded,
+            "root's unsharded gradients and reduce-scatter input": root * (cb + reduce)}
 
 
 def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, int]:
@@ -369,19 +445,12 @@ def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, in
         return {}
     split = split_params(model, run, stage=stage)
     cb = 2 if run.compute_format != "fp32" else 4
-    trained = Fraction(split.trainable, split.total) if split.total else Fraction(1)
     out: dict[str, int] = {}
     layout, dp = run.layout, run.dp
     if layout == "fsdp2":
-        # fully_shard all-gathers the unit being run and prefetches the next; in backward the
-        # unit's unsharded gradients (param dtype) are copied into the reduce-scatter input
-        # before they are freed (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:
-        # foreach_reduce allocates reduce_scatter_input in reduce_dtype: fp32 under
-        # MixedPrecisionPolicy(reduce_dtype=torch.float32), as torchtitan sets it).
-        unit, block = fsdp_unit_params(model, run), split.largest_layer
-        out["all-gathered parameters"] = (unit + block) * cb
-        reduce = 4 if run.mixed else cb
-        out["unsharded gradients"] = int(unit * trained) * (cb + reduce)
+        # the buffers of a block's backward (Note: [FSDP2 buffers by moment]); _plan_stage
+        # takes those at the loss when that is the peak
+        out.update(fsdp2_buffers(model, run, stage)["block"])
     elif layout == "ddp" and dp > 1:
         # DDP copies gradients into its buckets unless gradient_as_bucket_view=True
         # (torch.nn.parallel.DistributedDataParallel docs: the saving "will be equal to the total
@@ -460,7 +529,13 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
     dp = run.dp
     if isinstance(model, TransformerSpec) and seq is not None:
         if run.training:
-            acts = training_activations(model, run, seq, stage)
+            fsdp2 = (fsdp2_buffers(model, run, stage) if run.layout == "fsdp2" else None)
+            acts = training_activations(
+                model, run, seq, stage,
+                engine={m: sum(d.values()) for m, d in fsdp2.items()} if fsdp2 else None)
+            if fsdp2:
+                chosen = fsdp2.get(acts.moment, fsdp2["loss"])
+                buffers = {name: b for name, b in chosen.items() if b}
         else:
             acts = inference_activations(model, run, seq)
             if model.arch == "decoder":
@@ -493,16 +568,22 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
                      "use a preset or config.json for activations")
     breakdown[MemoryCategory.TEMPORARIES] += sum(buffers.values())
     peak_phase = "backward" if run.training else "forward"
+    if known and seq is not None and run.training and acts.moment.startswith("forward"):
+        peak_phase = "forward"
     all_gradients = breakdown[MemoryCategory.GRADIENTS]
     if (run.training and known and seq is not None and isinstance(model, TransformerSpec)
             and run.layout in ("ddp", "fsdp2")):
         # PyTorch frees gradients between steps (torch/optim/optimizer.py: zero_grad(set_to_none
         # =True), the default since 2.0): at the loss none exist yet; in the last block's
         # backward only the head's (and a tied embedding's).
-        breakdown[MemoryCategory.GRADIENTS] = (0 if acts.moment == "loss" else
-                                               _head_share(model, all_gradients))
-        where = "at the loss" if acts.moment == "loss" else "in the last block"
-        notes.append(f"backward peak {where}: gradients are allocated during backward "
+        # Under FSDP2 the root's gradients stay unsharded until the end of backward: they are
+        # among the engine's buffers (Note: [FSDP2 buffers by moment]).
+        breakdown[MemoryCategory.GRADIENTS] = (
+            0 if acts.moment != "block" or run.layout == "fsdp2"
+            else _head_share(model, all_gradients))
+        where = {"loss": "backward peak at the loss", "block": "backward peak in the last block"
+                 }.get(acts.moment, f"peak in the forward ({acts.moment})")
+        notes.append(f"{where}: gradients are allocated during backward "
                      "(zero_grad sets them to None), so only those made by then are counted")
     step_temporaries = optimizer_step_temporaries(model, run, stage)
     engine_step = _engine_step_temporaries(model, run, stage) if run.training else None
@@ -512,6 +593,21 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
     backward_peak = (breakdown[MemoryCategory.ACTIVATIONS]
                      + breakdown[MemoryCategory.TEMPORARIES]
                      + breakdown[MemoryCategory.GRADIENTS])
+    end = _fsdp2_backward_end(model, run, all_gradients) if known and seq is not None else None
+    if end is not None and sum(end.values()) > backward_peak:
+        # Note: [FSDP2 root reduce-scatter] The end of backward: the root's post-backward
+        # (_fsdp_param_group.py: FSDPParamGroup.post_backward) reshards its parameters, then
+        # foreach_reduce holds its unsharded gradients and their reduce-scatter input (fp32)
+        # together, while every block's sharded gradient already exists.
+        buffers = {"root's unsharded gradients and reduce-scatter input":
+                   end["root's unsharded gradients and reduce-scatter input"]}
+        breakdown[MemoryCategory.ACTIVATIONS] = 0
+        breakdown[MemoryCategory.GRADIENTS] = end["gradients"]
+        breakdown[MemoryCategory.TEMPORARIES] = sum(buffers.values())
+        backward_peak = sum(end.values())
+        peak_phase = "backward"
+        notes.append("peak at the end of backward: FSDP2 reduce-scatters the root's gradients "
+                     "(embeddings, head) last, from an fp32 copy")
     if step_temporaries + all_gradients > backward_peak:
         # The optimizer step runs after backward has freed the activations; its foreach
         # temporaries are the peak when they outgrow activations + backward temporaries.

@@ -212,39 +212,13 @@ def live_bytes(est: Any) -> int:
 
 def disagreement_reason(analytic: MemoryPlan, est: Any) -> str:
     """Why the analytic plan and the trace differ by more than :data:`AGREEMENT`, in one line:
-    the known gap that explains it, where each puts its peak, and the categories that differ
-    (plan - trace, those over 1% of the trace's live bytes)."""
+    where each puts its peak, and the categories that differ (plan - trace, those over 1% of the
+    trace's live bytes). The two known FSDP2 gaps this line used to name (unsharded gradients
+    counted at the loss; the root unit gathering the embeddings and the head together) are in
+    the formulas now (memfit/analytic/planner.py: fsdp2_buffers, fsdp_root_params)."""
     live = live_bytes(est)
-    gap = analytic.total_bytes - live
     deltas = {c: analytic.breakdown.get(c, 0) - int(est.breakdown.get(c, 0)) for c in _CATEGORIES}
     reasons = []
-    unsharded = analytic.engine_buffers.get("unsharded gradients", 0)
-    if unsharded and gap > 0 and deltas[MemoryCategory.TEMPORARIES] > 0:
-        # Note: [unsharded gradients at the loss] The formulas add the largest fully_shard
-        # unit's unsharded gradients and their fp32 reduce-scatter input (planner.py:
-        # engine_buffers) to every activation at the loss. The largest unit is usually the
-        # root (embeddings, head), whose gradients the head's backward makes after the loss and
-        # which FSDP2 reduce-scatters at the end of the backward, when the activations are gone.
-        reasons.append(f"the formulas hold the largest fully_shard unit's unsharded gradients "
-                       f"and their reduce-scatter copy ({format_bytes(unsharded)}) with every "
-                       "activation at the loss; in the trace they come later, when activations "
-                       "have been freed")
-    model = analytic.model
-    if (isinstance(model, TransformerSpec) and analytic.run.layout == "fsdp2" and gap < 0
-            and analytic.run.pp == 1):  # pipeline stages split the root: no such unit
-        from memfit.analytic.planner import fsdp_unit_params
-        from memfit.analytic.table import format_params
-
-        # apply_fsdp shards each block, then the root, which takes every parameter no block
-        # holds (memfit/parallel/apply.py, as torchtitan's apply_fsdp): the embeddings, the final
-        # norm and, untied, the head, gathered together.
-        root = model.embedding_params() + model.head_params()
-        largest = fsdp_unit_params(model, analytic.run)
-        if root > largest:
-            reasons.append(f"the root fully_shard unit gathers the embeddings and the head "
-                           f"together ({format_params(root)} parameters); the formulas gather "
-                           f"the largest of a block, the embeddings and the head "
-                           f"({format_params(largest)})")
     where = f"{est.peak_op} in {est.peak_module}" if est.peak_module else est.peak_op
     reasons.append(f"peaks: formulas in the {analytic.peak_phase}, trace at {where} "
                    f"({est.peak_phase})")
