@@ -147,12 +147,12 @@ def _check_space(name: str, values: list[Any], gpus: int, node: int) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise MemfitError(f"space {name} {v!r} must be a positive integer")
         if gpus % v:
-            raise MemfitError(f"space {name}={v} does not divide gpus={gpus}; choose a {name} "
+            raise MemfitError(f"{name}={v} does not divide gpus={gpus}; choose a {name} "
                               f"that divides {gpus}")
     if name == "tp":
         beyond = [v for v in values if v > node]
         if beyond:
-            raise MemfitError(f"space tp={beyond[0]} is beyond a node of {node} GPUs: tensor "
+            raise MemfitError(f"tp={beyond[0]} is beyond a node of {node} GPUs: tensor "
                               f"parallelism stays inside a node; choose tp <= {node}")
 
 
