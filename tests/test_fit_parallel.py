@@ -11,8 +11,8 @@ input features (``RowwiseParallel``'s all-reduce). A reordered fp32 sum differs 
 its running magnitude: a weight whose two steps' gradients nearly cancel magnifies that rounding
 in its update. Measured (this machine, 2 ranks, 115,008 weights per rank): one weight moves
 6.6e-6 off the one-process run under DDP, ZeRO-1 and FSDP2, two under TP (worst 1.3e-5); every
-other weight is within 1e-6. A gradient whose sign flipped from rounding would move a weight by up to 2 lr
-= 2e-3, which the tolerance catches.
+other weight is within 1e-6. A gradient whose sign flipped from rounding would move a weight by
+up to 2 lr = 2e-3, which the tolerance catches.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def tiny() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
 def test_layouts_of_8_gpus_on_two_nodes() -> None:
     """tp runs over the divisors of the 4 heads within a 4-GPU node; every (tp, pp) gets the five
     data-parallel strategies where dp > 1 (HSDP only across nodes: shard group = node / (tp pp))."""
-    model, batch = tiny()
+    model, _ = tiny()
     shape = model_shape(model, SEQ)
     found = layouts(gpus=8, gpus_per_node=4, global_batch=8, shape=shape, space={},
                     rejected=[])
@@ -188,7 +188,7 @@ def test_sharding_must_match_the_layout() -> None:
         FitConfig(sharding="zero1", parallel=Parallel(gpus=4, zero=3))
 
 
-# -- Plan.apply under gloo --------------------------------------------------------------------------
+# -- Plan.apply under gloo ----------------------------------------------------------------------
 
 def _free_port() -> int:
     with socket.socket() as s:
