@@ -285,3 +285,22 @@ def test_plan_apply_trains_like_one_process(layout: dict[str, Any], world: int) 
     print(f"{layout or 'ddp'}: worst weight difference {worst:.3g}; {beyond} of {total} "
           "elements (all ranks) beyond 1e-6")
     assert worst < 1e-3  # no AdamW sign flip (2 lr = 2e-3)
+
+
+def test_apply_needs_torchrun_and_names_what_it_cannot_run_yet() -> None:
+    """Without torch.distributed: how to start the ranks. A pipeline layout, which
+    memfit.parallel.apply.apply_model does not apply yet: one line saying so and the way out
+    (over a fake 2-rank process group, memfit/parallel/trace.py: fake_world)."""
+    from memfit.fitting.apply import apply_config
+    from memfit.parallel.trace import fake_world
+
+    par = Parallel(gpus=2, pp=2)
+    cfg = FitConfig(micro_batch=2, accumulation=2, parallel=par)
+    model, _ = tiny()
+    with pytest.raises(MemfitError, match="torchrun --nproc-per-node 2") as info:
+        apply_config(model, cfg, num_gpus=2)
+    assert "\n" not in str(info.value)
+    with fake_world(2, 0), pytest.raises(MemfitError, match="cannot run dp 1 x tp 1 x pp 2") \
+            as info:
+        apply_config(model, cfg, num_gpus=2)
+    assert "\n" not in str(info.value) and "--tp 1 --pp 1" in str(info.value)

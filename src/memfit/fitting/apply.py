@@ -153,7 +153,16 @@ def apply_layout(model: nn.Module, config: FitConfig) -> nn.Module:
         raise MemfitError(f"the plan was searched for {par.gpus} GPUs but torch.distributed "
                           f"has {world} ranks; re-run memfit fit with --gpus {world}")
     device = next(model.parameters()).device
-    return apply_model(model, par, device.type)
+    try:
+        return apply_model(model, par, device.type)
+    except MemfitError as exc:
+        if "traced so far" not in str(exc):
+            raise
+        raise MemfitError(
+            f"Plan.apply cannot run {par.describe()} yet: memfit.parallel.apply.apply_model "
+            "applies the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) and tensor parallelism "
+            "alone; export the plan (plan.export('torchtitan')) or re-run memfit fit with "
+            "space={'tp': [1], 'pp': [1]} (CLI: --tp 1 --pp 1)") from None
 
 
 def _optimizer(model: nn.Module, config: FitConfig) -> torch.optim.Optimizer:

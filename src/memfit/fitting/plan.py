@@ -306,6 +306,11 @@ class Plan:
             ("optimizer", c.optimizer_s)))
         console.print(f"predicted step of the chosen config: {parts} (dispatch floor "
                       f"{format_seconds(c.dispatch_s)})")
+        par = self.config.parallel
+        if par is not None and par.gpus > 1:
+            how = ("the worst rank of a per-rank trace" if self.chosen.per_rank else
+                   "derived with the formulas (the per-rank trace does not run this layout yet)")
+            console.print(f"layout: {par.describe()}; peak: {how}")
         console.print(f"rates: {self.rates_source}")
         if self.rejected:
             rej = Table(title=f"rejected ({len(self.rejected)}; first 12)")
