@@ -304,3 +304,22 @@ def test_apply_needs_torchrun_and_names_what_it_cannot_run_yet() -> None:
             as info:
         apply_config(model, cfg, num_gpus=2)
     assert "\n" not in str(info.value) and "--tp 1 --pp 1" in str(info.value)
+
+
+def test_cli_fit_over_gpus_saves_the_layout(tmp_path: Path, monkeypatch: Any,
+                                            capsys: Any) -> None:
+    (tmp_path / "tinyfactory.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_fit_parallel import tiny\n"
+        "def make():\n"
+        "    return tiny()\n")
+    monkeypatch.chdir(tmp_path)
+    code = main(["fit", "tinyfactory:make", "--budget", "64MiB", "--device", "cpu",
+                 "--global-batch", "8", "--gpus", "2", "--tp", "1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    chosen = out["chosen"]
+    assert chosen["config"]["parallel"]["tp"] == 1 and out["num_gpus"] == 2
+    assert chosen["per_rank"] is True  # a data-parallel layout: traced rank by rank
+    assert chosen["config"]["micro_batch"] * chosen["config"]["accumulation"] * 2 == 8
