@@ -111,7 +111,8 @@ def test_activation_factor_is_korthikantis() -> None:
 
 def test_layout_communication_from_first_principles() -> None:
     """Ring all-reduce of G gradient bytes over 8 ranks in a node: 2 * 7/8 * G at the GPU link;
-    FSDP adds the parameters' all-gather, 2 * 7/8 * P; across two 4-GPU nodes the ring runs at
+    FSDP adds the parameters' all-gather in forward and backward, 2 * 7/8 * P (nothing hidden
+    with no compute to hide under); across two 4-GPU nodes the ring runs at
     the inter-node rate (50 GB/s per GPU: one 400 Gb/s port per GPU)."""
     rates = Rates(flops={"fp32": 1e12}, bandwidth=1e12, host_link=25e9, gpu_link=450e9,
                   launch_s=0.0, source="test")
@@ -122,6 +123,15 @@ def test_layout_communication_from_first_principles() -> None:
     fsdp = layout_comm(rates, Parallel(gpus=8, zero=3), sharding="zero3", param_bytes=p,
                        grad_bytes=g, boundary_bytes=0, layers=1, accumulation=1)
     assert fsdp == pytest.approx(2 * 7 / 8 * (g + p) / 450e9)
+    # The gradients' reduction hides under the last micro-batch's backward (2/3 of its
+    # compute): with 2 micro-batches of 0.03 s each, 0.02 s of it.
+    hidden = layout_comm(rates, Parallel(gpus=8), sharding="none", param_bytes=p, grad_bytes=g,
+                         boundary_bytes=0, layers=1, accumulation=2, compute_s=0.06)
+    assert hidden == pytest.approx(2 * 7 / 8 * g / 450e9 - 2 / 3 * 0.03)
+    # ZeRO-1 then broadcasts the updated parameters, (dp-1)/dp of them, after the step.
+    zero1 = layout_comm(rates, Parallel(gpus=8, zero=1), sharding="zero1", param_bytes=p,
+                        grad_bytes=g, boundary_bytes=0, layers=1, accumulation=1)
+    assert zero1 == pytest.approx(2 * 7 / 8 * g / 450e9 + 7 / 8 * p / 450e9)
     two_nodes = layout_comm(rates, Parallel(gpus=8, gpus_per_node=4), sharding="none",
                             param_bytes=p, grad_bytes=g, boundary_bytes=0, layers=1,
                             accumulation=1)

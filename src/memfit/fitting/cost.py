@@ -17,9 +17,10 @@ and parameter communication. The terms:
 - transfers: activation offload moves the saved bytes to the host and back; state offload moves
   gradients down and parameters up each step, at the catalog's ``host_link.gbps`` (no overlap
   assumed: an upper bound on the cost).
-- communication: ring all-reduce of the gradients (``2 (N-1)/N`` of their bytes) for DDP, ZeRO-1
-  and ZeRO-2; ZeRO-3/FSDP adds an all-gather of the parameters in forward and backward (``3 x``
-  ``(N-1)/N``), at ``gpu_link.gbps``.
+- communication (``num_gpus``): ring all-reduce of the gradients (``2 (N-1)/N`` of their bytes)
+  for DDP, ZeRO-1 and ZeRO-2; ZeRO-3/FSDP adds an all-gather of the parameters in forward and
+  backward (``3 x`` ``(N-1)/N``), at ``gpu_link.gbps``, none of it hidden. With a layout
+  (``gpus``), :func:`layout_comm`: what the compute does not hide.
 - layouts (``memfit.fit(..., gpus=N)``, :func:`layout_comm`): each rank computes ``1/(tp pp)``
   of its data-parallel share, plus the pipeline bubble (Narayanan et al., SC'21, "Efficient
   Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2: the bubble is
@@ -34,7 +35,8 @@ and parameter communication. The terms:
   two); on the CPU they add up. Either way small micro-batches pay more of it.
 
 Known limitations: attention kernels are counted at the matmul rate; no compute/transfer overlap
-is modelled; the CPU optimizer step of state offload runs at an assumed 20 GB/s host bandwidth.
+is modelled (except data-parallel collectives under a layout, :func:`layout_comm`); the CPU
+optimizer step of state offload runs at an assumed 20 GB/s host bandwidth.
 """
 
 from __future__ import annotations
@@ -209,7 +211,9 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
     if parallel is not None:
         comm = layout_comm(rates, parallel, sharding=sharding, param_bytes=param_bytes,
                            grad_bytes=grad_bytes, boundary_bytes=boundary_bytes,
-                           layers=layers, accumulation=accumulation)
+                           layers=layers, accumulation=accumulation,
+                           compute_s=accumulation * micro_flops / rate
+                           / (parallel.tp * parallel.pp))
     elif num_gpus > 1:
         link = rates.gpu_link or rates.host_link
         ring = (num_gpus - 1) / num_gpus
@@ -230,36 +234,51 @@ def _link(rates: Rates, span: int, gpus_per_node: int | None) -> float:
 
 
 def layout_comm(rates: Rates, parallel: Any, *, sharding: str, param_bytes: int,
-                grad_bytes: int, boundary_bytes: int, layers: int, accumulation: int) -> float:
-    """Seconds of one step's collectives under ``parallel`` (no overlap with compute: an upper
-    bound, as for one GPU's transfers). ``param_bytes`` / ``grad_bytes``: this rank's share
-    before data-parallel sharding.
+                grad_bytes: int, boundary_bytes: int, layers: int, accumulation: int,
+                compute_s: float = 0.0) -> float:
+    """Seconds of one step's collectives under ``parallel`` that the compute does not hide.
+    ``param_bytes`` / ``grad_bytes``: this rank's share before data-parallel sharding;
+    ``compute_s``: this rank's compute for the step (no bubble), the window data-parallel
+    collectives overlap (0: nothing hidden, an upper bound).
 
-    - data parallel over ``dp`` ranks: a ring all-reduce of the gradients, ``2 (dp-1)/dp`` of
-      their bytes (ZeRO-1/2's reduce-scatter + all-gather move the same); ZeRO-3/FSDP adds the
-      parameters' all-gather in forward and backward, ``2 (dp-1)/dp``; HSDP does both inside
-      its shard group and all-reduces the gradient shard across the replicas;
+    - data parallel over ``dp`` ranks: the gradients are reduced once per step, in the last
+      micro-batch's backward (earlier ones skip it: ``no_sync`` /
+      ``set_requires_gradient_sync(False)``, as memfit.oom_guard runs them), a ring
+      all-reduce of ``2 (dp-1)/dp`` of their bytes (ZeRO's reduce-scatter + all-gather move
+      the same), overlapped with that backward, 2/3 of the micro-batch's compute (DDP's
+      buckets and FSDP2's reduce-scatter run while the backward goes on: Li et al., VLDB 2020,
+      "PyTorch Distributed", §3.2.3; Zhao et al., VLDB 2023, "PyTorch FSDP", §3.3); FSDP2
+      all-gathers the parameters in every micro-batch, ``2 (dp-1)/dp`` of them with resharding
+      after forward (zero3, HSDP inside its shard group) and ``(dp-1)/dp`` without (zero2),
+      prefetched under the micro-batch's compute; ZeRO-1's ``ZeroRedundancyOptimizer``
+      broadcasts the updated parameters after the step, ``(dp-1)/dp``, nothing to hide it;
+      HSDP all-reduces the gradient shard across the replicas too;
     - tensor parallel: two all-reduces of a block's input in the forward and two in the
       backward (Shoeybi et al. 2019, Megatron-LM §3: the ``f`` and ``g`` operators), each
-      ``2 (tp-1)/tp`` of it, per block of this stage and micro-batch;
+      ``2 (tp-1)/tp`` of it, per block of this stage and micro-batch, on the critical path;
     - pipeline: one send of a block's input forward and one of its gradient back per stage
-      boundary and micro-batch."""
+      boundary and micro-batch, not hidden (an upper bound)."""
     gpn = parallel.gpus_per_node
     dp, tp, pp = parallel.dp, parallel.tp, parallel.pp
+    micro_compute = compute_s / max(1, accumulation)
     comm = 0.0
     if dp > 1:
+        link = _link(rates, tp * dp, gpn)
         if sharding == "hsdp":
             shard, replicas = parallel.fsdp, parallel.replicate
             inner = _link(rates, tp * shard, gpn)
             ring = (shard - 1) / shard
-            comm += 2 * ring * (grad_bytes + param_bytes) / inner
-            comm += 2 * (replicas - 1) / replicas * grad_bytes / shard / _link(rates, tp * dp, gpn)
+            reduce = 2 * ring * grad_bytes / inner
+            reduce += 2 * (replicas - 1) / replicas * grad_bytes / shard / link
+            gather = 2 * ring * param_bytes / inner
         else:
-            link = _link(rates, tp * dp, gpn)
             ring = (dp - 1) / dp
-            comm += 2 * ring * grad_bytes / link
-            if sharding == "zero3":
-                comm += 2 * ring * param_bytes / link
+            reduce = 2 * ring * grad_bytes / link
+            gather = {"zero3": 2, "zero2": 1}.get(sharding, 0) * ring * param_bytes / link
+            if sharding == "zero1":
+                comm += ring * param_bytes / link
+        comm += max(0.0, reduce - 2 / 3 * micro_compute)
+        comm += accumulation * max(0.0, gather - micro_compute)
     if tp > 1:
         per_block = 4 * 2 * (tp - 1) / tp * boundary_bytes / _link(rates, tp, gpn)
         comm += accumulation * per_block * -(-layers // pp)
