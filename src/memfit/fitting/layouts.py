@@ -63,6 +63,24 @@ class ModelShape:
         return worst / total
 
 
+    @property
+    def numel(self) -> int:
+        return sum(s + r for s, r in self.block_numels) + self.first_numel + self.last_numel
+
+    def unit_shares(self, tp: int, pp: int) -> tuple[float, float]:
+        """(the largest block, the root's parameters: embeddings, final norm, head) as shares
+        of the model's parameters, on one tensor-parallel rank of the most loaded stage: the
+        FSDP2 units ``memfit/parallel/apply.py: apply_fsdp`` shards (each block, then the root
+        holding what no block holds)."""
+        total = self.numel
+        if not total:
+            return 0.0, 0.0
+        block = max((s / tp + r for s, r in self.block_numels), default=0.0)
+        root = (self.first_numel + self.last_numel if pp == 1
+                else max(self.first_numel, self.last_numel))
+        return block / total, root / total
+
+
 def _count(model: nn.Module, names: tuple[str, ...]) -> int | None:
     config = getattr(model, "config", None) or getattr(model, "spec", None)
     for name in names:

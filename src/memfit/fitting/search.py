@@ -391,9 +391,11 @@ class _Search:
         if par is None:
             return _derive(t, ref_m, m, offload_states, offload_activations, sharding,
                            self.num_gpus, self.per_gpu)
+        units = (self.shape.unit_shares(par.tp, par.pp) if self.shape is not None
+                 else (0.0, 0.0))
         return _derive_layout(t, ref_m, m, offload_states, offload_activations, sharding, par,
                               per_rank or self.per_gpu, self.share(par),
-                              self.act_factor(par, attention))
+                              self.act_factor(par, attention), units)
 
     def share(self, par: Parallel) -> float:
         """The share of the parameters the most loaded rank of ``par`` holds before
@@ -1056,7 +1058,8 @@ def _seq_of(batch: Any) -> int | None:
 
 def _derive_layout(t: _Traced, ref_m: int, m: int, offload_states: bool,
                    offload_activations: bool, sharding: str, par: Parallel, per_rank: int,
-                   share: float, act_factor: float) -> int:
+                   share: float, act_factor: float,
+                   units: tuple[float, float] = (0.0, 0.0)) -> int:
     """Peak of the most loaded rank of layout ``par`` (Note: [layouts are derived, then
     traced]), from the one-GPU trace ``t``: the one-GPU step at this rank's batch
     (:func:`_derive`), less
@@ -1069,7 +1072,19 @@ def _derive_layout(t: _Traced, ref_m: int, m: int, offload_states: bool,
       ``1 / pp`` of each of the ``min(pp, micro-batches)`` it holds in flight (1F1B:
       memfit/analytic/activations.py);
     - the ZeRO-1/2/3 (and HSDP) shards of its states, gradients and weights over the ranks
-      that shard them (``(n - 1) / n``)."""
+      that shard them (``(n - 1) / n``);
+
+    plus the buffers of the data-parallel engine (``units``: the largest block's and the
+    root's shares of the parameters, :meth:`memfit.fitting.layouts.ModelShape.unit_shares`):
+    DDP's (and ZeRO-1's) flat gradient buckets, a copy of the gradients
+    (``torch/csrc/distributed/c10d/reducer.cpp: Reducer::initialize_buckets``; DDP's
+    ``gradient_as_bucket_view`` is False by default); FSDP2 resharding after forward holds the
+    gathered parameters of the block it runs and the one it prefetches and of the root, and a
+    block's unsharded gradient before its reduce-scatter (``_fsdp_collectives.py:
+    foreach_all_gather, foreach_reduce``); without resharding every block stays gathered from
+    forward to backward beside its shard, with the unsharded gradient of a block and the root.
+    (On tests/test_fit_parallel.py's tiny model, 4 ranks, these bring the derivation from
+    48-81% of the per-rank trace to within a few percent, ``bench/fit_parallel.py``.)"""
     peak = _derive(t, ref_m, m, offload_states, offload_activations, "none", 1, per_rank)
     acts = t.activations_at_peak * m / ref_m
     in_flight = min(par.pp, per_rank // m)
@@ -1085,6 +1100,14 @@ def _derive_layout(t: _Traced, ref_m: int, m: int, offload_states: bool,
         if sharding in ("zero3", "hsdp"):
             saved += t.weights * share * keep
         peak -= saved
+    if par.dp > 1:
+        block, root = units  # shares of all the parameters (t.weights, t.grads: all of them)
+        if sharding in ("none", "zero1"):
+            peak += t.grads * share
+        elif sharding == "zero2":
+            peak += t.weights * share / n + (block + root) * t.grads
+        else:
+            peak += (2 * block + root) * t.weights + block * t.grads
     return int(peak)
 
 
