@@ -918,10 +918,13 @@ class _Search:
         par = cfg.parallel
         if par is None or par.gpus == 1 or not per_rank_traced(par):
             return None
-        key = (cfg.precision, cfg.checkpointing, cfg.checkpoint_modes, cfg.optimizer,
+        # fp16-mixed shares bf16-mixed's trace on a GPU that runs both (Note: [fp16 is traced as
+        # bf16]), per rank as on one GPU.
+        precision = self.traced_precision(cfg.precision)
+        key = (precision, cfg.checkpointing, cfg.checkpoint_modes, cfg.optimizer,
                cfg.chunked_loss, cfg.attention, cfg.micro_batch, par)
         if key not in self.per_rank_traces:
-            t = _trace_one(self.base, self.sample_batch, precision=cfg.precision,
+            t = _trace_one(self.base, self.sample_batch, precision=precision,
                            ckpt=cfg.checkpointing, optimizer=cfg.optimizer,
                            chunked=cfg.chunked_loss, attention=cfg.attention,
                            m=cfg.micro_batch, per_gpu=self.global_batch // par.dp,
