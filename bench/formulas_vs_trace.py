@@ -1,17 +1,23 @@
 """The analytic formulas against the trace (issue 14 §2): every preset x {train, lora} x
-{none, selective, full} at two batch/seq points, one GPU.
+{none, selective, full} at two batch/seq points, on one GPU and on 8 GPUs with FSDP.
 
     python bench/formulas_vs_trace.py [--presets gpt2,llama-3.2-1b] [--gpu h100-sxm-80gb]
+        [--gpus 1,8] [--out bench/results/NAME.json]
 
-Prints a table and writes bench/results/formulas-vs-trace-cpu-<date>.json. Both columns are
+Prints a table and writes bench/results/formulas-vs-trace-cpu-<date>.json (with ``--gpus 8``
+alone: formulas-vs-trace-fsdp8-cpu-<date>.json). Both columns are
 predictions for a CUDA target: the trace runs the real module on meta tensors; the formulas are
 ``memfit.analytic``. What is compared: the plan's total against the trace's live bytes at its
 peak (its total less the caching allocator's reserve, which the plan does not model: the fit
 margin covers it). The plan is run with ``engine="ddp"``: plain PyTorch under autocast, as the
 trace runs it (fp32 parameters and gradients). Agreement is within 5% or the row says why not.
 
-Multi-GPU (8 GPUs with FSDP) rows are a hook: ``TRACERS[8]`` is None until the per-rank trace
-of issue 14 §1 lands (helper "parallel"); those rows are listed as pending, not compared.
+8 GPUs with FSDP: the plan is ``engine="fsdp2", zero=3`` (PyTorch FSDP2 with a bf16
+``MixedPrecisionPolicy``), the trace is the per-rank trace of that layout, as ``memfit plan
+--gpus 8 --fsdp`` runs it (``memfit.cli.parallel_plan.parallel_layout``: ``fully_shard`` per
+block then the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), and the
+number compared is its most loaded rank's; the reason string is the one the plan prints
+(``parallel_plan.disagreement_reason``).
 """
 
 from __future__ import annotations
@@ -45,9 +51,15 @@ def _single_gpu(spec: Any, run: RunConfig, gpu: GpuSpec) -> Any:
     return traced_estimate(spec, run, gpu)
 
 
+def _fsdp(spec: Any, run: RunConfig, gpu: GpuSpec) -> Any:
+    from memfit.cli.parallel_plan import parallel_layout, trace_parallel
+
+    return trace_parallel(spec, run, gpu, parallel_layout(run))
+
+
 TRACERS: dict[int, Callable[[Any, RunConfig, GpuSpec], Any] | None] = {
     1: _single_gpu,
-    8: None,  # hook: the per-rank FSDP trace (issue 14 §1) plugs in here
+    8: _fsdp,  # the per-rank trace of FSDP2 over 8 ranks (memfit/parallel/trace.py)
 }
 
 
@@ -69,6 +81,11 @@ class Row:
     trace_seconds: float = 0.0
     plan_peak: str = ""
     trace_peak: str = ""
+    error_without_unsharded_grads: float | None = None
+    """8 GPUs: plan / trace - 1 with the plan's "unsharded gradients" buffer (the largest
+    fully_shard unit's, with its fp32 reduce-scatter input) left out of its peak: how much of
+    the disagreement that one buffer explains (Note: [unsharded gradients at the loss] in
+    memfit/cli/parallel_plan.py)."""
 
 
 def run_config(spec: Any, mode: str, checkpointing: str, batch: int, seq: int,
@@ -102,14 +119,24 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
     error = planned.total_bytes / live - 1
     agrees = abs(error) <= TOLERANCE
     why = ""
-    if not agrees:
+    if not agrees and gpus > 1:
+        from memfit.cli.parallel_plan import disagreement_reason
+
+        why = disagreement_reason(planned, est)
+    elif not agrees:
         peaks = ("" if planned.peak_phase == est.peak_phase else
                  f"peaks differ (plan: {planned.peak_phase}, trace: {est.peak_phase} at "
                  f"{est.peak_op}); ")
         why = peaks + "; ".join(planned.notes)
     return Row(**{**asdict(base), "plan_bytes": planned.total_bytes, "trace_live_bytes": live,
                   "error": error, "agrees": agrees, "why": why, "trace_seconds": seconds,
-                  "plan_peak": planned.peak_phase, "trace_peak": est.peak_phase})
+                  "plan_peak": planned.peak_phase, "trace_peak": est.peak_phase,
+                  "error_without_unsharded_grads": _without_unsharded(planned, live)})
+
+
+def _without_unsharded(planned: Any, live: int) -> float | None:
+    unsharded = planned.engine_buffers.get("unsharded gradients", 0)
+    return (planned.total_bytes - unsharded) / live - 1 if unsharded and live else None
 
 
 def _summary(rows: list[Row]) -> dict[str, Any]:
@@ -122,13 +149,14 @@ def _summary(rows: list[Row]) -> dict[str, Any]:
     }
 
 
-def _write(rows: list[Row], gpu: GpuSpec, *, partial: bool) -> Path:
+def _write(rows: list[Row], gpu: GpuSpec, *, partial: bool, out: Path) -> Path:
     import torch
 
-    out = Path(f"bench/results/formulas-vs-trace-cpu-{dt.date.today().isoformat()}.json")
     out.write_text(json.dumps({
-        "what": "analytic plan (engine ddp) total vs trace live bytes at its peak, bf16-mixed "
-                "AdamW, CUDA target; 8-GPU FSDP rows are a hook until the per-rank trace lands",
+        "what": "analytic plan total vs trace live bytes at its peak, bf16-mixed AdamW, CUDA "
+                "target; 1 GPU: plan engine ddp vs the single-GPU trace; 8 GPUs: plan engine "
+                "fsdp2 zero 3 vs the per-rank trace of FSDP2 (bf16 MixedPrecisionPolicy), most "
+                "loaded rank",
         "gpu_target": gpu.name, "torch": torch.__version__, "tolerance": TOLERANCE,
         "device": "cpu (meta tensors), machine shared with other jobs",
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
@@ -145,11 +173,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default=",".join(s.name for s in list_presets()))
     ap.add_argument("--gpu", default="h100-sxm-80gb")
-    ap.add_argument("--gpus", default="1,8", help="GPU counts (8 is a hook for now)")
+    ap.add_argument("--gpus", default="1,8", help="GPU counts (8: FSDP over 8 ranks)")
+    ap.add_argument("--points", default=",".join(f"{b}x{s}" for b, s in POINTS),
+                    help="batch x seq points, e.g. 1x512,4x1024")
+    ap.add_argument("--out", help="results file (default: bench/results/formulas-vs-trace-"
+                    "cpu-<date>.json; with --gpus 8 alone, formulas-vs-trace-fsdp8-cpu-<date>)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--checkpointing", default=",".join(CHECKPOINTING))
     args = ap.parse_args()
     gpu = get_gpu(args.gpu)
+    points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
+    kind = "fsdp8-" if args.gpus == "8" else ""
+    out = Path(args.out or f"bench/results/formulas-vs-trace-{kind}cpu-"
+               f"{dt.date.today().isoformat()}.json")
     rows: list[Row] = []
     print(f"{'preset':15} {'mode':5} {'ckpt':9} {'b x s':>9} {'gpus':>4} {'plan GiB':>9} "
           f"{'trace GiB':>9} {'error':>7}  note", flush=True)
@@ -157,15 +193,15 @@ def main() -> None:
         for gpus in (int(g) for g in args.gpus.split(",")):
             for mode in args.modes.split(","):
                 for ckpt in args.checkpointing.split(","):
-                    for batch, seq in POINTS:
+                    for batch, seq in points:
                         r = compare(name, mode, ckpt, batch, seq, gpu, gpus)
                         rows.append(r)
                         err = "" if r.error is None else f"{100 * r.error:+6.1f}%"
                         print(f"{name:15} {mode:5} {ckpt:9} {f'{batch}x{r.seq}':>9} {gpus:>4} "
                               f"{_gib(r.plan_bytes):>9} {_gib(r.trace_live_bytes):>9} {err:>7}  "
                               f"{'' if r.agrees else r.why[:90]}", flush=True)
-        out = _write(rows, gpu, partial=True)  # after each preset: a cut-off run keeps its rows
-    out = _write(rows, gpu, partial=False)
+        _write(rows, gpu, partial=True, out=out)  # after each preset: a cut-off run keeps rows
+    _write(rows, gpu, partial=False, out=out)
     print(_summary(rows))
     print(f"wrote {out}")
 

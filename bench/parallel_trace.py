@@ -1,9 +1,10 @@
-"""Per-rank peaks of data-parallel steps: memfit's trace, PyTorch's FSDPMemTracker, real gloo ranks.
+"""Per-rank peaks of parallel steps: memfit's trace, PyTorch's FSDPMemTracker, real gloo ranks.
 
 Run: ``python bench/parallel_trace.py [--skip-measured] [--gpt2]``
 
 For each layout of a tiny Llama-like decoder (hidden 64, 2 layers, vocab 250; batch 2 x seq 64;
-fp32, AdamW, 2 steps; CPU):
+fp32, AdamW, 2 steps; CPU; the expert-parallel row: its MLPs as 4 builtin MoE experts, top 2;
+the pipeline layouts: 4 layers, batch 8 in 4 micro-batches):
 
 - ``measured``: one process per rank over gloo (``memfit.parallel.measure``): the profiler's
   allocator events of the step's own blocks, lowest of 3 runs; ``gloo scratch``: gloo's own
@@ -36,7 +37,7 @@ import torch
 
 import memfit
 from memfit.parallel import Parallel
-from memfit.parallel.measure import Case, build, measure, tiny_spec
+from memfit.parallel.measure import Case, build, measure, tiny_moe_spec, tiny_spec
 
 P = Parallel
 LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
@@ -45,16 +46,36 @@ LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
     "ddp": (2, P(gpus=2)),
     "zero1": (2, P(gpus=2, zero=1)),
     "tp 2": (2, P(gpus=2, tp=2)),
+    "tp 2 + sp": (2, P(gpus=2, tp=2, sp=True)),
+    "tp 2 + sp + loss par.": (2, P(gpus=2, tp=2, sp=True, loss_parallel=True)),
     "hsdp 2x2": (4, P(gpus=4, fsdp=2)),
     "fsdp2 x4 (reshard)": (4, P(gpus=4, fsdp=4)),
     "fsdp2 x4 bf16 params": (4, P(gpus=4, fsdp=4, param_dtype="bf16", reduce_dtype="fp32")),
+    "tp 2 x fsdp 2": (4, P(gpus=4, tp=2, fsdp=2)),
+    "tp 2 + sp x fsdp 2": (4, P(gpus=4, tp=2, fsdp=2, sp=True)),
+    "tp 2 + sp x hsdp 2x2": (8, P(gpus=8, tp=2, fsdp=2, sp=True)),
+}
+MOE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # the same decoder, MLPs as 4 MoE experts (top 2)
+    "ep 2 (moe)": (2, P(gpus=2, ep=2)),
+    "ep 2 + fsdp2 (moe)": (2, P(gpus=2, fsdp=2, ep=2)),
+    "ep 2 + fsdp2 x4 (moe)": (4, P(gpus=4, fsdp=4, ep=2)),
+}
+PIPELINE_LAYOUTS: dict[str, tuple[int, Parallel]] = {  # 4 layers, batch 8 in 4 micro-batches
+    "pp 2 (1f1b)": (2, P(gpus=2, pp=2, microbatches=4)),
+    "pp 2 (gpipe)": (2, P(gpus=2, pp=2, microbatches=4, pp_schedule="gpipe")),
+    "pp 2 (interleaved 1f1b)": (2, P(gpus=2, pp=2, microbatches=4,
+                                     pp_schedule="interleaved-1f1b")),
+    "pp 4 (1f1b)": (4, P(gpus=4, pp=4, microbatches=4)),
+    "pp 2 x fsdp 2 (1f1b)": (4, P(gpus=4, pp=2, fsdp=2, microbatches=4,
+                                  reshard_after_forward=False)),
 }
 
 
 def fsdp_mem_tracker_peak(make: Any, parallel: Parallel, steps: int = 2) -> int | None:
-    """FSDPMemTracker's peak for rank 0 of ``parallel`` (None: not an FSDP layout).
-    ``make()`` builds ``(model, inputs)``; it runs inside a FakeTensorMode."""
-    if parallel.strategy not in ("fsdp", "hsdp"):
+    """FSDPMemTracker's peak for rank 0 of ``parallel`` (None: not an FSDP layout, or FSDP
+    beside tensor parallelism, which it does not apply). ``make()`` builds ``(model, inputs)``;
+    it runs inside a FakeTensorMode."""
+    if parallel.strategy not in ("fsdp", "hsdp") or parallel.tp > 1:
         return None
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -99,17 +120,23 @@ def main() -> None:
     args = ap.parse_args()
     spec = dataclasses.replace(tiny_spec(), vocab_size=250)
     cases = {name: Case(spec=spec, batch=2, seq=64, parallel=p) for name, (_, p) in LAYOUTS.items()}
+    moe_spec = dataclasses.replace(tiny_moe_spec(), vocab_size=250)
+    cases.update({name: Case(spec=moe_spec, batch=2, seq=64, parallel=p)
+                  for name, (_, p) in MOE_LAYOUTS.items()})
+    cases.update({name: Case(spec=dataclasses.replace(spec, num_layers=4), batch=8, seq=64,
+                             parallel=p) for name, (_, p) in PIPELINE_LAYOUTS.items()})
+    worlds = {**LAYOUTS, **MOE_LAYOUTS, **PIPELINE_LAYOUTS}
     measured: dict[str, list[dict[str, int]]] = {}
     if not args.skip_measured:
-        for world in sorted({w for w, _ in LAYOUTS.values()}):
-            names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        for world in sorted({w for w, _ in worlds.values()}):
+            names = [n for n, (w, _) in worlds.items() if w == world]
             started = time.perf_counter()
             for name, peaks in zip(names, measure([cases[n] for n in names], world), strict=True):
                 measured[name] = peaks
             print(f"measured {len(names)} layouts on {world} gloo ranks in "
                   f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
     rows = []
-    header = (f"{'layout':22} {'rank':>4} {'measured':>10} {'gloo scratch':>12} {'memfit':>10} "
+    header = (f"{'layout':24} {'rank':>4} {'measured':>10} {'gloo scratch':>12} {'memfit':>10} "
               f"{'err':>7} {'FSDPMemTracker':>14} {'err':>7}")
     print(header)
     for name, case in cases.items():
@@ -126,15 +153,16 @@ def main() -> None:
                    "memfit_seconds": round(seconds, 2),
                    "fsdp_mem_tracker": fmt if rank == 0 else None}
             rows.append(row)
-            print(f"{name:22} {rank:>4} {truth or '':>10} {real.get('backend', ''):>12} "
+            print(f"{name:24} {rank:>4} {truth or '':>10} {real.get('backend', ''):>12} "
                   f"{pred[rank]:>10} {pct(pred[rank], truth) if truth else '':>7} "
                   f"{fmt if rank == 0 and fmt else '':>14} "
                   f"{pct(fmt, truth) if rank == 0 and fmt and truth else '':>7}")
     results: dict[str, Any] = {
-        "what": "per-rank peak bytes of data-parallel steps (CPU target): gloo ranks measured "
+        "what": "per-rank peak bytes of parallel steps (CPU target): gloo ranks measured "
                 "with the profiler, memfit's per-rank trace, FSDPMemTracker",
         "model": dataclasses.asdict(spec), "batch": 2, "seq": 64, "precision": "fp32",
         "optimizer": "adamw", "steps": 2,
+        "moe_model": dataclasses.asdict(moe_spec),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__, "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs)",

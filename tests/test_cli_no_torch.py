@@ -84,6 +84,9 @@ def test_analytic_cli_paths_import_neither_torch_nor_transformers(tmp_path: Path
         ["plan", "mistral-7b", "--mode", "inference", "--new-tokens", "128", "--json"],
         ["plan", "llama-3-8b", "--mode", "qlora", "--gpu", "a10g"],
         ["plan", "gpt2", "--method", "analytic", "--gpu", "t4"],
+        ["plan", "--params", "7e9", "--gpus", "8", "--zero", "3"],  # formulas: nothing to trace
+        ["plan", "llama-3-8b", "--gpus", "8", "--engine", "deepspeed", "--zero", "3"],
+        ["plan", "llama-3-8b", "--gpus", "8", "--fsdp", "--method", "analytic"],
         ["plan", str(config), "--gpu", "h100-80gb"],
         ["plan", str(config), "--json"],
         ["plan", str(folder), "--gpu", "h100-80gb"],

@@ -17,8 +17,10 @@ import torch
 
 __all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator_settings_setter",
            "called_by_autograd_engine", "clear_cublas_workspaces", "current_graph_task_id",
-           "dtensor_meta_propagation_within", "engine_run_backward", "fake_op_rule", "fake_store",
-           "flatten_dense_tensors", "has_dispatch_kernel",
+           "ddp_ignore",
+           "dtensor_foreach_propagation_once_per_shape", "dtensor_meta_propagation_within",
+           "engine_run_backward", "fake_op_rule", "fake_store", "flatten_dense_tensors",
+           "fsdp_chunks_on_demand", "has_dispatch_kernel",
            "is_norm_layer", "reporting_get_rng_state",
            "sdp_priority_order", "storage_use_count", "unflatten_dense_tensors"]
 
@@ -137,6 +139,260 @@ def dtensor_meta_propagation_within(
         ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def dtensor_foreach_propagation_once_per_shape() -> Iterator[None]:
+    """Within the context, DTensor's sharding propagation of a foreach op (an optimizer's
+    ``_foreach_*`` over every parameter) works once per distinct element, not once per element;
+    its result is the same.
+
+    Note: [DTensor's foreach propagation] ``torch/distributed/tensor/_sharding_prop.py:
+    ShardingPropagator.propagate_op_sharding_non_cached`` (torch 2.13.0) costs, at the first
+    call of each foreach op (its result is cached by schema after that), time quadratic in the
+    list's length: about 11 of the 19-23 CPU-s of a process's first per-rank trace of a 64-way
+    FSDP2 Llama-3-70B (its first AdamW step: 723 parameters, 7 foreach ops):
+
+    - ``_expand_single_dim_strategy_to_mesh``'s ``expanded_foreach_strategy`` (``_ops/
+      single_dim_strategy.py``) builds each element's schema with a pytree map over every list
+      and expands each element's strategy. An element's strategy is a function of its own
+      inputs' specs (the ``DTensorSpec`` of each list at that index: mesh, placements, shard
+      order, strided flag, shape, stride, dtype), its output's ``TensorMeta`` and the arguments
+      that are not lists of tensors, which all elements share. Here the elements are grouped by
+      exactly those values, the original expands a schema holding one element of each group, and
+      each element gets its group's strategy (the caller only reads it: ``_propagate_use_
+      strided_shard_flag`` fixes it up idempotently, ``_select_min_cost_strategy`` selects, the
+      specs are copied with each element's own tensor metadata).
+    - ``_propagate_use_strided_shard_flag(strategy, op_schema)``, called for each element,
+      rebuilds ``op_schema.args_spec`` (every list) and scans every spec's placements each time;
+      it reads ``op_schema`` only through ``args_spec`` and returns at once when no spec holds a
+      ``_StridedShard``. Here the specs are found once per ``op_schema`` and the function runs
+      (on those specs) only when one does.
+
+    - ``ShardingPropagator._propagate_tensor_meta_non_cached`` runs the op on global-shape fake
+      tensors made from every element's spec to learn the outputs' ``TensorMeta`` (the meta
+      kernel of each element in Python). A foreach op's output at an index is a function of the
+      inputs at that index (the lists' specs, a scalar list's value) and of the shared scalars,
+      so the op runs on one element of each group of identical indices and each element gets
+      its group's ``TensorMeta`` (an immutable tuple). Only ops whose arguments are lists of
+      specs or numbers and shared numbers are grouped; anything else runs as torch runs it.
+
+    The first two are patched on ``_sharding_prop`` (the caller looks the names up there), the
+    third on the class (on top of :func:`dtensor_meta_propagation_within`'s patch when that is
+    entered first), each restored on exit; the first two are skipped where torch lacks them."""
+    from torch.distributed.tensor import _sharding_prop
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    flag = getattr(_sharding_prop, "_propagate_use_strided_shard_flag", None)
+    expand = getattr(_sharding_prop, "_expand_single_dim_strategy_to_mesh", None)
+    last: list[Any] = [None, None]  # the op_schema seen last, its specs if one is strided
+
+    class _Specs:
+        __slots__ = ("args_spec",)
+
+        def __init__(self, specs: tuple[Any, ...]) -> None:
+            self.args_spec = specs
+
+    def propagate_flag(op_strategy: Any, op_schema: Any = None, *rest: Any, **kw: Any) -> Any:
+        if rest or kw or type(op_schema) is not OpSchema:  # another signature
+            return flag(op_strategy, op_schema, *rest, **kw)  # type: ignore[misc]
+        if last[0] is not op_schema:
+            specs = op_schema.args_spec
+            strided = any(isinstance(p, _StridedShard) for s in specs for p in s.placements)
+            last[0], last[1] = op_schema, _Specs(specs) if strided else None
+        if last[1] is not None:
+            flag(op_strategy, last[1])  # type: ignore[misc]
+        return None
+
+    def element_key(child: Any) -> Any:
+        """The whole state of a list element's input strategy as ``_wrap_with_op_strategy``
+        makes it (one ``OpSpec`` of one ``DTensorSpec``), or None for any other shape."""
+        if type(child) is not OpStrategy or len(child.strategies) != 1:
+            return None
+        spec = child.strategies[0]
+        out = spec.output_specs
+        if (type(spec) is not OpSpec or spec.input_specs is not None
+                or spec.redistribute_cost is not None or type(out) is not DTensorSpec):
+            return None
+        return out, out.use_strided_shard_as_shard_order
+
+    def expand_grouped(*call: Any, **kw: Any) -> Any:
+        if len(call) != 4 or kw or type(call[1]) is not OpSchema:  # another signature
+            return expand(*call, **kw)  # type: ignore[misc]
+        mesh, op_schema, info, out_meta = call
+        args = op_schema.args_schema
+        lists = [i for i, a in enumerate(args) if type(a) is TupleStrategy]
+        if not lists or not op_schema.op.name().startswith(
+                ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")):
+            return expand(mesh, op_schema, info, out_meta)  # type: ignore[misc]
+        length = len(args[lists[0]].children)
+        if any(len(args[i].children) != length for i in lists) or (
+                out_meta is not None and (not isinstance(out_meta, (list, tuple))
+                                          or len(out_meta) != length)):
+            return expand(mesh, op_schema, info, out_meta)  # type: ignore[misc]
+        group_of: dict[Any, int] = {}
+        groups: list[int] = []
+        firsts: list[int] = []
+        for j in range(length):
+            key = tuple(element_key(args[i].children[j]) for i in lists)
+            if None in key:
+                return expand(mesh, op_schema, info, out_meta)  # type: ignore[misc]
+            key += (out_meta[j] if out_meta is not None else None,)
+            g = group_of.setdefault(key, len(group_of))
+            if g == len(firsts):
+                firsts.append(j)
+            groups.append(g)
+        if len(firsts) == length:
+            return expand(mesh, op_schema, info, out_meta)  # type: ignore[misc]
+        reduced = OpSchema(op_schema.op, tuple(
+            TupleStrategy([a.children[j] for j in firsts]) if i in lists else a
+            for i, a in enumerate(args)), op_schema.kwargs_schema,
+            schema_info=op_schema.schema_info)
+        reduced_meta = None if out_meta is None else [out_meta[j] for j in firsts]
+        run = expand(mesh, reduced, info, reduced_meta)  # type: ignore[misc]
+
+        def expanded(op: Any, _args: Any, _kwargs: Any) -> Any:
+            children = run(op, reduced.args_meta, reduced.kwargs_meta).children
+            return TupleStrategy([children[g] for g in groups])
+
+        return expanded
+
+    propagator = _sharding_prop.ShardingPropagator
+    meta = propagator._propagate_tensor_meta_non_cached
+
+    def meta_grouped(self: Any, op_schema: Any) -> Any:
+        args = op_schema.args_schema
+        if (type(op_schema) is not OpSchema or op_schema.kwargs_schema
+                or not op_schema.op.name().startswith(("aten::_foreach_", "aten::_fused_"))):
+            return meta(self, op_schema)
+        lists = [i for i, a in enumerate(args) if isinstance(a, list | tuple)]
+        length = len(args[lists[0]]) if lists else 0
+        for i, a in enumerate(args):
+            if i in lists:
+                if len(a) != length or not all(type(x) is DTensorSpec or type(x) in _NUMBERS
+                                               for x in a):
+                    return meta(self, op_schema)
+            elif not (a is None or type(a) in _NUMBERS):  # a tensor, a spec: shared, keep
+                return meta(self, op_schema)
+        if not any(type(args[i][0]) is DTensorSpec for i in lists):
+            return meta(self, op_schema)
+        group_of: dict[Any, int] = {}
+        groups: list[int] = []
+        firsts: list[int] = []
+        for j in range(length):
+            key = tuple((args[i][j], args[i][j].use_strided_shard_as_shard_order)
+                        if type(args[i][j]) is DTensorSpec else (type(args[i][j]), args[i][j])
+                        for i in lists)
+            g = group_of.setdefault(key, len(group_of))
+            if g == len(firsts):
+                firsts.append(j)
+            groups.append(g)
+        if len(firsts) == length:
+            return meta(self, op_schema)
+        reduced = OpSchema(op_schema.op, tuple(
+            type(a)(a[j] for j in firsts) if i in lists else a for i, a in enumerate(args)),
+            {}, schema_info=op_schema.schema_info)
+        out = meta(self, reduced)
+        if out is None:
+            return None
+        if not isinstance(out, list | tuple) or len(out) != len(firsts):
+            return meta(self, op_schema)
+        return type(out)(out[g] for g in groups)
+
+    if flag is not None:
+        _sharding_prop._propagate_use_strided_shard_flag = propagate_flag
+    if expand is not None:
+        _sharding_prop._expand_single_dim_strategy_to_mesh = expand_grouped
+    propagator._propagate_tensor_meta_non_cached = meta_grouped  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if flag is not None:
+            _sharding_prop._propagate_use_strided_shard_flag = flag
+        if expand is not None:
+            _sharding_prop._expand_single_dim_strategy_to_mesh = expand
+        propagator._propagate_tensor_meta_non_cached = meta  # type: ignore[method-assign]
+        last.clear()
+
+
+_NUMBERS = (int, float, bool, complex)
+
+
+class _ChunksOnDemand:
+    """``torch/distributed/fsdp/_fully_shard/_fsdp_common.py: _chunk_with_empty(tensor,
+    num_chunks, dim)`` (``torch.chunk``, then ``chunks[0].new_empty(0)`` for each missing chunk)
+    as a sequence whose chunks are made when first read: chunk ``i`` is ``tensor.narrow(dim,
+    i * size, ...)`` with ``size = ceil(length / num_chunks)``, the view ``torch.chunk`` makes
+    (``aten/src/ATen/native/TensorShape.cpp: chunk`` splits by that size)."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self._tensor, self._n, self._dim = tensor, num_chunks, dim
+        self._length = tensor.size(dim)
+        self._size = -(-self._length // num_chunks)
+        self._count = -(-self._length // self._size)  # chunks torch.chunk returns
+        self._made: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._n))]
+        i = index + self._n if index < 0 else index
+        if not 0 <= i < self._n:
+            raise IndexError(index)
+        made = self._made.get(i)
+        if made is None:
+            if i < self._count:
+                start = i * self._size
+                made = self._tensor.narrow(self._dim, start,
+                                           min(self._size, self._length - start))
+            else:
+                made = self[0].new_empty(0)
+            self._made[i] = made
+        return made
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[i] for i in range(self._n))
+
+
+@contextlib.contextmanager
+def fsdp_chunks_on_demand() -> Iterator[None]:
+    """Within the context, FSDP2 makes only the chunks of a parameter it reads.
+
+    ``fully_shard`` splits each parameter into one chunk per rank and reads two of them
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py: FSDPParam._init_sharded_param``:
+    ``chunks[shard_rank]`` and ``chunks[0].size()``; ``_init_sharded_post_forward_param_
+    metadata``: ``chunks[shard_mesh_rank]``), through ``_chunk_with_empty``. On fake tensors
+    each of the 64 views of a 64-way split costs a fake tensor (about 1.5 CPU-s of a 70B
+    per-rank trace over 64 ranks, torch 2.13.0); :class:`_ChunksOnDemand` makes the same
+    views, those read. Patched on ``_fsdp_param`` (which imported the name), restored on exit;
+    a no-op where torch lacks it.
+    Anything but a positive count and a non-empty dimension goes to the original."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:
+        yield
+        return
+    original = getattr(_fsdp_param, "_chunk_with_empty", None)
+    if original is None:
+        yield
+        return
+
+    def chunk_with_empty(tensor: Any, num_chunks: Any, dim: Any) -> Any:
+        if (type(num_chunks) is not int or num_chunks < 1 or type(dim) is not int
+                or not isinstance(tensor, torch.Tensor) or not 0 <= dim < tensor.dim()
+                or tensor.size(dim) < 1):
+            return original(tensor, num_chunks, dim)
+        return _ChunksOnDemand(tensor, num_chunks, dim)
+
+    _fsdp_param._chunk_with_empty = chunk_with_empty
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
+
+
 # -- calls ---------------------------------------------------------------------------------------
 
 
@@ -210,6 +466,18 @@ def allocator_settings_setter() -> Callable[[str], None] | None:
     return setter
 
 
+def ddp_ignore(module: torch.nn.Module, names: list[str]) -> None:
+    """DDP leaves the parameters and buffers named ``names`` (qualified) of ``module`` out of its
+    buckets and all-reduce: ``torch/nn/parallel/distributed.py:
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` (a static method that
+    sets ``module._ddp_params_and_buffers_to_ignore``, read by the constructor, and marks each
+    tensor ``_ddp_ignored``; checked in torch 2.13.0, the same since torch 1.8). Call it before
+    wrapping ``module``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
 def fake_store() -> Any:
     """A ``torch.testing._internal.distributed.fake_pg.FakeStore``: the store for
     ``init_process_group("fake", ...)``. Importing that module registers the ``"fake"`` backend
@@ -229,7 +497,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
         "FakeTensorConfig", "FakeTensorMode", "TensorMetadata", "in_kernel_invocation_manager",
         "is_fake",
         "unset_fake_temporarily"),
-    "torch._subclasses.fake_impls": ("op_implementations_checks",),
+    "torch._subclasses.fake_impls": ("foreach_run_and_map_input_device",
+                                     "op_implementations_checks"),
     "torch.utils._python_dispatch": (
         "TorchDispatchMode", "_disable_current_modes", "is_traceable_wrapper_subclass"),
     "torch.utils._pytree": ("tree_flatten", "tree_map"),
@@ -247,7 +516,12 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.nn.modules.batchnorm": ("_NormBase",),
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
     "torch.distributed.tensor._sharding_prop": ("ShardingPropagator",),
-    "torch.distributed._functional_collectives": ("wait_tensor",),
+    "torch.distributed._functional_collectives": ("wait_tensor", "all_to_all_single_autograd"),
+    # memfit/parallel/pipeline.py: the schedule's P2P works (Note: [a P2P work keeps its tensor])
+    "torch.distributed.pipelining.schedules": ("_batch_p2p",),
+    "torch.distributed.tensor._op_schema": ("OpSchema", "OpSpec", "OpStrategy", "TupleStrategy"),
+    "torch.distributed.tensor._dtensor_spec": ("DTensorSpec",),
+    "torch.distributed.tensor.placement_types": ("_StridedShard",),
 }
 """Every private torch name memfit uses, by module (those looked up with ``getattr`` are in
 :data:`OPTIONAL_NAMES`). ``tests/test_compat.py`` checks that each still exists and that
@@ -264,6 +538,15 @@ OPTIONAL_NAMES: dict[str, str] = {
     "torch._subclasses.fake_tensor._DISPATCH_META_HANDLERS": "2.11, 2.13",
     "torch._subclasses.fake_impls.op_implementations_dict": "2.11, 2.13",
     "torch.Tensor._make_subclass": "2.11, 2.13 (fastkey: cached outputs, lifted constants)",
+    # parallel/trace.py: _forget_dtensor_shardings (between fake worlds)
+    "torch.distributed.tensor.debug._clear_sharding_prop_cache": "2.13",
+    "torch.distributed.tensor.debug._clear_python_sharding_prop_cache": "2.13 (its Python half)",
+    # memfit/parallel/pipeline.py: _static_metadata, the schedule's warm-up vote
+    "torch.distributed.pipelining._utils.InferenceMode": "2.13 (absent: no vote to answer)",
+    # dtensor_foreach_propagation_once_per_shape: each patched only where present
+    "torch.distributed.tensor._sharding_prop._propagate_use_strided_shard_flag": "2.13",
+    "torch.distributed.tensor._sharding_prop._expand_single_dim_strategy_to_mesh": "2.13",
+    "torch.distributed.fsdp._fully_shard._fsdp_param._chunk_with_empty": "2.11, 2.13",
 }
 """Private names looked up with ``getattr`` (absent from some torch versions or builds): when
 each is present."""

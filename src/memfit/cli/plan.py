@@ -38,6 +38,8 @@ EPILOG = """examples:
   memfit plan ./config.json --gpu h100-80gb --precision bf16-mixed --checkpointing full \\
       --gpus 8 --zero 3
   memfit plan --params 7.5e9 --precision fp16-mixed --optimizer adam --gpus 64 --zero 2
+  memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --fsdp      # traces each rank role
+  memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --fsdp --method analytic   # the formulas
   memfit plan llama-3.1-8b --gpu h100-80gb --gpus 8 --engine fsdp2 --checkpointing selective \
       --batch 2 --seq 8192
   memfit plan llama-2-7b --engine deepspeed --zero 3 --offload-optimizer --offload-params \
@@ -73,11 +75,15 @@ def register(sub: Any) -> None:
     p.add_argument("--grad-accum", default="1", help="micro-batches per optimizer step")
     p.add_argument("--gpus", default="1", help="total GPUs (data x tensor x pipeline)")
     p.add_argument("--zero", default="0", help="ZeRO stage 0-3 over data-parallel ranks")
-    p.add_argument("--fsdp", action="store_true", help="FSDP full sharding (same as --zero 3)")
+    p.add_argument("--fsdp", nargs="?", const="all", default=None, metavar="N",
+                   help="FSDP full sharding (same as --zero 3) over every data-parallel rank, "
+                   "or over N of them: HSDP, N-way sharded and replicated across the rest "
+                   "(traced only)")
     p.add_argument("--gpus-per-node", default="8",
                    help="GPUs per node, for host memory per node (default 8)")
     p.add_argument("--tp", default="1", help="tensor-parallel size")
     p.add_argument("--pp", default="1", help="pipeline-parallel size (1F1B)")
+    p.add_argument("--ep", default="1", help="expert-parallel size (MoE; traced only)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: shard norms/dropouts along the sequence (Megatron SP)")
     p.add_argument("--offload-optimizer", action="store_true",
@@ -100,8 +106,9 @@ def register(sub: Any) -> None:
     p.add_argument("--new-tokens", help="inference: tokens generated after the "
                    "prompt (the KV cache holds seq + new tokens; default 0)")
     p.add_argument("--method", default=None, choices=["analytic", "trace"],
-                   help="analytic formulas (default) or trace the real module on meta tensors "
-                   "(the default for model types the formulas do not cover)")
+                   help="analytic formulas, or trace the real module on meta tensors (default: "
+                   "the trace for --gpus > 1 when the model can be built, one row per rank "
+                   "role, and for model types the formulas do not cover; else the formulas)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress display (--method trace)")
     p.set_defaults(func=run)
@@ -130,7 +137,7 @@ def resolve(args: argparse.Namespace) -> tuple[ModelSpec, Any]:
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     zero = nonneg_int(args.zero, "--zero")
-    if args.fsdp:
+    if args.fsdp is not None:
         if zero not in (0, 3):
             raise MemfitError(f"--fsdp means ZeRO-3; it conflicts with --zero {zero}")
         zero = 3
@@ -199,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
                             "tracing the real transformers module on meta tensors",
                             soft_wrap=True)
         args.method = "trace"
+    asked = args.method
     args.method = args.method or "analytic"
     from memfit.models.checkpoint import checkpoint_dict, checkpoint_for, compare_with_config
 
@@ -207,6 +215,31 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = checkpoint_for(model) if given is not None and not given.is_file() else None
     if checkpoint is not None and not args.json:
         console().print(compare_with_config(checkpoint, model), soft_wrap=True)
+    ep = positive_int(args.ep, "--ep") or 1
+    per_node = positive_int(args.gpus_per_node, "--gpus-per-node") or GPUS_PER_NODE
+    shard = None if args.fsdp in (None, "all") else positive_int(args.fsdp, "--fsdp")
+    hsdp = shard is not None and shard != config.dp
+    method_note = None
+    if config.gpus > 1 and asked != "analytic":
+        # Several GPUs: trace each rank role of the real parallel step when the model can be
+        # built (cli/parallel_plan.py); the formulas answer otherwise, with one line saying why.
+        from memfit.cli.parallel_plan import run_parallel_plan
+
+        explicit = ("--method trace" if asked == "trace"
+                    else f"--fsdp {shard} (HSDP)" if hsdp else None)
+        outcome = run_parallel_plan(args, model, config, gpu, explicit=explicit, ep=ep,
+                                    gpus_per_node=per_node, fsdp=shard)
+        if isinstance(outcome, int):
+            return outcome
+        method_note = f"method: the formulas, not the per-rank trace: {outcome}"
+        args.method = "analytic"
+    elif ep > 1:
+        raise MemfitError(f"--ep {ep}: the formulas do not model expert parallelism; it is "
+                          "traced (drop --method analytic; needs --gpus > 1)")
+    elif hsdp:
+        raise MemfitError(f"--fsdp {shard} of {config.dp} data-parallel ranks is HSDP, which the "
+                          "formulas do not model (they shard over every data-parallel rank); "
+                          "drop --method analytic to trace it, or give --fsdp alone")
     if args.method == "trace":
         from memfit import vocab
         from memfit.cli.trace_plan import run_trace
@@ -222,12 +255,14 @@ def run(args: argparse.Namespace) -> int:
         return run_trace(args, model, config, gpu)
     result = plan(model, config, gpu)
     suggestions = suggest_changes(result) if result.fits is False else []
-    per_node = positive_int(args.gpus_per_node, "--gpus-per-node") or GPUS_PER_NODE
     scale = gpus_needed(result, gpus_per_node=per_node) if result.fits is False else None
     if args.json:
         out = result.to_dict()
         if args.precision_note:
             out["notes"] = [args.precision_note, *out["notes"]]
+        if method_note:
+            out["method"] = "analytic"
+            out["notes"] = [method_note, *out["notes"]]
         out["scale_out"] = None if scale is None else scale.to_dict()
         out["suggestions"] = [
             {"change": s.change, "saved_bytes": s.saved_bytes,
@@ -238,12 +273,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     render(result, suggestions, per_node,
            scale_out_line(result, scale, gpus_per_node=per_node) if result.fits is False
-           else None, args.precision_note)
+           else None, args.precision_note, method_note)
     return 0
 
 
 def render(p: MemoryPlan, suggestions: list[Any], gpus_per_node: int = GPUS_PER_NODE,
-           scale_out: str | None = None, precision_note: str | None = None) -> None:
+           scale_out: str | None = None, precision_note: str | None = None,
+           method_note: str | None = None) -> None:
     """The shared memory table (:meth:`MemoryPlan.table`), the fit verdict, how many GPUs it
     needs when one will not do, the notes and the suggestions."""
     from memfit.analytic.planner import FITS_MARGIN
@@ -253,5 +289,7 @@ def render(p: MemoryPlan, suggestions: list[Any], gpus_per_node: int = GPUS_PER_
         table = dataclasses.replace(table, lines_after=(scale_out, *table.lines_after))
     if precision_note:  # the precision chosen for this GPU, under the run's description
         table = dataclasses.replace(table, lines_before=(*table.lines_before, precision_note))
+    if method_note:  # why several GPUs were not traced
+        table = dataclasses.replace(table, lines_before=(*table.lines_before, method_note))
     table.print(console(), verdict=lambda out: print_fit_verdict(
         out, p.capacity_bytes, p.total_bytes, FITS_MARGIN, "analytic plan"))

@@ -63,10 +63,13 @@ def _check_traceable(model: ModelSpec, run: RunConfig) -> TransformerSpec | HFMo
 
 
 def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
-                    gpu: GpuSpec | None) -> Any:
+                    gpu: GpuSpec | None, parallel: Any = None,
+                    precision: str | None = None) -> Any:
     """Build ``spec`` on meta (transformers when installed, else memfit's builtin modules; any
     other model type through transformers' Auto classes), apply the run's checkpointing, and
-    trace one step on the CUDA target."""
+    trace one step on the CUDA target (each rank role of ``parallel``, a
+    :class:`memfit.Parallel`, when given; ``precision`` overrides the run's for the trace, e.g.
+    fp32 parameters without autocast under FSDP2's MixedPrecisionPolicy)."""
     from memfit.models.build import build_model, example_inputs
     from memfit.trace import estimate
 
@@ -97,8 +100,8 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
 
         optimizer = offloaded(run.optimizer)
     phase("tracing one step" if not training else "tracing two steps")
-    return estimate(model, inputs, optimizer=optimizer, precision=run.precision, device="cuda",
-                    gpu=gpu, steps=2 if training else 1)
+    return estimate(model, inputs, optimizer=optimizer, precision=precision or run.precision,
+                    device="cuda", gpu=gpu, steps=2 if training else 1, parallel=parallel)
 
 
 def _apply_adapters(model: Any, run: RunConfig) -> None:

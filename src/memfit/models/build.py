@@ -291,15 +291,21 @@ class MoE(nn.Module):
 
         buffers = x.new_zeros(e * capacity + 1, h).index_add(0, dest, x.index_select(0, token))
         expert_in = buffers[: e * capacity].view(e, capacity, h)
+        out = self.run_experts(expert_in).reshape(e * capacity, h)
+        out = torch.cat((out, out.new_zeros(1, h)))  # the scratch row reads back as zero
+        y = out.index_select(0, dest) * weights.reshape(-1, 1).to(out.dtype)
+        return y.view(tokens, k, h).sum(dim=1).view(shape)
+
+    def run_experts(self, expert_in: torch.Tensor) -> torch.Tensor:
+        """Each expert on its buffer: ``[experts, capacity, hidden]`` in and out (expert
+        parallelism replaces it with an all-to-all exchange around the local experts:
+        ``memfit/parallel/expert.py``)."""
         hidden = _batched_linear(expert_in, self.up_proj, self.up_bias)
         if self.gate_proj is None:
             hidden = self.act(hidden)
         else:
             hidden = self.act(_batched_linear(expert_in, self.gate_proj, self.gate_bias)) * hidden
-        out = _batched_linear(hidden, self.down_proj, self.down_bias).reshape(e * capacity, h)
-        out = torch.cat((out, out.new_zeros(1, h)))  # the scratch row reads back as zero
-        y = out.index_select(0, dest) * weights.reshape(-1, 1).to(out.dtype)
-        return y.view(tokens, k, h).sum(dim=1).view(shape)
+        return _batched_linear(hidden, self.down_proj, self.down_bias)
 
 
 def _batched_linear(x: torch.Tensor, weight: torch.Tensor,

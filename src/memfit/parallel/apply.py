@@ -33,7 +33,8 @@ def device_mesh(parallel: Parallel, device_type: str) -> Any:
 
 
 def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
-               blocks: list[str] | None = None) -> nn.Module:
+               blocks: list[str] | None = None,
+               ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """FSDP2 ``fully_shard`` on each block (``blocks``; default: the repeated blocks that
     ``memfit.techniques.checkpointing.find_blocks`` finds), then on the root (in place), with
     the layout's ``reshard_after_forward``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``."""
@@ -49,6 +50,8 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
             reduce_dtype=_DTYPE.get(parallel.reduce_dtype or ""))
     if parallel.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if ignored_params:  # neither sharded nor reduced (expert parallelism's own experts)
+        kwargs["ignored_params"] = ignored_params
     if blocks is None:
         try:
             blocks = find_blocks(model)
@@ -71,38 +74,262 @@ def apply_ddp(model: nn.Module, parallel: Parallel, init_sync: bool = True) -> n
                                    init_sync=init_sync)
 
 
-def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
-    """Tensor parallelism with ``parallelize_module`` (Megatron's layout, as torchtitan's
-    ``apply_tp`` writes it): in each block the attention's q/k/v and the MLP's gate/up
-    projections are split by output features (``ColwiseParallel``), the attention output and
-    MLP down projections by input features (``RowwiseParallel``, an all-reduce of the output);
-    each attention module then runs ``heads / tp`` heads. Embeddings, norms and the head stay
-    replicated (no sequence parallelism yet)."""
+def tp_plan(model: nn.Module, parallel: Parallel) -> dict[str, Any]:
+    """The ``parallelize_module`` plan (module name -> ``ParallelStyle``) of :func:`apply_tp`.
+
+    Megatron's layout, as torchtitan's llama ``apply_tp`` writes it
+    (``torchtitan/models/llama3/infra/parallelize.py``): in each block the attention's q/k/v and
+    the MLP's gate/up projections are split by output features (``ColwiseParallel``), the
+    attention output and MLP down projections by input features (``RowwiseParallel``); each
+    attention module then runs ``heads / tp`` heads. Without sequence parallelism the row-wise
+    outputs are all-reduced and the embeddings, norms and head stay replicated.
+
+    Note: [sequence parallelism] With ``parallel.sp`` the residual stream between the
+    projections is split along the sequence (dim 1), as torchtitan's plan does it
+    (``torch/distributed/tensor/parallel/style.py``): the norms run on the local sequence shard
+    (``SequenceParallel``: it "replicates a compatible ``nn.Module`` parameters and runs the
+    sharded computation with input sharded on the sequence dimension"; its output stays a
+    ``Shard(1)`` DTensor); the attention and the MLP
+    all-gather it first (``PrepareModuleInput(input_layouts=Shard(1),
+    desired_input_layouts=Replicate())``); ``o_proj`` and ``down_proj`` reduce-scatter their
+    output back to the shard (``RowwiseParallel(output_layouts=Shard(1))``); the token embedding
+    is split by vocabulary rows and reduce-scatters its output (``RowwiseParallel(
+    input_layouts=Replicate(), output_layouts=Shard(1))``); the final norm is sequence-parallel
+    and the head all-gathers its input and its logits (``ColwiseParallel(input_layouts=Shard(1),
+    output_layouts=Replicate())``, as torchtitan with ``disable_loss_parallel``), unless
+    ``parallel.loss_parallel`` keeps the logits split (Note: [loss parallelism])."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
-        parallelize_module,
+        SequenceParallel,
     )
 
     from memfit.techniques.checkpointing import find_blocks
 
+    sp = parallel.sp
+    row_out = {"output_layouts": Shard(1)} if sp else {}
     plan_names = {"q_proj": ColwiseParallel, "k_proj": ColwiseParallel,
                   "v_proj": ColwiseParallel, "o_proj": RowwiseParallel,
                   "gate_proj": ColwiseParallel, "up_proj": ColwiseParallel,
                   "down_proj": RowwiseParallel}
+    plan: dict[str, Any] = {}
     for name in find_blocks(model):
         block = model.get_submodule(name)
-        plan = {sub: plan_names[sub.rsplit(".", 1)[-1]]() for sub, mod in block.named_modules()
-                if sub.rsplit(".", 1)[-1] in plan_names and isinstance(mod, nn.Linear)}
-        if not plan:
+        found = {sub: plan_names[sub.rsplit(".", 1)[-1]] for sub, mod in block.named_modules()
+                 if sub.rsplit(".", 1)[-1] in plan_names and isinstance(mod, nn.Linear)}
+        if not found:
             raise MemfitError(f"Parallel(tp={parallel.tp}): block {name} has none of the "
                               f"projections tensor parallelism splits ({', '.join(plan_names)})")
-        parallelize_module(block, mesh, plan)
-        for mod in block.modules():  # the attention's view() takes the local head counts
-            if hasattr(mod, "q_proj"):
-                for attr in ("num_heads", "num_kv_heads"):
-                    if isinstance(getattr(mod, attr, None), int):
-                        setattr(mod, attr, getattr(mod, attr) // parallel.tp)
+        for sub, style in found.items():
+            plan[f"{name}.{sub}"] = (style(**row_out) if style is RowwiseParallel else style())
+        if sp:
+            for sub, mod in block.named_children():
+                if _is_norm(mod):
+                    plan[f"{name}.{sub}"] = SequenceParallel()
+                elif hasattr(mod, "q_proj"):  # the attention: (x, rope)
+                    plan[f"{name}.{sub}"] = PrepareModuleInput(
+                        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+                elif hasattr(mod, "down_proj"):  # the MLP: (x,)
+                    plan[f"{name}.{sub}"] = PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if sp or parallel.loss_parallel:
+        embed, norm, head = _sp_root(model, parallel)
+        # Note: [loss parallelism] the logits stay a vocabulary-split DTensor and the loss
+        # runs inside torch's loss_parallel() (torch/distributed/tensor/parallel/loss.py: "the
+        # input is sharded on the class dimension"), as torchtitan's apply_tp writes the head
+        # (output_layouts=Shard(-1), use_local_output=False) when loss parallelism is on.
+        logits: dict[str, Any] = ({"output_layouts": Shard(-1), "use_local_output": False}
+                                  if parallel.loss_parallel else
+                                  {"output_layouts": Replicate()})
+        if sp:
+            plan[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+            plan[norm] = SequenceParallel()
+            logits["input_layouts"] = Shard(1)
+        plan[head] = ColwiseParallel(**logits)
+    return plan
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A LayerNorm or an RMS norm (torch's or a model's own class named ``*RMSNorm``)."""
+    return isinstance(module, nn.LayerNorm | nn.RMSNorm) or type(module).__name__.endswith(
+        "RMSNorm")
+
+
+def _sp_root(model: nn.Module, parallel: Parallel) -> tuple[str, str, str]:
+    """Names of the token embedding, final norm and head that sequence parallelism splits, for
+    memfit's builtin decoders (``memfit.models.build.DecoderLM``): a one-line error for other
+    models, whose forward may read the sequence length off the (now split) hidden states, as
+    Hugging Face's position ids do."""
+    from memfit.models.build import DecoderLM, Mlp
+
+    where = f"Parallel(tp={parallel.tp}, {'sp' if parallel.sp else 'loss_parallel'}=True)"
+    if not isinstance(model, DecoderLM):
+        raise MemfitError(f"{where} is traced for memfit's builtin decoders so far (build the "
+                          f"model with backend='builtin'), not {type(model).__name__}")
+    if parallel.sp and any(layer.sandwich or layer.post_norm or not isinstance(layer.mlp, Mlp)
+                           for layer in model.model.layers):
+        raise MemfitError(f"{where}: sequence parallelism is traced for blocks with a norm "
+                          "before the attention and one before a dense MLP (Llama's), not "
+                          "sandwich / post-sub-layer norms or MoE; use sp=False")
+    if parallel.sp and model.model.embed_positions is not None:
+        raise MemfitError(f"{where}: learned position embeddings are added to the full "
+                          "sequence, which sequence parallelism splits; use sp=False")
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        raise MemfitError(f"{where}: tied embeddings are split two ways (embedding by rows, "
+                          "head by columns of the same weight); use sp=False and "
+                          "loss_parallel=False")
+    return "model.embed_tokens", "model.norm", "lm_head"
+
+
+def loss_context(parallel: Parallel) -> Any:
+    """The context the loss and its backward run in: torch's ``loss_parallel()`` with
+    ``parallel.loss_parallel`` ("The corresponding backward() call, if any, also needs to happen
+    under this context manager"), else a null one."""
+    import contextlib
+
+    if not parallel.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def tp_split_dims(model: nn.Module, parallel: Parallel) -> dict[int, int]:
+    """``id(parameter) -> dim`` of each parameter :func:`apply_tp` shards, as the styles place
+    them (``style.py``: ``ColwiseParallel`` shards a Linear's weight and bias on dim 0,
+    ``RowwiseParallel`` a Linear's weight on dim 1 (bias replicated) and an Embedding's weight
+    on dim 0); DTensor splits a dim as ``torch.chunk`` does."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    dims: dict[int, int] = {}
+    for name, style in tp_plan(model, parallel).items():
+        mod = model.get_submodule(name)
+        if isinstance(style, ColwiseParallel) and isinstance(mod, nn.Linear):
+            dims.update({id(p): 0 for p in mod.parameters(recurse=False)})
+        elif isinstance(style, RowwiseParallel) and isinstance(mod, nn.Linear):
+            dims[id(mod.weight)] = 1
+        elif isinstance(style, RowwiseParallel) and isinstance(mod, nn.Embedding):
+            dims[id(mod.weight)] = 0
+    return dims
+
+
+def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
+    """Tensor (and, with ``parallel.sp``, sequence) parallelism with ``parallelize_module`` over
+    the 1-D tensor-parallel ``mesh``, the plan of :func:`tp_plan`."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = tp_plan(model, parallel)
+    parallelize_module(model, mesh, plan)
+    _replicate_the_rest(model, mesh, plan)
+    if parallel.sp:
+        model.register_forward_pre_hook(_even_sequence(parallel.tp), with_kwargs=True)
+    for mod in model.modules():  # the attention's view() takes the local head counts
+        if hasattr(mod, "q_proj"):
+            for attr in ("num_heads", "num_kv_heads"):
+                if isinstance(getattr(mod, attr, None), int):
+                    setattr(mod, attr, getattr(mod, attr) // parallel.tp)
+    return model
+
+
+def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> None:
+    """Every parameter the plan left a plain tensor becomes a replicated DTensor on ``mesh``
+    (``distribute_tensor(..., [Replicate()])``), and the modules that hold them take plain
+    inputs as replicated DTensors and give plain outputs back, so that no op mixes the two.
+
+    Note: [one kind of parameter] Without sequence parallelism the norms, the embedding and
+    (without loss parallelism) the head are not in the plan. Their parameters stayed plain
+    tensors beside the projections' DTensors, and the optimizer's foreach kernels, which torch
+    picks for CUDA parameters (``torch/optim/optimizer.py: _default_to_fused_or_foreach``;
+    DTensor adds itself to ``_foreach_supported_types``), refuse the mix: "aten._foreach_mul_
+    got mixed torch.Tensor and DTensor" on every CUDA-target trace of tp without sp. torchtitan
+    keeps every parameter on the mesh for the same reason (its ``NoParallel`` style: "to ensure
+    all parameters are on the same 1D/2D mesh, which is assumed by ... optimizer fused
+    implementation"). A replicated DTensor holds the same local bytes; tied weights stay one
+    parameter."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    inside = tuple(f"{name}." for name in plan)
+    made: dict[int, nn.Parameter] = {}
+
+    def wrap(_module: nn.Module, args: tuple) -> tuple:
+        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                     for a in args)
+
+    def unwrap(_module: nn.Module, _args: tuple, out: Any) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    for name, module in model.named_modules():
+        if name in plan or name.startswith(inside):
+            continue
+        plain = [(key, p) for key, p in module.named_parameters(recurse=False)
+                 if not isinstance(p, DTensor)]
+        if not plain:
+            continue
+        for key, param in plain:
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(
+                    distribute_tensor(param.data, mesh, [Replicate()]),
+                    requires_grad=param.requires_grad)
+            setattr(module, key, made[id(param)])
+        module.register_forward_pre_hook(wrap)
+        module.register_forward_hook(unwrap)
+
+
+def _even_sequence(tp: int) -> Any:
+    """A forward pre-hook refusing a sequence that ``tp`` does not divide: sequence parallelism
+    would give the last ranks fewer tokens (DTensor's ``Shard`` splits as ``torch.chunk``), and
+    a rank role is traced once for ranks that hold the same parameters."""
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() > 1 and ids.shape[1] % tp:
+            raise MemfitError(f"Parallel(tp={tp}, sp=True): the sequence of {ids.shape[1]} "
+                              f"tokens does not split evenly over {tp} ranks; use a sequence "
+                              f"length divisible by {tp}")
+
+    return hook
+
+
+def tp_device_mesh(parallel: Parallel, device_type: str) -> Any:
+    """The mesh of a layout with tensor parallelism: 1-D ``("tp",)`` alone, 2-D ``("dp", "tp")``
+    with data parallelism (torchtitan's ``ParallelDims.build_mesh`` order: the tensor-parallel
+    ranks are the adjacent ones, ``rank = dp_index * tp + tp_index``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if parallel.dp == 1:
+        return init_device_mesh(device_type, (parallel.tp,), mesh_dim_names=("tp",))
+    if parallel.strategy == "hsdp":  # 3-D: torchtitan's ("dp_replicate", "dp_shard", "tp")
+        return init_device_mesh(device_type, (parallel.replicate, parallel.fsdp, parallel.tp),
+                                mesh_dim_names=("replicate", "shard", "tp"))
+    return init_device_mesh(device_type, (parallel.dp, parallel.tp), mesh_dim_names=("dp", "tp"))
+
+
+def _check_tp_dp(parallel: Parallel) -> None:
+    """Tensor parallelism combines with FSDP2 only. DDP (and ZeRO-1, DDP with a sharded
+    optimizer) over a mesh dim beside TP is refused as torchtitan refuses it
+    (``parallelize_llama``: "DDP has not supported > 1D parallelism"); HSDP with TP needs a
+    3-D ``("replicate", "shard", "tp")`` mesh."""
+    if parallel.dp > 1 and parallel.strategy not in ("fsdp", "hsdp"):
+        raise MemfitError(
+            f"Parallel(tp={parallel.tp}) with {parallel.strategy} over {parallel.dp} "
+            "data-parallel ranks is not traced yet: only the data-parallel family (fsdp, hsdp, "
+            "ddp, zero=1), tp alone and tp x fsdp / hsdp are (DDP beside TP is refused by "
+            f"torchtitan too); use fsdp={parallel.dp}")
+
+
+def apply_tp_dp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
+    """Tensor parallelism on ``mesh["tp"]``, then FSDP2 on ``mesh["dp"]`` (torchtitan's order in
+    ``parallelize_llama``: TP first, then ``fully_shard`` with the data-parallel sub-mesh; FSDP2
+    then shards each DTensor parameter's local tensor on dim 0 over the dp ranks)."""
+    _check_tp_dp(parallel)
+    tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
+    apply_tp(model, parallel, tp_mesh)
+    if parallel.dp > 1:
+        apply_fsdp(model, parallel, mesh["replicate", "shard"] if parallel.strategy == "hsdp"
+                   else mesh["dp"])
     return model
 
 
@@ -110,15 +337,16 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
                 mesh: Any = None, init_sync: bool = True) -> nn.Module:
     """The model as this rank runs it: FSDP2/HSDP-sharded (on ``mesh``, default
     :func:`device_mesh`), DDP-wrapped, or itself."""
-    if parallel.tp > 1 and parallel.tp == parallel.gpus:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return apply_tp(model, parallel, init_device_mesh(device_type, (parallel.tp,))
-                        if mesh is None else mesh)
+    if parallel.tp > 1 and parallel.pp == 1 and parallel.ep == 1:
+        _check_tp_dp(parallel)  # before a mesh is made
+        return apply_tp_dp(model, parallel,
+                           tp_device_mesh(parallel, device_type) if mesh is None else mesh)
+    if parallel.ep > 1:
+        return apply_ep_dp(model, parallel, device_type, mesh, init_sync)
     if parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1:
         raise MemfitError(f"Parallel(tp={parallel.tp}, pp={parallel.pp}, ep={parallel.ep}): only "
-                          "the data-parallel family (fsdp, hsdp, ddp, zero=1) and tp alone "
-                          "(tp == gpus) are traced so far; use memfit plan's formulas for the "
+                          "the data-parallel family (fsdp, hsdp, ddp, zero=1), tp alone and tp x "
+                          "fsdp / hsdp are traced so far; use memfit plan's formulas for the "
                           "rest")
     if parallel.strategy in ("fsdp", "hsdp"):
         return apply_fsdp(model, parallel,
@@ -126,6 +354,35 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
     if parallel.strategy in ("ddp", "zero1"):
         return apply_ddp(model, parallel, init_sync)
     return model
+
+
+def apply_ep_dp(model: nn.Module, parallel: Parallel, device_type: str, mesh: Any = None,
+                init_sync: bool = True) -> nn.Module:
+    """Expert parallelism (``memfit.parallel.expert.apply_ep``: each rank keeps ``1/ep`` of the
+    experts, tokens exchanged by all-to-all), then data parallelism over the other parameters,
+    which every rank holds whole. With ``ep`` equal to the data-parallel ranks each expert is on
+    one rank and is left out: DDP skips it
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``), FSDP2 neither
+    shards nor reduces it (``fully_shard(..., ignored_params=...)``). With fewer, the ``dp / ep``
+    ranks holding the same experts shard them with FSDP2 on the "efsdp" mesh dimension first
+    (``fully_shard(moe.experts, mesh=efsdp)``, as torchtitan's ``apply_fsdp`` did before 0.3),
+    then each block and the root on the data-parallel mesh."""
+    from memfit._compat.torch_internals import ddp_ignore
+    from memfit.parallel.expert import apply_ep, ep_mesh, expert_parameter_names, moe_layers
+
+    experts_mesh = ep_mesh(parallel, device_type)
+    model = apply_ep(model, parallel, experts_mesh)
+    names = expert_parameter_names(model)
+    if parallel.strategy == "fsdp":
+        dp_mesh = device_mesh(parallel, device_type) if mesh is None else mesh
+        if experts_mesh is None:
+            return apply_fsdp(model, parallel, dp_mesh,
+                              ignored_params={model.get_parameter(n) for n in names})
+        for _, moe in moe_layers(model):
+            apply_fsdp(moe.experts, parallel, experts_mesh["efsdp"], blocks=[])
+        return apply_fsdp(model, parallel, dp_mesh)
+    ddp_ignore(model, names)
+    return apply_ddp(model, parallel, init_sync)
 
 
 def apply_optimizer(optimizer: torch.optim.Optimizer, parallel: Parallel) -> torch.optim.Optimizer:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from memfit.errors import MemfitError, suggest
 
 _DTYPES = ("fp32", "bf16", "fp16")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,9 +28,27 @@ class Parallel:
     >>> Parallel(gpus=4).strategy, Parallel(gpus=4, zero=1).strategy
     ('ddp', 'zero1')
 
-    Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP) and
-    tensor parallelism alone (``tp == gpus``, no sequence parallelism); other ``tp``, ``pp`` and
-    ``ep`` > 1 are checked against the model but refused by the trace.
+    Known limitations: the trace runs the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP),
+    tensor parallelism alone (``tp == gpus``) and tensor parallelism with FSDP2 over the other
+    dim of a 2-D ``("dp", "tp")`` mesh (``Parallel(gpus=4, tp=2, fsdp=2)``) or HSDP on a 3-D
+    ``("replicate", "shard", "tp")`` one; tp with DDP or ZeRO-1 is refused (torchtitan
+    refuses it too).
+    Sequence parallelism (``sp=True``) is traced for memfit's builtin decoders (untied
+    embeddings, rotary positions), as is loss parallelism (``loss_parallel=True``: the
+    model's own cross-entropy on vocabulary-split logits).
+    Expert parallelism (``memfit/parallel/expert.py``) runs on memfit's builtin MoE layers only
+    (not Hugging Face MoE modules), with FSDP2 over every data-parallel rank for the other
+    parameters (the ``dp / ep`` ranks that hold the same experts shard them), or DDP when ``ep``
+    is every data-parallel rank; HSDP, ZeRO-1, DDP with ``ep`` below the data-parallel ranks,
+    FSDP2's dtype and offload policies, tp or pp beside it are refused. ``ep`` must divide the
+    experts, and ``dp / ep`` each rank's experts. Its token exchange has fixed sizes (each
+    expert's buffer holds ``capacity`` slots, balanced routing at the default capacity factor
+    1.0), so a rank's bytes do not depend on the router.
+    Pipeline parallelism is traced alone (``pp == gpus``) or with FSDP2 on each stage over the
+    other ranks (a ``(pp, dp)`` mesh; not with DDP, ZeRO-1, HSDP, tp or ep beside it), on
+    memfit's builtin decoders (``memfit.models.build_model``), with the model's own loss on the
+    last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
+    (``input_ids``, ``labels``); each pipeline rank is one rank role.
     """
 
     gpus: int
@@ -44,7 +63,18 @@ class Parallel:
     pp: int = 1
     """Pipeline stages (at most the number of layers)."""
     ep: int = 1
-    """Expert-parallel degree (MoE)."""
+    """Expert-parallel degree (MoE): each rank keeps ``num_experts / ep`` experts and exchanges
+    tokens with the others by all-to-all."""
+    sp: bool = False
+    """Sequence parallelism with ``tp`` (Megatron-SP, torchtitan's plan): the norms, the
+    residual stream and the embedding's output are split along the sequence over the ``tp``
+    ranks (their activations are ``1/tp`` of the unsplit ones); the attention and the MLP
+    all-gather their input and reduce-scatter their output instead of all-reducing it."""
+    loss_parallel: bool = False
+    """With ``tp``: the head's logits stay split by vocabulary over the ``tp`` ranks and the
+    cross-entropy runs on the shards (torch's ``loss_parallel()``, torchtitan's default), so
+    each rank holds ``1/tp`` of the logits and their gradient; False: the head all-gathers
+    them."""
     zero: int | None = None
     """ZeRO stage as a name for the data-parallel sharding: 1 = DDP with
     ``ZeroRedundancyOptimizer`` (states sharded); 2 = FSDP2 without resharding after forward
@@ -63,6 +93,12 @@ class Parallel:
     host."""
     bucket_cap_mb: float = 25.0
     """DDP ``bucket_cap_mb``: gradients are all-reduced in flat buckets of about this size."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule (``torch.distributed.pipelining``): ``gpipe`` (every micro-batch's
+    forward, then every backward: all micro-batches' activations alive), ``1f1b`` (at most
+    ``pp - stage`` micro-batches in flight) or ``interleaved-1f1b`` (two stages per rank)."""
+    microbatches: int | None = None
+    """Micro-batches per step, each ``batch / microbatches`` rows (None: ``pp``)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "fsdp", "tp", "pp", "ep"):
@@ -74,6 +110,14 @@ class Parallel:
                 or self.gpus % self.gpus_per_node):
             raise MemfitError(f"Parallel(gpus_per_node={self.gpus_per_node!r}) must be a positive "
                               f"integer dividing gpus={self.gpus}")
+        if self.sp is not False and (self.sp is not True or self.tp == 1):
+            raise MemfitError(f"Parallel(sp={self.sp!r}, tp={self.tp}): sequence parallelism "
+                              "splits the tensor-parallel ranks' activations; use sp=True with "
+                              "tp > 1, or sp=False")
+        if self.loss_parallel is not False and (self.loss_parallel is not True or self.tp == 1):
+            raise MemfitError(f"Parallel(loss_parallel={self.loss_parallel!r}, tp={self.tp}): "
+                              "loss parallelism splits the logits over the tensor-parallel "
+                              "ranks; use loss_parallel=True with tp > 1, or False")
         if self.zero not in (None, 1, 2, 3):
             raise MemfitError(f"Parallel(zero={self.zero!r}): valid stages are 1, 2, 3 or None")
         for name in ("param_dtype", "reduce_dtype"):
@@ -81,6 +125,15 @@ class Parallel:
             if value is not None and value not in _DTYPES:
                 raise MemfitError(f"Parallel({name}={value!r}){suggest(str(value), _DTYPES)}; "
                                   f"valid: {', '.join(_DTYPES)} or None")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise MemfitError(f"Parallel(pp_schedule={self.pp_schedule!r})"
+                              f"{suggest(str(self.pp_schedule), PP_SCHEDULES)}; valid: "
+                              f"{', '.join(PP_SCHEDULES)}")
+        if self.microbatches is not None and (
+                not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool)
+                or self.microbatches < 1):
+            raise MemfitError(f"Parallel(microbatches={self.microbatches!r}): must be a positive "
+                              "integer or None (pp micro-batches)")
         if self.bucket_cap_mb <= 0:
             raise MemfitError(f"Parallel(bucket_cap_mb={self.bucket_cap_mb!r}) must be > 0")
         model_parallel = self.tp * self.pp
@@ -136,7 +189,11 @@ class Parallel:
                          else " (no reshard after forward)")
         elif self.dp > 1:
             parts[0] += f" {self.dp}"
-        parts += [f"tp {self.tp}", f"pp {self.pp}"] + ([f"ep {self.ep}"] if self.ep > 1 else [])
+        tp_notes = [n for n, on in (("sp", self.sp), ("loss parallel", self.loss_parallel)) if on]
+        pp = f"pp {self.pp}" + (f" ({self.pp_schedule}, {self.microbatches or self.pp} "
+                                 "micro-batches)" if self.pp > 1 else "")
+        parts += [f"tp {self.tp}" + (f" ({', '.join(tp_notes)})" if tp_notes else ""),
+                  pp] + ([f"ep {self.ep}"] if self.ep > 1 else [])
         return " x ".join(parts) + f" on {self.gpus} GPUs"
 
     def check_model(self, *, heads: int | None, layers: int | None,

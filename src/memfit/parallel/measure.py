@@ -63,6 +63,13 @@ def tiny_spec(layers: int = 2) -> Any:
         max_position_embeddings=512)
 
 
+def tiny_moe_spec(layers: int = 2, experts: int = 4, top_k: int = 2) -> Any:
+    """:func:`tiny_spec` with memfit's builtin MoE layers (``experts`` SwiGLU experts, top
+    ``top_k``, capacity factor 1.0) in place of the MLPs: the case expert parallelism runs."""
+    return dataclasses.replace(tiny_spec(layers), name="tiny-moe", family="mixtral",
+                               num_experts=experts, experts_per_token=top_k)
+
+
 def build(case: Case) -> tuple[torch.nn.Module, Any]:
     """The case's model (real, CPU, seeded) and inputs."""
     from memfit.models.build import build_model, example_inputs
@@ -77,16 +84,19 @@ def _measure_case(case: Case) -> dict[str, int]:
     """This rank's peak bytes over the case's steps (see the module and :func:`_step_peaks`)."""
     import gc
 
+    if case.parallel.pp > 1:
+        return _measure_pipeline_case(case)
+
     from memfit._loss import model_loss
     from memfit._noise import quiet_profile
-    from memfit.parallel.apply import apply_model, apply_optimizer
+    from memfit.parallel.apply import apply_model, apply_optimizer, loss_context
     from memfit.trace.optim import make_optimizer
 
     gc.collect()
     gc.disable()
     try:
-        with _gloo_lets_go(), quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                            profile_memory=True) as prof:
+        with _gloo_lets_go(), loss_context(case.parallel), quiet_profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             model, inputs = build(case)
             model = apply_model(model, case.parallel, "cpu")
             params = [p for p in model.parameters() if p.requires_grad]
@@ -103,6 +113,57 @@ def _measure_case(case: Case) -> dict[str, int]:
                         opt.step()
                     opt.zero_grad(set_to_none=True)
             del model, opt, inputs, params
+    finally:
+        gc.enable()
+    return _step_peaks(prof)
+
+
+def _measure_pipeline_case(case: Case) -> dict[str, int]:
+    """This rank's peak bytes over the case's steps of a pipeline layout: the rank's stages of
+    the model (``memfit.parallel.pipeline.stage_modules``, the same split as the trace; the
+    rest of the model is freed before the first step) run by the layout's schedule
+    (``build_pipeline``), then the optimizer over the stages' parameters. The schedule's
+    forwards and backwards interleave, so a step has two phases: ``pipeline`` and
+    ``optimizer``."""
+    import gc
+
+    import torch.distributed as dist
+
+    from memfit._noise import quiet_profile
+    from memfit.parallel.pipeline import (
+        build_pipeline,
+        pipeline_mesh,
+        shard_stages,
+        stage_modules,
+    )
+    from memfit.trace.optim import make_optimizer
+
+    rank = dist.get_rank()
+    gc.collect()
+    gc.disable()
+    try:
+        with _gloo_lets_go(), quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                            profile_memory=True) as prof:
+            model, inputs = build(case)
+            modules = stage_modules(model, case.parallel, rank)
+            del model
+            gc.collect()  # the other stages' blocks, embedding or head: not this rank's
+            group = None
+            if case.parallel.dp > 1:  # FSDP2 on each stage over the dp ranks
+                mesh = pipeline_mesh(case.parallel)
+                shard_stages(modules, case.parallel, mesh)
+                group = mesh["pp"].get_group()
+            pipeline = build_pipeline(modules, case.parallel, case.batch, case.seq, group=group)
+            params = [p for m in modules for p in m.parameters() if p.requires_grad]
+            opt = make_optimizer(case.optimizer, params, cuda_target=False)
+            for step in range(case.steps):
+                with torch.profiler.record_function(STEP_MARKER):
+                    with torch.profiler.record_function(f"{PHASE_MARKER}{step}:pipeline"):
+                        pipeline.step(inputs)
+                    with torch.profiler.record_function(f"{PHASE_MARKER}{step}:optimizer"):
+                        opt.step()
+                    opt.zero_grad(set_to_none=True)
+            del pipeline, modules, opt, inputs, params
     finally:
         gc.enable()
     return _step_peaks(prof)

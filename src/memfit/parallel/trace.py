@@ -55,6 +55,7 @@ class RankRole:
         runs each op on global-shape tensors in the active fake mode, is not tracked
         (``torch_internals.dtensor_meta_propagation_within``)."""
         from memfit._compat.torch_internals import dtensor_meta_propagation_within
+        from memfit.parallel.apply import loss_context
 
         original = torch.UntypedStorage.resize_
 
@@ -74,7 +75,8 @@ class RankRole:
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         try:
-            with dtensor_meta_propagation_within(untracked):
+            with (dtensor_meta_propagation_within(untracked), _meshes_made_real(),
+                  _wait_returns_its_input(), loss_context(self.parallel)):
                 yield
         finally:
             torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
@@ -94,12 +96,16 @@ class RankRole:
 
             with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
                 if self.parallel.tp > 1:
-                    from torch.distributed.device_mesh import init_device_mesh
+                    from memfit.parallel.apply import tp_device_mesh
 
-                    mesh = init_device_mesh("cpu", (self.parallel.tp,))
+                    mesh = tp_device_mesh(self.parallel, "cpu")
                 else:
                     mesh = device_mesh(self.parallel, "cpu") if self.parallel.dp > 1 else None
             return apply_model(model, self.parallel, "cpu", mesh)
+        if self.parallel.ep > 1:  # the experts' shards are weights: made before tracking
+            from memfit.parallel.expert import apply_ep
+
+            model = apply_ep(model, self.parallel)
         before = len(tracker.infos)
         fake_mode.tracking = True
         try:
@@ -115,6 +121,63 @@ class RankRole:
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return apply_optimizer(optimizer, self.parallel)
+
+
+@contextlib.contextmanager
+def _wait_returns_its_input() -> Iterator[None]:
+    """A functional collective's ``wait_tensor`` returns its input on fake tensors, as it does
+    on real ones.
+
+    Note: [wait_tensor on fake tensors] The kernel of ``_c10d_functional::wait_tensor``
+    (``c10d::wait_tensor``, declared in ``torch/csrc/distributed/c10d/ProcessGroup.hpp`` of the
+    installed 2.13 and defined in ``ProcessGroup.cpp``) pops the tensor's works, waits for them
+    and returns the tensor itself; its meta function (``torch/distributed/
+    _functional_collectives.py: _wait_tensor_meta``, torch 2.13) returns
+    ``torch.empty_like(self)``, a new block the size of the collective's output that the real
+    step never makes. Measured on expert parallelism (an all-to-all, then its wait, in each MoE
+    layer): the trace's forward high point stood one all-to-all output (32 KiB) above the real
+    ranks' until the wait returned its input; on tp 2 with sequence parallelism, the head's
+    all-gathered logits (128 KiB) counted twice at the forward's peak, +4.5% of it."""
+    from memfit._compat.torch_internals import fake_op_rule
+
+    wait = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+    if wait is None:
+        yield
+        return
+
+    def rule(_fake_mode: Any, _func: Any, tensor: torch.Tensor, *args: Any,
+             **kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    with fake_op_rule({wait.default}, rule):
+        yield
+
+
+@contextlib.contextmanager
+def _meshes_made_real() -> Iterator[None]:
+    """Inside the block, a ``DeviceMesh`` is constructed outside the fake mode; restored after.
+
+    Note: [FSDP2 over tensor parallelism in a trace] ``fully_shard`` over DTensor parameters
+    builds each parameter's 2-D ``(dp, tp)`` mesh while it shards (``torch/distributed/fsdp/
+    _fully_shard/_fsdp_param.py: FSDPParam._init_sharding_spec_tp`` -> ``DeviceMesh.
+    _concatenate``), and a mesh finds its own coordinates with ``(mesh == rank).nonzero()``
+    on its rank map (``device_mesh.py: DeviceMesh._compute_coordinates_from_mesh``), a real
+    CPU tensor that a fake mode would turn into a fake one of unknown size. A mesh holds no
+    device memory."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original  # type: ignore[method-assign]
 
 
 class _NoRebuild:
@@ -183,9 +246,15 @@ def _zero1_partition(numels: list[int], world: int) -> list[tuple[int, ...]]:
 
 def rank_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
     """Ranks grouped by what they hold, the first of each group traced for all of it."""
+    if parallel.pp > 1:  # one role per pipeline stage (memfit/parallel/pipeline.py)
+        from memfit.parallel.pipeline import pipeline_roles
+
+        return pipeline_roles(model, parallel)
     params = [p for p in model.parameters()]
     signatures: list[Any]
-    if parallel.strategy in ("fsdp", "hsdp"):
+    if parallel.tp > 1:
+        signatures = _tp_signatures(model, parallel)
+    elif parallel.strategy in ("fsdp", "hsdp"):
         signatures = [tuple(_chunk(p.shape[0] if p.dim() else 1, parallel.fsdp,
                                    rank % parallel.fsdp) for p in params)
                       for rank in range(parallel.gpus)]
@@ -198,6 +267,31 @@ def rank_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
     for rank, sig in enumerate(signatures):
         groups.setdefault(sig, []).append(rank)
     return [RankRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]
+
+
+def _tp_signatures(model: nn.Module, parallel: Parallel) -> list[Any]:
+    """Each rank's local shapes under tensor parallelism (and FSDP2 over the dp dim): rank
+    ``dp_index * tp + tp_index`` of the ``("dp", "tp")`` mesh holds the ``tp_index`` chunk of
+    each split dim (:func:`memfit.parallel.apply.tp_split_dims`), then FSDP2's ``dp_index`` chunk
+    of that local tensor's dim 0."""
+    from memfit.parallel.apply import tp_split_dims
+
+    split = tp_split_dims(model, parallel)
+    params = list(model.parameters())
+    signatures = []
+    for rank in range(parallel.gpus):
+        dp_index, tp_index = divmod(rank, parallel.tp)
+        sig = []
+        for p in params:
+            shape = list(p.shape)
+            if id(p) in split:
+                dim = split[id(p)]
+                shape[dim] = _chunk(shape[dim], parallel.tp, tp_index)
+            if parallel.fsdp > 1 and shape:
+                shape[0] = _chunk(shape[0], parallel.fsdp, dp_index % parallel.fsdp)
+            sig.append(tuple(shape))
+        signatures.append(tuple(sig))
+    return signatures
 
 
 @contextlib.contextmanager
@@ -219,6 +313,26 @@ def fake_world(world: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_dtensor_shardings()
+
+
+def _forget_dtensor_shardings() -> None:
+    """Clear DTensor's sharding-propagation caches (``torch/distributed/tensor/debug:
+    _clear_sharding_prop_cache``, torch 2.13; its Python half alone where that is missing).
+
+    Note: [DTensor's caches outlive a world] The caches are keyed by the ops' specs, whose
+    meshes compare equal across process groups (``device_mesh.py: DeviceMesh.__eq__``: rank
+    map, layout, device type, names), and a cached output sharding keeps the mesh it was made
+    on: the next world (another rank role, another estimate) would redistribute over the
+    destroyed world's groups ("Could not resolve the process group registered under the
+    name 3", seen with tp 2 x fsdp 2 after a tp 2 trace in one process)."""
+    import importlib
+
+    debug = importlib.import_module("torch.distributed.tensor.debug")
+    clear = (getattr(debug, "_clear_sharding_prop_cache", None)
+             or getattr(debug, "_clear_python_sharding_prop_cache", None))
+    if clear is not None:
+        clear()
 
 
 def _count(model: nn.Module, config_names: tuple[str, ...], attr: str) -> int | None:
@@ -254,6 +368,10 @@ def estimate_ranks(run: Callable[[RankRole], Any], model: nn.Module, parallel: P
         raise MemfitError(f"parallel must be a memfit.Parallel, not {type(parallel).__name__}")
     heads, kv_heads, layers = _model_shape(model)
     parallel.check_model(heads=heads, kv_heads=kv_heads, layers=layers)
+    if parallel.ep > 1:
+        from memfit.parallel.expert import check_experts
+
+        check_experts(model, parallel)
     estimates = []
     for role in rank_roles(model, parallel):
         with fake_world(parallel.gpus, role.rank):

@@ -38,7 +38,7 @@ from memfit.errors import MemfitError, suggest
 from memfit.gpus import GpuSpec
 from memfit.ledger import replay
 from memfit.progress import trace_progress
-from memfit.trace import host
+from memfit.trace import foreach, host
 from memfit.trace.autocast import cuda_autocast_emulation, target_autocast
 from memfit.trace.datadep import DataDependentSizes, RealValues, record_real_values
 from memfit.trace.estimate import TRACKED, Estimate, ModuleMemory, TimelinePoint
@@ -486,9 +486,14 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         stack.enter_context(fake_mode)
         stack.enter_context(host.tracing(tracker))
         stack.enter_context(_grouped_mm_rule())
-        fmodel = _fake_model(model, fake_device, param_dtype)
+        stack.enter_context(foreach.grouped())  # Note: [foreach ops on fake tensors]
+        # A pipeline rank fakes only its own stages (memfit/parallel/pipeline.py: local_model).
+        local = getattr(rank, "local_model", None)
+        fmodel = _fake_model(model if local is None else local(model), fake_device, param_dtype)
         if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/trace.py)
             stack.enter_context(rank.tracing(tracker, fake_mode))
+            stack.enter_context(torch_internals.dtensor_foreach_propagation_once_per_shape())
+            stack.enter_context(torch_internals.fsdp_chunks_on_demand())
             fmodel = rank.wrap_model(fmodel, tracker, fake_mode)
         memo: dict[int, torch.Tensor] = {}
         finputs = _fake_inputs(inputs, fake_device, memo, param_dtype)
@@ -543,9 +548,15 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
             if replay is not None:
                 replay.start()
             grad_mode = torch.enable_grad() if training else torch.no_grad()
+            # A pipeline rank's schedule runs forward and backward of every micro-batch as its
+            # step (memfit/parallel/pipeline.py: PipelineRole.run_step); the optimizer follows.
+            pipeline = getattr(rank, "runs_step", False)
             with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda), \
                     _outputs(fmodel, keep_output) as out:
-                if training:
+                if pipeline:
+                    loss = rank.run_step(fmodel, finputs, tracker,
+                                         compute_loss if training else None)
+                elif training:
                     loss = compute_loss(fmodel, finputs)
                 else:
                     loss = None
@@ -555,10 +566,11 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
             tracker.end_forward()
             if replay is not None:
                 replay.stop()
-            if loss is not None and opt is not None:
+            if (loss is not None or pipeline) and opt is not None:
                 tracker.phase = "backward"
                 tracker.modules.backward = ""
-                _backward(loss)
+                if not pipeline:
+                    _backward(loss)
                 del loss, out
                 _mark_grads(tracker, params, owners)
                 tracker.phase = "optimizer"

@@ -1,0 +1,390 @@
+"""``memfit plan --gpus N``: trace each rank role of the real parallel step (PyTorch's own FSDP2,
+DDP, ZeRO-1, tensor parallelism over a fake process group: ``memfit/parallel/trace.py``) and
+print one row per role, next to the analytic plan's per-GPU number.
+
+The trace is the default whenever the model can be built (a preset or a config.json) and the
+engine is one the trace runs (PyTorch FSDP2 / DDP); the formulas answer for ``--params``,
+``--method analytic``, ``--engine deepspeed|megatron`` and any layout the trace refuses, with one
+line saying why (:func:`formulas_reason`, and the trace's own refusal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import warnings
+from typing import Any
+
+from memfit.analytic.config import RunConfig
+from memfit.analytic.planner import ENGINE_LABELS, MemoryPlan, plan
+from memfit.categories import MemoryCategory
+from memfit.cli._common import console, print_fit_verdict, print_json
+from memfit.errors import MemfitError
+from memfit.gpus import GpuSpec
+from memfit.models.hf_auto import HFModelSpec
+from memfit.models.spec import ModelSpec, TransformerSpec
+from memfit.progress import Progress
+from memfit.units import format_bytes
+
+# Nothing here imports torch at module level: `plan --params --gpus N` and the engines the trace
+# does not run stay on the light analytic path (tests/test_cli_no_torch.py).
+
+AGREEMENT = 0.05
+"""The analytic plan agrees with the trace when within 5% of its live bytes at the peak (issue
+14 §2); beyond it the plan prints why (:func:`disagreement_reason`)."""
+
+TRACED_LAYOUTS = ("zero-paper", "fsdp2", "ddp")
+"""``RunConfig.layout`` values the trace runs as PyTorch FSDP2 / DDP (``auto`` without offload
+resolves to ``zero-paper``; the trace then runs the PyTorch engine the ZeRO stage names)."""
+
+_CATEGORIES = (MemoryCategory.WEIGHTS, MemoryCategory.GRADIENTS,
+               MemoryCategory.OPTIMIZER_STATES, MemoryCategory.ACTIVATIONS,
+               MemoryCategory.TEMPORARIES, MemoryCategory.RUNTIME)
+
+
+def formulas_reason(model: ModelSpec, run: RunConfig, ep: int = 1) -> str | None:
+    """Why a multi-GPU plan comes from the formulas and not the trace, in one line; None when
+    the trace can run it (it may still refuse the layout: :func:`run_parallel_plan`)."""
+    if not isinstance(model, TransformerSpec | HFModelSpec):
+        return "--params gives a parameter count, no architecture to trace"
+    if run.layout not in TRACED_LAYOUTS:
+        label = ENGINE_LABELS[run.layout]
+        why = (f"--engine {run.engine}" if run.engine != "auto"
+               else "offload under --engine auto is planned as DeepSpeed's ZeRO-Offload")
+        return (f"{why}: the trace runs PyTorch FSDP2 / DDP, so {label}'s memory layout comes "
+                "from the formulas")
+    if not run.training and run.tp * run.pp == 1:
+        return (f"inference on {run.gpus} GPUs runs {run.gpus} replicas and no collective: "
+                "plan --gpus 1 to trace one")
+    if run.offload_optimizer:
+        return "--offload-optimizer over several GPUs is not traced yet"
+    if run.weight_quant != "none" or run.kv_cache_dtype is not None or run.new_tokens:
+        return "--quant / --kv-cache-dtype / --new-tokens are not traced yet"
+    if run.precision == "fp8":
+        return "--precision fp8 is not traced yet"
+    from memfit import vocab
+
+    try:
+        vocab.check("checkpointing", run.checkpointing, "trace", what="checkpointing policy")
+    except MemfitError:
+        return f"--checkpointing {run.checkpointing} is an analytic variant (no trace policy)"
+    return None
+
+
+def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = None,
+                    fsdp: int | None = None) -> Any:
+    """The :class:`memfit.Parallel` layout the plan's options name, as PyTorch runs it.
+
+    Training: ``--zero 0`` is DDP over the data-parallel ranks, ``--zero 1`` DDP with
+    ``ZeroRedundancyOptimizer``, ``--zero 2`` FSDP2 without resharding after forward, ``--zero
+    3`` / ``--fsdp`` FSDP2 ``fully_shard`` (each block, then the root). Under mixed precision
+    FSDP2 runs with ``MixedPrecisionPolicy(param_dtype=<16-bit>, reduce_dtype=fp32)``, as
+    torchtitan does (fp32 sharded parameters and optimizer states, 16-bit all-gathers and
+    compute); DDP and ZeRO-1 run under autocast. ``--offload-params`` is FSDP2's
+    ``CPUOffloadPolicy``. ``fsdp``: the ranks that shard (``--fsdp N``; fewer than the
+    data-parallel ranks is HSDP). Inference: the ranks of one model replica (``tp x pp``); the other
+    data-parallel ranks hold the same."""
+    from memfit.parallel import Parallel
+
+    if not run.training:
+        return Parallel(gpus=run.tp * run.pp, tp=run.tp, pp=run.pp, ep=ep)
+    sharded = run.zero in (2, 3) and run.dp > 1
+    mixed = sharded and run.mixed
+    per_node = gpus_per_node if gpus_per_node and run.gpus % gpus_per_node == 0 else None
+    return Parallel(gpus=run.gpus, gpus_per_node=per_node, tp=run.tp, pp=run.pp, ep=ep,
+                    zero=run.zero or None, fsdp=fsdp if fsdp and sharded else 1,
+                    param_dtype=run.compute_format if mixed else None,
+                    reduce_dtype="fp32" if mixed else None,
+                    cpu_offload=run.offload_params and sharded)
+
+
+def trace_precision(run: RunConfig, parallel: Any) -> str:
+    """The trace's precision: the run's, except under FSDP2's ``MixedPrecisionPolicy``, which
+    handles mixed precision itself: fp32 parameters, gradients and optimizer states, 16-bit
+    all-gathers and compute, no autocast (torchtitan, ``torchtitan/distributed/utils.py:
+    maybe_enable_amp``: "FSDP handles mixed precision internally", a ``nullcontext``)."""
+    return "fp32" if parallel.param_dtype else run.precision
+
+
+def engine_words(parallel: Any, run: RunConfig) -> str:
+    """The PyTorch engine the trace ran, in words."""
+    strategy = parallel.strategy
+    if strategy in ("fsdp", "hsdp"):
+        words = "PyTorch FSDP2 fully_shard" + (" (HSDP)" if strategy == "hsdp" else "")
+        if parallel.param_dtype:
+            words += (f", MixedPrecisionPolicy(param_dtype={parallel.param_dtype}, "
+                      f"reduce_dtype={parallel.reduce_dtype})")
+    elif strategy == "zero1":
+        words = "PyTorch DDP + ZeroRedundancyOptimizer"
+    elif strategy == "ddp":
+        words = "PyTorch DDP"
+    else:
+        words = "PyTorch"
+    if parallel.tp > 1:
+        words += ", tensor parallel (parallelize_module)"
+    if parallel.pp > 1:
+        words += ", pipeline stages"
+    words += (", no autocast" if parallel.param_dtype
+              else ", torch.autocast" if run.mixed else "")
+    return words
+
+
+def comparable_run(run: RunConfig, parallel: Any) -> RunConfig:
+    """The analytic plan of the engine the trace ran (under ``--engine auto``: ``fsdp2`` for
+    FSDP2 ``fully_shard``, ``ddp`` for DDP and ZeRO-1), so both numbers count one layout."""
+    if run.engine != "auto" or not run.training:
+        return run
+    if parallel.strategy in ("fsdp", "hsdp") and run.zero == 3:
+        return dataclasses.replace(run, engine="fsdp2")
+    if parallel.strategy in ("ddp", "zero1", "none") and run.zero in (0, 1):
+        return dataclasses.replace(run, engine="ddp")
+    return run
+
+
+def live_bytes(est: Any) -> int:
+    """The trace's live bytes at its peak, with the runtime outside the allocator: its total
+    less the caching allocator's reserve, which the analytic plan does not model (its fit
+    margin covers it)."""
+    return int(est.total_bytes - (est.peak_reserved_bytes - est.peak_bytes))
+
+
+def disagreement_reason(analytic: MemoryPlan, est: Any) -> str:
+    """Why the analytic plan and the trace differ by more than :data:`AGREEMENT`, in one line:
+    the known gap that explains it, where each puts its peak, and the categories that differ
+    (plan - trace, those over 1% of the trace's live bytes)."""
+    live = live_bytes(est)
+    gap = analytic.total_bytes - live
+    deltas = {c: analytic.breakdown.get(c, 0) - int(est.breakdown.get(c, 0)) for c in _CATEGORIES}
+    reasons = []
+    unsharded = analytic.engine_buffers.get("unsharded gradients", 0)
+    if unsharded and gap > 0 and deltas[MemoryCategory.TEMPORARIES] > 0:
+        # Note: [unsharded gradients at the loss] The formulas add the largest fully_shard
+        # unit's unsharded gradients and their fp32 reduce-scatter input (planner.py:
+        # engine_buffers) to every activation at the loss. The largest unit is usually the
+        # root (embeddings, head), whose gradients the head's backward makes after the loss and
+        # which FSDP2 reduce-scatters at the end of the backward, when the activations are gone.
+        reasons.append(f"the formulas hold the largest fully_shard unit's unsharded gradients "
+                       f"and their reduce-scatter copy ({format_bytes(unsharded)}) with every "
+                       "activation at the loss; in the trace they come later, when activations "
+                       "have been freed")
+    model = analytic.model
+    if isinstance(model, TransformerSpec) and analytic.run.layout == "fsdp2" and gap < 0:
+        from memfit.analytic.planner import fsdp_unit_params
+        from memfit.analytic.table import format_params
+
+        # apply_fsdp shards each block, then the root, which takes every parameter no block
+        # holds (memfit/parallel/apply.py, as torchtitan's apply_fsdp): the embeddings, the final
+        # norm and, untied, the head, gathered together.
+        root = model.embedding_params() + model.head_params()
+        largest = fsdp_unit_params(model, analytic.run)
+        if root > largest:
+            reasons.append(f"the root fully_shard unit gathers the embeddings and the head "
+                           f"together ({format_params(root)} parameters); the formulas gather "
+                           f"the largest of a block, the embeddings and the head "
+                           f"({format_params(largest)})")
+    where = f"{est.peak_op} in {est.peak_module}" if est.peak_module else est.peak_op
+    reasons.append(f"peaks: formulas in the {analytic.peak_phase}, trace at {where} "
+                   f"({est.peak_phase})")
+    big = [f"{c.value} {'+' if d > 0 else '-'}{format_bytes(abs(d))}"
+           for c, d in sorted(deltas.items(), key=lambda kv: -abs(kv[1]))
+           if abs(d) >= 0.01 * live]
+    if big:
+        reasons.append("plan - trace: " + ", ".join(big))
+    return "; ".join(reasons)
+
+
+def comparison(analytic: MemoryPlan, est: Any) -> dict[str, Any]:
+    """The analytic plan's total against the trace's live bytes at its peak (worst rank)."""
+    live = live_bytes(est)
+    error = analytic.total_bytes / live - 1 if live else 0.0
+    agrees = abs(error) <= AGREEMENT
+    return {"total_bytes": analytic.total_bytes, "engine": analytic.run.layout,
+            "trace_live_bytes": live, "error": error, "agrees": agrees,
+            "why": "" if agrees else disagreement_reason(analytic, est)}
+
+
+def trace_parallel(spec: TransformerSpec | HFModelSpec, run: RunConfig, gpu: GpuSpec | None,
+                   parallel: Any) -> Any:
+    """Each rank role of ``parallel`` traced (:func:`memfit.cli.trace_plan.traced_estimate`);
+    the model's own code failing on this config is said in one line."""
+    from memfit.cli.trace_plan import traced_estimate
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="memfit: assumed")
+            return traced_estimate(spec, run, gpu, parallel=parallel,
+                                   precision=trace_precision(run, parallel))
+    except (MemfitError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        if os.environ.get("MEMFIT_DEBUG"):
+            raise
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise MemfitError(
+            f"tracing {spec.name} over {parallel.describe()} failed: {type(exc).__name__}: "
+            f"{detail} (set MEMFIT_DEBUG=1 for the traceback)") from None
+
+
+def run_parallel_plan(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
+                      gpu: GpuSpec | None, *, explicit: str | None, ep: int = 1,
+                      gpus_per_node: int | None = None, fsdp: int | None = None) -> int | str:
+    """Trace the multi-GPU plan and print it; returns the exit code, or the one-line reason the
+    formulas answer instead. ``explicit``: the option that asks for the trace (``--method
+    trace``, ``--fsdp N`` for HSDP), whose refusal is an error instead."""
+    analytic_check = plan(model, run, gpu)  # bad input (tp vs heads, pp vs layers) first
+    reason = formulas_reason(model, run, ep)
+    parallel = None
+    if reason is None:
+        from memfit.analytic.planner import check_model_options
+
+        assert isinstance(model, TransformerSpec | HFModelSpec)
+        check_model_options(model, run)
+        try:
+            parallel = parallel_layout(run, ep, gpus_per_node, fsdp)
+        except MemfitError as exc:
+            reason = str(exc)
+    if reason is None:
+        assert parallel is not None and isinstance(model, TransformerSpec | HFModelSpec)
+        try:
+            with Progress(f"memfit plan: tracing {model.name} per rank", total=None):
+                est = trace_parallel(model, run, gpu, parallel)
+        except MemfitError as exc:
+            reason = f"the trace refused it: {exc}"
+    if reason is not None:
+        if ep > 1:
+            raise MemfitError(f"--ep {ep}: {reason} (the formulas do not model expert "
+                              "parallelism)")
+        if explicit:
+            raise MemfitError(f"{explicit} over {run.gpus} GPUs: {reason}")
+        return reason
+    # The formulas of the same engine, beside the trace: not for a model type they do not cover
+    # (model states alone) nor for HSDP (they shard over every data-parallel rank).
+    covered = not isinstance(model, HFModelSpec) and parallel.strategy != "hsdp"
+    analytic = plan(model, comparable_run(run, parallel), gpu) if covered else None
+    render_parallel(args, model, run, gpu, parallel, est, analytic, analytic_check.seq)
+    return 0
+
+
+_SHORT = {MemoryCategory.WEIGHTS: "weights", MemoryCategory.GRADIENTS: "grads",
+          MemoryCategory.OPTIMIZER_STATES: "optim", MemoryCategory.ACTIVATIONS: "acts",
+          MemoryCategory.TEMPORARIES: "temps", MemoryCategory.RUNTIME: "runtime"}
+
+
+def _unit(largest: int) -> tuple[str, int]:
+    """The unit a table of byte counts up to ``largest`` is printed in."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= scale:
+            return unit, scale
+    return "B", 1
+
+
+def _role_label(est: Any) -> str:
+    from memfit.trace.estimate import _ranks_text
+
+    label = _ranks_text(est.ranks) if est.ranks else "0"
+    stage = getattr(est, "stage", None)
+    return f"{label} (stage {stage})" if isinstance(stage, int) else label
+
+
+def _role_dict(est: Any) -> dict[str, Any]:
+    return {"ranks": list(est.ranks), "total_bytes": est.total_bytes,
+            "peak_bytes": est.peak_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
+            "live_bytes": live_bytes(est),
+            "breakdown": {c.value: int(est.breakdown.get(c, 0)) for c in MemoryCategory},
+            "allocator_reserve_bytes": int(est.peak_reserved_bytes - est.peak_bytes),
+            "peak": {"op": est.peak_op, "phase": est.peak_phase, "module": est.peak_module,
+                     "step": est.peak_step},
+            "trace_seconds": est.trace_seconds}
+
+
+def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
+                    gpu: GpuSpec | None, parallel: Any, est: Any,
+                    analytic: MemoryPlan | None, seq: int | None) -> None:
+    """One row per rank role (its ranks, total, categories, where its peak is), the method and
+    engine, the analytic plan's number next to it, and the fit verdict of the worst rank."""
+    from memfit.analytic.table import format_params
+    from memfit.trace.estimate import TRACE_FITS_MARGIN
+
+    roles = est.per_rank or (est,)
+    capacity = gpu.usable_bytes if gpu else None
+    headroom = None if capacity is None else capacity - est.total_bytes
+    fits = None if headroom is None or capacity is None else (
+        headroom >= TRACE_FITS_MARGIN * capacity)
+    seconds = sum(r.trace_seconds for r in roles)
+    compared = None if analytic is None else comparison(analytic, est)
+    engine = engine_words(parallel, run)
+    notes = [args.precision_note] if getattr(args, "precision_note", None) else []
+    if args.json:
+        print_json({
+            "method": "trace",
+            "model": {"name": spec.name, "params": spec.param_count()},
+            "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity,
+                                             "capacity_measured": gpu.usable_measured},
+            "parallel": {"describe": parallel.describe(), "strategy": parallel.strategy,
+                         "gpus": parallel.gpus, "fsdp": parallel.fsdp, "tp": parallel.tp,
+                         "pp": parallel.pp, "ep": parallel.ep, "zero": parallel.zero,
+                         "reshard_after_forward": parallel.reshard_after_forward,
+                         "param_dtype": parallel.param_dtype,
+                         "reduce_dtype": parallel.reduce_dtype},
+            "engine": "fsdp2" if parallel.strategy in ("fsdp", "hsdp") else "ddp",
+            "engine_description": engine,
+            "per_gpu": {"total_bytes": est.total_bytes,
+                        "breakdown": {c.value: int(est.breakdown.get(c, 0))
+                                      for c in MemoryCategory},
+                        "allocator_reserve_bytes": int(est.peak_reserved_bytes - est.peak_bytes),
+                        "ranks": list(est.ranks)},
+            "per_rank": [_role_dict(r) for r in roles],
+            "fits": fits, "headroom_bytes": headroom,
+            "analytic": compared,
+            "trace_seconds": seconds,
+            "assumptions": list(est.assumptions),
+            "notes": notes,
+            "run": {**{k: (list(v) if isinstance(v, tuple) else v)
+                       for k, v in dataclasses.asdict(run).items()},
+                    "seq": seq},
+        })
+        return
+    from rich import box
+    from rich.table import Table
+
+    out = console()
+    out.print(f"[bold]{spec.name}[/bold] ({format_params(spec.param_count())} params): each rank "
+              f"role traced on meta tensors{f' for {gpu.label}' if gpu else ' for CUDA'} in "
+              f"{seconds:.1f} s", soft_wrap=True)
+    out.print(f"layout: {parallel.describe()}; engine: {engine}", soft_wrap=True)
+    for note in notes:
+        out.print(note, soft_wrap=True)
+    shown = [c for c in _CATEGORIES if any(int(r.breakdown.get(c, 0)) for r in roles)]
+    unit, scale = _unit(max(r.total_bytes for r in roles))
+    table = Table(title=f"Memory per GPU by rank role, {unit} (method: per-rank trace)",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    cells = [[_role_label(r), f"{r.total_bytes / scale:.2f}",
+              *[f"{int(r.breakdown.get(c, 0)) / scale:.2f}" for c in shown],
+              f"{int(r.peak_reserved_bytes - r.peak_bytes) / scale:.2f}", r.peak_phase]
+             for r in roles]
+    headers = ["ranks", "total", *[_SHORT[c] for c in shown], "reserve", "peak"]
+    for i, header in enumerate(headers):
+        fixed = i < len(headers) - 1
+        # Ranks and numbers never shrink into an ellipsis at a narrow width: "peak" gives way.
+        table.add_column(header, justify="right" if 0 < i < len(headers) - 1 else "left",
+                         no_wrap=fixed, min_width=max(len(header), *(len(row[i]) for row in cells))
+                         if fixed else None)
+    for row in cells:
+        table.add_row(*row)
+    out.print(table)
+    out.print(f"peak of the most loaded rank ({_role_label(est)}): {est.peak_op} in "
+              f"{est.peak_module or 'the model'} ({est.peak_phase}, step {est.peak_step}); "
+              "reserve: the caching allocator's, beyond live tensors", soft_wrap=True)
+    if capacity is not None:
+        out.print(f"usable on GPU: {format_bytes(capacity)}")
+    if compared is not None and analytic is not None:
+        line = (f"formulas ({analytic.engine_label}): {format_bytes(compared['total_bytes'])} "
+                f"per GPU, {100 * compared['error']:+.1f}% against the trace's live bytes at "
+                f"its peak ({format_bytes(compared['trace_live_bytes'])})")
+        if not compared["agrees"]:
+            line += f"; more than {100 * AGREEMENT:.0f}% apart: {compared['why']}"
+        out.print(line, soft_wrap=True)
+    for note in est.assumptions:
+        out.print(f"assumed: {note}", soft_wrap=True)
+    print_fit_verdict(out, capacity, est.total_bytes, TRACE_FITS_MARGIN, "trace")

@@ -1,0 +1,201 @@
+"""Expert parallelism for memfit's builtin MoE layers: each rank keeps ``num_experts / ep`` of the
+experts and exchanges tokens with the other ranks by all-to-all.
+
+The layout follows torchtitan's ``ExpertParallel`` (``torchtitan/distributed/expert_parallel.py``
+before 0.3; ``torchtitan/models/common/token_dispatcher.py: AllToAllTokenDispatcher`` since): the
+stacked expert weights ``[experts, ...]`` are split on dim 0 (torchtitan: ``Shard(0)`` over the
+"ep" mesh dimension), tokens go to the rank that holds their expert with
+``torch.distributed._functional_collectives.all_to_all_single`` (autograd-aware: the backward is
+the reverse all-to-all) and come back with a second one. The non-expert parameters (attention,
+norms, embeddings, the router) are replicated over the same ranks, which see different tokens:
+data parallel, with DDP or FSDP2 reducing their gradients. When ``ep`` is every data-parallel
+rank, each expert lives on one rank and is left out
+(``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``; ``fully_shard``'s
+``ignored_params``); with fewer, the ``dp / ep`` ranks that hold the same experts shard them with
+FSDP2 on their own mesh dimension (:func:`ep_mesh`: "efsdp" x "ep"), as torchtitan did before
+0.3 (``torchtitan/models/llama4/infra/parallelize.py: apply_fsdp``:
+``fully_shard(transformer_block.moe.experts, mesh=dp_mod_ep_mesh)``, then the block on the
+data-parallel mesh; its gradient divide factor changes no byte). torchtitan 0.3 keeps
+the experts in FSDP2 even when that dimension (``fsdp * tp // ep`` ranks,
+``torchtitan/distributed/parallel_dims.py``) is 1, through a per-parameter mesh
+(``torchtitan/distributed/fsdp.py``: ``shard_placement_fn`` returning ``ShardPlacementResult``);
+memfit leaves them out of FSDP2 then, which computes the same step, and does not model that
+1-rank FSDP2 group's buffers.
+
+Note: [expert parallelism without data-dependent sizes] torchtitan dispatches a variable number of
+tokens per expert, so its all-to-all's split sizes come from a token-count exchange read on the
+host (``AllToAllTokenDispatcher._sync_token_count_exchange``: ``.tolist()``). memfit's builtin
+``MoE`` (``memfit/models/build.py``) gives every expert a fixed buffer of ``capacity`` token slots
+(GShard / Switch Transformer's capacity formulation; tokens past it are dropped), so the exchange
+has equal splits: rank ``j`` gets ``[num_experts / ep, capacity, hidden]`` from every rank, and
+every size is known before the step. A rank's bytes do not depend on the routing: its expert
+buffers are the same size whether the router balances the tokens or not (the default
+``capacity_factor=1.0`` is the balanced load, ``ceil(tokens * k / num_experts)`` slots per
+expert, the balanced-routing assumption memfit's trace makes elsewhere,
+``memfit/trace/datadep.py``). An imbalanced router drops more tokens; it does not take more
+memory.
+
+Note: [the all-to-all's buffers] ``_c10d_functional::all_to_all_single``
+(``torch/csrc/distributed/c10d/Functional.cpp: all_to_all_single``, read at pytorch commit
+00295ae; the same in the installed 2.13) allocates its output on the caller with
+``input.new_empty`` (dim 0: the sum of the output splits) and hands it to the backend's
+``alltoall_base`` (NCCL: ``ProcessGroupNCCL::alltoall_base``, into that output; gloo on CPU:
+measured, no block of its own); the backward (``AllToAllSingle::backward`` in that file at that
+commit; in 2.13 ``torch/distributed/_functional_collectives.py: all_to_all_single_backward``)
+makes the incoming gradient contiguous and runs the reverse exchange the same way. The trace sees
+each allocation through the op's fake kernel, as the real step makes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.models.build import MoE
+from memfit.parallel.config import Parallel
+
+_EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
+"""The builtin MoE's stacked expert parameters (dim 0: the expert); the router stays replicated."""
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The builtin MoE layers of ``model`` (``memfit.models.build.MoE``), by qualified name."""
+    return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
+
+
+def check_experts(model: nn.Module, parallel: Parallel) -> None:
+    """One-line errors for an ``ep`` the model or the layout cannot take: the model has
+    memfit's builtin MoE layers, ``ep`` divides their experts, and the layout is the one traced
+    (every data-parallel rank in the expert group, DDP or FSDP2 for the rest, no tp / pp)."""
+    if parallel.ep == 1:
+        return
+    layers = moe_layers(model)
+    if not layers:
+        raise MemfitError(f"Parallel(ep={parallel.ep}) needs a mixture-of-experts model built by "
+                          "memfit (memfit.models.build_model with num_experts > 0, builtin "
+                          "backend); this model has no such MoE layer (Hugging Face MoE modules "
+                          "are not split yet): use ep=1")
+    for name, moe in layers:
+        experts = int(moe.num_experts)
+        if experts % parallel.ep:
+            raise MemfitError(f"Parallel(ep={parallel.ep}) does not divide the {experts} experts "
+                              f"of {name}; choose an ep that divides {experts}")
+    if parallel.tp > 1 or parallel.pp > 1:
+        raise MemfitError(f"Parallel(ep={parallel.ep}, tp={parallel.tp}, pp={parallel.pp}): "
+                          "expert parallelism is traced with data parallelism only so far; use "
+                          "tp=1 and pp=1")
+    if parallel.strategy not in ("ddp", "fsdp") or (
+            parallel.strategy == "ddp" and parallel.ep != parallel.dp):
+        raise MemfitError(f"Parallel(ep={parallel.ep}) on {parallel.describe()}: expert "
+                          "parallelism is traced with FSDP2 over every data-parallel rank "
+                          "(fsdp = gpus / (tp*pp)), or DDP when ep is all of them (no hsdp, "
+                          f"zero=1); use Parallel(gpus={parallel.gpus}, fsdp={parallel.dp}, "
+                          f"ep={parallel.ep}) or ep={parallel.dp}")
+    for name, moe in layers:
+        local, shards = int(moe.num_experts) // parallel.ep, parallel.dp // parallel.ep
+        if local % shards:
+            raise MemfitError(f"Parallel(ep={parallel.ep}): the {local} experts each rank of "
+                              f"{name} keeps do not split evenly over the {shards} ranks that "
+                              f"shard them (dp / ep); choose an ep with {int(moe.num_experts)} "
+                              f"/ ep divisible by {parallel.dp} / ep")
+    if parallel.param_dtype or parallel.reduce_dtype or parallel.cpu_offload:
+        raise MemfitError(f"Parallel(ep={parallel.ep}) with FSDP2's param_dtype, reduce_dtype or "
+                          "cpu_offload is not traced yet (the experts, outside FSDP, would keep "
+                          "their own dtype); use precision= for mixed precision instead")
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """Qualified names of the expert parameters of an expert-parallel ``model`` (after
+    :func:`apply_ep`: sharded by ``ep``, left out of the dense parameters' DDP / FSDP2)."""
+    return [f"{name}.experts.{attr}" for name, moe in moe_layers(model)
+            for attr, _ in moe.experts.named_parameters()]
+
+
+def ep_mesh(parallel: Parallel, device_type: str) -> Any:
+    """None when ``ep`` is every data-parallel rank (the expert group is the world); otherwise
+    the 2-D DeviceMesh ``(efsdp, ep)`` = ``(dp // ep, ep)`` (torchtitan's sparse mesh, "ep"
+    innermost: ranks ``0..ep-1`` exchange tokens, and rank ``r`` holds the same experts as
+    ``r + ep``, ``r + 2 ep``..., which shard them with FSDP2 over "efsdp")."""
+    if parallel.ep == parallel.dp:
+        return None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
+        return init_device_mesh(device_type, (parallel.dp // parallel.ep, parallel.ep),
+                                mesh_dim_names=("efsdp", "ep"))
+
+
+class Experts(nn.Module):
+    """One MoE layer's local experts, a module of their own (torchtitan: ``GroupedExperts``) so
+    that FSDP2 can shard them on another mesh than the layer's other parameters; its forward is
+    :meth:`memfit.models.build.MoE.run_experts` on its own parameters."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+        for attr in _EXPERT_PARAMS:
+            setattr(self, attr, None)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return MoE.run_experts(self, tokens)  # type: ignore[arg-type]
+
+
+def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Module:
+    """Expert parallelism on every builtin MoE layer of ``model`` (in place): in the expert group
+    (``mesh["ep"]``, or every rank when ``mesh`` is None), the rank of index ``i`` keeps experts
+    ``[i * E / ep, (i + 1) * E / ep)`` of each layer's stacked weights, moved to an
+    :class:`Experts` child, and runs them on the tokens the group sends it
+    (:class:`ExpertParallelMoE`). Applying it twice changes nothing."""
+    import torch.distributed as dist
+
+    check_experts(model, parallel)
+    group = dist.group.WORLD if mesh is None else mesh["ep"].get_group()
+    index, ep = dist.get_rank(group), parallel.ep
+    for _, moe in moe_layers(model):
+        if isinstance(moe, ExpertParallelMoE):
+            continue
+        local = moe.num_experts // ep
+        experts = Experts(moe.act)
+        for attr in _EXPERT_PARAMS:
+            param = getattr(moe, attr, None)
+            delattr(moe, attr)
+            if param is not None:  # this rank's experts, a tensor of their own
+                shard = param.detach()[index * local:(index + 1) * local].clone()
+                setattr(experts, attr, nn.Parameter(shard, requires_grad=param.requires_grad))
+        moe.__class__ = ExpertParallelMoE
+        moe.experts = experts
+        moe.ep_group, moe.ep_size = group, ep  # type: ignore[assignment]
+    return model
+
+
+class ExpertParallelMoE(MoE):
+    """A builtin MoE layer holding ``num_experts / ep_size`` experts (its :class:`Experts`
+    child): the routing and the capacity buffers are :class:`memfit.models.build.MoE`'s; the
+    experts step exchanges the buffers (see the module's note)."""
+
+    experts: Experts
+    ep_group: Any
+    ep_size: int
+
+    def run_experts(self, expert_in: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        experts, capacity, hidden = expert_in.shape
+        ep, local = self.ep_size, experts // self.ep_size
+        # Dispatch: chunk j of the buffers (rank j's experts) goes to rank j; what arrives is
+        # rank-major [ep, local, capacity, hidden], made expert-major for the batched matmuls
+        # (torchtitan: AllToAllTokenDispatcher._permute).
+        received = funcol.all_to_all_single_autograd(
+            expert_in.reshape(experts * capacity, hidden), None, None, self.ep_group)
+        tokens = received.view(ep, local, capacity, hidden).transpose(0, 1).reshape(
+            local, ep * capacity, hidden)
+        out = self.experts(tokens)
+        # Combine: back to rank-major, each rank's slots sent home (the reverse exchange).
+        back = out.view(local, ep, capacity, hidden).transpose(0, 1).reshape(
+            experts * capacity, hidden)
+        returned = funcol.all_to_all_single_autograd(back, None, None, self.ep_group)
+        return returned.view(experts, capacity, hidden)

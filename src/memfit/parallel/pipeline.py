@@ -1,0 +1,446 @@
+"""Pipeline parallelism: PyTorch's own ``torch.distributed.pipelining`` stages and schedules, on
+the fake model of one rank (the trace) and on the real model of each gloo rank (the truth).
+
+The model is split the way torchtitan splits it by hand (``torchtitan/distributed/
+pipeline_parallel.py: generate_llm_fqn_per_model_part, pipeline_module_split``): the embedding
+counts as one layer and the final norm + head as one more, those "effective layers" are dealt
+out evenly, first stages first; each stage keeps its slice of the transformer blocks, the first
+the embedding, the last the final norm, the head and the loss. The ranks form a ``(pp, dp)``
+mesh, pipeline outermost (torchtitan's order); a rank runs stage ``pp_rank`` (and, for the
+interleaved schedule, ``pp_rank + pp``: torchtitan's "loop" placement, two stages per rank),
+FSDP2-sharded over its ``dp`` ranks when ``dp > 1``. Only a rank's own stages are faked and
+traced. The step is the schedule's ``step`` (``torch/distributed/pipelining/schedules.py:
+PipelineScheduleSingle.step``, ``PipelineScheduleMulti.step``) with ``return_outputs=False``, as
+torchtitan's trainer calls it, so the last stage keeps no micro-batch's logits for merging.
+
+What the schedule holds, it holds because it runs: the stage's forward cache keeps each
+micro-batch's output and inputs until that micro-batch's backward (``stage.py:
+_PipelineStageBase.forward_one_chunk``, ``fwd_cache``), so GPipe keeps every micro-batch's
+activations (``schedules.py: ScheduleGPipe._step_microbatches``: all forwards, then all
+backwards) and 1F1B at most ``pp - stage`` (``Schedule1F1B._step_microbatches``: ``warmup_chunks
+= min(n_microbatches, num_stages - stage_index)``); a non-first stage allocates one receive
+buffer per micro-batch for activations and, when it is not last, one for gradients, and keeps
+them for its lifetime (``stage.py: PipelineStage._setup_forward_recv_info``,
+``_create_grad_recv_info``); the gradient of each received activation stays on its buffer's
+``.grad`` until the next step's ``clear_runtime_states``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.parallel.apply import _DTYPE
+from memfit.parallel.config import PP_SCHEDULES, Parallel
+from memfit.parallel.trace import RankRole
+
+SCHEDULES = PP_SCHEDULES
+"""Pipeline schedules: ``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B``."""
+
+
+def stages_per_rank(parallel: Parallel) -> int:
+    """Virtual stages a rank holds: 2 for the interleaved schedule (torchtitan's default for
+    multi-stage schedules), else 1."""
+    return 2 if parallel.pp_schedule == "interleaved-1f1b" else 1
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[range]:
+    """The transformer blocks of each stage, torchtitan's even split of the effective layers
+    (``generate_llm_fqn_per_model_part`` with ``input_weight = output_weight = 1``): the
+    embedding and the norm + head count as one layer each; the first ``effective % stages``
+    stages take one more.
+
+    >>> stage_layers(4, 2)  # 6 effective layers: embedding + 2 blocks | 2 blocks + head
+    [range(0, 2), range(2, 4)]
+    """
+    effective = num_layers + 2
+    if num_stages > num_layers or num_stages < 1:
+        raise MemfitError(f"{num_stages} pipeline stages for {num_layers} layers; use at most "
+                          f"{num_layers} stages")
+    base, extra = divmod(effective, num_stages)
+    out, start = [], 0
+    for index in range(num_stages):
+        size = base + (index < extra) - (index == 0) - (index == num_stages - 1)
+        size = max(0, min(size, num_layers - start))
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(``model.model``, ``model.lm_head``) of memfit's builtin decoder, else a one-line error."""
+    from memfit.models.build import DecoderLM
+
+    if not isinstance(model, DecoderLM):
+        raise MemfitError(f"Parallel(pp>1) splits memfit's builtin decoders (memfit.models."
+                          f"build_model), not {type(model).__name__}; build the model with "
+                          "build_model(spec, backend='builtin') or use memfit plan's formulas")
+    return model.model, model.lm_head
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a builtin decoder, holding the model's own submodules (no copy):
+    blocks ``layers`` (named by their index in the whole model, as torchtitan keeps them), the
+    embedding on the first stage, the final norm and head on the last. Its forward takes the
+    token ids (first stage) or the hidden states and returns the hidden states, or the logits
+    on the last stage."""
+
+    def __init__(self, model: nn.Module, layers: range, *, index: int, first: bool,
+                 last: bool) -> None:
+        super().__init__()
+        decoder, head = _decoder_parts(model)
+        self.index, self.first, self.last = index, first, last
+        self.hidden_size = int(decoder.embed_tokens.weight.shape[1])
+        self.embed_tokens = decoder.embed_tokens if first else None
+        self.embed_positions = decoder.embed_positions if first else None
+        self.dropout = decoder.dropout
+        self.rotary_emb = decoder.rotary_emb
+        self.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})
+        self.norm = decoder.norm if last else None
+        self.lm_head = head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        if self.first:  # as DecoderModel.forward
+            ids = x
+            x = self.embed_tokens(ids)  # type: ignore[misc]
+            if self.embed_positions is not None:
+                x = x + self.embed_positions(torch.arange(seq, device=ids.device))
+            x = self.dropout(x)
+        rope = self.rotary_emb(x, seq) if self.rotary_emb is not None else None
+        for layer in self.layers.values():
+            x = layer(x, rope)
+        if self.last:
+            x = self.lm_head(self.norm(x))  # type: ignore[misc]
+        return x
+
+
+def stage_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss: the builtin decoder's own (``DecoderLM.forward``: fp32 logits,
+    labels shifted left)."""
+    shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                           shift_labels.reshape(-1), ignore_index=-100)
+
+
+def num_microbatches(parallel: Parallel) -> int:
+    return parallel.microbatches or parallel.pp
+
+
+def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> None:
+    """One-line errors for a pipeline layout the model or batch cannot take."""
+    decoder, _ = _decoder_parts(model)
+    if parallel.tp > 1 or parallel.ep > 1 or parallel.strategy not in ("none", "fsdp"):
+        raise MemfitError(f"Parallel(pp={parallel.pp}) is traced alone or with FSDP over the "
+                          f"other ranks, not with {parallel.describe()}; use gpus == pp or "
+                          "fsdp = gpus / pp, or memfit plan's formulas")
+    stages = parallel.pp * stages_per_rank(parallel)
+    layers = len(decoder.layers)
+    if stages > layers:
+        raise MemfitError(f"Parallel(pp={parallel.pp}, pp_schedule={parallel.pp_schedule!r}) "
+                          f"needs {stages} stages, more than the model's {layers} layers; use "
+                          "a smaller pp")
+    n = num_microbatches(parallel)
+    if batch is not None and batch % n:
+        raise MemfitError(f"Parallel(microbatches={n}) does not divide the batch of {batch}; "
+                          "choose a number of micro-batches that divides it")
+    if parallel.pp_schedule != "gpipe" and n < parallel.pp:
+        raise MemfitError(f"Parallel(pp_schedule={parallel.pp_schedule!r}) needs at least pp="
+                          f"{parallel.pp} micro-batches, got microbatches={n}")
+    if parallel.pp_schedule == "interleaved-1f1b" and n % parallel.pp:
+        raise MemfitError(f"Parallel(pp_schedule='interleaved-1f1b') needs microbatches ({n}) "
+                          f"divisible by pp={parallel.pp}")
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """This rank's stages of a model and the schedule that runs them."""
+
+    modules: list[StageModule]
+    schedule: Any
+
+    @property
+    def first(self) -> bool:
+        return any(m.first for m in self.modules)
+
+    @property
+    def last(self) -> bool:
+        return any(m.last for m in self.modules)
+
+    def step(self, inputs: dict[str, torch.Tensor]) -> None:
+        """One schedule step over the whole batch, as torchtitan's trainer calls it: the token
+        ids on the rank with the first stage, the labels on the rank with the last."""
+        target = inputs["labels"] if self.last else None
+        if self.first:
+            self.schedule.step(inputs["input_ids"], target=target, return_outputs=False)
+        else:
+            self.schedule.step(target=target, return_outputs=False)
+
+
+def pp_rank(parallel: Parallel, rank: int) -> int:
+    """The pipeline rank of a global rank: the mesh is ``(pp, dp)``, pipeline outermost, as
+    torchtitan orders it (``ParallelDims``: pp, dp_replicate, dp_shard, cp, tp)."""
+    return rank // parallel.dp
+
+
+def stage_modules(model: nn.Module, parallel: Parallel, rank: int) -> list[StageModule]:
+    """This rank's stages of ``model`` (its own submodules): stage ``pp_rank``, and for the
+    interleaved schedule also ``pp_rank + pp`` (torchtitan's "loop" placement)."""
+    decoder, _ = _decoder_parts(model)
+    num_stages = parallel.pp * stages_per_rank(parallel)
+    layers = stage_layers(len(decoder.layers), num_stages)
+    first_index = pp_rank(parallel, rank)
+    return [StageModule(model, layers[index], index=index, first=index == 0,
+                        last=index == num_stages - 1)
+            for index in (first_index + s * parallel.pp for s in range(stages_per_rank(parallel)))]
+
+
+def pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
+    """The ``(pp, dp)`` DeviceMesh of a pipeline layout with data parallelism (torch.distributed
+    initialised with ``parallel.gpus`` ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (parallel.pp, parallel.dp), mesh_dim_names=("pp", "dp"))
+
+
+def shard_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> None:
+    """FSDP2 on each stage over the mesh's ``dp`` dimension: each of its blocks, then the
+    stage (``memfit.parallel.apply.apply_fsdp``), as torchtitan shards each model part."""
+    from memfit.parallel.apply import apply_fsdp
+
+    for module in modules:
+        apply_fsdp(module, parallel, mesh["dp"], blocks=[f"layers.{k}" for k in module.layers])
+
+
+def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, seq: int,
+                   device: str = "cpu", group: Any = None) -> Pipeline:
+    """``modules`` (:func:`stage_modules` of ``rank``) as ``PipelineStage``s and the layout's
+    schedule over them; torch.distributed must be initialised with ``parallel.gpus`` ranks.
+    Every stage is given its input and output shapes (``input_args``, ``output_args``), so no
+    stage infers them at run time (static metadata: ``stage.py: PipelineStage``)."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    per_rank = stages_per_rank(parallel)
+    num_stages = parallel.pp * per_rank
+    n = num_microbatches(parallel)
+    if batch % n:
+        raise MemfitError(f"Parallel(microbatches={n}) does not divide the batch of {batch}; "
+                          "choose a number of micro-batches that divides it")
+    micro = batch // n
+    stages = []
+    for module in modules:
+        index = module.index
+        # the hidden states' dtype: FSDP2's compute dtype, else the parameters' (an fp32 model
+        # under autocast keeps an fp32 residual stream: embedding + residual adds)
+        width = module.hidden_size
+        dtype = (_DTYPE[parallel.param_dtype] if parallel.param_dtype else
+                 next(p.dtype for p in module.parameters() if p.is_floating_point()))
+        with torch.device("meta"):
+            ids = torch.zeros(micro, seq, dtype=torch.long)
+            # requires_grad: the metadata of the gradients sent back (stage.py:
+            # _derive_grad_metas gives none for an output that needs no gradient)
+            states = torch.zeros(micro, seq, width, dtype=dtype, requires_grad=True)
+            logits = torch.zeros(micro, seq, module.lm_head.out_features if module.last else 1,
+                                 dtype=dtype, requires_grad=True)  # type: ignore[union-attr]
+        stages.append(PipelineStage(module, index, num_stages, torch.device(device),
+                                    input_args=ids if module.first else states,
+                                    output_args=logits if module.last else states, group=group))
+    if parallel.pp_schedule == "interleaved-1f1b":
+        schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=stage_loss)
+    else:
+        cls = ScheduleGPipe if parallel.pp_schedule == "gpipe" else Schedule1F1B
+        schedule = cls(stages[0], n, loss_fn=stage_loss)
+    return Pipeline(modules, schedule)
+
+
+# -- the trace's rank role ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PipelineRole(RankRole):
+    """A pipeline rank: its stages of the fake model, run by the layout's schedule as the
+    step (the engine calls :meth:`run_step` in place of forward + backward)."""
+
+    state: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    runs_step = True
+
+    def local_model(self, model: nn.Module) -> nn.Module:
+        """This rank's stages of the real model (the engine fakes only these): a
+        :class:`StageModule`, or a ``ModuleList`` of two (interleaved)."""
+        modules = stage_modules(model, self.parallel, self.rank)
+        return modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+
+    def wrap_model(self, model: nn.Module, tracker: Any, fake_mode: Any) -> nn.Module:
+        """The fake stages, FSDP2-sharded over the data-parallel ranks when there are some (the
+        schedule is built at the first step)."""
+        modules = list(model) if isinstance(model, nn.ModuleList) else [model]
+        self.state["modules"] = modules
+        if self.parallel.dp > 1:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
+                mesh = pipeline_mesh(self.parallel)
+            shard_stages(modules, self.parallel, mesh)
+            self.state["group"] = mesh["pp"].get_group()
+        return model
+
+    def run_step(self, model: nn.Module, inputs: Any, tracker: Any, loss_fn: Any) -> None:
+        """One schedule step; each micro-batch's forward is traced as phase ``forward`` and its
+        backward as ``backward``. The stages and schedule are built at the first step, from the
+        batch's shape. ``loss_fn``: the trace's loss (None: no optimizer, an inference trace)."""
+        from memfit._loss import model_loss
+
+        if loss_fn is None:
+            raise MemfitError("Parallel(pp>1) traces training steps (the schedule runs each "
+                              "micro-batch's forward and backward); pass an optimizer")
+        if loss_fn is not model_loss:
+            raise MemfitError("Parallel(pp>1) computes the model's own loss on the last stage "
+                              "(cross-entropy on the batch's labels); drop loss_fn")
+        if "pipeline" not in self.state:
+            batch, seq = _batch_shape(inputs)
+            self.state["pipeline"] = build_pipeline(self.state["modules"], self.parallel,
+                                                    batch, seq, group=self.state.get("group"))
+            _static_metadata(self.state["pipeline"].schedule)
+        pipeline: Pipeline = self.state["pipeline"]
+        with _phases(pipeline.schedule, tracker), _works_hold_their_tensors():
+            pipeline.step(inputs)
+
+
+class _HeldWork:
+    """A point-to-point work that keeps the tensors it was given, as a real backend's does."""
+
+    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
+        self._work, self._tensors = work, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def _works_hold_their_tensors() -> Iterator[None]:
+    """Inside the block, the schedule's P2P works keep their tensors alive as long as the
+    schedule keeps the works; the schedules module's own ``_batch_p2p`` again on exit.
+
+    Note: [a P2P work keeps its tensor] A backend's send or receive work holds the tensor it
+    was given for as long as the work object lives: gloo's ``SendWork`` / ``RecvWork`` keep it
+    as a member (``torch/csrc/distributed/c10d/ProcessGroupGloo.hpp``: ``at::Tensor
+    tensor_``), NCCL's work keeps it as its outputs (``ProcessGroupNCCL.cpp:
+    ProcessGroupNCCL::pointToPoint``: "we still create these outputs [for send] for use cases
+    such as profiling", ``work->outputs_``). A schedule keeps its last send works in a local
+    variable until it waits on the next ones, or to the end of the step: 1F1B's first stage
+    keeps the send of its first micro-batch's activations through the whole steady state
+    (``schedules.py: Schedule1F1B._step_microbatches``: ``send_work`` is only reassigned from
+    the backward sends, and the first stage has none), one micro-batch's output past its
+    backward (measured on gloo: +32,768 bytes, one 2x64x64 fp32 activation, on stage 0 of 2
+    with 4 micro-batches). A fake process group's ``FakeWork`` keeps nothing, so each work the
+    schedule gets here carries its tensors."""
+    from torch.distributed.pipelining import schedules
+
+    batch_p2p = schedules._batch_p2p
+
+    def held(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+        works = batch_p2p(p2p_ops, desc=desc)
+        if len(works) == len(p2p_ops):
+            return [_HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops, strict=True)]
+        return [_HeldWork(w, [op.tensor for op in p2p_ops]) for w in works]  # coalesced
+
+    schedules._batch_p2p = held  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch_p2p  # type: ignore[assignment]
+
+
+def _batch_shape(inputs: Any) -> tuple[int, int]:
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+    if ids is None or ids.dim() != 2 or "labels" not in inputs:
+        raise MemfitError("Parallel(pp>1) needs the batch as a dict with input_ids (batch, seq) "
+                          "and labels (memfit.models.build.example_inputs)")
+    return int(ids.shape[0]), int(ids.shape[1])
+
+
+def _static_metadata(schedule: Any) -> None:
+    """The schedule's warm-up vote answered without a peer: every stage static.
+
+    Note: [the pipeline's vote over a fake process group] Before its first step a schedule runs
+    a vote along the stages (``schedules.py: _PipelineSchedule._warmup_p2p`` ->
+    ``stage.py: PipelineStage._warmup_forward_vote``, ``_warmup_backward_result``): each stage
+    multiplies a one-element int32 tensor by 1 if it was given its input and output shapes
+    (``InferenceMode.needs_dynamic``) and sends it on, and every stage reads the result with
+    ``.item()``. A fake process group delivers nothing (the received tensor has no value) and a
+    fake tensor has no ``.item()``; every stage here is given its shapes, so every real stage
+    votes static and the result is 1. The schedule instance's ``_warmup_p2p`` is replaced by
+    one that sets that result (the 4-byte vote tensors are not traced)."""
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError:  # a torch without the vote: the shapes given are used as they are
+        return
+
+    def warmup(stages_: Any, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages_:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = warmup
+
+
+@contextlib.contextmanager
+def _phases(schedule: Any, tracker: Any) -> Iterator[None]:
+    """Each stage's ``forward_one_chunk`` traced as ``forward`` (its storages still alive at the
+    end marked as saved activations) and ``backward_one_chunk`` as ``backward``; the stages'
+    own methods again on exit."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def fwd(*args: Any, _run: Any = forward, **kwargs: Any) -> Any:
+            tracker.phase = "forward"
+            try:
+                return _run(*args, **kwargs)
+            finally:
+                tracker.end_forward()
+
+        def bwd(*args: Any, _run: Any = backward, **kwargs: Any) -> Any:
+            tracker.phase = "backward"
+            tracker.modules.backward = ""
+            try:
+                return _run(*args, **kwargs)
+            finally:
+                tracker.phase = "forward"
+
+        stage.forward_one_chunk, stage.backward_one_chunk = fwd, bwd
+    try:
+        yield
+    finally:
+        for stage in stages:
+            del stage.forward_one_chunk, stage.backward_one_chunk
+
+
+def pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
+    """Ranks grouped by stage and, with FSDP, by the shard sizes they hold (the unpadded
+    ``torch.chunk`` of each parameter's dim 0, as in ``trace.rank_roles``)."""
+    from memfit.parallel.trace import _chunk
+
+    check_pipeline(model, parallel, None)
+    groups: dict[Any, list[int]] = {}
+    for rank in range(parallel.gpus):
+        params = [p for m in stage_modules(model, parallel, rank) for p in m.parameters()]
+        shard = rank % parallel.dp
+        sig = (pp_rank(parallel, rank), tuple(_chunk(p.shape[0] if p.dim() else 1,
+                                                     parallel.dp, shard) for p in params))
+        groups.setdefault(sig, []).append(rank)
+    return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]

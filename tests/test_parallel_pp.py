@@ -1,0 +1,265 @@
+"""Pipeline parallelism in the per-rank trace (memfit/parallel/pipeline.py).
+
+Each rank runs PyTorch's own ``torch.distributed.pipelining`` stage and schedule
+(torch/distributed/pipelining/schedules.py: ScheduleGPipe._step_microbatches,
+Schedule1F1B._step_microbatches) on its stage of the model, split as torchtitan splits it by hand
+(torchtitan/distributed/pipeline_parallel.py: generate_llm_fqn_per_model_part), over a fake
+process group. Expected values come from first principles: a stage allocates one gradient
+receive buffer per micro-batch and keeps it (stage.py: PipelineStage._create_grad_recv_info,
+_setup_backward_recv_info), the forward cache keeps a micro-batch's activations until its
+backward (stage.py: forward_one_chunk), GPipe runs every forward before any backward, 1F1B at
+most ``pp - stage`` forwards ahead; a micro-batch's saved activations are measured with
+autograd's own saved-tensor hooks on a real forward. Or from real runs: one gloo process per
+rank running the same stage and schedule under the profiler (memfit/parallel/measure.py). A P2P
+work keeps its tensor while the schedule keeps the work (ProcessGroupGloo.hpp: SendWork::tensor_;
+ProcessGroupNCCL.cpp: pointToPoint, work->outputs_).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import memfit
+from memfit.errors import MemfitError
+from memfit.parallel import Parallel
+from memfit.parallel.measure import Case, build, tiny_spec
+from memfit.parallel.pipeline import stage_layers, stage_modules
+
+SEQ = 64
+HIDDEN = 64  # tiny_spec's hidden size
+
+
+def _case(microbatches: int, schedule: str, micro: int = 2, layers: int = 4) -> Case:
+    return Case(spec=tiny_spec(layers), batch=micro * microbatches, seq=SEQ,
+                parallel=Parallel(gpus=2, pp=2, pp_schedule=schedule,
+                                  microbatches=microbatches))
+
+
+def _per_rank(case: Case) -> tuple[memfit.Estimate, ...]:
+    model, inputs = build(case)
+    est = memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)
+    assert sorted(r for e in est.per_rank for r in e.ranks) == list(range(case.parallel.gpus))
+    return est.per_rank
+
+
+# -- the layout --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"pp_schedule": "zb"}, "pp_schedule='zb'"),
+    ({"pp_schedule": "1F1B"}, "did you mean '1f1b'"),
+    ({"microbatches": 0}, "microbatches=0"),
+])
+def test_bad_pipeline_layouts_get_one_line_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(MemfitError, match=match) as info:
+        Parallel(gpus=2, pp=2, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("layout", "batch", "match"), [
+    ({"pp": 4}, 4, "pp=4\\) is more stages than the model's 2 layers"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b"}, 4, "needs 4 stages, more than the model's 2"),
+    ({"pp": 2, "microbatches": 3}, 4, "microbatches=3\\) does not divide the batch of 4"),
+    ({"pp": 2, "microbatches": 1}, 4, "needs at least pp=2 micro-batches"),
+    ({"pp": 2, "gpus": 4}, 4, "not with ddp 2"),
+    ({"pp": 2, "gpus": 8, "fsdp": 2}, 4, "not with hsdp 2x2"),
+])
+def test_pipeline_the_model_or_batch_cannot_take_gets_one_line_errors(
+        layout: dict, batch: int, match: str) -> None:
+    model, inputs = build(Case(spec=tiny_spec(2), batch=batch, seq=16, parallel=Parallel(gpus=1)))
+    parallel = Parallel(**{"gpus": layout.get("pp", 1), **layout})
+    with pytest.raises(MemfitError, match=match) as info:
+        memfit.estimate(model, inputs, device="cpu", parallel=parallel)
+    assert "\n" not in str(info.value)
+
+
+def test_pipeline_traces_training_with_the_models_own_loss() -> None:
+    model, inputs = build(_case(2, "1f1b"))
+    parallel = Parallel(gpus=2, pp=2)
+    with pytest.raises(MemfitError, match="pass an optimizer") as info:
+        memfit.estimate(model, inputs, device="cpu", optimizer=None, parallel=parallel)
+    assert "\n" not in str(info.value)
+    with pytest.raises(MemfitError, match="drop loss_fn"):
+        memfit.estimate(model, inputs, device="cpu", parallel=parallel,
+                        loss_fn=lambda m, b: m(**b))
+
+
+def test_stages_split_the_effective_layers_as_torchtitan_does() -> None:
+    """generate_llm_fqn_per_model_part (input_weight = output_weight = 1): the embedding and the
+    norm + head count as one layer each, the effective layers are dealt out evenly, the first
+    ``effective % stages`` stages taking one more. 4 blocks on 2 stages: 6 effective, 3 each:
+    embedding + blocks 0-1 | blocks 2-3 + head. On 4 stages: 2, 2, 1, 1 effective. 32 blocks on
+    4 stages: 34 effective, 9, 9, 8, 8: 8 blocks (+ embedding), 9, 8, 7 (+ head)."""
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(4, 4) == [range(0, 1), range(1, 3), range(3, 4), range(4, 4)]
+    assert stage_layers(32, 4) == [range(0, 8), range(8, 17), range(17, 25), range(25, 32)]
+    model, _ = build(_case(2, "1f1b"))
+    first, = stage_modules(model, Parallel(gpus=2, pp=2), 0)
+    last, = stage_modules(model, Parallel(gpus=2, pp=2), 1)
+    assert list(first.layers) == ["0", "1"] and first.embed_tokens is not None
+    assert first.lm_head is None and first.norm is None
+    assert list(last.layers) == ["2", "3"] and last.embed_tokens is None
+    assert last.lm_head is model.lm_head  # the model's own modules, not copies
+    layouts = Parallel(gpus=2, pp=2, pp_schedule="interleaved-1f1b", microbatches=2)
+    # interleaved: 4 virtual stages (blocks 0 | 1-2 | 3 | head); rank 0 holds stages 0 and 2
+    assert [list(m.layers) for m in stage_modules(model, layouts, 0)] == [["0"], ["3"]]
+
+
+# -- micro-batches in flight, from first principles ---------------------------------------------
+
+
+def _saved_bytes_of_one_micro_batch(case: Case) -> int:
+    """Bytes one micro-batch's forward through stage 0 leaves alive for its backward: the
+    storages autograd saves (its saved-tensor hooks on a real forward) and the stage's output,
+    not the parameters nor the batch itself."""
+    model, inputs = build(case)
+    stage, = stage_modules(model, case.parallel, 0)
+    skip = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    skip.add(inputs["input_ids"].untyped_storage().data_ptr())
+    micro = inputs["input_ids"][: case.batch // (case.parallel.microbatches or 2)]
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = stage(micro)
+    saved[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
+    return sum(n for ptr, n in saved.items() if ptr not in skip)
+
+
+def test_gpipe_keeps_every_micro_batch_and_1f1b_at_most_pp() -> None:
+    """With the micro-batch size fixed (2 rows of 64 tokens), each extra micro-batch adds to
+    stage 0's peak its rows of the batch (input_ids and labels, int64: 2 x 2 x 64 x 8 = 2,048
+    bytes) and its gradient receive buffer, which the stage allocates per micro-batch and keeps
+    (stage.py: _create_grad_recv_info): 2 x 64 x 64 fp32 = 32,768 bytes. Beyond that:
+    - under 1F1B (past pp = 2 micro-batches) nothing: the activations in flight stay at
+      pp - 0 = 2 (Schedule1F1B._step_microbatches: warmup_chunks);
+    - under GPipe, one more micro-batch's saved activations and output, since every forward
+      runs before the first backward (ScheduleGPipe._step_microbatches)."""
+    rows = 2 * 2 * SEQ * 8
+    recv_buffer = 2 * SEQ * HIDDEN * 4
+    one_f1b = [_per_rank(_case(m, "1f1b"))[0].peak_bytes for m in (3, 4, 5)]
+    step = rows + recv_buffer
+    assert [b - a for a, b in itertools.pairwise(one_f1b)] == [step, step]
+    activations = _saved_bytes_of_one_micro_batch(_case(2, "gpipe"))
+    gpipe = [_per_rank(_case(m, "gpipe"))[0].peak_bytes for m in (3, 4, 5)]
+    step = rows + recv_buffer + activations
+    assert [b - a for a, b in itertools.pairwise(gpipe)] == [step, step]
+    assert activations > 10 * recv_buffer  # a micro-batch's activations dominate
+
+
+# -- the truth: real ranks over gloo --------------------------------------------------------------
+
+GLOO_CASES = {"1f1b": _case(4, "1f1b"), "gpipe": _case(4, "gpipe"),
+              "interleaved-1f1b": _case(4, "interleaved-1f1b")}
+
+
+@pytest.fixture(scope="module")
+def measured_pipelines() -> dict[str, list[dict[str, int]]]:
+    from memfit.parallel.measure import measure
+
+    peaks = measure(list(GLOO_CASES.values()), world=2, repeats=2)
+    return dict(zip(GLOO_CASES, peaks, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(GLOO_CASES))
+def test_each_stage_matches_a_real_gloo_run_within_1_percent(
+        name: str, measured_pipelines: dict) -> None:
+    """Per stage (rank), the trace's peak is within 1% of the real rank's: 2 gloo processes,
+    4 layers on 2 stages, 4 micro-batches of 2 rows (more than pp, so that 1F1B and GPipe keep
+    different numbers in flight), AdamW, 2 steps; each rank runs
+    torch.distributed.pipelining's PipelineStage and Schedule1F1B / ScheduleGPipe /
+    ScheduleInterleaved1F1B (two stages per rank)."""
+    measured = measured_pipelines[name]
+    for est in _per_rank(GLOO_CASES[name]):
+        real = measured[est.ranks[0]]["peak"]
+        assert abs(est.peak_bytes - real) <= 0.01 * real, (
+            f"{name} stage {est.ranks}: predicted {est.peak_bytes:,} bytes, measured {real:,}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(GLOO_CASES))
+def test_each_phase_of_each_stage_matches_a_real_gloo_run_within_1_percent(
+        name: str, measured_pipelines: dict) -> None:
+    """Per stage and step: the schedule's part of the step (its forwards and backwards
+    interleave, so the measurement has one range around ``schedule.step``: the trace's higher of
+    its forward and backward phases) and the optimizer's, each within 1% of the real rank's high
+    point inside the same range."""
+    measured = measured_pipelines[name]
+    for est in _per_rank(GLOO_CASES[name]):
+        real = measured[est.ranks[0]]["phases"]
+        for step in range(2):
+            pred = max(est.phase_peaks[(step, "forward")], est.phase_peaks[(step, "backward")])
+            for key, value in ((f"{step}:pipeline", pred),
+                               (f"{step}:optimizer", est.phase_peaks[(step, "optimizer")])):
+                assert abs(value - real[key]) <= 0.01 * real[key], (
+                    f"{name} stage {est.ranks} {key}: predicted {value:,}, measured {real[key]:,}")
+
+
+@pytest.mark.slow
+def test_gpipe_keeps_more_in_flight_than_1f1b_on_real_ranks(measured_pipelines: dict) -> None:
+    """The measured stage-0 peak is higher under GPipe (4 micro-batches in flight) than under
+    1F1B (2), as the trace says."""
+    gpipe, one_f1b = measured_pipelines["gpipe"][0]["peak"], measured_pipelines["1f1b"][0]["peak"]
+    assert gpipe > one_f1b
+    ratio = gpipe / one_f1b
+    traced = _per_rank(GLOO_CASES["gpipe"])[0].peak_bytes / _per_rank(
+        GLOO_CASES["1f1b"])[0].peak_bytes
+    assert abs(ratio - traced) < 0.01
+
+
+@pytest.mark.slow
+def test_four_stages_match_real_gloo_runs_within_1_percent() -> None:
+    """pp = 4 over 4 gloo processes, 1F1B with 4 micro-batches: the middle stages receive
+    activations and send gradients both ways (stage 1: blocks 1-2, stage 2: block 3), the last
+    holds only the final norm and head (torchtitan's split of 4 blocks + 2 on 4 stages)."""
+    from memfit.parallel.measure import measure
+
+    case = Case(spec=tiny_spec(4), batch=8, seq=SEQ,
+                parallel=Parallel(gpus=4, pp=4, microbatches=4))
+    measured = measure([case], world=4, repeats=1)[0]
+    for est in _per_rank(case):
+        real = measured[est.ranks[0]]["peak"]
+        assert abs(est.peak_bytes - real) <= 0.01 * real, (
+            f"pp4 stage {est.ranks}: predicted {est.peak_bytes:,} bytes, measured {real:,}")
+
+
+@pytest.mark.slow
+def test_pipeline_with_fsdp_matches_real_gloo_runs_within_1_percent() -> None:
+    """pp 2 x FSDP2 2 on 4 gloo processes (torchtitan's 2-D layout: a (pp, dp) mesh, each stage
+    fully_shard-ed over its dp ranks; PipelineStage's backward_maybe_with_nosync and
+    perform_reduce_grad drive FSDP's gradient reduction): 1F1B without resharding after forward
+    and GPipe with it. The ranks of a stage hold equal shards, so they share a role."""
+    from memfit.parallel.measure import measure
+
+    cases = [Case(spec=tiny_spec(4), batch=8, seq=SEQ,
+                  parallel=Parallel(gpus=4, pp=2, fsdp=2, microbatches=4, pp_schedule=schedule,
+                                    reshard_after_forward=reshard))
+             for schedule, reshard in (("1f1b", False), ("gpipe", True))]
+    for case, measured in zip(cases, measure(cases, world=4, repeats=1), strict=True):
+        roles = _per_rank(case)
+        assert [e.ranks for e in roles] == [(0, 1), (2, 3)]
+        for est in roles:
+            real = min(measured[r]["peak"] for r in est.ranks)
+            assert abs(est.peak_bytes - real) <= 0.01 * real, (
+                f"{case.parallel.describe()} ranks {est.ranks}: predicted "
+                f"{est.peak_bytes:,} bytes, measured {real:,}")
+
+
+def test_interleaved_1f1b_traces_two_stages_per_rank() -> None:
+    """ScheduleInterleaved1F1B: each rank holds stages rank and rank + pp (torchtitan's loop
+    placement); rank 0 has the embedding, rank 1 the head."""
+    case = dataclasses.replace(_case(2, "interleaved-1f1b"),
+                               parallel=Parallel(gpus=2, pp=2, pp_schedule="interleaved-1f1b",
+                                                 microbatches=2))
+    first, second = _per_rank(case)
+    assert first.peak_bytes > 0 and second.peak_bytes > 0
+    assert first.breakdown[memfit.MemoryCategory.WEIGHTS] > 0
