@@ -184,7 +184,8 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     - pp: the divisors of ``gpus / tp`` up to the number of blocks;
     - the data-parallel ``dp = gpus / (tp pp)`` ranks: DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and,
       across nodes, HSDP sharding inside a node (``fsdp = gpus_per_node / (tp pp)``), replicas
-      across; ``dp`` must divide the global batch.
+      across (with tp > 1: FSDP / HSDP only, as apply_model runs them); ``dp`` must divide the
+      global batch.
     """
     node = gpus_per_node or gpus
     for name in ("tp", "pp"):
@@ -230,7 +231,14 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
                     f"the global batch {global_batch} does not split over {dp} data-parallel "
                     "ranks")))
                 continue
-            out += _shardings(gpus, gpus_per_node, tp, pp, dp, shardings)
+            if tp > 1 and dp > 1 and any(z in shardings for z in ("none", "zero1")):
+                # memfit/parallel/apply.py: _check_tp_dp (torchtitan's parallelize_llama: "DDP
+                # has not supported > 1D parallelism").
+                rejected.append(Rejected(what=f"tp {tp} x pp {pp} with ddp / zero1 over {dp}",
+                                         reason="DDP beside tensor parallelism is refused by "
+                                         "torchtitan and apply_model; FSDP / HSDP are searched"))
+            out += _shardings(gpus, gpus_per_node, tp, pp, dp,
+                              [z for z in shardings if tp == 1 or z not in ("none", "zero1")])
     if not out:
         raise MemfitError(f"no layout of {gpus} GPUs fits the search's limits (global batch "
                           f"{global_batch}, space {space}); pick a global batch that "

@@ -1045,12 +1045,14 @@ def _rest_of_batch(t: _Traced, ref_m: int, per_gpu: int) -> int:
 
 
 def per_rank_traced(par: Parallel) -> bool:
-    """Whether the per-rank trace runs ``par`` today: the data-parallel family (DDP, ZeRO-1,
-    FSDP2, HSDP) and tensor parallelism alone (``tp == gpus``), as
-    ``memfit/parallel/apply.py: apply_model`` applies them. (Widen this as apply_model learns
-    2-D, pipeline and expert layouts; ``rank_roles`` indexes ZeRO-1's partition by global rank,
-    so a ZeRO-1 layout with tp or pp > 1 must not reach it before then.)"""
-    return par.ep == 1 and ((par.tp == 1 and par.pp == 1) or par.tp == par.gpus)
+    """Whether the fit search traces ``par`` per rank: the data-parallel family (DDP, ZeRO-1,
+    FSDP2, HSDP), tensor parallelism alone and tp x FSDP / HSDP, as
+    ``memfit/parallel/apply.py: apply_model`` applies them. Pipeline layouts keep the formulas:
+    the per-rank trace runs a pipeline over the whole per-rank batch split into its
+    micro-batches (``memfit/parallel/pipeline.py``), which the search's per-micro-batch traces
+    do not map onto yet."""
+    return par.ep == 1 and par.pp == 1 and (
+        par.tp == 1 or par.dp == 1 or par.strategy in ("fsdp", "hsdp"))
 
 
 def _seq_of(batch: Any) -> int | None:
