@@ -23,6 +23,7 @@ from memfit.units import parse_bytes
 EPILOG = """examples:
   memfit fit gpt2 --gpu a100-40gb --global-batch 256 --seq 1024
   memfit fit mypkg.train:make --budget 2GB --device cpu --global-batch 64 --save plan.json
+  memfit fit llama-3.1-8b --gpu h100-80gb --gpus 16 --gpus-per-node 8 --global-batch 256
 """
 
 
@@ -37,7 +38,13 @@ def register(sub: Any) -> None:
     p.add_argument("--seq", help="sequence length for presets/config.json (default: the model's, "
                    "capped at 2048)")
     p.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")
-    p.add_argument("--gpus", default="1", help="number of GPUs (data parallel; sharding searched)")
+    p.add_argument("--gpus", default="1", help="number of GPUs: with more than one, the layout is "
+                   "searched too (DDP, ZeRO-1/2, FSDP, HSDP x tensor x pipeline parallelism)")
+    p.add_argument("--gpus-per-node", help="GPUs per node (default: all on one node); tensor "
+                   "parallelism stays inside a node, collectives across nodes run at the "
+                   "network's rate")
+    p.add_argument("--tp", help="fix the tensor-parallel size (default: searched)")
+    p.add_argument("--pp", help="fix the number of pipeline stages (default: searched)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="target device (default: cuda with --gpu, else cpu)")
     p.add_argument("--measure", action="store_true",
@@ -102,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
 
     global_batch = positive_int(args.global_batch, "--global-batch")
     num_gpus = positive_int(args.gpus, "--gpus")
+    gpus_per_node = positive_int(args.gpus_per_node, "--gpus-per-node")
+    space = {name: [value] for name in ("tp", "pp")
+             if (value := positive_int(getattr(args, name), f"--{name}")) is not None}
     seq = positive_int(args.seq, "--seq")
     budget = parse_bytes(args.budget, what="--budget") if args.budget else None
     if args.gpu is None and budget is None:
@@ -126,9 +136,13 @@ def run(args: argparse.Namespace) -> int:
                                   "--device cpu")
     if global_batch is None or num_gpus is None:  # argparse requires/defaults them
         raise MemfitError("--global-batch and --gpus must be positive integers")
+    if num_gpus == 1 and (gpus_per_node is not None or space):
+        raise MemfitError("--gpus-per-node, --tp and --pp lay out several GPUs; add --gpus N")
     plan = fit(model, sample, optimizer=args.optimizer, global_batch=global_batch,
-               gpu=args.gpu, budget_bytes=budget, device=device, num_gpus=num_gpus,
-               measure=args.measure)
+               gpu=args.gpu, budget_bytes=budget, device=device,
+               gpus=num_gpus if num_gpus > 1 else None, gpus_per_node=gpus_per_node,
+               space=space or None, measure=args.measure, progress=False if args.quiet
+               or args.json else None)
     if args.save:
         plan.save(args.save)
     if args.json:

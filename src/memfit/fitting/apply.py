@@ -75,7 +75,16 @@ SHARDABLE_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
 
 
 def check_shardable(config: FitConfig) -> str | None:
-    """Why ``config``'s sharding cannot be applied with its optimizer, or None."""
+    """Why ``config``'s sharding or layout cannot be applied with its optimizer, or None."""
+    par = config.parallel
+    if par is not None and par.gpus > 1 and (config.offload_states
+                                             or config.offload_activations):
+        return (f"offload under a multi-GPU layout ({par.describe()}) is FSDP2's "
+                "CPUOffloadPolicy, which neither the per-rank trace nor Plan.apply runs yet")
+    if par is not None and (par.tp > 1 or par.pp > 1) \
+            and config.optimizer not in SHARDABLE_OPTIMIZERS:
+        return (f"tensor/pipeline parallelism runs torch's optimizers on DTensor shards "
+                f"({', '.join(SHARDABLE_OPTIMIZERS)}); {config.optimizer} needs whole parameters")
     if config.sharding == "none":
         return None
     if config.offload_states or config.optimizer not in SHARDABLE_OPTIMIZERS:
@@ -124,11 +133,86 @@ def shard(model: nn.Module, config: FitConfig, num_gpus: int) -> nn.Module:
     return model
 
 
+def _check_world(config: FitConfig) -> None:
+    par = config.parallel
+    assert par is not None
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise MemfitError(
+            f"the plan runs {par.describe()}: start one process per GPU (torchrun "
+            f"--nproc-per-node {par.gpus if par.gpus_per_node is None else par.gpus_per_node}"
+            " train.py), call torch.distributed.init_process_group() and then "
+            "plan.apply(model) in every rank")
+    world = dist.get_world_size()
+    if world != par.gpus:
+        raise MemfitError(f"the plan was searched for {par.gpus} GPUs but torch.distributed "
+                          f"has {world} ranks; re-run memfit fit with --gpus {world}")
+
+
+def apply_layout(model: nn.Module, config: FitConfig) -> nn.Module:
+    """This rank's model under ``config.parallel`` without tensor parallelism (Note: [sharded
+    plans]), with the function the per-rank trace runs
+    (:func:`memfit.parallel.apply.apply_model`); torch.distributed must be initialised with
+    ``parallel.gpus`` ranks."""
+    from memfit.parallel.apply import apply_model
+
+    par = config.parallel
+    assert par is not None
+    _check_world(config)
+    device = next(model.parameters()).device
+    try:
+        return apply_model(model, par, device.type)
+    except MemfitError as exc:
+        if "traced so far" not in str(exc):
+            raise
+        raise MemfitError(
+            f"Plan.apply cannot run {par.describe()} yet: memfit.parallel.apply.apply_model "
+            "applies the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP), tensor parallelism "
+            "and tp x FSDP / HSDP; export the plan (plan.export('torchtitan')) or re-run memfit "
+            "fit with space={'pp': [1]} (CLI: --pp 1)") from None
+
+
+def apply_tensor_parallel(model: nn.Module, config: FitConfig) -> Any:
+    """Tensor parallelism of ``config.parallel`` (tp > 1, no pipeline), in place: ``apply_tp``
+    on the tp dimension of ``tp_device_mesh`` (the first half of ``apply_tp_dp``); returns the
+    mesh, whose data-parallel dimensions :func:`apply_fsdp_beside_tp` shards over."""
+    from memfit.parallel.apply import apply_tp, tp_device_mesh
+
+    par = config.parallel
+    assert par is not None
+    _check_world(config)
+    if par.pp > 1 or par.ep > 1:
+        return apply_layout(model, config)  # raises: not applied yet
+    if par.dp > 1 and par.strategy not in ("fsdp", "hsdp"):
+        raise MemfitError(f"Plan.apply: {par.describe()} puts {par.strategy} beside tensor "
+                          "parallelism, which apply_model (and torchtitan) refuse; use FSDP "
+                          f"(fsdp={par.dp}) or HSDP beside tp")
+    device = next(model.parameters()).device
+    mesh = tp_device_mesh(par, device.type)
+    apply_tp(model, par, mesh["tp"] if mesh.ndim > 1 else mesh)
+    return mesh
+
+
+def apply_fsdp_beside_tp(model: nn.Module, config: FitConfig, mesh: Any) -> nn.Module:
+    """FSDP2 over the data-parallel dimensions of ``mesh`` (the second half of
+    ``apply_tp_dp``)."""
+    from memfit.parallel.apply import apply_fsdp
+
+    par = config.parallel
+    assert par is not None
+    return apply_fsdp(model, par, mesh["replicate", "shard"] if par.strategy == "hsdp"
+                      else mesh["dp"])
+
+
 def _optimizer(model: nn.Module, config: FitConfig) -> torch.optim.Optimizer:
     from memfit.techniques import make_optimizer
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, config.optimizer, offload_states=config.offload_states)
+    if config.parallel is not None:
+        from memfit.parallel.apply import apply_optimizer
+
+        return apply_optimizer(optimizer, config.parallel)
     if config.sharding != "zero1":
         return optimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -162,9 +246,21 @@ def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: LossFn | None 
     why = check_shardable(config)
     if why:
         raise MemfitError(f"cannot apply this plan: {why}; re-run memfit fit")
+    par = config.parallel
+    multi = par is not None and par.gpus > 1
+    # Note: [layout order] Tensor parallelism first, on the plain blocks (parallelize_module
+    # finds the projections by name), then the techniques (checkpointing wraps the blocks), then
+    # precision, then data-parallel sharding (FSDP2 after checkpointing: torchtitan's order in
+    # parallelize_llama: TP, activation checkpointing, compile, FSDP).
+    tp_first = multi and par is not None and par.tp > 1
+    mesh = apply_tensor_parallel(model, config) if tp_first else None
     apply_techniques(model, config)
     mp = apply_precision(model, config.precision if config.precision != "bf16" else "bf16")
-    if config.sharding != "none":
+    if multi and not tp_first:
+        model = apply_layout(model, config)
+    elif tp_first and par is not None and par.dp > 1:
+        model = apply_fsdp_beside_tp(model, config, mesh)
+    elif par is None and config.sharding != "none":
         model = shard(model, config, num_gpus)
     optimizer = _optimizer(model, config)
     base = loss_fn or model_loss

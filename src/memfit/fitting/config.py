@@ -7,13 +7,64 @@ from typing import Any
 
 from memfit import vocab
 from memfit.errors import MemfitError
+from memfit.parallel.config import Parallel
 from memfit.units import format_bytes
 
-__all__ = ["CHECKPOINTING", "PRECISIONS", "SHARDING", "FitConfig"]
+__all__ = ["CHECKPOINTING", "LAYOUT_SHARDING", "PRECISIONS", "SHARDING", "FitConfig",
+           "layout_label", "sharding_of"]
 
 PRECISIONS = vocab.names("precision", "fit")  # ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 CHECKPOINTING = vocab.names("checkpointing", "fit")  # simplest first: none, selective, full, budget
 SHARDING = ("none", "zero1", "zero2", "zero3")
+LAYOUT_SHARDING = (*SHARDING, "hsdp")
+"""What a multi-GPU layout (:class:`memfit.Parallel`) does to the data-parallel ranks: none
+(DDP, or one rank), zero1 (``ZeroRedundancyOptimizer``), zero2 / zero3 (FSDP2 without / with
+resharding after forward), hsdp (FSDP2 within a shard group, replicas across)."""
+
+
+def sharding_of(parallel: Parallel) -> str:
+    """The :data:`LAYOUT_SHARDING` name of ``parallel``'s data-parallel strategy."""
+    if parallel.strategy == "fsdp":
+        return "zero3" if parallel.reshard_after_forward else "zero2"
+    return {"hsdp": "hsdp", "zero1": "zero1"}.get(parallel.strategy, "none")
+
+
+def layout_label(parallel: Parallel) -> str:
+    """Short, e.g. ``fsdp x8``, ``hsdp 4x2``, ``zero1 x8``, ``ddp x8``, ``tp 2, fsdp x4``,
+    ``pp 2, ddp x4`` (data-parallel ranks after an x)."""
+    parts = [f"tp {parallel.tp}"] if parallel.tp > 1 else []
+    parts += [f"pp {parallel.pp}"] if parallel.pp > 1 else []
+    names = {"zero3": "fsdp", "zero2": "zero2", "zero1": "zero1", "none": "ddp"}
+    shard = sharding_of(parallel)
+    if shard == "hsdp":
+        parts.append(f"hsdp {parallel.fsdp}x{parallel.replicate}")
+    elif parallel.dp > 1:
+        parts.append(f"{names[shard]} x{parallel.dp}")
+    return ", ".join(parts) or "1 GPU"
+
+
+def _parallel_from(data: dict[str, Any], sharding: str, gpus: int | None) -> Parallel:
+    """A plan file's ``"parallel"`` object (the exporters' vocabulary: tp, pp, ep,
+    gpus_per_node, replicate) and ``sharding`` back into a :class:`Parallel` of ``gpus``."""
+    if not isinstance(data, dict):
+        raise MemfitError("plan config: parallel must be a JSON object")
+    unknown = sorted(set(data) - {"tp", "pp", "ep", "gpus_per_node", "replicate"})
+    if unknown:
+        raise MemfitError(f"plan config: unknown parallel field(s) {', '.join(unknown)}; valid: "
+                          "tp, pp, ep, gpus_per_node, replicate")
+    if gpus is None:
+        raise MemfitError("plan config: a parallel layout needs the plan's GPU count")
+    tp, pp, ep = (int(data.get(k, 1)) for k in ("tp", "pp", "ep"))
+    dp = gpus // (tp * pp) if tp * pp and gpus % (tp * pp) == 0 else 0
+    replicate = int(data.get("replicate", 1))
+    kwargs: dict[str, Any] = {"zero": {"zero1": 1, "zero2": 2, "zero3": 3}.get(sharding)}
+    if sharding == "hsdp":
+        if not dp or replicate < 2 or dp % replicate:
+            raise MemfitError(f"plan config: hsdp needs replicate > 1 dividing the {dp} "
+                              "data-parallel ranks")
+        kwargs = {"fsdp": dp // replicate}
+    return Parallel(gpus=gpus, gpus_per_node=data.get("gpus_per_node"), tp=tp, pp=pp, ep=ep,
+                    **kwargs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,11 +100,16 @@ class FitConfig:
     """``model``: the model's own attention; ``sdpa``: switched to scaled_dot_product_attention."""
     sharding: str = "none"
     """With several GPUs: ZeRO stage (zero1: optimizer states, zero2: + gradients, zero3/FSDP: +
-    parameters sharded across GPUs)."""
+    parameters sharded across GPUs; hsdp: zero3 within a shard group, replicas across)."""
+    parallel: Parallel | None = None
+    """The multi-GPU layout (``memfit.fit(..., gpus=N)``): data-parallel sharding x tensor x
+    pipeline parallelism, as :func:`memfit.parallel.apply.apply_model` applies it; its
+    strategy is ``sharding``. None: one GPU, or a legacy ``num_gpus`` plan (ZeRO over every
+    GPU)."""
 
     def __post_init__(self) -> None:
         for name, valid in (("precision", PRECISIONS), ("checkpointing", CHECKPOINTING),
-                            ("sharding", SHARDING), ("attention", ("model", "sdpa"))):
+                            ("sharding", LAYOUT_SHARDING), ("attention", ("model", "sdpa"))):
             if getattr(self, name) not in valid:
                 raise MemfitError(f"plan config: {name}={getattr(self, name)!r} is not one of "
                                   f"{', '.join(valid)}")
@@ -70,13 +126,22 @@ class FitConfig:
         for name in ("offload_states", "offload_activations", "chunked_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise MemfitError(f"plan config: {name} must be true or false")
+        if self.parallel is not None:
+            if not isinstance(self.parallel, Parallel):
+                raise MemfitError(f"plan config: parallel must be a memfit.Parallel, not "
+                                  f"{type(self.parallel).__name__}")
+            if sharding_of(self.parallel) != self.sharding:
+                raise MemfitError(f"plan config: sharding={self.sharding!r} but the layout "
+                                  f"{self.parallel.describe()} is {sharding_of(self.parallel)!r}")
+        elif self.sharding == "hsdp":
+            raise MemfitError("plan config: sharding='hsdp' needs a parallel layout")
 
     @property
     def techniques(self) -> tuple[Any, ...]:
         """Everything but the micro-batch: the key memory traces are cached under (with it)."""
         return (self.precision, self.checkpointing, self.checkpoint_budget_bytes, self.optimizer,
                 self.offload_states, self.offload_activations, self.chunked_loss, self.attention,
-                self.sharding)
+                self.sharding, self.parallel)
 
     def label(self) -> str:
         """Short human description, e.g. ``bf16-mixed, ckpt=full, mb=8x4, adamw-8bit``."""
@@ -99,7 +164,9 @@ class FitConfig:
             parts.append("chunked-loss")
         if self.attention != "model":
             parts.append(self.attention)
-        if self.sharding != "none":
+        if self.parallel is not None and self.parallel.gpus > 1:
+            parts.append(layout_label(self.parallel))
+        elif self.sharding != "none":
             parts.append(self.sharding)
         return ", ".join(parts)
 
@@ -107,10 +174,18 @@ class FitConfig:
         data = asdict(self)
         if self.checkpoint_modes is not None:
             data["checkpoint_modes"] = list(self.checkpoint_modes)
+        data.pop("parallel")
+        if self.parallel is not None:
+            # The exporters' vocabulary (memfit/export/settings.py: _parallel); the GPU count is
+            # the plan's num_gpus and the strategy is ``sharding``.
+            par = self.parallel
+            data["parallel"] = {"tp": par.tp, "pp": par.pp, "ep": par.ep,
+                                "gpus_per_node": par.gpus_per_node,
+                                "replicate": par.replicate if self.sharding == "hsdp" else 1}
         return data
 
     @classmethod
-    def from_dict(cls, data: Any) -> FitConfig:
+    def from_dict(cls, data: Any, *, gpus: int | None = None) -> FitConfig:
         if not isinstance(data, dict):
             raise MemfitError(f"plan config must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
@@ -126,4 +201,6 @@ class FitConfig:
                 raise MemfitError("plan config: checkpoint_modes must be a list of 'full', "
                                   "'selective' or null")
             data["checkpoint_modes"] = tuple(modes)
+        if data.get("parallel") is not None:
+            data["parallel"] = _parallel_from(data["parallel"], data.get("sharding", "none"), gpus)
         return cls(**data)

@@ -17,15 +17,26 @@ and parameter communication. The terms:
 - transfers: activation offload moves the saved bytes to the host and back; state offload moves
   gradients down and parameters up each step, at the catalog's ``host_link.gbps`` (no overlap
   assumed: an upper bound on the cost).
-- communication: ring all-reduce of the gradients (``2 (N-1)/N`` of their bytes) for DDP, ZeRO-1
-  and ZeRO-2; ZeRO-3/FSDP adds an all-gather of the parameters in forward and backward (``3 x``
-  ``(N-1)/N``), at ``gpu_link.gbps``.
+- communication (``num_gpus``): ring all-reduce of the gradients (``2 (N-1)/N`` of their bytes)
+  for DDP, ZeRO-1 and ZeRO-2; ZeRO-3/FSDP adds an all-gather of the parameters in forward and
+  backward (``3 x`` ``(N-1)/N``), at ``gpu_link.gbps``, none of it hidden. With a layout
+  (``gpus``), :func:`layout_comm`: what the compute does not hide.
+- layouts (``memfit.fit(..., gpus=N)``, :func:`layout_comm`): each rank computes ``1/(tp pp)``
+  of its data-parallel share, plus the pipeline bubble (Narayanan et al., SC'21, "Efficient
+  Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2: the bubble is
+  ``(p - 1) / m`` of the ideal time for ``p`` stages and ``m`` micro-batches, GPipe and 1F1B
+  alike). Collectives run at the link their group crosses: ranks are laid out tp innermost,
+  then data parallel, then pipeline stages outermost (Megatron-LM's and torchtitan's order),
+  so a group stays inside a node when its span (``tp`` for tp, ``tp * dp`` for data parallel,
+  every GPU for the pipeline) fits in ``gpus_per_node``; inside a node the catalog's
+  ``gpu_link`` (NVLink), across nodes :data:`INTER_NODE_GBPS`.
 - dispatch: eager PyTorch launches every op from Python (~8 us per op on CUDA, measured on this
   machine for the CPU). On CUDA launches overlap the kernels (the step takes the longer of the
   two); on the CPU they add up. Either way small micro-batches pay more of it.
 
 Known limitations: attention kernels are counted at the matmul rate; no compute/transfer overlap
-is modelled; the CPU optimizer step of state offload runs at an assumed 20 GB/s host bandwidth.
+is modelled (except data-parallel collectives under a layout, :func:`layout_comm`); the CPU
+optimizer step of state offload runs at an assumed 20 GB/s host bandwidth.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +57,11 @@ MATMUL_EFFICIENCY = {"a100": 271 / 312, "h100": 794 / 989, "h200": 790 / 989}
 DEFAULT_EFFICIENCY = 0.80
 CUDA_LAUNCH_S = 8e-6
 HOST_OPTIMIZER_BYTES_PER_S = 20e9
+INTER_NODE_GBPS = 50.0
+"""GB/s per direction per GPU between nodes: one 400 Gb/s NDR InfiniBand port (ConnectX-7)
+per GPU, as NVIDIA's DGX H100 / H200 nodes are built (NVIDIA DGX H100 User Guide, §1.2.3
+"Network Modules", Table 6: eight ConnectX-7 ports, one per GPU). The GPU catalog has no
+inter-node figure (a node's network is not the GPU's); facts.md has none either."""
 _TFLOPS_KEY = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16"}
 
 
@@ -62,6 +79,8 @@ class Rates:
     """GPU<->GPU bytes/s per direction; None: no link."""
     launch_s: float
     """Seconds per eager op dispatch."""
+    inter_node_link: float | None = None
+    """Bytes/s per direction per GPU between nodes; None: :data:`INTER_NODE_GBPS`."""
     async_launch: bool = True
     """Whether dispatch overlaps the work (CUDA streams) or adds to it (CPU)."""
     source: str
@@ -87,6 +106,7 @@ def gpu_rates(gpu: GpuSpec) -> Rates:
                  host_link=gpu.host_link.gbps * 1e9,
                  gpu_link=gpu.gpu_link.gbps * 1e9 if gpu.gpu_link else None,
                  launch_s=CUDA_LAUNCH_S,
+                 inter_node_link=INTER_NODE_GBPS * 1e9,
                  source=f"{gpu.name}: catalog peak TFLOPS x {eff:.2f} (measured matmul "
                         f"ceiling / peak), {gpu.bandwidth_gbps:g} GB/s, host link "
                         f"{gpu.host_link.gbps:g} GB/s")
@@ -154,15 +174,30 @@ class StepCost:
 def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation: int,
               activation_traffic_bytes: int, offloaded_bytes: int, ops_per_micro: int,
               param_bytes: int, grad_bytes: int, state_bytes: int, offload_activations: bool,
-              offload_states: bool, sharding: str, num_gpus: int) -> StepCost:
+              offload_states: bool, sharding: str, num_gpus: int, parallel: Any = None,
+              boundary_bytes: int = 0, layers: int = 1) -> StepCost:
     """Seconds of one optimizer step of a candidate (see the module docstring for each term).
 
     ``micro_flops``: forward + backward (+ recompute) FLOPs of one micro-batch;
     ``activation_traffic_bytes``: activation bytes one micro-batch writes in its forward (and
-    recompute); ``offloaded_bytes``: what activation offload moves to the host per micro-batch."""
+    recompute); ``offloaded_bytes``: what activation offload moves to the host per micro-batch.
+    With ``parallel`` (a :class:`memfit.Parallel`) every byte count is this rank's (the search
+    scales them to the rank's share), ``micro_flops`` is the whole micro-batch's (divided here
+    by ``tp * pp``), ``boundary_bytes`` is one block's input for one micro-batch (what a
+    tensor-parallel all-reduce and a pipeline send move) and ``layers`` the model's blocks; the
+    communication is :func:`layout_comm`'s, ``num_gpus`` and ``sharding`` are then unused."""
     rate = rates.flops[precision]
     compute = accumulation * micro_flops / rate
     traffic = accumulation * 3 * activation_traffic_bytes / rates.bandwidth
+    dispatch = accumulation * ops_per_micro * rates.launch_s
+    if parallel is not None:
+        # Each rank runs 1/(tp pp) of the micro-batch's FLOPs, and its stage's work (compute,
+        # traffic, launches) waits (pp - 1) micro-batch slots in the pipeline's fill and drain
+        # (the bubble).
+        bubble = 1 + (parallel.pp - 1) / accumulation
+        compute = compute / (parallel.tp * parallel.pp) * bubble
+        traffic *= bubble
+        dispatch *= bubble
     transfer = 0.0
     if offload_activations:
         transfer += accumulation * 2 * offloaded_bytes / rates.host_link
@@ -173,12 +208,80 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
     else:
         optimizer = model_bytes * 2 / rates.bandwidth
     comm = 0.0
-    if num_gpus > 1:
+    if parallel is not None:
+        comm = layout_comm(rates, parallel, sharding=sharding, param_bytes=param_bytes,
+                           grad_bytes=grad_bytes, boundary_bytes=boundary_bytes,
+                           layers=layers, accumulation=accumulation,
+                           compute_s=accumulation * micro_flops / rate
+                           / (parallel.tp * parallel.pp))
+    elif num_gpus > 1:
         link = rates.gpu_link or rates.host_link
         ring = (num_gpus - 1) / num_gpus
         comm = 2 * ring * grad_bytes / link
         if sharding == "zero3":
             comm += 2 * ring * param_bytes / link
-    dispatch = accumulation * ops_per_micro * rates.launch_s
     return StepCost(compute_s=compute, traffic_s=traffic, transfer_s=transfer, comm_s=comm,
                     dispatch_s=dispatch, optimizer_s=optimizer, async_launch=rates.async_launch)
+
+
+def _link(rates: Rates, span: int, gpus_per_node: int | None) -> float:
+    """Bytes/s of a collective over ``span`` consecutive ranks: NVLink inside a node (the host
+    link where the catalog has no GPU link), the inter-node network across nodes."""
+    intra = rates.gpu_link or rates.host_link
+    if gpus_per_node is None or span <= gpus_per_node:
+        return intra
+    return min(intra, rates.inter_node_link or INTER_NODE_GBPS * 1e9)
+
+
+def layout_comm(rates: Rates, parallel: Any, *, sharding: str, param_bytes: int,
+                grad_bytes: int, boundary_bytes: int, layers: int, accumulation: int,
+                compute_s: float = 0.0) -> float:
+    """Seconds of one step's collectives under ``parallel`` that the compute does not hide.
+    ``param_bytes`` / ``grad_bytes``: this rank's share before data-parallel sharding;
+    ``compute_s``: this rank's compute for the step (no bubble), the window data-parallel
+    collectives overlap (0: nothing hidden, an upper bound).
+
+    - data parallel over ``dp`` ranks: the gradients are reduced once per step, in the last
+      micro-batch's backward (earlier ones skip it: ``no_sync`` /
+      ``set_requires_gradient_sync(False)``, as memfit.oom_guard runs them), a ring
+      all-reduce of ``2 (dp-1)/dp`` of their bytes (ZeRO's reduce-scatter + all-gather move
+      the same), overlapped with that backward, 2/3 of the micro-batch's compute (DDP's
+      buckets and FSDP2's reduce-scatter run while the backward goes on: Li et al., VLDB 2020,
+      "PyTorch Distributed", §3.2.3; Zhao et al., VLDB 2023, "PyTorch FSDP", §3.3); FSDP2
+      all-gathers the parameters in every micro-batch, ``2 (dp-1)/dp`` of them with resharding
+      after forward (zero3, HSDP inside its shard group) and ``(dp-1)/dp`` without (zero2),
+      prefetched under the micro-batch's compute; ZeRO-1's ``ZeroRedundancyOptimizer``
+      broadcasts the updated parameters after the step, ``(dp-1)/dp``, nothing to hide it;
+      HSDP all-reduces the gradient shard across the replicas too;
+    - tensor parallel: two all-reduces of a block's input in the forward and two in the
+      backward (Shoeybi et al. 2019, Megatron-LM §3: the ``f`` and ``g`` operators), each
+      ``2 (tp-1)/tp`` of it, per block of this stage and micro-batch, on the critical path;
+    - pipeline: one send of a block's input forward and one of its gradient back per stage
+      boundary and micro-batch, not hidden (an upper bound)."""
+    gpn = parallel.gpus_per_node
+    dp, tp, pp = parallel.dp, parallel.tp, parallel.pp
+    micro_compute = compute_s / max(1, accumulation)
+    comm = 0.0
+    if dp > 1:
+        link = _link(rates, tp * dp, gpn)
+        if sharding == "hsdp":
+            shard, replicas = parallel.fsdp, parallel.replicate
+            inner = _link(rates, tp * shard, gpn)
+            ring = (shard - 1) / shard
+            reduce = 2 * ring * grad_bytes / inner
+            reduce += 2 * (replicas - 1) / replicas * grad_bytes / shard / link
+            gather = 2 * ring * param_bytes / inner
+        else:
+            ring = (dp - 1) / dp
+            reduce = 2 * ring * grad_bytes / link
+            gather = {"zero3": 2, "zero2": 1}.get(sharding, 0) * ring * param_bytes / link
+            if sharding == "zero1":
+                comm += ring * param_bytes / link
+        comm += max(0.0, reduce - 2 / 3 * micro_compute)
+        comm += accumulation * max(0.0, gather - micro_compute)
+    if tp > 1:
+        per_block = 4 * 2 * (tp - 1) / tp * boundary_bytes / _link(rates, tp, gpn)
+        comm += accumulation * per_block * -(-layers // pp)
+    if pp > 1:
+        comm += accumulation * 2 * boundary_bytes / _link(rates, parallel.gpus, gpn)
+    return comm

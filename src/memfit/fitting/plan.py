@@ -60,6 +60,10 @@ class Candidate:
     host_bytes: int = 0
     """Host memory that offload holds at the step's peak (pinned on CUDA), from the trace with
     the offload applied; 0 without offload."""
+    per_rank: bool = False
+    """Whether ``peak_bytes`` is the worst rank of a per-rank trace of the layout
+    (``memfit.estimate(..., parallel=...)``); False: derived from the one-GPU trace with the
+    formulas (a layout the per-rank trace does not run, or one that did not reach the table)."""
 
     @property
     def step_s(self) -> float:
@@ -71,22 +75,24 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict(), "peak_bytes": self.peak_bytes,
                 "cost": self.cost.to_dict(), "traced": self.traced,
-                "measured_s": self.measured_s, "host_bytes": self.host_bytes}
+                "measured_s": self.measured_s, "host_bytes": self.host_bytes,
+                "per_rank": self.per_rank}
 
     @classmethod
-    def from_dict(cls, data: Any) -> Candidate:
+    def from_dict(cls, data: Any, *, gpus: int | None = None) -> Candidate:
         if not isinstance(data, dict):
             raise MemfitError("plan file: each candidate must be a JSON object")
         try:
             cost: dict[str, Any] = {k: float(v) for k, v in data["cost"].items()
                                     if k not in ("total_s", "async_launch")}
             cost["async_launch"] = bool(data["cost"].get("async_launch", True))
-            return cls(config=FitConfig.from_dict(data["config"]),
+            return cls(config=FitConfig.from_dict(data["config"], gpus=gpus),
                        peak_bytes=int(data["peak_bytes"]), cost=StepCost(**cost),
                        traced=bool(data.get("traced", True)),
                        measured_s=(None if data.get("measured_s") is None
                                    else float(data["measured_s"])),
-                       host_bytes=int(data.get("host_bytes", 0)))
+                       host_bytes=int(data.get("host_bytes", 0)),
+                       per_rank=bool(data.get("per_rank", False)))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, MemfitError):
                 raise
@@ -96,12 +102,15 @@ class Candidate:
 
 def simplicity(config: FitConfig) -> tuple[int, int]:
     """Sort key, simplest first: the number of techniques beyond a plain step (mixed precision,
-    checkpointing, an 8-bit optimizer, offload, chunked loss, switched attention, sharding),
-    then the checkpointing policy, none < selective < full < budget."""
+    checkpointing, an 8-bit optimizer, offload, chunked loss, switched attention, sharding,
+    tensor and pipeline parallelism), then the checkpointing policy, none < selective < full <
+    budget."""
+    par = config.parallel
     techniques = (config.precision != "fp32", config.checkpointing != "none",
                   config.optimizer.endswith("-8bit"), config.offload_states,
                   config.offload_activations, config.chunked_loss, config.attention != "model",
-                  config.sharding != "none")
+                  config.sharding != "none", par is not None and par.tp > 1,
+                  par is not None and par.pp > 1)
     return sum(techniques), CHECKPOINTING.index(config.checkpointing)
 
 
@@ -126,6 +135,12 @@ def rank(candidates: Any, *, seconds: Any = None, tolerance: float = TIE_TOLERAN
         out += sorted(group, key=lambda c: (simplicity(c.config), c.peak_bytes,
                                             c.config.accumulation, time_of(c)))
     return out
+
+
+def _derived_layout(c: Candidate) -> bool:
+    """A multi-GPU candidate whose peak comes from the formulas, not a per-rank trace."""
+    par = c.config.parallel
+    return par is not None and par.gpus > 1 and not c.per_rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +193,20 @@ class Plan:
     def step_seconds(self) -> float:
         return self.chosen.step_s
 
+    @property
+    def parallel(self) -> Any:
+        """The chosen multi-GPU layout as a :class:`memfit.Parallel` (a plan searched with
+        ``gpus=``), or, for a ``num_gpus`` plan, the ZeRO stage over every GPU it chose; None
+        on one GPU."""
+        from memfit.parallel.config import Parallel
+
+        if self.config.parallel is not None:
+            return self.config.parallel
+        if self.num_gpus == 1:
+            return None
+        zero = {"zero1": 1, "zero2": 2, "zero3": 3}.get(self.config.sharding)
+        return Parallel(gpus=self.num_gpus, zero=zero)
+
     # -- applying ---------------------------------------------------------------------------
 
     def apply(self, model: nn.Module, *, loss_fn: Any = None, reduction: str = "mean",
@@ -191,12 +220,25 @@ class Plan:
         (``reduction="mean"``, default; weighted by the micro-batch's share of the items that
         ``count_fn`` counts, default its rows) or the sum of its per-item losses
         (``reduction="sum"``); default: the model's own loss, a mean. A Hugging Face causal LM's
-        ``.loss`` averages over tokens: pass ``count_fn=memfit.oom_guard.causal_lm_count``."""
+        ``.loss`` averages over tokens: pass ``count_fn=memfit.oom_guard.causal_lm_count``.
+
+        A multi-GPU plan (``memfit.fit(..., gpus=N)``) runs under torchrun: every rank calls
+        ``torch.distributed.init_process_group()`` and then ``plan.apply(model)``, gets this
+        rank's model and optimizer (:func:`memfit.parallel.apply.apply_model` /
+        ``apply_optimizer``, the functions the per-rank trace runs) and feeds ``step`` this
+        rank's batch: ``global_batch / dp`` samples, the same ones on the ranks of one
+        tensor-parallel group."""
         from memfit.fitting.apply import apply_config
 
         return apply_config(model, self.config, loss_fn=loss_fn, reduction=reduction,
                             count_fn=count_fn, budget_bytes=self.budget_bytes,
                             log_recoveries=log, num_gpus=self.num_gpus)
+
+    @property
+    def per_rank_batch(self) -> int:
+        """Samples each data-parallel rank's ``step`` takes: ``global_batch / dp``."""
+        par = self.config.parallel
+        return self.global_batch // (par.dp if par is not None else self.num_gpus)
 
     # -- rendering --------------------------------------------------------------------------
 
@@ -230,9 +272,13 @@ class Plan:
             table.add_column(col, justify="left" if col in ("", "configuration") else "right",
                              no_wrap=col != "configuration")
         best = self.chosen.step_s
+        derived = any(_derived_layout(c) for c in shown)
+        if derived:
+            table.caption += ("; * a layout the per-rank trace does not run yet: its peak is "
+                              "derived with the formulas")
         for i, cand in enumerate(shown):
             table.add_row("chosen" if i == 0 else f"#{i + 1}", cand.config.label(),
-                          format_bytes(cand.peak_bytes),
+                          format_bytes(cand.peak_bytes) + ("*" if _derived_layout(cand) else ""),
                           f"{100 * (1 - cand.peak_bytes / self.budget_bytes):.0f}%",
                           format_seconds(cand.step_s),
                           "" if i == 0 else f"{cand.step_s / best:.2f}x",
@@ -260,6 +306,11 @@ class Plan:
             ("optimizer", c.optimizer_s)))
         console.print(f"predicted step of the chosen config: {parts} (dispatch floor "
                       f"{format_seconds(c.dispatch_s)})")
+        par = self.config.parallel
+        if par is not None and par.gpus > 1:
+            how = ("the worst rank of a per-rank trace" if self.chosen.per_rank else
+                   "derived with the formulas (the per-rank trace does not run this layout yet)")
+            console.print(f"layout: {par.describe()}; peak: {how}")
         console.print(f"rates: {self.rates_source}")
         if self.rejected:
             rej = Table(title=f"rejected ({len(self.rejected)}; first 12)")
@@ -295,8 +346,9 @@ class Plan:
             rejected = tuple(Rejected(what=str(r["what"]), reason=str(r["reason"]),
                                       peak_bytes=r.get("peak_bytes"))
                              for r in data.get("rejected", []))
-            return cls(chosen=Candidate.from_dict(data["chosen"]),
-                       runners_up=tuple(Candidate.from_dict(c)
+            gpus = int(data["num_gpus"])
+            return cls(chosen=Candidate.from_dict(data["chosen"], gpus=gpus),
+                       runners_up=tuple(Candidate.from_dict(c, gpus=gpus)
                                         for c in data.get("runners_up", [])),
                        rejected=rejected, budget_bytes=int(data["budget_bytes"]),
                        global_batch=int(data["global_batch"]), num_gpus=int(data["num_gpus"]),

@@ -1,0 +1,261 @@
+"""The multi-GPU layouts :func:`memfit.fit` searches with ``gpus=N``: data-parallel sharding x
+tensor x pipeline parallelism, as :class:`memfit.Parallel` values, and the formulas that derive a
+layout's per-rank memory from the one-GPU trace before the per-rank trace checks the ones that
+can win (Note: [layouts are derived, then traced] in :mod:`memfit.fitting.search`).
+
+Known limitations: expert parallelism is not searched (``ep = 1``); tensor parallelism is
+Megatron's split of the attention and MLP projections without sequence parallelism, as
+:func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must name their
+projections as Llama does (``q_proj`` ... ``down_proj``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.fitting.config import LAYOUT_SHARDING
+from memfit.fitting.plan import Rejected
+from memfit.parallel.config import Parallel
+
+__all__ = ["ModelShape", "activation_factor", "check_gpus", "layouts", "model_shape"]
+
+# The projections memfit/parallel/apply.py: apply_tp splits (Colwise / Rowwise by name).
+TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the layout formulas need from the model."""
+
+    heads: int | None
+    kv_heads: int | None
+    layers: int
+    hidden: int | None
+    seq: int | None
+    tp_splittable: bool
+    """Whether every block has linear projections :data:`TP_SPLIT` names."""
+    block_numels: tuple[tuple[int, int], ...]
+    """Per block: (elements tensor parallelism splits, elements it replicates)."""
+    first_numel: int
+    """Parameters outside the blocks that sit before them (embeddings): the first stage's."""
+    last_numel: int
+    """The other parameters outside the blocks (final norm, head): the last stage's."""
+
+    def param_share(self, tp: int, pp: int) -> float:
+        """The share of the model's parameters the most loaded rank holds: its stage's blocks
+        (split projections / ``tp``), plus the embeddings on the first stage and the rest on
+        the last (1F1B's first stage also holds the most activations)."""
+        total = sum(s + r for s, r in self.block_numels) + self.first_numel + self.last_numel
+        if not total:
+            return 1.0
+        per_stage = -(-len(self.block_numels) // pp)
+        worst = 0.0
+        for stage in range(pp):
+            blocks = self.block_numels[stage * per_stage:(stage + 1) * per_stage]
+            held = sum(s / tp + r for s, r in blocks)
+            held += (self.first_numel if stage == 0 else 0)
+            held += (self.last_numel if stage == pp - 1 else 0)
+            worst = max(worst, held)
+        return worst / total
+
+
+    @property
+    def numel(self) -> int:
+        return sum(s + r for s, r in self.block_numels) + self.first_numel + self.last_numel
+
+    def unit_shares(self, tp: int, pp: int) -> tuple[float, float]:
+        """(the largest block, the root's parameters: embeddings, final norm, head) as shares
+        of the model's parameters, on one tensor-parallel rank of the most loaded stage: the
+        FSDP2 units ``memfit/parallel/apply.py: apply_fsdp`` shards (each block, then the root
+        holding what no block holds)."""
+        total = self.numel
+        if not total:
+            return 0.0, 0.0
+        block = max((s / tp + r for s, r in self.block_numels), default=0.0)
+        root = (self.first_numel + self.last_numel if pp == 1
+                else max(self.first_numel, self.last_numel))
+        return block / total, root / total
+
+
+def _count(model: nn.Module, names: tuple[str, ...]) -> int | None:
+    config = getattr(model, "config", None) or getattr(model, "spec", None)
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
+    """The model's shape for the layout formulas, or None when it has no repeated blocks."""
+    from memfit.parallel.trace import _model_shape
+    from memfit.techniques.checkpointing import find_blocks
+
+    try:
+        blocks = find_blocks(base)
+    except MemfitError:
+        return None
+    heads, kv_heads, _ = _model_shape(base)
+    seen: set[int] = set()
+    block_numels = []
+    splittable = True
+    for name in blocks:
+        split = rest = 0
+        block = base.get_submodule(name)
+        found = False
+        for sub, mod in block.named_modules():
+            for p in mod.parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if isinstance(mod, nn.Linear) and sub.rsplit(".", 1)[-1] in TP_SPLIT:
+                    split += p.numel()
+                    found = True
+                else:
+                    rest += p.numel()
+        splittable &= found
+        block_numels.append((split, rest))
+    first = last = 0
+    first_seen = False
+    for _name, p in base.named_parameters():
+        if id(p) in seen:
+            first_seen = True
+            continue
+        seen.add(id(p))
+        if not first_seen:
+            first += p.numel()
+        else:
+            last += p.numel()
+    hidden = _count(base, ("hidden_size", "n_embd", "d_model"))
+    return ModelShape(heads=heads, kv_heads=kv_heads, layers=len(blocks), hidden=hidden,
+                      seq=sample_seq, tp_splittable=splittable,
+                      block_numels=tuple(block_numels), first_numel=first, last_numel=last)
+
+
+def activation_factor(tp: int, *, eager: bool, shape: ModelShape | None) -> float:
+    """The share of a block's saved activations one tensor-parallel rank keeps, without
+    sequence parallelism: Korthikanti et al. 2022 (arXiv 2205.05198, Eq. 2 vs Eq. 1), per layer
+    ``sbh(10 + 24/t + 5as/(ht))`` of ``sbh(34 + 5as/h)``; the ``5as/h`` attention scores only
+    where attention is eager (SDPA keeps none)."""
+    if tp == 1:
+        return 1.0
+    scores = 0.0
+    if eager and shape is not None and shape.heads and shape.seq and shape.hidden:
+        scores = 5 * shape.heads * shape.seq / shape.hidden
+    return (10 + 24 / tp + scores / tp) / (34 + scores)
+
+
+def check_gpus(gpus: Any, gpus_per_node: Any) -> None:
+    """One-line errors for ``gpus`` / ``gpus_per_node``."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise MemfitError(f"gpus must be a positive integer, got {gpus!r}")
+    if gpus_per_node is not None and (isinstance(gpus_per_node, bool)
+                                      or not isinstance(gpus_per_node, int)
+                                      or gpus_per_node < 1 or gpus % gpus_per_node):
+        raise MemfitError(f"gpus_per_node={gpus_per_node!r} must be a positive integer dividing "
+                          f"gpus={gpus}; e.g. gpus_per_node=8 for 8-GPU nodes")
+
+
+def _check_space(name: str, values: list[Any], gpus: int, node: int) -> None:
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MemfitError(f"space {name} {v!r} must be a positive integer")
+        if gpus % v:
+            raise MemfitError(f"{name}={v} does not divide gpus={gpus}; choose a {name} "
+                              f"that divides {gpus}")
+    if name == "tp":
+        beyond = [v for v in values if v > node]
+        if beyond:
+            raise MemfitError(f"tp={beyond[0]} is beyond a node of {node} GPUs: tensor "
+                              f"parallelism stays inside a node; choose tp <= {node}")
+
+
+def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
+            shape: ModelShape | None, space: dict[str, list[Any]],
+            rejected: list[Rejected]) -> list[Parallel]:
+    """Every layout of ``gpus`` the search considers (one-line errors for what ``space`` asks
+    that cannot be; layouts left out are recorded in ``rejected`` with why):
+
+    - tp: the divisors of the attention and KV heads (``apply_tp`` splits both) up to a node;
+    - pp: the divisors of ``gpus / tp`` up to the number of blocks;
+    - the data-parallel ``dp = gpus / (tp pp)`` ranks: DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and,
+      across nodes, HSDP sharding inside a node (``fsdp = gpus_per_node / (tp pp)``), replicas
+      across (with tp > 1: FSDP / HSDP only, as apply_model runs them); ``dp`` must divide the
+      global batch.
+    """
+    node = gpus_per_node or gpus
+    for name in ("tp", "pp"):
+        if name in space:
+            _check_space(name, space[name], gpus, node)
+    tps = space.get("tp") or [t for t in range(1, node + 1) if gpus % t == 0]
+    pps = space.get("pp") or [p for p in range(1, gpus + 1) if gpus % p == 0]
+    shardings = [s for s in space.get("sharding", LAYOUT_SHARDING)]
+    if shape is None or not shape.tp_splittable:
+        if any(t > 1 for t in tps):
+            rejected.append(Rejected(what="tensor parallelism", reason=(
+                "the model's blocks have no projections apply_tp splits "
+                f"({', '.join(TP_SPLIT)})" if shape is not None else
+                "the model has no repeated blocks to split")))
+        tps = [1]
+    if shape is None:
+        pps = [1]
+    out: list[Parallel] = []
+    for tp in tps:
+        if shape is not None and tp > 1:
+            try:
+                Parallel(gpus=tp, tp=tp).check_model(heads=shape.heads, kv_heads=shape.kv_heads,
+                                                     layers=shape.layers)
+            except MemfitError as exc:
+                if "tp" in space:
+                    raise
+                rejected.append(Rejected(what=f"tp {tp}", reason=str(exc)))
+                continue
+        for pp in pps:
+            if gpus % (tp * pp):
+                if "tp" in space and "pp" in space:
+                    raise MemfitError(f"tp*pp = {tp}*{pp} = {tp * pp} does not divide gpus="
+                                      f"{gpus}; choose degrees whose product divides it")
+                continue
+            if shape is not None and pp > shape.layers:
+                if "pp" in space:
+                    raise MemfitError(f"space pp={pp} is more stages than the model's "
+                                      f"{shape.layers} blocks; use pp <= {shape.layers}")
+                continue
+            dp = gpus // (tp * pp)
+            if global_batch % dp:
+                rejected.append(Rejected(what=f"tp {tp} x pp {pp} (dp {dp})", reason=(
+                    f"the global batch {global_batch} does not split over {dp} data-parallel "
+                    "ranks")))
+                continue
+            if tp > 1 and dp > 1 and any(z in shardings for z in ("none", "zero1")):
+                # memfit/parallel/apply.py: _check_tp_dp (torchtitan's parallelize_llama: "DDP
+                # has not supported > 1D parallelism").
+                rejected.append(Rejected(what=f"tp {tp} x pp {pp} with ddp / zero1 over {dp}",
+                                         reason="DDP beside tensor parallelism is refused by "
+                                         "torchtitan and apply_model; FSDP / HSDP are searched"))
+            out += _shardings(gpus, gpus_per_node, tp, pp, dp,
+                              [z for z in shardings if tp == 1 or z not in ("none", "zero1")])
+    if not out:
+        raise MemfitError(f"no layout of {gpus} GPUs fits the search's limits (global batch "
+                          f"{global_batch}, space {space}); pick a global batch that "
+                          "divides over the data-parallel ranks")
+    return out
+
+
+def _shardings(gpus: int, gpus_per_node: int | None, tp: int, pp: int, dp: int,
+               shardings: list[str]) -> list[Parallel]:
+    if dp == 1:
+        return [Parallel(gpus=gpus, gpus_per_node=gpus_per_node, tp=tp, pp=pp)]
+    zero = {"none": None, "zero1": 1, "zero2": 2, "zero3": 3}
+    out = [Parallel(gpus=gpus, gpus_per_node=gpus_per_node, tp=tp, pp=pp, zero=zero[s])
+           for s in shardings if s in zero]
+    if "hsdp" in shardings and gpus_per_node and gpus_per_node % (tp * pp) == 0:
+        shard = gpus_per_node // (tp * pp)
+        if 1 < shard < dp and dp % shard == 0:
+            out.append(Parallel(gpus=gpus, gpus_per_node=gpus_per_node, tp=tp, pp=pp,
+                                fsdp=shard))
+    return out
