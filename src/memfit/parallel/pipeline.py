@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed.pipelining  # noqa: F401  (Note: [importing pipelining outside the trace])
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,6 +41,15 @@ from memfit.errors import MemfitError
 from memfit.parallel.apply import _DTYPE
 from memfit.parallel.config import PP_SCHEDULES, Parallel
 from memfit.parallel.trace import RankRole
+
+# Note: [importing pipelining outside the trace] ``torch/distributed/pipelining/microbatch.py``
+# makes a tensor when it is first imported (module level: ``sum_reducer = _LossReducer(
+# torch.tensor(0.0), operator.add)``). Imported lazily by the first pipeline trace of a process
+# (``build_pipeline`` runs inside the fake mode), that ``torch.tensor`` became a traced CUDA
+# allocation (``aten.lift_fresh``, 4 bytes, one 512-byte block) at step 0 of that trace only, and
+# left a fake tensor in torch's module for good. A real run imports it before its first step, a
+# host tensor. Importing it with this module (outside any trace: the roles are made before the
+# fake mode starts) makes the first trace equal to the later ones.
 
 SCHEDULES = PP_SCHEDULES
 """Pipeline schedules: ``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``Schedule1F1B``,
