@@ -300,8 +300,9 @@ def test_full_checkpointing_keeps_only_block_inputs_per_micro_batch_in_flight() 
     (memfit.techniques.checkpointing.SAVE_OPS): q, k, v and o projections 4 x 32,768, gate and up
     2 x 2 x 64 x 128 fp32 = 2 x 65,536, down 32,768; memory-efficient attention (fp32: aten/src/
     ATen/native/transformers/cuda/sdp_utils.cpp: use_flash_attention's check_tensor_dtype takes
-    fp16/bf16 only) its output 32,768, float32 logsumexp [2, 4, 64] = 2,048 and its RNG seed and offset, 8 bytes each
-    in one 512-byte block (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize): 330,752 per block.
+    fp16/bf16 only) its output 32,768, float32 logsumexp [2, 4, 64] = 2,048 and its RNG seed
+    and offset, 8 bytes each in one 512-byte block (c10/cuda/CUDACachingAllocator.cpp:
+    kMinBlockSize): 330,752 per block.
     Every size is a multiple of 512, so the CUDA allocator's rounding adds nothing."""
     hidden = 2 * SEQ * HIDDEN * 4
     rows, recv_buffer, rope = 2 * 2 * SEQ * 8, hidden, 2 * SEQ * 16 * 4

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed.pipelining  # noqa: F401  (Note: [importing pipelining outside the trace])
+import torch.distributed.pipelining  # Note: [importing pipelining outside the trace]
 import torch.nn.functional as F
 from torch import nn
 
