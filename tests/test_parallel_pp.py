@@ -263,3 +263,102 @@ def test_interleaved_1f1b_traces_two_stages_per_rank() -> None:
     first, second = _per_rank(case)
     assert first.peak_bytes > 0 and second.peak_bytes > 0
     assert first.breakdown[memfit.MemoryCategory.WEIGHTS] > 0
+
+
+# -- activation checkpointing on a stage ----------------------------------------------------------
+
+
+def _gpipe_steps(checkpointing: str | None) -> list[int]:
+    """Stage 0's traced peak (CUDA target, H100) growth per extra GPipe micro-batch of 2 rows,
+    from 3 to 5 micro-batches, with the model's blocks checkpointed as given."""
+    peaks = []
+    for m in (3, 4, 5):
+        case = dataclasses.replace(_case(m, "gpipe"), checkpointing=checkpointing)
+        model, inputs = build(case)
+        est = memfit.estimate(model, inputs, device="cuda", gpu="h100-80gb",
+                              parallel=case.parallel)
+        peaks.append(est.per_rank[0].peak_bytes)
+    return [b - a for a, b in itertools.pairwise(peaks)]
+
+
+def test_full_checkpointing_keeps_only_block_inputs_per_micro_batch_in_flight() -> None:
+    """Pipeline stages with checkpointed blocks, traced for a CUDA target (the recompute runs
+    inside the stage's backward: torch/distributed/pipelining/_backward.py: stage_backward calls
+    torch.autograd.backward, which the trace runs with its CUDA routing and autocast modes kept,
+    as in a real backward; without it the recompute took CPU kernels and torch/utils/
+    checkpoint.py's check failed). Under GPipe every micro-batch's forward runs before any
+    backward (ScheduleGPipe._step_microbatches), so each extra micro-batch adds what one forward
+    through stage 0 (embedding + blocks 0-1) leaves for its backward. With full checkpointing a
+    block keeps only its inputs (non-reentrant checkpoint: torch/utils/checkpoint.py:
+    _checkpoint_without_reentrant_generator keeps the function's arguments for the recompute):
+    the hidden states entering block 0 and block 1 and the stage's output (the forward cache,
+    stage.py: forward_one_chunk), 3 x 2 x 64 x 64 fp32 = 98,304 bytes, and the RoPE cos and sin
+    tables passed to every block, 2 x 64 x 16 fp32 = 8,192 bytes (the CPU RNG state checkpoint
+    saves is host memory on a GPU); plus, as without checkpointing, the micro-batch's rows of
+    input_ids and labels (2 x 2 x 64 x 8 = 2,048) and its gradient receive buffer (32,768).
+    Selective checkpointing also keeps every matmul and attention output of each block
+    (memfit.techniques.checkpointing.SAVE_OPS): q, k, v and o projections 4 x 32,768, gate and up
+    2 x 2 x 64 x 128 fp32 = 2 x 65,536, down 32,768; memory-efficient attention (fp32: aten/src/
+    ATen/native/transformers/cuda/sdp_utils.cpp: use_flash_attention's check_tensor_dtype takes
+    fp16/bf16 only) its output 32,768, float32 logsumexp [2, 4, 64] = 2,048 and its RNG seed
+    and offset, 8 bytes each in one 512-byte block (c10/cuda/CUDACachingAllocator.cpp:
+    kMinBlockSize): 330,752 per block.
+    Every size is a multiple of 512, so the CUDA allocator's rounding adds nothing."""
+    hidden = 2 * SEQ * HIDDEN * 4
+    rows, recv_buffer, rope = 2 * 2 * SEQ * 8, hidden, 2 * SEQ * 16 * 4
+    full = rows + recv_buffer + 3 * hidden + rope
+    assert _gpipe_steps("full") == [full, full]
+    per_block = 4 * hidden + 2 * (2 * SEQ * 128 * 4) + hidden + hidden + 2 * 4 * SEQ * 4 + 2 * 512
+    selective = full + 2 * per_block
+    assert _gpipe_steps("selective") == [selective, selective]
+    assert _gpipe_steps(None)[0] > selective  # without checkpointing: every activation
+
+
+def test_the_first_pipeline_trace_of_a_process_equals_the_later_ones() -> None:
+    """torch/distributed/pipelining/microbatch.py makes a tensor when first imported (module
+    level: sum_reducer = _LossReducer(torch.tensor(0.0), operator.add)); imported inside the
+    first trace it was traced as a 512-byte CUDA allocation at step 0 (and a fake tensor left in
+    torch's module). A fresh process traces the same pipeline twice: same peaks, and torch's
+    constant is a real tensor."""
+    import subprocess
+    import sys
+
+    code = (
+        "import memfit\n"
+        "from torch._subclasses.fake_tensor import FakeTensor\n"
+        "from memfit.parallel import Parallel\n"
+        "from memfit.parallel.measure import Case, build, tiny_spec\n"
+        "case = Case(spec=tiny_spec(4), batch=6, seq=64,\n"
+        "            parallel=Parallel(gpus=2, pp=2, pp_schedule='gpipe', microbatches=3))\n"
+        "for _ in range(2):\n"
+        "    model, inputs = build(case)\n"
+        "    est = memfit.estimate(model, inputs, device='cuda', gpu='h100-80gb',\n"
+        "                          parallel=case.parallel)\n"
+        "    print([e.peak_bytes for e in est.per_rank])\n"
+        "from torch.distributed.pipelining import microbatch\n"
+        "print(isinstance(microbatch.sum_reducer.init_value, FakeTensor))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=600).stdout.splitlines()
+    assert out[0] == out[1], out
+    assert out[2] == "False"
+
+
+GLOO_CHECKPOINTED = [dataclasses.replace(_case(4, "1f1b"), checkpointing="full"),
+                     dataclasses.replace(_case(4, "gpipe"), checkpointing="selective")]
+
+
+@pytest.mark.slow
+def test_checkpointed_stages_match_a_real_gloo_run_within_1_percent() -> None:
+    """Activation checkpointing of every block (memfit.techniques.checkpointing, applied by
+    measure.build in both runs), 4 layers on 2 stages, 4 micro-batches of 2 rows: full under
+    1F1B, selective under GPipe. Per stage the trace's peak is within 1% of the real gloo rank's,
+    whose stage backward recomputes each block (torch/utils/checkpoint.py, non-reentrant)."""
+    from memfit.parallel.measure import measure
+
+    for case, measured in zip(GLOO_CHECKPOINTED, measure(GLOO_CHECKPOINTED, world=2, repeats=1),
+                              strict=True):
+        for est in _per_rank(case):
+            real = measured[est.ranks[0]]["peak"]
+            assert abs(est.peak_bytes - real) <= 0.01 * real, (
+                f"{case.checkpointing} {case.parallel.pp_schedule} stage {est.ranks}: predicted "
+                f"{est.peak_bytes:,}, measured {real:,}")

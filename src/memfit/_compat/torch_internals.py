@@ -55,16 +55,20 @@ def called_by_autograd_engine(skip_files: tuple[str, ...] = ()) -> bool:
     return False
 
 
-def engine_run_backward(loss: torch.Tensor, grad: torch.Tensor) -> None:
+def engine_run_backward(loss: torch.Tensor | tuple[torch.Tensor, ...],
+                        grad: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
     """``loss.backward(grad)`` without ``Tensor.backward``'s torch-function dispatch: autograd's
     engine is entered directly through ``torch/autograd/graph.py: _engine_run_backward`` (the
     function ``torch.autograd.backward`` calls, torch >= 2.3; checked in 2.13.0), so the Python
     frame above the engine is :data:`ENGINE_FRAME` as in a real backward. Older torch:
-    ``Variable._execution_engine.run_backward`` with the same arguments."""
+    ``Variable._execution_engine.run_backward`` with the same arguments. ``loss`` and ``grad``
+    may be tuples (``torch.autograd.backward(tensors, grad_tensors)``)."""
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)
     if run is None:  # torch < 2.3
         run = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
-    run((loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+    losses = loss if isinstance(loss, tuple) else (loss,)
+    grads = grad if isinstance(grad, tuple) else (grad,)
+    run(losses, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 # -- patches -------------------------------------------------------------------------------------

@@ -51,6 +51,10 @@ class Case:
     parallel: Parallel
     optimizer: str = "adamw"
     steps: int = 2
+    checkpointing: str | None = None
+    """An activation checkpointing policy (``"full"``, ``"selective"``) that :func:`build`
+    applies to the model's blocks (``memfit.techniques.checkpointing``), in the trace and in
+    the real ranks alike."""
 
 
 def tiny_spec(layers: int = 2) -> Any:
@@ -77,6 +81,10 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     model = build_model(case.spec, backend="builtin", device="cpu")
     inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
+    if getattr(case, "checkpointing", None):
+        from memfit.techniques.checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, policy=case.checkpointing)
     return model, inputs
 
 

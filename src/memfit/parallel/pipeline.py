@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed.pipelining  # Note: [importing pipelining outside the trace]
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,6 +41,15 @@ from memfit.errors import MemfitError
 from memfit.parallel.apply import _DTYPE
 from memfit.parallel.config import PP_SCHEDULES, Parallel
 from memfit.parallel.trace import RankRole
+
+# Note: [importing pipelining outside the trace] ``torch/distributed/pipelining/microbatch.py``
+# makes a tensor when it is first imported (module level: ``sum_reducer = _LossReducer(
+# torch.tensor(0.0), operator.add)``). Imported lazily by the first pipeline trace of a process
+# (``build_pipeline`` runs inside the fake mode), that ``torch.tensor`` became a traced CUDA
+# allocation (``aten.lift_fresh``, 4 bytes, one 512-byte block) at step 0 of that trace only, and
+# left a fake tensor in torch's module for good. A real run imports it before its first step, a
+# host tensor. Importing it with this module (outside any trace: the roles are made before the
+# fake mode starts) makes the first trace equal to the later ones.
 
 SCHEDULES = PP_SCHEDULES
 """Pipeline schedules: ``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``Schedule1F1B``,
@@ -399,6 +409,55 @@ def _static_metadata(schedule: Any) -> None:
 
 
 @contextlib.contextmanager
+def _backward_keeps_the_modes() -> Iterator[None]:
+    """Inside the block, ``torch.autograd.backward`` enters autograd's engine directly, while the
+    trace's torch-function modes (the CUDA SDPA routing, the CUDA autocast emulation) stay
+    active; torch's own function again on exit.
+
+    Note: [the stage's backward under the trace's modes] A stage's backward is
+    ``torch.autograd.backward(stage_output_tensors, grad_tensors=output_grad_tensors)``
+    (``torch/distributed/pipelining/_backward.py: stage_backward``, called by ``stage.py:
+    backward_maybe_with_nosync`` for ``backward_one_chunk(full_backward=True)``, which every
+    schedule here uses). ``torch.autograd.backward`` is a torch function
+    (``torch/autograd/__init__.py: backward``: ``handle_torch_function``), so a torch-function
+    mode handles it with the mode popped (``torch/overrides.py: handle_torch_function``), and a
+    block that activation checkpointing recomputes inside it would run without the trace's CUDA
+    routing: CPU attention kernels and no autocast where the forward had CUDA's, so
+    ``torch/utils/checkpoint.py: _checkpoint_hook`` / ``_CachingTorchDispatchMode`` reject the
+    recompute ("A different number of tensors was saved", or an op "not found in storage"
+    under selective checkpointing). A trace artifact: on a real GPU there is no such mode. As
+    the single-device step does (``memfit/trace/engine.py: _backward``), the engine is entered
+    without the torch-function dispatch; the implicit gradient of a scalar output is
+    ``torch.ones_like(out, memory_format=torch.preserve_format)`` as in ``torch/autograd/
+    __init__.py: _make_grads``. Calls with other arguments go to torch's own function."""
+    from memfit._compat import torch_internals
+
+    original = torch.autograd.backward
+
+    def backward(tensors: Any, grad_tensors: Any = None, retain_graph: Any = None,
+                 create_graph: bool = False, grad_variables: Any = None,
+                 inputs: Any = None) -> None:
+        outs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        grads = ((grad_tensors,) if isinstance(grad_tensors, torch.Tensor) or grad_tensors is None
+                 else tuple(grad_tensors))
+        if (retain_graph or create_graph or grad_variables is not None or inputs is not None
+                or len(grads) != len(outs)
+                or any(g is None and (o.numel() != 1 or not o.is_floating_point())
+                       for o, g in zip(outs, grads, strict=True))):
+            return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables,
+                            inputs)
+        grads = tuple(torch.ones_like(o, memory_format=torch.preserve_format) if g is None
+                      else g for o, g in zip(outs, grads, strict=True))
+        torch_internals.engine_run_backward(outs, grads)
+
+    torch.autograd.backward = backward  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
+@contextlib.contextmanager
 def _phases(schedule: Any, tracker: Any) -> Iterator[None]:
     """Each stage's ``forward_one_chunk`` traced as ``forward`` (its storages still alive at the
     end marked as saved activations) and ``backward_one_chunk`` as ``backward``; the stages'
@@ -418,7 +477,8 @@ def _phases(schedule: Any, tracker: Any) -> Iterator[None]:
             tracker.phase = "backward"
             tracker.modules.backward = ""
             try:
-                return _run(*args, **kwargs)
+                with _backward_keeps_the_modes():
+                    return _run(*args, **kwargs)
             finally:
                 tracker.phase = "forward"
 
