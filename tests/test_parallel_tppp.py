@@ -71,18 +71,34 @@ def test_fsdp_over_tp_stages_shards_each_local_tensor() -> None:
     assert weights == 4 * stage0 // 2 + 4 * (head_dim // 2)
 
 
-@pytest.mark.parametrize("extra", [{"sp": True}, {"loss_parallel": True}])
-def test_pp_with_tp_refuses_sequence_and_loss_parallelism(extra: dict) -> None:
+def test_sequence_parallel_stages_split_the_embedding_and_head() -> None:
+    """With sp, the first stage's embedding is split by vocabulary rows (``RowwiseParallel``
+    on an Embedding) and the last stage's head by output features (``ColwiseParallel``), as in
+    torchtitan's plan; the final norm stays whole (``SequenceParallel`` replicates it). The
+    stages exchange seq / tp rows of the hidden states."""
+    h, f, v, head_dim = 64, 128, 256, 16
+    block = (4 * h * h + 3 * h * f) // 2 + 2 * h
+    roles = _per_rank(_case(Parallel(gpus=4, pp=2, tp=2, sp=True, microbatches=4)))
+    assert [e.ranks for e in roles] == [(0, 1), (2, 3)]
+    for est, params in zip(roles, (2 * block + v * h // 2, 2 * block + h + v * h // 2),
+                           strict=True):
+        weights = est.timeline[0].by_category()[MemoryCategory.WEIGHTS]
+        assert weights == 4 * params + 4 * (head_dim // 2)
+
+
+def test_pp_with_tp_refuses_loss_parallelism() -> None:
     model, inputs = build(_case(Parallel(gpus=1)))
-    with pytest.raises(MemfitError, match="without sequence or loss parallelism") as info:
+    with pytest.raises(MemfitError, match="without loss parallelism") as info:
         memfit.estimate(model, inputs, device="cpu",
-                        parallel=Parallel(gpus=4, pp=2, tp=2, microbatches=4, **extra))
+                        parallel=Parallel(gpus=4, pp=2, tp=2, microbatches=4,
+                                          loss_parallel=True))
     assert "\n" not in str(info.value)
 
 
 @pytest.mark.slow
 def test_pp_times_tp_matches_four_gloo_ranks_within_1_percent() -> None:
-    """pp 2 x tp 2 on 4 gloo processes: 4 layers, batch 8 in 4 micro-batches of 2 x 64, 1F1B,
+    """pp 2 x tp 2 on 4 gloo processes, without and with sequence parallelism (the stages
+    exchange seq / tp rows): 4 layers, batch 8 in 4 micro-batches of 2 x 64, 1F1B,
     AdamW, 2 steps; each rank applies the same TP plan to its stage (apply_tp_stages) and runs
     PipelineStage / Schedule1F1B (torch/distributed/pipelining/schedules.py:
     Schedule1F1B._step_microbatches) over the pp group of the (pp, tp) mesh. Each role's peak
@@ -90,19 +106,27 @@ def test_pp_times_tp_matches_four_gloo_ranks_within_1_percent() -> None:
     lowest measurement."""
     from memfit.parallel.measure import measure
 
-    case = _case(Parallel(gpus=4, pp=2, tp=2, microbatches=4))
-    measured = measure([case], world=4, repeats=2)[0]
+    cases = [_case(Parallel(gpus=4, pp=2, tp=2, microbatches=4, sp=sp)) for sp in (False, True)]
+    failures = []
+    for case, measured in zip(cases, measure(cases, world=4, repeats=2), strict=True):
+        failures += _off(case, measured)
+    assert not failures, "; ".join(failures)
+
+
+def _off(case: Case, measured: list) -> list[str]:
+    """Each role's peak and phase high points more than 1% from its ranks' lowest."""
     failures = []
     for est in _per_rank(case):
         real = min(measured[r]["peak"] for r in est.ranks)
         if abs(est.peak_bytes - real) > 0.01 * real:
-            failures.append(f"ranks {est.ranks}: predicted {est.peak_bytes:,}, measured {real:,}")
+            failures.append(f"{case.parallel.describe()} ranks {est.ranks}: predicted "
+                            f"{est.peak_bytes:,}, measured {real:,}")
         for step in range(2):
             pred = max(est.phase_peaks[(step, "forward")], est.phase_peaks[(step, "backward")])
             for key, value in ((f"{step}:pipeline", pred),
                                (f"{step}:optimizer", est.phase_peaks[(step, "optimizer")])):
                 real = min(measured[r]["phases"][key] for r in est.ranks)
                 if abs(value - real) > 0.01 * real:
-                    failures.append(f"ranks {est.ranks} {key}: predicted {value:,}, "
-                                    f"measured {real:,}")
-    assert not failures, "; ".join(failures)
+                    failures.append(f"{case.parallel.describe()} ranks {est.ranks} {key}: "
+                                    f"predicted {value:,}, measured {real:,}")
+    return failures

@@ -106,9 +106,10 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})
         self.norm = decoder.norm if last else None
         self.lm_head = head if last else None
+        self.seq_shards = 1  # sequence parallelism: a later stage gets 1/tp of the sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[1]
+        seq = x.shape[1] * (1 if self.first else self.seq_shards)
         if self.first:  # as DecoderModel.forward
             ids = x
             x = self.embed_tokens(ids)  # type: ignore[misc]
@@ -142,10 +143,14 @@ def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> N
         raise MemfitError(f"Parallel(pp={parallel.pp}) is traced alone, with tp and with FSDP "
                           f"over the other ranks, not with {parallel.describe()}; use gpus == "
                           "pp * tp or fsdp = gpus / (pp * tp), or memfit plan's formulas")
-    if parallel.tp > 1 and (parallel.sp or parallel.loss_parallel):
+    if parallel.tp > 1 and parallel.loss_parallel:
         raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) is traced without "
-                          "sequence or loss parallelism so far; use sp=False and "
-                          "loss_parallel=False")
+                          "loss parallelism so far (the last stage's logits would leave it as "
+                          "a DTensor); use loss_parallel=False")
+    if parallel.tp > 1 and parallel.sp:
+        from memfit.parallel.apply import _sp_root
+
+        _sp_root(model, parallel)  # the model checks of sequence parallelism
     stages = parallel.pp * stages_per_rank(parallel)
     layers = len(decoder.layers)
     if stages > layers:
@@ -242,6 +247,15 @@ def tp_pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
                             mesh_dim_names=("pp", "dp", "tp"))
 
 
+def stage_root(module: StageModule) -> tuple[str | None, str | None, str | None]:
+    """The token embedding, final norm and head a stage holds (None where it does not), which
+    sequence parallelism splits: the first stage's embedding reduce-scatters its output along
+    the sequence, so the stages exchange ``1/tp`` of it (``seq / tp`` rows each); the last
+    stage's head all-gathers its input (``memfit.parallel.apply.tp_plan``)."""
+    return ("embed_tokens" if module.first else None, "norm" if module.last else None,
+            "lm_head" if module.last else None)
+
+
 def stage_blocks(module: StageModule) -> list[str]:
     """The names of a stage's transformer blocks inside it (``layers.<i>``)."""
     return [f"layers.{k}" for k in module.layers]
@@ -257,7 +271,10 @@ def apply_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -
     from memfit.parallel.apply import apply_tp
 
     for module in modules:
-        apply_tp(module, parallel, mesh["tp"], blocks=stage_blocks(module))
+        apply_tp(module, parallel, mesh["tp"], blocks=stage_blocks(module),
+                 root=stage_root(module))
+        if parallel.sp:
+            module.seq_shards = parallel.tp
     if parallel.dp > 1:
         shard_stages(modules, parallel, mesh)
 
@@ -294,7 +311,9 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
             ids = torch.zeros(micro, seq, dtype=torch.long)
             # requires_grad: the metadata of the gradients sent back (stage.py:
             # _derive_grad_metas gives none for an output that needs no gradient)
-            states = torch.zeros(micro, seq, width, dtype=dtype, requires_grad=True)
+            # (sequence parallelism: the stages exchange seq / tp rows of the hidden states)
+            states = torch.zeros(micro, seq // parallel.tp if parallel.sp else seq, width,
+                                 dtype=dtype, requires_grad=True)
             logits = torch.zeros(micro, seq, module.lm_head.out_features if module.last else 1,
                                  dtype=dtype, requires_grad=True)  # type: ignore[union-attr]
         stages.append(PipelineStage(module, index, num_stages, torch.device(device),
@@ -513,7 +532,7 @@ def _tp_pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
             modules = stage_modules(model, parallel, rank)
             split: dict[int, int] = {}
             for m in modules:
-                split.update(tp_split_dims(m, parallel, stage_blocks(m)))
+                split.update(tp_split_dims(m, parallel, stage_blocks(m), stage_root(m)))
             stages[index] = ([p for m in modules for p in m.parameters()], split)
         params, split = stages[index]
         dp_index, tp_index = divmod(rank % (parallel.dp * parallel.tp), parallel.tp)
