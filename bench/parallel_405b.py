@@ -2,7 +2,8 @@
 of 1 x 4096): the per-rank trace of every pipeline stage, timed against issue 14's target (every
 stage <= 60 s in total).
 
-Run: ``python bench/parallel_405b.py [--seq 4096] [--microbatches 16] [--profile]``. The model is
+Run: ``python bench/parallel_405b.py [--seq 4096] [--microbatches 16] [--profile]
+[--roles N]`` (``--roles``: only the first N stages, e.g. to profile one). The model is
 built on the meta device (``build_model(spec, backend="builtin", device="meta")``); one
 ``memfit.estimate(..., parallel=Parallel(gpus=128, tp=8, pp=16))`` traces one rank per role (one
 per stage: the 8 TP ranks of a stage hold the same shapes). Each role's trace is timed in process
@@ -57,11 +58,27 @@ def timed_roles(times: list[dict[str, Any]]) -> Iterator[None]:
         trace_mod.fake_world = original  # type: ignore[assignment]
 
 
+@contextlib.contextmanager
+def first_roles(count: int | None) -> Iterator[None]:
+    """Only the first ``count`` rank roles traced (None: all), for profiling one stage."""
+    from memfit.parallel import trace as trace_mod
+
+    original = trace_mod.rank_roles
+    if count is not None:
+        trace_mod.rank_roles = lambda *a, **k: original(*a, **k)[:count]  # type: ignore
+    try:
+        yield
+    finally:
+        trace_mod.rank_roles = original  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--roles", type=int, default=None,
+                        help="trace only the first N rank roles (stages); default all")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / (
         f"parallel-405b-tp8pp16-cpu-{datetime.date.today().isoformat()}.json"))
     args = parser.parse_args()
@@ -81,7 +98,7 @@ def main() -> None:
     times: list[dict[str, Any]] = []
     profiler = cProfile.Profile() if args.profile else None
     started, wall = time.process_time(), time.perf_counter()
-    with timed_roles(times):
+    with timed_roles(times), first_roles(args.roles):
         if profiler is not None:
             profiler.enable()
         est = memfit.estimate(model, inputs, optimizer="adamw", precision="bf16-mixed",
