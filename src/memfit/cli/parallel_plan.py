@@ -351,10 +351,10 @@ def _unit(largest: int) -> tuple[str, int]:
 
 def _role_stages(est: Any, parallel: Any) -> list[int]:
     """The pipeline stages a role's ranks run (``memfit/parallel/pipeline.py: pp_rank``, the
-    ``(pp, dp)`` mesh; two per rank, ``pp_rank`` and ``pp_rank + pp``, when interleaved)."""
+    ``(pp, dp, tp)`` mesh; two per rank, ``pp_rank`` and ``pp_rank + pp``, when interleaved)."""
     if parallel is None or parallel.pp == 1 or not est.ranks:
         return []
-    first = est.ranks[0] // parallel.dp
+    first = est.ranks[0] // (parallel.dp * parallel.tp)
     return [first, first + parallel.pp] if parallel.pp_schedule == "interleaved-1f1b" else [first]
 
 

@@ -74,7 +74,8 @@ def apply_ddp(model: nn.Module, parallel: Parallel, init_sync: bool = True) -> n
                                    init_sync=init_sync)
 
 
-def tp_plan(model: nn.Module, parallel: Parallel) -> dict[str, Any]:
+def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = None,
+            root: tuple[str | None, str | None, str | None] | None = None) -> dict[str, Any]:
     """The ``parallelize_module`` plan (module name -> ``ParallelStyle``) of :func:`apply_tp`.
 
     Megatron's layout, as torchtitan's llama ``apply_tp`` writes it
@@ -97,7 +98,12 @@ def tp_plan(model: nn.Module, parallel: Parallel) -> dict[str, Any]:
     input_layouts=Replicate(), output_layouts=Shard(1))``); the final norm is sequence-parallel
     and the head all-gathers its input and its logits (``ColwiseParallel(input_layouts=Shard(1),
     output_layouts=Replicate())``, as torchtitan with ``disable_loss_parallel``), unless
-    ``parallel.loss_parallel`` keeps the logits split (Note: [loss parallelism])."""
+    ``parallel.loss_parallel`` keeps the logits split (Note: [loss parallelism]).
+
+    ``blocks``: the blocks' names (default: ``find_blocks(model)``), e.g. a pipeline stage's
+    ``layers.<i>`` (``memfit.parallel.pipeline.apply_tp_stages``); ``root``: the names of the
+    token embedding, final norm and head that sequence / loss parallelism split (default:
+    ``_sp_root(model)``; None for a part a pipeline stage does not hold)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -115,7 +121,7 @@ def tp_plan(model: nn.Module, parallel: Parallel) -> dict[str, Any]:
                   "gate_proj": ColwiseParallel, "up_proj": ColwiseParallel,
                   "down_proj": RowwiseParallel}
     plan: dict[str, Any] = {}
-    for name in find_blocks(model):
+    for name in find_blocks(model) if blocks is None else blocks:
         block = model.get_submodule(name)
         found = {sub: plan_names[sub.rsplit(".", 1)[-1]] for sub, mod in block.named_modules()
                  if sub.rsplit(".", 1)[-1] in plan_names and isinstance(mod, nn.Linear)}
@@ -135,7 +141,7 @@ def tp_plan(model: nn.Module, parallel: Parallel) -> dict[str, Any]:
                     plan[f"{name}.{sub}"] = PrepareModuleInput(
                         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     if sp or parallel.loss_parallel:
-        embed, norm, head = _sp_root(model, parallel)
+        embed, norm, head = _sp_root(model, parallel) if root is None else root
         # Note: [loss parallelism] the logits stay a vocabulary-split DTensor and the loss
         # runs inside torch's loss_parallel() (torch/distributed/tensor/parallel/loss.py: "the
         # input is sharded on the class dimension"), as torchtitan's apply_tp writes the head
@@ -144,10 +150,13 @@ def tp_plan(model: nn.Module, parallel: Parallel) -> dict[str, Any]:
                                   if parallel.loss_parallel else
                                   {"output_layouts": Replicate()})
         if sp:
-            plan[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-            plan[norm] = SequenceParallel()
+            if embed is not None:
+                plan[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+            if norm is not None:
+                plan[norm] = SequenceParallel()
             logits["input_layouts"] = Shard(1)
-        plan[head] = ColwiseParallel(**logits)
+        if head is not None:
+            plan[head] = ColwiseParallel(**logits)
     return plan
 
 
@@ -196,7 +205,9 @@ def loss_context(parallel: Parallel) -> Any:
     return loss_parallel()
 
 
-def tp_split_dims(model: nn.Module, parallel: Parallel) -> dict[int, int]:
+def tp_split_dims(model: nn.Module, parallel: Parallel, blocks: list[str] | None = None,
+                  root: tuple[str | None, str | None, str | None] | None = None
+                  ) -> dict[int, int]:
     """``id(parameter) -> dim`` of each parameter :func:`apply_tp` shards, as the styles place
     them (``style.py``: ``ColwiseParallel`` shards a Linear's weight and bias on dim 0,
     ``RowwiseParallel`` a Linear's weight on dim 1 (bias replicated) and an Embedding's weight
@@ -204,7 +215,7 @@ def tp_split_dims(model: nn.Module, parallel: Parallel) -> dict[int, int]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     dims: dict[int, int] = {}
-    for name, style in tp_plan(model, parallel).items():
+    for name, style in tp_plan(model, parallel, blocks, root).items():
         mod = model.get_submodule(name)
         if isinstance(style, ColwiseParallel) and isinstance(mod, nn.Linear):
             dims.update({id(p): 0 for p in mod.parameters(recurse=False)})
@@ -215,12 +226,14 @@ def tp_split_dims(model: nn.Module, parallel: Parallel) -> dict[int, int]:
     return dims
 
 
-def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
+def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any, blocks: list[str] | None = None,
+             root: tuple[str | None, str | None, str | None] | None = None) -> nn.Module:
     """Tensor (and, with ``parallel.sp``, sequence) parallelism with ``parallelize_module`` over
-    the 1-D tensor-parallel ``mesh``, the plan of :func:`tp_plan`."""
+    the 1-D tensor-parallel ``mesh``, the plan of :func:`tp_plan` (``blocks``, ``root``: as
+    there)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = tp_plan(model, parallel)
+    plan = tp_plan(model, parallel, blocks, root)
     parallelize_module(model, mesh, plan)
     _replicate_the_rest(model, mesh, plan)
     if parallel.sp:
@@ -285,7 +298,7 @@ def _even_sequence(tp: int) -> Any:
 
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if isinstance(ids, torch.Tensor) and ids.dim() > 1 and ids.shape[1] % tp:
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] % tp:
             raise MemfitError(f"Parallel(tp={tp}, sp=True): the sequence of {ids.shape[1]} "
                               f"tokens does not split evenly over {tp} ranks; use a sequence "
                               f"length divisible by {tp}")

@@ -157,7 +157,13 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
             del model
             gc.collect()  # the other stages' blocks, embedding or head: not this rank's
             group = None
-            if case.parallel.dp > 1:  # FSDP2 on each stage over the dp ranks
+            if case.parallel.tp > 1:  # TP on each stage, then FSDP2 over dp (torchtitan's order)
+                from memfit.parallel.pipeline import apply_tp_stages
+
+                mesh = pipeline_mesh(case.parallel)
+                apply_tp_stages(modules, case.parallel, mesh)
+                group = mesh["pp"].get_group()
+            elif case.parallel.dp > 1:  # FSDP2 on each stage over the dp ranks
                 mesh = pipeline_mesh(case.parallel)
                 shard_stages(modules, case.parallel, mesh)
                 group = mesh["pp"].get_group()

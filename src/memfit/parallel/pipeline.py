@@ -116,9 +116,10 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})
         self.norm = decoder.norm if last else None
         self.lm_head = head if last else None
+        self.seq_shards = 1  # sequence parallelism: a later stage gets 1/tp of the sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[1]
+        seq = x.shape[1] * (1 if self.first else self.seq_shards)
         if self.first:  # as DecoderModel.forward
             ids = x
             x = self.embed_tokens(ids)  # type: ignore[misc]
@@ -148,10 +149,18 @@ def num_microbatches(parallel: Parallel) -> int:
 def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> None:
     """One-line errors for a pipeline layout the model or batch cannot take."""
     decoder, _ = _decoder_parts(model)
-    if parallel.tp > 1 or parallel.ep > 1 or parallel.strategy not in ("none", "fsdp"):
-        raise MemfitError(f"Parallel(pp={parallel.pp}) is traced alone or with FSDP over the "
-                          f"other ranks, not with {parallel.describe()}; use gpus == pp or "
-                          "fsdp = gpus / pp, or memfit plan's formulas")
+    if parallel.ep > 1 or parallel.strategy not in ("none", "fsdp"):
+        raise MemfitError(f"Parallel(pp={parallel.pp}) is traced alone, with tp and with FSDP "
+                          f"over the other ranks, not with {parallel.describe()}; use gpus == "
+                          "pp * tp or fsdp = gpus / (pp * tp), or memfit plan's formulas")
+    if parallel.tp > 1 and parallel.loss_parallel:
+        raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) is traced without "
+                          "loss parallelism so far (the last stage's logits would leave it as "
+                          "a DTensor); use loss_parallel=False")
+    if parallel.tp > 1 and parallel.sp:
+        from memfit.parallel.apply import _sp_root
+
+        _sp_root(model, parallel)  # the model checks of sequence parallelism
     stages = parallel.pp * stages_per_rank(parallel)
     layers = len(decoder.layers)
     if stages > layers:
@@ -196,9 +205,10 @@ class Pipeline:
 
 
 def pp_rank(parallel: Parallel, rank: int) -> int:
-    """The pipeline rank of a global rank: the mesh is ``(pp, dp)``, pipeline outermost, as
-    torchtitan orders it (``ParallelDims``: pp, dp_replicate, dp_shard, cp, tp)."""
-    return rank // parallel.dp
+    """The pipeline rank of a global rank: the mesh is ``(pp, dp, tp)``, pipeline outermost and
+    tensor parallelism innermost, as torchtitan orders it (``ParallelDims``: pp, dp_replicate,
+    dp_shard, cp, tp)."""
+    return rank // (parallel.dp * parallel.tp)
 
 
 def stage_modules(model: nn.Module, parallel: Parallel, rank: int) -> list[StageModule]:
@@ -218,6 +228,8 @@ def pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
     initialised with ``parallel.gpus`` ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if parallel.tp > 1:
+        return tp_pipeline_mesh(parallel, device_type)
     return init_device_mesh(device_type, (parallel.pp, parallel.dp), mesh_dim_names=("pp", "dp"))
 
 
@@ -228,6 +240,53 @@ def shard_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> N
 
     for module in modules:
         apply_fsdp(module, parallel, mesh["dp"], blocks=[f"layers.{k}" for k in module.layers])
+
+
+# -- tensor parallelism inside each stage ------------------------------------------------------
+
+def tp_pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
+    """The DeviceMesh of a pipeline layout with tensor parallelism: ``(pp, tp)``, or
+    ``(pp, dp, tp)`` with FSDP2 over the data-parallel ranks (torchtitan's ``ParallelDims``
+    order: pipeline outermost, the tensor-parallel ranks the adjacent ones)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if parallel.dp == 1:
+        return init_device_mesh(device_type, (parallel.pp, parallel.tp),
+                                mesh_dim_names=("pp", "tp"))
+    return init_device_mesh(device_type, (parallel.pp, parallel.dp, parallel.tp),
+                            mesh_dim_names=("pp", "dp", "tp"))
+
+
+def stage_root(module: StageModule) -> tuple[str | None, str | None, str | None]:
+    """The token embedding, final norm and head a stage holds (None where it does not), which
+    sequence parallelism splits: the first stage's embedding reduce-scatters its output along
+    the sequence, so the stages exchange ``1/tp`` of it (``seq / tp`` rows each); the last
+    stage's head all-gathers its input (``memfit.parallel.apply.tp_plan``)."""
+    return ("embed_tokens" if module.first else None, "norm" if module.last else None,
+            "lm_head" if module.last else None)
+
+
+def stage_blocks(module: StageModule) -> list[str]:
+    """The names of a stage's transformer blocks inside it (``layers.<i>``)."""
+    return [f"layers.{k}" for k in module.layers]
+
+
+def apply_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> None:
+    """Tensor parallelism on each stage over the mesh's ``tp`` dimension (the plan of
+    ``memfit.parallel.apply.tp_plan`` on the stage's own blocks; the embedding, final norm and
+    head replicated), then, with data parallelism, FSDP2 over ``dp``: torchtitan's order
+    (``torchtitan/distributed/pipeline_parallel.py: pipeline_llm`` splits the model into
+    stages first, then calls ``parallelize_llama`` on each model part: ``apply_tp``, then
+    ``apply_fsdp``)."""
+    from memfit.parallel.apply import apply_tp
+
+    for module in modules:
+        apply_tp(module, parallel, mesh["tp"], blocks=stage_blocks(module),
+                 root=stage_root(module))
+        if parallel.sp:
+            module.seq_shards = parallel.tp
+    if parallel.dp > 1:
+        shard_stages(modules, parallel, mesh)
 
 
 def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, seq: int,
@@ -262,7 +321,9 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
             ids = torch.zeros(micro, seq, dtype=torch.long)
             # requires_grad: the metadata of the gradients sent back (stage.py:
             # _derive_grad_metas gives none for an output that needs no gradient)
-            states = torch.zeros(micro, seq, width, dtype=dtype, requires_grad=True)
+            # (sequence parallelism: the stages exchange seq / tp rows of the hidden states)
+            states = torch.zeros(micro, seq // parallel.tp if parallel.sp else seq, width,
+                                 dtype=dtype, requires_grad=True)
             logits = torch.zeros(micro, seq, module.lm_head.out_features if module.last else 1,
                                  dtype=dtype, requires_grad=True)  # type: ignore[union-attr]
         stages.append(PipelineStage(module, index, num_stages, torch.device(device),
@@ -297,12 +358,19 @@ class PipelineRole(RankRole):
         schedule is built at the first step)."""
         modules = list(model) if isinstance(model, nn.ModuleList) else [model]
         self.state["modules"] = modules
-        if self.parallel.dp > 1:
+        if self.parallel.dp > 1 and self.parallel.tp == 1:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
                 mesh = pipeline_mesh(self.parallel)
             shard_stages(modules, self.parallel, mesh)
+            self.state["group"] = mesh["pp"].get_group()
+        elif self.parallel.tp > 1:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                mesh = tp_pipeline_mesh(self.parallel)
+            apply_tp_stages(modules, self.parallel, mesh)
             self.state["group"] = mesh["pp"].get_group()
         return model
 
@@ -496,6 +564,8 @@ def pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
     from memfit.parallel.trace import _chunk
 
     check_pipeline(model, parallel, None)
+    if parallel.tp > 1:
+        return _tp_pipeline_roles(model, parallel)
     groups: dict[Any, list[int]] = {}
     for rank in range(parallel.gpus):
         params = [p for m in stage_modules(model, parallel, rank) for p in m.parameters()]
@@ -503,4 +573,37 @@ def pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
         sig = (pp_rank(parallel, rank), tuple(_chunk(p.shape[0] if p.dim() else 1,
                                                      parallel.dp, shard) for p in params))
         groups.setdefault(sig, []).append(rank)
+    return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]
+
+
+def _tp_pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
+    """Ranks of a ``(pp, [dp,] tp)`` layout grouped by stage and the local shapes they hold:
+    rank ``(pp_index * dp + dp_index) * tp + tp_index`` holds the ``tp_index`` chunk of each
+    dim tensor parallelism splits (``memfit.parallel.apply.tp_split_dims`` on the stage's
+    blocks), then FSDP2's ``dp_index`` chunk of that local tensor's dim 0."""
+    from memfit.parallel.apply import tp_split_dims
+    from memfit.parallel.trace import _chunk
+
+    stages: dict[int, tuple[list[nn.Parameter], dict[int, int]]] = {}
+    groups: dict[Any, list[int]] = {}
+    for rank in range(parallel.gpus):
+        index = pp_rank(parallel, rank)
+        if index not in stages:
+            modules = stage_modules(model, parallel, rank)
+            split: dict[int, int] = {}
+            for m in modules:
+                split.update(tp_split_dims(m, parallel, stage_blocks(m), stage_root(m)))
+            stages[index] = ([p for m in modules for p in m.parameters()], split)
+        params, split = stages[index]
+        dp_index, tp_index = divmod(rank % (parallel.dp * parallel.tp), parallel.tp)
+        sig = []
+        for p in params:
+            shape = list(p.shape)
+            if id(p) in split:
+                dim = split[id(p)]
+                shape[dim] = _chunk(shape[dim], parallel.tp, tp_index)
+            if parallel.dp > 1 and shape:
+                shape[0] = _chunk(shape[0], parallel.dp, dp_index)
+            sig.append(tuple(shape))
+        groups.setdefault((index, tuple(sig)), []).append(rank)
     return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]

@@ -1,0 +1,146 @@
+"""Tensor parallelism inside each pipeline stage (memfit/parallel/pipeline.py: apply_tp_stages).
+
+torchtitan's order (``torchtitan/distributed/pipeline_parallel.py: pipeline_llm`` splits the
+model into stages, then ``torchtitan/models/llama3/infra/parallelize.py: parallelize_llama``
+applies TP, then FSDP, to each model part): each stage's blocks get the Megatron plan
+(``ColwiseParallel`` q/k/v and gate/up, ``RowwiseParallel`` o/down:
+``torch/distributed/tensor/parallel/style.py``) over the ``tp`` dim of a ``(pp, tp)`` or
+``(pp, dp, tp)`` DeviceMesh; the stages exchange plain full-width hidden states through
+``torch.distributed.pipelining``'s PipelineStage / Schedule1F1B over the ``pp`` dim's group.
+
+Expected values come from first principles (the parameters a rank holds: the stage's blocks
+with their projections halved, the replicated embedding / norms / head whole, hand-counted)
+or from real runs: one gloo process per rank running the same stage, TP plan and schedule under
+the profiler (memfit/parallel/measure.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import memfit
+from memfit.categories import MemoryCategory
+from memfit.errors import MemfitError
+from memfit.parallel import Parallel
+from memfit.parallel.measure import Case, build, tiny_spec
+
+SEQ = 64
+
+
+def _case(parallel: Parallel) -> Case:
+    return Case(spec=tiny_spec(4), batch=8, seq=SEQ, parallel=parallel)
+
+
+def _per_rank(case: Case) -> tuple[memfit.Estimate, ...]:
+    model, inputs = build(case)
+    est = memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)
+    assert sorted(r for e in est.per_rank for r in e.ranks) == list(range(case.parallel.gpus))
+    return est.per_rank
+
+
+def test_each_stage_holds_its_blocks_with_the_projections_split() -> None:
+    """pp 2 x tp 2 on tiny_spec(4) (hidden h = 64, MLP f = 128, vocab v = 256, head_dim 16,
+    fp32): torchtitan's split puts the embedding and blocks 0-1 on stage 0, blocks 2-3, the
+    final norm and head on stage 1. A block's projections (q, k, v, o: 4 h^2; gate, up,
+    down: 3 h f) are halved by TP, its two norms (2 h) are whole; the embedding, final norm
+    (h) and head (v h) are replicated. Each stage also keeps the rotary inverse frequencies
+    (head_dim / 2 fp32 buffer). The two TP ranks of a stage hold the same shapes: one role
+    each, stage 0 = ranks (0, 1), stage 1 = ranks (2, 3) (the (pp, tp) mesh, tp innermost)."""
+    h, f, v, head_dim = 64, 128, 256, 16
+    block = (4 * h * h + 3 * h * f) // 2 + 2 * h
+    stage0 = 2 * block + v * h
+    stage1 = 2 * block + h + v * h
+    roles = _per_rank(_case(Parallel(gpus=4, pp=2, tp=2, microbatches=4)))
+    assert [e.ranks for e in roles] == [(0, 1), (2, 3)]
+    for est, params in zip(roles, (stage0, stage1), strict=True):
+        weights = est.timeline[0].by_category()[MemoryCategory.WEIGHTS]
+        assert weights == 4 * params + 4 * (head_dim // 2)
+        assert est.breakdown[MemoryCategory.GRADIENTS] == 4 * params
+
+
+def test_fsdp_over_tp_stages_shards_each_local_tensor() -> None:
+    """pp 2 x fsdp 2 x tp 2 on 8 ranks, a (pp, dp, tp) mesh: FSDP2 after TP halves each
+    stage's local tensors again (dim 0, even here), so a rank's weights are half the tp-only
+    ones (the rotary buffer is not a parameter: whole); roles: one per stage."""
+    h, f, v, head_dim = 64, 128, 256, 16
+    block = (4 * h * h + 3 * h * f) // 2 + 2 * h
+    stage0 = 2 * block + v * h
+    roles = _per_rank(_case(Parallel(gpus=8, pp=2, tp=2, fsdp=2, microbatches=4)))
+    assert [e.ranks for e in roles] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    weights = roles[0].timeline[0].by_category()[MemoryCategory.WEIGHTS]
+    assert weights == 4 * stage0 // 2 + 4 * (head_dim // 2)
+
+
+def test_sequence_parallel_stages_split_the_embedding_and_head() -> None:
+    """With sp, the first stage's embedding is split by vocabulary rows (``RowwiseParallel``
+    on an Embedding) and the last stage's head by output features (``ColwiseParallel``), as in
+    torchtitan's plan; the final norm stays whole (``SequenceParallel`` replicates it). The
+    stages exchange seq / tp rows of the hidden states."""
+    h, f, v, head_dim = 64, 128, 256, 16
+    block = (4 * h * h + 3 * h * f) // 2 + 2 * h
+    roles = _per_rank(_case(Parallel(gpus=4, pp=2, tp=2, sp=True, microbatches=4)))
+    assert [e.ranks for e in roles] == [(0, 1), (2, 3)]
+    for est, params in zip(roles, (2 * block + v * h // 2, 2 * block + h + v * h // 2),
+                           strict=True):
+        weights = est.timeline[0].by_category()[MemoryCategory.WEIGHTS]
+        assert weights == 4 * params + 4 * (head_dim // 2)
+
+
+def test_pp_with_tp_refuses_loss_parallelism() -> None:
+    model, inputs = build(_case(Parallel(gpus=1)))
+    with pytest.raises(MemfitError, match="without loss parallelism") as info:
+        memfit.estimate(model, inputs, device="cpu",
+                        parallel=Parallel(gpus=4, pp=2, tp=2, microbatches=4,
+                                          loss_parallel=True))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_pp_times_tp_matches_four_gloo_ranks_within_1_percent() -> None:
+    """pp 2 x tp 2 on 4 gloo processes, without and with sequence parallelism (the stages
+    exchange seq / tp rows): 4 layers, batch 8 in 4 micro-batches of 2 x 64, 1F1B,
+    AdamW, 2 steps; each rank applies the same TP plan to its stage (apply_tp_stages) and runs
+    PipelineStage / Schedule1F1B (torch/distributed/pipelining/schedules.py:
+    Schedule1F1B._step_microbatches) over the pp group of the (pp, tp) mesh. Each role's peak
+    and each phase's high point (the schedule's range; the optimizer's) within 1% of its ranks'
+    lowest measurement."""
+    from memfit.parallel.measure import measure
+
+    cases = [_case(Parallel(gpus=4, pp=2, tp=2, microbatches=4, sp=sp)) for sp in (False, True)]
+    failures = []
+    for case, measured in zip(cases, measure(cases, world=4, repeats=2), strict=True):
+        failures += _off(case, measured)
+    assert not failures, "; ".join(failures)
+
+
+def _off(case: Case, measured: list) -> list[str]:
+    """Each role's peak and phase high points more than 1% from its ranks' lowest."""
+    failures = []
+    for est in _per_rank(case):
+        real = min(measured[r]["peak"] for r in est.ranks)
+        if abs(est.peak_bytes - real) > 0.01 * real:
+            failures.append(f"{case.parallel.describe()} ranks {est.ranks}: predicted "
+                            f"{est.peak_bytes:,}, measured {real:,}")
+        for step in range(2):
+            pred = max(est.phase_peaks[(step, "forward")], est.phase_peaks[(step, "backward")])
+            for key, value in ((f"{step}:pipeline", pred),
+                               (f"{step}:optimizer", est.phase_peaks[(step, "optimizer")])):
+                real = min(measured[r]["phases"][key] for r in est.ranks)
+                if abs(value - real) > 0.01 * real:
+                    failures.append(f"{case.parallel.describe()} ranks {est.ranks} {key}: "
+                                    f"predicted {value:,}, measured {real:,}")
+    return failures
+
+
+@pytest.mark.slow
+def test_pp_tp_fsdp_matches_eight_gloo_ranks_within_1_percent() -> None:
+    """pp 2 x fsdp 2 x tp 2 with sequence parallelism on 8 gloo processes, a (pp, dp, tp) mesh:
+    each stage gets TP, then FSDP2 over its dp ranks (torchtitan's order: parallelize_llama's
+    apply_tp, then apply_fsdp on each model part; FSDP2 shards each DTensor's local tensor on
+    dim 0: torch/distributed/fsdp/_fully_shard/_fsdp_param.py: FSDPParam._init_sharding_spec_tp).
+    Each role's peak and phase high points within 1% of its ranks' lowest measurement."""
+    from memfit.parallel.measure import measure
+
+    case = _case(Parallel(gpus=8, pp=2, tp=2, fsdp=2, sp=True, microbatches=4))
+    failures = _off(case, measure([case], world=8, repeats=1)[0])
+    assert not failures, "; ".join(failures)
