@@ -181,27 +181,19 @@ def measured_two_ranks() -> dict[str, tuple[object, list[dict[str, int]]]]:
     return {name: (case, peak) for name, case, peak in zip(names, cases, peaks, strict=True)}
 
 
-def _lowest(a: object, b: object) -> object:
-    """Elementwise lowest of two measurements of the same case (dicts of bytes, nested)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return {k: _lowest(a[k], b[k]) if k in b else a[k] for k in a}
-    if isinstance(a, list) and isinstance(b, list):
-        return [_lowest(x, y) for x, y in zip(a, b, strict=True)]
-    return min(a, b)  # type: ignore[type-var]
-
 
 def _settled(name: str, measured_two_ranks: dict, off: Callable[[list], bool]) -> list:
     """The case's measurement, measured once more from scratch while ``off(measured)``: gloo's
     worker thread can keep a finished all-gather's output alive past the step (Note: [gloo's own
     buffers] in memfit/parallel/measure.py), which only ever adds bytes, so the lower of two
     fresh measurements is the closer one to the step's own peak. Kept in the fixture."""
-    from memfit.parallel.measure import measure
+    from memfit.parallel.measure import lowest, measure
 
     case, measured = measured_two_ranks[name]
     for _ in range(2):
         if not off(measured):
             break
-        measured = _lowest(measured, measure([case], world=2)[0])
+        measured = lowest(measured, measure([case], world=2)[0])
         measured_two_ranks[name] = (case, measured)
     return measured  # type: ignore[no-any-return]
 

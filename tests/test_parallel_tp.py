@@ -194,14 +194,6 @@ def test_tp_without_sp_keeps_every_parameter_a_dtensor_for_the_foreach_optimizer
 # -- the truth: real ranks over gloo -------------------------------------------------------------
 
 
-def _lowest(a: object, b: object) -> object:
-    """Elementwise lowest of two measurements of the same case (dicts of bytes, nested)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return {k: _lowest(a[k], b[k]) if k in b else a[k] for k in a}
-    if isinstance(a, list) and isinstance(b, list):
-        return [_lowest(x, y) for x, y in zip(a, b, strict=True)]
-    return min(a, b)  # type: ignore[type-var]
-
 
 def _off(roles: tuple, measured: list) -> list[str]:
     """Each role's peak and per-phase peaks more than 1% from its ranks' lowest measurement."""
@@ -224,7 +216,7 @@ def _check_against_gloo(cases: list, world: int, repeats: int) -> None:
     more is measured once more from scratch and the lower kept: gloo's worker thread can hold a
     finished collective's output past its last use, which only adds bytes (Note: [gloo's
     timing] in memfit/parallel/measure.py)."""
-    from memfit.parallel.measure import measure
+    from memfit.parallel.measure import lowest, measure
 
     measured = measure(cases, world=world, repeats=repeats)
     failures = []
@@ -232,7 +224,7 @@ def _check_against_gloo(cases: list, world: int, repeats: int) -> None:
         roles = _estimate(case).per_rank
         assert sorted(r for e in roles for r in e.ranks) == list(range(world))
         if _off(roles, peaks):
-            peaks = _lowest(peaks, measure([case], world=world, repeats=repeats)[0])
+            peaks = lowest(peaks, measure([case], world=world, repeats=repeats)[0])
         failures += [f"{case.parallel.describe()} {line}" for line in _off(roles, peaks)]
     assert not failures, "; ".join(failures)
 

@@ -329,6 +329,16 @@ def _repeated(case: Case, repeats: int) -> dict[str, int]:
             "backend": max(r["backend"] for r in runs)}
 
 
+def lowest(a: Any, b: Any) -> Any:
+    """Elementwise lowest of two measurements of the same case (dicts and lists of bytes,
+    nested): what a re-measured case keeps (Note: [gloo's timing])."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: lowest(a[k], b[k]) if k in b else a[k] for k in a}
+    if isinstance(a, list) and isinstance(b, list):
+        return [lowest(x, y) for x, y in zip(a, b, strict=True)]
+    return min(a, b)
+
+
 def _worker(rank: int, world: int, port: int, cases: list[Case], out: str,
             repeats: int) -> None:
     import torch.distributed as dist

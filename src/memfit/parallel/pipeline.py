@@ -582,7 +582,7 @@ def _tp_pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
     dim tensor parallelism splits (``memfit.parallel.apply.tp_split_dims`` on the stage's
     blocks), then FSDP2's ``dp_index`` chunk of that local tensor's dim 0."""
     from memfit.parallel.apply import tp_split_dims
-    from memfit.parallel.trace import _chunk
+    from memfit.parallel.trace import local_shapes
 
     stages: dict[int, tuple[list[nn.Parameter], dict[int, int]]] = {}
     groups: dict[Any, list[int]] = {}
@@ -596,14 +596,6 @@ def _tp_pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
             stages[index] = ([p for m in modules for p in m.parameters()], split)
         params, split = stages[index]
         dp_index, tp_index = divmod(rank % (parallel.dp * parallel.tp), parallel.tp)
-        sig = []
-        for p in params:
-            shape = list(p.shape)
-            if id(p) in split:
-                dim = split[id(p)]
-                shape[dim] = _chunk(shape[dim], parallel.tp, tp_index)
-            if parallel.dp > 1 and shape:
-                shape[0] = _chunk(shape[0], parallel.dp, dp_index)
-            sig.append(tuple(shape))
+        sig = local_shapes(params, split, parallel.tp, tp_index, parallel.dp, dp_index)
         groups.setdefault((index, tuple(sig)), []).append(rank)
     return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]

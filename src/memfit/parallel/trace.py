@@ -281,17 +281,26 @@ def _tp_signatures(model: nn.Module, parallel: Parallel) -> list[Any]:
     signatures = []
     for rank in range(parallel.gpus):
         dp_index, tp_index = divmod(rank, parallel.tp)
-        sig = []
-        for p in params:
-            shape = list(p.shape)
-            if id(p) in split:
-                dim = split[id(p)]
-                shape[dim] = _chunk(shape[dim], parallel.tp, tp_index)
-            if parallel.fsdp > 1 and shape:
-                shape[0] = _chunk(shape[0], parallel.fsdp, dp_index % parallel.fsdp)
-            sig.append(tuple(shape))
-        signatures.append(tuple(sig))
+        signatures.append(local_shapes(params, split, parallel.tp, tp_index, parallel.fsdp,
+                                       dp_index % parallel.fsdp))
     return signatures
+
+
+def local_shapes(params: list[nn.Parameter], split: dict[int, int], tp: int, tp_index: int,
+                 shards: int, shard_index: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes rank ``(shard_index, tp_index)`` holds of ``params``: the ``tp_index`` chunk
+    of each dim tensor parallelism splits (``split``: ``id(param) -> dim``), then FSDP2's
+    ``shard_index`` chunk of that local tensor's dim 0 (``torch.chunk``'s sizes)."""
+    sig = []
+    for p in params:
+        shape = list(p.shape)
+        if id(p) in split:
+            dim = split[id(p)]
+            shape[dim] = _chunk(shape[dim], tp, tp_index)
+        if shards > 1 and shape:
+            shape[0] = _chunk(shape[0], shards, shard_index)
+        sig.append(tuple(shape))
+    return tuple(sig)
 
 
 @contextlib.contextmanager
