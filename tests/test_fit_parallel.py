@@ -19,8 +19,6 @@ up to 2 lr = 2e-3, which the tolerance catches.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -201,12 +199,6 @@ def test_sharding_must_match_the_layout() -> None:
 
 # -- Plan.apply under gloo ----------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -227,35 +219,25 @@ def _train(model: torch.nn.Module, cfg: FitConfig, batch: dict[str, torch.Tensor
     return losses, {n: _full(p.detach()).clone() for n, p in inner.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, layout: dict[str, Any], out: str) -> None:
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        par = Parallel(gpus=world, **layout)
-        model, batch = tiny()
-        # Each data-parallel rank takes its rows; the ranks of a tensor-parallel group the same.
-        per = BATCH // par.dp
-        dp_rank = rank // par.tp
-        mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
-        cfg = FitConfig(precision="fp32", micro_batch=max(1, per // 2),
-                        accumulation=per // max(1, per // 2), sharding=sharding_of(par),
-                        parallel=par)
-        losses, weights = _train(model, cfg, mine, world)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, layout: dict[str, Any], out: str) -> None:
+    par = Parallel(gpus=world, **layout)
+    model, batch = tiny()
+    # Each data-parallel rank takes its rows; the ranks of a tensor-parallel group the same.
+    per = BATCH // par.dp
+    dp_rank = rank // par.tp
+    mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
+    cfg = FitConfig(precision="fp32", micro_batch=max(1, per // 2),
+                    accumulation=per // max(1, per // 2), sharding=sharding_of(par),
+                    parallel=par)
+    losses, weights = _train(model, cfg, mine, world)
     torch.save({"losses": losses, "weights": weights}, Path(out, f"rank{rank}.pt"))
 
 
 def _run(layout: dict[str, Any], world: int) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
+    from memfit.parallel.gloo import spawn
 
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world, _free_port(), layout, out), nprocs=world, join=True)
+        spawn(_worker, world, layout, out)
         return [torch.load(Path(out, f"rank{r}.pt")) for r in range(world)]
 
 

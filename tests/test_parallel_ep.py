@@ -16,8 +16,6 @@ the trace and the real run exchange the same bytes whatever the routing.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -168,47 +166,39 @@ def _after_backward(est: memfit.Estimate, category: MemoryCategory) -> int:
 # -- the math is unchanged --------------------------------------------------------------------
 
 
-def _parity_worker(rank: int, world: int, port: int, fsdp: int, ep: int) -> None:
-    import torch.distributed as dist
-
+def _parity_worker(rank: int, world: int, fsdp: int, ep: int) -> None:
     from memfit._loss import model_loss
     from memfit.parallel.apply import apply_model
     from memfit.parallel.measure import build
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        case = _case(Parallel(gpus=world, ep=ep, fsdp=fsdp))
-        full, inputs = build(case)
-        sharded = apply_model(build(case)[0], case.parallel, "cpu")
-        per_rank = [torch.randint(0, case.spec.vocab_size, inputs["input_ids"].shape,
-                                  generator=torch.Generator().manual_seed(r))
-                    for r in range(world)]  # each rank its own tokens
-        loss = model_loss(sharded, {**inputs, "input_ids": per_rank[rank],
-                                    "labels": per_rank[rank]})
-        loss.backward()
-        # One process, every expert: the sum of every rank's loss on its own tokens.
-        ref = sum(model_loss(full, {**inputs, "input_ids": ids, "labels": ids})
-                  for ids in per_rank)
-        ref.backward()
-        assert torch.allclose(loss, model_loss(full, {**inputs, "input_ids": per_rank[rank],
-                                                      "labels": per_rank[rank]}), atol=1e-6)
-        # The rank of index i in its expert group ("ep" innermost) keeps experts i*local...; the
-        # dp/ep ranks holding them average their gradients (FSDP2's reduce-scatter over efsdp).
-        local, index, replicas = case.spec.num_experts // ep, rank % ep, world // ep
-        checked = 0
-        for name, param in getattr(sharded, "module", sharded).named_parameters():
-            if ".experts." in name:
-                grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") \
-                    else param.grad
-                whole = full.get_parameter(name.replace(".experts.", ".")).grad
-                expected = whole[index * local:(index + 1) * local] / replicas
-                assert torch.allclose(grad, expected, atol=1e-6), name
-                checked += 1
-        assert checked == 3 * case.spec.num_layers  # gate, up, down of each layer
-    finally:
-        dist.destroy_process_group()
+    case = _case(Parallel(gpus=world, ep=ep, fsdp=fsdp))
+    full, inputs = build(case)
+    sharded = apply_model(build(case)[0], case.parallel, "cpu")
+    per_rank = [torch.randint(0, case.spec.vocab_size, inputs["input_ids"].shape,
+                              generator=torch.Generator().manual_seed(r))
+                for r in range(world)]  # each rank its own tokens
+    loss = model_loss(sharded, {**inputs, "input_ids": per_rank[rank],
+                                "labels": per_rank[rank]})
+    loss.backward()
+    # One process, every expert: the sum of every rank's loss on its own tokens.
+    ref = sum(model_loss(full, {**inputs, "input_ids": ids, "labels": ids})
+              for ids in per_rank)
+    ref.backward()
+    assert torch.allclose(loss, model_loss(full, {**inputs, "input_ids": per_rank[rank],
+                                                  "labels": per_rank[rank]}), atol=1e-6)
+    # The rank of index i in its expert group ("ep" innermost) keeps experts i*local...; the
+    # dp/ep ranks holding them average their gradients (FSDP2's reduce-scatter over efsdp).
+    local, index, replicas = case.spec.num_experts // ep, rank % ep, world // ep
+    checked = 0
+    for name, param in getattr(sharded, "module", sharded).named_parameters():
+        if ".experts." in name:
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") \
+                else param.grad
+            whole = full.get_parameter(name.replace(".experts.", ".")).grad
+            expected = whole[index * local:(index + 1) * local] / replicas
+            assert torch.allclose(grad, expected, atol=1e-6), name
+            checked += 1
+    assert checked == 3 * case.spec.num_layers  # gate, up, down of each layer
 
 
 @pytest.mark.slow
@@ -221,11 +211,9 @@ def test_expert_parallel_step_computes_what_one_process_computes(world: int, fsd
     loss (the backward's reverse all-to-all brings the group's tokens' gradients home), averaged
     over the dp/ep ranks that hold the same experts (FSDP2 on the "efsdp" mesh dimension); the
     other parameters under DDP or FSDP2."""
-    import torch.multiprocessing as mp
+    from memfit.parallel.gloo import spawn
 
-    from memfit.parallel.measure import _free_port
-
-    mp.spawn(_parity_worker, args=(world, _free_port(), fsdp, ep), nprocs=world, join=True)
+    spawn(_parity_worker, world, fsdp, ep)
 
 
 # -- the truth: real ranks over gloo -------------------------------------------------------------

@@ -21,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,6 +31,7 @@ import torch
 from torch._C._profiler import _EventType
 
 from memfit.parallel.config import Parallel
+from memfit.parallel.gloo import spawn
 
 STEP_MARKER = "memfit::parallel_step"
 """The profiler range around each measured step."""
@@ -339,42 +338,22 @@ def lowest(a: Any, b: Any) -> Any:
     return min(a, b)
 
 
-def _worker(rank: int, world: int, port: int, cases: list[Case], out: str,
-            repeats: int) -> None:
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        peaks = [_repeated(case, repeats) for case in cases]
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, cases: list[Case], out: str, repeats: int) -> None:
+    peaks = [_repeated(case, repeats) for case in cases]
     Path(out, f"rank{rank}.json").write_text(json.dumps(peaks))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(cases: list[Case], world: int, repeats: int = 3) -> list[list[dict[str, int]]]:
-    """Run ``cases`` in ``world`` gloo processes (``torch.multiprocessing.spawn``); return, per
+    """Run ``cases`` in ``world`` gloo processes (:func:`memfit.parallel.gloo.spawn`); return, per
     case, each rank's peaks over ``repeats`` runs (``peak``: the lowest of the step's own
     blocks, the truth for the trace; ``peak_highest``; ``peak_all_threads``; ``backend``:
     gloo's scratch; see :func:`_step_peaks` and :func:`_repeated`). Every case's layout must
     have ``gpus == world``."""
-    import torch.multiprocessing as mp
-
     for case in cases:
         if case.parallel.gpus != world:
             raise ValueError(f"case {case.parallel.describe()} needs {case.parallel.gpus} ranks, "
                              f"not {world}")
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world, _free_port(), cases, out, repeats), nprocs=world,
-                 join=True)
+        spawn(_worker, world, cases, out, repeats)
         per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     return [[per_rank[r][i] for r in range(world)] for i in range(len(cases))]

@@ -1,0 +1,56 @@
+"""memfit.parallel.gloo.spawn: every rank runs, a rank that raises fails the run with its
+traceback, and a rank that finished is not failed by what happens after (no interpreter
+teardown)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit.parallel.gloo import spawn
+
+
+def _sum_ranks(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    Path(out, str(rank)).write_text(f"{world} {float(t)}")
+
+
+def _second_rank_raises(rank: int, world: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+
+
+def _aborts_at_exit(rank: int, world: int, out: str) -> None:
+    import atexit
+    import os
+
+    # What gloo's threads do at interpreter teardown, made certain: a process that reaches its
+    # teardown dies of SIGABRT. spawn's ranks never reach it.
+    atexit.register(os.abort)
+    Path(out, str(rank)).write_text("done")
+
+
+def test_every_rank_runs_in_one_group() -> None:
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_sum_ranks, 2, out)
+        assert [Path(out, str(r)).read_text() for r in range(2)] == ["2 3.0", "2 3.0"]
+
+
+def test_a_rank_that_raises_fails_the_run(capfd: pytest.CaptureFixture[str]) -> None:
+    import torch.multiprocessing as mp
+
+    with pytest.raises(mp.ProcessExitedException, match="exit code 1"):
+        spawn(_second_rank_raises, 2)
+    assert "rank 1 fails on purpose" in capfd.readouterr().err
+
+
+def test_a_finished_rank_skips_the_teardown() -> None:
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_aborts_at_exit, 2, out)
+        assert [Path(out, str(r)).read_text() for r in range(2)] == ["done", "done"]
