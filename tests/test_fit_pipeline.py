@@ -1,0 +1,125 @@
+"""Plan.apply of pipeline layouts under real gloo processes (``torch.distributed.pipelining``'s
+schedules over memfit/parallel/pipeline.py's stages), and fit's per-rank trace of pipeline
+candidates.
+
+Parity tolerance: as tests/test_fit_parallel.py (fp32; the loss within ``rtol=1e-5``, every
+weight after two AdamW steps within ``rtol=1e-5, atol=5e-5``, 5% of one AdamW step). A pipeline
+adds each micro-batch's token-loss sum in another order than one process's mean over the batch,
+and FSDP2 / tensor parallelism reorder their sums as in the other layouts' tests.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from memfit.fitting import FitConfig
+from memfit.fitting.config import sharding_of
+from memfit.parallel import Parallel
+from memfit.parallel.measure import tiny_spec
+
+BATCH, SEQ, STEPS = 4, 16, 2
+RTOL, ATOL = 1e-5, 5e-5
+
+
+def tiny(layers: int = 2) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The tiny Llama (hidden 64, 4 heads, ``layers`` blocks) with fixed weights, and a fixed
+    batch."""
+    from memfit.models.build import build_model
+
+    spec = tiny_spec(layers)
+    torch.manual_seed(0)
+    model = build_model(spec, backend="builtin", device="cpu")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=g)
+    labels[0, :5] = -100  # micro-batches with different token counts: the weighting matters
+    return model, {"input_ids": ids, "labels": labels}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train(model: torch.nn.Module, cfg: FitConfig, batch: dict[str, torch.Tensor], world: int
+           ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Two steps; the losses returned and the full weights this rank holds (another stage's
+    parameters are freed on it: zero elements)."""
+    import warnings
+
+    from memfit.fitting.apply import apply_config
+    from memfit.oom_guard import causal_lm_count
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, step = apply_config(model, cfg, num_gpus=world, log_recoveries=False,
+                                  count_fn=causal_lm_count)
+        losses = [float(step(batch)) for _ in range(STEPS)]
+    return losses, {n: _full(p.detach()).clone() for n, p in model.named_parameters()
+                    if p.numel()}
+
+
+def _worker(rank: int, world: int, layout: dict[str, Any], layers: int, out: str) -> None:
+    par = Parallel(gpus=world, **layout)
+    model, batch = tiny(layers)
+    per = BATCH // par.dp
+    dp_rank = (rank // par.tp) % par.dp  # the (pp, dp, tp) mesh: tp innermost
+    mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
+    micro = max(1, per // 2)
+    cfg = FitConfig(precision="fp32", micro_batch=micro, accumulation=per // micro,
+                    sharding=sharding_of(par), parallel=par)
+    losses, weights = _train(model, cfg, mine, world)
+    torch.save({"losses": losses, "weights": weights}, Path(out, f"rank{rank}.pt"))
+
+
+def _run(layout: dict[str, Any], world: int, layers: int) -> list[dict[str, Any]]:
+    from memfit.parallel.gloo import spawn
+
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_worker, world, layout, layers, out)
+        return [torch.load(Path(out, f"rank{r}.pt")) for r in range(world)]
+
+
+def _reference(layers: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model, batch = tiny(layers)
+    cfg = FitConfig(precision="fp32", micro_batch=BATCH, accumulation=1)
+    return _train(model, cfg, batch, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "world", "layers"), [
+    ({"pp": 2}, 2, 2),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b"}, 2, 4),
+    ({"pp": 2, "fsdp": 2}, 4, 2),
+    ({"pp": 2, "tp": 2}, 4, 2),
+], ids=["pp2-1f1b", "pp2-interleaved", "pp2xfsdp2", "pp2xtp2"])
+def test_pipeline_plan_trains_like_one_process(layout: dict[str, Any], world: int,
+                                               layers: int) -> None:
+    """Two AdamW steps of a pipeline plan over gloo ranks give the one-process run's loss and
+    weights within fp32 reordering (module docstring). Every parameter is held by the ranks of
+    exactly one stage (``pp`` ranks x their tp / dp peers), full on each after gathering; the
+    returned losses are each rank's share (0.0 off the last stage), which add up to the
+    batch's mean loss."""
+    want_losses, want = _reference(layers)
+    ranks = _run(layout, world, layers)
+    par = Parallel(gpus=world, **layout)
+    for step in range(STEPS):
+        got = sum(r["losses"][step] for r in ranks)
+        assert got == pytest.approx(want_losses[step], rel=RTOL, abs=ATOL)
+    last = [r for r in range(world) if r // (par.dp * par.tp) == par.pp - 1]
+    assert all(ranks[r]["losses"] == [0.0] * STEPS for r in range(world) if r not in last)
+    holders: dict[str, int] = {}
+    worst = 0.0
+    for r in ranks:
+        for name, w in r["weights"].items():
+            torch.testing.assert_close(w, want[name], rtol=RTOL, atol=ATOL)
+            worst = max(worst, float((w - want[name]).abs().max()))
+            holders[name] = holders.get(name, 0) + 1
+    # Each parameter on the dp * tp ranks of one stage (two stages per rank when interleaved).
+    assert holders == {name: par.dp * par.tp for name in want}
+    print(f"{layout}: worst weight difference {worst:.3g}")
+    assert worst < 1e-3  # no AdamW sign flip (2 lr = 2e-3)
