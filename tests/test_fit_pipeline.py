@@ -123,3 +123,45 @@ def test_pipeline_plan_trains_like_one_process(layout: dict[str, Any], world: in
     assert holders == {name: par.dp * par.tp for name in want}
     print(f"{layout}: worst weight difference {worst:.3g}")
     assert worst < 1e-3  # no AdamW sign flip (2 lr = 2e-3)
+
+
+# -- fit's pipeline candidates -------------------------------------------------------------------
+
+def test_pipeline_candidates_peak_is_their_worst_stage_traced() -> None:
+    """Each pipeline candidate's peak is the worst stage's peak of memfit.estimate(...,
+    parallel=Parallel(pp=2, microbatches=accumulation)) over the per-rank batch, two steps
+    (the second holds the optimizer states; the search traces one step on the CPU and adds
+    them, Note: [one traced step on CPU] in memfit/fitting/search.py), not the formulas'
+    derivation. The stages differ: the first holds more micro-batches in flight (1F1B), the
+    last the head; which one is worst depends on the micro-batch."""
+    import memfit
+    from memfit._tensors import meta_batch
+
+    model, batch = tiny()
+    plan = memfit.fit(model, batch, global_batch=8, budget_bytes=64 * 2**20, device="cpu",
+                      gpus=2, progress=False, space={"precision": ["fp32"], "tp": [1],
+                                                     "checkpointing": ["none"], "pp": [2]})
+    shown = [plan.chosen, *plan.runners_up]
+    assert {c.config.accumulation for c in shown} >= {2, 4}  # 1F1B: at least pp micro-batches
+    for c in shown:
+        cfg = c.config
+        assert cfg.parallel is not None and cfg.parallel.pp == 2 and c.per_rank
+        par = Parallel(gpus=2, pp=2, microbatches=cfg.accumulation)
+        est = memfit.estimate(model, meta_batch(batch, cfg.micro_batch * cfg.accumulation),
+                              device="cpu", optimizer="adamw", parallel=par, steps=2)
+        stages = [e.peak_bytes for e in est.per_rank]
+        assert len(stages) == 2 and est.peak_bytes == max(stages)
+        assert c.peak_bytes == pytest.approx(est.peak_bytes, rel=0.005), cfg.label()
+
+
+def test_pipeline_layouts_are_the_ones_apply_runs() -> None:
+    """A pipeline beside DDP, ZeRO-1 or HSDP is left out with why (apply_pipeline runs pp
+    alone, with tp and with FSDP2); pp x FSDP (zero2 / zero3) stays."""
+    from memfit.fitting.layouts import layouts, model_shape
+
+    model, _ = tiny()
+    rejected: list[Any] = []
+    found = layouts(gpus=8, gpus_per_node=4, global_batch=8, shape=model_shape(model, SEQ),
+                    space={"tp": [1], "pp": [2]}, rejected=rejected)
+    assert sorted(sharding_of(p) for p in found) == ["zero2", "zero3"]
+    assert any("pipeline runs beside FSDP2 only" in r.reason for r in rejected)

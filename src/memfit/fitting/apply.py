@@ -85,12 +85,35 @@ def check_shardable(config: FitConfig) -> str | None:
             and config.optimizer not in SHARDABLE_OPTIMIZERS:
         return (f"tensor/pipeline parallelism runs torch's optimizers on DTensor shards "
                 f"({', '.join(SHARDABLE_OPTIMIZERS)}); {config.optimizer} needs whole parameters")
+    if par is not None and par.pp > 1:
+        why = _pipeline_refusal(config)
+        if why:
+            return why
     if config.sharding == "none":
         return None
     if config.offload_states or config.optimizer not in SHARDABLE_OPTIMIZERS:
         what = config.optimizer + ("+offload" if config.offload_states else "")
         return (f"{config.sharding} shards torch's optimizers ({', '.join(SHARDABLE_OPTIMIZERS)})"
                 f"; {what} needs whole parameters on one device")
+    return None
+
+
+def _pipeline_refusal(config: FitConfig) -> str | None:
+    """Why Plan.apply's pipeline (:func:`apply_pipeline`) cannot run ``config``'s step, or
+    None: the schedule's micro-batches are the plan's ``accumulation``."""
+    par = config.parallel
+    assert par is not None
+    n = config.accumulation
+    if config.precision == "fp16-mixed":
+        return "fp16-mixed under a pipeline: GradScaler's skipped steps would differ between " \
+               "stages; use bf16-mixed"
+    if config.chunked_loss:
+        return "the chunked loss under a pipeline: the last stage computes the decoder's loss"
+    if par.pp_schedule != "gpipe" and n < par.pp:
+        return (f"{par.pp_schedule} needs at least pp={par.pp} micro-batches, the plan has "
+                f"accumulation={n}")
+    if par.pp_schedule == "interleaved-1f1b" and n % par.pp:
+        return f"interleaved-1f1b needs accumulation ({n}) divisible by pp={par.pp}"
     return None
 
 
@@ -355,11 +378,8 @@ def _pipeline_parallel(config: FitConfig, loss_fn: Any, count_fn: Any, reduction
     elif reduction != "mean" or count_fn not in (None, causal_lm_count):
         why = ("reduction='sum' or another count_fn: the last stage's loss is a mean over the "
                "labelled tokens (causal_lm_count); drop them")
-    elif config.precision == "fp16-mixed":
-        why = ("fp16-mixed: GradScaler's skipped steps would differ between stages; use "
-               "bf16-mixed")
-    elif config.chunked_loss:
-        why = "the chunked loss: the last stage computes the decoder's loss; drop chunked_loss"
+    else:
+        why = _pipeline_refusal(config)
     if why:
         raise MemfitError(f"Plan.apply cannot run this pipeline plan: {why}")
     return dataclasses.replace(par, microbatches=config.accumulation)
