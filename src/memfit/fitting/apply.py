@@ -189,10 +189,11 @@ def apply_layout(model: nn.Module, config: FitConfig) -> nn.Module:
         if "traced so far" not in str(exc):
             raise
         raise MemfitError(
-            f"Plan.apply cannot run {par.describe()} yet: memfit.parallel.apply.apply_model "
-            "applies the data-parallel family (DDP, ZeRO-1, FSDP2, HSDP), tensor parallelism "
-            "and tp x FSDP / HSDP; export the plan (plan.export('torchtitan')) or re-run memfit "
-            "fit with space={'pp': [1]} (CLI: --pp 1)") from None
+            f"Plan.apply cannot run {par.describe()} yet: it runs the data-parallel family "
+            "(DDP, ZeRO-1, FSDP2, HSDP), tensor parallelism, tp x FSDP / HSDP, ep without tp "
+            "(memfit.parallel.apply.apply_model) and pipelines alone, with tp and with FSDP2 "
+            "(apply_pipeline); export the plan (plan.export('torchtitan')) or choose one of "
+            "these layouts") from None
 
 
 def apply_tensor_parallel(model: nn.Module, config: FitConfig) -> Any:
