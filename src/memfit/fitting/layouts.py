@@ -6,7 +6,9 @@ can win (Note: [layouts are derived, then traced] in :mod:`memfit.fitting.search
 Known limitations: expert parallelism is not searched (``ep = 1``); tensor parallelism is
 Megatron's split of the attention and MLP projections without sequence parallelism, as
 :func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must name their
-projections as Llama does (``q_proj`` ... ``down_proj``).
+projections as Llama does (``q_proj`` ... ``down_proj``). Pipelines (``pp > 1``) split memfit's
+builtin decoders only (:mod:`memfit.parallel.pipeline`) and run alone, with tp and with FSDP2
+(not beside DDP, ZeRO-1 or HSDP), with the 1F1B schedule and ``accumulation`` micro-batches.
 """
 
 from __future__ import annotations
