@@ -219,8 +219,7 @@ class MemoryPlan:
             "stage": self.stage,
             # One source of truth for the sequence: the length planned (the model's default when
             # --seq is not given), inside "run" with the other options.
-            "run": {**{k: (list(v) if isinstance(v, tuple) else v)
-                       for k, v in self.run.__dict__.items()}, "seq": self.seq},
+            "run": {**self.run.to_dict(), "seq": self.seq},
             "notes": list(self.notes),
         }
 
@@ -634,8 +633,10 @@ def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = N
     """Plan one step of ``model`` run as ``run`` on ``gpu``; returns the most loaded GPU.
 
     >>> from memfit.models.spec import ParamCountSpec
+    >>> from memfit.parallel import Parallel
     >>> p = plan(ParamCountSpec(name="7.5B", params=7_500_000_000),
-    ...          RunConfig(precision="fp16-mixed", optimizer="adam", gpus=64, zero=3))
+    ...          RunConfig(precision="fp16-mixed", optimizer="adam",
+    ...                    parallel=Parallel(gpus=64, zero=3)))
     >>> p.breakdown[MemoryCategory.WEIGHTS] + p.breakdown[MemoryCategory.OPTIMIZER_STATES] > 0
     True
     """
@@ -655,8 +656,11 @@ def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = N
 
 
 def with_changes(p: MemoryPlan, **changes: Any) -> MemoryPlan:
-    """Re-plan with some run options changed (used by suggestions and searches)."""
-    return plan(p.model, replace(p.run, **changes), p.gpu)
+    """Re-plan with some run options changed (used by suggestions and searches); a layout
+    option (``gpus``, ``tp``, ``pp``, ``zero``) changes ``run.parallel``."""
+    layout = {k: changes.pop(k) for k in ("gpus", "tp", "pp", "zero") if k in changes}
+    run = replace(p.run, **changes)
+    return plan(p.model, run.relayout(**layout) if layout else run, p.gpu)
 
 MAX_GPUS = 4096
 """The largest GPU count :func:`gpus_needed` tries."""
@@ -747,7 +751,7 @@ def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
         step = run.tp * run.pp
 
         def at(dp: int) -> MemoryPlan | None:
-            return _fits(model, replace(run, gpus=dp * step, zero=zero), gpu)
+            return _fits(model, run.relayout(gpus=dp * step, zero=zero), gpu)
 
         lo, hi = run.dp + 1, max_gpus // step
         if hi < lo or at(hi) is None:
@@ -772,7 +776,7 @@ def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
     options = sorted((t * pp, pp, t) for t in tps for pp in range(1, layers + 1)
                       if run.gpus < t * pp <= max_gpus)
     for _, pp, t in options:
-        found = _fits(model, replace(run, gpus=t * pp, tp=t, pp=pp), gpu)
+        found = _fits(model, run.relayout(gpus=t * pp, tp=t, pp=pp), gpu)
         if found is not None:
             strategy = " x ".join(([f"tensor parallel {t}"] if t > 1 else [])
                                   + ([f"{pp} pipeline stages"] if pp > 1 else []))
@@ -787,8 +791,8 @@ def scale_out_line(p: MemoryPlan, scale: ScaleOut | None, *,
     if scale is None:
         if p.run.training:
             zero = p.run.zero or _widest_zero(p.run)
-            widest = plan(p.model, replace(p.run, gpus=MAX_GPUS // (p.run.tp * p.run.pp)
-                                           * p.run.tp * p.run.pp, zero=zero), p.gpu)
+            widest = plan(p.model, p.run.relayout(gpus=MAX_GPUS // (p.run.tp * p.run.pp)
+                                                  * p.run.tp * p.run.pp, zero=zero), p.gpu)
             held = (widest.breakdown[MemoryCategory.ACTIVATIONS]
                     + widest.breakdown[MemoryCategory.TEMPORARIES])
             if zero < 3:
