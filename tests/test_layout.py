@@ -210,3 +210,15 @@ def test_parallel_from_dict_errors_are_one_line():
         Parallel.from_dict({"tp": 2})
     with pytest.raises(MemfitError, match="run: tp beside"):
         RunConfig.from_dict({"tp": 2, "parallel": {"gpus": 2, "tp": 2}})
+
+
+def test_a_traced_runs_hsdp_and_ep_reach_the_export():
+    """A traced plan's run (cli/parallel_plan.py writes RunConfig's fields) names HSDP and ep
+    in its Parallel; the flat fields of before could not (they said zero 3 over every rank)."""
+    run = RunConfig(parallel=Parallel(gpus=8, zero=3, fsdp=2, ep=4))
+    data = {"per_gpu": {"total_bytes": 1}, "run": {**run.to_dict(), "seq": 512}}
+    s = settings_from_dict(data)
+    # 8 data-parallel ranks in shard groups of 2: 4 replicas.
+    assert (s.zero, s.shard, s.replicate, s.parallel.ep) == (3, 2, 4, 4)
+    gaps = {g.setting for g in export_plan(data, "deepspeed").gaps}
+    assert "ep" in gaps
