@@ -92,7 +92,7 @@ def test_bad_layout_input_is_one_line(kwargs: dict[str, Any], words: str) -> Non
 @pytest.mark.parametrize(("argv", "words"), [
     (["--gpus", "8", "--gpus-per-node", "3"], "gpus_per_node=3"),
     (["--gpus", "8", "--gpus-per-node", "4", "--tp", "8"], "beyond a node"),
-    (["--gpus", "6", "--tp", "4"], "does not divide gpus=6"),
+    (["--gpus", "6", "--tp", "4"], "not divisible by tp x pp = 4"),
 ])
 def test_cli_bad_layout_exits_2_with_one_line(capsys: Any, argv: list[str], words: str) -> None:
     code = main(["fit", "llama-3.2-1b", "--gpu", "h100-80gb", "--global-batch", "48", "--seq",
@@ -186,7 +186,9 @@ def test_export_reads_the_layout() -> None:
                 rejected=(), budget_bytes=2, global_batch=2 * 2 * 8, num_gpus=16,
                 device="cuda", gpu="h100-80gb", rates_source="test")
     s = settings_from_plan(plan)
-    assert (s.gpus, s.tp, s.pp, s.dp, s.zero, s.replicate, s.gpus_per_node) == (
+    assert s.parallel == par
+    assert (s.parallel.gpus, s.parallel.tp, s.parallel.pp, s.parallel.dp, s.zero, s.replicate,
+            s.gpus_per_node) == (
         16, 2, 1, 8, 3, 2, 8)
     assert s.unknown == {}
     assert Plan.from_dict(plan.to_dict()).parallel == par
