@@ -190,6 +190,22 @@ def test_an_old_fit_plan_without_a_layout_still_loads():
     assert s.parallel == Parallel(gpus=4, zero=2) and s.zero == 2
 
 
+def test_a_fit_plan_keeps_its_whole_layout_and_old_ones_still_load():
+    """A fit plan's config holds the whole Parallel (a pipeline's schedule and micro-batches
+    included); a plan written when it held only tp, pp, ep, gpus_per_node and replicate (the GPU
+    count from the plan, the strategy from ``sharding``; written by hand) still loads."""
+    layout = Parallel(gpus=8, gpus_per_node=8, pp=2, fsdp=4, pp_schedule="gpipe",
+                      microbatches=4)
+    cfg = FitConfig(precision="bf16-mixed", micro_batch=1, accumulation=4, sharding="zero3",
+                    parallel=layout)
+    data = json.loads(json.dumps(cfg.to_dict()))
+    assert data["parallel"]["pp_schedule"] == "gpipe" and data["parallel"]["microbatches"] == 4
+    assert FitConfig.from_dict(data).parallel == layout
+    old = {**data, "parallel": {"tp": 2, "pp": 1, "ep": 1, "gpus_per_node": 8, "replicate": 1}}
+    assert FitConfig.from_dict(old, gpus=8).parallel == Parallel(gpus=8, gpus_per_node=8, tp=2,
+                                                                 zero=3)
+
+
 def test_relayout_derives_zero_sharding_again():
     # ZeRO-3 shards over every data-parallel rank: 16 of them on 16 GPUs, not the old 8.
     assert relayout(Parallel(gpus=8, zero=3), gpus=16).fsdp == 16
