@@ -149,10 +149,7 @@ def num_microbatches(parallel: Parallel) -> int:
 def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> None:
     """One-line errors for a pipeline layout the model or batch cannot take."""
     decoder, _ = _decoder_parts(model)
-    if parallel.ep > 1 or parallel.strategy not in ("none", "fsdp"):
-        raise MemfitError(f"Parallel(pp={parallel.pp}) is traced alone, with tp and with FSDP "
-                          f"over the other ranks, not with {parallel.describe()}; use gpus == "
-                          "pp * tp or fsdp = gpus / (pp * tp), or memfit plan's formulas")
+    check_pipeline_dp(parallel)
     if parallel.tp > 1 and parallel.loss_parallel:
         raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) is traced without "
                           "loss parallelism so far (the last stage's logits would leave it as "
@@ -225,11 +222,15 @@ def stage_modules(model: nn.Module, parallel: Parallel, rank: int) -> list[Stage
 
 def pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
     """The ``(pp, dp)`` DeviceMesh of a pipeline layout with data parallelism (torch.distributed
-    initialised with ``parallel.gpus`` ranks)."""
+    initialised with ``parallel.gpus`` ranks); ``(pp, replicate, shard)`` for HSDP
+    (torchtitan's ``ParallelDims`` order: pp, dp_replicate, dp_shard)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if parallel.tp > 1:
         return tp_pipeline_mesh(parallel, device_type)
+    if parallel.strategy == "hsdp":
+        return init_device_mesh(device_type, (parallel.pp, parallel.replicate, parallel.fsdp),
+                                mesh_dim_names=("pp", "replicate", "shard"))
     return init_device_mesh(device_type, (parallel.pp, parallel.dp), mesh_dim_names=("pp", "dp"))
 
 
@@ -238,8 +239,68 @@ def shard_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> N
     stage (``memfit.parallel.apply.apply_fsdp``), as torchtitan shards each model part."""
     from memfit.parallel.apply import apply_fsdp
 
+    dp_mesh = mesh["replicate", "shard"] if parallel.strategy == "hsdp" else mesh["dp"]
     for module in modules:
-        apply_fsdp(module, parallel, mesh["dp"], blocks=[f"layers.{k}" for k in module.layers])
+        apply_fsdp(module, parallel, dp_mesh, blocks=[f"layers.{k}" for k in module.layers])
+
+
+# -- data parallelism beside the pipeline ------------------------------------------------------
+
+def check_pipeline_dp(parallel: Parallel) -> None:
+    """One-line errors for the data parallelism beside the pipeline that is not traced.
+
+    Traced: FSDP2 and HSDP on each stage (torchtitan's layouts: ``parallelize_llama``'s
+    ``apply_fsdp`` with the ``("dp_replicate", "fsdp")`` mesh on each model part), DDP on each
+    stage and ZeRO-1 (DDP + ``ZeroRedundancyOptimizer`` over the stage's data-parallel group),
+    which PyTorch's pipelining drives (``torch/distributed/pipelining/stage.py:
+    _PipelineStageBase.backward_maybe_with_nosync``: "If submod is wrapped by DDP", ``no_sync``
+    for every micro-batch but the last). DDP / ZeRO-1 beside tensor parallelism is refused as
+    torchtitan refuses it (``torchtitan/models/llama3/infra/parallelize.py: parallelize_llama``,
+    v0.2.2: "DDP has not supported > 1D parallelism"); HSDP beside tp is not traced yet."""
+    if parallel.ep > 1:
+        raise MemfitError(f"Parallel(pp={parallel.pp}, ep={parallel.ep}): expert parallelism "
+                          "beside pipeline stages is not traced yet; use ep=1 with pp, or pp=1")
+    if parallel.tp > 1 and parallel.strategy in ("ddp", "zero1"):
+        raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) with "
+                          f"{parallel.strategy} over {parallel.dp} data-parallel ranks: DDP "
+                          "beside tensor parallelism is refused (torchtitan: \"DDP has not "
+                          f"supported > 1D parallelism\"); use fsdp={parallel.dp}")
+    if parallel.tp > 1 and parallel.strategy == "hsdp":
+        raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) with HSDP "
+                          f"({parallel.replicate} replicas of {parallel.fsdp}) is not traced yet; "
+                          f"use fsdp={parallel.dp} (FSDP2 over every data-parallel rank)")
+
+
+def replicate_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
+                     init_sync: bool = True, wrap: Any = None) -> list[nn.Module]:
+    """DDP on each stage over the mesh's ``dp`` group (``memfit.parallel.apply.apply_ddp``): the
+    modules the ``PipelineStage``s run (``build_pipeline(submods=...)``). PyTorch's pipelining
+    runs every micro-batch's forward and backward but the last under ``no_sync`` and prepares
+    the reducer for the last backward (``stage.py: forward_maybe_with_nosync``,
+    ``backward_maybe_with_nosync``: ``reducer.prepare_for_backward``), so the buckets are
+    all-reduced once per step. ``wrap``: a function the constructor call is handed to (the
+    trace's :func:`memfit.parallel.trace.traced_ddp`)."""
+    from memfit.parallel.apply import apply_ddp
+
+    group = mesh["dp"].get_group()
+    out = []
+    for module in modules:
+        def make(module: nn.Module = module) -> nn.Module:
+            return apply_ddp(module, parallel, init_sync, process_group=group)
+
+        out.append(make() if wrap is None else wrap(make))
+    return out
+
+
+def apply_dp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
+                    init_sync: bool = True, wrap: Any = None) -> list[nn.Module] | None:
+    """The layout's data parallelism on each stage (no tensor parallelism): FSDP2 / HSDP in
+    place (:func:`shard_stages`; returns None), or DDP wrappers (:func:`replicate_stages`;
+    returns them, for ``build_pipeline(submods=...)``)."""
+    if parallel.strategy in ("ddp", "zero1"):
+        return replicate_stages(modules, parallel, mesh, init_sync, wrap)
+    shard_stages(modules, parallel, mesh)
+    return None
 
 
 # -- tensor parallelism inside each stage ------------------------------------------------------
@@ -290,11 +351,13 @@ def apply_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -
 
 
 def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, seq: int,
-                   device: str = "cpu", group: Any = None) -> Pipeline:
+                   device: str = "cpu", group: Any = None,
+                   submods: list[nn.Module] | None = None) -> Pipeline:
     """``modules`` (:func:`stage_modules` of ``rank``) as ``PipelineStage``s and the layout's
     schedule over them; torch.distributed must be initialised with ``parallel.gpus`` ranks.
     Every stage is given its input and output shapes (``input_args``, ``output_args``), so no
-    stage infers them at run time (static metadata: ``stage.py: PipelineStage``)."""
+    stage infers them at run time (static metadata: ``stage.py: PipelineStage``). ``submods``:
+    what each stage runs in place of its module (its DDP wrapper: :func:`replicate_stages`)."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -310,7 +373,7 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
                           "choose a number of micro-batches that divides it")
     micro = batch // n
     stages = []
-    for module in modules:
+    for position, module in enumerate(modules):
         index = module.index
         # the hidden states' dtype: FSDP2's compute dtype, else the parameters' (an fp32 model
         # under autocast keeps an fp32 residual stream: embedding + residual adds)
@@ -326,7 +389,8 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
                                  dtype=dtype, requires_grad=True)
             logits = torch.zeros(micro, seq, module.lm_head.out_features if module.last else 1,
                                  dtype=dtype, requires_grad=True)  # type: ignore[union-attr]
-        stages.append(PipelineStage(module, index, num_stages, torch.device(device),
+        stages.append(PipelineStage(module if submods is None else submods[position], index,
+                                    num_stages, torch.device(device),
                                     input_args=ids if module.first else states,
                                     output_args=logits if module.last else states, group=group))
     if parallel.pp_schedule == "interleaved-1f1b":
@@ -361,10 +425,16 @@ class PipelineRole(RankRole):
         if self.parallel.dp > 1 and self.parallel.tp == 1:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+            from memfit.parallel.trace import traced_ddp
+
             with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
                 mesh = pipeline_mesh(self.parallel)
-            shard_stages(modules, self.parallel, mesh)
+            self.state["submods"] = apply_dp_stages(
+                modules, self.parallel, mesh, init_sync=False,
+                wrap=lambda make: traced_ddp(make, tracker, fake_mode))
             self.state["group"] = mesh["pp"].get_group()
+            if "dp" in (mesh.mesh_dim_names or ()):
+                self.state["dp_group"] = mesh["dp"].get_group()
         elif self.parallel.tp > 1:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -389,11 +459,20 @@ class PipelineRole(RankRole):
         if "pipeline" not in self.state:
             batch, seq = _batch_shape(inputs)
             self.state["pipeline"] = build_pipeline(self.state["modules"], self.parallel,
-                                                    batch, seq, group=self.state.get("group"))
+                                                    batch, seq, group=self.state.get("group"),
+                                                    submods=self.state.get("submods"))
             _static_metadata(self.state["pipeline"].schedule)
         pipeline: Pipeline = self.state["pipeline"]
         with _phases(pipeline.schedule, tracker), _works_hold_their_tensors():
             pipeline.step(inputs)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """ZeRO-1: a ``ZeroRedundancyOptimizer`` over the stage's data-parallel ranks (the
+        mesh's ``dp`` group), each keeping the states of its partition of the stage's
+        parameters; otherwise ``optimizer`` itself."""
+        from memfit.parallel.apply import apply_optimizer
+
+        return apply_optimizer(optimizer, self.parallel, process_group=self.state.get("dp_group"))
 
 
 class _HeldWork:
@@ -559,21 +638,34 @@ def _phases(schedule: Any, tracker: Any) -> Iterator[None]:
 
 
 def pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
-    """Ranks grouped by stage and, with FSDP, by the shard sizes they hold (the unpadded
-    ``torch.chunk`` of each parameter's dim 0, as in ``trace.rank_roles``)."""
-    from memfit.parallel.trace import _chunk
-
+    """Ranks grouped by stage and by what they hold of it (:func:`_dp_signature`: with FSDP2 /
+    HSDP the unpadded ``torch.chunk`` of each parameter's dim 0, with ZeRO-1 the partition of
+    the optimizer states, as in ``trace.rank_roles``)."""
     check_pipeline(model, parallel, None)
     if parallel.tp > 1:
         return _tp_pipeline_roles(model, parallel)
     groups: dict[Any, list[int]] = {}
     for rank in range(parallel.gpus):
         params = [p for m in stage_modules(model, parallel, rank) for p in m.parameters()]
-        shard = rank % parallel.dp
-        sig = (pp_rank(parallel, rank), tuple(_chunk(p.shape[0] if p.dim() else 1,
-                                                     parallel.dp, shard) for p in params))
+        sig = (pp_rank(parallel, rank), _dp_signature(params, parallel, rank % parallel.dp))
         groups.setdefault(sig, []).append(rank)
     return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]
+
+
+def _dp_signature(params: list[nn.Parameter], parallel: Parallel, dp_index: int) -> Any:
+    """What data-parallel rank ``dp_index`` of a stage holds of its ``params``: FSDP2's
+    ``torch.chunk`` rows of each dim 0 (HSDP: over the ``fsdp`` ranks of its replica, the
+    mesh's innermost dim), ZeRO-1's partition of the optimizer states, nothing of its own
+    under DDP."""
+    from memfit.parallel.trace import _chunk, _zero1_partition
+
+    if parallel.strategy in ("fsdp", "hsdp"):
+        return tuple(_chunk(p.shape[0] if p.dim() else 1, parallel.fsdp,
+                            dp_index % parallel.fsdp) for p in params)
+    if parallel.strategy == "zero1":
+        return _zero1_partition([p.numel() for p in params if p.requires_grad],
+                                parallel.dp)[dp_index]
+    return ()
 
 
 def _tp_pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:

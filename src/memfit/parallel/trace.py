@@ -223,6 +223,26 @@ def _fake_allreduce_hook(_state, bucket):  # type: ignore[no-untyped-def]
     return future
 
 
+def traced_ddp(make: Callable[[], Any], tracker: Any, fake_mode: Any) -> Any:
+    """``make()`` (a ``DistributedDataParallel`` constructor call) run with ``fake_mode``
+    tracking, so that its buckets (``Reducer::initialize_buckets``, alive as long as the model)
+    are tracked as gradients; the wrapper then reduces with :func:`_fake_allreduce_hook` and
+    keeps its first buckets (:class:`_NoRebuild`), as :meth:`RankRole.wrap_model` does for the
+    whole model (a pipeline stage's DDP: ``memfit.parallel.pipeline.replicate_stages``)."""
+    before = len(tracker.infos)
+    fake_mode.tracking = True
+    try:
+        wrapped = make()
+    finally:
+        fake_mode.tracking = False
+    for uid in tracker.live.values():
+        if uid >= before:
+            tracker.infos[uid].role = MemoryCategory.GRADIENTS
+    wrapped.register_comm_hook(None, _fake_allreduce_hook)
+    wrapped.reducer = _NoRebuild(wrapped.reducer)
+    return wrapped
+
+
 # -- roles -------------------------------------------------------------------------------------
 
 def _chunk(dim0: int, parts: int, index: int) -> int:
