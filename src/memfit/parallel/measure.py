@@ -137,7 +137,7 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
     import torch.distributed as dist
 
     from memfit._noise import quiet_profile
-    from memfit.parallel.apply import apply_optimizer
+    from memfit.parallel.apply import apply_optimizer, loss_context
     from memfit.parallel.pipeline import (
         apply_dp_stages,
         build_pipeline,
@@ -150,8 +150,8 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
     gc.collect()
     gc.disable()
     try:
-        with _gloo_lets_go(), quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                            profile_memory=True) as prof:
+        with _gloo_lets_go(), loss_context(case.parallel), quiet_profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             model, inputs = build(case)
             modules = stage_modules(model, case.parallel, rank)
             del model

@@ -150,11 +150,7 @@ def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> N
     """One-line errors for a pipeline layout the model or batch cannot take."""
     decoder, _ = _decoder_parts(model)
     check_pipeline_dp(parallel)
-    if parallel.tp > 1 and parallel.loss_parallel:
-        raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) is traced without "
-                          "loss parallelism so far (the last stage's logits would leave it as "
-                          "a DTensor); use loss_parallel=False")
-    if parallel.tp > 1 and parallel.sp:
+    if parallel.tp > 1 and (parallel.sp or parallel.loss_parallel):
         from memfit.parallel.apply import _sp_root
 
         _sp_root(model, parallel)  # the model checks of sequence parallelism
