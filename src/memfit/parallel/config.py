@@ -44,10 +44,11 @@ class Parallel:
     experts, and ``dp / ep`` each rank's experts. Its token exchange has fixed sizes (each
     expert's buffer holds ``capacity`` slots, balanced routing at the default capacity factor
     1.0), so a rank's bytes do not depend on the router.
-    Pipeline parallelism is traced alone (``pp == gpus``), with FSDP2 on each stage over the
-    other ranks (a ``(pp, dp)`` mesh) and with tensor (and sequence) parallelism inside each
-    stage (a ``(pp, tp)`` or ``(pp, dp, tp)`` mesh; not with DDP, ZeRO-1, HSDP, loss
-    parallelism or ep beside it), on
+    Pipeline parallelism is traced alone (``pp == gpus``), with FSDP2, DDP or ZeRO-1 on each
+    stage over the other ranks (a ``(pp, dp)`` mesh), HSDP (a ``(pp, replicate, shard)``
+    mesh), and with tensor (and sequence, and loss) parallelism inside each stage (a
+    ``(pp, tp)`` or ``(pp, dp, tp)`` mesh with FSDP2; DDP and ZeRO-1 beside ``pp x tp`` are
+    refused as torchtitan refuses them, HSDP beside it and ep beside pp are not traced), on
     memfit's builtin decoders (``memfit.models.build_model``), with the model's own loss on the
     last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
     (``input_ids``, ``labels``); each pipeline rank is one rank role.
