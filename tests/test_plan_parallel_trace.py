@@ -467,3 +467,30 @@ def test_bad_parallel_flags_are_one_line_exit_2(capsys, tmp_path, argv, needle) 
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert needle in lines[0]
+
+
+def test_pp_beside_zero1_and_loss_parallel_is_traced(capsys, tmp_path, pipeline_warmed) -> None:
+    """`--gpus 4 --pp 2 --zero 1`: DDP on each stage with ZeroRedundancyOptimizer over its 2
+    data-parallel ranks (memfit/parallel/pipeline.py: replicate_stages), one role per rank, the
+    same numbers as `Parallel(gpus=4, pp=2, zero=1)` on the builtin build; `--gpus 4 --pp 2
+    --tp 2 --loss-parallel`: the last stage's logits split by vocabulary. Both used to fall back
+    to the formulas ("the trace refused it")."""
+    import memfit
+
+    path = tiny_llama(tmp_path)
+    spec = memfit.resolve_model(path)
+    common = ("--gpu", "h100-80gb", "--batch", "1", "--seq", str(SEQ), "--json")
+    code, out, err = run(capsys, "plan", path, "--gpus", "4", "--pp", "2", "--zero", "1",
+                         *common)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "trace" and data["parallel"]["strategy"] == "zero1"
+    assert_same_roles(data, builtin_estimate(spec, memfit.Parallel(gpus=4, pp=2, zero=1),
+                                             batch=2))
+    code, out, err = run(capsys, "plan", path, "--gpus", "4", "--pp", "2", "--tp", "2",
+                         "--loss-parallel", *common)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "trace" and data["parallel"]["loss_parallel"] is True
+    assert_same_roles(data, builtin_estimate(
+        spec, memfit.Parallel(gpus=4, pp=2, tp=2, loss_parallel=True), batch=2))
