@@ -40,7 +40,8 @@ class Parallel:
     (not Hugging Face MoE modules), with FSDP2 over every data-parallel rank for the other
     parameters (the ``dp / ep`` ranks that hold the same experts shard them), or DDP when ``ep``
     is every data-parallel rank; HSDP, ZeRO-1, DDP with ``ep`` below the data-parallel ranks,
-    FSDP2's dtype and offload policies, tp or pp beside it are refused. ``ep`` must divide the
+    FSDP2's dtype and offload policies and tp beside it are refused; beside pp the same runs on
+    each stage over its data-parallel ranks (a ``(pp, efsdp, ep)`` mesh). ``ep`` must divide the
     experts, and ``dp / ep`` each rank's experts. Its token exchange has fixed sizes (each
     expert's buffer holds ``capacity`` slots, balanced routing at the default capacity factor
     1.0), so a rank's bytes do not depend on the router.
@@ -48,7 +49,7 @@ class Parallel:
     stage over the other ranks (a ``(pp, dp)`` mesh), HSDP (a ``(pp, replicate, shard)``
     mesh), and with tensor (and sequence, and loss) parallelism inside each stage (a
     ``(pp, tp)`` or ``(pp, dp, tp)`` mesh with FSDP2; DDP and ZeRO-1 beside ``pp x tp`` are
-    refused as torchtitan refuses them, HSDP beside it and ep beside pp are not traced), on
+    refused as torchtitan refuses them, HSDP beside it is not traced), and with ep (above), on
     memfit's builtin decoders (``memfit.models.build_model``), with the model's own loss on the
     last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
     (``input_ids``, ``labels``); each pipeline rank is one rank role.

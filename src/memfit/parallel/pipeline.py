@@ -253,9 +253,6 @@ def check_pipeline_dp(parallel: Parallel) -> None:
     for every micro-batch but the last). DDP / ZeRO-1 beside tensor parallelism is refused as
     torchtitan refuses it (``torchtitan/models/llama3/infra/parallelize.py: parallelize_llama``,
     v0.2.2: "DDP has not supported > 1D parallelism"); HSDP beside tp is not traced yet."""
-    if parallel.ep > 1:
-        raise MemfitError(f"Parallel(pp={parallel.pp}, ep={parallel.ep}): expert parallelism "
-                          "beside pipeline stages is not traced yet; use ep=1 with pp, or pp=1")
     if parallel.tp > 1 and parallel.strategy in ("ddp", "zero1"):
         raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) with "
                           f"{parallel.strategy} over {parallel.dp} data-parallel ranks: DDP "
@@ -292,11 +289,72 @@ def apply_dp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
                     init_sync: bool = True, wrap: Any = None) -> list[nn.Module] | None:
     """The layout's data parallelism on each stage (no tensor parallelism): FSDP2 / HSDP in
     place (:func:`shard_stages`; returns None), or DDP wrappers (:func:`replicate_stages`;
-    returns them, for ``build_pipeline(submods=...)``)."""
+    returns them, for ``build_pipeline(submods=...)``); with ``ep``, expert parallelism first
+    (:func:`apply_ep_stages`)."""
+    if parallel.ep > 1:
+        return apply_ep_stages(modules, parallel, mesh, init_sync, wrap)
     if parallel.strategy in ("ddp", "zero1"):
         return replicate_stages(modules, parallel, mesh, init_sync, wrap)
     shard_stages(modules, parallel, mesh)
     return None
+
+
+def ep_pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
+    """The expert mesh of a pipeline layout with ``ep``: ``(pp, efsdp, ep)`` = ``(pp, dp // ep,
+    ep)``, torchtitan's sparse mesh (``torchtitan/distributed/parallel_dims.py``, v0.2.2:
+    ``("pp", "dp_replicate", "efsdp", "ep", "etp")``, here without replicas or expert tensor
+    parallelism): the ``ep`` ranks of a stage that exchange tokens are adjacent, and rank ``r``
+    holds the same experts as ``r + ep``, ... of its stage, which shard them over ``efsdp``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (parallel.pp, parallel.dp // parallel.ep, parallel.ep),
+                            mesh_dim_names=("pp", "efsdp", "ep"))
+
+
+def apply_ep_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
+                    init_sync: bool = True, wrap: Any = None) -> list[nn.Module] | None:
+    """Expert parallelism on each stage's builtin MoE layers over the stage's ``ep`` ranks
+    (``memfit.parallel.expert.apply_ep`` with :func:`ep_pipeline_mesh`), then the data
+    parallelism of ``memfit.parallel.apply.apply_ep_dp`` on each stage over the ``(pp, dp)``
+    ``mesh``'s ``dp`` dim: with ``ep`` equal to the stage's data-parallel ranks the experts are
+    left out (DDP's ignored parameters, FSDP2's ``ignored_params``); with fewer, FSDP2 shards
+    them over ``efsdp`` first, then each block and the stage over ``dp``. torchtitan splits the
+    model into stages, then applies EP and FSDP to each model part (``torchtitan/models/
+    deepseek_v3/infra/parallelize.py: parallelize_deepseekv3``, v0.2.2). Returns the DDP
+    wrappers (``build_pipeline(submods=...)``), or None under FSDP2."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from memfit._compat.torch_internals import ddp_ignore
+    from memfit.parallel.apply import apply_ddp, apply_fsdp
+    from memfit.parallel.expert import apply_ep, expert_parameter_names, moe_layers
+
+    with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
+        experts_mesh = ep_pipeline_mesh(parallel)
+    for module in modules:
+        if moe_layers(module):  # a stage of only the final norm and head has none
+            apply_ep(module, parallel, experts_mesh)
+    if parallel.strategy == "fsdp":
+        for module in modules:
+            blocks = [f"layers.{k}" for k in module.layers]
+            names = expert_parameter_names(module)
+            if parallel.ep == parallel.dp:
+                apply_fsdp(module, parallel, mesh["dp"], blocks=blocks,
+                           ignored_params={module.get_parameter(n) for n in names})
+                continue
+            for _, moe in moe_layers(module):
+                apply_fsdp(moe.experts, parallel, experts_mesh["efsdp"], blocks=[])
+            apply_fsdp(module, parallel, mesh["dp"], blocks=blocks)
+        return None
+    group = mesh["dp"].get_group()
+    out = []
+    for module in modules:
+        ddp_ignore(module, expert_parameter_names(module))
+
+        def make(module: nn.Module = module) -> nn.Module:
+            return apply_ddp(module, parallel, init_sync, process_group=group)
+
+        out.append(make() if wrap is None else wrap(make))
+    return out
 
 
 # -- tensor parallelism inside each stage ------------------------------------------------------
