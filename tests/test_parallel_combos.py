@@ -164,12 +164,13 @@ def test_ep_beside_pp_keeps_each_stages_share_of_the_experts() -> None:
 
 
 def _off(case: Case, measured: list) -> list[str]:
-    """Each role's peak and phase high points (the schedule's range: the higher of the trace's
-    forward and backward phases; the optimizer's) more than 1% from its ranks' lowest."""
+    """Each role's peak and phase high points (a pipeline's schedule range: the higher of the
+    trace's forward and backward phases; the optimizer's) more than 1% from its ranks'
+    lowest."""
     failures = []
     for est in _per_rank(case):
         pairs = [("peak", est.peak_bytes, min(measured[r]["peak"] for r in est.ranks))]
-        for step in range(case.steps):
+        for step in range(case.steps if case.parallel.pp > 1 else 0):
             sched = max(est.phase_peaks[(step, "forward")], est.phase_peaks[(step, "backward")])
             for key, value in ((f"{step}:pipeline", sched),
                                (f"{step}:optimizer", est.phase_peaks[(step, "optimizer")])):
@@ -185,6 +186,7 @@ GLOO_FOUR = [
     _case(Parallel(gpus=4, pp=2, tp=2, sp=True, loss_parallel=True, microbatches=4)),
     Case(spec=tiny_moe_spec(4), batch=8, seq=SEQ, parallel=Parallel(gpus=4, pp=2, ep=2,
                                                                      microbatches=4)),
+    _case(Parallel(gpus=4, fsdp=4, cpu_offload=True)),
 ]
 
 
@@ -197,8 +199,9 @@ def test_pp_beside_zero1_loss_parallel_and_ep_matches_four_gloo_ranks_within_1_p
     and loss parallelism (1F1B; the last stage's cross-entropy on vocabulary-split logits
     inside loss_parallel()) and pp 2 x ep 2 on the MoE model (1F1B; DDP over each stage's 2
     ranks for the dense parameters, each rank's 2 of 4 experts left out of it; the
-    all-to-alls inside each stage's forward and backward). Each role's peak and phase high
-    points within 1% of its ranks' lowest measurement."""
+    all-to-alls inside each stage's forward and backward); and FSDP2 4 with CPUOffloadPolicy
+    on a CPU target (one memory: the offload copies are the identity). Each role's peak and
+    phase high points within 1% of its ranks' lowest measurement."""
     from memfit.parallel.measure import measure
 
     failures = []
@@ -225,3 +228,54 @@ def test_pp_beside_hsdp_and_sharded_experts_matches_eight_gloo_ranks_within_1_pe
     for case, measured in zip(cases, measure(cases, world=8, repeats=1), strict=True):
         failures += _off(case, measured)
     assert not failures, "; ".join(failures)
+
+
+# -- FSDP2's CPU offload --------------------------------------------------------------------------
+
+SHARD = (2 * V * H + 2 * BLOCK + H) // 2  # tiny_spec(2)'s 115,008 parameters over 2 ranks
+
+
+def _offload(device: str, cpu_offload: bool) -> memfit.Estimate:
+    parallel = Parallel(gpus=2, fsdp=2, cpu_offload=cpu_offload)
+    model, inputs = build(Case(spec=tiny_spec(2), batch=2, seq=SEQ, parallel=parallel))
+    est = memfit.estimate(model, inputs, device=device, gpu="h100-80gb" if device == "cuda"
+                          else None, precision="fp32", parallel=parallel)
+    assert [e.ranks for e in est.per_rank] == [(0, 1)]
+    return est.per_rank[0]
+
+
+def test_cpu_offload_on_a_cpu_target_is_one_memory() -> None:
+    """On a CPU target (and the gloo ranks that check it) host and device are one memory:
+    FSDP2's offload copies (``_fsdp_param.py: FSDPParam._init_sharded_param``:
+    ``padded_sharded_param.cpu()``; ``all_gather_inputs``: ``.to(self.device)``;
+    ``_fsdp_collectives.py: foreach_reduce``: ``new_sharded_grad.to(torch.device("cpu"))``)
+    return their input (``Tensor.to`` on the tensor's own device and dtype returns ``self``),
+    so the step holds what it holds without offload, byte for byte, and nothing is reported
+    apart as host memory."""
+    with_offload, without = _offload("cpu", True), _offload("cpu", False)
+    assert with_offload.peak_bytes == without.peak_bytes
+    assert with_offload.phase_peaks == without.phase_peaks
+    assert with_offload.host_peak_bytes == 0
+
+
+def test_cpu_offload_on_a_cuda_target_keeps_the_model_states_on_the_host() -> None:
+    """FSDP2 2 on tiny_spec(2) (115,008 fp32 parameters, 21 tensors, each split evenly: 57,504
+    a rank), H100 target. With ``CPUOffloadPolicy`` the sharded parameters, their gradients
+    and AdamW's states are host memory, so at the device's peak (in the backward, as without
+    offload) the device holds no weights but the rotary buffer (32 bytes in one 512-byte block:
+    ``c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize``) and no optimizer states: the peak is
+    lower by the device blocks of the 21 shards (each its own allocation rounded up to 512
+    bytes: the embedding and head 32,768, q/k/v/o 8,192, gate/up/down 16,384, a norm 128 ->
+    512) and of their two AdamW states, and of the 21 ``step`` tensors (one 512-byte block
+    each). The host's peak is at the optimizer step: parameters, gradients, the two states
+    and the foreach AdamW's one parameter-sized temporary (``torch/optim/adamw.py``:
+    ``_multi_tensor_adamw``: ``exp_avg_sq_sqrt = torch._foreach_sqrt(...)``), 5 x 4 bytes a
+    shard element, plus the 21 4-byte ``step`` tensors (host memory is not rounded)."""
+    with_offload, without = _offload("cuda", True), _offload("cuda", False)
+    assert with_offload.breakdown[MemoryCategory.WEIGHTS] == 512
+    assert with_offload.breakdown.get(MemoryCategory.OPTIMIZER_STATES, 0) == 0
+    shards = 2 * 32_768 + 2 * (4 * 8_192 + 3 * 16_384 + 2 * 512) + 512
+    assert without.peak_bytes - with_offload.peak_bytes == 3 * shards + 21 * 512
+    assert SHARD == 57_504
+    assert with_offload.host_peak_bytes == 5 * 4 * SHARD + 21 * 4
+    assert without.host_peak_bytes == 0

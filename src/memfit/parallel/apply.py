@@ -49,7 +49,10 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
             param_dtype=_DTYPE.get(parallel.param_dtype or ""),
             reduce_dtype=_DTYPE.get(parallel.reduce_dtype or ""))
     if parallel.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory (torchtitan's CPUOffloadPolicy() default) needs an accelerator:
+        # on a CPU-only torch (the trace's fake ranks, the gloo ranks) the shards stay pageable,
+        # which changes no byte (Note: [CPU offload in a trace] in memfit/parallel/trace.py).
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if ignored_params:  # neither sharded nor reduced (expert parallelism's own experts)
         kwargs["ignored_params"] = ignored_params
     if blocks is None:

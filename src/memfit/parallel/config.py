@@ -94,7 +94,9 @@ class Parallel:
     """FSDP2 ``MixedPrecisionPolicy.reduce_dtype``: the dtype gradients are reduced in."""
     cpu_offload: bool = False
     """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer states on the
-    host."""
+    host. A CUDA-target trace reports the device's bytes as its peak and the host's apart
+    (``Estimate.host_peak_bytes``); a CPU target has one memory, whose peak is the total (see
+    Note: [CPU offload in a trace] in memfit/parallel/trace.py)."""
     bucket_cap_mb: float = 25.0
     """DDP ``bucket_cap_mb``: gradients are all-reduced in flat buckets of about this size."""
     pp_schedule: str = "1f1b"
@@ -189,8 +191,9 @@ class Parallel:
         parts = [self.strategy if self.strategy != "none" else "dp 1"]
         if self.fsdp > 1:
             parts[0] += f" {self.fsdp}" + (f"x{self.replicate}" if self.replicate > 1 else "")
-            parts[0] += (" (reshard after forward)" if self.reshard_after_forward
-                         else " (no reshard after forward)")
+            parts[0] += (" (reshard after forward" if self.reshard_after_forward
+                         else " (no reshard after forward")
+            parts[0] += ", cpu offload)" if self.cpu_offload else ")"
         elif self.dp > 1:
             parts[0] += f" {self.dp}"
         tp_notes = [n for n, on in (("sp", self.sp), ("loss parallel", self.loss_parallel)) if on]

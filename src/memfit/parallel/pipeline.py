@@ -40,7 +40,7 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.parallel.apply import _DTYPE
 from memfit.parallel.config import PP_SCHEDULES, Parallel
-from memfit.parallel.trace import RankRole
+from memfit.parallel.trace import RankRole, host_step, offloaded
 
 # Note: [importing pipelining outside the trace] ``torch/distributed/pipelining/microbatch.py``
 # makes a tensor when it is first imported (module level: ``sum_reducer = _LossReducer(
@@ -489,6 +489,7 @@ class PipelineRole(RankRole):
             self.state["group"] = mesh["pp"].get_group()
             if "dp" in (mesh.mesh_dim_names or ()):
                 self.state["dp_group"] = mesh["dp"].get_group()
+            offloaded(model, tracker, self.parallel)
         elif self.parallel.tp > 1:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -526,7 +527,8 @@ class PipelineRole(RankRole):
         parameters; otherwise ``optimizer`` itself."""
         from memfit.parallel.apply import apply_optimizer
 
-        return apply_optimizer(optimizer, self.parallel, process_group=self.state.get("dp_group"))
+        return host_step(apply_optimizer(optimizer, self.parallel,
+                                         process_group=self.state.get("dp_group")), self.parallel)
 
 
 class _HeldWork:
