@@ -48,8 +48,9 @@ class Parallel:
     Pipeline parallelism is traced alone (``pp == gpus``), with FSDP2, DDP or ZeRO-1 on each
     stage over the other ranks (a ``(pp, dp)`` mesh), HSDP (a ``(pp, replicate, shard)``
     mesh), and with tensor (and sequence, and loss) parallelism inside each stage (a
-    ``(pp, tp)`` or ``(pp, dp, tp)`` mesh with FSDP2; DDP and ZeRO-1 beside ``pp x tp`` are
-    refused as torchtitan refuses them, HSDP beside it is not traced), and with ep (above), on
+    ``(pp, tp)``, ``(pp, dp, tp)`` or ``(pp, replicate, shard, tp)`` mesh with FSDP2 / HSDP;
+    DDP and ZeRO-1 beside ``pp x tp`` are refused as torchtitan refuses them), and with ep
+    (above), on
     memfit's builtin decoders (``memfit.models.build_model``), with the model's own loss on the
     last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
     (``input_ids``, ``labels``); each pipeline rank is one rank role.

@@ -252,16 +252,12 @@ def check_pipeline_dp(parallel: Parallel) -> None:
     _PipelineStageBase.backward_maybe_with_nosync``: "If submod is wrapped by DDP", ``no_sync``
     for every micro-batch but the last). DDP / ZeRO-1 beside tensor parallelism is refused as
     torchtitan refuses it (``torchtitan/models/llama3/infra/parallelize.py: parallelize_llama``,
-    v0.2.2: "DDP has not supported > 1D parallelism"); HSDP beside tp is not traced yet."""
+    v0.2.2: "DDP has not supported > 1D parallelism")."""
     if parallel.tp > 1 and parallel.strategy in ("ddp", "zero1"):
         raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) with "
                           f"{parallel.strategy} over {parallel.dp} data-parallel ranks: DDP "
                           "beside tensor parallelism is refused (torchtitan: \"DDP has not "
                           f"supported > 1D parallelism\"); use fsdp={parallel.dp}")
-    if parallel.tp > 1 and parallel.strategy == "hsdp":
-        raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) with HSDP "
-                          f"({parallel.replicate} replicas of {parallel.fsdp}) is not traced yet; "
-                          f"use fsdp={parallel.dp} (FSDP2 over every data-parallel rank)")
 
 
 def replicate_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
@@ -368,6 +364,10 @@ def tp_pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
     if parallel.dp == 1:
         return init_device_mesh(device_type, (parallel.pp, parallel.tp),
                                 mesh_dim_names=("pp", "tp"))
+    if parallel.strategy == "hsdp":  # torchtitan: pp, dp_replicate, dp_shard, tp
+        return init_device_mesh(device_type,
+                                (parallel.pp, parallel.replicate, parallel.fsdp, parallel.tp),
+                                mesh_dim_names=("pp", "replicate", "shard", "tp"))
     return init_device_mesh(device_type, (parallel.pp, parallel.dp, parallel.tp),
                             mesh_dim_names=("pp", "dp", "tp"))
 
@@ -744,6 +744,7 @@ def _tp_pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
             stages[index] = ([p for m in modules for p in m.parameters()], split)
         params, split = stages[index]
         dp_index, tp_index = divmod(rank % (parallel.dp * parallel.tp), parallel.tp)
-        sig = local_shapes(params, split, parallel.tp, tp_index, parallel.dp, dp_index)
+        sig = local_shapes(params, split, parallel.tp, tp_index, parallel.fsdp,
+                           dp_index % parallel.fsdp)
         groups.setdefault((index, tuple(sig)), []).append(rank)
     return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]
