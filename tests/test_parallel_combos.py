@@ -155,6 +155,22 @@ def test_ep_beside_tp_and_the_ep_layouts_not_traced_get_one_line_errors(
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("layout", [{"gpus": 2, "ep": 2, "fsdp": 2},
+                                    {"gpus": 4, "pp": 2, "ep": 2, "fsdp": 2}])
+def test_experts_left_out_of_fsdp2_on_a_cuda_target_get_a_one_line_error(layout: dict) -> None:
+    """With ``ep`` = every data-parallel rank (of a stage) FSDP2 leaves the experts out
+    (``ignored_params``): plain tensors beside its DTensors, which the CUDA target's foreach
+    AdamW refuses at its first step, as PyTorch does on a GPU ("got mixed torch.Tensor and
+    DTensor": ``torch/distributed/tensor/_dispatch.py``). The CPU target's for-loop AdamW
+    runs it (the gloo tests)."""
+    model, inputs = build(Case(spec=tiny_moe_spec(2), batch=4, seq=16,
+                               parallel=Parallel(gpus=1)))
+    with pytest.raises(MemfitError, match="refuses DTensor and plain parameters") as info:
+        memfit.estimate(model, inputs, device="cuda", gpu="h100-80gb",
+                        parallel=Parallel(**layout))
+    assert "\n" not in str(info.value)
+
+
 def test_ep_beside_pp_keeps_each_stages_share_of_the_experts() -> None:
     """pp 2 x ep 2 (DDP over each stage's 2 ranks, each keeping 2 of the 4 experts of each MoE
     layer): a stage's weights are its dense parameters whole and half of each MoE layer's

@@ -526,7 +526,9 @@ class PipelineRole(RankRole):
         mesh's ``dp`` group), each keeping the states of its partition of the stage's
         parameters; otherwise ``optimizer`` itself."""
         from memfit.parallel.apply import apply_optimizer
+        from memfit.parallel.trace import check_foreach_kinds
 
+        check_foreach_kinds(optimizer, self.parallel)
         return host_step(apply_optimizer(optimizer, self.parallel,
                                          process_group=self.state.get("dp_group")), self.parallel)
 

@@ -118,7 +118,28 @@ class RankRole:
         return wrapped
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        check_foreach_kinds(optimizer, self.parallel)
         return host_step(apply_optimizer(optimizer, self.parallel), self.parallel)
+
+
+def check_foreach_kinds(optimizer: torch.optim.Optimizer, parallel: Parallel) -> None:
+    """A one-line error for a foreach optimizer over DTensor and plain parameters together,
+    which PyTorch refuses at the first step ("aten._foreach_mul_.Scalar got mixed torch.Tensor
+    and DTensor": ``torch/distributed/tensor/_dispatch.py``), on a GPU as in the trace: the
+    experts FSDP2 leaves out when ``ep`` is every data-parallel rank stay plain tensors beside
+    FSDP2's DTensors (the CUDA target's optimizers are foreach; torchtitan 0.3 keeps the
+    experts in FSDP2 on a 1-rank mesh instead, which memfit does not model)."""
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if group.get("foreach") and len(kinds) == 2:
+            raise MemfitError(
+                f"Parallel: {parallel.describe()} leaves the experts out of FSDP2 as plain "
+                "tensors, and a foreach optimizer (the CUDA target's) refuses DTensor and plain "
+                f"parameters together; use more data-parallel ranks than ep={parallel.ep} "
+                "(FSDP2 then shards the experts over the ranks that hold the same ones) or DDP "
+                "(fsdp=1)")
 
 
 # Note: [CPU offload in a trace] FSDP2's ``CPUOffloadPolicy`` keeps each sharded parameter on the
