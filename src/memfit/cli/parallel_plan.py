@@ -12,6 +12,10 @@ Pipeline, sequence, loss and expert parallelism are traced on memfit's builtin d
 modules), so a preset or config.json is built with ``build_model(backend="builtin")`` for those
 layouts (:func:`builtin_needs`); ``build_model`` checks that its parameter count is the spec's,
 as it checks the transformers build's, so the numbers count the same model.
+
+``--engine fsdp2 --offload-params`` is traced too (FSDP2's ``CPUOffloadPolicy``): the rows are
+the device's bytes, and each role's host bytes (offloaded parameters, gradients, optimizer
+states) are printed apart and in ``--json`` as ``host_peak_bytes``.
 """
 
 from __future__ import annotations
