@@ -40,6 +40,27 @@ NORM_UPCAST_BYTES = 4  # Hugging Face's RMSNorm computes in fp32
 # ViT) have one nn.Linear per projection.
 FUSED_QKV_FAMILIES = frozenset({"gpt2", "phi3", "gpt_neox", "falcon"})
 FUSED_GATE_UP_FAMILIES = frozenset({"phi3"})
+# Note: [fused q/k/v with a concatenating RoPE]
+# Phi-3's attention slices q, k and v out of one qkv_proj output (views of its storage) and its
+# apply_rotary_pos_emb returns torch.cat([rotated, pass-through]): new, contiguous (b, h, s, d)
+# q and k (transformers/models/phi3/modeling_phi3.py: Phi3Attention.forward,
+# apply_rotary_pos_emb). V stays a view, and attention saves it for backward, so the whole qkv
+# output stays alive: its q and k parts too, beside the rotated copies. And the fused kernel
+# allocates its output with the query's layout (aten/src/ATen/native/transformers/cuda/
+# attention.cu: _scaled_dot_product_flash_attention_cuda passes query.transpose(1, 2);
+# flash_attn/flash_api.cpp: mha_fwd makes ``out = at::empty_like(q_padded)``): a contiguous
+# (b, h, s, d) query gives an output that transformers' sdpa_attention_forward's
+# ``transpose(1, 2).contiguous()`` must copy, so the kernel's saved output and the output
+# projection's input are two tensors (Llama's RoPE adds keep the
+# projection's (b, s, h, d) layout: one tensor). Checked with saved_tensors_hooks on a real
+# bf16 Phi-3 block: 6 bytes per token x hidden of qkv, 2 + 2 of rotated q and k, 2 + 2 of
+# output, for e = 2 and no GQA.
+CAT_ROPE_FUSED_QKV_FAMILIES = frozenset({"phi3"})
+# Hugging Face model types whose RMSNorm multiplies by its weight in fp32 and casts after
+# (``(self.weight * hidden_states).to(input_dtype)``: transformers' Gemma2RMSNorm,
+# Gemma3RMSNorm, Olmo2RMSNorm), so the normalised tensor kept for the weight's gradient is
+# fp32 whatever the input's width; Llama's casts first (``self.weight * hidden.to(input_dtype)``).
+FP32_NORM_WEIGHT_FAMILIES = frozenset({"gemma2", "gemma3_text", "olmo2"})
 # Hugging Face model types whose MLP activation is "gelu_new" (transformers/activations.py:
 # NewGELUActivation), the tanh approximation written as plain PyTorch ops; the others call a
 # fused kernel (nn.functional.gelu, silu) that keeps only its input.
@@ -104,7 +125,8 @@ def norm_saved_bytes(spec: TransformerSpec, *, residual_bytes: int, trained: boo
     Hugging Face's RMSNorm is plain PyTorch ops: it upcasts its input to fp32 (``pow`` keeps
     that copy, 4 bytes, whatever the input's width) and, when its weight is trained, keeps the
     normalised tensor for the weight's gradient, cast back to the input's dtype (the residual
-    stream's width; Gemma-2 multiplies in fp32, so 4).
+    stream's width; Gemma-2, Gemma-3 and OLMo-2 multiply in fp32, so 4:
+    :data:`FP32_NORM_WEIGHT_FAMILIES`).
 
     >>> from memfit.models import get_preset
     >>> norm_saved_bytes(get_preset("llama-3-8b"), residual_bytes=4, trained=True)
@@ -112,7 +134,7 @@ def norm_saved_bytes(spec: TransformerSpec, *, residual_bytes: int, trained: boo
     """
     if spec.norm == "layernorm":
         return residual_bytes
-    normalised = (NORM_UPCAST_BYTES if spec.family in ("gemma2", "gemma3_text")
+    normalised = (NORM_UPCAST_BYTES if spec.family in FP32_NORM_WEIGHT_FAMILIES
                   else residual_bytes)
     return NORM_UPCAST_BYTES + (normalised if trained else 0)
 
@@ -209,6 +231,11 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
         split += norm_saved_bytes(spec, residual_bytes=e, trained=trainable is None) * (
             s * b * (spec.q_dim + spec.kv_dim))
     split += e * s * b * kv_width  # V, kept for softmax(QK^T) V
+    if spec.family in CAT_ROPE_FUSED_QKV_FAMILIES:
+        # Note: [fused q/k/v with a concatenating RoPE]: V, a view, keeps the whole qkv output
+        split += e * s * b * (spec.q_dim + spec.kv_dim)
+        if attention != "eager":
+            split += e * s * b * spec.q_dim  # the kernel's output beside its contiguous copy
     if keeps("o"):
         split += e * s * b * spec.q_dim  # input of the output projection
     scores = 0
@@ -232,9 +259,15 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
         mlp += gelu_new_bytes_per_element(act_bytes=e, autocast=autocast) * s * b * f
     if spec.is_moe:
         k = spec.experts_per_token
-        # Each token visits k experts: k copies of the dispatched input, k expert MLPs, and the
-        # router's fp32 probabilities (softmax over experts).
-        mlp = k * mlp + k * e * sbh + 4 * s * b * spec.num_experts
+        # Each token visits k experts: k copies of the dispatched input (kept by the experts'
+        # first matmul for its weight's gradient: not when the experts are frozen), k expert
+        # MLPs, k expert outputs (the routing weight's multiply keeps each for the weight's
+        # gradient: the weights come from the router, which the hidden states' gradient
+        # reaches, frozen or not), and the router's fp32 probabilities (softmax over experts).
+        # Checked with saved_tensors_hooks on real bf16 Mixtral and Qwen3-MoE blocks
+        # (transformers 5, grouped_mm experts), trained and frozen.
+        dispatched = k * e * sbh if keeps("gate", "up") else 0
+        mlp = k * mlp + dispatched + k * e * sbh + 4 * s * b * spec.num_experts
     split += mlp
     if trainable is not None and lora_rank:
         # each adapter keeps its rank-r intermediate x·A for B's gradient
