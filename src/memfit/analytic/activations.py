@@ -236,8 +236,11 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
         split += e * s * b * (spec.q_dim + spec.kv_dim)
         if attention != "eager":
             split += e * s * b * spec.q_dim  # the kernel's output beside its contiguous copy
-    if keeps("o"):
-        split += e * s * b * spec.q_dim  # input of the output projection
+    if keeps("o") or attention != "eager":
+        # input of the output projection; the fused kernels keep their output for backward
+        # whether or not the projection is trained (tools/autograd/derivatives.yaml:
+        # _scaled_dot_product_flash_attention's backward takes ``output`` and ``logsumexp``)
+        split += e * s * b * spec.q_dim
     scores = 0
     if attention == "eager":
         a_ss_b = spec.num_heads * s * s * b
