@@ -28,6 +28,7 @@ checked over the whole matrix in seconds (the file records where its trace numbe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import sys
@@ -58,6 +59,11 @@ same preset's shapes) does not have: LoRA on ``q/k/v/o_proj`` (transformers' GPT
 one adapter per q, k, v, o projection, as the builtin modules name them) and SDPA attention
 (transformers 5.x's Gemma-2 is eager-only, for its attention-logit soft-capping; the formulas
 assume fused attention, ``RunConfig.attention="sdpa"``)."""
+
+
+BUILTIN_FAMILY = "llama"
+"""The Hugging Face family whose blocks memfit's builtin modules (memfit/models/build.py) are:
+none of activations.py's family sets but the eager softmax's (the trace runs SDPA)."""
 
 
 def _with_builtin_fallback(trace: Callable[[str], Any]) -> Any:
@@ -119,7 +125,8 @@ class Row:
     its fp32 reduce-scatter input, and the root's; only when the plan's peak is in a block's
     backward) left out of its peak: how much of the disagreement that buffer explains."""
     trace_backend: str = "auto"
-    """The build the trace ran: ``auto`` (transformers) or ``builtin (why)``."""
+    """The build the trace ran: ``auto`` (transformers) or ``builtin (why)``; a builtin row's
+    plan is the formulas of the builtin's Llama-style blocks (:data:`BUILTIN_FAMILY`)."""
 
 
 def run_config(spec: Any, mode: str, checkpointing: str, batch: int, seq: int,
@@ -164,13 +171,19 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
     if tracer is None:
         return Row(**{**asdict(base), "why": "pending: the multi-GPU per-rank trace "
                       "(issue 14 §1) is not available yet"})
-    planned = plan(spec, run, gpu)
     start = time.perf_counter()
     try:
         est = tracer(spec, run, gpu)
-    except MemfitError as exc:  # e.g. LoRA on a model without *_proj layers
-        return Row(**{**asdict(base), "plan_bytes": planned.total_bytes,
+    except MemfitError as exc:  # e.g. a model the per-rank trace cannot run
+        return Row(**{**asdict(base), "plan_bytes": plan(spec, run, gpu).total_bytes,
                       "why": f"not traced: {exc}"})
+    backend = getattr(est, "trace_backend", "auto")
+    # The builtin build's blocks are Llama's (separate q/k/v/o and gate/up projections, the
+    # RMSNorm that casts before its weight, the fused F.gelu): the formulas of that module
+    # (the family-specific terms of memfit/analytic/activations.py left out) are the ones to
+    # check against its trace.
+    planned = plan(dataclasses.replace(spec, family=BUILTIN_FAMILY)
+                   if backend != "auto" else spec, run, gpu)
     seconds = getattr(est, "stored_seconds", time.perf_counter() - start)
     live = int(est.total_bytes - (est.peak_reserved_bytes - est.peak_bytes))
     error = planned.total_bytes / live - 1

@@ -342,10 +342,11 @@ def selective_layer_bytes(spec: TransformerSpec, *, seq: int, batch: int, act_by
     f = spec.intermediate_size
     wide = 1 if spec.mlp == "gelu" else 2  # fc; or gate and up
     if spec.is_moe:
-        k = spec.experts_per_token
-        split += e * sb * spec.num_experts  # router logits
-        split += k * wide * e * sb * f
-        full += k * e * sb * h  # each expert's down projection
+        # The router's logits are an mm output. Transformers 5 runs the experts' matmuls as
+        # one aten._grouped_mm each (transformers/integrations/moe.py), which is not in
+        # SAVE_OPS: PREFER_RECOMPUTE, so no expert output is kept (and the backward recomputes
+        # them with the rest of the block: they are in ``per_layer``).
+        split += e * sb * spec.num_experts
     else:
         split += wide * e * sb * f
         full += e * sb * h  # down / second projection
@@ -358,7 +359,7 @@ def selective_layer_bytes(spec: TransformerSpec, *, seq: int, batch: int, act_by
     # Recomputing a block brings back what its backward needs; the SDPA output and logsumexp
     # and the MLP's wide matmul outputs (GeLU's input; SiLU's and the product's inputs) are the
     # cached tensors themselves, so they do not come twice.
-    cached_in_use = wide * e * sb * f * (spec.experts_per_token if spec.is_moe else 1)
+    cached_in_use = 0 if spec.is_moe else wide * e * sb * f
     if attention != "eager":
         cached_in_use += e * sb * spec.q_dim + LSE_BYTES * spec.num_heads * sb
     recompute = max(0, per_layer - -(-cached_in_use // tp))
@@ -462,11 +463,6 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
                                     lora_targets=run.lora_targets if lora else None,
                                     lora_rank=run.lora_rank if lora else 0)
         kept, recompute = layers * sel.saved, sel.recompute
-        if spec.is_moe:
-            notes.append("MoE under op-level selective checkpointing: every routed expert's "
-                         "matmul outputs are counted (k per token); the trace of Hugging Face's "
-                         "expert loop keeps fewer (bench/formulas_vs_trace.py: Mixtral and "
-                         "Qwen3-MoE LoRA at 4 x 1024 tokens, 16-18% under this plan)")
         if lora and sel.saved > per_layer:
             notes.append("op-level selective checkpointing keeps every matmul output, the frozen "
                          "base's too, which a LoRA step without checkpointing does not keep: "
