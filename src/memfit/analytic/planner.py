@@ -391,9 +391,10 @@ def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, dic
       unsharded gradients (param dtype) until FSDPParamGroup.post_backward hands them to
       foreach_reduce (_fsdp_collectives.py), which copies them into reduce_scatter_input
       (reduce_dtype: fp32 under torchtitan's MixedPrecisionPolicy) before
-      ``unsharded_grads.clear()`` frees them; and the root's own gradients (the LM head's, or a
-      tied embedding's), which stay unsharded until the root's post-backward at the end of
-      backward.
+      ``unsharded_grads.clear()`` frees them; and the root's own gradients made so far (the
+      final norm's and the LM head's, or a tied embedding's; an untied input embedding's
+      gradient comes after the blocks), which stay unsharded until the root's post-backward at
+      the end of backward.
     - In forward, FSDPParamGroup.wait_for_unshard keeps the previous group's all-gather result
       (its all_gather_output, as large as its unsharded parameters) "to free after the next
       copy-out" (implicit prefetching): while block i's parameters are copied out of their own
@@ -409,7 +410,13 @@ def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, dic
         root = block
     root_grads = 0
     if isinstance(model, TransformerSpec) and run.mode == "train":
-        root_grads = root * cb  # trained in full fine-tuning; frozen under LoRA
+        # trained in full fine-tuning, frozen under LoRA. In a block's backward only the root's
+        # parameters used after the blocks have gradients: the final norm, the head (a tied
+        # embedding's through it), BERT's pooler; an untied input embedding's gradient is made
+        # last, after every block's backward.
+        tied = model.vocab_size * model.hidden_size if (
+            model.arch == "decoder" and model.tie_embeddings) else 0
+        root_grads = -(-(model.head_params() + tied) // run.parallel.tp) * cb
     at_loss = {"all-gathered parameters": (root + block) * cb}
     in_backward = {"all-gathered parameters": (root + 2 * block) * cb,
                    "unsharded gradients": int(block * trained) * (cb + reduce) + root_grads}
