@@ -431,11 +431,17 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     lora = run.mode in ("lora", "qlora")
     # Under autocast the residual stream stays fp32 (fp32 embeddings and residual adds); the
     # engines that cast the model to 16-bit (FSDP2's MixedPrecisionPolicy, DeepSpeed, Megatron)
-    # keep it in 16-bit (RunConfig.autocast).
-    residual = 4 if run.autocast else e
+    # keep it in 16-bit (RunConfig.autocast), and so does a LoRA/QLoRA step under autocast:
+    # its frozen base is 16-bit (model_states.py counts it so), embeddings included, so the
+    # residual adds stay 16-bit.
+    residual = 4 if run.autocast and not lora else e
+    # what a norm reads: LayerNorm is on CUDA autocast's fp32 list (aten/src/ATen/
+    # autocast_mode.cpp: KERNEL_CUDA(layer_norm, fp32)), so it keeps an fp32 copy of a 16-bit
+    # input; Hugging Face's RMSNorm upcasts by itself (norm_saved_bytes)
+    norm_input = 4 if run.autocast and spec.norm == "layernorm" else residual
     terms = layer_terms(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                         trainable=frozenset(run.lora_targets) if lora else None,
-                        lora_rank=run.lora_rank if lora else 0, residual_bytes=residual,
+                        lora_rank=run.lora_rank if lora else 0, residual_bytes=norm_input,
                         autocast=run.autocast)
     per_layer = terms.per_gpu(run.parallel.tp, run.parallel.sp)
     layers = -(-spec.num_layers // run.parallel.pp)
@@ -450,11 +456,6 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
         if run.parallel.sp:
             block_input = -(-block_input // run.parallel.tp)
         kept, recompute = layers * block_input, per_layer
-        if run.mode == "lora" and residual > e:
-            notes.append("full checkpointing with a 16-bit frozen base: each block input is "
-                         "counted in fp32 (autocast's residual stream); a bf16 base keeps it in "
-                         "bf16, up to 2 bytes x tokens x hidden per layer less (the trace: "
-                         "Mistral-7B/OLMo-2-7B LoRA at 4 x 1024 tokens, 5-6% under this plan)")
     elif run.checkpointing == "selective":
         sel = selective_layer_bytes(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                                     residual_bytes=residual, per_layer=per_layer,
@@ -488,7 +489,7 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     if first:
         held += in_flight * input_terms(spec, seq=s, batch=b, act_bytes=e)
     outputs = output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.parallel.tp,
-                           residual_bytes=residual, trained=not lora) if last else 0
+                           residual_bytes=norm_input, trained=not lora) if last else 0
 
     # Largest transient in backward: at the loss, two logits-sized fp32 tensors: the gradient
     # nll_loss_backward returns and the one _log_softmax_backward_data makes from it (both alive
