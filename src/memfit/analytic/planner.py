@@ -440,8 +440,19 @@ def _fsdp2_backward_end(model: ModelSpec, run: RunConfig, all_gradients: int
     reduce = 4 if run.mixed else cb
     root = fsdp_root_params(model, run)
     blocks_sharded = all_gradients - all_gradients * root * run.parallel.tp // model.param_count()
+    # Just before: the input embedding's backward (the root's last op), with the root still
+    # gathered, its gradients (the head's, a tied embedding's through it) and the embedding's
+    # new gradient (a tied one's twice, until AccumulateGrad sums them), and the first block's
+    # fp32 reduce-scatter input, which FSDPParamGroup.post_backward keeps in
+    # comm_ctx.reduce_scatter_states (torch 2.13; reduce_scatter_state in 2.11) until the next
+    # group's post_backward, the root's, reclaims it.
+    tied = -(-model.vocab_size * model.hidden_size // run.parallel.tp) if (
+        model.arch == "decoder" and model.tie_embeddings) else 0
+    first_block = -(-model.layer_params() // run.parallel.tp)
+    at_embedding = root * cb + (root + tied) * cb + first_block * reduce
     return {"gradients": blocks_sharded,
-            "root's unsharded gradients and reduce-scatter input": root * (cb + reduce)}
+            "root's unsharded gradients and reduce-scatter input": max(root * (cb + reduce),
+                                                                      at_embedding)}
 
 
 def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, int]:
@@ -613,8 +624,10 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
         breakdown[MemoryCategory.TEMPORARIES] = sum(buffers.values())
         backward_peak = sum(end.values())
         peak_phase = "backward"
-        notes.append("peak at the end of backward: FSDP2 reduce-scatters the root's gradients "
-                     "(embeddings, head) last, from an fp32 copy")
+        notes.append("peak at the end of backward: the input embedding's backward with the "
+                     "root gathered and the first block's fp32 reduce-scatter input still held, "
+                     "or FSDP2's reduce-scatter of the root's gradients (embeddings, head), "
+                     "last, from an fp32 copy")
     if step_temporaries + all_gradients > backward_peak:
         # The optimizer step runs after backward has freed the activations; its foreach
         # temporaries are the peak when they outgrow activations + backward temporaries.
