@@ -2,7 +2,7 @@
 {none, selective, full} at two batch/seq points, on one GPU and on 8 GPUs with FSDP.
 
     python bench/formulas_vs_trace.py [--presets gpt2,llama-3.2-1b] [--gpu h100-sxm-80gb]
-        [--gpus 1,8] [--out bench/results/NAME.json] [--reuse-trace OLD.json]
+        [--gpus 1,8] [--out bench/results/NAME.json] [--reuse-trace OLD.json [--trace-missing]]
 
 Prints a table and writes bench/results/formulas-vs-trace-cpu-<date>.json (with ``--gpus 8``
 alone: formulas-vs-trace-fsdp8-cpu-<date>.json). Both columns are
@@ -22,7 +22,14 @@ number compared is its most loaded rank's; the reason string is the one the plan
 
 ``--reuse-trace OLD.json`` takes the trace's numbers from an earlier results file instead of
 tracing again: the trace does not depend on ``memfit.analytic``, so a change to the formulas is
-checked over the whole matrix in seconds (the file records where its trace numbers came from).
+checked over the whole matrix in seconds (the file records where its trace numbers came from);
+``--trace-missing`` traces the cells that file has no trace for.
+
+Cells the transformers build cannot run as the formulas assume them (LoRA on ``q/k/v/o_proj``
+for GPT-2, BERT and Phi-3, which name or fuse their projections otherwise; Gemma-2, which
+transformers 5 runs only with eager attention) are traced on memfit's builtin modules of the
+same preset (``trace_backend`` says so and why) and compared with the formulas of those
+Llama-style blocks (:data:`BUILTIN_FAMILY`).
 """
 
 from __future__ import annotations
