@@ -2,7 +2,7 @@
 {none, selective, full} at two batch/seq points, on one GPU and on 8 GPUs with FSDP.
 
     python bench/formulas_vs_trace.py [--presets gpt2,llama-3.2-1b] [--gpu h100-sxm-80gb]
-        [--gpus 1,8] [--out bench/results/NAME.json] [--reuse-trace OLD.json]
+        [--gpus 1,8] [--out bench/results/NAME.json] [--reuse-trace OLD.json [--trace-missing]]
 
 Prints a table and writes bench/results/formulas-vs-trace-cpu-<date>.json (with ``--gpus 8``
 alone: formulas-vs-trace-fsdp8-cpu-<date>.json). Both columns are
@@ -22,12 +22,20 @@ number compared is its most loaded rank's; the reason string is the one the plan
 
 ``--reuse-trace OLD.json`` takes the trace's numbers from an earlier results file instead of
 tracing again: the trace does not depend on ``memfit.analytic``, so a change to the formulas is
-checked over the whole matrix in seconds (the file records where its trace numbers came from).
+checked over the whole matrix in seconds (the file records where its trace numbers came from);
+``--trace-missing`` traces the cells that file has no trace for.
+
+Cells the transformers build cannot run as the formulas assume them (LoRA on ``q/k/v/o_proj``
+for GPT-2, BERT and Phi-3, which name or fuse their projections otherwise; Gemma-2, which
+transformers 5 runs only with eager attention) are traced on memfit's builtin modules of the
+same preset (``trace_backend`` says so and why) and compared with the formulas of those
+Llama-style blocks (:data:`BUILTIN_FAMILY`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import sys
@@ -51,16 +59,48 @@ MODES = ("train", "lora")
 CHECKPOINTING = ("none", "selective", "full")
 
 
+BUILTIN_WHEN = ("names its projections differently", "has no SDPA attention")
+"""The trace's errors on the transformers build that the builtin build (memfit.models, the
+same preset's shapes) does not have: LoRA on ``q/k/v/o_proj`` (transformers' GPT-2 has a fused
+``c_attn`` Conv1D, BERT ``query/key/value``, Phi-3 a fused ``qkv_proj``; the formulas count
+one adapter per q, k, v, o projection, as the builtin modules name them) and SDPA attention
+(transformers 5.x's Gemma-2 is eager-only, for its attention-logit soft-capping; the formulas
+assume fused attention, ``RunConfig.attention="sdpa"``)."""
+
+
+BUILTIN_FAMILY = "llama"
+"""The Hugging Face family whose blocks memfit's builtin modules (memfit/models/build.py) are:
+none of activations.py's family sets but the eager softmax's (the trace runs SDPA)."""
+
+
+def _with_builtin_fallback(trace: Callable[[str], Any]) -> Any:
+    """``trace(backend)`` on the transformers build, or on memfit's builtin modules when the
+    transformers build cannot run the cell as the formulas assume it (:data:`BUILTIN_WHEN`);
+    the estimate records the backend used (``trace_backend``)."""
+    try:
+        est = trace("auto")
+        backend = "auto"
+    except MemfitError as exc:
+        if not any(m in str(exc) for m in BUILTIN_WHEN):
+            raise
+        est = trace("builtin")
+        backend = f"builtin ({str(exc).split(';')[0]})"
+    object.__setattr__(est, "trace_backend", backend)  # Estimate is a frozen dataclass
+    return est
+
+
 def _single_gpu(spec: Any, run: RunConfig, gpu: GpuSpec) -> Any:
     from memfit.cli.trace_plan import traced_estimate
 
-    return traced_estimate(spec, run, gpu)
+    return _with_builtin_fallback(lambda backend: traced_estimate(spec, run, gpu,
+                                                                  backend=backend))
 
 
 def _fsdp(spec: Any, run: RunConfig, gpu: GpuSpec) -> Any:
     from memfit.cli.parallel_plan import parallel_layout, trace_parallel
 
-    return trace_parallel(spec, run, gpu, parallel_layout(run))
+    return _with_builtin_fallback(lambda backend: trace_parallel(
+        spec, run, gpu, parallel_layout(run), backend=backend))
 
 
 TRACERS: dict[int, Callable[[Any, RunConfig, GpuSpec], Any] | None] = {
@@ -91,6 +131,9 @@ class Row:
     """8 GPUs: plan / trace - 1 with the plan's "unsharded gradients" buffer (a block's, with
     its fp32 reduce-scatter input, and the root's; only when the plan's peak is in a block's
     backward) left out of its peak: how much of the disagreement that buffer explains."""
+    trace_backend: str = "auto"
+    """The build the trace ran: ``auto`` (transformers) or ``builtin (why)``; a builtin row's
+    plan is the formulas of the builtin's Llama-style blocks (:data:`BUILTIN_FAMILY`)."""
 
 
 def run_config(spec: Any, mode: str, checkpointing: str, batch: int, seq: int,
@@ -102,7 +145,8 @@ def run_config(spec: Any, mode: str, checkpointing: str, batch: int, seq: int,
                      precision="bf16-mixed", optimizer="adamw", **extra)
 
 
-def _stored_tracer(rows: dict[tuple, dict[str, Any]]) -> Callable[..., Any]:
+def _stored_tracer(rows: dict[tuple, dict[str, Any]],
+                   missing: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """A tracer that answers from a stored results file (``--reuse-trace``): the trace side does
     not depend on memfit.analytic, so a change to the formulas is checked against the stored
     trace numbers in seconds instead of the half-hour trace of the whole matrix."""
@@ -112,8 +156,11 @@ def _stored_tracer(rows: dict[tuple, dict[str, Any]]) -> Callable[..., Any]:
         key = (spec.name, run.mode, run.checkpointing, run.batch, run.seq, run.gpus)
         row = rows.get(key)
         if row is None or row.get("trace_live_bytes") is None:
+            if missing is not None:  # --trace-missing
+                return missing(spec, run, gpu)
             raise MemfitError(f"no stored trace for {key}")
-        return SimpleNamespace(total_bytes=row["trace_live_bytes"], peak_reserved_bytes=0,
+        return SimpleNamespace(trace_backend=row.get("trace_backend", "auto"),
+                               total_bytes=row["trace_live_bytes"], peak_reserved_bytes=0,
                                peak_bytes=0, peak_phase=row.get("trace_peak", ""),
                                peak_op="(stored)", stored_seconds=row.get("trace_seconds", 0.0))
 
@@ -131,13 +178,19 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
     if tracer is None:
         return Row(**{**asdict(base), "why": "pending: the multi-GPU per-rank trace "
                       "(issue 14 §1) is not available yet"})
-    planned = plan(spec, run, gpu)
     start = time.perf_counter()
     try:
         est = tracer(spec, run, gpu)
-    except MemfitError as exc:  # e.g. LoRA on a model without *_proj layers
-        return Row(**{**asdict(base), "plan_bytes": planned.total_bytes,
+    except MemfitError as exc:  # e.g. a model the per-rank trace cannot run
+        return Row(**{**asdict(base), "plan_bytes": plan(spec, run, gpu).total_bytes,
                       "why": f"not traced: {exc}"})
+    backend = getattr(est, "trace_backend", "auto")
+    # The builtin build's blocks are Llama's (separate q/k/v/o and gate/up projections, the
+    # RMSNorm that casts before its weight, the fused F.gelu): the formulas of that module
+    # (the family-specific terms of memfit/analytic/activations.py left out) are the ones to
+    # check against its trace.
+    planned = plan(dataclasses.replace(spec, family=BUILTIN_FAMILY)
+                   if backend != "auto" else spec, run, gpu)
     seconds = getattr(est, "stored_seconds", time.perf_counter() - start)
     live = int(est.total_bytes - (est.peak_reserved_bytes - est.peak_bytes))
     error = planned.total_bytes / live - 1
@@ -157,7 +210,8 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
     return Row(**{**asdict(base), "plan_bytes": planned.total_bytes, "trace_live_bytes": live,
                   "error": error, "agrees": agrees, "why": why, "trace_seconds": seconds,
                   "plan_peak": planned.peak_phase, "trace_peak": est.peak_phase,
-                  "error_without_unsharded_grads": _without_unsharded(planned, live)})
+                  "error_without_unsharded_grads": _without_unsharded(planned, live),
+                  "trace_backend": getattr(est, "trace_backend", "auto")})
 
 
 def _without_unsharded(planned: Any, live: int) -> float | None:
@@ -213,12 +267,19 @@ def main() -> None:
     ap.add_argument("--reuse-trace", metavar="JSON",
                     help="take the trace's numbers from this earlier results file instead of "
                     "tracing again (the trace does not depend on the formulas)")
+    ap.add_argument("--trace-missing", action="store_true",
+                    help="with --reuse-trace: trace the cells the stored file has no trace for")
     args = ap.parse_args()
     stored = None
     if args.reuse_trace:
         old = json.loads(Path(args.reuse_trace).read_text())["rows"]
+
+        def fresh(spec: Any, run: RunConfig, gpu: GpuSpec) -> Any:
+            return TRACERS[run.gpus](spec, run, gpu)  # type: ignore[misc]
+
         stored = _stored_tracer({(r["preset"], r["mode"], r["checkpointing"], r["batch"],
-                                  r["seq"], r["gpus"]): r for r in old})
+                                  r["seq"], r["gpus"]): r for r in old},
+                                fresh if args.trace_missing else None)
     gpu = get_gpu(args.gpu)
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
     kind = "fsdp8-" if args.gpus == "8" else ""

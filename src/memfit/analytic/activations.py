@@ -40,6 +40,27 @@ NORM_UPCAST_BYTES = 4  # Hugging Face's RMSNorm computes in fp32
 # ViT) have one nn.Linear per projection.
 FUSED_QKV_FAMILIES = frozenset({"gpt2", "phi3", "gpt_neox", "falcon"})
 FUSED_GATE_UP_FAMILIES = frozenset({"phi3"})
+# Note: [fused q/k/v with a concatenating RoPE]
+# Phi-3's attention slices q, k and v out of one qkv_proj output (views of its storage) and its
+# apply_rotary_pos_emb returns torch.cat([rotated, pass-through]): new, contiguous (b, h, s, d)
+# q and k (transformers/models/phi3/modeling_phi3.py: Phi3Attention.forward,
+# apply_rotary_pos_emb). V stays a view, and attention saves it for backward, so the whole qkv
+# output stays alive: its q and k parts too, beside the rotated copies. And the fused kernel
+# allocates its output with the query's layout (aten/src/ATen/native/transformers/cuda/
+# attention.cu: _scaled_dot_product_flash_attention_cuda passes query.transpose(1, 2);
+# flash_attn/flash_api.cpp: mha_fwd makes ``out = at::empty_like(q_padded)``): a contiguous
+# (b, h, s, d) query gives an output that transformers' sdpa_attention_forward's
+# ``transpose(1, 2).contiguous()`` must copy, so the kernel's saved output and the output
+# projection's input are two tensors (Llama's RoPE adds keep the
+# projection's (b, s, h, d) layout: one tensor). Checked with saved_tensors_hooks on a real
+# bf16 Phi-3 block: 6 bytes per token x hidden of qkv, 2 + 2 of rotated q and k, 2 + 2 of
+# output, for e = 2 and no GQA.
+CAT_ROPE_FUSED_QKV_FAMILIES = frozenset({"phi3"})
+# Hugging Face model types whose RMSNorm multiplies by its weight in fp32 and casts after
+# (``(self.weight * hidden_states).to(input_dtype)``: transformers' Gemma2RMSNorm,
+# Gemma3RMSNorm, Olmo2RMSNorm), so the normalised tensor kept for the weight's gradient is
+# fp32 whatever the input's width; Llama's casts first (``self.weight * hidden.to(input_dtype)``).
+FP32_NORM_WEIGHT_FAMILIES = frozenset({"gemma2", "gemma3_text", "olmo2"})
 # Hugging Face model types whose MLP activation is "gelu_new" (transformers/activations.py:
 # NewGELUActivation), the tanh approximation written as plain PyTorch ops; the others call a
 # fused kernel (nn.functional.gelu, silu) that keeps only its input.
@@ -104,7 +125,8 @@ def norm_saved_bytes(spec: TransformerSpec, *, residual_bytes: int, trained: boo
     Hugging Face's RMSNorm is plain PyTorch ops: it upcasts its input to fp32 (``pow`` keeps
     that copy, 4 bytes, whatever the input's width) and, when its weight is trained, keeps the
     normalised tensor for the weight's gradient, cast back to the input's dtype (the residual
-    stream's width; Gemma-2 multiplies in fp32, so 4).
+    stream's width; Gemma-2, Gemma-3 and OLMo-2 multiply in fp32, so 4:
+    :data:`FP32_NORM_WEIGHT_FAMILIES`).
 
     >>> from memfit.models import get_preset
     >>> norm_saved_bytes(get_preset("llama-3-8b"), residual_bytes=4, trained=True)
@@ -112,7 +134,7 @@ def norm_saved_bytes(spec: TransformerSpec, *, residual_bytes: int, trained: boo
     """
     if spec.norm == "layernorm":
         return residual_bytes
-    normalised = (NORM_UPCAST_BYTES if spec.family in ("gemma2", "gemma3_text")
+    normalised = (NORM_UPCAST_BYTES if spec.family in FP32_NORM_WEIGHT_FAMILIES
                   else residual_bytes)
     return NORM_UPCAST_BYTES + (normalised if trained else 0)
 
@@ -209,8 +231,16 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
         split += norm_saved_bytes(spec, residual_bytes=e, trained=trainable is None) * (
             s * b * (spec.q_dim + spec.kv_dim))
     split += e * s * b * kv_width  # V, kept for softmax(QK^T) V
-    if keeps("o"):
-        split += e * s * b * spec.q_dim  # input of the output projection
+    if spec.family in CAT_ROPE_FUSED_QKV_FAMILIES:
+        # Note: [fused q/k/v with a concatenating RoPE]: V, a view, keeps the whole qkv output
+        split += e * s * b * (spec.q_dim + spec.kv_dim)
+        if attention != "eager":
+            split += e * s * b * spec.q_dim  # the kernel's output beside its contiguous copy
+    if keeps("o") or attention != "eager":
+        # input of the output projection; the fused kernels keep their output for backward
+        # whether or not the projection is trained (tools/autograd/derivatives.yaml:
+        # _scaled_dot_product_flash_attention's backward takes ``output`` and ``logsumexp``)
+        split += e * s * b * spec.q_dim
     scores = 0
     if attention == "eager":
         a_ss_b = spec.num_heads * s * s * b
@@ -232,9 +262,15 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
         mlp += gelu_new_bytes_per_element(act_bytes=e, autocast=autocast) * s * b * f
     if spec.is_moe:
         k = spec.experts_per_token
-        # Each token visits k experts: k copies of the dispatched input, k expert MLPs, and the
-        # router's fp32 probabilities (softmax over experts).
-        mlp = k * mlp + k * e * sbh + 4 * s * b * spec.num_experts
+        # Each token visits k experts: k copies of the dispatched input (kept by the experts'
+        # first matmul for its weight's gradient: not when the experts are frozen), k expert
+        # MLPs, k expert outputs (the routing weight's multiply keeps each for the weight's
+        # gradient: the weights come from the router, which the hidden states' gradient
+        # reaches, frozen or not), and the router's fp32 probabilities (softmax over experts).
+        # Checked with saved_tensors_hooks on real bf16 Mixtral and Qwen3-MoE blocks
+        # (transformers 5, grouped_mm experts), trained and frozen.
+        dispatched = k * e * sbh if keeps("gate", "up") else 0
+        mlp = k * mlp + dispatched + k * e * sbh + 4 * s * b * spec.num_experts
     split += mlp
     if trainable is not None and lora_rank:
         # each adapter keeps its rank-r intermediate x·A for B's gradient
@@ -306,10 +342,11 @@ def selective_layer_bytes(spec: TransformerSpec, *, seq: int, batch: int, act_by
     f = spec.intermediate_size
     wide = 1 if spec.mlp == "gelu" else 2  # fc; or gate and up
     if spec.is_moe:
-        k = spec.experts_per_token
-        split += e * sb * spec.num_experts  # router logits
-        split += k * wide * e * sb * f
-        full += k * e * sb * h  # each expert's down projection
+        # The router's logits are an mm output. Transformers 5 runs the experts' matmuls as
+        # one aten._grouped_mm each (transformers/integrations/moe.py), which is not in
+        # SAVE_OPS: PREFER_RECOMPUTE, so no expert output is kept (and the backward recomputes
+        # them with the rest of the block: they are in ``per_layer``).
+        split += e * sb * spec.num_experts
     else:
         split += wide * e * sb * f
         full += e * sb * h  # down / second projection
@@ -322,7 +359,7 @@ def selective_layer_bytes(spec: TransformerSpec, *, seq: int, batch: int, act_by
     # Recomputing a block brings back what its backward needs; the SDPA output and logsumexp
     # and the MLP's wide matmul outputs (GeLU's input; SiLU's and the product's inputs) are the
     # cached tensors themselves, so they do not come twice.
-    cached_in_use = wide * e * sb * f * (spec.experts_per_token if spec.is_moe else 1)
+    cached_in_use = 0 if spec.is_moe else wide * e * sb * f
     if attention != "eager":
         cached_in_use += e * sb * spec.q_dim + LSE_BYTES * spec.num_heads * sb
     recompute = max(0, per_layer - -(-cached_in_use // tp))
@@ -394,11 +431,17 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     lora = run.mode in ("lora", "qlora")
     # Under autocast the residual stream stays fp32 (fp32 embeddings and residual adds); the
     # engines that cast the model to 16-bit (FSDP2's MixedPrecisionPolicy, DeepSpeed, Megatron)
-    # keep it in 16-bit (RunConfig.autocast).
-    residual = 4 if run.autocast else e
+    # keep it in 16-bit (RunConfig.autocast), and so does a LoRA/QLoRA step under autocast:
+    # its frozen base is 16-bit (model_states.py counts it so), embeddings included, so the
+    # residual adds stay 16-bit.
+    residual = 4 if run.autocast and not lora else e
+    # what a norm reads: LayerNorm is on CUDA autocast's fp32 list (aten/src/ATen/
+    # autocast_mode.cpp: KERNEL_CUDA(layer_norm, fp32)), so it keeps an fp32 copy of a 16-bit
+    # input; Hugging Face's RMSNorm upcasts by itself (norm_saved_bytes)
+    norm_input = 4 if run.autocast and spec.norm == "layernorm" else residual
     terms = layer_terms(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                         trainable=frozenset(run.lora_targets) if lora else None,
-                        lora_rank=run.lora_rank if lora else 0, residual_bytes=residual,
+                        lora_rank=run.lora_rank if lora else 0, residual_bytes=norm_input,
                         autocast=run.autocast)
     per_layer = terms.per_gpu(run.parallel.tp, run.parallel.sp)
     layers = -(-spec.num_layers // run.parallel.pp)
@@ -413,11 +456,6 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
         if run.parallel.sp:
             block_input = -(-block_input // run.parallel.tp)
         kept, recompute = layers * block_input, per_layer
-        if run.mode == "lora" and residual > e:
-            notes.append("full checkpointing with a 16-bit frozen base: each block input is "
-                         "counted in fp32 (autocast's residual stream); a bf16 base keeps it in "
-                         "bf16, up to 2 bytes x tokens x hidden per layer less (the trace: "
-                         "Mistral-7B/OLMo-2-7B LoRA at 4 x 1024 tokens, 5-6% under this plan)")
     elif run.checkpointing == "selective":
         sel = selective_layer_bytes(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                                     residual_bytes=residual, per_layer=per_layer,
@@ -426,11 +464,6 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
                                     lora_targets=run.lora_targets if lora else None,
                                     lora_rank=run.lora_rank if lora else 0)
         kept, recompute = layers * sel.saved, sel.recompute
-        if spec.is_moe:
-            notes.append("MoE under op-level selective checkpointing: every routed expert's "
-                         "matmul outputs are counted (k per token); the trace of Hugging Face's "
-                         "expert loop keeps fewer (bench/formulas_vs_trace.py: Mixtral and "
-                         "Qwen3-MoE LoRA at 4 x 1024 tokens, 16-18% under this plan)")
         if lora and sel.saved > per_layer:
             notes.append("op-level selective checkpointing keeps every matmul output, the frozen "
                          "base's too, which a LoRA step without checkpointing does not keep: "
@@ -456,7 +489,7 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     if first:
         held += in_flight * input_terms(spec, seq=s, batch=b, act_bytes=e)
     outputs = output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.parallel.tp,
-                           residual_bytes=residual, trained=not lora) if last else 0
+                           residual_bytes=norm_input, trained=not lora) if last else 0
 
     # Largest transient in backward: at the loss, two logits-sized fp32 tensors: the gradient
     # nll_loss_backward returns and the one _log_softmax_backward_data makes from it (both alive

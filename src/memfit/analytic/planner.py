@@ -391,9 +391,10 @@ def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, dic
       unsharded gradients (param dtype) until FSDPParamGroup.post_backward hands them to
       foreach_reduce (_fsdp_collectives.py), which copies them into reduce_scatter_input
       (reduce_dtype: fp32 under torchtitan's MixedPrecisionPolicy) before
-      ``unsharded_grads.clear()`` frees them; and the root's own gradients (the LM head's, or a
-      tied embedding's), which stay unsharded until the root's post-backward at the end of
-      backward.
+      ``unsharded_grads.clear()`` frees them; and the root's own gradients made so far (the
+      final norm's and the LM head's, or a tied embedding's; an untied input embedding's
+      gradient comes after the blocks), which stay unsharded until the root's post-backward at
+      the end of backward.
     - In forward, FSDPParamGroup.wait_for_unshard keeps the previous group's all-gather result
       (its all_gather_output, as large as its unsharded parameters) "to free after the next
       copy-out" (implicit prefetching): while block i's parameters are copied out of their own
@@ -409,7 +410,13 @@ def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, dic
         root = block
     root_grads = 0
     if isinstance(model, TransformerSpec) and run.mode == "train":
-        root_grads = root * cb  # trained in full fine-tuning; frozen under LoRA
+        # trained in full fine-tuning, frozen under LoRA. In a block's backward only the root's
+        # parameters used after the blocks have gradients: the final norm, the head (a tied
+        # embedding's through it), BERT's pooler; an untied input embedding's gradient is made
+        # last, after every block's backward.
+        tied = model.vocab_size * model.hidden_size if (
+            model.arch == "decoder" and model.tie_embeddings) else 0
+        root_grads = -(-(model.head_params() + tied) // run.parallel.tp) * cb
     at_loss = {"all-gathered parameters": (root + block) * cb}
     in_backward = {"all-gathered parameters": (root + 2 * block) * cb,
                    "unsharded gradients": int(block * trained) * (cb + reduce) + root_grads}
@@ -433,8 +440,19 @@ def _fsdp2_backward_end(model: ModelSpec, run: RunConfig, all_gradients: int
     reduce = 4 if run.mixed else cb
     root = fsdp_root_params(model, run)
     blocks_sharded = all_gradients - all_gradients * root * run.parallel.tp // model.param_count()
+    # Just before: the input embedding's backward (the root's last op), with the root still
+    # gathered, its gradients (the head's, a tied embedding's through it) and the embedding's
+    # new gradient (a tied one's twice, until AccumulateGrad sums them), and the first block's
+    # fp32 reduce-scatter input, which FSDPParamGroup.post_backward keeps in
+    # comm_ctx.reduce_scatter_states (torch 2.13; reduce_scatter_state in 2.11) until the next
+    # group's post_backward, the root's, reclaims it.
+    tied = -(-model.vocab_size * model.hidden_size // run.parallel.tp) if (
+        model.arch == "decoder" and model.tie_embeddings) else 0
+    first_block = -(-model.layer_params() // run.parallel.tp)
+    at_embedding = root * cb + (root + tied) * cb + first_block * reduce
     return {"gradients": blocks_sharded,
-            "root's unsharded gradients and reduce-scatter input": root * (cb + reduce)}
+            "root's unsharded gradients and reduce-scatter input": max(root * (cb + reduce),
+                                                                      at_embedding)}
 
 
 def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, int]:
@@ -606,8 +624,10 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
         breakdown[MemoryCategory.TEMPORARIES] = sum(buffers.values())
         backward_peak = sum(end.values())
         peak_phase = "backward"
-        notes.append("peak at the end of backward: FSDP2 reduce-scatters the root's gradients "
-                     "(embeddings, head) last, from an fp32 copy")
+        notes.append("peak at the end of backward: the input embedding's backward with the "
+                     "root gathered and the first block's fp32 reduce-scatter input still held, "
+                     "or FSDP2's reduce-scatter of the root's gradients (embeddings, head), "
+                     "last, from an fp32 copy")
     if step_temporaries + all_gradients > backward_peak:
         # The optimizer step runs after backward has freed the activations; its foreach
         # temporaries are the peak when they outgrow activations + backward temporaries.
