@@ -1,0 +1,142 @@
+"""Pipeline (and sequence) parallelism on Hugging Face decoders (memfit/parallel/hf_pipeline.py).
+
+A stage of a transformers ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``
+holds the model's own submodules, split as torchtitan splits its Llama
+(torchtitan/distributed/pipeline_parallel.py: pipeline_module_split), and runs them as
+transformers' own ``LlamaModel.forward`` does (transformers/models/llama/modeling_llama.py,
+lines 369-402: embedding, ``position_ids = arange(seq)``, ``create_causal_mask``,
+``rotary_emb(hidden_states, position_ids)``, each layer with ``attention_mask``,
+``position_embeddings`` and ``position_ids``, the final norm), so the stages composed give the
+unsplit model's loss exactly (one process, no gloo). The memory is checked against real gloo
+ranks running torch.distributed.pipelining's PipelineStage and Schedule1F1B
+(torch/distributed/pipelining/schedules.py: Schedule1F1B._step_microbatches) on the same
+stages under the profiler (memfit/parallel/measure.py). Tiny configs with random weights; no
+downloads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memfit
+from memfit.errors import MemfitError
+from memfit.parallel import Parallel
+from memfit.parallel.measure import Case, build, tiny_spec
+from memfit.parallel.pipeline import stage_loss, stage_modules
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 64
+
+
+def _hf_case(parallel: Parallel, batch: int = 8, layers: int = 4) -> Case:
+    return Case(spec=tiny_spec(layers), batch=batch, seq=SEQ, parallel=parallel,
+                backend="transformers")
+
+
+def _tiny_hf(kind: str) -> torch.nn.Module:
+    """A tiny transformers decoder with random weights (seeded): Mistral with a sliding window
+    shorter than the sequence, Qwen2 with sliding-window layers after two full ones (its
+    ``layer_types``), so that their stages make the masks the models' forwards make."""
+    torch.manual_seed(0)
+    common = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "attn_implementation": "sdpa"}
+    if kind == "mistral":
+        config = transformers.MistralConfig(sliding_window=8, **common)
+        return transformers.MistralForCausalLM(config)
+    config = transformers.Qwen2Config(use_sliding_window=True, sliding_window=8,
+                                      max_window_layers=2, **common)
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def _composed_loss(model: torch.nn.Module, parallel: Parallel,
+                   inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every stage of ``parallel``, run one after the other on the whole batch, then the
+    pipeline's loss (pipeline.stage_loss)."""
+    x = inputs["input_ids"]
+    stages = sorted((m for r in range(parallel.gpus) for m in stage_modules(model, parallel, r)),
+                    key=lambda m: m.index)
+    for stage in {m.index: m for m in stages}.values():
+        x = stage(x)
+    return stage_loss(x, inputs["labels"])
+
+
+def test_hf_llama_stages_compose_to_the_unsplit_models_loss() -> None:
+    """The two stages of a transformers LlamaForCausalLM (4 layers: embedding + layers 0-1 |
+    layers 2-3 + norm + head, torchtitan's split of 6 effective layers), run one after the
+    other, give exactly the loss of the whole model's own forward (``LlamaForCausalLM.forward``
+    with labels: ``ForCausalLMLoss``, fp32 logits, labels shifted left); and the stages hold
+    the model's own modules."""
+    case = _hf_case(Parallel(gpus=2, pp=2))
+    model, inputs = build(case)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    first, = stage_modules(model, case.parallel, 0)
+    last, = stage_modules(model, case.parallel, 1)
+    assert list(first.layers) == ["0", "1"] and list(last.layers) == ["2", "3"]
+    assert first.embed_tokens is model.model.embed_tokens and first.lm_head is None
+    assert last.lm_head is model.lm_head and last.norm is model.model.norm
+    with torch.no_grad():
+        assert torch.equal(_composed_loss(model, case.parallel, inputs), model(**inputs).loss)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_hf_stages_make_the_sliding_window_masks_of_the_models_forward(kind: str) -> None:
+    """Mistral with ``sliding_window`` (modeling_mistral.py: MistralModel.forward uses
+    ``create_sliding_window_causal_mask``) and Qwen2 with full then sliding layers
+    (modeling_qwen2.py: Qwen2Model.forward, ``causal_mask_mapping[config.layer_types[i]]``),
+    window 8 on 32 tokens, so the mask matters: the composed stages (pp 2, and pp 4: one layer
+    per stage but the last, which holds the head only) give the whole model's loss exactly."""
+    model = _tiny_hf(kind)
+    ids = torch.randint(0, 128, (2, 32))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    with torch.no_grad():
+        whole = model(**inputs).loss
+        for pp in (2, 4):
+            assert torch.equal(_composed_loss(model, Parallel(gpus=pp, pp=pp), inputs), whole)
+
+
+def test_hf_pipeline_is_refused_for_other_hf_models_in_one_line() -> None:
+    """GPT-2 (``GPT2LMHeadModel``: learned positions, ``transformer.h``) is not split."""
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (4, 16))
+    with pytest.raises(MemfitError, match="not GPT2LMHeadModel") as info:
+        memfit.estimate(model, {"input_ids": ids, "labels": ids}, device="cpu",
+                        parallel=Parallel(gpus=2, pp=2))
+    assert "\n" not in str(info.value)
+
+
+# -- the truth: real gloo ranks -----------------------------------------------------------------
+
+GLOO_CASES = {
+    "pp2-1f1b": _hf_case(Parallel(gpus=2, pp=2, microbatches=4)),
+}
+
+
+def _per_rank(case: Case) -> tuple[memfit.Estimate, ...]:
+    model, inputs = build(case)
+    est = memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)
+    assert sorted(r for e in est.per_rank for r in e.ranks) == list(range(case.parallel.gpus))
+    return est.per_rank
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, list[dict]]:
+    from memfit.parallel.measure import measure
+
+    peaks = measure(list(GLOO_CASES.values()), world=2, repeats=1)
+    return dict(zip(GLOO_CASES, peaks, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(GLOO_CASES))
+def test_hf_layouts_match_real_gloo_runs_within_1_percent(name: str, measured: dict) -> None:
+    """Per rank, the trace's peak of the transformers LlamaForCausalLM's step is within 1% of
+    the real rank's (2 gloo processes, AdamW, 2 steps): pp 2 with Schedule1F1B over 4
+    micro-batches of 2 rows of 64 tokens (each rank its HFStageModule in a PipelineStage)."""
+    for est in _per_rank(GLOO_CASES[name]):
+        real = measured[name][est.ranks[0]]["peak"]
+        assert abs(est.peak_bytes - real) <= 0.01 * real, (
+            f"{name} ranks {est.ranks}: predicted {est.peak_bytes:,} bytes, measured {real:,}")
