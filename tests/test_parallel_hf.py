@@ -108,10 +108,83 @@ def test_hf_pipeline_is_refused_for_other_hf_models_in_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
+# -- sequence parallelism ------------------------------------------------------------------------
+
+
+def test_hf_sp_plan_all_gathers_the_attentions_keyword_input() -> None:
+    """transformers' decoder layer calls its attention with keywords only
+    (``self.self_attn(hidden_states=hidden_states, ...)``, modeling_llama.py:
+    LlamaDecoderLayer.forward), so the plan's PrepareModuleInput for it takes the
+    ``hidden_states`` keyword from Shard(1) to Replicate (a positional plan would find no
+    argument); the norms are SequenceParallel, the projections as without sp, the root
+    (model.embed_tokens, model.norm, lm_head) as torchtitan's."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    from memfit.parallel.apply import tp_plan
+
+    model, _ = build(_hf_case(Parallel(gpus=2, tp=2, sp=True), batch=2, layers=2))
+    plan = tp_plan(model, Parallel(gpus=2, tp=2, sp=True))
+    attn = plan["model.layers.0.self_attn"]
+    assert isinstance(attn, PrepareModuleInput) and attn.input_layouts is None
+    assert attn.input_kwarg_layouts == {"hidden_states": Shard(1)}
+    assert attn.desired_input_kwarg_layouts == {"hidden_states": Replicate()}
+    assert isinstance(plan["model.layers.1.post_attention_layernorm"], SequenceParallel)
+    assert isinstance(plan["model.norm"], SequenceParallel)
+    assert {"model.embed_tokens", "lm_head", "model.layers.1.mlp.down_proj"} <= set(plan)
+
+
+def test_hf_sp_refuses_tied_embeddings_in_one_line() -> None:
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(MemfitError, match="tied embeddings") as info:
+        memfit.estimate(model, {"input_ids": ids, "labels": ids}, device="cpu",
+                        optimizer="adamw", parallel=Parallel(gpus=2, tp=2, sp=True))
+    assert "\n" not in str(info.value)
+
+
+def _sp_parity_worker(rank: int, world: int, loss_parallel: bool) -> None:
+    from memfit._loss import model_loss
+    from memfit.parallel.apply import apply_model, loss_context
+
+    case = _hf_case(Parallel(gpus=world, tp=world, sp=True, loss_parallel=loss_parallel),
+                    batch=2, layers=2)
+    full, inputs = build(case)
+    split = apply_model(build(case)[0], case.parallel, "cpu")
+    with loss_context(case.parallel):
+        loss = model_loss(split, inputs)
+        loss.backward()
+    ref = model_loss(full, inputs)
+    ref.backward()
+    assert torch.allclose(loss.full_tensor() if hasattr(loss, "full_tensor") else loss, ref,
+                          rtol=1e-5, atol=1e-6), (float(loss), float(ref))
+    grad = split.model.layers[0].mlp.down_proj.weight.grad.full_tensor()
+    assert torch.allclose(grad, full.model.layers[0].mlp.down_proj.weight.grad, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_parallel", [False, True], ids=["sp", "sp-loss-parallel"])
+def test_hf_sp_step_computes_what_one_process_computes(loss_parallel: bool) -> None:
+    """tp 2 with sequence parallelism (and loss parallelism) on a transformers
+    LlamaForCausalLM over 2 gloo processes: the loss and a row-wise projection's gradient equal
+    the unsplit model's in one process. Without the whole sequence's position ids
+    (hf_pipeline.full_positions) transformers' LlamaModel.forward would make ``seq / tp``
+    rotary positions (modeling_llama.py line 377) for the all-gathered ``seq`` queries."""
+    from memfit.parallel.gloo import spawn
+
+    spawn(_sp_parity_worker, 2, loss_parallel)
+
+
 # -- the truth: real gloo ranks -----------------------------------------------------------------
 
 GLOO_CASES = {
     "pp2-1f1b": _hf_case(Parallel(gpus=2, pp=2, microbatches=4)),
+    "tp2-sp": _hf_case(Parallel(gpus=2, tp=2, sp=True), batch=2, layers=2),
+    "tp2-sp-loss-parallel": _hf_case(Parallel(gpus=2, tp=2, sp=True, loss_parallel=True),
+                                     batch=2, layers=2),
 }
 
 
@@ -135,7 +208,9 @@ def measured() -> dict[str, list[dict]]:
 def test_hf_layouts_match_real_gloo_runs_within_1_percent(name: str, measured: dict) -> None:
     """Per rank, the trace's peak of the transformers LlamaForCausalLM's step is within 1% of
     the real rank's (2 gloo processes, AdamW, 2 steps): pp 2 with Schedule1F1B over 4
-    micro-batches of 2 rows of 64 tokens (each rank its HFStageModule in a PipelineStage)."""
+    micro-batches of 2 rows of 64 tokens (each rank its HFStageModule in a PipelineStage); tp 2
+    with sequence parallelism, and with loss parallelism (parallelize_module with torchtitan's
+    plan on the HF names, the loss under torch's loss_parallel())."""
     for est in _per_rank(GLOO_CASES[name]):
         real = measured[name][est.ranks[0]]["peak"]
         assert abs(est.peak_bytes - real) <= 0.01 * real, (
