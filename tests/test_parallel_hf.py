@@ -30,9 +30,18 @@ transformers = pytest.importorskip("transformers")
 SEQ = 64
 
 
-def _hf_case(parallel: Parallel, batch: int = 8, layers: int = 4) -> Case:
-    return Case(spec=tiny_spec(layers), batch=batch, seq=SEQ, parallel=parallel,
+def _hf_case(parallel: Parallel, batch: int = 8, layers: int = 4, spec: object = None) -> Case:
+    return Case(spec=spec or tiny_spec(layers), batch=batch, seq=SEQ, parallel=parallel,
                 backend="transformers")
+
+
+def tiny_qwen3_spec(layers: int = 2) -> object:
+    """:func:`tiny_spec` as a Qwen3 (its attention normalises each head's queries and keys:
+    ``q_norm``, ``k_norm`` inside ``self_attn``, modeling_qwen3.py: Qwen3Attention)."""
+    import dataclasses
+
+    return dataclasses.replace(tiny_spec(layers), name="tiny-qwen3", family="qwen3",
+                               qk_norm="head")
 
 
 def _tiny_hf(kind: str) -> torch.nn.Module:
@@ -146,12 +155,12 @@ def test_hf_sp_refuses_tied_embeddings_in_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
-def _sp_parity_worker(rank: int, world: int, loss_parallel: bool) -> None:
+def _sp_parity_worker(rank: int, world: int, loss_parallel: bool, qwen3: bool) -> None:
     from memfit._loss import model_loss
     from memfit.parallel.apply import apply_model, loss_context
 
     case = _hf_case(Parallel(gpus=world, tp=world, sp=True, loss_parallel=loss_parallel),
-                    batch=2, layers=2)
+                    batch=2, spec=tiny_qwen3_spec() if qwen3 else tiny_spec(2))
     full, inputs = build(case)
     split = apply_model(build(case)[0], case.parallel, "cpu")
     with loss_context(case.parallel):
@@ -166,16 +175,20 @@ def _sp_parity_worker(rank: int, world: int, loss_parallel: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_parallel", [False, True], ids=["sp", "sp-loss-parallel"])
-def test_hf_sp_step_computes_what_one_process_computes(loss_parallel: bool) -> None:
+@pytest.mark.parametrize(("loss_parallel", "qwen3"), [(False, False), (True, False),
+                                                      (False, True)],
+                         ids=["sp", "sp-loss-parallel", "qwen3-sp"])
+def test_hf_sp_step_computes_what_one_process_computes(loss_parallel: bool, qwen3: bool) -> None:
     """tp 2 with sequence parallelism (and loss parallelism) on a transformers
-    LlamaForCausalLM over 2 gloo processes: the loss and a row-wise projection's gradient equal
-    the unsplit model's in one process. Without the whole sequence's position ids
-    (hf_pipeline.full_positions) transformers' LlamaModel.forward would make ``seq / tp``
-    rotary positions (modeling_llama.py line 377) for the all-gathered ``seq`` queries."""
+    LlamaForCausalLM (and a Qwen3ForCausalLM, whose per-head q_norm / k_norm sit inside the
+    attention the plan all-gathers for) over 2 gloo processes: the loss and a row-wise
+    projection's gradient equal the unsplit model's in one process. Without the whole
+    sequence's position ids (hf_pipeline.full_positions) transformers' LlamaModel.forward would
+    make ``seq / tp`` rotary positions (modeling_llama.py line 377) for the all-gathered
+    ``seq`` queries."""
     from memfit.parallel.gloo import spawn
 
-    spawn(_sp_parity_worker, 2, loss_parallel)
+    spawn(_sp_parity_worker, 2, loss_parallel, qwen3)
 
 
 # -- the truth: real gloo ranks -----------------------------------------------------------------
@@ -185,6 +198,7 @@ GLOO_CASES = {
     "tp2-sp": _hf_case(Parallel(gpus=2, tp=2, sp=True), batch=2, layers=2),
     "tp2-sp-loss-parallel": _hf_case(Parallel(gpus=2, tp=2, sp=True, loss_parallel=True),
                                      batch=2, layers=2),
+    "qwen3-tp2-sp": _hf_case(Parallel(gpus=2, tp=2, sp=True), batch=2, spec=tiny_qwen3_spec()),
 }
 
 

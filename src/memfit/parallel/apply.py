@@ -278,8 +278,12 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> No
     implementation"). A replicated DTensor holds the same local bytes; tied weights stay one
     parameter."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    inside = tuple(f"{name}." for name in plan)
+    # a module the plan only prepares inputs for (sequence parallelism's attention and MLP)
+    # keeps its own submodules out of the plan: Qwen3's per-head q_norm / k_norm
+    inside = tuple(f"{name}." for name, style in plan.items()
+                   if not isinstance(style, PrepareModuleInput))
     made: dict[int, nn.Parameter] = {}
 
     def wrap(_module: nn.Module, args: tuple) -> tuple:
