@@ -171,9 +171,10 @@ def _is_norm(module: nn.Module) -> bool:
 
 def _sp_root(model: nn.Module, parallel: Parallel) -> tuple[str, str, str]:
     """Names of the token embedding, final norm and head that sequence parallelism splits, for
-    memfit's builtin decoders (``memfit.models.build.DecoderLM``): a one-line error for other
-    models, whose forward may read the sequence length off the (now split) hidden states, as
-    Hugging Face's position ids do."""
+    memfit's builtin decoders (``memfit.models.build.DecoderLM``) and Hugging Face's Llama,
+    Mistral, Qwen2 and Qwen3 (``hf_pipeline.hf_sp_root``; their position ids are given whole:
+    ``hf_pipeline.full_positions``): a one-line error for other models, whose forward may read
+    the sequence length off the (now split) hidden states, as Hugging Face's position ids do."""
     from memfit.models.build import DecoderLM, Mlp
 
     where = f"Parallel(tp={parallel.tp}, {'sp' if parallel.sp else 'loss_parallel'}=True)"

@@ -86,7 +86,8 @@ def stage_layers(num_layers: int, num_stages: int) -> list[range]:
 
 
 def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(``model.model``, ``model.lm_head``) of memfit's builtin decoder, else a one-line error."""
+    """(``model.model``, ``model.lm_head``) of memfit's builtin decoder or of a Hugging Face
+    decoder ``hf_pipeline.HFStageModule`` splits, else a one-line error."""
     from memfit.models.build import DecoderLM
 
     if not isinstance(model, DecoderLM):
