@@ -16,6 +16,8 @@ downloads.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -38,8 +40,6 @@ def _hf_case(parallel: Parallel, batch: int = 8, layers: int = 4, spec: object =
 def tiny_qwen3_spec(layers: int = 2) -> object:
     """:func:`tiny_spec` as a Qwen3 (its attention normalises each head's queries and keys:
     ``q_norm``, ``k_norm`` inside ``self_attn``, modeling_qwen3.py: Qwen3Attention)."""
-    import dataclasses
-
     return dataclasses.replace(tiny_spec(layers), name="tiny-qwen3", family="qwen3",
                                qk_norm="head")
 
@@ -195,6 +195,8 @@ def test_hf_sp_step_computes_what_one_process_computes(loss_parallel: bool, qwen
 
 GLOO_CASES = {
     "pp2-1f1b": _hf_case(Parallel(gpus=2, pp=2, microbatches=4)),
+    "pp2-1f1b-full-ac": dataclasses.replace(_hf_case(Parallel(gpus=2, pp=2, microbatches=4)),
+                                            checkpointing="full"),
     "tp2-sp": _hf_case(Parallel(gpus=2, tp=2, sp=True), batch=2, layers=2),
     "tp2-sp-loss-parallel": _hf_case(Parallel(gpus=2, tp=2, sp=True, loss_parallel=True),
                                      batch=2, layers=2),
@@ -222,7 +224,8 @@ def measured() -> dict[str, list[dict]]:
 def test_hf_layouts_match_real_gloo_runs_within_1_percent(name: str, measured: dict) -> None:
     """Per rank, the trace's peak of the transformers LlamaForCausalLM's step is within 1% of
     the real rank's (2 gloo processes, AdamW, 2 steps): pp 2 with Schedule1F1B over 4
-    micro-batches of 2 rows of 64 tokens (each rank its HFStageModule in a PipelineStage); tp 2
+    micro-batches of 2 rows of 64 tokens (each rank its HFStageModule in a PipelineStage), also
+    with full activation checkpointing of the decoder layers (memfit.techniques); tp 2
     with sequence parallelism, and with loss parallelism (parallelize_module with torchtitan's
     plan on the HF names, the loss under torch's loss_parallel())."""
     for est in _per_rank(GLOO_CASES[name]):
