@@ -294,13 +294,14 @@ def pipeline_warmed(tmp_path_factory) -> None:
     builtin_estimate(memfit.resolve_model(path), memfit.Parallel(gpus=2, pp=2), batch=2)
 
 
-def builtin_estimate(spec, parallel, *, batch: int, precision: str = "bf16-mixed"):
-    """``memfit.estimate`` of ``build_model(spec, backend="builtin")`` (SDPA), two AdamW steps
+def builtin_estimate(spec, parallel, *, batch: int, precision: str = "bf16-mixed",
+                     backend: str = "builtin"):
+    """``memfit.estimate`` of ``build_model(spec, backend=backend)`` (SDPA), two AdamW steps
     on an H100 target, each rank role of ``parallel``."""
     import memfit
     from memfit.models.build import build_model, example_inputs
 
-    model = build_model(spec, backend="builtin", device="meta", attn_implementation="sdpa")
+    model = build_model(spec, backend=backend, device="meta", attn_implementation="sdpa")
     inputs = example_inputs(spec, batch=batch, seq=SEQ, device="meta")
     return memfit.estimate(model, inputs, optimizer="adamw", precision=precision,
                            device="cuda", gpu="h100-80gb", steps=2, parallel=parallel)
@@ -350,7 +351,9 @@ def test_pp_on_a_preset_is_traced_on_the_builtin_decoder(capsys, pipeline_warmed
 def test_pp_schedule_and_microbatches(capsys, tmp_path, pipeline_warmed) -> None:
     """`--pp-schedule gpipe --microbatches 4 --batch 1` is `Parallel(gpus=2, pp=2,
     pp_schedule="gpipe", microbatches=4)` on 4 rows (4 micro-batches of 1); without
-    `--microbatches`, `--grad-accum 3` gives the micro-batches (3 rows)."""
+    `--microbatches`, `--grad-accum 3` gives the micro-batches (3 rows). A Llama config.json
+    is traced on transformers' own LlamaForCausalLM, split into stages
+    (memfit/parallel/hf_pipeline.py)."""
     import memfit
 
     path = tiny_llama(tmp_path)
@@ -359,15 +362,17 @@ def test_pp_schedule_and_microbatches(capsys, tmp_path, pipeline_warmed) -> None
     code, out, err = run(capsys, "plan", path, "--gpus", "2", "--pp", "2", "--pp-schedule",
                          "gpipe", "--microbatches", "4", *common)
     assert code == 0, err
+    assert json.loads(out)["model"]["backend"] == "transformers"
     assert_same_roles(json.loads(out), builtin_estimate(
-        spec, memfit.Parallel(gpus=2, pp=2, pp_schedule="gpipe", microbatches=4), batch=4))
+        spec, memfit.Parallel(gpus=2, pp=2, pp_schedule="gpipe", microbatches=4), batch=4,
+        backend="transformers"))
     code, out, err = run(capsys, "plan", path, "--gpus", "2", "--pp", "2", "--grad-accum",
                          "3", *common)
     assert code == 0, err
     data = json.loads(out)
     assert data["parallel"]["microbatches"] == 3
     assert_same_roles(data, builtin_estimate(
-        spec, memfit.Parallel(gpus=2, pp=2, microbatches=3), batch=3))
+        spec, memfit.Parallel(gpus=2, pp=2, microbatches=3), batch=3, backend="transformers"))
 
 
 def tiny_moe(tmp_path) -> str:
@@ -405,7 +410,8 @@ def test_ep_is_traced(capsys, tmp_path) -> None:
 
 def test_tp_fsdp_sp_loss_parallel_is_the_2d_trace(capsys, tmp_path) -> None:
     """`--gpus 4 --tp 2 --fsdp --sp --loss-parallel`: FSDP2 over 2 data-parallel ranks x tp 2
-    on a 2-D mesh, sequence and loss parallel, on the builtin build (precision fp32 with
+    on a 2-D mesh, sequence and loss parallel, on transformers' LlamaForCausalLM (hf_pipeline:
+    the attention's keyword input all-gathered, the whole sequence's positions) (precision fp32 with
     MixedPrecisionPolicy(bf16, fp32), as the module's docstring says); the text says which
     backend built it."""
     import memfit
@@ -421,10 +427,11 @@ def test_tp_fsdp_sp_loss_parallel_is_the_2d_trace(capsys, tmp_path) -> None:
     assert_same_roles(data, builtin_estimate(
         memfit.resolve_model(path),
         memfit.Parallel(gpus=4, tp=2, fsdp=2, sp=True, loss_parallel=True, param_dtype="bf16",
-                        reduce_dtype="fp32"), batch=BATCH, precision="fp32"))
+                        reduce_dtype="fp32"), batch=BATCH, precision="fp32",
+        backend="transformers"))
     code, out, err = run(capsys, *argv)
     assert code == 0, err
-    assert "memfit's builtin llama decoder" in out and "sequence parallel" in out
+    assert "memfit's builtin llama decoder" not in out and "sequence parallel" in out
 
 
 def test_pp_on_a_family_the_builtin_backend_cannot_build_falls_back(capsys, tmp_path) -> None:

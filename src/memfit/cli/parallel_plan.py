@@ -7,11 +7,13 @@ engine is one the trace runs (PyTorch FSDP2 / DDP); the formulas answer for ``--
 ``--method analytic``, ``--engine deepspeed|megatron`` and any layout the trace refuses, with one
 line saying why (:func:`formulas_reason`, and the trace's own refusal).
 
-Pipeline, sequence, loss and expert parallelism are traced on memfit's builtin decoders
-(``memfit.parallel.pipeline``, ``apply._sp_root``, ``expert.check_experts`` refuse Hugging Face
-modules), so a preset or config.json is built with ``build_model(backend="builtin")`` for those
-layouts (:func:`builtin_needs`); ``build_model`` checks that its parameter count is the spec's,
-as it checks the transformers build's, so the numbers count the same model.
+Pipeline, sequence and loss parallelism are traced on memfit's builtin decoders and on Hugging
+Face's Llama, Mistral, Qwen2 and Qwen3 modules (``memfit.parallel.hf_pipeline``); expert
+parallelism on the builtin decoders only (``expert.check_experts`` refuses Hugging Face
+modules). A preset or config.json of another family is built with
+``build_model(backend="builtin")`` for those layouts (:func:`builtin_needs`); ``build_model``
+checks that its parameter count is the spec's, as it checks the transformers build's, so the
+numbers count the same model.
 
 ``--engine fsdp2 --offload-params`` is traced too (FSDP2's ``CPUOffloadPolicy``): the rows are
 the device's bytes, and each role's host bytes (offloaded parameters, gradients, optimizer
@@ -104,13 +106,31 @@ def trace_flags(args: argparse.Namespace, run: RunConfig) -> list[str]:
     return flags
 
 
-def builtin_needs(parallel: Any) -> list[str]:
-    """The options of ``parallel`` that only memfit's builtin decoders are traced with."""
+def builtin_needs(parallel: Any, model: Any = None) -> list[str]:
+    """The options of ``parallel`` that only memfit's builtin decoders are traced with. For a
+    ``model`` spec that transformers builds as one of the Hugging Face decoders the pipeline,
+    sequence and loss parallel traces split themselves (Llama, Mistral, Qwen2, Qwen3:
+    ``memfit/parallel/hf_pipeline.py``), only ``--ep`` (then every option, as the builtin
+    decoder runs them all)."""
     needs = [f"--pp {parallel.pp}"] if parallel.pp > 1 else []
     needs += ["--sp"] if parallel.sp else []
     needs += ["--loss-parallel"] if parallel.loss_parallel else []
     needs += [f"--ep {parallel.ep}"] if parallel.ep > 1 else []
+    if needs and parallel.ep == 1 and _hf_splits(model):
+        return []
     return needs
+
+
+def _hf_splits(model: Any) -> bool:
+    """Whether ``model`` (a spec) is built by transformers as a decoder whose module the
+    pipeline and sequence-parallel traces split (``hf_pipeline.HF_DECODERS``)."""
+    if not isinstance(model, TransformerSpec) or model.arch != "decoder":
+        return False
+    from memfit.models.build import _transformers_available
+    from memfit.parallel.hf_pipeline import HF_DECODERS
+
+    return (model.family in HF_DECODERS and not getattr(model, "num_experts", 0)
+            and _transformers_available())
 
 
 def pipeline_microbatches(run: RunConfig, microbatches: int | None) -> int | None:
@@ -313,7 +333,7 @@ def run_parallel_plan(args: argparse.Namespace, model: ModelSpec, run: RunConfig
     backend, note = "auto", None
     if reason is None:
         assert parallel is not None and isinstance(model, TransformerSpec | HFModelSpec)
-        needs = builtin_needs(parallel)
+        needs = builtin_needs(parallel, model)
         if needs and isinstance(model, HFModelSpec):
             reason = (f"{', '.join(needs)} {'is' if len(needs) == 1 else 'are'} traced on "
                       f"memfit's builtin decoders; model_type {model.model_type!r} is built by "

@@ -118,6 +118,7 @@ def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = Non
         SequenceParallel,
     )
 
+    from memfit.parallel.hf_pipeline import attention_input, is_hf_attention
     from memfit.techniques.checkpointing import find_blocks
 
     sp = parallel.sp
@@ -140,6 +141,8 @@ def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = Non
             for sub, mod in block.named_children():
                 if _is_norm(mod):
                     plan[f"{name}.{sub}"] = SequenceParallel()
+                elif is_hf_attention(mod):  # Hugging Face's: (hidden_states=x, ...)
+                    plan[f"{name}.{sub}"] = attention_input(Shard(1), Replicate())
                 elif hasattr(mod, "q_proj"):  # the attention: (x, rope)
                     plan[f"{name}.{sub}"] = PrepareModuleInput(
                         input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
@@ -174,12 +177,22 @@ def _is_norm(module: nn.Module) -> bool:
 
 def _sp_root(model: nn.Module, parallel: Parallel) -> tuple[str, str, str]:
     """Names of the token embedding, final norm and head that sequence parallelism splits, for
-    memfit's builtin decoders (``memfit.models.build.DecoderLM``): a one-line error for other
-    models, whose forward may read the sequence length off the (now split) hidden states, as
-    Hugging Face's position ids do."""
+    memfit's builtin decoders (``memfit.models.build.DecoderLM``) and Hugging Face's Llama,
+    Mistral, Qwen2 and Qwen3 (``hf_pipeline.hf_sp_root``; their position ids are given whole:
+    ``hf_pipeline.full_positions``): a one-line error for other models, whose forward may read
+    the sequence length off the (now split) hidden states, as Hugging Face's position ids do."""
     from memfit.models.build import DecoderLM, Mlp
 
     where = f"Parallel(tp={parallel.tp}, {'sp' if parallel.sp else 'loss_parallel'}=True)"
+    from memfit.parallel.hf_pipeline import hf_sp_root
+
+    hf_root = hf_sp_root(model)  # Hugging Face's Llama family (hf_pipeline.py)
+    if hf_root is not None:
+        if model.lm_head.weight is model.model.embed_tokens.weight:
+            raise MemfitError(f"{where}: tied embeddings are split two ways (embedding by rows, "
+                              "head by columns of the same weight); use sp=False and "
+                              "loss_parallel=False")
+        return hf_root
     if not isinstance(model, DecoderLM):
         raise MemfitError(f"{where} is traced for memfit's builtin decoders so far (build the "
                           f"model with backend='builtin'), not {type(model).__name__}")
@@ -244,6 +257,10 @@ def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any, blocks: list[str] 
     _replicate_the_rest(model, mesh, plan)
     if parallel.sp:
         model.register_forward_pre_hook(_even_sequence(parallel.tp), with_kwargs=True)
+        from memfit.parallel.hf_pipeline import full_positions, is_hf_decoder
+
+        if is_hf_decoder(model):  # its forward would read seq / tp positions (hf_pipeline.py)
+            full_positions(model)
     for mod in model.modules():  # the attention's view() takes the local head counts
         if hasattr(mod, "q_proj"):
             for attr in ("num_heads", "num_kv_heads"):
@@ -268,8 +285,12 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> No
     implementation"). A replicated DTensor holds the same local bytes; tied weights stay one
     parameter."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    inside = tuple(f"{name}." for name in plan)
+    # a module the plan only prepares inputs for (sequence parallelism's attention and MLP)
+    # keeps its own submodules out of the plan: Qwen3's per-head q_norm / k_norm
+    inside = tuple(f"{name}." for name, style in plan.items()
+                   if not isinstance(style, PrepareModuleInput))
     made: dict[int, nn.Parameter] = {}
 
     def wrap(_module: nn.Module, args: tuple) -> tuple:

@@ -54,6 +54,9 @@ class Case:
     """An activation checkpointing policy (``"full"``, ``"selective"``) that :func:`build`
     applies to the model's blocks (``memfit.techniques.checkpointing``), in the trace and in
     the real ranks alike."""
+    backend: str = "builtin"
+    """The builder of :func:`memfit.models.build.build_model`: ``"builtin"`` or
+    ``"transformers"`` (Hugging Face's module of the same spec)."""
 
 
 def tiny_spec(layers: int = 2) -> Any:
@@ -78,7 +81,7 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
     from memfit.models.build import build_model, example_inputs
 
     torch.manual_seed(0)
-    model = build_model(case.spec, backend="builtin", device="cpu")
+    model = build_model(case.spec, backend=getattr(case, "backend", "builtin"), device="cpu")
     inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
     if getattr(case, "checkpointing", None):
         from memfit.techniques.checkpointing import apply_activation_checkpointing

@@ -86,13 +86,20 @@ def stage_layers(num_layers: int, num_stages: int) -> list[range]:
 
 
 def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(``model.model``, ``model.lm_head``) of memfit's builtin decoder, else a one-line error."""
+    """(``model.model``, ``model.lm_head``) of memfit's builtin decoder or of a Hugging Face
+    decoder ``hf_pipeline.HFStageModule`` splits, else a one-line error."""
     from memfit.models.build import DecoderLM
 
     if not isinstance(model, DecoderLM):
+        from memfit.parallel.hf_pipeline import HF_DECODERS, hf_decoder_parts
+
+        parts = hf_decoder_parts(model)  # Hugging Face's Llama family (hf_pipeline.py)
+        if parts is not None:
+            return parts
         raise MemfitError(f"Parallel(pp>1) splits memfit's builtin decoders (memfit.models."
-                          f"build_model), not {type(model).__name__}; build the model with "
-                          "build_model(spec, backend='builtin') or use memfit plan's formulas")
+                          f"build_model) and Hugging Face's {', '.join(HF_DECODERS)}, not "
+                          f"{type(model).__name__}; build the model with build_model(spec, "
+                          "backend='builtin') or use memfit plan's formulas")
     return model.model, model.lm_head
 
 
@@ -213,9 +220,22 @@ def stage_modules(model: nn.Module, parallel: Parallel, rank: int) -> list[Stage
     num_stages = parallel.pp * stages_per_rank(parallel)
     layers = stage_layers(len(decoder.layers), num_stages)
     first_index = pp_rank(parallel, rank)
-    return [StageModule(model, layers[index], index=index, first=index == 0,
-                        last=index == num_stages - 1)
+    cls = _stage_class(model)
+    return [cls(model, layers[index], index=index, first=index == 0,
+                last=index == num_stages - 1)
             for index in (first_index + s * parallel.pp for s in range(stages_per_rank(parallel)))]
+
+
+def _stage_class(model: nn.Module) -> Any:
+    """:class:`StageModule` for memfit's builtin decoders, ``hf_pipeline.HFStageModule`` for
+    Hugging Face's (its forward runs their layers as ``LlamaModel.forward`` does)."""
+    from memfit.models.build import DecoderLM
+
+    if isinstance(model, DecoderLM):
+        return StageModule
+    from memfit.parallel.hf_pipeline import HFStageModule
+
+    return HFStageModule
 
 
 def pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
