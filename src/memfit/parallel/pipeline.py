@@ -392,7 +392,10 @@ class PipelineRole(RankRole):
                                                     batch, seq, group=self.state.get("group"))
             _static_metadata(self.state["pipeline"].schedule)
         pipeline: Pipeline = self.state["pipeline"]
-        with _phases(pipeline.schedule, tracker), _works_hold_their_tensors():
+        from memfit.trace.replay import replaying  # Note: [replaying a pipeline stage's ...]
+
+        with _phases(pipeline.schedule, tracker), _works_hold_their_tensors(), \
+                replaying(pipeline.modules, tracker):
             pipeline.step(inputs)
 
 
