@@ -382,7 +382,7 @@ def estimate_ranks(run: Callable[[RankRole], Any], model: nn.Module, parallel: P
 
         check_experts(model, parallel)
     estimates = []
-    from memfit.trace.replay import ReplayMismatch, disabled
+    from memfit.trace.replay import ReplayMismatch, counts, disabled
 
     for role in rank_roles(model, parallel):
         try:
@@ -397,6 +397,7 @@ def estimate_ranks(run: Callable[[RankRole], Any], model: nn.Module, parallel: P
             state = getattr(role, "state", None)
             if isinstance(state, dict):  # a pipeline role's stages, built in that world
                 state.clear()
+            counts["redone"] += 1
             with disabled(), fake_world(parallel.gpus, role.rank):
                 est = run(role)
         estimates.append(dataclasses.replace(est, ranks=role.ranks, parallel=parallel))

@@ -50,6 +50,9 @@ from memfit.trace.tracker import StorageInfo
 _ENV = "MEMFIT_NO_REPLAY"
 _disabled = 0
 _keys = itertools.count(-1, -1)  # ledger keys of replayed storages: never a real StorageImpl
+counts = {"recorded": 0, "replayed": 0, "redone": 0}
+"""Calls recorded as templates, calls replayed, rank traces redone without replay (this process;
+for tests and benchmarks)."""
 
 
 def enabled() -> bool:
@@ -181,6 +184,7 @@ class _Replay:
             self.failed = True
             return out
         self.forward_t = window
+        counts["recorded"] += 1
         survivors_at = {u: i for i, u in enumerate(
             _uids_of(tracker, start, window.survivors))}
         state: dict[str, Any] = {}
@@ -464,4 +468,5 @@ def _call(replay: _Replay, run: Any, args: tuple[Any, ...], kwargs: dict[str, An
                                         replay.fake_mode).requires_grad_()
         x = replay.anchor
     replay.replayed += 1
+    counts["replayed"] += 1
     return _Replayed.apply(replay, x)
