@@ -13,7 +13,10 @@ and changes that state (the autocast cache of cast weights, the cuBLAS workspace
 matmul of a phase, the first ``.grad`` of each parameter in its backward); micro-batch 1 runs
 where every later one runs: the caches full, every ``.grad`` allocated, the step and the phase
 the same. So the ledger events of micro-batch 1's forward and backward, replayed with fresh uids,
-are those of micro-batch k >= 2, except for what they must share with the world outside the call,
+are those of micro-batch k >= 2, and of micro-batch k >= 1 of the later steps, which start from
+the same state as the first (``zero_grad(set_to_none=True)`` left no ``.grad``, the step's
+autocast cache was cleared when its autocast exited, an optimizer's update is in place and a fake
+one changes no metadata), except for what they must share with the world outside the call,
 which stays real here:
 
 - the forward's output is a real fake tensor (same metadata), watched by the tracker as the
@@ -40,6 +43,7 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,10 +152,10 @@ def _window(tracker: Any, start: tuple[int, int, int, int], foreign: dict[int, i
 
 
 class _Replay:
-    """The state of one stage module's replay in one trace (see the module's note)."""
+    """The state of one stage module's replay in one trace (see the module's note); it holds
+    no reference to the module (the key of ``_REPLAYS``)."""
 
-    def __init__(self, module: torch.nn.Module, tracker: Any) -> None:
-        self.module = module
+    def __init__(self, tracker: Any) -> None:
         self.tracker = tracker
         self.step = -1
         self.calls = 0
@@ -162,9 +166,13 @@ class _Replay:
         self.anchor: torch.Tensor | None = None
 
     def new_step(self) -> None:
+        """A new step: its calls replay the templates of the first step from micro-batch 1 on
+        (every step starts from the same state: see the module's note); without complete
+        templates, micro-batch 1 is recorded again."""
         self.step, self.calls = self.tracker.step, 0
-        self.forward_t = self.backward_t = None
-        self.failed = False
+        if self.failed or self.forward_t is None or self.backward_t is None:
+            self.forward_t = self.backward_t = None
+            self.failed = False
 
     # -- recording -----------------------------------------------------------------------------
 
@@ -415,8 +423,10 @@ def replaying(modules: list[torch.nn.Module], tracker: Any) -> Iterator[None]:
     for module in modules:
         if _has_fsdp(module):
             continue
-        replay = _Replay(module, tracker)
-        replay.saved_keys = {}
+        replay = _REPLAYS.get(module)
+        if replay is None or replay.tracker is not tracker:  # kept across the trace's steps
+            replay = _REPLAYS[module] = _Replay(tracker)
+            replay.saved_keys = {}
         run = module.forward
 
         def forward(*args: Any, _replay: _Replay = replay, _run: Any = run,
@@ -430,6 +440,9 @@ def replaying(modules: list[torch.nn.Module], tracker: Any) -> Iterator[None]:
     finally:
         for module, _ in states:
             del module.forward
+
+
+_REPLAYS: weakref.WeakKeyDictionary[torch.nn.Module, _Replay] = weakref.WeakKeyDictionary()
 
 
 def _has_fsdp(module: torch.nn.Module) -> bool:
@@ -456,7 +469,7 @@ def _call(replay: _Replay, run: Any, args: tuple[Any, ...], kwargs: dict[str, An
         replay.fake_mode = mode
     if index == 0 or replay.failed or not torch.is_grad_enabled():
         return run(*args, **kwargs)
-    if index == 1:
+    if index == 1 and replay.forward_t is None:
         return replay.record(run, args, kwargs)
     window = replay.forward_t
     if window is None or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
