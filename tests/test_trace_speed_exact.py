@@ -23,12 +23,16 @@ from memfit.trace import replay
 
 
 def _estimate(pp: int, tp: int, microbatches: int, schedule: str = "1f1b",
-              layers: int = 4) -> memfit.Estimate:
+              layers: int = 4, checkpointing: str | None = None) -> memfit.Estimate:
     from memfit.models.build import build_model, example_inputs
     from memfit.parallel.measure import tiny_spec
 
     spec = tiny_spec(layers=layers)
     model = build_model(spec, backend="builtin", device="meta")
+    if checkpointing:
+        from memfit.techniques.checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, policy=checkpointing)
     inputs = example_inputs(spec, batch=microbatches, seq=64, device="meta")
     parallel = memfit.Parallel(gpus=pp * tp, tp=tp, pp=pp, microbatches=microbatches,
                                pp_schedule=schedule)
@@ -42,18 +46,20 @@ def _fields(est: memfit.Estimate) -> list[dict[str, object]]:
              if f.name not in ("trace_seconds", "per_rank")} for e in est.per_rank]
 
 
-@pytest.mark.parametrize(("pp", "tp", "microbatches", "schedule"), [
-    (4, 2, 8, "1f1b"),  # issue 14's 405B layout in small: TP inside each stage, 1F1B
-    (2, 1, 4, "gpipe"),  # every forward before any backward: replays before the backward's template
-    (2, 1, 4, "interleaved-1f1b"),  # two stage modules per rank
+@pytest.mark.parametrize(("pp", "tp", "microbatches", "schedule", "checkpointing"), [
+    (4, 2, 8, "1f1b", None),  # issue 14's 405B layout in small: TP inside each stage, 1F1B
+    (2, 1, 4, "gpipe", None),  # every forward before any backward: replays before the
+    # backward's template is recorded
+    (2, 1, 4, "interleaved-1f1b", None),  # two stage modules per rank
+    (2, 2, 4, "1f1b", "selective"),  # the recompute runs inside the replayed backward
 ])
 def test_replayed_micro_batches_give_the_estimate_of_the_real_trace(
-        pp: int, tp: int, microbatches: int, schedule: str) -> None:
+        pp: int, tp: int, microbatches: int, schedule: str, checkpointing: str | None) -> None:
     before = dict(replay.counts)
-    fast = _estimate(pp, tp, microbatches, schedule)
+    fast = _estimate(pp, tp, microbatches, schedule, checkpointing=checkpointing)
     used = replay.counts["replayed"] - before["replayed"]
     with replay.disabled():
-        slow = _estimate(pp, tp, microbatches, schedule)
+        slow = _estimate(pp, tp, microbatches, schedule, checkpointing=checkpointing)
     # the replay acted: micro-batches 2.. of each stage module in the first step, 1.. in the
     # second, on every rank role
     modules = len(slow.per_rank) * (2 if schedule == "interleaved-1f1b" else 1)
@@ -88,3 +94,19 @@ def test_replay_is_off_with_the_environment_variable(monkeypatch: pytest.MonkeyP
     assert replay.enabled()
     with replay.disabled():
         assert not replay.enabled()
+
+
+def test_an_engine_callback_runs_when_the_backward_ends() -> None:
+    """``torch_internals.queue_engine_callback`` (``Variable._execution_engine.queue_callback``),
+    which closes a recorded backward window: queued from a gradient hook, it runs after every
+    node, the leaf's ``AccumulateGrad`` included."""
+    import torch
+
+    from memfit._compat.torch_internals import queue_engine_callback
+
+    x = torch.ones(3, requires_grad=True)
+    seen: list[object] = []
+    h = x * 2
+    h.register_hook(lambda _g: queue_engine_callback(lambda: seen.append(x.grad)))
+    h.sum().backward()
+    assert len(seen) == 1 and isinstance(seen[0], torch.Tensor)
