@@ -42,6 +42,7 @@ from memfit.analytic.planner import plan
 from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.models import get_preset, list_presets
+from memfit.parallel import Parallel
 
 TOLERANCE = 0.05
 POINTS = ((1, 512), (4, 1024))
@@ -95,7 +96,8 @@ class Row:
 def run_config(spec: Any, mode: str, checkpointing: str, batch: int, seq: int,
                gpus: int = 1) -> RunConfig:
     seq_used = None if spec.arch == "vision" else min(seq, spec.default_seq_len)
-    extra = {"engine": "ddp"} if gpus == 1 else {"engine": "fsdp2", "gpus": gpus, "zero": 3}
+    extra = ({"engine": "ddp"} if gpus == 1
+             else {"engine": "fsdp2", "parallel": Parallel(gpus=gpus, zero=3)})
     return RunConfig(mode=mode, checkpointing=checkpointing, batch=batch, seq=seq_used,
                      precision="bf16-mixed", optimizer="adamw", **extra)
 

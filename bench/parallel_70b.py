@@ -89,8 +89,8 @@ def main() -> None:
     import memfit
 
     spec = memfit.resolve_model("llama-3-70b")
-    run = memfit.RunConfig(mode="train", precision="bf16-mixed", batch=1, seq=4096, gpus=64,
-                           zero=3, engine="fsdp2")
+    run = memfit.RunConfig(mode="train", precision="bf16-mixed", batch=1, seq=4096,
+                           parallel=memfit.Parallel(gpus=64, zero=3), engine="fsdp2")
     plan = memfit.plan(spec, run, memfit.get_gpu("h100-80gb"))
     load = os.getloadavg()
     sources = {"this": ROOT / "src"}

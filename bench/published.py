@@ -626,7 +626,7 @@ def predict_plan(case: dict[str, Any]) -> int:
 
     cfg = case["config"]
     spec = cfg["plan"]
-    plan = memfit.plan(memfit.resolve_model(spec["model"]), memfit.RunConfig(**spec["run"]),
+    plan = memfit.plan(memfit.resolve_model(spec["model"]), memfit.RunConfig.from_dict(spec["run"]),
                        gpu=memfit.get_gpu(cfg["gpu"]) if cfg.get("gpu") else None)
     if case["quantity"] == "nvidia-smi" and "context_bytes_measured" in cfg:
         return int(plan.total_bytes - plan.runtime_parts.get("cuda_context", 0)

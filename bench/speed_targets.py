@@ -53,11 +53,12 @@ def slowest_preset_plan() -> tuple[float, float]:
     from memfit.analytic.planner import plan
     from memfit.gpus import get_gpu
     from memfit.models import list_presets
+    from memfit.parallel import Parallel
 
     gpu = get_gpu("h100-80gb")
     runs = [RunConfig(), RunConfig(mode="lora"), RunConfig(mode="qlora", checkpointing="full"),
             RunConfig(mode="inference", precision="bf16", new_tokens=128),
-            RunConfig(gpus=8, zero=3, checkpointing="selective")]
+            RunConfig(parallel=Parallel(gpus=8, zero=3), checkpointing="selective")]
     slowest = (0.0, 0.0)
     for spec in list_presets():
         for run in runs:

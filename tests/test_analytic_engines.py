@@ -21,6 +21,7 @@ from memfit.categories import MemoryCategory as C
 from memfit.errors import MemfitError
 from memfit.models import get_preset
 from memfit.models.spec import ParamCountSpec, TransformerSpec
+from memfit.parallel import Parallel
 
 B, S, H = 2, 64, 128  # every tensor a multiple of 512 bytes: no CUDA rounding in the trace
 GiB = 2**30
@@ -131,8 +132,8 @@ def test_llama_31_8b_fsdp_selective_is_close_to_torchtitans_measurement() -> Non
     reserved. torchtitan's op-level policy keeps every other matmul; memfit's keeps them all, so
     the plan for memfit's policy must not be under the measurement, and within 15% of it."""
     spec = get_preset("llama-3.1-8b")
-    run = RunConfig(engine="fsdp2", gpus=8, zero=3, checkpointing="selective", batch=2,
-                    seq=8192)
+    run = RunConfig(engine="fsdp2", parallel=Parallel(gpus=8, zero=3), checkpointing="selective",
+                    batch=2, seq=8192)
     total = plan(spec, run).total_bytes
     assert 82.4 * GiB <= total <= 1.15 * 82.4 * GiB
     none = plan(spec, dataclasses.replace(run, checkpointing="none")).total_bytes
@@ -156,7 +157,8 @@ def test_zero2_offload_matches_deepspeeds_estimator() -> None:
     model (not a steady state). N = 4 on one node: 16Ψ per node, 16Ψ/4 per GPU."""
     n = 4
     p = plan(ParamCountSpec(name="7B", params=PSI),
-             RunConfig(engine="deepspeed", gpus=n, zero=2, offload_optimizer=True))
+             RunConfig(engine="deepspeed", parallel=Parallel(gpus=n, zero=2),
+                       offload_optimizer=True))
     assert states_on_gpu(p) == 2 * PSI
     deepspeed_cpu_per_node = PSI * max(4 * n, 16) * 1.5
     assert p.host_bytes * n == deepspeed_cpu_per_node / 1.5
@@ -170,8 +172,8 @@ def test_zero3_offload_matches_deepspeeds_estimator(offload_params: bool) -> Non
     of Llama-2-7B is its embedding (or LM head), 32,000 x 4,096."""
     spec = get_preset("llama-2-7b")
     psi = spec.param_count()
-    p = plan(spec, RunConfig(engine="deepspeed", gpus=8, zero=3, offload_optimizer=True,
-                             offload_params=offload_params))
+    p = plan(spec, RunConfig(engine="deepspeed", parallel=Parallel(gpus=8, zero=3),
+                             offload_optimizer=True, offload_params=offload_params))
     gpu_states = 2 * psi // 8 if not offload_params else 0
     assert states_on_gpu(p) == pytest.approx(gpu_states, abs=8)
     assert p.engine_buffers["gathered module and its gradient"] == 4 * 32_000 * 4_096
@@ -187,7 +189,8 @@ def test_zero3_offload_7b_is_half_a_gib_of_model_states_not_13() -> None:
     elements of bf16, deepspeed/runtime/zero/config.py) comes on top, as DeepSpeed allocates
     it (stage3.py: _setup_for_real_optimizer)."""
     spec = get_preset("llama-2-7b")
-    p = plan(spec, RunConfig(zero=3, offload_optimizer=True, offload_params=True))
+    p = plan(spec, RunConfig(parallel=Parallel(gpus=1, zero=3), offload_optimizer=True,
+                             offload_params=True))
     assert p.run.layout == "deepspeed"
     assert states_on_gpu(p) == 0
     assert p.engine_buffers["gathered module and its gradient"] == 4 * 131_072_000
@@ -199,8 +202,8 @@ def test_nvme_tier_reports_host_and_nvme_bytes() -> None:
     (deepspeed/runtime/zero/offload_config.py: parameters 5 buffers x 1e8 elements in 16-bit;
     optimizer 4 buffers of a sub-group, at most sub_group_size = 1e9 fp32 elements)."""
     model = ParamCountSpec(name="7B", params=PSI)
-    p = plan(model, RunConfig(engine="deepspeed", gpus=8, zero=3, offload_optimizer=True,
-                              offload_params=True, offload_to="nvme"))
+    p = plan(model, RunConfig(engine="deepspeed", parallel=Parallel(gpus=8, zero=3),
+                              offload_optimizer=True, offload_params=True, offload_to="nvme"))
     assert p.nvme_bytes == 18 * PSI // 8
     assert p.host_bytes == 5 * 10**8 * 2 + 4 * min(PSI // 8, 10**9) * 4
     assert "NVMe for offloaded states" in p.table().text()
@@ -211,12 +214,12 @@ def test_fsdp2_cpu_offload_moves_parameters_gradients_and_states() -> None:
     MixedPrecisionPolicy), gradients (fp32) and AdamW states on the host: 16Ψ/N; on the GPU
     none of them."""
     model = ParamCountSpec(name="7B", params=PSI)
-    on_gpu = plan(model, RunConfig(engine="fsdp2", gpus=8))
+    on_gpu = plan(model, RunConfig(engine="fsdp2", parallel=Parallel(gpus=8)))
     assert on_gpu.run.zero == 3
     b = on_gpu.breakdown
     assert (b[C.WEIGHTS], b[C.GRADIENTS], b[C.OPTIMIZER_STATES]) == (
         4 * PSI // 8, 4 * PSI // 8, 8 * PSI // 8)
-    off = plan(model, RunConfig(engine="fsdp2", gpus=8, offload_params=True,
+    off = plan(model, RunConfig(engine="fsdp2", parallel=Parallel(gpus=8), offload_params=True,
                                 offload_optimizer=True))
     assert states_on_gpu(off) == 0 and off.host_bytes == 16 * PSI // 8
     assert off.breakdown[C.TEMPORARIES] == 0  # the optimizer steps on the CPU
@@ -233,7 +236,8 @@ def test_fsdp2_cpu_offload_moves_parameters_gradients_and_states() -> None:
 def test_megatron_bytes_per_parameter(precision: str, zero: int,
                                       bytes_per_param: float) -> None:
     p = plan(ParamCountSpec(name="8B", params=8 * 10**9),
-             RunConfig(engine="megatron", precision=precision, gpus=8, zero=zero))
+             RunConfig(engine="megatron", precision=precision,
+                       parallel=Parallel(gpus=8, zero=zero or None)))
     assert states_on_gpu(p) == bytes_per_param * 8 * 10**9
     assert "engine: Megatron-LM" in p.describe()
 
@@ -243,11 +247,11 @@ def test_ddp_keeps_fp32_parameters_and_gradients_and_buckets() -> None:
     ZeroRedundancyOptimizer (zero 1) shards the states; DDP's buckets copy the gradients
     (gradient_as_bucket_view=False)."""
     model = ParamCountSpec(name="1B", params=10**9)
-    p = plan(model, RunConfig(engine="ddp", gpus=4))
+    p = plan(model, RunConfig(engine="ddp", parallel=Parallel(gpus=4)))
     b = p.breakdown
     assert (b[C.WEIGHTS], b[C.GRADIENTS], b[C.OPTIMIZER_STATES]) == (4e9, 4e9, 8e9)
     assert p.engine_buffers == {"DDP gradient buckets": 4 * 10**9}
-    z1 = plan(model, RunConfig(engine="ddp", gpus=4, zero=1))
+    z1 = plan(model, RunConfig(engine="ddp", parallel=Parallel(gpus=4, zero=1)))
     assert z1.breakdown[C.OPTIMIZER_STATES] == 2 * 10**9
 
 
@@ -258,7 +262,7 @@ def test_engines_compute_activations_in_their_own_precision() -> None:
     spec = get_preset("llama-3.2-1b")
     auto = training_activations(spec, RunConfig(batch=1, seq=512, checkpointing="full"), 512)
     fsdp = training_activations(spec, RunConfig(batch=1, seq=512, checkpointing="full",
-                                                 engine="fsdp2", gpus=8), 512)
+                                                engine="fsdp2", parallel=Parallel(gpus=8)), 512)
     assert fsdp.activations < auto.activations
 
 
@@ -291,7 +295,7 @@ def test_plan_names_its_engine(capsys) -> None:
     assert code == 0
     assert json.loads(out)["engine"] == "megatron"
     with pytest.raises(MemfitError, match="ZeRO-3"):
-        RunConfig(engine="fsdp2", zero=1, gpus=2)
+        RunConfig(engine="fsdp2", parallel=Parallel(gpus=2, zero=1))
 
 
 def test_megatron_vocab_parallel_cross_entropy() -> None:
@@ -301,10 +305,10 @@ def test_megatron_vocab_parallel_cross_entropy() -> None:
     Face's loss holds two fp32 logits-sized gradients (8 B)."""
     spec = get_preset("llama-3-8b")
     s, b, tp = 4096, 1, 8
-    hf = training_activations(spec, RunConfig(engine="fsdp2", gpus=8, tp=8, batch=b, seq=s,
-                                              checkpointing="full"), s)
-    mega = training_activations(spec, RunConfig(engine="megatron", gpus=8, tp=8, batch=b, seq=s,
-                                                checkpointing="full"), s)
+    hf = training_activations(spec, RunConfig(engine="fsdp2", parallel=Parallel(gpus=8, tp=8),
+                                              batch=b, seq=s, checkpointing="full"), s)
+    mega = training_activations(spec, RunConfig(engine="megatron", parallel=Parallel(gpus=8, tp=8),
+                                                batch=b, seq=s, checkpointing="full"), s)
     local_vocab = 128_256 // tp
     assert hf.moment == mega.moment == "loss"
     assert hf.temporaries == 8 * s * b * local_vocab

@@ -12,6 +12,7 @@ from memfit.analytic.planner import plan
 from memfit.categories import MemoryCategory as C
 from memfit.errors import MemfitError
 from memfit.models.spec import ParamCountSpec, TransformerSpec
+from memfit.parallel import Parallel
 
 GB = 1e9
 
@@ -40,7 +41,8 @@ def states_total(model, run) -> int:
 def test_zero_paper_example(zero: int, expected_gb: float) -> None:
     # ZeRO paper Fig. 1: Ψ = 7.5B, N_d = 64, K = 12, mixed-precision Adam.
     model = ParamCountSpec(name="7.5B", params=7_500_000_000)
-    run = RunConfig(precision="fp16-mixed", optimizer="adam", gpus=64, zero=zero)
+    run = RunConfig(precision="fp16-mixed", optimizer="adam", parallel=Parallel(gpus=64,
+                                                                                zero=zero or None))
     assert states_total(model, run) / GB == pytest.approx(expected_gb, abs=0.05)
 
 
@@ -48,8 +50,9 @@ def test_zero_formulas_exact() -> None:
     # Per-GPU bytes: 16Ψ; 4Ψ + 12Ψ/N; 2Ψ + 14Ψ/N; 16Ψ/N.
     psi, n = 7_500_000_000, 64
     model = ParamCountSpec(name="x", params=psi)
-    got = [states_total(model, RunConfig(precision="bf16-mixed", optimizer="adamw", gpus=n,
-                                         zero=z)) for z in range(4)]
+    got = [states_total(model, RunConfig(precision="bf16-mixed", optimizer="adamw",
+                                         parallel=Parallel(gpus=n,
+                                                           zero=z or None))) for z in range(4)]
     assert got == [16 * psi, 4 * psi + 12 * psi // n, 2 * psi + 14 * psi // n, 16 * psi // n]
 
 
@@ -188,8 +191,8 @@ def test_offload_moves_states_to_host() -> None:
     assert p.breakdown[C.OPTIMIZER_STATES] == 0
     assert p.host_bytes == 16 * 10**9
     assert p.run.layout == "deepspeed" and "engine: DeepSpeed" in p.describe()
-    p3 = plan(model, RunConfig(precision="bf16-mixed", gpus=8, zero=3, offload_optimizer=True,
-                               offload_params=True))
+    p3 = plan(model, RunConfig(precision="bf16-mixed", parallel=Parallel(gpus=8, zero=3),
+                               offload_optimizer=True, offload_params=True))
     assert p3.breakdown[C.WEIGHTS] == p3.breakdown[C.GRADIENTS] == 0
     assert p3.host_bytes == 18 * 10**9 // 8
 
@@ -203,7 +206,7 @@ def test_params_only_says_activations_unknown() -> None:
 
 def test_pipeline_first_stage_holds_pp_microbatches() -> None:
     run1 = RunConfig(batch=1, seq=1024)
-    piped = RunConfig(batch=1, seq=1024, pp=4, gpus=4, grad_accum=8)
+    piped = RunConfig(batch=1, seq=1024, parallel=Parallel(gpus=4, pp=4), grad_accum=8)
     per_layer = training_activations(LLAMA3_8B, run1, 1024).per_layer
     first = training_activations(LLAMA3_8B, piped, 1024, stage=0).activations
     last = training_activations(LLAMA3_8B, piped, 1024, stage=3).activations
@@ -223,7 +226,7 @@ def test_optimizer_step_temporaries() -> None:
         C.TEMPORARIES] == 0
     offloaded = plan(model, RunConfig(precision="fp32", offload_optimizer=True))
     assert offloaded.breakdown[C.TEMPORARIES] == 0  # DeepSpeedCPUAdam steps on the host
-    sharded = plan(model, RunConfig(precision="fp32", gpus=8, zero=1))
+    sharded = plan(model, RunConfig(precision="fp32", parallel=Parallel(gpus=8, zero=1)))
     assert sharded.breakdown[C.TEMPORARIES] == 4 * 10**9 // 8
 
 
@@ -247,13 +250,26 @@ def test_memory_shrinks_with_each_technique() -> None:
     ({"mode": "train", "weight_quant": "int4"}, "qlora"),
 ])
 def test_bad_run_config(kwargs: dict, match: str) -> None:
+    """Given flat, as plan files written before RunConfig held a Parallel name the layout
+    (RunConfig.from_dict); the layout's own errors also come from Parallel directly."""
     with pytest.raises(MemfitError, match=match):
-        RunConfig(**kwargs)
+        RunConfig.from_dict(kwargs)
+
+
+@pytest.mark.parametrize(("layout", "match"), [
+    ({"gpus": 1, "zero": 4}, r"Parallel\(zero=4\)"),
+    ({"gpus": 6, "tp": 4}, "does not divide gpus=6"),
+])
+def test_bad_parallel_in_run_config(layout: dict, match: str) -> None:
+    with pytest.raises(MemfitError, match=match):
+        RunConfig(parallel=Parallel(**layout))
+    with pytest.raises(MemfitError, match=r"memfit\.Parallel"):
+        RunConfig(parallel=layout)  # type: ignore[arg-type]
 
 
 def test_tp_must_divide_heads() -> None:
     with pytest.raises(MemfitError, match="heads"):
-        plan(LLAMA3_8B, RunConfig(tp=3, gpus=3))
+        plan(LLAMA3_8B, RunConfig(parallel=Parallel(gpus=3, tp=3)))
 
 
 def test_lora_needs_architecture() -> None:
@@ -269,7 +285,7 @@ def test_every_preset_plans_in_every_mode() -> None:
     gpu = get_gpu("h100-80gb")
     runs = [RunConfig(), RunConfig(mode="lora"), RunConfig(mode="qlora", checkpointing="full"),
             RunConfig(mode="inference", precision="bf16", new_tokens=128),
-            RunConfig(gpus=8, zero=3, checkpointing="selective")]
+            RunConfig(parallel=Parallel(gpus=8, zero=3), checkpointing="selective")]
     for spec in list_presets():
         for run in runs:
             p = plan(spec, run, gpu)

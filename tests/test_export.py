@@ -17,6 +17,7 @@ from memfit.export import TARGETS, PlanSettings, export_plan, read_plan
 from memfit.fitting.config import FitConfig
 from memfit.fitting.cost import StepCost
 from memfit.fitting.plan import Candidate, Plan
+from memfit.parallel import Parallel
 
 
 def fit_plan(*, num_gpus: int = 1, global_batch: int | None = None, **config) -> Plan:
@@ -58,8 +59,8 @@ def test_fit_plan_settings_round_trip_through_its_file(tmp_path):
     # 4 micro x 4 accumulation x 4 GPUs = 64, the plan's global batch.
     assert (s.source, s.precision, s.checkpointing, s.micro_batch, s.accumulation) == (
         "fit", "bf16-mixed", "full", 4, 4)
-    assert (s.gpus, s.dp, s.zero, s.offload_optimizer, s.optimizer) == (4, 4, 2, True,
-                                                                       "adamw-8bit")
+    assert (s.parallel.gpus, s.parallel.dp, s.zero, s.offload_optimizer, s.optimizer) == (
+        4, 4, 2, True, "adamw-8bit")
     assert s.global_batch == 64
 
 
@@ -71,7 +72,7 @@ def test_analytic_plan_from_the_plan_command(tmp_path, capsys):
     assert code == 0
     (tmp_path / "a.json").write_text(out)
     s = read_plan(tmp_path / "a.json")
-    assert (s.source, s.gpus, s.dp, s.zero, s.micro_batch, s.accumulation) == (
+    assert (s.source, s.parallel.gpus, s.parallel.dp, s.zero, s.micro_batch, s.accumulation) == (
         "plan", 8, 8, 3, 2, 4)
     assert s.offload_optimizer and s.offload_params and s.checkpointing == "full"
     assert s.global_batch == 2 * 4 * 8
@@ -89,7 +90,8 @@ def test_parallel_fields_flat_or_nested():
     from memfit.export.settings import settings_from_dict
 
     s = settings_from_dict(nested)
-    assert (s.dp, s.tp, s.pp, s.zero, s.replicate, s.shard, s.nodes) == (4, 2, 2, 3, 2, 2, 4)
+    assert (s.parallel.dp, s.parallel.tp, s.parallel.pp, s.zero, s.replicate, s.shard,
+            s.nodes) == (4, 2, 2, 3, 2, 2, 4)
     assert settings_from_dict(flat) == s
 
 
@@ -233,4 +235,4 @@ def test_target_names_take_case_and_underscores():
 
 def test_settings_validate_directly():
     with pytest.raises(MemfitError, match="HSDP replicas need sharded"):
-        PlanSettings(source="plan", gpus=8, replicate=2)
+        PlanSettings(source="plan", parallel=Parallel(gpus=8, zero=2, fsdp=4))  # 2 replicas

@@ -18,25 +18,27 @@ from unittest import mock
 import pytest
 
 from memfit.export import PlanSettings, export_plan
+from memfit.parallel import Parallel
 
 
 def plan(**kw) -> PlanSettings:
     return PlanSettings(source="plan", **kw)
 
 
-FSDP8 = plan(precision="bf16-mixed", checkpointing="full", micro_batch=2, accumulation=4, gpus=8,
-             zero=3)
-ZERO2_OFFLOAD = plan(precision="bf16-mixed", micro_batch=2, accumulation=4, gpus=8, zero=2,
-                     offload_optimizer=True)
-ZERO3_OFFLOAD = plan(precision="fp16-mixed", micro_batch=1, accumulation=16, gpus=16, zero=3,
-                     offload_optimizer=True, offload_params=True, engine="deepspeed")
-HSDP16 = plan(precision="bf16-mixed", micro_batch=1, accumulation=2, gpus=16, zero=3,
-              replicate=2)
-DDP2 = plan(precision="fp16-mixed", micro_batch=4, gpus=2)
+FSDP8 = plan(precision="bf16-mixed", checkpointing="full", micro_batch=2, accumulation=4,
+             parallel=Parallel(gpus=8, zero=3))
+ZERO2_OFFLOAD = plan(precision="bf16-mixed", micro_batch=2, accumulation=4,
+                     parallel=Parallel(gpus=8, zero=2), offload_optimizer=True)
+ZERO3_OFFLOAD = plan(precision="fp16-mixed", micro_batch=1, accumulation=16,
+                     parallel=Parallel(gpus=16, zero=3), offload_optimizer=True,
+                     offload_params=True, engine="deepspeed")
+HSDP16 = plan(precision="bf16-mixed", micro_batch=1, accumulation=2,
+              parallel=Parallel(gpus=16, zero=3, fsdp=8))  # 2 replicas of 8
+DDP2 = plan(precision="fp16-mixed", micro_batch=4, parallel=Parallel(gpus=2))
 ONE = plan(precision="fp32", micro_batch=4, accumulation=2)
-TP = plan(precision="bf16-mixed", micro_batch=2, gpus=8, tp=2, zero=3, sequence_parallel=True)
-PP = plan(precision="bf16", checkpointing="selective", micro_batch=1, accumulation=8, gpus=8,
-          pp=4, zero=3)
+TP = plan(precision="bf16-mixed", micro_batch=2, parallel=Parallel(gpus=8, tp=2, zero=3, sp=True))
+PP = plan(precision="bf16", checkpointing="selective", micro_batch=1, accumulation=8,
+          parallel=Parallel(gpus=8, pp=4, zero=3))
 
 
 def needs(module: str, why: str = ""):
@@ -358,7 +360,8 @@ def test_torchtitan_overrides_parse_with_its_tyro_rules(tmp_path):
     cfg, _ = parse(TP)
     assert (cfg.parallelism.tensor_parallel_degree, cfg.parallelism.enable_sequence_parallel,
             cfg.parallelism.data_parallel_shard_degree) == (2, True, 4)
-    cfg, _ = parse(PlanSettings(source="plan", gpus=8, tp=2, zero=3))  # TP without SP
+    cfg, _ = parse(PlanSettings(source="plan", parallel=Parallel(gpus=8, tp=2,
+                                                                 zero=3)))  # TP without SP
     assert cfg.parallelism.enable_sequence_parallel is False
 
     cfg, out = parse(ZERO3_OFFLOAD)  # fp16-mixed: torchtitan has no fp16

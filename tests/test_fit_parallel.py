@@ -92,7 +92,7 @@ def test_bad_layout_input_is_one_line(kwargs: dict[str, Any], words: str) -> Non
 @pytest.mark.parametrize(("argv", "words"), [
     (["--gpus", "8", "--gpus-per-node", "3"], "gpus_per_node=3"),
     (["--gpus", "8", "--gpus-per-node", "4", "--tp", "8"], "beyond a node"),
-    (["--gpus", "6", "--tp", "4"], "does not divide gpus=6"),
+    (["--gpus", "6", "--tp", "4"], "not divisible by tp x pp = 4"),
 ])
 def test_cli_bad_layout_exits_2_with_one_line(capsys: Any, argv: list[str], words: str) -> None:
     code = main(["fit", "llama-3.2-1b", "--gpu", "h100-80gb", "--global-batch", "48", "--seq",
@@ -186,7 +186,9 @@ def test_export_reads_the_layout() -> None:
                 rejected=(), budget_bytes=2, global_batch=2 * 2 * 8, num_gpus=16,
                 device="cuda", gpu="h100-80gb", rates_source="test")
     s = settings_from_plan(plan)
-    assert (s.gpus, s.tp, s.pp, s.dp, s.zero, s.replicate, s.gpus_per_node) == (
+    assert s.parallel == par
+    assert (s.parallel.gpus, s.parallel.tp, s.parallel.pp, s.parallel.dp, s.zero, s.replicate,
+            s.gpus_per_node) == (
         16, 2, 1, 8, 3, 2, 8)
     assert s.unknown == {}
     assert Plan.from_dict(plan.to_dict()).parallel == par
@@ -282,22 +284,23 @@ def test_plan_apply_trains_like_one_process(layout: dict[str, Any], world: int) 
 
 
 def test_apply_needs_torchrun_and_names_what_it_cannot_run_yet() -> None:
-    """Without torch.distributed: how to start the ranks. A pipeline layout, which
-    memfit.parallel.apply.apply_model does not apply yet: one line saying so and the way out
-    (over a fake 2-rank process group, memfit/parallel/trace.py: fake_world)."""
+    """Without torch.distributed: how to start the ranks. A pipeline beside DDP, which Plan.apply
+    does not run (pipelines run alone, with tp and with FSDP2: tests/test_fit_pipeline.py): one
+    line saying so and the way out (over a fake 4-rank process group, memfit/parallel/trace.py:
+    fake_world)."""
     from memfit.fitting.apply import apply_config
     from memfit.parallel.trace import fake_world
 
-    par = Parallel(gpus=2, pp=2)
-    cfg = FitConfig(micro_batch=2, accumulation=2, parallel=par)
+    par = Parallel(gpus=4, pp=2)  # dp 2 without sharding: DDP
+    cfg = FitConfig(micro_batch=1, accumulation=2, parallel=par)
     model, _ = tiny()
-    with pytest.raises(MemfitError, match="torchrun --nproc-per-node 2") as info:
-        apply_config(model, cfg, num_gpus=2)
+    with pytest.raises(MemfitError, match="torchrun --nproc-per-node 4") as info:
+        apply_config(model, cfg, num_gpus=4)
     assert "\n" not in str(info.value)
-    with fake_world(2, 0), pytest.raises(MemfitError, match="cannot run dp 1 x tp 1 x pp 2") \
+    with fake_world(4, 0), pytest.raises(MemfitError, match="cannot run this pipeline plan") \
             as info:
-        apply_config(model, cfg, num_gpus=2)
-    assert "\n" not in str(info.value) and "--pp 1" in str(info.value)
+        apply_config(model, cfg, num_gpus=4)
+    assert "\n" not in str(info.value) and "fsdp = gpus / (pp * tp)" in str(info.value)
 
 
 def test_cli_fit_over_gpus_saves_the_layout(tmp_path: Path, monkeypatch: Any,

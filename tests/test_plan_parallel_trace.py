@@ -78,7 +78,7 @@ COMMON = ("--gpu", "h100-80gb", "--batch", str(BATCH), "--seq", str(SEQ))
 
 def test_fsdp_plan_traces_each_rank_by_default(capsys, tmp_path) -> None:
     """`plan --gpus 2 --fsdp` (bf16-mixed) reports the per-rank trace's numbers, equal to an
-    independent `memfit.estimate(..., precision="fp32", parallel=Parallel(gpus=2, fsdp=2,
+    independent `memfit.estimate(..., precision="fp32", parallel=memfit.Parallel(gpus=2, fsdp=2,
     param_dtype="bf16", reduce_dtype="fp32"))` (torchtitan's FSDP2 mixed precision: see the
     module's docstring), and says which method and engine produced them."""
     import memfit
@@ -100,7 +100,7 @@ def test_fsdp_plan_traces_each_rank_by_default(capsys, tmp_path) -> None:
     assert data["analytic"]["agrees"] == (abs(data["analytic"]["error"]) <= 0.05)
     assert data["analytic"]["agrees"] or data["analytic"]["why"]
     # The run object an export reads.
-    assert data["run"]["gpus"] == 2 and data["run"]["zero"] == 3
+    assert data["run"]["parallel"]["gpus"] == 2 and data["run"]["parallel"]["zero"] == 3
 
     code, out, err = run(capsys, "plan", path, "--gpus", "2", "--fsdp", *COMMON)
     assert code == 0, err
@@ -130,7 +130,8 @@ def test_fsdp_n_is_hsdp(capsys, tmp_path) -> None:
 
 def test_ddp_plan_traces_under_autocast(capsys, tmp_path) -> None:
     """`--gpus 2` without sharding is DDP (its gradient buckets) under autocast: the same
-    numbers as `memfit.estimate(..., parallel=Parallel(gpus=2))`; full checkpointing is applied
+    numbers as `memfit.estimate(...,
+                                parallel=memfit.Parallel(gpus=2))`; full checkpointing is applied
     before the layout, as the single-GPU trace applies it."""
     import memfit
 
@@ -156,7 +157,8 @@ def test_method_analytic_gives_the_formulas(capsys, tmp_path) -> None:
     data = json.loads(out)
     assert "per_rank" not in data
     want = memfit.plan(memfit.resolve_model(path),
-                       memfit.RunConfig(gpus=2, zero=3, batch=BATCH, seq=SEQ),
+                       memfit.RunConfig(parallel=memfit.Parallel(gpus=2, zero=3), batch=BATCH,
+                                        seq=SEQ),
                        memfit.get_gpu("h100-80gb"))
     assert data["per_gpu"]["total_bytes"] == want.total_bytes
     assert data["engine"] == "zero-paper"
@@ -226,8 +228,8 @@ def test_disagreement_reason_names_the_gap_and_the_categories(tmp_path) -> None:
     from memfit.units import format_bytes
 
     spec = memfit.resolve_model(tiny_llama(tmp_path))
-    analytic = memfit.plan(spec, memfit.RunConfig(gpus=8, zero=3, engine="fsdp2", batch=BATCH,
-                                                  seq=SEQ))
+    analytic = memfit.plan(spec, memfit.RunConfig(parallel=memfit.Parallel(gpus=8, zero=3),
+                                                  engine="fsdp2", batch=BATCH, seq=SEQ))
     unsharded = 36_992 * 6 + (2 * VOCAB * H + H) * 2
     assert analytic.engine_buffers["unsharded gradients"] == unsharded
 
@@ -264,7 +266,8 @@ def test_disagreement_reason_names_an_untied_root(tmp_path) -> None:
     path = tmp_path / "big_vocab.json"
     path.write_text(json.dumps(cfg))
     spec = memfit.resolve_model(str(path))
-    run = memfit.RunConfig(gpus=8, zero=3, engine="fsdp2", batch=BATCH, seq=SEQ)
+    run = memfit.RunConfig(parallel=memfit.Parallel(gpus=8, zero=3), engine="fsdp2", batch=BATCH,
+                           seq=SEQ)
     assert fsdp_root_params(spec, run) == fsdp_unit_params(spec, run) == 524_352
     analytic = memfit.plan(spec, run)
     trace = dict(analytic.breakdown)
@@ -324,7 +327,7 @@ def test_pp_on_a_preset_is_traced_on_the_builtin_decoder(capsys, pipeline_warmed
     """`plan gpt2 --gpus 2 --pp 2` traces each stage of memfit's builtin GPT-2 (Hugging Face's
     module is not split by memfit's pipeline) and says so in one line: the numbers equal an
     independent `memfit.estimate(build_model(spec, backend="builtin"), ...,
-    parallel=Parallel(gpus=2, pp=2))` under autocast (no FSDP), stage 0 on rank 0, stage 1 on
+    parallel=memfit.Parallel(gpus=2, pp=2))` under autocast (no FSDP), stage 0 on rank 0, stage 1 on
     rank 1 (the (pp, dp) mesh). `--batch 1` is the micro-batch: the step runs pp = 2 of them
     (Parallel's default micro-batches), so the independent call gets 2 rows."""
     import memfit

@@ -13,6 +13,7 @@ from memfit.analytic.config import RunConfig
 from memfit.analytic.planner import plan
 from memfit.cli import main
 from memfit.models.spec import ParamCountSpec
+from memfit.parallel import Parallel
 from memfit.units import format_bytes
 
 # A small Llama: 4 layers, hidden 256, 8 heads (2 KV heads of 32), MLP 512, vocab 1000, untied.
@@ -235,8 +236,10 @@ def test_this_needs_n_gpus_and_host_memory_per_node(capsys) -> None:
     assert s["zero"] == 3 and s["flags"] == f"--gpus {n} --zero 3"
     one = plan(get_preset("llama-3-70b"), RunConfig(checkpointing="full", offload_optimizer=True),
                get_gpu("h100-80gb"))
-    assert plan(one.model, replace(one.run, gpus=n, zero=3), one.gpu).fits is True
-    assert plan(one.model, replace(one.run, gpus=n - 1, zero=3), one.gpu).fits is False
+    assert plan(one.model, replace(one.run, parallel=Parallel(gpus=n, zero=3)),
+                one.gpu).fits is True
+    assert plan(one.model, replace(one.run, parallel=Parallel(gpus=n - 1, zero=3)),
+                one.gpu).fits is False
     per_gpu = -(-12 * psi // n) + -(-4 * psi // n)
     assert s["host_bytes_per_gpu"] == per_gpu
     assert s["host_bytes_per_node"] == per_gpu * min(n, 8)
@@ -274,12 +277,14 @@ def test_inference_needs_the_fewest_gpus_over_tensor_and_pipeline_splits(capsys)
     base = plan(get_preset("llama-3-70b"),
                 RunConfig(mode="inference", batch=8, seq=4096, new_tokens=512),
                 get_gpu("h100-80gb"))
-    assert plan(base.model, replace(base.run, gpus=s["gpus"], tp=s["tp"], pp=s["pp"]),
+    assert plan(base.model, replace(base.run, parallel=Parallel(gpus=s["gpus"], tp=s["tp"],
+                                                                pp=s["pp"])),
                 base.gpu).fits
     for tp in (1, 2, 4, 8):  # the tps that divide 64 heads and 8 KV heads, within a node
         for pp in range(1, 81):
             if tp * pp < s["gpus"]:
-                fewer = plan(base.model, replace(base.run, gpus=tp * pp, tp=tp, pp=pp),
+                fewer = plan(base.model, replace(base.run, parallel=Parallel(gpus=tp * pp, tp=tp,
+                                                                             pp=pp)),
                              base.gpu)
                 assert fewer.fits is False
 

@@ -400,8 +400,8 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
                         trainable=frozenset(run.lora_targets) if lora else None,
                         lora_rank=run.lora_rank if lora else 0, residual_bytes=residual,
                         autocast=run.autocast)
-    per_layer = terms.per_gpu(run.tp, run.sequence_parallel)
-    layers = -(-spec.num_layers // run.pp)
+    per_layer = terms.per_gpu(run.parallel.tp, run.parallel.sp)
+    layers = -(-spec.num_layers // run.parallel.pp)
     notes: list[str] = []
 
     # kept: what every block keeps until its backward; recompute: what recomputing one block in
@@ -410,8 +410,8 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
         # Only each block's input is kept (Korthikanti's 2sbh); during backward one block is
         # recomputed, so its full activations exist once.
         block_input = residual * s * b * h
-        if run.sequence_parallel:
-            block_input = -(-block_input // run.tp)
+        if run.parallel.sp:
+            block_input = -(-block_input // run.parallel.tp)
         kept, recompute = layers * block_input, per_layer
         if run.mode == "lora" and residual > e:
             notes.append("full checkpointing with a 16-bit frozen base: each block input is "
@@ -420,8 +420,9 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
                          "Mistral-7B/OLMo-2-7B LoRA at 4 x 1024 tokens, 5-6% under this plan)")
     elif run.checkpointing == "selective":
         sel = selective_layer_bytes(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
-                                    residual_bytes=residual, per_layer=per_layer, tp=run.tp,
-                                    sequence_parallel=run.sequence_parallel,
+                                    residual_bytes=residual, per_layer=per_layer,
+                                    tp=run.parallel.tp,
+                                    sequence_parallel=run.parallel.sp,
                                     lora_targets=run.lora_targets if lora else None,
                                     lora_rank=run.lora_rank if lora else 0)
         kept, recompute = layers * sel.saved, sel.recompute
@@ -437,7 +438,7 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     elif run.checkpointing == "selective-attn":
         # Korthikanti et al.'s selective recompute: only the attention scores are recomputed
         # (nothing to drop when a fused kernel keeps no scores)
-        scores = -(-terms.attention_scores // run.tp)
+        scores = -(-terms.attention_scores // run.parallel.tp)
         kept, recompute = layers * (per_layer - scores), scores
         if not scores:
             notes.append("selective-attn recomputes only the attention scores, which fused "
@@ -447,20 +448,20 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
         kept, recompute = layers * per_layer, 0
 
     # 1F1B: stage i holds activations of min(pp - i, micro-batches) micro-batches at once.
-    in_flight = min(run.pp - stage, run.grad_accum)
-    if run.pp > 1:
+    in_flight = min(run.parallel.pp - stage, run.grad_accum)
+    if run.parallel.pp > 1:
         notes.append(f"pipeline 1F1B: stage {stage} holds {in_flight} micro-batches in flight")
-    first, last = stage == 0, stage == run.pp - 1
+    first, last = stage == 0, stage == run.parallel.pp - 1
     held = in_flight * kept
     if first:
         held += in_flight * input_terms(spec, seq=s, batch=b, act_bytes=e)
-    outputs = output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.tp,
+    outputs = output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.parallel.tp,
                            residual_bytes=residual, trained=not lora) if last else 0
 
     # Largest transient in backward: at the loss, two logits-sized fp32 tensors: the gradient
     # nll_loss_backward returns and the one _log_softmax_backward_data makes from it (both alive
     # during the latter); inside a block, the gradients of the MLP's wide tensors.
-    vocab = -(-spec.vocab_size // run.tp) if spec.arch == "decoder" and last else 0
+    vocab = -(-spec.vocab_size // run.parallel.tp) if spec.arch == "decoder" and last else 0
     loss_grad = (4 + 4) * s * b * vocab
     if run.layout == "megatron":
         # Megatron's vocab-parallel cross-entropy (megatron/core/tensor_parallel/cross_entropy.py:
@@ -468,10 +469,10 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
         # as the log-softmax in output_terms) and its backward turns that saved tensor into the
         # gradient in place: only the 16-bit cast back to the logits' dtype is new.
         loss_grad = e * s * b * vocab
-    f_local = -(-spec.intermediate_size // run.tp)
+    f_local = -(-spec.intermediate_size // run.parallel.tp)
     block_grad = 2 * e * s * b * f_local + 2 * e * s * b * h
     if run.attention == "eager":
-        block_grad += -(-terms.attention_scores // run.tp)
+        block_grad += -(-terms.attention_scores // run.parallel.tp)
     # Two moments of backward compete for the peak: at the loss (the head's saved tensors and
     # the logits' gradient) and in the last block's backward (the head's tensors are freed by
     # then; the recomputed block and its gradients exist).
@@ -489,9 +490,9 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
             (run.lora_rank * (sh.in_features + sh.out_features) if lora
              else sh.in_features * sh.out_features) * sh.count
             for sh in spec.linear_shapes() if targets is None or sh.role in targets)
-        casts_per_layer = -(-casts_per_layer // run.tp)
+        casts_per_layer = -(-casts_per_layer // run.parallel.tp)
         if last and not lora and spec.arch == "decoder":
-            casts_head = e * -(-spec.vocab_size * h // run.tp)
+            casts_head = e * -(-spec.vocab_size * h // run.parallel.tp)
     checkpointed = run.checkpointing in ("selective", "full")
     casts = layers * casts_per_layer + casts_head
     # A third moment, the end of forward (the loss is computed inside the model's forward): the
@@ -529,7 +530,7 @@ def inference_activations(spec: TransformerSpec, run: RunConfig, seq: int) -> Ac
     """Prefill working set: nothing is saved for backward, so the peak is one block's transient
     tensors plus the logits of the last position (HF generate computes only those)."""
     e = FORMAT_BYTES[run.compute_format]
-    s, b, h, tp = seq, run.batch, spec.hidden_size, run.tp
+    s, b, h, tp = seq, run.batch, spec.hidden_size, run.parallel.tp
     residual = 2 * e * s * b * h  # residual stream + normed copy
     qkv = -(-e * s * b * (spec.q_dim + 2 * spec.kv_dim) // tp)
     attn_out = -(-e * s * b * spec.q_dim // tp)

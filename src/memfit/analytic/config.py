@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
 
 from memfit import vocab
 from memfit.errors import MemfitError, suggest
+from memfit.parallel.config import Parallel
 
 Mode = Literal["train", "lora", "qlora", "inference"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16", "fp8"]
@@ -66,13 +68,15 @@ class RunConfig:
     """Tokens per sample (prompt length for inference); None: the model's default."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (pipeline parallelism uses them as its micro-batches)."""
-    gpus: int = 1
-    zero: int = 0
-    """ZeRO stage 0-3 over the data-parallel ranks (3 = FSDP full sharding)."""
-    tp: int = 1
-    pp: int = 1
-    sequence_parallel: bool = False
-    """With tp > 1: shard norms/dropouts along the sequence too (Megatron SP)."""
+    parallel: Parallel = field(default_factory=lambda: Parallel(gpus=1))
+    """How the step is spread over GPUs: the house's one layout type (:class:`memfit.Parallel`,
+    the per-rank trace's and ``fit``'s too). The formulas read its ``gpus``, ``tp``, ``pp``,
+    ``zero`` (ZeRO stage over the data-parallel ranks; 3 = FSDP full sharding) and ``sp``
+    (Megatron sequence parallelism: norms/dropouts sharded along the sequence too); they
+    shard over every data-parallel rank (no HSDP) and do not model ``ep``, ``loss_parallel``
+    or the pipeline schedule (the trace does). Read them as ``run.parallel.tp``, or through
+    the read-only views :attr:`gpus`, :attr:`tp`, :attr:`pp`, :attr:`dp`, :attr:`zero`
+    (0-3), :attr:`sequence_parallel`."""
     offload_optimizer: bool = False
     """Optimizer states (and fp32 masters) live in host memory (ZeRO-Offload)."""
     offload_params: bool = False
@@ -107,7 +111,10 @@ class RunConfig:
         _check_choice("weight quantization", self.weight_quant, WEIGHT_QUANTS)
         if self.kv_cache_dtype is not None:
             _check_choice("KV cache dtype", self.kv_cache_dtype, KV_DTYPES)
-        for name in ("batch", "grad_accum", "gpus", "tp", "pp", "lora_rank"):
+        if not isinstance(self.parallel, Parallel):
+            raise MemfitError(f"RunConfig(parallel={self.parallel!r}): give a memfit.Parallel, "
+                              "e.g. parallel=Parallel(gpus=8, zero=3)")
+        for name in ("batch", "grad_accum", "lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise MemfitError(f"--{name.replace('_', '-')} must be a positive integer, "
@@ -116,15 +123,9 @@ class RunConfig:
             raise MemfitError(f"--seq must be a positive integer, got {self.seq!r}")
         if self.new_tokens < 0:
             raise MemfitError(f"--new-tokens must be >= 0, got {self.new_tokens}")
-        if self.zero not in (0, 1, 2, 3):
-            raise MemfitError(f"--zero must be 0, 1, 2 or 3 (3 = FSDP full sharding), "
-                              f"got {self.zero}")
-        if self.gpus % (self.tp * self.pp):
-            raise MemfitError(
-                f"--gpus {self.gpus} is not divisible by tp x pp = {self.tp * self.pp}; "
-                "use a GPU count that is a multiple of --tp times --pp")
         if self.engine == "fsdp2" and self.zero == 0 and self.training:
-            object.__setattr__(self, "zero", 3)  # fully_shard is ZeRO-3 (frozen dataclass)
+            # fully_shard is ZeRO-3 (frozen dataclass)
+            object.__setattr__(self, "parallel", relayout(self.parallel, zero=3))
         self._check_engine()
         if self.offload_params and self.zero != 3:
             raise MemfitError("parameter offload needs ZeRO-3 / FSDP: add --zero 3, "
@@ -218,10 +219,66 @@ class RunConfig:
         bf16/fp16 modes and Megatron-LM cast the model to 16-bit and compute in it."""
         return self.mixed and self.engine in ("auto", "ddp")
 
+    # Read-only views of :attr:`parallel` in the formulas' vocabulary (no second layout).
+    @property
+    def gpus(self) -> int:
+        """GPUs in all: ``parallel.gpus``."""
+        return self.parallel.gpus
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree: ``parallel.tp``."""
+        return self.parallel.tp
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages: ``parallel.pp``."""
+        return self.parallel.pp
+
+    @property
+    def zero(self) -> int:
+        """ZeRO stage 0-3 over the data-parallel ranks: ``parallel.zero``, 0 for None."""
+        return self.parallel.zero or 0
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Megatron sequence parallelism: ``parallel.sp``."""
+        return self.parallel.sp
+
     @property
     def dp(self) -> int:
-        """Data-parallel ranks."""
-        return self.gpus // (self.tp * self.pp)
+        """Data-parallel ranks: ``parallel.dp``."""
+        return self.parallel.dp
+
+    def relayout(self, **changes: Any) -> RunConfig:
+        """This run on another layout: :func:`relayout` of :attr:`parallel`."""
+        return dataclasses.replace(self, parallel=relayout(self.parallel, **changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run as a JSON object (``memfit plan --json``'s ``"run"``), its layout nested as
+        ``"parallel"`` (:meth:`Parallel.to_dict`)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["lora_targets"] = list(self.lora_targets)
+        out["parallel"] = self.parallel.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """A run from :meth:`to_dict`'s object, or from one of before the layout was nested:
+        its flat ``gpus``, ``zero`` (0-3), ``tp``, ``pp``, ``sequence_parallel`` make the
+        :class:`Parallel`."""
+        data = dict(data)
+        flat = {k: data.pop(k) for k in FLAT_LAYOUT if k in data}
+        if "parallel" in data:
+            if flat:
+                raise MemfitError(f"run: {', '.join(flat)} beside \"parallel\"; give the layout "
+                                  "once, inside \"parallel\"")
+            data["parallel"] = Parallel.from_dict(data["parallel"], where="run")
+        elif flat:
+            data["parallel"] = layout(**flat)
+        if "lora_targets" in data:
+            data["lora_targets"] = tuple(data["lora_targets"])
+        return cls(**data)
 
     @property
     def training(self) -> bool:
@@ -237,3 +294,56 @@ class RunConfig:
     def mixed(self) -> bool:
         """Mixed precision: 16-bit working weights + fp32 masters in the optimizer."""
         return self.precision in ("fp16-mixed", "bf16-mixed", "fp8")
+
+
+FLAT_LAYOUT = ("gpus", "zero", "tp", "pp", "sequence_parallel")
+"""The layout fields ``RunConfig`` had before it held a :class:`Parallel` (read by
+:meth:`RunConfig.from_dict` and :func:`layout`)."""
+
+
+def layout(*, gpus: int = 1, zero: int = 0, tp: int = 1, pp: int = 1,
+           sequence_parallel: bool = False) -> Parallel:
+    """The :class:`Parallel` of the formulas' flat vocabulary (ZeRO stage 0-3, Megatron
+    ``sequence_parallel``), with its one-line errors; a ``sequence_parallel`` without tensor
+    parallelism does nothing and is dropped (old plan files carry it)."""
+    check_flat_layout(gpus=gpus, zero=zero, tp=tp, pp=pp)
+    return Parallel(gpus=gpus, tp=tp, pp=pp, zero=zero or None,
+                    sp=bool(sequence_parallel) and tp > 1)
+
+
+def relayout(parallel: Parallel, **changes: Any) -> Parallel:
+    """``parallel`` with ``changes`` to its fields (``zero=0`` for None), the rest kept; what
+    ZeRO-2/3 derived (``fsdp`` over every data-parallel rank, ``reshard_after_forward``) is
+    derived again for the new degrees, and ``sp`` / ``loss_parallel`` go without tensor
+    parallelism, ``gpus_per_node`` when it no longer divides ``gpus``.
+
+    >>> relayout(Parallel(gpus=8, zero=3), gpus=16).fsdp
+    16
+    """
+    given = {f.name: getattr(parallel, f.name) for f in dataclasses.fields(parallel)}
+    if parallel.zero in (2, 3) and parallel.fsdp == parallel.dp:
+        given["fsdp"] = 1  # ZeRO-2/3's own: every data-parallel rank
+    if given["reshard_after_forward"] == (parallel.zero != 2):
+        given["reshard_after_forward"] = None
+    if changes.get("zero") == 0:
+        changes["zero"] = None
+    given.update(changes)
+    if given["tp"] == 1:
+        given["sp"] = given["loss_parallel"] = False
+    per_node = given["gpus_per_node"]
+    if per_node is not None and given["gpus"] % per_node:
+        given["gpus_per_node"] = None
+    return Parallel(**given)
+
+
+def check_flat_layout(*, gpus: int, zero: int, tp: int, pp: int) -> None:
+    """The formulas' and the CLI's one-line errors for a ZeRO stage and degrees, worded with the
+    flags (``Parallel``'s own checks follow)."""
+    if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+        raise MemfitError(f"--zero must be 0, 1, 2 or 3 (3 = FSDP full sharding), got {zero}")
+    for name, value in (("gpus", gpus), ("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise MemfitError(f"--{name} must be a positive integer, got {value!r}")
+    if gpus % (tp * pp):
+        raise MemfitError(f"--gpus {gpus} is not divisible by tp x pp = {tp * pp}; use a GPU "
+                          "count that is a multiple of --tp times --pp")

@@ -15,7 +15,7 @@ def kv_cache_bytes(spec: TransformerSpec, run: RunConfig, tokens: int) -> int:
     """KV cache on one GPU: KV heads split over tp (replicated when fewer than tp), layers over
     pp."""
     fmt = run.kv_cache_dtype or run.compute_format
-    kv_heads = max(spec.num_kv_heads // run.tp, 1)
-    layers = -(-spec.num_layers // run.pp)
+    kv_heads = max(spec.num_kv_heads // run.parallel.tp, 1)
+    layers = -(-spec.num_layers // run.parallel.pp)
     elements = 2 * layers * kv_heads * spec.head_dim * tokens * run.batch
     return nbytes(elements, fmt)

@@ -92,7 +92,7 @@ def _adafactor_state_elements(spec: TransformerSpec, layers: int, with_embed: bo
 
 def stage_layers(spec: TransformerSpec, run: RunConfig) -> int:
     """Blocks on one pipeline stage (the first stage when they do not divide evenly)."""
-    return -(-spec.num_layers // run.pp)
+    return -(-spec.num_layers // run.parallel.pp)
 
 
 def split_params(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ParamSplit:
@@ -105,12 +105,12 @@ def split_params(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ParamSp
             raise MemfitError(
                 "--mode lora/qlora needs the model's architecture (which layers get adapters); "
                 "give a preset or a config.json instead of --params")
-        total = _ceil(Fraction(model.params, run.tp * run.pp))
+        total = _ceil(Fraction(model.params, run.parallel.tp * run.parallel.pp))
         return ParamSplit(total=total, linear=total, trainable=total, largest_layer=0,
                           adafactor_state_elements=0)
     spec = model
     layers = stage_layers(spec, run)
-    first, last = stage == 0, stage == run.pp - 1
+    first, last = stage == 0, stage == run.parallel.pp - 1
     per_layer = spec.layer_params()
     linear_per_layer = sum(s.in_features * s.out_features * s.count for s in spec.linear_shapes())
     total = layers * per_layer
@@ -125,7 +125,7 @@ def split_params(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ParamSp
     else:
         trainable = total
         ada = _adafactor_state_elements(spec, layers, first, last)
-    tp = run.tp
+    tp = run.parallel.tp
     return ParamSplit(
         total=_ceil(Fraction(total, tp)) + (trainable if run.mode in ("lora", "qlora") else 0),
         linear=_ceil(Fraction(layers * linear_per_layer, tp)),
@@ -238,7 +238,7 @@ def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelSt
         optimizer = _ceil(split.trainable * (_optimizer_states_per_param(run) + master))
 
     # --- ZeRO sharding over the data-parallel ranks
-    dp = run.dp
+    dp = run.parallel.dp
     if run.zero >= 1:
         optimizer = _ceil(Fraction(optimizer, dp))
     if run.zero >= 2:

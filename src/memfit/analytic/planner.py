@@ -157,8 +157,8 @@ class MemoryPlan:
         after = []
         if self.host_bytes:
             per_node = ""
-            if self.run.gpus > 1:
-                on_node = min(self.run.gpus, gpus_per_node)
+            if self.run.parallel.gpus > 1:
+                on_node = min(self.run.parallel.gpus, gpus_per_node)
                 per_node = (f", {format_bytes(self.host_bytes * on_node)} per node of "
                             f"{on_node} GPUs")
             after.append(f"host memory for offloaded states: {format_bytes(self.host_bytes)} "
@@ -172,7 +172,7 @@ class MemoryPlan:
             after.append(f"{self.engine_label} buffers in temporaries: {parts}")
         after += [f"note: {note}" for note in self.notes]
         return MemoryTable(
-            title="Memory per GPU" + (f" (pipeline stage {self.stage})" if self.run.pp > 1
+            title="Memory per GPU" + (f" (pipeline stage {self.stage})" if self.run.parallel.pp > 1
                                       else ""),
             columns=(self.column(),), capacity=self.capacity_bytes,
             capacity_is_driver_total=self.gpu is not None and not self.gpu.usable_measured,
@@ -219,8 +219,7 @@ class MemoryPlan:
             "stage": self.stage,
             # One source of truth for the sequence: the length planned (the model's default when
             # --seq is not given), inside "run" with the other options.
-            "run": {**{k: (list(v) if isinstance(v, tuple) else v)
-                       for k, v in self.run.__dict__.items()}, "seq": self.seq},
+            "run": {**self.run.to_dict(), "seq": self.seq},
             "notes": list(self.notes),
         }
 
@@ -255,9 +254,10 @@ def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> 
     elif run.precision == "fp8":
         raise MemfitError("fp8 needs a GPU that supports it: add --gpu (e.g. --gpu h100-80gb)")
     if isinstance(model, TransformerSpec):
-        check_degrees(run.tp, run.pp, heads=model.num_heads, kv_heads=model.num_kv_heads,
-                      layers=model.num_layers, tp_name=f"--tp {run.tp}",
-                      pp_name=f"--pp {run.pp}", owner=f"{model.name}'s", kv_replicated=True)
+        tp, pp = run.parallel.tp, run.parallel.pp
+        check_degrees(tp, pp, heads=model.num_heads, kv_heads=model.num_kv_heads,
+                      layers=model.num_layers, tp_name=f"--tp {tp}", pp_name=f"--pp {pp}",
+                      owner=f"{model.name}'s", kv_replicated=True)
         check_model_options(model, run)
 
 
@@ -326,7 +326,7 @@ def optimizer_step_temporaries(model: ModelSpec, run: RunConfig, stage: int) -> 
         return 0  # the step runs on the host
     trainable = split_params(model, run, stage=stage).trainable
     if run.zero >= 1:
-        trainable = -(-trainable // run.dp)
+        trainable = -(-trainable // run.parallel.dp)
     state_bytes = 2 if run.precision in ("bf16", "fp16") else 4
     return STEP_TEMPORARIES_PER_PARAM[run.optimizer] * state_bytes * trainable
 
@@ -349,7 +349,7 @@ def largest_module_params(model: ModelSpec, run: RunConfig) -> int:
     largest = max(s.in_features * s.out_features for s in model.linear_shapes())
     if model.arch != "vision":
         largest = max(largest, model.vocab_size * h)
-    return -(-largest // run.tp)
+    return -(-largest // run.parallel.tp)
 
 
 def fsdp_root_params(model: ModelSpec, run: RunConfig) -> int:
@@ -360,7 +360,7 @@ def fsdp_root_params(model: ModelSpec, run: RunConfig) -> int:
     embedding and head are gathered at once."""
     if not isinstance(model, TransformerSpec):
         return 0
-    return -(-(model.embedding_params() + model.head_params()) // run.tp)
+    return -(-(model.embedding_params() + model.head_params()) // run.parallel.tp)
 
 
 def fsdp_unit_params(model: ModelSpec, run: RunConfig) -> int:
@@ -368,7 +368,7 @@ def fsdp_unit_params(model: ModelSpec, run: RunConfig) -> int:
     root; the root gathers its own parameters, embedding and untied head together)."""
     if not isinstance(model, TransformerSpec):
         return 0
-    return max(-(-model.layer_params() // run.tp), fsdp_root_params(model, run))
+    return max(-(-model.layer_params() // run.parallel.tp), fsdp_root_params(model, run))
 
 
 def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, dict[str, int]]:
@@ -432,7 +432,7 @@ def _fsdp2_backward_end(model: ModelSpec, run: RunConfig, all_gradients: int
     cb = 2 if run.compute_format != "fp32" else 4
     reduce = 4 if run.mixed else cb
     root = fsdp_root_params(model, run)
-    blocks_sharded = all_gradients - all_gradients * root * run.tp // model.param_count()
+    blocks_sharded = all_gradients - all_gradients * root * run.parallel.tp // model.param_count()
     return {"gradients": blocks_sharded,
             "root's unsharded gradients and reduce-scatter input": root * (cb + reduce)}
 
@@ -446,7 +446,7 @@ def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, in
     split = split_params(model, run, stage=stage)
     cb = 2 if run.compute_format != "fp32" else 4
     out: dict[str, int] = {}
-    layout, dp = run.layout, run.dp
+    layout, dp = run.layout, run.parallel.dp
     if layout == "fsdp2":
         # the buffers of a block's backward (Note: [FSDP2 buffers by moment]); _plan_stage
         # takes those at the loss when that is the peak
@@ -482,7 +482,7 @@ def _engine_step_temporaries(model: ModelSpec, run: RunConfig, stage: int) -> in
         if run.offload_optimizer:
             return 0  # DeepSpeedCPUAdam steps on the host
         trainable = split_params(model, run, stage=stage).trainable
-        part = -(-trainable // run.dp) if run.zero >= 1 else trainable
+        part = -(-trainable // run.parallel.dp) if run.zero >= 1 else trainable
         if run.zero == 3:
             part = min(part, DS_SUB_GROUP)  # stage3.py: _prepare_fp32_grad_for_sub_group
         # stage_1_and_2.py: step() casts the flat 16-bit gradient partition to fp32
@@ -503,7 +503,7 @@ def nvme_host_buffers(model: ModelSpec, run: RunConfig, stage: int) -> int:
         total += DS_PARAM_SWAP_BUFFERS * cb
     if run.offload_optimizer:
         trainable = split_params(model, run, stage=stage).trainable
-        part = -(-trainable // run.dp) if run.zero >= 1 else trainable
+        part = -(-trainable // run.parallel.dp) if run.zero >= 1 else trainable
         total += DS_OPTIMIZER_SWAP_BUFFERS * min(part, DS_SUB_GROUP) * 4
     return total
 
@@ -522,11 +522,11 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
                      "and gradients, fp32 masters with the optimizer; plain torch.autocast keeps "
                      "fp32 gradients (+2 bytes/param): --engine ddp (or --method trace) models "
                      "that")
-    elif run.training and run.layout == "zero-paper" and run.gpus > 1:
+    elif run.training and run.layout == "zero-paper" and run.parallel.gpus > 1:
         notes.append("no --engine: the ZeRO paper's layout; --engine picks fsdp2, ddp, "
                      "deepspeed or megatron")
     known = isinstance(model, TransformerSpec)
-    dp = run.dp
+    dp = run.parallel.dp
     if isinstance(model, TransformerSpec) and seq is not None:
         if run.training:
             fsdp2 = (fsdp2_buffers(model, run, stage) if run.layout == "fsdp2" else None)
@@ -620,7 +620,7 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
                      if engine_step is None else
                      "peak in the optimizer step: DeepSpeed casts the gradient partition to "
                      "fp32 for the step")
-    runtime = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=run.gpus)
+    runtime = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=run.parallel.gpus)
     breakdown[MemoryCategory.RUNTIME] = sum(runtime.values())
     return MemoryPlan(model=model, run=run, gpu=gpu, seq=seq, breakdown=breakdown,
                       activations_known=known,
@@ -634,8 +634,10 @@ def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = N
     """Plan one step of ``model`` run as ``run`` on ``gpu``; returns the most loaded GPU.
 
     >>> from memfit.models.spec import ParamCountSpec
+    >>> from memfit.parallel import Parallel
     >>> p = plan(ParamCountSpec(name="7.5B", params=7_500_000_000),
-    ...          RunConfig(precision="fp16-mixed", optimizer="adam", gpus=64, zero=3))
+    ...          RunConfig(precision="fp16-mixed", optimizer="adam",
+    ...                    parallel=Parallel(gpus=64, zero=3)))
     >>> p.breakdown[MemoryCategory.WEIGHTS] + p.breakdown[MemoryCategory.OPTIMIZER_STATES] > 0
     True
     """
@@ -649,14 +651,17 @@ def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = N
                 f"{model.name} sees {model.default_seq_len} tokens per image "
                 f"({model.image_size}px / {model.patch_size}px patches + class token); "
                 "drop --seq for vision models")
-    stages = {0, run.pp - 1}
+    stages = {0, run.parallel.pp - 1}
     plans = [_plan_stage(model, run, gpu, seq, stage) for stage in sorted(stages)]
     return max(plans, key=lambda p: p.total_bytes)
 
 
 def with_changes(p: MemoryPlan, **changes: Any) -> MemoryPlan:
-    """Re-plan with some run options changed (used by suggestions and searches)."""
-    return plan(p.model, replace(p.run, **changes), p.gpu)
+    """Re-plan with some run options changed (used by suggestions and searches); a layout
+    option (``gpus``, ``tp``, ``pp``, ``zero``) changes ``run.parallel``."""
+    layout = {k: changes.pop(k) for k in ("gpus", "tp", "pp", "zero") if k in changes}
+    run = replace(p.run, **changes)
+    return plan(p.model, run.relayout(**layout) if layout else run, p.gpu)
 
 MAX_GPUS = 4096
 """The largest GPU count :func:`gpus_needed` tries."""
@@ -667,14 +672,14 @@ class ScaleOut:
     """The fewest GPUs that hold a step that does not fit on the planned count."""
 
     plan: MemoryPlan
-    """The plan on ``plan.run.gpus`` GPUs; it fits with :data:`FITS_MARGIN`."""
+    """The plan on ``plan.run.parallel.gpus`` GPUs; it fits with :data:`FITS_MARGIN`."""
     strategy: str
     """How the GPUs split the work, in words (e.g. ``ZeRO-3 / FSDP``)."""
     gpus_per_node: int
 
     @property
     def gpus(self) -> int:
-        return self.plan.run.gpus
+        return self.plan.run.parallel.gpus
 
     @property
     def nodes(self) -> int:
@@ -744,12 +749,12 @@ def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
     model, run, gpu = p.model, p.run, p.gpu
     if run.training:
         zero = run.zero or _widest_zero(run)
-        step = run.tp * run.pp
+        step = run.parallel.tp * run.parallel.pp
 
         def at(dp: int) -> MemoryPlan | None:
-            return _fits(model, replace(run, gpus=dp * step, zero=zero), gpu)
+            return _fits(model, run.relayout(gpus=dp * step, zero=zero), gpu)
 
-        lo, hi = run.dp + 1, max_gpus // step
+        lo, hi = run.parallel.dp + 1, max_gpus // step
         if hi < lo or at(hi) is None:
             return None
         while lo < hi:  # the fewest data-parallel ranks that fit
@@ -764,15 +769,15 @@ def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
         if run.engine == "megatron":
             strategy = "Megatron distributed optimizer"
         if step > 1:
-            strategy += f" with tp {run.tp} x pp {run.pp}"
+            strategy += f" with tp {run.parallel.tp} x pp {run.parallel.pp}"
         return ScaleOut(plan=found, strategy=strategy, gpus_per_node=gpus_per_node)
     heads = model.num_heads if isinstance(model, TransformerSpec) else 1
     layers = model.num_layers if isinstance(model, TransformerSpec) else 1
     tps = [t for t in range(1, min(heads, gpus_per_node) + 1) if heads % t == 0]
     options = sorted((t * pp, pp, t) for t in tps for pp in range(1, layers + 1)
-                      if run.gpus < t * pp <= max_gpus)
+                      if run.parallel.gpus < t * pp <= max_gpus)
     for _, pp, t in options:
-        found = _fits(model, replace(run, gpus=t * pp, tp=t, pp=pp), gpu)
+        found = _fits(model, run.relayout(gpus=t * pp, tp=t, pp=pp), gpu)
         if found is not None:
             strategy = " x ".join(([f"tensor parallel {t}"] if t > 1 else [])
                                   + ([f"{pp} pipeline stages"] if pp > 1 else []))
@@ -787,8 +792,8 @@ def scale_out_line(p: MemoryPlan, scale: ScaleOut | None, *,
     if scale is None:
         if p.run.training:
             zero = p.run.zero or _widest_zero(p.run)
-            widest = plan(p.model, replace(p.run, gpus=MAX_GPUS // (p.run.tp * p.run.pp)
-                                           * p.run.tp * p.run.pp, zero=zero), p.gpu)
+            step = p.run.parallel.tp * p.run.parallel.pp
+            widest = plan(p.model, p.run.relayout(gpus=MAX_GPUS // step * step, zero=zero), p.gpu)
             held = (widest.breakdown[MemoryCategory.ACTIVATIONS]
                     + widest.breakdown[MemoryCategory.TEMPORARIES])
             if zero < 3:

@@ -42,7 +42,7 @@ def _candidates(p: MemoryPlan) -> list[tuple[str, dict[str, Any]]]:
         if run.batch > 1:
             out.append((f"--batch {run.batch // 2} --grad-accum {run.grad_accum * 2}",
                         {"batch": run.batch // 2, "grad_accum": run.grad_accum * 2}))
-        if run.dp > 1 and run.zero < 3:
+        if run.parallel.dp > 1 and run.zero < 3:
             out.append((f"--zero {run.zero + 1}", {"zero": run.zero + 1}))
         if run.mode == "train":
             out.append(("--mode lora", {"mode": "lora"}))

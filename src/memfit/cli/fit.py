@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.cli._common import console, positive_int, print_json
+from memfit.cli.layout import parallel_from_args
 from memfit.errors import MemfitError
 from memfit.units import parse_bytes
 
@@ -109,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
 
     global_batch = positive_int(args.global_batch, "--global-batch")
     num_gpus = positive_int(args.gpus, "--gpus")
-    gpus_per_node = positive_int(args.gpus_per_node, "--gpus-per-node")
     space = {name: [value] for name in ("tp", "pp")
              if (value := positive_int(getattr(args, name), f"--{name}")) is not None}
     seq = positive_int(args.seq, "--seq")
@@ -136,11 +136,13 @@ def run(args: argparse.Namespace) -> int:
                                   "--device cpu")
     if global_batch is None or num_gpus is None:  # argparse requires/defaults them
         raise MemfitError("--global-batch and --gpus must be positive integers")
-    if num_gpus == 1 and (gpus_per_node is not None or space):
+    if num_gpus == 1 and (args.gpus_per_node is not None or space):
         raise MemfitError("--gpus-per-node, --tp and --pp lay out several GPUs; add --gpus N")
+    # The layout flags as plan reads them (cli/layout.py); --tp / --pp fix the searched degrees.
+    layout = parallel_from_args(args)
     plan = fit(model, sample, optimizer=args.optimizer, global_batch=global_batch,
                gpu=args.gpu, budget_bytes=budget, device=device,
-               gpus=num_gpus if num_gpus > 1 else None, gpus_per_node=gpus_per_node,
+               gpus=num_gpus if num_gpus > 1 else None, gpus_per_node=layout.gpus_per_node,
                space=space or None, measure=args.measure, progress=False if args.quiet
                or args.json else None)
     if args.save:

@@ -137,9 +137,12 @@ def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = Non
     ``MixedPrecisionPolicy`` (expert parallelism refuses FSDP2's dtype policies)."""
     from memfit.parallel import Parallel
 
-    pipeline = {"pp_schedule": pp_schedule or "1f1b",
-                "microbatches": pipeline_microbatches(run, microbatches)}
-    tensor = {"sp": run.sequence_parallel, "loss_parallel": loss_parallel}
+    base = run.parallel  # the CLI's layout (cli/layout.py: parallel_from_args); args override
+    ep, gpus_per_node = (ep if ep > 1 else base.ep), gpus_per_node or base.gpus_per_node
+    fsdp = fsdp or (base.fsdp if base.strategy == "hsdp" else None)
+    pipeline = {"pp_schedule": pp_schedule or base.pp_schedule,
+                "microbatches": pipeline_microbatches(run, microbatches or base.microbatches)}
+    tensor = {"sp": run.sequence_parallel, "loss_parallel": loss_parallel or base.loss_parallel}
     if not run.training:
         return Parallel(gpus=run.tp * run.pp, tp=run.tp, pp=run.pp, ep=ep, **tensor, **pipeline)
     sharded = run.zero in (2, 3) and run.dp > 1

@@ -29,6 +29,7 @@ from memfit.analytic.planner import (
 )
 from memfit.analytic.suggestions import suggest_changes
 from memfit.cli._common import console, nonneg_int, positive_int, print_fit_verdict, print_json
+from memfit.cli.layout import parallel_from_args
 from memfit.errors import MemfitError
 from memfit.models.spec import ModelSpec, ParamCountSpec
 from memfit.parallel.config import PP_SCHEDULES
@@ -82,7 +83,7 @@ def register(sub: Any) -> None:
                    help="FSDP full sharding (same as --zero 3) over every data-parallel rank, "
                    "or over N of them: HSDP, N-way sharded and replicated across the rest "
                    "(traced only)")
-    p.add_argument("--gpus-per-node", default="8",
+    p.add_argument("--gpus-per-node", default=None,
                    help="GPUs per node, for host memory per node (default 8)")
     p.add_argument("--tp", default="1", help="tensor-parallel size")
     p.add_argument("--pp", default="1", help="pipeline-parallel size (1F1B)")
@@ -149,11 +150,6 @@ def resolve(args: argparse.Namespace) -> tuple[ModelSpec, Any]:
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    zero = nonneg_int(args.zero, "--zero")
-    if args.fsdp is not None:
-        if zero not in (0, 3):
-            raise MemfitError(f"--fsdp means ZeRO-3; it conflicts with --zero {zero}")
-        zero = 3
     # Note: [options that do nothing] in analytic/config.py: a flag given explicitly (its
     # default is None) that cannot act in this mode is refused, whatever its value.
     given = {"--optimizer": args.optimizer, "--new-tokens": args.new_tokens,
@@ -177,11 +173,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         batch=positive_int(args.batch, "--batch") or 1,
         seq=positive_int(args.seq, "--seq"),
         grad_accum=positive_int(args.grad_accum, "--grad-accum") or 1,
-        gpus=positive_int(args.gpus, "--gpus") or 1,
-        zero=zero or 0,
-        tp=positive_int(args.tp, "--tp") or 1,
-        pp=positive_int(args.pp, "--pp") or 1,
-        sequence_parallel=args.sequence_parallel,
+        parallel=parallel_from_args(args),
         offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
         offload_to=args.offload_to, engine=args.engine,
         lora_rank=positive_int(args.lora_rank, "--lora-rank") or 16,
@@ -228,10 +220,8 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = checkpoint_for(model) if given is not None and not given.is_file() else None
     if checkpoint is not None and not args.json:
         console().print(compare_with_config(checkpoint, model), soft_wrap=True)
-    ep = positive_int(args.ep, "--ep") or 1
     per_node = positive_int(args.gpus_per_node, "--gpus-per-node") or GPUS_PER_NODE
-    shard = None if args.fsdp in (None, "all") else positive_int(args.fsdp, "--fsdp")
-    hsdp = shard is not None and shard != config.dp
+    hsdp = config.parallel.strategy == "hsdp"
     from memfit.cli.parallel_plan import trace_flags
 
     only_traced = trace_flags(args, config)
@@ -242,12 +232,9 @@ def run(args: argparse.Namespace) -> int:
         from memfit.cli.parallel_plan import run_parallel_plan
 
         explicit = ("--method trace" if asked == "trace"
-                    else f"--fsdp {shard} (HSDP)" if hsdp
+                    else f"--fsdp {config.parallel.fsdp} (HSDP)" if hsdp
                     else ", ".join(only_traced) if only_traced else None)
-        outcome = run_parallel_plan(
-            args, model, config, gpu, explicit=explicit, ep=ep, gpus_per_node=per_node,
-            fsdp=shard, loss_parallel=args.loss_parallel, pp_schedule=args.pp_schedule,
-            microbatches=positive_int(args.microbatches, "--microbatches"))
+        outcome = run_parallel_plan(args, model, config, gpu, explicit=explicit)
         if isinstance(outcome, int):
             return outcome
         method_note = f"method: the formulas, not the per-rank trace: {outcome}"
@@ -256,9 +243,10 @@ def run(args: argparse.Namespace) -> int:
         raise MemfitError(f"{', '.join(only_traced)}: the formulas do not model this; it is "
                           "traced (drop --method analytic; needs --gpus > 1)")
     elif hsdp:
-        raise MemfitError(f"--fsdp {shard} of {config.dp} data-parallel ranks is HSDP, which the "
-                          "formulas do not model (they shard over every data-parallel rank); "
-                          "drop --method analytic to trace it, or give --fsdp alone")
+        raise MemfitError(f"--fsdp {config.parallel.fsdp} of {config.dp} data-parallel ranks is "
+                          "HSDP, which the formulas do not model (they shard over every "
+                          "data-parallel rank); drop --method analytic to trace it, or give "
+                          "--fsdp alone")
     if args.method == "trace":
         from memfit import vocab
         from memfit.cli.trace_plan import run_trace

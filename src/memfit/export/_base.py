@@ -135,7 +135,7 @@ def sharding_engine(s: PlanSettings, b: Builder) -> str:
                    f"{' and optimizer offload' if s.offload_optimizer else ''}: FSDP cannot "
                    "do that; exported for DeepSpeed")
             return "deepspeed"
-        return "fsdp" if s.zero == 3 else ("ddp" if s.dp > 1 else "none")
+        return "fsdp" if s.zero == 3 else ("ddp" if s.parallel.dp > 1 else "none")
     if s.engine not in (None, "ddp"):
         b.note(f"the plan names engine {s.engine!r}, which this tool does not run; exported "
                "with the closest engine (memory layouts differ)")
@@ -147,4 +147,4 @@ def sharding_engine(s: PlanSettings, b: Builder) -> str:
         b.note("ZeRO-3: exported as PyTorch FSDP (full sharding); name --engine deepspeed "
                "in the plan for DeepSpeed ZeRO-3")
         return "fsdp"
-    return "ddp" if s.dp > 1 else "none"
+    return "ddp" if s.parallel.dp > 1 else "none"

@@ -21,10 +21,10 @@ _MIXED = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp8": "fp8"
 def export(s: PlanSettings) -> Export:
     b = Builder(s, "accelerate")
     engine = sharding_engine(s, b)
-    if s.tp > 1 and engine == "deepspeed":
-        b.gap("tp", s.tp, "Accelerate runs tensor parallelism only with FSDP2 "
+    if s.parallel.tp > 1 and engine == "deepspeed":
+        b.gap("tp", s.parallel.tp, "Accelerate runs tensor parallelism only with FSDP2 "
               "(parallelism_config); this plan needs DeepSpeed for its sharding/offload")
-    elif s.tp > 1:
+    elif s.parallel.tp > 1:
         engine = "fsdp"  # Accelerate's parallelism_config needs FSDP2 (launch.py)
     out: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
@@ -36,7 +36,7 @@ def export(s: PlanSettings) -> Export:
         "main_training_function": "main",
         "mixed_precision": _MIXED.get(s.precision, "no"),
         "num_machines": s.nodes,
-        "num_processes": s.gpus,
+        "num_processes": s.parallel.gpus,
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": False,
@@ -85,13 +85,14 @@ def export(s: PlanSettings) -> Export:
         if s.offload_device == "nvme":
             b.gap("offload_device", "nvme", "FSDP offloads to CPU memory only")
         out["fsdp_config"] = fsdp
-        if s.tp > 1 or s.replicate > 1 or s.zero < 3:
+        if s.parallel.tp > 1 or s.replicate > 1 or s.zero < 3:
             # With the parallelism_config, Accelerate's FSDP shards over dp_shard_size ranks
             # (1: no sharding, plain replicas).
             out["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": s.replicate if s.zero == 3 else s.dp,
+                "parallelism_config_dp_replicate_size": (s.replicate if s.zero == 3
+                                                         else s.parallel.dp),
                 "parallelism_config_dp_shard_size": s.shard if s.zero == 3 else 1,
-                "parallelism_config_tp_size": s.tp,
+                "parallelism_config_tp_size": s.parallel.tp,
                 "parallelism_config_cp_size": 1,
             }
     if s.checkpointing != "none" and not (engine == "fsdp" and s.checkpointing == "full"):
@@ -109,12 +110,12 @@ def export(s: PlanSettings) -> Export:
           f"DataLoader(batch_size={s.micro_batch})")
     b.gap("optimizer", s.optimizer, "the optimizer is built in code (Accelerate prepares "
           "the one you pass)")
-    if s.pp > 1:
-        b.gap("pp", s.pp, "Accelerate's config has no pipeline parallelism "
+    if s.parallel.pp > 1:
+        b.gap("pp", s.parallel.pp, "Accelerate's config has no pipeline parallelism "
               "(accelerate.inference.prepare_pippy is inference-only)")
-    if s.ep > 1:
-        b.gap("ep", s.ep, "Accelerate's config has no expert parallelism")
-    if s.sequence_parallel:
+    if s.parallel.ep > 1:
+        b.gap("ep", s.parallel.ep, "Accelerate's config has no expert parallelism")
+    if s.parallel.sp:
         b.gap("sequence_parallel", True, "Accelerate's TP plan comes from the model "
               "(tp_plan); sequence parallelism is not a config setting")
     b.model_code()

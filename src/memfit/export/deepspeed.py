@@ -25,7 +25,7 @@ def zero_stage(s: PlanSettings, b: Builder) -> int:
     if s.offload_optimizer and s.zero == 0:
         b.note("offload_optimizer without sharding: exported as ZeRO stage 1 with "
                "offload_optimizer (DeepSpeed offloads only through ZeRO)"
-               + ("; with one data-parallel rank stage 1 shards nothing" if s.dp == 1 else
+               + ("; with one data-parallel rank stage 1 shards nothing" if s.parallel.dp == 1 else
                   "; stage 1 also shards the optimizer states over the data-parallel ranks"))
         return 1
     return s.zero
@@ -97,18 +97,19 @@ def config(s: PlanSettings, b: Builder, *, standalone: bool = True) -> dict[str,
         out["zero_allow_untested_optimizer"] = True
         b.gap("optimizer", s.optimizer, "not a DeepSpeed optimizer: pass it to "
               "deepspeed.initialize(optimizer=...) (zero_allow_untested_optimizer is set)")
-    if s.tp > 1:
-        out["tensor_parallel"] = {"autotp_size": s.tp}
-        b.note(f"tp {s.tp}: exported as DeepSpeed AutoTP training (tensor_parallel.autotp_size)")
-    if s.sequence_parallel:
+    if s.parallel.tp > 1:
+        out["tensor_parallel"] = {"autotp_size": s.parallel.tp}
+        b.note(f"tp {s.parallel.tp}: exported as DeepSpeed AutoTP training "
+               "(tensor_parallel.autotp_size)")
+    if s.parallel.sp:
         b.gap("sequence_parallel", True, "AutoTP has no Megatron-style sequence parallelism; "
               "activations are not sharded along the sequence")
-    if s.pp > 1:
-        b.gap("pp", s.pp, "DeepSpeed's pipeline is built in code: "
-              f"deepspeed.pipe.PipelineModule(layers, num_stages={s.pp})")
-    if s.ep > 1:
-        b.gap("ep", s.ep, f"expert parallelism is set in code: deepspeed.moe.layer.MoE(..., "
-              f"ep_size={s.ep})")
+    if s.parallel.pp > 1:
+        b.gap("pp", s.parallel.pp, "DeepSpeed's pipeline is built in code: "
+              f"deepspeed.pipe.PipelineModule(layers, num_stages={s.parallel.pp})")
+    if s.parallel.ep > 1:
+        b.gap("ep", s.parallel.ep, "expert parallelism is set in code: "
+              f"deepspeed.moe.layer.MoE(..., ep_size={s.parallel.ep})")
     if s.engine not in (None, "deepspeed"):
         b.note(f"the plan names engine {s.engine!r}: DeepSpeed lays out memory its own way "
                "(re-plan with --engine deepspeed to predict it)")

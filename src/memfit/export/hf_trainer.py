@@ -77,19 +77,20 @@ def export(s: PlanSettings) -> Export:
         b.gap("checkpointing", s.checkpointing, "TrainingArguments checkpoints whole layers "
               "only (gradient_checkpointing); apply selective checkpointing with "
               "memfit.techniques")
-    if s.tp > 1:
-        b.gap("tp", s.tp, "tensor parallelism needs TrainingArguments(parallelism_config="
-              f"accelerate.ParallelismConfig(tp_size={s.tp})), an object a JSON file cannot "
-              "hold, and a model with a tp_plan")
-    if s.sequence_parallel:
+    if s.parallel.tp > 1:
+        b.gap("tp", s.parallel.tp, "tensor parallelism needs TrainingArguments(parallelism_config="
+              f"accelerate.ParallelismConfig(tp_size={s.parallel.tp})), an object a JSON file "
+              "cannot hold, and a model with a tp_plan")
+    if s.parallel.sp:
         b.gap("sequence_parallel", True, "the Trainer has no Megatron-style sequence "
               "parallelism")
-    if s.pp > 1:
-        b.gap("pp", s.pp, "the Trainer has no pipeline parallelism")
-    if s.ep > 1:
-        b.gap("ep", s.ep, "TrainingArguments has no expert parallelism")
-    if s.gpus > 1:
-        b.gap("gpus", s.gpus, "the number of processes is not a TrainingArguments setting: "
-              f"launch {s.gpus} (torchrun --nproc-per-node / --nnodes, or accelerate launch)")
+    if s.parallel.pp > 1:
+        b.gap("pp", s.parallel.pp, "the Trainer has no pipeline parallelism")
+    if s.parallel.ep > 1:
+        b.gap("ep", s.parallel.ep, "TrainingArguments has no expert parallelism")
+    if s.parallel.gpus > 1:
+        b.gap("gpus", s.parallel.gpus, "the number of processes is not a TrainingArguments "
+              f"setting: launch {s.parallel.gpus} (torchrun --nproc-per-node / --nnodes, or "
+              "accelerate launch)")
     b.model_code()
     return b.done(dump_json(out), "training_args.json", out)

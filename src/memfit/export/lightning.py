@@ -23,18 +23,19 @@ _STRATEGIES = "lightning.pytorch.strategies."
 def strategy(s: PlanSettings, b: Builder) -> str | dict[str, Any]:
     """The Trainer's ``strategy`` argument, as LightningCLI writes it."""
     engine = sharding_engine(s, b)
-    if s.tp > 1:
+    if s.parallel.tp > 1:
         if engine == "deepspeed" or s.offload_params:
-            b.gap("tp", s.tp, "Lightning's tensor parallelism (ModelParallelStrategy) runs on "
-                  "FSDP2 without offload; this plan needs DeepSpeed or offload")
+            b.gap("tp", s.parallel.tp, "Lightning's tensor parallelism (ModelParallelStrategy) "
+                  "runs on FSDP2 without offload; this plan needs DeepSpeed or offload")
         else:
-            b.note(f"tp {s.tp}: ModelParallelStrategy applies the TP plan your "
+            b.note(f"tp {s.parallel.tp}: ModelParallelStrategy applies the TP plan your "
                    "LightningModule.configure_model() writes (parallelize_module)")
-            if s.zero < 3 and s.dp > 1:
+            if s.zero < 3 and s.parallel.dp > 1:
                 b.gap("zero", s.zero, "ModelParallelStrategy shards parameters over the "
                       "data-parallel ranks (FSDP2) whenever data_parallel_size > 1")
             return {"class_path": _STRATEGIES + "ModelParallelStrategy",
-                    "init_args": {"data_parallel_size": s.dp, "tensor_parallel_size": s.tp}}
+                    "init_args": {"data_parallel_size": s.parallel.dp,
+                                  "tensor_parallel_size": s.parallel.tp}}
     if engine == "deepspeed":
         args: dict[str, Any] = {"stage": zero_stage(s, b)}
         if s.offload_optimizer:
@@ -65,15 +66,15 @@ def export(s: PlanSettings) -> Export:
     b = Builder(s, "lightning")
     trainer: dict[str, Any] = {
         "accelerator": "gpu",
-        "devices": s.gpus if s.nodes == 1 else s.gpus_per_node,
+        "devices": s.parallel.gpus if s.nodes == 1 else s.gpus_per_node,
         "num_nodes": s.nodes,
         "precision": _PRECISION.get(s.precision, "32-true"),
         "accumulate_grad_batches": s.accumulation,
         "strategy": strategy(s, b),
     }
-    if s.gpus % s.gpus_per_node and s.nodes > 1:
-        b.gap("gpus", s.gpus, f"Lightning runs the same number of devices on every node; "
-              f"{s.gpus} GPUs are not whole nodes of {s.gpus_per_node}")
+    if s.parallel.gpus % s.gpus_per_node and s.nodes > 1:
+        b.gap("gpus", s.parallel.gpus, f"Lightning runs the same number of devices on every node; "
+              f"{s.parallel.gpus} GPUs are not whole nodes of {s.gpus_per_node}")
     if s.precision not in _PRECISION:
         b.gap("precision", s.precision, "not a Lightning precision here (fp8: "
               "precision='transformer-engine' or torchao in configure_model)")
@@ -92,11 +93,11 @@ def export(s: PlanSettings) -> Export:
           f"(batch_size={s.micro_batch}), not the Trainer's")
     b.gap("optimizer", s.optimizer, "the optimizer is built in "
           "LightningModule.configure_optimizers()")
-    if s.pp > 1:
-        b.gap("pp", s.pp, "Lightning has no pipeline-parallel strategy")
-    if s.ep > 1:
-        b.gap("ep", s.ep, "Lightning has no expert-parallel setting")
-    if s.sequence_parallel:
+    if s.parallel.pp > 1:
+        b.gap("pp", s.parallel.pp, "Lightning has no pipeline-parallel strategy")
+    if s.parallel.ep > 1:
+        b.gap("ep", s.parallel.ep, "Lightning has no expert-parallel setting")
+    if s.parallel.sp:
         b.gap("sequence_parallel", True, "sequence parallelism is in the TP plan your "
               "configure_model() applies (SequenceParallel)")
     b.model_code()

@@ -6,8 +6,11 @@ Two plans carry training settings:
   ``"format": "memfit-plan/1"``): the chosen configuration;
 - an analytic or traced plan (``memfit plan ... --json``): its ``"run"`` object.
 
-Parallel layouts (issue 14) may name their sizes flat (``dp``, ``tp``, ``pp``, ``ep``, ``fsdp``,
-``zero``, ``replicate``, ...) or in a nested ``"parallel"`` object; both are read. A field this
+The layout is read into one :class:`memfit.Parallel` (:attr:`PlanSettings.parallel`): a fit
+plan's is ``Plan.parallel``; a ``memfit plan`` run names it in a nested ``"parallel"`` object
+(:meth:`Parallel.to_dict`), and plan files written before the layout was one type name its
+sizes flat (``gpus``, ``dp``, ``tp``, ``pp``, ``ep``, ``fsdp``, ``zero``, ``replicate``, ...)
+or nested in those names; all are read. A field this
 module does not know is kept in :attr:`PlanSettings.unknown`, and every export reports it as a
 setting it did not carry (never dropped silently).
 """
@@ -19,10 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.parallel.config import Parallel
 
 __all__ = ["PlanSettings", "settings_from_dict", "settings_from_plan"]
 
 FIT_FORMAT = "memfit-plan/1"
+
+GPUS_PER_NODE = 8
+"""GPUs per node when a plan names none (the launchers' node count)."""
 
 # Keys of a fit plan's chosen config / an analytic plan's run that carry nothing an exporter
 # writes (bookkeeping, or a detail of a key read elsewhere).
@@ -48,16 +55,10 @@ class PlanSettings:
     micro_batch: int = 1
     accumulation: int = 1
     optimizer: str = "adamw"
-    gpus: int = 1
-    gpus_per_node: int = 8
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
-    zero: int = 0
-    """ZeRO stage over the data-parallel ranks (3 = parameters sharded: ZeRO-3 or FSDP)."""
-    replicate: int = 1
-    """HSDP: replicas of the sharded group (``dp = replicate * shard``)."""
+    parallel: Parallel = field(default_factory=lambda: Parallel(gpus=1))
+    """The layout (:class:`memfit.Parallel`, the house's one layout type): the exporters read
+    its ``gpus``, ``dp``, ``tp``, ``pp``, ``ep``, ``sp`` and, through :attr:`zero`,
+    :attr:`replicate`, :attr:`shard`, :attr:`nodes`, its sharding and nodes."""
     engine: str | None = None
     """The engine the plan names (fsdp2, deepspeed, megatron, ddp), or None (not named)."""
     offload_optimizer: bool = False
@@ -75,39 +76,43 @@ class PlanSettings:
     """Plan fields this exporter does not understand (reported by every export)."""
 
     @property
-    def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+    def zero(self) -> int:
+        """ZeRO stage over the data-parallel ranks, 0-3 (3 = parameters sharded: ZeRO-3 or
+        FSDP): ``parallel.zero``, or 3 for an FSDP2 layout that names none (``fsdp > 1``)."""
+        return self.parallel.zero or (3 if self.parallel.fsdp > 1 else 0)
 
     @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.accumulation * self.dp
-
-    @property
-    def nodes(self) -> int:
-        return math.ceil(self.gpus / self.gpus_per_node)
+    def replicate(self) -> int:
+        """HSDP: replicas of the sharded group (``dp = replicate * shard``); 1 without HSDP."""
+        return self.parallel.replicate if self.parallel.strategy == "hsdp" else 1
 
     @property
     def shard(self) -> int:
         """Ranks each sharded group spans (``dp`` without HSDP)."""
-        return self.dp // self.replicate
+        return self.parallel.dp // self.replicate
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs per node: ``parallel.gpus_per_node``, or :data:`GPUS_PER_NODE` when the plan
+        names none."""
+        return self.parallel.gpus_per_node or GPUS_PER_NODE
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.parallel.dp
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.parallel.gpus / self.gpus_per_node)
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "accumulation", "gpus", "gpus_per_node", "tp", "pp", "ep",
-                     "replicate"):
+        for name in ("micro_batch", "accumulation"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MemfitError(f"plan: {name} must be a positive integer, got {value!r}")
-        if self.gpus % (self.tp * self.pp):
-            raise MemfitError(f"plan: {self.gpus} GPUs do not split into tp {self.tp} x pp "
-                              f"{self.pp}; the GPU count must be a multiple of tp*pp")
-        if self.dp % self.replicate:
-            raise MemfitError(f"plan: {self.dp} data-parallel ranks do not split into "
-                              f"{self.replicate} HSDP replicas")
-        if self.dp % self.ep and self.ep > 1:
-            raise MemfitError(f"plan: ep {self.ep} must divide the {self.dp} data-parallel "
-                              "ranks")
-        if self.zero not in (0, 1, 2, 3):
-            raise MemfitError(f"plan: zero stage must be 0-3, got {self.zero!r}")
+        if not isinstance(self.parallel, Parallel):
+            raise MemfitError(f"plan: parallel must be a memfit.Parallel, got "
+                              f"{type(self.parallel).__name__}")
         if self.offload_params and self.zero != 3:
             raise MemfitError(f"plan: parameter offload needs ZeRO-3/FSDP, but the plan has "
                               f"ZeRO-{self.zero}; re-plan with --zero 3 or without "
@@ -145,8 +150,20 @@ def _bool(data: dict[str, Any], key: str, where: str) -> bool:
     return value
 
 
-def _parallel(data: dict[str, Any], where: str) -> dict[str, Any]:
-    """The scale-out fields, flat or under ``"parallel"``, consumed from ``data``."""
+_PARALLEL_OWN = ("loss_parallel", "pp_schedule", "microbatches", "reshard_after_forward",
+                 "param_dtype", "reduce_dtype", "cpu_offload", "bucket_cap_mb")
+"""``Parallel``'s fields that the exporters' flat vocabulary has no name for (read from a
+nested :meth:`Parallel.to_dict` object)."""
+
+
+def _layout(data: dict[str, Any], where: str) -> tuple[Parallel, str | None]:
+    """The :class:`Parallel` a plan's scale-out fields name, and the engine it names (None:
+    not named), consumed from ``data``.
+
+    The fields are flat (``gpus``, ``dp``, ``tp``, ``pp``, ``ep``, ``fsdp``, ``zero``,
+    ``sharding``, ``replicate``, ``sequence_parallel``, ``gpus_per_node``: plan files written
+    before the layout was one type) or under ``"parallel"`` (:meth:`Parallel.to_dict`, or the
+    same flat names)."""
     nested = data.pop("parallel", None)
     if nested is not None:
         if not isinstance(nested, dict):
@@ -159,15 +176,19 @@ def _parallel(data: dict[str, Any], where: str) -> dict[str, Any]:
             raise MemfitError(f"{where}: {', '.join(clash)} differ inside and beside "
                               "\"parallel\"; keep one")
         data.update(nested)
-    out: dict[str, Any] = {}
-    for key in ("tp", "pp", "ep", "gpus_per_node"):
-        out[key] = _int(data, key, 8 if key == "gpus_per_node" else 1, where)
-    out["sequence_parallel"] = _bool(data, "sequence_parallel", where)
+    gpus = _int(data, "gpus", 1, where)
+    tp, pp, ep = (_int(data, key, 1, where) for key in ("tp", "pp", "ep"))
+    per_node = data.pop("gpus_per_node", None)
+    if per_node is not None and (isinstance(per_node, bool) or not isinstance(per_node, int)):
+        raise MemfitError(f"{where}: gpus_per_node must be an integer, got {per_node!r}")
+    sp = _bool(data, "sequence_parallel", where) | _bool(data, "sp", where)
+    own = {key: data.pop(key) for key in _PARALLEL_OWN if key in data}
     zero = data.pop("zero", None)
     sharding = data.pop("sharding", None)
     fsdp = data.pop("fsdp", None)
     replicate = _int(data, "replicate", 1, where)
     dp = data.pop("dp", None)
+    engine = data.pop("engine", None)
     stage = 0
     if sharding is not None:
         if sharding not in _SHARDING:
@@ -180,48 +201,51 @@ def _parallel(data: dict[str, Any], where: str) -> dict[str, Any]:
         if sharding is not None and stage not in (0, zero):
             raise MemfitError(f"{where}: sharding {sharding!r} conflicts with zero {zero}")
         stage = max(stage, zero)
+    fsdp_size = None
     if fsdp is True or (not isinstance(fsdp, bool) and fsdp not in (None, 0, 1)):
         # fsdp: true (shard over every data-parallel rank) or the shard-group size (HSDP when
-        # smaller than dp).
-        if stage not in (0, 3):
+        # smaller than dp); with zero 2, Parallel's ZeRO-2 (FSDP2 without resharding).
+        if stage not in (0, 3) and not (stage == 2 and fsdp is not True):
             raise MemfitError(f"{where}: fsdp shards parameters (ZeRO-3); it conflicts with "
                               f"zero {stage}")
-        stage = 3
-        out["fsdp_size"] = None if fsdp is True else fsdp
-        out.setdefault("engine", "fsdp2")
-    out["zero"] = stage
-    out["replicate"] = replicate
-    out["dp"] = dp
-    engine = data.pop("engine", None)
-    if engine is not None:
-        if not isinstance(engine, str):
-            raise MemfitError(f"{where}: engine must be a name, got {engine!r}")
-        out["engine"] = engine
-    return out
-
-
-def _finish(common: dict[str, Any], par: dict[str, Any], gpus: int, where: str) -> dict[str, Any]:
-    tp, pp = par["tp"], par["pp"]
-    dp = par.pop("dp")
+        stage = stage or 3
+        engine = engine if engine is not None else "fsdp2"
+        fsdp_size = None if fsdp is True else fsdp
+    if engine is not None and not isinstance(engine, str):
+        raise MemfitError(f"{where}: engine must be a name, got {engine!r}")
+    if tp * pp < 1 or gpus % (tp * pp):
+        raise MemfitError(f"plan: {gpus} GPUs do not split into tp {tp} x pp {pp}; the GPU "
+                          "count must be a multiple of tp*pp")
+    dp_ranks = gpus // (tp * pp)
     if dp is not None:
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
             raise MemfitError(f"{where}: dp must be a positive integer, got {dp!r}")
         if dp * tp * pp != gpus:
             raise MemfitError(f"{where}: dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp}, but the "
                               f"plan has {gpus} GPUs")
-    fsdp_size = par.pop("fsdp_size", None)
     if fsdp_size is not None:
         if isinstance(fsdp_size, bool) or not isinstance(fsdp_size, int) or fsdp_size < 1:
             raise MemfitError(f"{where}: fsdp must be true or a shard-group size")
-        dp_ranks = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
-        if not dp_ranks or dp_ranks % fsdp_size:
+        if dp_ranks % fsdp_size:
             raise MemfitError(f"{where}: fsdp {fsdp_size} must divide the data-parallel "
                               f"ranks (gpus {gpus} / (tp {tp} x pp {pp}))")
-        if par["replicate"] not in (1, dp_ranks // fsdp_size):
-            raise MemfitError(f"{where}: replicate {par['replicate']} x fsdp {fsdp_size} != "
+        if replicate not in (1, dp_ranks // fsdp_size):
+            raise MemfitError(f"{where}: replicate {replicate} x fsdp {fsdp_size} != "
                               f"{dp_ranks} data-parallel ranks")
-        par["replicate"] = dp_ranks // fsdp_size
-    return {**common, **par, "gpus": gpus}
+    elif replicate > 1:
+        if stage != 3:
+            raise MemfitError("plan: HSDP replicas need sharded parameters (ZeRO-3/FSDP)")
+        if dp_ranks % replicate:
+            raise MemfitError(f"plan: {dp_ranks} data-parallel ranks do not split into "
+                              f"{replicate} HSDP replicas")
+        fsdp_size = dp_ranks // replicate
+    try:
+        layout = Parallel(gpus=gpus, gpus_per_node=per_node, tp=tp, pp=pp, ep=ep,
+                          sp=sp and tp > 1, zero=stage or None,
+                          fsdp=fsdp_size if stage in (2, 3) and fsdp_size else 1, **own)
+    except (MemfitError, TypeError) as exc:
+        raise MemfitError(f"{where}: {exc}") from None
+    return layout, engine
 
 
 def settings_from_plan(plan: Any) -> PlanSettings:
@@ -253,7 +277,8 @@ def _from_fit(data: dict[str, Any], source: str) -> PlanSettings:
     config = plan.config.to_dict()
     for key in _BOOKKEEPING:
         config.pop(key, None)
-    par = _parallel(config, where)
+    config.pop("sharding")
+    config.pop("parallel", None)  # plan.parallel is the layout, sharding and all
     common = {
         "source": "fit", "precision": config.pop("precision"),
         "checkpointing": config.pop("checkpointing"),
@@ -267,13 +292,11 @@ def _from_fit(data: dict[str, Any], source: str) -> PlanSettings:
         "offload_gradients": _bool(config, "offload_gradients", where),
         "offload_device": config.pop("offload_device", None) or "cpu",
     }
-    gpus = plan.num_gpus
-    out = _finish(common, par, gpus, where)
-    settings = PlanSettings(**out, unknown={k: v for k, v in config.items()
-                                            if v not in (None, False)})
+    settings = PlanSettings(**common, parallel=plan.parallel,
+                            unknown={k: v for k, v in config.items() if v not in (None, False)})
     if settings.global_batch != plan.global_batch:
         raise MemfitError(f"{source}: micro-batch {settings.micro_batch} x accumulation "
-                          f"{settings.accumulation} x {settings.dp} data-parallel ranks = "
+                          f"{settings.accumulation} x {settings.parallel.dp} data-parallel ranks = "
                           f"{settings.global_batch}, but the plan's global batch is "
                           f"{plan.global_batch}; re-create it with memfit fit --save")
     return settings
@@ -284,8 +307,7 @@ def _from_run(data: dict[str, Any], source: str) -> PlanSettings:
     run = dict(data["run"])
     for key in _BOOKKEEPING:
         run.pop(key, None)
-    gpus = _int(run, "gpus", 1, where)
-    par = _parallel(run, where)
+    layout, engine = _layout(run, where)
     try:
         common = {
             "source": "plan", "mode": run.pop("mode", "train"),
@@ -311,5 +333,5 @@ def _from_run(data: dict[str, Any], source: str) -> PlanSettings:
     for name in ("precision", "checkpointing", "optimizer", "attention", "mode"):
         if not isinstance(common[name], str):
             raise MemfitError(f"{where}: {name} must be a name, got {common[name]!r}")
-    out = _finish(common, par, gpus, where)
-    return PlanSettings(**out, unknown={k: v for k, v in run.items() if v not in (None, False)})
+    return PlanSettings(**common, parallel=layout, engine=engine,
+                        unknown={k: v for k, v in run.items() if v not in (None, False)})

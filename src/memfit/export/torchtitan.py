@@ -21,7 +21,7 @@ def overrides(s: PlanSettings, b: Builder) -> dict[str, dict[str, Any]]:
     """``{section: {field: value}}``; the key ``activation_checkpoint`` holds the subcommand."""
     training: dict[str, Any] = {"global_batch_size": s.global_batch}
     par: dict[str, Any] = {}
-    if s.pp > 1:
+    if s.parallel.pp > 1:
         # With pipelining the local batch is split into pipeline micro-batches: memfit's
         # micro-batches in flight are torchtitan's pipeline_parallel_microbatch_size.
         training["local_batch_size"] = s.micro_batch * s.accumulation
@@ -41,7 +41,7 @@ def overrides(s: PlanSettings, b: Builder) -> dict[str, dict[str, Any]]:
         par["data_parallel_shard_degree"] = s.shard
         par["data_parallel_replicate_degree"] = s.replicate
     elif s.zero in (1, 2):
-        par["data_parallel_shard_degree"] = s.dp
+        par["data_parallel_shard_degree"] = s.parallel.dp
         par["data_parallel_replicate_degree"] = 1
         par["fsdp_reshard_after_forward"] = "never"
         b.gap("zero", s.zero, f"torchtitan has no ZeRO-{s.zero}: exported as FSDP2 that keeps "
@@ -49,7 +49,7 @@ def overrides(s: PlanSettings, b: Builder) -> dict[str, dict[str, Any]]:
               "parameters are also sharded at rest, so it holds less than planned")
     else:
         par["data_parallel_shard_degree"] = 1
-        par["data_parallel_replicate_degree"] = s.dp
+        par["data_parallel_replicate_degree"] = s.parallel.dp
     if s.offload_optimizer or s.offload_params:
         if par["data_parallel_shard_degree"] > 1:
             training["enable_cpu_offload"] = True
@@ -62,15 +62,15 @@ def overrides(s: PlanSettings, b: Builder) -> dict[str, dict[str, Any]]:
                   "data_parallel_shard_degree > 1)")
     if s.offload_device == "nvme":
         b.gap("offload_device", "nvme", "torchtitan offloads to CPU memory only")
-    par["tensor_parallel_degree"] = s.tp
-    if s.tp > 1:
-        par["enable_sequence_parallel"] = s.sequence_parallel
-    elif s.sequence_parallel:
+    par["tensor_parallel_degree"] = s.parallel.tp
+    if s.parallel.tp > 1:
+        par["enable_sequence_parallel"] = s.parallel.sp
+    elif s.parallel.sp:
         b.gap("sequence_parallel", True, "sequence parallelism needs tp > 1")
-    par["pipeline_parallel_degree"] = s.pp
-    if s.pp > 1:
+    par["pipeline_parallel_degree"] = s.parallel.pp
+    if s.parallel.pp > 1:
         par["pipeline_parallel_schedule"] = "1F1B"
-    par["expert_parallel_degree"] = s.ep
+    par["expert_parallel_degree"] = s.parallel.ep
     out: dict[str, dict[str, Any]] = {"training": training, "parallelism": par}
     if s.checkpointing in _AC:
         out["activation_checkpoint"] = {"mode": _AC[s.checkpointing]}
@@ -91,7 +91,7 @@ def export(s: PlanSettings) -> Export:
     b = Builder(s, "torchtitan")
     data = overrides(s, b)
     lines = ["# torchtitan overrides from a memfit plan; run with:",
-             f"#   torchrun --nproc-per-node={min(s.gpus, s.gpus_per_node)}"
+             f"#   torchrun --nproc-per-node={min(s.parallel.gpus, s.gpus_per_node)}"
              + (f" --nnodes={s.nodes}" if s.nodes > 1 else "")
              + " -m torchtitan.train --module MODEL --config CONFIG"
              " $(grep -v '^#' torchtitan_overrides.txt)"]

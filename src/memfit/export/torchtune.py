@@ -53,8 +53,8 @@ def config(s: PlanSettings, b: Builder) -> dict[str, Any]:
         out["optimizer"] = opt
         b.note("optimizer: lr and the other hyperparameters are not in the plan; keep the "
                "recipe's")
-    if s.gpus > 1:
-        per_node = min(s.gpus, s.gpus_per_node)
+    if s.parallel.gpus > 1:
+        per_node = min(s.parallel.gpus, s.gpus_per_node)
         b.note(f"recipe: a distributed one (tune run --nproc_per_node {per_node}"
                + (f" --nnodes {s.nodes}" if s.nodes > 1 else "")
                + " full_finetune_distributed)")
@@ -71,23 +71,23 @@ def config(s: PlanSettings, b: Builder) -> dict[str, Any]:
         if s.replicate > 1:
             b.gap("replicate", s.replicate, "torchtune's recipes shard over every "
                   "data-parallel rank (no HSDP)")
-        if s.tp > 1:
-            out["tensor_parallel_dim"] = s.tp
+        if s.parallel.tp > 1:
+            out["tensor_parallel_dim"] = s.parallel.tp
             b.note("tensor_parallel_dim needs a tensor_parallel_plan component for your model")
     elif s.offload_optimizer:
         b.gap("offload_optimizer", True, "torchtune's single-device recipe has no optimizer "
               "offload (torchao.optim.CPUOffloadOptimizer as the optimizer component does it)")
     if s.offload_device == "nvme":
         b.gap("offload_device", "nvme", "torchtune offloads to CPU memory only")
-    if s.offload_gradients and s.gpus == 1:
+    if s.offload_gradients and s.parallel.gpus == 1:
         b.gap("offload_gradients", True, "torchtune offloads gradients only with FSDP")
-    if s.sequence_parallel:
+    if s.parallel.sp:
         b.gap("sequence_parallel", True, "sequence parallelism comes with the "
               "tensor_parallel_plan, not a setting")
-    if s.pp > 1:
-        b.gap("pp", s.pp, "torchtune has no pipeline parallelism")
-    if s.ep > 1:
-        b.gap("ep", s.ep, "torchtune's recipes have no expert-parallel setting")
+    if s.parallel.pp > 1:
+        b.gap("pp", s.parallel.pp, "torchtune has no pipeline parallelism")
+    if s.parallel.ep > 1:
+        b.gap("ep", s.parallel.ep, "torchtune's recipes have no expert-parallel setting")
     if s.engine not in (None, "fsdp", "fsdp2"):
         b.note(f"the plan names engine {s.engine!r}; torchtune runs FSDP2")
     b.model_code()

@@ -176,12 +176,7 @@ class FitConfig:
             data["checkpoint_modes"] = list(self.checkpoint_modes)
         data.pop("parallel")
         if self.parallel is not None:
-            # The exporters' vocabulary (memfit/export/settings.py: _parallel); the GPU count is
-            # the plan's num_gpus and the strategy is ``sharding``.
-            par = self.parallel
-            data["parallel"] = {"tp": par.tp, "pp": par.pp, "ep": par.ep,
-                                "gpus_per_node": par.gpus_per_node,
-                                "replicate": par.replicate if self.sharding == "hsdp" else 1}
+            data["parallel"] = self.parallel.to_dict()  # the one layout shape (memfit.Parallel)
         return data
 
     @classmethod
@@ -201,6 +196,11 @@ class FitConfig:
                 raise MemfitError("plan config: checkpoint_modes must be a list of 'full', "
                                   "'selective' or null")
             data["checkpoint_modes"] = tuple(modes)
-        if data.get("parallel") is not None:
-            data["parallel"] = _parallel_from(data["parallel"], data.get("sharding", "none"), gpus)
+        par = data.get("parallel")
+        if isinstance(par, dict) and "gpus" in par:
+            data["parallel"] = Parallel.from_dict(par, where="plan config: parallel")
+        elif par is not None:
+            # Plans written before the layout had one JSON shape: tp, pp, ep, gpus_per_node and
+            # replicate, the GPU count from the plan and the strategy from ``sharding``.
+            data["parallel"] = _parallel_from(par, data.get("sharding", "none"), gpus)
         return cls(**data)

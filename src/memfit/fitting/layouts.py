@@ -6,13 +6,16 @@ can win (Note: [layouts are derived, then traced] in :mod:`memfit.fitting.search
 Known limitations: expert parallelism is not searched (``ep = 1``); tensor parallelism is
 Megatron's split of the attention and MLP projections without sequence parallelism, as
 :func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must name their
-projections as Llama does (``q_proj`` ... ``down_proj``).
+projections as Llama does (``q_proj`` ... ``down_proj``). Pipelines (``pp > 1``) split memfit's
+builtin decoders only (:mod:`memfit.parallel.pipeline`) and run alone, with tp and with FSDP2
+(not beside DDP, ZeRO-1 or HSDP), with the 1F1B schedule and ``accumulation`` micro-batches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -21,7 +24,11 @@ from memfit.fitting.config import LAYOUT_SHARDING
 from memfit.fitting.plan import Rejected
 from memfit.parallel.config import Parallel
 
-__all__ = ["ModelShape", "activation_factor", "check_gpus", "layouts", "model_shape"]
+if TYPE_CHECKING:
+    from memfit.fitting.config import FitConfig
+
+__all__ = ["ModelShape", "activation_factor", "check_gpus", "layouts", "model_shape",
+           "pipeline_runs", "traced_step"]
 
 # The projections memfit/parallel/apply.py: apply_tp splits (Colwise / Rowwise by name).
 TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -44,6 +51,9 @@ class ModelShape:
     """Parameters outside the blocks that sit before them (embeddings): the first stage's."""
     last_numel: int
     """The other parameters outside the blocks (final norm, head): the last stage's."""
+    pipeline_splittable: bool = True
+    """Whether :mod:`memfit.parallel.pipeline` splits the model into stages (memfit's builtin
+    decoders with an untied head)."""
 
     def param_share(self, tp: int, pp: int) -> float:
         """The share of the model's parameters the most loaded rank holds: its stage's blocks
@@ -133,7 +143,38 @@ def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
     hidden = _count(base, ("hidden_size", "n_embd", "d_model"))
     return ModelShape(heads=heads, kv_heads=kv_heads, layers=len(blocks), hidden=hidden,
                       seq=sample_seq, tp_splittable=splittable,
-                      block_numels=tuple(block_numels), first_numel=first, last_numel=last)
+                      block_numels=tuple(block_numels), first_numel=first, last_numel=last,
+                      pipeline_splittable=_pipeline_splittable(base))
+
+
+def _pipeline_splittable(base: nn.Module) -> bool:
+    """memfit's builtin decoder with its head untied from its embedding (the two sit on the
+    first and the last stage): what :mod:`memfit.parallel.pipeline` splits."""
+    from memfit.models.build import DecoderLM
+
+    return isinstance(base, DecoderLM) and \
+        base.lm_head.weight is not base.model.embed_tokens.weight
+
+
+def pipeline_runs(par: Parallel) -> bool:
+    """Whether ``par`` (``pp > 1``) is a pipeline that the per-rank trace and ``Plan.apply`` run
+    (:func:`memfit.fitting.apply.apply_pipeline`): alone, with tp, with FSDP2 over the other
+    ranks (torchtitan's ``(pp, dp, tp)`` mesh); not with DDP, ZeRO-1, HSDP or ep."""
+    return par.ep == 1 and par.strategy in ("none", "fsdp")
+
+
+def traced_step(cfg: FitConfig) -> tuple[int, Parallel]:
+    """The rows and the layout of the step the per-rank trace of ``cfg`` runs (``cfg.parallel``
+    set). A pipeline's schedule runs the whole per-rank batch, ``micro_batch * accumulation``
+    rows, as ``accumulation`` micro-batches (``Parallel.microbatches``: gradient accumulation
+    under a pipeline is the schedule's micro-batches, as ``Plan.apply`` runs it), so its trace
+    is the whole step and its peak the plan's; other layouts trace one micro-batch."""
+    par = cfg.parallel
+    assert par is not None
+    if par.pp == 1:
+        return cfg.micro_batch, par
+    return (cfg.micro_batch * cfg.accumulation,
+            dataclasses.replace(par, microbatches=cfg.accumulation))
 
 
 def activation_factor(tp: int, *, eager: bool, shape: ModelShape | None) -> float:
@@ -203,6 +244,13 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
         tps = [1]
     if shape is None:
         pps = [1]
+    elif not shape.pipeline_splittable and any(p > 1 for p in pps):
+        if "pp" in space and any(p > 1 for p in space["pp"]):
+            raise MemfitError("space pp > 1 splits memfit's builtin decoders (memfit.models."
+                              "build_model) with an untied head; use pp=1 for this model")
+        rejected.append(Rejected(what="pipeline parallelism", reason=(
+            "memfit.parallel.pipeline splits memfit's builtin decoders with an untied head")))
+        pps = [1]
     out: list[Parallel] = []
     for tp in tps:
         if shape is not None and tp > 1:
@@ -237,8 +285,15 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
                 rejected.append(Rejected(what=f"tp {tp} x pp {pp} with ddp / zero1 over {dp}",
                                          reason="DDP beside tensor parallelism is refused by "
                                          "torchtitan and apply_model; FSDP / HSDP are searched"))
+            if pp > 1 and dp > 1 and any(z in shardings for z in ("none", "zero1", "hsdp")):
+                # memfit/parallel/pipeline.py: check_pipeline; fitting/apply.py: apply_pipeline
+                rejected.append(Rejected(what=f"tp {tp} x pp {pp} with ddp / zero1 / hsdp over "
+                                         f"{dp}", reason="a pipeline runs beside FSDP2 only "
+                                         "(torchtitan's (pp, dp, tp) mesh); FSDP is searched"))
+            refused = (("none", "zero1") if tp > 1 else ()) + (
+                ("none", "zero1", "hsdp") if pp > 1 else ())
             out += _shardings(gpus, gpus_per_node, tp, pp, dp,
-                              [z for z in shardings if tp == 1 or z not in ("none", "zero1")])
+                              [z for z in shardings if z not in refused])
     if not out:
         raise MemfitError(f"no layout of {gpus} GPUs fits the search's limits (global batch "
                           f"{global_batch}, space {space}); pick a global batch that "

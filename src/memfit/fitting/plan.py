@@ -195,15 +195,13 @@ class Plan:
 
     @property
     def parallel(self) -> Any:
-        """The chosen multi-GPU layout as a :class:`memfit.Parallel` (a plan searched with
-        ``gpus=``), or, for a ``num_gpus`` plan, the ZeRO stage over every GPU it chose; None
-        on one GPU."""
+        """The chosen layout as a :class:`memfit.Parallel` (the house's one layout type): the
+        one a plan searched with ``gpus=`` chose, or, for a ``num_gpus`` plan, the ZeRO stage
+        over every GPU it chose; ``Parallel(gpus=1)`` on one GPU."""
         from memfit.parallel.config import Parallel
 
         if self.config.parallel is not None:
             return self.config.parallel
-        if self.num_gpus == 1:
-            return None
         zero = {"zero1": 1, "zero2": 2, "zero3": 3}.get(self.config.sharding)
         return Parallel(gpus=self.num_gpus, zero=zero)
 

@@ -51,7 +51,15 @@ from memfit.fitting.config import (
     sharding_of,
 )
 from memfit.fitting.cost import Rates, StepCost, cpu_rates, gpu_rates, step_cost
-from memfit.fitting.layouts import ModelShape, activation_factor, check_gpus, layouts, model_shape
+from memfit.fitting.layouts import (
+    ModelShape,
+    activation_factor,
+    check_gpus,
+    layouts,
+    model_shape,
+    pipeline_runs,
+    traced_step,
+)
 from memfit.fitting.plan import (
     TIE_TOLERANCE,
     Candidate,
@@ -895,8 +903,9 @@ class _Search:
                     continue
                 assert cfg.parallel is not None
                 per_rank = self.global_batch // cfg.parallel.dp
+                # A pipeline's trace ran the whole step, every micro-batch (layouts.traced_step).
                 peak = (t.peak_accum + _rest_of_batch(t, cfg.micro_batch, per_rank)
-                        if cfg.accumulation > 1 else t.peak)
+                        if cfg.accumulation > 1 and cfg.parallel.pp == 1 else t.peak)
                 if peak > self.budget:
                     self.rejected.append(Rejected(what=cfg.label(), reason=(
                         f"traced per rank: worst rank's peak {_over(peak, self.budget)} (after "
@@ -921,15 +930,16 @@ class _Search:
         # fp16-mixed shares bf16-mixed's trace on a GPU that runs both (Note: [fp16 is traced as
         # bf16]), per rank as on one GPU.
         precision = self.traced_precision(cfg.precision)
+        rows, traced = traced_step(cfg)
         key = (precision, cfg.checkpointing, cfg.checkpoint_modes, cfg.optimizer,
-               cfg.chunked_loss, cfg.attention, cfg.micro_batch, par)
+               cfg.chunked_loss, cfg.attention, rows, traced)
         if key not in self.per_rank_traces:
             t = _trace_one(self.base, self.sample_batch, precision=precision,
                            ckpt=cfg.checkpointing, optimizer=cfg.optimizer,
                            chunked=cfg.chunked_loss, attention=cfg.attention,
-                           m=cfg.micro_batch, per_gpu=self.global_batch // par.dp,
+                           m=rows, per_gpu=self.global_batch // par.dp,
                            device=self.device, gpu=self.spec, loss_fn=self.loss_fn,
-                           num_gpus=par.gpus, modes=cfg.checkpoint_modes, parallel=par)
+                           num_gpus=par.gpus, modes=cfg.checkpoint_modes, parallel=traced)
             # memfit/parallel/apply.py: apply_model refuses the layouts it does not apply yet
             # ("... are traced so far"): those keep the formulas' peak.
             self.per_rank_traces[key] = "" if isinstance(t, str) and "traced so far" in t else t
@@ -1047,12 +1057,12 @@ def _rest_of_batch(t: _Traced, ref_m: int, per_gpu: int) -> int:
 def per_rank_traced(par: Parallel) -> bool:
     """Whether the fit search traces ``par`` per rank: the data-parallel family (DDP, ZeRO-1,
     FSDP2, HSDP), tensor parallelism alone and tp x FSDP / HSDP, as
-    ``memfit/parallel/apply.py: apply_model`` applies them. Pipeline layouts keep the formulas:
-    the per-rank trace runs a pipeline over the whole per-rank batch split into its
-    micro-batches (``memfit/parallel/pipeline.py``), which the search's per-micro-batch traces
-    do not map onto yet."""
-    return par.ep == 1 and par.pp == 1 and (
-        par.tp == 1 or par.dp == 1 or par.strategy in ("fsdp", "hsdp"))
+    ``memfit/parallel/apply.py: apply_model`` applies them, and pipelines alone, with tp and
+    with FSDP2 (``memfit/parallel/pipeline.py``: every stage's rank traced over the whole
+    per-rank batch, :func:`memfit.fitting.layouts.traced_step`)."""
+    if par.pp > 1:
+        return pipeline_runs(par)
+    return par.ep == 1 and (par.tp == 1 or par.dp == 1 or par.strategy in ("fsdp", "hsdp"))
 
 
 def _seq_of(batch: Any) -> int | None:
@@ -1294,6 +1304,11 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
     except (RuntimeError, NotImplementedError) as exc:  # rejected with the reason, not hidden
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"{ENGINE_FAILED}: {first}"
+    if steps == 1 and len(est.per_rank) > 1:
+        # The worst rank once its optimizer states exist (Note: [one traced step on CPU]): the
+        # first step's worst can be another (tests/test_fit_pipeline.py's pp 2 at micro-batch
+        # 2 x 4: the first step's worst stage gave a peak 4.4% under the two-step trace's).
+        est = max(est.per_rank, key=_one_step_peak)
     cats = est.breakdown
     outside = est.total_bytes - est.peak_reserved_bytes
     reserve = est.peak_reserved_bytes - est.peak_bytes
@@ -1348,6 +1363,15 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
                    ops_per_micro=max(1, est.num_ops // max(1, est.steps)),
                    checkpoint_modes=modes, checkpoint_budget=ckpt_budget,
                    host_peak=est.host_peak_bytes, input_bytes=_batch_bytes(inputs, device))
+
+
+def _one_step_peak(est: Any) -> int:
+    """A CPU trace's peak of the second step from its first (Note: [one traced step on CPU]):
+    the forward / backward high points plus the optimizer states the first step made."""
+    fb = [v for (_, phase), v in est.phase_peaks.items() if phase in ("forward", "backward")]
+    states = (est.timeline[-1].by_category()[MemoryCategory.OPTIMIZER_STATES]
+              if est.timeline else 0)
+    return max(est.peak_bytes, max(fb, default=0) + states)
 
 
 def _weights_and_grads(model: nn.Module, precision: str) -> int:

@@ -5,7 +5,8 @@ Pure data (no torch import), so the CLI can build and check one without torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from memfit.errors import MemfitError, suggest
 
@@ -197,6 +198,27 @@ class Parallel:
         parts += [f"tp {self.tp}" + (f" ({', '.join(tp_notes)})" if tp_notes else ""),
                   pp] + ([f"ep {self.ep}"] if self.ep > 1 else [])
         return " x ".join(parts) + f" on {self.gpus} GPUs"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The layout as a JSON object: every field, as resolved (``fsdp`` and
+        ``reshard_after_forward`` as ZeRO-2/3 set them); :meth:`from_dict` reads it back."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "parallel") -> Parallel:
+        """The layout a :meth:`to_dict` object names; an unknown field or a bad value is a
+        one-line MemfitError."""
+        if not isinstance(data, dict):
+            raise MemfitError(f"{where}: a parallel layout must be a JSON object, got "
+                              f"{type(data).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise MemfitError(f"{where}: unknown parallel field(s) {', '.join(unknown)}; valid: "
+                              f"{', '.join(known)}")
+        if "gpus" not in data:
+            raise MemfitError(f"{where}: a parallel layout needs gpus (the ranks in all)")
+        return cls(**data)
 
     def check_model(self, *, heads: int | None, layers: int | None,
                     kv_heads: int | None = None) -> None:

@@ -194,14 +194,16 @@ class Pipeline:
     def last(self) -> bool:
         return any(m.last for m in self.modules)
 
-    def step(self, inputs: dict[str, torch.Tensor]) -> None:
+    def step(self, inputs: dict[str, torch.Tensor], losses: list[Any] | None = None) -> None:
         """One schedule step over the whole batch, as torchtitan's trainer calls it: the token
-        ids on the rank with the first stage, the labels on the rank with the last."""
+        ids on the rank with the first stage, the labels on the rank with the last; the last
+        stage appends each micro-batch's loss to ``losses`` when given."""
         target = inputs["labels"] if self.last else None
         if self.first:
-            self.schedule.step(inputs["input_ids"], target=target, return_outputs=False)
+            self.schedule.step(inputs["input_ids"], target=target, losses=losses,
+                               return_outputs=False)
         else:
-            self.schedule.step(target=target, return_outputs=False)
+            self.schedule.step(target=target, losses=losses, return_outputs=False)
 
 
 def pp_rank(parallel: Parallel, rank: int) -> int:
@@ -290,11 +292,15 @@ def apply_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -
 
 
 def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, seq: int,
-                   device: str = "cpu", group: Any = None) -> Pipeline:
+                   device: str = "cpu", group: Any = None, *, loss_fn: Any = stage_loss,
+                   scale_grads: bool = True) -> Pipeline:
     """``modules`` (:func:`stage_modules` of ``rank``) as ``PipelineStage``s and the layout's
     schedule over them; torch.distributed must be initialised with ``parallel.gpus`` ranks.
     Every stage is given its input and output shapes (``input_args``, ``output_args``), so no
-    stage infers them at run time (static metadata: ``stage.py: PipelineStage``)."""
+    stage infers them at run time (static metadata: ``stage.py: PipelineStage``).
+    ``loss_fn(logits, labels)`` and ``scale_grads`` go to the schedule (``schedules.py:
+    _PipelineSchedule.__init__``: True divides the gradients by the micro-batches after the
+    step); ``memfit.fitting.apply`` weighs each micro-batch's loss itself."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -330,10 +336,10 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
                                     input_args=ids if module.first else states,
                                     output_args=logits if module.last else states, group=group))
     if parallel.pp_schedule == "interleaved-1f1b":
-        schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=stage_loss)
+        schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=scale_grads)
     else:
         cls = ScheduleGPipe if parallel.pp_schedule == "gpipe" else Schedule1F1B
-        schedule = cls(stages[0], n, loss_fn=stage_loss)
+        schedule = cls(stages[0], n, loss_fn=loss_fn, scale_grads=scale_grads)
     return Pipeline(modules, schedule)
 
 

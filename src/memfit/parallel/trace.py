@@ -56,6 +56,7 @@ class RankRole:
         (``torch_internals.dtensor_meta_propagation_within``)."""
         from memfit._compat.torch_internals import dtensor_meta_propagation_within
         from memfit.parallel.apply import loss_context
+        from memfit.parallel.streams import fsdp_streams
 
         original = torch.UntypedStorage.resize_
 
@@ -76,7 +77,7 @@ class RankRole:
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         try:
             with (dtensor_meta_propagation_within(untracked), _meshes_made_real(),
-                  _wait_returns_its_input(), loss_context(self.parallel)):
+                  _wait_returns_its_input(), loss_context(self.parallel), fsdp_streams(tracker)):
                 yield
         finally:
             torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
