@@ -97,18 +97,19 @@ class _Window:
     module_after: str = ""
 
 
-def _snapshot(tracker: Any) -> tuple[int, int, int, int]:
-    return len(tracker.events), len(tracker.infos), len(tracker.ops), len(tracker.op_peaks)
+def _snapshot(tracker: Any) -> tuple[int, int, int, int, int]:
+    return (len(tracker.events), len(tracker.infos), len(tracker.ops), len(tracker.op_peaks),
+            _streams.get(id(tracker), 0))
 
 
-def _window(tracker: Any, start: tuple[int, int, int, int], foreign: dict[int, int],
+def _window(tracker: Any, start: tuple[int, ...], foreign: dict[int, int],
             real_uid: int | None, meta: Any) -> _Window | None:
     """The window of ledger activity since ``start``, in template form; None where it touches
     anything a replay could not reproduce. ``foreign``: uid -> survivor index of the paired
     forward (a backward may free those)."""
-    n_ev, n_infos, n_ops, n_peaks = start
-    if len(tracker.op_peaks) != n_peaks:
-        return None  # an opaque CPU kernel's scratch: not replayed
+    n_ev, n_infos, n_ops, n_peaks, n_streams = start
+    if len(tracker.op_peaks) != n_peaks or _streams.get(id(tracker), 0) != n_streams:
+        return None  # an opaque CPU kernel's scratch, or allocations on a side stream
     infos = tracker.infos
     local: dict[int, int] = {}
     events: list[tuple[Any, ...]] = []
@@ -339,7 +340,7 @@ def _meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.untyped_storage().nbytes())
 
 
-def _uids_of(tracker: Any, start: tuple[int, int, int, int], locals_: list[int]) -> list[int]:
+def _uids_of(tracker: Any, start: tuple[int, ...], locals_: list[int]) -> list[int]:
     allocs = [e for e in tracker.events[start[0]:] if e >= 0]
     return [allocs[i] for i in locals_]
 
@@ -420,6 +421,15 @@ def replaying(modules: list[torch.nn.Module], tracker: Any) -> Iterator[None]:
         yield
         return
     states = []
+    on_stream = tracker.on_stream
+
+    @contextlib.contextmanager
+    def counted(stream: int) -> Iterator[None]:  # side-stream allocations refuse a window
+        _streams[id(tracker)] = _streams.get(id(tracker), 0) + 1
+        with on_stream(stream):
+            yield
+
+    tracker.on_stream = counted
     for module in modules:
         if _has_fsdp(module):
             continue
@@ -438,10 +448,13 @@ def replaying(modules: list[torch.nn.Module], tracker: Any) -> Iterator[None]:
     try:
         yield
     finally:
+        del tracker.on_stream
+        _streams.pop(id(tracker), None)
         for module, _ in states:
             del module.forward
 
 
+_streams: dict[int, int] = {}  # id(tracker) -> side-stream contexts entered (see replaying)
 _REPLAYS: weakref.WeakKeyDictionary[torch.nn.Module, _Replay] = weakref.WeakKeyDictionary()
 
 
