@@ -398,8 +398,10 @@ class PipelineRole(RankRole):
                                                     batch, seq, group=self.state.get("group"))
             _static_metadata(self.state["pipeline"].schedule)
         pipeline: Pipeline = self.state["pipeline"]
-        from memfit.trace.replay import replaying  # Note: [replaying a pipeline stage's ...]
+        from memfit.trace.replay import replaying
 
+        # Micro-batches 2.. of each stage module replay micro-batch 1's recorded events:
+        # Note: [replaying a pipeline stage's micro-batches] in memfit/trace/replay.py.
         with _phases(pipeline.schedule, tracker), _works_hold_their_tensors(), \
                 replaying(pipeline.modules, tracker):
             pipeline.step(inputs)
