@@ -174,10 +174,10 @@ def test_plan_method_trace_json_and_optimizer_offload(capsys) -> None:
 
 
 def test_plan_method_trace_refuses_what_it_does_not_model(capsys) -> None:
-    code, _, err = run(capsys, "plan", "gpt2", "--method", "trace", "--gpus", "2", "--engine",
-                       "fsdp2", "--offload-params")
+    code, _, err = run(capsys, "plan", "gpt2", "--method", "trace", "--gpus", "4", "--tp", "2",
+                       "--zero", "1")
     assert code == 2
-    assert "--method trace over 2 GPUs: the trace refused it" in err and "\n" not in err.strip()
+    assert "--method trace over 4 GPUs: the trace refused it" in err and "\n" not in err.strip()
     code, _, err = run(capsys, "plan", "gpt2", "--method", "trace", "--mode", "lora")
     assert code == 2
     assert "no q_proj, k_proj, v_proj, o_proj layers" in err and "\n" not in err.strip()

@@ -74,9 +74,6 @@ def test_tp_must_divide_the_heads_and_pp_fit_the_layers() -> None:
     with pytest.raises(MemfitError, match="only the data-parallel family") as info:
         memfit.estimate(model, inputs, device="cpu", parallel=Parallel(gpus=4, tp=2))
     assert "\n" not in str(info.value)
-    with pytest.raises(MemfitError, match="cpu_offload=True\\) is not traced yet"):
-        memfit.estimate(model, inputs, device="cpu",
-                        parallel=Parallel(gpus=2, fsdp=2, cpu_offload=True))
     with pytest.raises(MemfitError, match=r"parallel must be a memfit\.Parallel"):
         memfit.estimate(model, inputs, device="cpu", parallel=2)
 

@@ -65,8 +65,7 @@ def test_bad_pipeline_layouts_get_one_line_errors(kwargs: dict, match: str) -> N
     ({"pp": 2, "pp_schedule": "interleaved-1f1b"}, 4, "needs 4 stages, more than the model's 2"),
     ({"pp": 2, "microbatches": 3}, 4, "microbatches=3\\) does not divide the batch of 4"),
     ({"pp": 2, "microbatches": 1}, 4, "needs at least pp=2 micro-batches"),
-    ({"pp": 2, "gpus": 4}, 4, "not with ddp 2"),
-    ({"pp": 2, "gpus": 8, "fsdp": 2}, 4, "not with hsdp 2x2"),
+    ({"pp": 2, "gpus": 8, "tp": 2}, 4, "DDP has not supported > 1D parallelism"),
 ])
 def test_pipeline_the_model_or_batch_cannot_take_gets_one_line_errors(
         layout: dict, batch: int, match: str) -> None:

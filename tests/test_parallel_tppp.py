@@ -20,7 +20,6 @@ import pytest
 
 import memfit
 from memfit.categories import MemoryCategory
-from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, tiny_spec
 
@@ -84,15 +83,6 @@ def test_sequence_parallel_stages_split_the_embedding_and_head() -> None:
                            strict=True):
         weights = est.timeline[0].by_category()[MemoryCategory.WEIGHTS]
         assert weights == 4 * params + 4 * (head_dim // 2)
-
-
-def test_pp_with_tp_refuses_loss_parallelism() -> None:
-    model, inputs = build(_case(Parallel(gpus=1)))
-    with pytest.raises(MemfitError, match="without loss parallelism") as info:
-        memfit.estimate(model, inputs, device="cpu",
-                        parallel=Parallel(gpus=4, pp=2, tp=2, microbatches=4,
-                                          loss_parallel=True))
-    assert "\n" not in str(info.value)
 
 
 @pytest.mark.slow

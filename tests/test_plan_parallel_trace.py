@@ -168,7 +168,6 @@ def test_method_analytic_gives_the_formulas(capsys, tmp_path) -> None:
     (("--engine", "deepspeed", "--zero", "3"), "DeepSpeed's memory layout comes from the formulas"),
     (("--engine", "megatron", "--zero", "1"), "Megatron-LM's memory layout"),
     (("--zero", "3", "--offload-optimizer"), "ZeRO-Offload"),
-    (("--engine", "fsdp2", "--offload-params"), "CPUOffloadPolicy"),
     (("--checkpointing", "selective-attn"), "analytic variant"),
     (("--mode", "inference"), "replicas"),
 ])
@@ -470,3 +469,52 @@ def test_bad_parallel_flags_are_one_line_exit_2(capsys, tmp_path, argv, needle) 
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert needle in lines[0]
+
+
+def test_pp_beside_zero1_and_loss_parallel_is_traced(capsys, tmp_path, pipeline_warmed) -> None:
+    """`--gpus 4 --pp 2 --zero 1`: DDP on each stage with ZeroRedundancyOptimizer over its 2
+    data-parallel ranks (memfit/parallel/pipeline.py: replicate_stages), one role per rank, the
+    same numbers as `Parallel(gpus=4, pp=2, zero=1)` on the builtin build; `--gpus 4 --pp 2
+    --tp 2 --loss-parallel`: the last stage's logits split by vocabulary. Both used to fall back
+    to the formulas ("the trace refused it")."""
+    import memfit
+
+    path = tiny_llama(tmp_path)
+    spec = memfit.resolve_model(path)
+    common = ("--gpu", "h100-80gb", "--batch", "1", "--seq", str(SEQ), "--json")
+    code, out, err = run(capsys, "plan", path, "--gpus", "4", "--pp", "2", "--zero", "1",
+                         *common)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "trace" and data["parallel"]["strategy"] == "zero1"
+    assert_same_roles(data, builtin_estimate(spec, memfit.Parallel(gpus=4, pp=2, zero=1),
+                                             batch=2))
+    code, out, err = run(capsys, "plan", path, "--gpus", "4", "--pp", "2", "--tp", "2",
+                         "--loss-parallel", *common)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "trace" and data["parallel"]["loss_parallel"] is True
+    assert_same_roles(data, builtin_estimate(
+        spec, memfit.Parallel(gpus=4, pp=2, tp=2, loss_parallel=True), batch=2))
+
+
+def test_fsdp2_cpu_offload_is_traced_with_host_bytes_apart(capsys, tmp_path) -> None:
+    """`--engine fsdp2 --offload-params --gpus 2`: FSDP2 with CPUOffloadPolicy, traced (it used
+    to fall back to the formulas): the device's numbers equal an independent
+    `memfit.estimate(..., parallel=Parallel(gpus=2, fsdp=2, cpu_offload=True, ...))` of the
+    same model, the host's are reported apart (`host_peak_bytes`), and the formulas beside it
+    (fsdp2 with offload: parameters, gradients and states on the host) agree within 5%."""
+    import memfit
+
+    path = tiny_llama(tmp_path)
+    code, out, err = run(capsys, "plan", path, "--gpus", "2", "--engine", "fsdp2",
+                         "--offload-params", *COMMON, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "trace" and "cpu offload" in data["parallel"]["describe"]
+    est = independent_estimate(path, memfit.Parallel(gpus=2, fsdp=2, cpu_offload=True,
+                                                     param_dtype="bf16", reduce_dtype="fp32"),
+                               precision="fp32")
+    assert_same_roles(data, est)
+    assert data["per_rank"][0]["host_peak_bytes"] == est.per_rank[0].host_peak_bytes > 0
+    assert data["analytic"]["agrees"] is True

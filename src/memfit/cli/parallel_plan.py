@@ -12,6 +12,10 @@ Pipeline, sequence, loss and expert parallelism are traced on memfit's builtin d
 modules), so a preset or config.json is built with ``build_model(backend="builtin")`` for those
 layouts (:func:`builtin_needs`); ``build_model`` checks that its parameter count is the spec's,
 as it checks the transformers build's, so the numbers count the same model.
+
+``--engine fsdp2 --offload-params`` is traced too (FSDP2's ``CPUOffloadPolicy``): the rows are
+the device's bytes, and each role's host bytes (offloaded parameters, gradients, optimizer
+states) are printed apart and in ``--json`` as ``host_peak_bytes``.
 """
 
 from __future__ import annotations
@@ -379,6 +383,7 @@ def _role_dict(est: Any, parallel: Any = None) -> dict[str, Any]:
             "live_bytes": live_bytes(est),
             "breakdown": {c.value: int(est.breakdown.get(c, 0)) for c in MemoryCategory},
             "allocator_reserve_bytes": int(est.peak_reserved_bytes - est.peak_bytes),
+            "host_peak_bytes": int(est.host_peak_bytes),
             "peak": {"op": est.peak_op, "phase": est.peak_phase, "module": est.peak_module,
                      "step": est.peak_step},
             "trace_seconds": est.trace_seconds}
@@ -478,6 +483,10 @@ def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
     out.print(f"peak of the most loaded rank ({_role_label(est, parallel)}): {est.peak_op} in "
               f"{est.peak_module or 'the model'} ({est.peak_phase}, step {est.peak_step}); "
               "reserve: the caching allocator's, beyond live tensors", soft_wrap=True)
+    if any(r.host_peak_bytes for r in roles):  # FSDP2's CPUOffloadPolicy: model states on host
+        out.print("host memory (offloaded parameters, gradients, optimizer states) per rank: "
+                  + ", ".join(f"{_role_label(r, parallel)} {format_bytes(r.host_peak_bytes)}"
+                              for r in roles), soft_wrap=True)
     if capacity is not None:
         out.print(f"usable on GPU: {format_bytes(capacity)}")
     if compared is not None and analytic is not None:

@@ -49,7 +49,10 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
             param_dtype=_DTYPE.get(parallel.param_dtype or ""),
             reduce_dtype=_DTYPE.get(parallel.reduce_dtype or ""))
     if parallel.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory (torchtitan's CPUOffloadPolicy() default) needs an accelerator:
+        # on a CPU-only torch (the trace's fake ranks, the gloo ranks) the shards stay pageable,
+        # which changes no byte (Note: [CPU offload in a trace] in memfit/parallel/trace.py).
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if ignored_params:  # neither sharded nor reduced (expert parallelism's own experts)
         kwargs["ignored_params"] = ignored_params
     if blocks is None:
@@ -63,15 +66,18 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
     return model
 
 
-def apply_ddp(model: nn.Module, parallel: Parallel, init_sync: bool = True) -> nn.Module:
+def apply_ddp(model: nn.Module, parallel: Parallel, init_sync: bool = True,
+              process_group: Any = None) -> nn.Module:
     """``DistributedDataParallel`` over every rank (CPU: no ``device_ids``), with the layout's
     ``bucket_cap_mb``. ``init_sync=False`` skips the constructor's check of the parameters'
     shapes across ranks and its broadcast of rank 0's values, which read real data (a trace has
-    none); neither allocates anything that outlives the constructor."""
+    none); neither allocates anything that outlives the constructor. ``process_group``: the
+    ranks that replicate the module (default: every rank; a pipeline stage's data-parallel
+    ranks: ``memfit.parallel.pipeline.replicate_stages``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, bucket_cap_mb=parallel.bucket_cap_mb,
-                                   init_sync=init_sync)
+                                   init_sync=init_sync, process_group=process_group)
 
 
 def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = None,
@@ -398,9 +404,12 @@ def apply_ep_dp(model: nn.Module, parallel: Parallel, device_type: str, mesh: An
     return apply_ddp(model, parallel, init_sync)
 
 
-def apply_optimizer(optimizer: torch.optim.Optimizer, parallel: Parallel) -> torch.optim.Optimizer:
+def apply_optimizer(optimizer: torch.optim.Optimizer, parallel: Parallel,
+                    process_group: Any = None) -> torch.optim.Optimizer:
     """ZeRO-1: the same optimizer class and settings as a ``ZeroRedundancyOptimizer`` (each rank
-    keeps the states of its partition of the parameters); otherwise ``optimizer`` itself."""
+    keeps the states of its partition of the parameters among the ranks of ``process_group``,
+    default every rank; a pipeline stage's data-parallel ranks with ``pp``); otherwise
+    ``optimizer`` itself."""
     if parallel.strategy != "zero1":
         return optimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -409,4 +418,5 @@ def apply_optimizer(optimizer: torch.optim.Optimizer, parallel: Parallel) -> tor
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return ZeroRedundancyOptimizer(  # type: ignore[return-value]
-        params, optimizer_class=type(optimizer), **constructor_settings(optimizer))
+        params, optimizer_class=type(optimizer), process_group=process_group,
+        **constructor_settings(optimizer))

@@ -41,14 +41,17 @@ class Parallel:
     (not Hugging Face MoE modules), with FSDP2 over every data-parallel rank for the other
     parameters (the ``dp / ep`` ranks that hold the same experts shard them), or DDP when ``ep``
     is every data-parallel rank; HSDP, ZeRO-1, DDP with ``ep`` below the data-parallel ranks,
-    FSDP2's dtype and offload policies, tp or pp beside it are refused. ``ep`` must divide the
+    FSDP2's dtype and offload policies and tp beside it are refused; beside pp the same runs on
+    each stage over its data-parallel ranks (a ``(pp, efsdp, ep)`` mesh). ``ep`` must divide the
     experts, and ``dp / ep`` each rank's experts. Its token exchange has fixed sizes (each
     expert's buffer holds ``capacity`` slots, balanced routing at the default capacity factor
     1.0), so a rank's bytes do not depend on the router.
-    Pipeline parallelism is traced alone (``pp == gpus``), with FSDP2 on each stage over the
-    other ranks (a ``(pp, dp)`` mesh) and with tensor (and sequence) parallelism inside each
-    stage (a ``(pp, tp)`` or ``(pp, dp, tp)`` mesh; not with DDP, ZeRO-1, HSDP, loss
-    parallelism or ep beside it), on
+    Pipeline parallelism is traced alone (``pp == gpus``), with FSDP2, DDP or ZeRO-1 on each
+    stage over the other ranks (a ``(pp, dp)`` mesh), HSDP (a ``(pp, replicate, shard)``
+    mesh), and with tensor (and sequence, and loss) parallelism inside each stage (a
+    ``(pp, tp)``, ``(pp, dp, tp)`` or ``(pp, replicate, shard, tp)`` mesh with FSDP2 / HSDP;
+    DDP and ZeRO-1 beside ``pp x tp`` are refused as torchtitan refuses them), and with ep
+    (above), on
     memfit's builtin decoders (``memfit.models.build_model``), with the model's own loss on the
     last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
     (``input_ids``, ``labels``); each pipeline rank is one rank role.
@@ -93,7 +96,9 @@ class Parallel:
     """FSDP2 ``MixedPrecisionPolicy.reduce_dtype``: the dtype gradients are reduced in."""
     cpu_offload: bool = False
     """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer states on the
-    host."""
+    host. A CUDA-target trace reports the device's bytes as its peak and the host's apart
+    (``Estimate.host_peak_bytes``); a CPU target has one memory, whose peak is the total (see
+    Note: [CPU offload in a trace] in memfit/parallel/trace.py)."""
     bucket_cap_mb: float = 25.0
     """DDP ``bucket_cap_mb``: gradients are all-reduced in flat buckets of about this size."""
     pp_schedule: str = "1f1b"
@@ -188,8 +193,9 @@ class Parallel:
         parts = [self.strategy if self.strategy != "none" else "dp 1"]
         if self.fsdp > 1:
             parts[0] += f" {self.fsdp}" + (f"x{self.replicate}" if self.replicate > 1 else "")
-            parts[0] += (" (reshard after forward)" if self.reshard_after_forward
-                         else " (no reshard after forward)")
+            parts[0] += (" (reshard after forward" if self.reshard_after_forward
+                         else " (no reshard after forward")
+            parts[0] += ", cpu offload)" if self.cpu_offload else ")"
         elif self.dp > 1:
             parts[0] += f" {self.dp}"
         tp_notes = [n for n, on in (("sp", self.sp), ("loss parallel", self.loss_parallel)) if on]

@@ -69,7 +69,7 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def check_experts(model: nn.Module, parallel: Parallel) -> None:
     """One-line errors for an ``ep`` the model or the layout cannot take: the model has
     memfit's builtin MoE layers, ``ep`` divides their experts, and the layout is the one traced
-    (every data-parallel rank in the expert group, DDP or FSDP2 for the rest, no tp / pp)."""
+    (every data-parallel rank in the expert group, DDP or FSDP2 for the rest, no tp)."""
     if parallel.ep == 1:
         return
     layers = moe_layers(model)
@@ -83,10 +83,11 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
         if experts % parallel.ep:
             raise MemfitError(f"Parallel(ep={parallel.ep}) does not divide the {experts} experts "
                               f"of {name}; choose an ep that divides {experts}")
-    if parallel.tp > 1 or parallel.pp > 1:
-        raise MemfitError(f"Parallel(ep={parallel.ep}, tp={parallel.tp}, pp={parallel.pp}): "
-                          "expert parallelism is traced with data parallelism only so far; use "
-                          "tp=1 and pp=1")
+    if parallel.tp > 1:
+        raise MemfitError(f"Parallel(ep={parallel.ep}, tp={parallel.tp}): expert parallelism "
+                          "beside tensor parallelism is not traced yet (torchtitan runs it with "
+                          "the experts tensor-parallel too, etp = tp, or ep over the tp ranks, "
+                          "etp = 1); use tp=1 with ep, or ep=1")
     if parallel.strategy not in ("ddp", "fsdp") or (
             parallel.strategy == "ddp" and parallel.ep != parallel.dp):
         raise MemfitError(f"Parallel(ep={parallel.ep}) on {parallel.describe()}: expert "

@@ -137,10 +137,11 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
     import torch.distributed as dist
 
     from memfit._noise import quiet_profile
+    from memfit.parallel.apply import apply_optimizer, loss_context
     from memfit.parallel.pipeline import (
+        apply_dp_stages,
         build_pipeline,
         pipeline_mesh,
-        shard_stages,
         stage_modules,
     )
     from memfit.trace.optim import make_optimizer
@@ -149,26 +150,30 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
     gc.collect()
     gc.disable()
     try:
-        with _gloo_lets_go(), quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                            profile_memory=True) as prof:
+        with _gloo_lets_go(), loss_context(case.parallel), quiet_profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             model, inputs = build(case)
             modules = stage_modules(model, case.parallel, rank)
             del model
             gc.collect()  # the other stages' blocks, embedding or head: not this rank's
-            group = None
+            group = dp_group = submods = None
             if case.parallel.tp > 1:  # TP on each stage, then FSDP2 over dp (torchtitan's order)
                 from memfit.parallel.pipeline import apply_tp_stages
 
                 mesh = pipeline_mesh(case.parallel)
                 apply_tp_stages(modules, case.parallel, mesh)
                 group = mesh["pp"].get_group()
-            elif case.parallel.dp > 1:  # FSDP2 on each stage over the dp ranks
+            elif case.parallel.dp > 1:  # FSDP2 / HSDP / DDP on each stage over the dp ranks
                 mesh = pipeline_mesh(case.parallel)
-                shard_stages(modules, case.parallel, mesh)
+                submods = apply_dp_stages(modules, case.parallel, mesh)
                 group = mesh["pp"].get_group()
-            pipeline = build_pipeline(modules, case.parallel, case.batch, case.seq, group=group)
+                if "dp" in (mesh.mesh_dim_names or ()):
+                    dp_group = mesh["dp"].get_group()
+            pipeline = build_pipeline(modules, case.parallel, case.batch, case.seq, group=group,
+                                      submods=submods)
             params = [p for m in modules for p in m.parameters() if p.requires_grad]
-            opt = make_optimizer(case.optimizer, params, cuda_target=False)
+            opt = apply_optimizer(make_optimizer(case.optimizer, params, cuda_target=False),
+                                  case.parallel, process_group=dp_group)
             for step in range(case.steps):
                 with torch.profiler.record_function(STEP_MARKER):
                     with torch.profiler.record_function(f"{PHASE_MARKER}{step}:pipeline"):
@@ -176,7 +181,7 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
                     with torch.profiler.record_function(f"{PHASE_MARKER}{step}:optimizer"):
                         opt.step()
                     opt.zero_grad(set_to_none=True)
-            del pipeline, modules, opt, inputs, params
+            del pipeline, modules, submods, opt, inputs, params
     finally:
         gc.enable()
     return _step_peaks(prof)

@@ -40,7 +40,7 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.parallel.apply import _DTYPE
 from memfit.parallel.config import PP_SCHEDULES, Parallel
-from memfit.parallel.trace import RankRole
+from memfit.parallel.trace import RankRole, host_step, offloaded
 
 # Note: [importing pipelining outside the trace] ``torch/distributed/pipelining/microbatch.py``
 # makes a tensor when it is first imported (module level: ``sum_reducer = _LossReducer(
@@ -149,15 +149,8 @@ def num_microbatches(parallel: Parallel) -> int:
 def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> None:
     """One-line errors for a pipeline layout the model or batch cannot take."""
     decoder, _ = _decoder_parts(model)
-    if parallel.ep > 1 or parallel.strategy not in ("none", "fsdp"):
-        raise MemfitError(f"Parallel(pp={parallel.pp}) is traced alone, with tp and with FSDP "
-                          f"over the other ranks, not with {parallel.describe()}; use gpus == "
-                          "pp * tp or fsdp = gpus / (pp * tp), or memfit plan's formulas")
-    if parallel.tp > 1 and parallel.loss_parallel:
-        raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) is traced without "
-                          "loss parallelism so far (the last stage's logits would leave it as "
-                          "a DTensor); use loss_parallel=False")
-    if parallel.tp > 1 and parallel.sp:
+    check_pipeline_dp(parallel)
+    if parallel.tp > 1 and (parallel.sp or parallel.loss_parallel):
         from memfit.parallel.apply import _sp_root
 
         _sp_root(model, parallel)  # the model checks of sequence parallelism
@@ -227,11 +220,15 @@ def stage_modules(model: nn.Module, parallel: Parallel, rank: int) -> list[Stage
 
 def pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
     """The ``(pp, dp)`` DeviceMesh of a pipeline layout with data parallelism (torch.distributed
-    initialised with ``parallel.gpus`` ranks)."""
+    initialised with ``parallel.gpus`` ranks); ``(pp, replicate, shard)`` for HSDP
+    (torchtitan's ``ParallelDims`` order: pp, dp_replicate, dp_shard)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if parallel.tp > 1:
         return tp_pipeline_mesh(parallel, device_type)
+    if parallel.strategy == "hsdp":
+        return init_device_mesh(device_type, (parallel.pp, parallel.replicate, parallel.fsdp),
+                                mesh_dim_names=("pp", "replicate", "shard"))
     return init_device_mesh(device_type, (parallel.pp, parallel.dp), mesh_dim_names=("pp", "dp"))
 
 
@@ -240,8 +237,122 @@ def shard_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> N
     stage (``memfit.parallel.apply.apply_fsdp``), as torchtitan shards each model part."""
     from memfit.parallel.apply import apply_fsdp
 
+    dp_mesh = mesh["replicate", "shard"] if parallel.strategy == "hsdp" else mesh["dp"]
     for module in modules:
-        apply_fsdp(module, parallel, mesh["dp"], blocks=[f"layers.{k}" for k in module.layers])
+        apply_fsdp(module, parallel, dp_mesh, blocks=[f"layers.{k}" for k in module.layers])
+
+
+# -- data parallelism beside the pipeline ------------------------------------------------------
+
+def check_pipeline_dp(parallel: Parallel) -> None:
+    """One-line errors for the data parallelism beside the pipeline that is not traced.
+
+    Traced: FSDP2 and HSDP on each stage (torchtitan's layouts: ``parallelize_llama``'s
+    ``apply_fsdp`` with the ``("dp_replicate", "fsdp")`` mesh on each model part), DDP on each
+    stage and ZeRO-1 (DDP + ``ZeroRedundancyOptimizer`` over the stage's data-parallel group),
+    which PyTorch's pipelining drives (``torch/distributed/pipelining/stage.py:
+    _PipelineStageBase.backward_maybe_with_nosync``: "If submod is wrapped by DDP", ``no_sync``
+    for every micro-batch but the last). DDP / ZeRO-1 beside tensor parallelism is refused as
+    torchtitan refuses it (``torchtitan/models/llama3/infra/parallelize.py: parallelize_llama``,
+    v0.2.2: "DDP has not supported > 1D parallelism")."""
+    if parallel.tp > 1 and parallel.strategy in ("ddp", "zero1"):
+        raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) with "
+                          f"{parallel.strategy} over {parallel.dp} data-parallel ranks: DDP "
+                          "beside tensor parallelism is refused (torchtitan: \"DDP has not "
+                          f"supported > 1D parallelism\"); use fsdp={parallel.dp}")
+
+
+def replicate_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
+                     init_sync: bool = True, wrap: Any = None) -> list[nn.Module]:
+    """DDP on each stage over the mesh's ``dp`` group (``memfit.parallel.apply.apply_ddp``): the
+    modules the ``PipelineStage``s run (``build_pipeline(submods=...)``). PyTorch's pipelining
+    runs every micro-batch's forward and backward but the last under ``no_sync`` and prepares
+    the reducer for the last backward (``stage.py: forward_maybe_with_nosync``,
+    ``backward_maybe_with_nosync``: ``reducer.prepare_for_backward``), so the buckets are
+    all-reduced once per step. ``wrap``: a function the constructor call is handed to (the
+    trace's :func:`memfit.parallel.trace.traced_ddp`)."""
+    from memfit.parallel.apply import apply_ddp
+
+    group = mesh["dp"].get_group()
+    out = []
+    for module in modules:
+        def make(module: nn.Module = module) -> nn.Module:
+            return apply_ddp(module, parallel, init_sync, process_group=group)
+
+        out.append(make() if wrap is None else wrap(make))
+    return out
+
+
+def apply_dp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
+                    init_sync: bool = True, wrap: Any = None) -> list[nn.Module] | None:
+    """The layout's data parallelism on each stage (no tensor parallelism): FSDP2 / HSDP in
+    place (:func:`shard_stages`; returns None), or DDP wrappers (:func:`replicate_stages`;
+    returns them, for ``build_pipeline(submods=...)``); with ``ep``, expert parallelism first
+    (:func:`apply_ep_stages`)."""
+    if parallel.ep > 1:
+        return apply_ep_stages(modules, parallel, mesh, init_sync, wrap)
+    if parallel.strategy in ("ddp", "zero1"):
+        return replicate_stages(modules, parallel, mesh, init_sync, wrap)
+    shard_stages(modules, parallel, mesh)
+    return None
+
+
+def ep_pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
+    """The expert mesh of a pipeline layout with ``ep``: ``(pp, efsdp, ep)`` = ``(pp, dp // ep,
+    ep)``, torchtitan's sparse mesh (``torchtitan/distributed/parallel_dims.py``, v0.2.2:
+    ``("pp", "dp_replicate", "efsdp", "ep", "etp")``, here without replicas or expert tensor
+    parallelism): the ``ep`` ranks of a stage that exchange tokens are adjacent, and rank ``r``
+    holds the same experts as ``r + ep``, ... of its stage, which shard them over ``efsdp``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (parallel.pp, parallel.dp // parallel.ep, parallel.ep),
+                            mesh_dim_names=("pp", "efsdp", "ep"))
+
+
+def apply_ep_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
+                    init_sync: bool = True, wrap: Any = None) -> list[nn.Module] | None:
+    """Expert parallelism on each stage's builtin MoE layers over the stage's ``ep`` ranks
+    (``memfit.parallel.expert.apply_ep`` with :func:`ep_pipeline_mesh`), then the data
+    parallelism of ``memfit.parallel.apply.apply_ep_dp`` on each stage over the ``(pp, dp)``
+    ``mesh``'s ``dp`` dim: with ``ep`` equal to the stage's data-parallel ranks the experts are
+    left out (DDP's ignored parameters, FSDP2's ``ignored_params``); with fewer, FSDP2 shards
+    them over ``efsdp`` first, then each block and the stage over ``dp``. torchtitan splits the
+    model into stages, then applies EP and FSDP to each model part (``torchtitan/models/
+    deepseek_v3/infra/parallelize.py: parallelize_deepseekv3``, v0.2.2). Returns the DDP
+    wrappers (``build_pipeline(submods=...)``), or None under FSDP2."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from memfit._compat.torch_internals import ddp_ignore
+    from memfit.parallel.apply import apply_ddp, apply_fsdp
+    from memfit.parallel.expert import apply_ep, expert_parameter_names, moe_layers
+
+    with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
+        experts_mesh = ep_pipeline_mesh(parallel)
+    for module in modules:
+        if moe_layers(module):  # a stage of only the final norm and head has none
+            apply_ep(module, parallel, experts_mesh)
+    if parallel.strategy == "fsdp":
+        for module in modules:
+            blocks = [f"layers.{k}" for k in module.layers]
+            names = expert_parameter_names(module)
+            if parallel.ep == parallel.dp:
+                apply_fsdp(module, parallel, mesh["dp"], blocks=blocks,
+                           ignored_params={module.get_parameter(n) for n in names})
+                continue
+            for _, moe in moe_layers(module):
+                apply_fsdp(moe.experts, parallel, experts_mesh["efsdp"], blocks=[])
+            apply_fsdp(module, parallel, mesh["dp"], blocks=blocks)
+        return None
+    group = mesh["dp"].get_group()
+    out = []
+    for module in modules:
+        ddp_ignore(module, expert_parameter_names(module))
+
+        def make(module: nn.Module = module) -> nn.Module:
+            return apply_ddp(module, parallel, init_sync, process_group=group)
+
+        out.append(make() if wrap is None else wrap(make))
+    return out
 
 
 # -- tensor parallelism inside each stage ------------------------------------------------------
@@ -255,6 +366,10 @@ def tp_pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
     if parallel.dp == 1:
         return init_device_mesh(device_type, (parallel.pp, parallel.tp),
                                 mesh_dim_names=("pp", "tp"))
+    if parallel.strategy == "hsdp":  # torchtitan: pp, dp_replicate, dp_shard, tp
+        return init_device_mesh(device_type,
+                                (parallel.pp, parallel.replicate, parallel.fsdp, parallel.tp),
+                                mesh_dim_names=("pp", "replicate", "shard", "tp"))
     return init_device_mesh(device_type, (parallel.pp, parallel.dp, parallel.tp),
                             mesh_dim_names=("pp", "dp", "tp"))
 
@@ -293,14 +408,15 @@ def apply_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -
 
 def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, seq: int,
                    device: str = "cpu", group: Any = None, *, loss_fn: Any = stage_loss,
-                   scale_grads: bool = True) -> Pipeline:
+                   scale_grads: bool = True, submods: list[nn.Module] | None = None) -> Pipeline:
     """``modules`` (:func:`stage_modules` of ``rank``) as ``PipelineStage``s and the layout's
     schedule over them; torch.distributed must be initialised with ``parallel.gpus`` ranks.
     Every stage is given its input and output shapes (``input_args``, ``output_args``), so no
     stage infers them at run time (static metadata: ``stage.py: PipelineStage``).
     ``loss_fn(logits, labels)`` and ``scale_grads`` go to the schedule (``schedules.py:
     _PipelineSchedule.__init__``: True divides the gradients by the micro-batches after the
-    step); ``memfit.fitting.apply`` weighs each micro-batch's loss itself."""
+    step); ``memfit.fitting.apply`` weighs each micro-batch's loss itself. ``submods``: what
+    each stage runs in place of its module (its DDP wrapper: :func:`replicate_stages`)."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -316,7 +432,7 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
                           "choose a number of micro-batches that divides it")
     micro = batch // n
     stages = []
-    for module in modules:
+    for position, module in enumerate(modules):
         index = module.index
         # the hidden states' dtype: FSDP2's compute dtype, else the parameters' (an fp32 model
         # under autocast keeps an fp32 residual stream: embedding + residual adds)
@@ -332,7 +448,8 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
                                  dtype=dtype, requires_grad=True)
             logits = torch.zeros(micro, seq, module.lm_head.out_features if module.last else 1,
                                  dtype=dtype, requires_grad=True)  # type: ignore[union-attr]
-        stages.append(PipelineStage(module, index, num_stages, torch.device(device),
+        stages.append(PipelineStage(module if submods is None else submods[position], index,
+                                    num_stages, torch.device(device),
                                     input_args=ids if module.first else states,
                                     output_args=logits if module.last else states, group=group))
     if parallel.pp_schedule == "interleaved-1f1b":
@@ -367,10 +484,17 @@ class PipelineRole(RankRole):
         if self.parallel.dp > 1 and self.parallel.tp == 1:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+            from memfit.parallel.trace import traced_ddp
+
             with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
                 mesh = pipeline_mesh(self.parallel)
-            shard_stages(modules, self.parallel, mesh)
+            self.state["submods"] = apply_dp_stages(
+                modules, self.parallel, mesh, init_sync=False,
+                wrap=lambda make: traced_ddp(make, tracker, fake_mode))
             self.state["group"] = mesh["pp"].get_group()
+            if "dp" in (mesh.mesh_dim_names or ()):
+                self.state["dp_group"] = mesh["dp"].get_group()
+            offloaded(model, tracker, self.parallel)
         elif self.parallel.tp > 1:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -395,7 +519,8 @@ class PipelineRole(RankRole):
         if "pipeline" not in self.state:
             batch, seq = _batch_shape(inputs)
             self.state["pipeline"] = build_pipeline(self.state["modules"], self.parallel,
-                                                    batch, seq, group=self.state.get("group"))
+                                                    batch, seq, group=self.state.get("group"),
+                                                    submods=self.state.get("submods"))
             _static_metadata(self.state["pipeline"].schedule)
         pipeline: Pipeline = self.state["pipeline"]
         from memfit.trace.replay import replaying
@@ -405,6 +530,17 @@ class PipelineRole(RankRole):
         with _phases(pipeline.schedule, tracker), _works_hold_their_tensors(), \
                 replaying(pipeline.modules, tracker):
             pipeline.step(inputs)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """ZeRO-1: a ``ZeroRedundancyOptimizer`` over the stage's data-parallel ranks (the
+        mesh's ``dp`` group), each keeping the states of its partition of the stage's
+        parameters; otherwise ``optimizer`` itself."""
+        from memfit.parallel.apply import apply_optimizer
+        from memfit.parallel.trace import check_foreach_kinds
+
+        check_foreach_kinds(optimizer, self.parallel)
+        return host_step(apply_optimizer(optimizer, self.parallel,
+                                         process_group=self.state.get("dp_group")), self.parallel)
 
 
 class _HeldWork:
@@ -570,21 +706,34 @@ def _phases(schedule: Any, tracker: Any) -> Iterator[None]:
 
 
 def pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
-    """Ranks grouped by stage and, with FSDP, by the shard sizes they hold (the unpadded
-    ``torch.chunk`` of each parameter's dim 0, as in ``trace.rank_roles``)."""
-    from memfit.parallel.trace import _chunk
-
+    """Ranks grouped by stage and by what they hold of it (:func:`_dp_signature`: with FSDP2 /
+    HSDP the unpadded ``torch.chunk`` of each parameter's dim 0, with ZeRO-1 the partition of
+    the optimizer states, as in ``trace.rank_roles``)."""
     check_pipeline(model, parallel, None)
     if parallel.tp > 1:
         return _tp_pipeline_roles(model, parallel)
     groups: dict[Any, list[int]] = {}
     for rank in range(parallel.gpus):
         params = [p for m in stage_modules(model, parallel, rank) for p in m.parameters()]
-        shard = rank % parallel.dp
-        sig = (pp_rank(parallel, rank), tuple(_chunk(p.shape[0] if p.dim() else 1,
-                                                     parallel.dp, shard) for p in params))
+        sig = (pp_rank(parallel, rank), _dp_signature(params, parallel, rank % parallel.dp))
         groups.setdefault(sig, []).append(rank)
     return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]
+
+
+def _dp_signature(params: list[nn.Parameter], parallel: Parallel, dp_index: int) -> Any:
+    """What data-parallel rank ``dp_index`` of a stage holds of its ``params``: FSDP2's
+    ``torch.chunk`` rows of each dim 0 (HSDP: over the ``fsdp`` ranks of its replica, the
+    mesh's innermost dim), ZeRO-1's partition of the optimizer states, nothing of its own
+    under DDP."""
+    from memfit.parallel.trace import _chunk, _zero1_partition
+
+    if parallel.strategy in ("fsdp", "hsdp"):
+        return tuple(_chunk(p.shape[0] if p.dim() else 1, parallel.fsdp,
+                            dp_index % parallel.fsdp) for p in params)
+    if parallel.strategy == "zero1":
+        return _zero1_partition([p.numel() for p in params if p.requires_grad],
+                                parallel.dp)[dp_index]
+    return ()
 
 
 def _tp_pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
@@ -607,6 +756,7 @@ def _tp_pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
             stages[index] = ([p for m in modules for p in m.parameters()], split)
         params, split = stages[index]
         dp_index, tp_index = divmod(rank % (parallel.dp * parallel.tp), parallel.tp)
-        sig = local_shapes(params, split, parallel.tp, tp_index, parallel.dp, dp_index)
+        sig = local_shapes(params, split, parallel.tp, tp_index, parallel.fsdp,
+                           dp_index % parallel.fsdp)
         groups.setdefault((index, tuple(sig)), []).append(rank)
     return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]

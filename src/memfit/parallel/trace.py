@@ -77,7 +77,8 @@ class RankRole:
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         try:
             with (dtensor_meta_propagation_within(untracked), _meshes_made_real(),
-                  _wait_returns_its_input(), loss_context(self.parallel), fsdp_streams(tracker)):
+                  _wait_returns_its_input(), loss_context(self.parallel), fsdp_streams(tracker),
+                  offload_copies(tracker, self.parallel)):
                 yield
         finally:
             torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
@@ -86,10 +87,6 @@ class RankRole:
         """The fake model as this rank runs it. DDP's buckets are made by its constructor
         (``Reducer::initialize_buckets``) and live as long as the model: they are tracked as
         gradients from there."""
-        if self.parallel.cpu_offload:
-            raise MemfitError("Parallel(cpu_offload=True) is not traced yet (FSDP2's "
-                              "CPUOffloadPolicy pins host memory, which fake tensors cannot); "
-                              "use memfit plan's formulas for offload")
         if self.parallel.strategy not in ("ddp", "zero1"):
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -102,7 +99,8 @@ class RankRole:
                     mesh = tp_device_mesh(self.parallel, "cpu")
                 else:
                     mesh = device_mesh(self.parallel, "cpu") if self.parallel.dp > 1 else None
-            return apply_model(model, self.parallel, "cpu", mesh)
+            return offloaded(apply_model(model, self.parallel, "cpu", mesh), tracker,
+                             self.parallel)
         if self.parallel.ep > 1:  # the experts' shards are weights: made before tracking
             from memfit.parallel.expert import apply_ep
 
@@ -121,7 +119,115 @@ class RankRole:
         return wrapped
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return apply_optimizer(optimizer, self.parallel)
+        check_foreach_kinds(optimizer, self.parallel)
+        return host_step(apply_optimizer(optimizer, self.parallel), self.parallel)
+
+
+def check_foreach_kinds(optimizer: torch.optim.Optimizer, parallel: Parallel) -> None:
+    """A one-line error for a foreach optimizer over DTensor and plain parameters together,
+    which PyTorch refuses at the first step ("aten._foreach_mul_.Scalar got mixed torch.Tensor
+    and DTensor": ``torch/distributed/tensor/_dispatch.py``), on a GPU as in the trace: the
+    experts FSDP2 leaves out when ``ep`` is every data-parallel rank stay plain tensors beside
+    FSDP2's DTensors (the CUDA target's optimizers are foreach; torchtitan 0.3 keeps the
+    experts in FSDP2 on a 1-rank mesh instead, which memfit does not model)."""
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if group.get("foreach") and len(kinds) == 2:
+            raise MemfitError(
+                f"Parallel: {parallel.describe()} leaves the experts out of FSDP2 as plain "
+                "tensors, and a foreach optimizer (the CUDA target's) refuses DTensor and plain "
+                f"parameters together; use more data-parallel ranks than ep={parallel.ep} "
+                "(FSDP2 then shards the experts over the ranks that hold the same ones) or DDP "
+                "(fsdp=1)")
+
+
+# Note: [CPU offload in a trace] FSDP2's ``CPUOffloadPolicy`` keeps each sharded parameter on the
+# host (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py: FSDPParam._init_sharded_param``:
+# ``padded_sharded_param.cpu()``), copies it to the device before each all-gather
+# (``FSDPParam.all_gather_inputs``: ``sharded_param_data.to(self.device, non_blocking=True)``),
+# copies each reduce-scattered gradient shard back to the host (``_fsdp_collectives.py:
+# foreach_reduce``: ``new_sharded_grad.to(torch.device("cpu"), ...)``), and the optimizer steps
+# on the host parameters, so its states are host memory too. What the trace reports:
+# - a CUDA target: the device's bytes (``peak_bytes``: activations, all-gathered parameters,
+#   the reduce-scatter buffers, each shard's device copy while it is gathered, each gradient
+#   shard until its copy to the host) and, apart, the host's (``host_peak_bytes``: the sharded
+#   parameters, gradients, optimizer states and the optimizer step's temporaries). The trace
+#   runs a CUDA target on fake CPU tensors (memfit/trace/host.py: Note: [host memory in a CUDA
+#   trace]), where those ``.cpu()`` / ``.to("cpu")`` calls would return their input; here they
+#   make a host copy of a device tensor and a device copy of a host one, as on the GPU.
+# - a CPU target: one memory, as the gloo ranks that check it: the copies are the identity
+#   (``Tensor.to`` returns ``self`` on its own device) and the peak is the total, equal to
+#   the same layout without offload (measured: equal on 2 gloo ranks).
+# Pinned host memory changes no byte of either (apply.py: pin_memory only with CUDA).
+
+
+def offloaded(model: nn.Module, tracker: Any, parallel: Parallel) -> nn.Module:
+    """With ``parallel.cpu_offload``: the sharded parameters of ``model`` (after ``fully_shard``)
+    recorded as host memory in a trace of a CUDA target (Note: [CPU offload in a trace])."""
+    if parallel.cpu_offload:
+        from torch.distributed.tensor import DTensor
+
+        for p in model.parameters():
+            tracker.mark_host(p.to_local() if isinstance(p, DTensor) else p)
+    return model
+
+
+def host_step(optimizer: torch.optim.Optimizer, parallel: Parallel) -> torch.optim.Optimizer:
+    """With ``parallel.cpu_offload``: ``optimizer.step`` made inside ``host.host_memory()``, so its
+    states and temporaries are host memory in a trace of a CUDA target (FSDP2 with
+    ``CPUOffloadPolicy`` steps on the host parameters); else ``optimizer`` as it is."""
+    if not parallel.cpu_offload:
+        return optimizer
+    from memfit.trace.host import host_memory
+
+    step = optimizer.step
+
+    def on_host(*args: Any, **kwargs: Any) -> Any:
+        with host_memory():
+            return step(*args, **kwargs)
+
+    optimizer.step = on_host  # type: ignore[method-assign]
+    return optimizer
+
+
+@contextlib.contextmanager
+def offload_copies(tracker: Any, parallel: Parallel) -> Iterator[None]:
+    """In a trace of a CUDA target with ``parallel.cpu_offload``: ``Tensor.cpu()`` and
+    ``Tensor.to("cpu")`` make a host copy of a tensor standing for device memory and a device
+    copy of a host one (FSDP2's copies; Note: [CPU offload in a trace]); nothing otherwise."""
+    if not (parallel.cpu_offload and getattr(tracker, "host_split", False)):
+        yield
+        return
+    from torch.overrides import TorchFunctionMode
+
+    from memfit.trace import host
+
+    def to_cpu(func: Any, args: tuple, kwargs: dict) -> bool:
+        if func is torch.Tensor.cpu:
+            return True
+        target = kwargs.get("device", args[1] if len(args) > 1 else None)
+        if isinstance(target, str | torch.device) and len(args) <= 2 and "dtype" not in kwargs:
+            return torch.device(target).type == "cpu"
+        return False
+
+    class Copies(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            if (func in (torch.Tensor.to, torch.Tensor.cpu) and args
+                    and host._is_fake(args[0]) and tracker.host_depth == 0
+                    and to_cpu(func, args, kwargs)):
+                t = args[0]
+                if host.stands_for_device(t):  # device -> host (a gradient shard)
+                    return host.copy_to_host(t)
+                if tracker.is_host(t):  # host -> device (a parameter shard to all-gather)
+                    return t.clone()
+            return func(*args, **kwargs)
+
+    with Copies():
+        yield
 
 
 @contextlib.contextmanager
@@ -222,6 +328,26 @@ def _fake_allreduce_hook(_state, bucket):  # type: ignore[no-untyped-def]
     future = torch.futures.Future()  # type: ignore[var-annotated]
     future.set_result(buffer)
     return future
+
+
+def traced_ddp(make: Callable[[], Any], tracker: Any, fake_mode: Any) -> Any:
+    """``make()`` (a ``DistributedDataParallel`` constructor call) run with ``fake_mode``
+    tracking, so that its buckets (``Reducer::initialize_buckets``, alive as long as the model)
+    are tracked as gradients; the wrapper then reduces with :func:`_fake_allreduce_hook` and
+    keeps its first buckets (:class:`_NoRebuild`), as :meth:`RankRole.wrap_model` does for the
+    whole model (a pipeline stage's DDP: ``memfit.parallel.pipeline.replicate_stages``)."""
+    before = len(tracker.infos)
+    fake_mode.tracking = True
+    try:
+        wrapped = make()
+    finally:
+        fake_mode.tracking = False
+    for uid in tracker.live.values():
+        if uid >= before:
+            tracker.infos[uid].role = MemoryCategory.GRADIENTS
+    wrapped.register_comm_hook(None, _fake_allreduce_hook)
+    wrapped.reducer = _NoRebuild(wrapped.reducer)
+    return wrapped
 
 
 # -- roles -------------------------------------------------------------------------------------
