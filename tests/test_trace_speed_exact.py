@@ -22,8 +22,8 @@ import memfit
 from memfit.trace import replay
 
 
-def _estimate(pp: int, tp: int, microbatches: int, schedule: str = "1f1b",
-              layers: int = 4, checkpointing: str | None = None) -> memfit.Estimate:
+def _estimate(microbatches: int, checkpointing: str | None = None, layers: int = 4,
+              **layout: object) -> memfit.Estimate:
     from memfit.models.build import build_model, example_inputs
     from memfit.parallel.measure import tiny_spec
 
@@ -34,8 +34,7 @@ def _estimate(pp: int, tp: int, microbatches: int, schedule: str = "1f1b",
 
         apply_activation_checkpointing(model, policy=checkpointing)
     inputs = example_inputs(spec, batch=microbatches, seq=64, device="meta")
-    parallel = memfit.Parallel(gpus=pp * tp, tp=tp, pp=pp, microbatches=microbatches,
-                               pp_schedule=schedule)
+    parallel = memfit.Parallel(microbatches=microbatches, **layout)  # type: ignore[arg-type]
     return memfit.estimate(model, inputs, optimizer="adamw", precision="bf16-mixed",
                            device="cuda", gpu="h100-80gb", parallel=parallel)
 
@@ -46,24 +45,30 @@ def _fields(est: memfit.Estimate) -> list[dict[str, object]]:
              if f.name not in ("trace_seconds", "per_rank")} for e in est.per_rank]
 
 
-@pytest.mark.parametrize(("pp", "tp", "microbatches", "schedule", "checkpointing"), [
-    (4, 2, 8, "1f1b", None),  # issue 14's 405B layout in small: TP inside each stage, 1F1B
-    (2, 1, 4, "gpipe", None),  # every forward before any backward: replays before the
-    # backward's template is recorded
-    (2, 1, 4, "interleaved-1f1b", None),  # two stage modules per rank
-    (2, 2, 4, "1f1b", "selective"),  # the recompute runs inside the replayed backward
+@pytest.mark.parametrize(("layout", "microbatches", "checkpointing", "replaying"), [
+    # issue 14's 405B layout in small: TP inside each of 4 stages, 1F1B; every stage replays
+    ({"gpus": 8, "pp": 4, "tp": 2}, 6, None, 4),
+    # every forward before any backward: replays before the backward's template is recorded
+    ({"gpus": 2, "pp": 2, "pp_schedule": "gpipe"}, 4, None, 2),
+    # two stage modules per rank
+    ({"gpus": 2, "pp": 2, "pp_schedule": "interleaved-1f1b"}, 4, None, 4),
+    # the recompute runs inside the replayed backward; sequence parallelism between stages
+    ({"gpus": 4, "pp": 2, "tp": 2, "sp": True}, 4, "selective", 2),
+    # loss parallelism: the last stage's logits are a DTensor, its calls are not replayed
+    ({"gpus": 4, "pp": 2, "tp": 2, "sp": True, "loss_parallel": True}, 4, None, 1),
+    # DDP / FSDP2 beside the pipeline keep state across calls: nothing replayed
+    ({"gpus": 4, "pp": 2}, 4, None, 0),
+    ({"gpus": 4, "pp": 2, "fsdp": 2}, 4, None, 0),
 ])
 def test_replayed_micro_batches_give_the_estimate_of_the_real_trace(
-        pp: int, tp: int, microbatches: int, schedule: str, checkpointing: str | None) -> None:
+        layout: dict, microbatches: int, checkpointing: str | None, replaying: int) -> None:
     before = dict(replay.counts)
-    fast = _estimate(pp, tp, microbatches, schedule, checkpointing=checkpointing)
+    fast = _estimate(microbatches, checkpointing, **layout)
     used = replay.counts["replayed"] - before["replayed"]
     with replay.disabled():
-        slow = _estimate(pp, tp, microbatches, schedule, checkpointing=checkpointing)
-    # the replay acted: micro-batches 2.. of each stage module in the first step, 1.. in the
-    # second, on every rank role
-    modules = len(slow.per_rank) * (2 if schedule == "interleaved-1f1b" else 1)
-    assert used == modules * ((microbatches - 2) + (microbatches - 1))
+        slow = _estimate(microbatches, checkpointing, **layout)
+    # micro-batches 2.. of each replaying stage module in the first step, 1.. in the second
+    assert used == replaying * ((microbatches - 2) + (microbatches - 1))
     assert replay.counts["redone"] == before["redone"]
     assert _fields(fast) == _fields(slow)
     assert [e.peak_bytes for e in fast.per_rank] == [e.peak_bytes for e in slow.per_rank]
@@ -78,11 +83,12 @@ def test_a_template_found_unreplayable_after_replays_redoes_the_rank(
     def refuse_backwards(tracker, start, foreign, real_uid, meta):  # type: ignore[no-untyped-def]
         return None if foreign else window(tracker, start, foreign, real_uid, meta)
 
+    layout = {"gpus": 2, "pp": 2, "pp_schedule": "gpipe"}
     with replay.disabled():
-        slow = _estimate(2, 1, 4, "gpipe")
+        slow = _estimate(4, **layout)
     monkeypatch.setattr(replay, "_window", refuse_backwards)
     before = replay.counts["redone"]
-    fast = _estimate(2, 1, 4, "gpipe")
+    fast = _estimate(4, **layout)
     assert replay.counts["redone"] - before == 2  # both stages
     assert _fields(fast) == _fields(slow)
 
