@@ -10,7 +10,10 @@ per stage: the 8 TP ranks of a stage hold the same shapes). Each role's trace is
 CPU seconds (``time.process_time``) and wall seconds, around the fake world the trace of that role
 runs in (``memfit.parallel.trace.fake_world``, wrapped here for the run and restored after).
 ``--profile`` runs the whole estimate under cProfile and writes its top entries (cumulative time)
-into the JSON. Writes ``bench/results/parallel-405b-tp8pp16-cpu-<date>.json`` (``--out``).
+into the JSON. ``--baseline`` then traces the same roles again with the replay of micro-batches
+off (``memfit.trace.replay.disabled()``: every micro-batch traced for real, the code before the
+replay), in the same process, and compares each stage's bytes (peak, reserved, breakdown) with
+the replayed ones. Writes ``bench/results/parallel-405b-tp8pp16-cpu-<date>.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--roles", type=int, default=None,
                         help="trace only the first N rank roles (stages); default all")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also trace with the micro-batch replay off, and compare")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / (
         f"parallel-405b-tp8pp16-cpu-{datetime.date.today().isoformat()}.json"))
     args = parser.parse_args()
@@ -87,7 +92,6 @@ def main() -> None:
 
     import memfit
     from memfit.models.build import build_model, example_inputs
-    from memfit.parallel.pipeline import stage_layers, stages_per_rank
 
     spec = memfit.resolve_model("llama-3.1-405b")
     parallel = memfit.Parallel(gpus=128, tp=8, pp=16, microbatches=args.microbatches)
@@ -107,26 +111,33 @@ def main() -> None:
             profiler.disable()
     total_cpu = round(time.process_time() - started, 2)
     total_wall = round(time.perf_counter() - wall, 2)
-    layers = stage_layers(spec.num_layers, parallel.pp * stages_per_rank(parallel))
-    by_rank = {t["rank"]: t for t in times}
-    rows = []
-    for role in est.per_rank:
-        stage = role.ranks[0] // (parallel.dp * parallel.tp)
-        t = by_rank.get(role.ranks[0], {})
-        rows.append({"stage": stage, "ranks": list(role.ranks), "blocks": len(layers[stage]),
-                     "cpu_seconds": t.get("cpu_seconds"), "wall_seconds": t.get("wall_seconds"),
-                     "peak_bytes": role.peak_bytes,
-                     "peak_reserved_bytes": role.peak_reserved_bytes,
-                     "breakdown": {getattr(k, "value", str(k)): v
-                                   for k, v in role.breakdown.items()}})
-    print(f"{'stage':>5} {'blocks':>6} {'CPU s':>7} {'wall s':>7} {'peak GiB':>9} "
-          f"{'reserved GiB':>12}")
-    for r in rows:
-        print(f"{r['stage']:>5} {r['blocks']:>6} {r['cpu_seconds']:>7} {r['wall_seconds']:>7} "
-              f"{r['peak_bytes'] / GIB:>9.2f} {r['peak_reserved_bytes'] / GIB:>12.2f}")
-    print(f"total: {total_cpu} CPU s ({total_wall} wall s) for {len(rows)} stages; target "
-          f"{TARGET_S} s: {'met' if total_cpu <= TARGET_S else 'NOT met'}; slowest stage "
-          f"{max(r['cpu_seconds'] or 0 for r in rows)} CPU s")
+    load_after_new = os.getloadavg()
+    from memfit.trace import replay
+
+    counts = dict(replay.counts)
+    rows = _rows(est, times, spec, parallel)
+    _print(rows, total_cpu, total_wall)
+    baseline: dict[str, Any] | None = None
+    if args.baseline:
+        base_times: list[dict[str, Any]] = []
+        started, wall = time.process_time(), time.perf_counter()
+        with timed_roles(base_times), first_roles(args.roles), replay.disabled():
+            base_est = memfit.estimate(model, inputs, optimizer="adamw", precision="bf16-mixed",
+                                       device="cuda", gpu="h100-80gb", parallel=parallel)
+        base_cpu = round(time.process_time() - started, 2)
+        base_rows = _rows(base_est, base_times, spec, parallel)
+        print("baseline (replay off, every micro-batch traced):")
+        _print(base_rows, base_cpu, round(time.perf_counter() - wall, 2))
+        keys = ("stage", "peak_bytes", "peak_reserved_bytes", "breakdown")
+        identical = [{k: r[k] for k in keys} for r in rows] == [
+            {k: r[k] for k in keys} for r in base_rows]
+        print(f"bytes identical to the baseline: {identical}; CPU s {total_cpu} against "
+              f"{base_cpu} ({total_cpu / base_cpu:.3f} of it)")
+        baseline = {"total_cpu_seconds": base_cpu,
+                    "total_wall_seconds": round(time.perf_counter() - wall, 2),
+                    "stages": base_rows, "bytes_identical": identical,
+                    "cpu_ratio": round(total_cpu / base_cpu, 4),
+                    "load_average_after": os.getloadavg()}
     result: dict[str, Any] = {
         "model": spec.name, "layout": parallel.describe(), "seq": args.seq,
         "microbatches": args.microbatches, "micro_batch": 1, "precision": "bf16-mixed",
@@ -135,7 +146,8 @@ def main() -> None:
         "target_seconds": TARGET_S, "target_met": total_cpu <= TARGET_S, "stages": rows,
         "torch": torch.__version__, "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs)",
-        "load_average": os.getloadavg(), "command": " ".join(sys.argv),
+        "load_average": load_after_new, "replay_counts": counts, "baseline": baseline,
+        "command": " ".join(sys.argv),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     if profiler is not None:
         text = io.StringIO()
@@ -147,6 +159,42 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def _rows(est: Any, times: list[dict[str, Any]], spec: Any, parallel: Any
+          ) -> list[dict[str, Any]]:
+    """One row per stage: its ranks, blocks, CPU and wall seconds (summed over the traces of
+    its rank: a trace redone without replay counts both), bytes."""
+    from memfit.parallel.pipeline import stage_layers, stages_per_rank
+
+    layers = stage_layers(spec.num_layers, parallel.pp * stages_per_rank(parallel))
+    by_rank: dict[int, dict[str, float]] = {}
+    for t in times:
+        acc = by_rank.setdefault(t["rank"], {"cpu_seconds": 0.0, "wall_seconds": 0.0})
+        acc["cpu_seconds"] = round(acc["cpu_seconds"] + t["cpu_seconds"], 2)
+        acc["wall_seconds"] = round(acc["wall_seconds"] + t["wall_seconds"], 2)
+    rows = []
+    for role in est.per_rank:
+        stage = role.ranks[0] // (parallel.dp * parallel.tp)
+        t = by_rank.get(role.ranks[0], {})
+        rows.append({"stage": stage, "ranks": list(role.ranks), "blocks": len(layers[stage]),
+                     "cpu_seconds": t.get("cpu_seconds"), "wall_seconds": t.get("wall_seconds"),
+                     "peak_bytes": role.peak_bytes,
+                     "peak_reserved_bytes": role.peak_reserved_bytes,
+                     "breakdown": {getattr(k, "value", str(k)): v
+                                   for k, v in role.breakdown.items()}})
+    return rows
+
+
+def _print(rows: list[dict[str, Any]], total_cpu: float, total_wall: float) -> None:
+    print(f"{'stage':>5} {'blocks':>6} {'CPU s':>7} {'wall s':>7} {'peak GiB':>9} "
+          f"{'reserved GiB':>12}")
+    for r in rows:
+        print(f"{r['stage']:>5} {r['blocks']:>6} {r['cpu_seconds']:>7} {r['wall_seconds']:>7} "
+              f"{r['peak_bytes'] / GIB:>9.2f} {r['peak_reserved_bytes'] / GIB:>12.2f}")
+    print(f"total: {total_cpu} CPU s ({total_wall} wall s) for {len(rows)} stages; target "
+          f"{TARGET_S} s: {'met' if total_cpu <= TARGET_S else 'NOT met'}; slowest stage "
+          f"{max(r['cpu_seconds'] or 0 for r in rows)} CPU s")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ __all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator
            "dtensor_foreach_propagation_once_per_shape", "dtensor_meta_propagation_within",
            "engine_run_backward", "fake_op_rule", "fake_store", "flatten_dense_tensors",
            "fsdp_chunks_on_demand", "has_dispatch_kernel",
-           "is_norm_layer", "reporting_get_rng_state",
+           "is_norm_layer", "queue_engine_callback", "reporting_get_rng_state",
            "sdp_priority_order", "storage_use_count", "unflatten_dense_tensors"]
 
 # -- the frame walk ------------------------------------------------------------------------------
@@ -70,6 +70,15 @@ def engine_run_backward(loss: torch.Tensor | tuple[torch.Tensor, ...],
     grads = grad if isinstance(grad, tuple) else (grad,)
     run(losses, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
 
+
+
+def queue_engine_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the backward pass running now ends, inside autograd's engine
+    (``Variable._execution_engine.queue_callback``, as FSDP2 queues its post-backward:
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py: _root_pre_forward`` /
+    ``_register_root_post_backward_final_callback``; checked in torch 2.13.0). Used by
+    ``memfit/trace/replay.py`` to close a recorded backward."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
 
 # -- patches -------------------------------------------------------------------------------------
 

@@ -543,7 +543,14 @@ class PipelineRole(RankRole):
                                                     submods=self.state.get("submods"))
             _static_metadata(self.state["pipeline"].schedule)
         pipeline: Pipeline = self.state["pipeline"]
-        with _phases(pipeline.schedule, tracker), _works_hold_their_tensors():
+        from memfit.trace.replay import replaying
+
+        # Micro-batches 2.. of each stage module replay micro-batch 1's recorded events
+        # (Note: [replaying a pipeline stage's micro-batches] in memfit/trace/replay.py); not
+        # beside data parallelism, whose wrappers (DDP's reducer, FSDP2) keep state across calls
+        alone = self.parallel.dp == 1 and not self.state.get("submods")
+        with _phases(pipeline.schedule, tracker), _works_hold_their_tensors(), \
+                replaying(pipeline.modules if alone else [], tracker):
             pipeline.step(inputs)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -509,9 +509,24 @@ def estimate_ranks(run: Callable[[RankRole], Any], model: nn.Module, parallel: P
 
         check_experts(model, parallel)
     estimates = []
+    from memfit.trace.replay import ReplayMismatch, counts, disabled
+
     for role in rank_roles(model, parallel):
-        with fake_world(parallel.gpus, role.rank):
-            est = run(role)
+        try:
+            with fake_world(parallel.gpus, role.rank):
+                est = run(role)
+        except Exception as exc:  # Note: [replaying a pipeline stage's micro-batches]
+            cause: BaseException | None = exc  # the schedule wraps a backward's error
+            while cause is not None and not isinstance(cause, ReplayMismatch):
+                cause = cause.__cause__
+            if cause is None:
+                raise
+            state = getattr(role, "state", None)
+            if isinstance(state, dict):  # a pipeline role's stages, built in that world
+                state.clear()
+            counts["redone"] += 1
+            with disabled(), fake_world(parallel.gpus, role.rank):
+                est = run(role)
         estimates.append(dataclasses.replace(est, ranks=role.ranks, parallel=parallel))
     worst = max(estimates, key=lambda e: (e.peak_reserved_bytes, e.peak_bytes))
     return dataclasses.replace(worst, per_rank=tuple(estimates))

@@ -671,8 +671,9 @@ def _result(tracker: Tracker, allocator: Any, runtime: dict[str, int],
             activation[info.module] = activation.get(info.module, 0) + info.nbytes
     ops = tracker.ops
     run = replay(tracker, [op[4] for op in ops], tracker.peak_events, TRACKED)
-    timeline = [TimelinePoint(index=i, op=str(op[0]), phase=op[1], step=op[2], module=op[3],
-                              bytes=after)
+    names: dict[Any, str] = {}  # str(OpOverload) is Python code: once per op kind
+    timeline = [TimelinePoint(index=i, op=names.get(op[0]) or names.setdefault(op[0], str(op[0])),
+                              phase=op[1], step=op[2], module=op[3], bytes=after)
                 for i, (op, after) in enumerate(zip(ops, run.after, strict=True))]
     breakdown = run.peak.by_category(TRACKED)
     if run.peak_op < len(ops):  # else the peak is the baseline (nothing allocated by any op)
