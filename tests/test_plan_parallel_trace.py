@@ -483,8 +483,9 @@ def test_pp_beside_zero1_and_loss_parallel_is_traced(capsys, tmp_path, pipeline_
     """`--gpus 4 --pp 2 --zero 1`: DDP on each stage with ZeroRedundancyOptimizer over its 2
     data-parallel ranks (memfit/parallel/pipeline.py: replicate_stages), one role per rank, the
     same numbers as `Parallel(gpus=4, pp=2, zero=1)` on the builtin build; `--gpus 4 --pp 2
-    --tp 2 --loss-parallel`: the last stage's logits split by vocabulary. Both used to fall back
-    to the formulas ("the trace refused it")."""
+    --tp 2 --loss-parallel`: the last stage's logits split by vocabulary. Both on the
+    transformers module (a Llama). Both used to fall back to the formulas ("the trace refused
+    it")."""
     import memfit
 
     path = tiny_llama(tmp_path)
@@ -495,15 +496,18 @@ def test_pp_beside_zero1_and_loss_parallel_is_traced(capsys, tmp_path, pipeline_
     assert code == 0, err
     data = json.loads(out)
     assert data["method"] == "trace" and data["parallel"]["strategy"] == "zero1"
+    assert data["model"]["backend"] == "transformers"  # a Llama: its own module's stages
     assert_same_roles(data, builtin_estimate(spec, memfit.Parallel(gpus=4, pp=2, zero=1),
-                                             batch=2))
+                                             batch=2, backend="transformers"))
     code, out, err = run(capsys, "plan", path, "--gpus", "4", "--pp", "2", "--tp", "2",
                          "--loss-parallel", *common)
     assert code == 0, err
     data = json.loads(out)
     assert data["method"] == "trace" and data["parallel"]["loss_parallel"] is True
+    assert data["model"]["backend"] == "transformers"
     assert_same_roles(data, builtin_estimate(
-        spec, memfit.Parallel(gpus=4, pp=2, tp=2, loss_parallel=True), batch=2))
+        spec, memfit.Parallel(gpus=4, pp=2, tp=2, loss_parallel=True), batch=2,
+        backend="transformers"))
 
 
 def test_fsdp2_cpu_offload_is_traced_with_host_bytes_apart(capsys, tmp_path) -> None:
