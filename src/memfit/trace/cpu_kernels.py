@@ -174,6 +174,9 @@ def _measure(func: Any, args: Any, kwargs: dict[str, Any], key: Any) -> tuple[in
     # 1B model whose large GEMMs are over it).
     if _input_bytes(args) + _input_bytes(list(kwargs.values())) > CALIBRATION_CAP_BYTES:
         return None, False
+    if func is _SDPA_CPU and _sdpa_reducible(args, kwargs):
+        with _disable_current_modes():
+            return _sdpa_reduced_peak(args, kwargs), True
     with _disable_current_modes():
         real_args = _real(args)
         real_kwargs = {k: _real(v) for k, v in kwargs.items()}
@@ -190,6 +193,70 @@ def _measure(func: Any, args: Any, kwargs: dict[str, Any], key: Any) -> tuple[in
         del out
         result, _ = running_peak(allocator_deltas(prof))
     return result, True
+
+
+_SDPA_CPU = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_SDPA_CPU = _SDPA_CPU.default if _SDPA_CPU is not None else None
+_SDPA_KV_SPLIT = 512  # the kernel's kv_split_size, the same in all three q-length buckets
+
+
+def _sdpa_reducible(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether CPU flash attention's scratch can be measured at batch 1 with one and two heads.
+
+    Note [CPU flash attention at one and two heads]: ``cpu_flash_attention``
+    (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) allocates through ATen only ``buf``
+    (``num_thread`` x (qSplitSize*rkvSplitSize + 2*qSplitSize + qSplitSize*rHeadSize), fp32) and
+    ``buf_reduced`` (``num_thread`` x qSplitSize x ekvSplitSize, 16-bit types only); its packed
+    key/value copies are ``std::make_unique`` arrays the allocator never sees. qSplitSize is
+    chosen from the query length alone (``flash_attention_kernel_impl``: 256 at >= 768, 64 at
+    >= 192, else 32), kvSplitSize = min(512, kv length), num_thread is the fingerprint's thread
+    count. Batch and heads enter only through ``need_pack`` (fp16 with oneDNN packing:
+    ``num_head >= 4`` and the pack/gemm size ratio), which rounds kvSplitSize and headSize up to
+    64 and makes kvSplitSize even: with kvSplitSize a multiple of 64 (required here) and
+    ``need_pack`` implying headSize % 64 == 0, neither buffer changes. The op's outputs
+    (``_scaled_dot_product_flash_attention_cpu``, aten/src/ATen/native/transformers/
+    attention.cpp: output (B, L, H, D) and logsumexp (B, L, H)) are linear in batch x heads.
+    So the peak at batch x heads = n is p1 + (n - 1) * (p2 - p1), p1 and p2 measured at one and
+    two heads (tests/test_cpu_kernels_reduced.py compares it with the full-size measurement).
+    Without a mask only (a mask's broadcast shape depends on batch and heads)."""
+    if kwargs.get("attn_mask") is not None or len(args) != 5:
+        return False
+    q, k, v = args[:3]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return False
+    if not (q.shape[:2] == k.shape[:2] == v.shape[:2]) or q.shape[0] * q.shape[1] <= 2:
+        return False
+    return min(_SDPA_KV_SPLIT, k.shape[2]) % 64 == 0
+
+
+def _reduced_like(x: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """Zeros of ``x``'s shape with batch and heads replaced, laid out in ``x``'s dim order."""
+    shape = (batch, heads, *x.shape[2:])
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    base = torch.zeros([shape[d] for d in order], dtype=x.dtype)
+    return base.permute([order.index(d) for d in range(x.dim())])
+
+
+def _sdpa_reduced_peak(args: Any, kwargs: dict[str, Any]) -> int | None:
+    """The full-size peak of CPU flash attention from runs at one and two heads (Note [CPU
+    flash attention at one and two heads])."""
+    q, k, v, *rest = args
+    peaks = []
+    for heads in (1, 2):
+        small = [_reduced_like(t, 1, heads) for t in (q, k, v)]
+        try:
+            peaks.append(_profiled_peak(_SDPA_CPU, (*small, *rest), kwargs))
+        except RuntimeError:  # a kernel refusing zeros (or this build): not measured
+            return None
+    p1, p2 = peaks
+    return p1 + (q.shape[0] * q.shape[1] - 1) * (p2 - p1)
+
+
+def _profiled_peak(func: Any, real_args: Any, real_kwargs: dict[str, Any]) -> int:
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = func(*real_args, **real_kwargs)
+    del out
+    return running_peak(allocator_deltas(prof))[0]
 
 
 def clear_memory_cache() -> None:

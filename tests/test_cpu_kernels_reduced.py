@@ -1,0 +1,72 @@
+"""Kernel scratch measured at a reduced size equals the full-size measurement
+(memfit/trace/cpu_kernels.py, Note [CPU flash attention at one and two heads]).
+
+CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: cpu_flash_attention)
+allocates through ATen two per-thread buffers whose sizes depend on the thread count, the query
+length's block (32 below 192, 64 below 768, else 256), min(512, kv length) and the head size,
+never on batch or heads, and outputs linear in batch x heads; memfit measures it at batch 1 with
+one and two heads and extrapolates. Each case here runs the real kernel at full size too: the
+shapes cross the query-block boundaries (191/192, 767/768), kv lengths below, at and above the
+512 split and with a tail, head sizes that are and are not multiples of 64, batch > 1, 4+ heads
+(where fp16 packing may switch on), causal and not, the strided query layout that a
+``(b, s, h, d)`` projection gives, and the three float types. Independent of the instruction set:
+both sides are measured on the machine the test runs on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memfit.trace import cpu_kernels
+
+SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+CASES = [  # (batch, heads, q_len, kv_len, head_dim, causal, dtype, query as (b, s, h, d))
+    (1, 8, 800, 800, 64, True, torch.bfloat16, True),
+    (2, 3, 767, 1000, 64, False, torch.bfloat16, False),
+    (1, 6, 768, 512, 80, True, torch.float32, False),
+    (3, 4, 192, 640, 128, False, torch.float16, True),
+    (1, 5, 191, 128, 64, False, torch.bfloat16, False),
+    (2, 4, 100, 1088, 32, True, torch.float16, False),
+    (1, 16, 256, 256, 64, True, torch.float16, False),
+]
+
+
+def _inputs(b: int, h: int, lq: int, lk: int, d: int, dtype: torch.dtype,
+            bshd: bool) -> tuple[torch.Tensor, ...]:
+    q = (torch.zeros(b, lq, h, d, dtype=dtype).transpose(1, 2) if bshd
+         else torch.zeros(b, h, lq, d, dtype=dtype))
+    return q, torch.zeros(b, h, lk, d, dtype=dtype), torch.zeros(b, h, lk, d, dtype=dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + str(c[6])[6:])
+def test_flash_attention_reduced_equals_full(case: tuple) -> None:
+    """The peak extrapolated from one and two heads is the full-size kernel's peak, to the byte
+    (FlashAttentionKernel.cpp: cpu_flash_attention sizes buf and buf_reduced without batch or
+    heads)."""
+    b, h, lq, lk, d, causal, dtype, bshd = case
+    args = (*_inputs(b, h, lq, lk, d, dtype, bshd), 0.0, causal)
+    assert cpu_kernels._sdpa_reducible(args, {})
+    with _disable_current_modes():
+        full = cpu_kernels._profiled_peak(SDPA, args, {})
+        reduced = cpu_kernels._sdpa_reduced_peak(args, {})
+    assert reduced == full
+    # the outputs alone are not the answer: the kernel's buffers are in both
+    out_bytes = b * h * lq * (d * dtype.itemsize + torch.finfo(torch.float32).bits // 8)
+    assert full > out_bytes
+
+
+def test_flash_attention_not_reduced_where_unproven() -> None:
+    """A mask (its broadcast shape follows batch and heads), a kv length whose split is not a
+    multiple of 64 (fp16 packing would round it up) and batch x heads <= 2 (nothing to gain) are
+    measured at full size."""
+    q, k, v = _inputs(1, 4, 64, 100, 64, torch.bfloat16, False)
+    assert not cpu_kernels._sdpa_reducible((q, k, v, 0.0, False), {})
+    q, k, v = _inputs(1, 4, 64, 128, 64, torch.bfloat16, False)
+    assert cpu_kernels._sdpa_reducible((q, k, v, 0.0, False), {})
+    mask = torch.zeros(1, 4, 64, 128, dtype=torch.bool)
+    assert not cpu_kernels._sdpa_reducible((q, k, v, 0.0, False), {"attn_mask": mask})
+    q, k, v = _inputs(1, 2, 64, 128, 64, torch.bfloat16, False)
+    assert not cpu_kernels._sdpa_reducible((q, k, v, 0.0, False), {})
