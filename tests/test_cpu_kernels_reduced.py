@@ -70,3 +70,51 @@ def test_flash_attention_not_reduced_where_unproven() -> None:
     assert not cpu_kernels._sdpa_reducible((q, k, v, 0.0, False), {"attn_mask": mask})
     q, k, v = _inputs(1, 2, 64, 128, 64, torch.bfloat16, False)
     assert not cpu_kernels._sdpa_reducible((q, k, v, 0.0, False), {})
+
+
+def _strided(shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> torch.Tensor:
+    """A zero tensor of ``shape``: contiguous, with its last two dims transposed in memory, or a
+    slice of a wider tensor (not dense)."""
+    if kind == "t":
+        return torch.zeros(*shape[:-2], shape[-1], shape[-2], dtype=dtype).transpose(-1, -2)
+    if kind == "slice":
+        return torch.zeros(*shape[:-1], shape[-1] + 3, dtype=dtype)[..., :shape[-1]]
+    return torch.zeros(shape, dtype=dtype)
+
+
+BINARY_CASES = [  # (op, shape a, dtype a, layout a, shape b, dtype b, layout b)
+    ("mul", (1, 32, 96, 64), torch.bfloat16, "t", (96, 64), torch.float32, "c"),
+    ("mul", (2, 8, 96, 64), torch.float32, "c", (2, 1, 96, 64), torch.bfloat16, "c"),
+    ("add", (1, 96, 160), torch.float32, "c", (1, 96, 160), torch.bfloat16, "slice"),
+    ("sub", (7, 1, 33), torch.float16, "c", (5, 33), torch.float32, "c"),
+    ("div", (3, 40, 24), torch.bfloat16, "slice", (24,), torch.float64, "c"),
+]
+
+
+@pytest.mark.parametrize("case", BINARY_CASES, ids=lambda c: f"{c[0]}-{c[3]}-{c[6]}")
+def test_promoting_binary_reduced_equals_full(case: tuple) -> None:
+    """A mixed-dtype binary op's peak, extrapolated from sizes 1 and 2 along one output
+    dimension, is the full-size kernel's peak to the byte (aten/src/ATen/TensorIterator.cpp:
+    TensorIteratorBase::compute_types makes an input-sized converted copy of each input not of
+    the common dtype; the output and those copies are linear along a dimension each input
+    either spans or broadcasts); broadcast dims, non-dense and transposed inputs included."""
+    name, sa, da, la, sb, db, lb = case
+    func = getattr(torch.ops.aten, name).Tensor
+    args = (_strided(sa, da, la), _strided(sb, db, lb))
+    dim = cpu_kernels._binary_reducible_dim(args)
+    assert dim is not None
+    with _disable_current_modes():
+        full = cpu_kernels._profiled_peak(func, args, {})
+        reduced = cpu_kernels._binary_reduced_peak(func, args, {}, dim)
+    assert reduced == full
+    out = torch.broadcast_shapes(sa, sb).numel() * torch.promote_types(da, db).itemsize
+    assert full > out  # a promotion temporary is in the peak, not only the output
+
+
+def test_binary_not_reduced_along_a_zero_stride_dimension() -> None:
+    """An input expanded (stride 0) along the only dimension larger than 2 is measured at full
+    size."""
+    a = torch.zeros(1, 2).expand(50, 2)
+    b = torch.zeros(50, 2, dtype=torch.bfloat16)
+    assert cpu_kernels._binary_reducible_dim((a, b)) is None
+    assert cpu_kernels._binary_reducible_dim((a.contiguous(), b)) == 2

@@ -177,6 +177,9 @@ def _measure(func: Any, args: Any, kwargs: dict[str, Any], key: Any) -> tuple[in
     if func is _SDPA_CPU and _sdpa_reducible(args, kwargs):
         with _disable_current_modes():
             return _sdpa_reduced_peak(args, kwargs), True
+    if func in _PROMOTING_BINARY and (dim := _binary_reducible_dim(args)) is not None:
+        with _disable_current_modes():
+            return _binary_reduced_peak(func, args, kwargs, dim), True
     with _disable_current_modes():
         real_args = _real(args)
         real_kwargs = {k: _real(v) for k, v in kwargs.items()}
@@ -229,27 +232,77 @@ def _sdpa_reducible(args: Any, kwargs: dict[str, Any]) -> bool:
     return min(_SDPA_KV_SPLIT, k.shape[2]) % 64 == 0
 
 
-def _reduced_like(x: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-    """Zeros of ``x``'s shape with batch and heads replaced, laid out in ``x``'s dim order."""
-    shape = (batch, heads, *x.shape[2:])
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
-    base = torch.zeros([shape[d] for d in order], dtype=x.dtype)
-    return base.permute([order.index(d) for d in range(x.dim())])
-
-
 def _sdpa_reduced_peak(args: Any, kwargs: dict[str, Any]) -> int | None:
     """The full-size peak of CPU flash attention from runs at one and two heads (Note [CPU
     flash attention at one and two heads])."""
     q, k, v, *rest = args
     peaks = []
     for heads in (1, 2):
-        small = [_reduced_like(t, 1, heads) for t in (q, k, v)]
+        small = [_resized_like(t, {0: 1, 1: heads}) for t in (q, k, v)]
         try:
             peaks.append(_profiled_peak(_SDPA_CPU, (*small, *rest), kwargs))
         except RuntimeError:  # a kernel refusing zeros (or this build): not measured
             return None
     p1, p2 = peaks
     return p1 + (q.shape[0] * q.shape[1] - 1) * (p2 - p1)
+
+
+# Binary pointwise ops built on TensorIterator (aten/src/ATen/native/BinaryOps.cpp:
+# TORCH_IMPL_FUNC(add_out) / (mul_out) / (sub_out) / (div_out), build_borrowing_binary_op).
+_PROMOTING_BINARY = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor}
+
+
+def _binary_reducible_dim(args: Any) -> int | None:
+    """The output dimension (counted from the right) along which a mixed-dtype binary op's
+    scratch is measured at sizes 1 and 2, or None.
+
+    Note [promotion temporaries are linear]: on the CPU, TensorIterator makes a converted copy of
+    each input whose dtype is not the common one (aten/src/ATen/TensorIterator.cpp:
+    TensorIteratorBase::compute_types, ``op.tensor().to(common_dtype_)``) and allocates the
+    output (``allocate_or_resize_outputs``); all of them live until the kernel has run, so the
+    peak is their sum. The copy of a dense input keeps its strides, that of any other input is
+    contiguous: either way its bytes are its number of elements times the common dtype's size,
+    as are the output's. Along an output dimension where each input has either the output's size
+    or size 1 (broadcast), every one of these is constant or linear in that size, so the peak at
+    size n is p1 + (n - 1) * (p2 - p1). The largest such dimension is chosen."""
+    tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+    if len(tensors) != 2 or any(t.dim() == 0 for t in tensors):
+        return None
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    best = None
+    for d in range(1, len(shape) + 1):  # d-th dimension from the right
+        n = shape[-d]
+        if n <= 2 or (best is not None and n <= shape[-best]):
+            continue
+        ok = all(t.dim() < d or t.shape[-d] == 1 or t.stride(-d) != 0 for t in tensors)
+        if ok:
+            best = d
+    return best
+
+
+def _resized_like(x: torch.Tensor, sizes: dict[int, int]) -> torch.Tensor:
+    """Zeros of ``x``'s shape with the dimensions in ``sizes`` (index: size) replaced, laid out
+    in ``x``'s dimension order."""
+    shape = [sizes.get(i, s) for i, s in enumerate(x.shape)]
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    base = torch.zeros([shape[d] for d in order], dtype=x.dtype)
+    return base.permute([order.index(d) for d in range(x.dim())])
+
+
+def _binary_reduced_peak(func: Any, args: Any, kwargs: dict[str, Any], dim: int) -> int | None:
+    """The full-size peak of a mixed-dtype binary op from runs with output dimension ``-dim`` at
+    sizes 1 and 2 (Note [promotion temporaries are linear])."""
+    n = torch.broadcast_shapes(*(a.shape for a in args[:2]))[-dim]
+    peaks = []
+    for m in (1, 2):
+        small = [_resized_like(a, {a.dim() - dim: m} if a.dim() >= dim and a.shape[-dim] == n
+                               else {}) for a in args[:2]]
+        try:
+            peaks.append(_profiled_peak(func, (*small, *args[2:]), kwargs))
+        except RuntimeError:
+            return None
+    p1, p2 = peaks
+    return p1 + (n - 1) * (p2 - p1)
 
 
 def _profiled_peak(func: Any, real_args: Any, real_kwargs: dict[str, Any]) -> int:
