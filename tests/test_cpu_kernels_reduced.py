@@ -118,3 +118,60 @@ def test_binary_not_reduced_along_a_zero_stride_dimension() -> None:
     b = torch.zeros(50, 2, dtype=torch.bfloat16)
     assert cpu_kernels._binary_reducible_dim((a, b)) is None
     assert cpu_kernels._binary_reducible_dim((a.contiguous(), b)) == 2
+
+
+def _matrix(rows: int, cols: int, column_major: bool) -> torch.Tensor:
+    if column_major:
+        return torch.zeros(cols, rows, dtype=torch.bfloat16).t()
+    return torch.zeros(rows, cols, dtype=torch.bfloat16)
+
+
+def _mm_cases() -> list[tuple[int, int, int, bool, bool]]:
+    """(M, K, N, A column-major, B column-major) at this process's thread count: M a multiple
+    of 256 x threads; K = 4096 (a power of two, where oneDNN copies A from M = 1024 on) with A
+    row-major and column-major; N at its smallest (64 x threads) and not a multiple of 64."""
+    step = 256 * torch.get_num_threads()
+    big_pow2 = 2 * (-(-1024 // step) * step) + 2 * step
+    return [
+        (4 * step, 1536, 640, False, True),
+        (4 * step, 2048, 192 * torch.get_num_threads() + 8, False, False),
+        (big_pow2, 4096, 256, False, False),
+        (4 * step, 4096, 320, True, False),
+        (5 * step, 1024, 64 * torch.get_num_threads(), True, True),
+    ]
+
+
+@pytest.mark.parametrize("case", _mm_cases(), ids=lambda c: "x".join(map(str, c)))
+def test_bf16_mm_reduced_equals_full(case: tuple) -> None:
+    """A bf16 mm's peak, extrapolated from two row counts, is the full-size kernel's peak to
+    the byte (oneDNN 3.12 src/cpu/x64/matmul/brgemm_matmul_utils.cpp: init_scratchpad sizes the
+    scratchpad from a blocking that compute_blocking_heuristic_avx512 / _avx2 chooses the same
+    for every M that is a multiple of 256 x threads; prefer_copy_a switches at M = 1024 when K
+    is a power of two >= 4096), row- and column-major operands."""
+    m, k, n, a_cm, b_cm = case
+    args = (_matrix(m, k, a_cm), _matrix(k, n, b_cm))
+    rows = cpu_kernels._mm_reduced_rows(args)
+    if any("amx" in f for f in cpu_kernels._cpu_flags()):
+        assert rows is None  # AMX blocking is not covered: measured at full size
+        return
+    assert rows is not None and 2 * rows + 256 * torch.get_num_threads() < m
+    with _disable_current_modes():
+        full = cpu_kernels._profiled_peak(torch.ops.aten.mm.default, args, {})
+        reduced = cpu_kernels._mm_reduced_peak(args, rows)
+    assert reduced == full
+    assert full >= m * n * 2  # the result is in the peak
+
+
+def test_bf16_mm_not_reduced_where_unproven() -> None:
+    """M not a multiple of 256 x threads, too few 64-column blocks of N for the threads (oneDNN's
+    low_parallel_work branch has M thresholds), fp32, and a non-dense operand are measured at
+    full size."""
+    step = 256 * torch.get_num_threads()
+    b = _matrix(1024, 512, False)
+    assert cpu_kernels._mm_reduced_rows((_matrix(4 * step + 256, 1024, False), b)) is None
+    assert cpu_kernels._mm_reduced_rows((_matrix(4 * step, 1024, False).float(), b.float())) is None
+    sliced = torch.zeros(4 * step, 1100, dtype=torch.bfloat16)[:, :1024]
+    assert cpu_kernels._mm_reduced_rows((sliced, b)) is None
+    if torch.get_num_threads() > 1:
+        narrow = _matrix(1024, 64 * (torch.get_num_threads() - 1), False)
+        assert cpu_kernels._mm_reduced_rows((_matrix(4 * step, 1024, False), narrow)) is None

@@ -177,6 +177,9 @@ def _measure(func: Any, args: Any, kwargs: dict[str, Any], key: Any) -> tuple[in
     if func is _SDPA_CPU and _sdpa_reducible(args, kwargs):
         with _disable_current_modes():
             return _sdpa_reduced_peak(args, kwargs), True
+    if func is aten.mm.default and (rows := _mm_reduced_rows(args)) is not None:
+        with _disable_current_modes():
+            return _mm_reduced_peak(args, rows), True
     if func in _PROMOTING_BINARY and (dim := _binary_reducible_dim(args)) is not None:
         with _disable_current_modes():
             return _binary_reduced_peak(func, args, kwargs, dim), True
@@ -303,6 +306,83 @@ def _binary_reduced_peak(func: Any, args: Any, kwargs: dict[str, Any], dim: int)
             return None
     p1, p2 = peaks
     return p1 + (n - 1) * (p2 - p1)
+
+
+def _dense_2d(x: Any) -> bool:
+    """A 2-D tensor laid out row- or column-major without gaps."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or min(x.shape) < 2:
+        return False
+    rows, cols = x.shape
+    return tuple(x.stride()) in ((cols, 1), (1, rows))
+
+
+def _mm_reduced_rows(args: Any) -> int | None:
+    """The smallest row count ``M1`` at which a bf16 ``mm``'s scratch is measured (with a second
+    run at ``M1 + 256 * threads``), or None where that is not proven or gains nothing.
+
+    Note [oneDNN bf16 matmul scratch does not depend on M]: a bf16 mm on the CPU goes to oneDNN's
+    matmul through ideep (aten/src/ATen/native/mkldnn/Matmul.cpp: mkldnn_matmul / mkldnn_gemm)
+    and oneDNN's problem has the same M (rows of the result). Its scratchpad is booked in
+    oneDNN 3.12 (the version torch 2.13 ships, commit 80afa71) src/cpu/x64/matmul/
+    brgemm_matmul_utils.cpp: init_scratchpad from nthr and the blocking that
+    init_brgemm_matmul_conf / compute_blocking_heuristic chose. Without AMX, with nthr <=
+    ceil(N / 64) (no "low_parallel_work": N_blk <= 64) and nthr_k = 1 (set only under
+    low_parallel_work), M enters the blocking only through:
+    - ``prefer_copy_a``: ``lda_big_pow2() && M >= 1024`` (A not transposed, K a power of two,
+      K >= 4096 for 2-byte A), hence M1 >= 1024 there (a transposed A is always copied:
+      ``is_copy_a_required``);
+    - compute_blocking_heuristic_avx512 / _avx2's search over m_blk from min(256, M) down,
+      keeping the first strict minimum of get_imbalance(): with M a multiple of 256 * nthr,
+      m_blk = 256 leaves no M tail and an even split of the M/256 x N-chunk work over nthr
+      threads, so for every n_chunk_size it scores the smallest value any m_blk can (the
+      other terms do not depend on M and every term is >= 0), is not skipped, and comes first:
+      the chosen blocking is the same for every such M;
+    - thresholds (M == 1 gemv, M <= 40 and M <= 512 under low_parallel_work, f32-only and
+      AMX-only ones) that M >= 512 and bf16 never reach.
+    init_aux_values then sizes buffers A, B, C and the batch elements from M_blk, N_blk, K_blk,
+    M_chunk_size and nthr_k, never M. What else the call allocates grows linearly with M (the
+    result, a contiguous copy of A), so the peak at M is p1 + (M - M1) / step * (p2 - p1).
+    Both operands must be dense row- or column-major (strides are part of oneDNN's problem)."""
+    if len(args) != 2 or not all(_dense_2d(x) and x.dtype == torch.bfloat16 for x in args):
+        return None
+    if any("amx" in flag for flag in _cpu_flags()):
+        return None  # AMX blocking (matmul_amx_blocking_params_*) is not covered by the Note
+    (m, k), n = args[0].shape, args[1].shape[1]
+    threads = torch.get_num_threads()
+    step = 256 * threads
+    if m % step or -(-n // 64) < threads:
+        return None
+    low = step
+    transposed_a = args[0].stride(0) == 1
+    if not transposed_a and k >= 4096 and k & (k - 1) == 0:  # lda_big_pow2 (prefer_copy_a)
+        if m < 1024:
+            return None
+        low = -(-1024 // step) * step
+    return low if 2 * low + step < m else None
+
+
+def _cpu_flags() -> list[str]:
+    """The CPU's feature flags as the kernel-cache fingerprint reads them (empty where unknown:
+    then AMX cannot be ruled out and nothing is reduced)."""
+    flags = kernel_cache._cpu_identity().rpartition("|")[2].split()
+    return flags or ["amx?"]
+
+
+def _mm_reduced_peak(args: Any, m1: int) -> int | None:
+    """The full-size peak of a bf16 mm from runs at ``m1`` and ``m1 + 256 * threads`` rows
+    (Note [oneDNN bf16 matmul scratch does not depend on M])."""
+    a, b = args
+    step = 256 * torch.get_num_threads()
+    real_b = _real(b)
+    peaks = []
+    for rows in (m1, m1 + step):
+        try:
+            peaks.append(_profiled_peak(aten.mm.default,
+                                        (_resized_like(a, {0: rows}), real_b), {}))
+        except RuntimeError:
+            return None
+    p1, p2 = peaks
+    return p1 + (a.shape[0] - m1) // step * (p2 - p1)
 
 
 def _profiled_peak(func: Any, real_args: Any, real_kwargs: dict[str, Any]) -> int:
