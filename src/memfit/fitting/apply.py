@@ -17,7 +17,8 @@ from memfit.errors import MemfitError
 from memfit.fitting.config import FitConfig
 from memfit.techniques.checkpointing import BlockProfile, Mode, Policy
 
-__all__ = ["FixedModes", "PipelineStep", "apply_config", "apply_pipeline", "call_model"]
+__all__ = ["FixedModes", "LossParallelStep", "PipelineStep", "apply_config", "apply_pipeline",
+           "call_model"]
 
 log = logging.getLogger("memfit")
 
@@ -496,8 +497,36 @@ def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: LossFn | None 
         with mp.autocast():
             return base(m, batch)
 
-    step = guard(model, optimizer, loss_under_autocast, micro_batch_size=config.micro_batch,
-                 scaler=mp.scaler, budget_bytes=budget_bytes, reduction=reduction,
-                 count_fn=count_fn, log=log_recoveries)
+    step: Any = guard(model, optimizer, loss_under_autocast,
+                      micro_batch_size=config.micro_batch, scaler=mp.scaler,
+                      budget_bytes=budget_bytes, reduction=reduction, count_fn=count_fn,
+                      log=log_recoveries)
+    if multi and par is not None and par.loss_parallel:
+        step = LossParallelStep(step, par)
     log.info("memfit: applied plan %s", config.label())
     return model, optimizer, step
+
+
+class LossParallelStep:
+    """A guarded step run inside torch's ``loss_parallel()`` (a layout with
+    ``loss_parallel=True``): the head's logits stay a vocabulary-split DTensor
+    (``memfit/parallel/apply.py: tp_plan``, Note: [loss parallelism]) and the model's own
+    cross-entropy runs on the shards. ``torch/distributed/tensor/parallel/loss.py:
+    loss_parallel``: "The corresponding backward() call, if any, also needs to happen under this
+    context manager"; torchtitan enters it around its whole forward-backward
+    (``torchtitan/distributed/utils.py: get_train_context``, ``enable_loss_parallel``), and so
+    does this step around the guard's micro-batches and their backwards (the optimizer's
+    step inside it is unchanged: the context only swaps the softmax / nll kernels on DTensors).
+    Every other attribute is the guarded step's."""
+
+    def __init__(self, step: Any, parallel: Any) -> None:
+        self.step, self.parallel = step, parallel
+
+    def __call__(self, batch: Any) -> float:
+        from memfit.parallel.apply import loss_context
+
+        with loss_context(self.parallel):
+            return self.step(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.step, name)
