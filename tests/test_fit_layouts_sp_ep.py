@@ -64,3 +64,103 @@ def test_plan_apply_runs_sequence_and_loss_parallelism_like_one_process() -> Non
             assert set(weights) == set(want)
             for name, w in want.items():
                 torch.testing.assert_close(weights[name], w, rtol=RTOL, atol=ATOL)
+
+
+# -- expert parallelism under Plan.apply ---------------------------------------------------------
+
+EP_BATCH, EP_SEQ = 4, 16
+EP_CASES = {2: ({"ep": 2}, {"ep": 2, "zero": 3}), 4: ({"ep": 2, "zero": 3},)}
+"""By world: over 2 ranks ep = dp, the experts on one rank each, outside DDP / FSDP2; over 4,
+each rank's experts FSDP2-sharded over the 2 ranks that hold them (the "efsdp" mesh dim)."""
+
+
+def _moe() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """memfit's tiny MoE decoder (4 experts, top 2, capacity factor 1.0) and a fixed batch."""
+    from memfit.models.build import build_model
+    from memfit.parallel.measure import tiny_moe_spec
+
+    spec = tiny_moe_spec()
+    torch.manual_seed(0)
+    model = build_model(spec, backend="builtin", device="cpu")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, spec.vocab_size, (EP_BATCH, EP_SEQ), generator=g)
+    labels = torch.randint(0, spec.vocab_size, (EP_BATCH, EP_SEQ), generator=g)
+    return model, {"input_ids": ids, "labels": labels}
+
+
+def _sgd_steps(model: torch.nn.Module, cfg: FitConfig, batch: dict[str, torch.Tensor],
+               world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Two SGD steps of the plan; returns the losses and each weight's change (full tensors)."""
+    import warnings
+
+    from memfit.fitting.apply import apply_config
+    from memfit.oom_guard import causal_lm_count
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _, step = apply_config(model, cfg, num_gpus=world, log_recoveries=False,
+                                      count_fn=causal_lm_count)
+        losses = [float(step(batch)) for _ in range(2)]
+    inner = getattr(model, "module", model)
+    after = {}
+    for name, p in inner.named_parameters():
+        full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        after[name] = full.clone()
+    return losses, after | {f"{n}:before": w for n, w in before.items()}
+
+
+def _ep_worker(rank: int, world: int, out: str) -> None:
+    results = []
+    for layout in EP_CASES[world]:
+        par = Parallel(gpus=world, **layout)
+        model, batch = _moe()
+        per = EP_BATCH // par.dp
+        mine = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+        cfg = FitConfig(precision="fp32", micro_batch=1, accumulation=per, optimizer="sgd",
+                        sharding=sharding_of(par), parallel=par)
+        results.append(_sgd_steps(model, cfg, mine, world))
+    torch.save(results, Path(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4], ids=["ep2-over-2", "ep2-fsdp4"])
+def test_plan_apply_runs_expert_parallelism_like_one_process(world: int) -> None:
+    """ep 2 over 2 gloo ranks, with DDP and with FSDP2 for the dense parameters, and over 4
+    ranks with FSDP2 (each rank's experts sharded over the 2 ranks holding them), two SGD steps
+    of micro-batch 1: the ranks' loss shares add up to the one-process loss (the same
+    micro-batches, so the same expert capacities and routing), and each rank's experts (its
+    share of each layer's stacked weights) and every dense weight change as in one process.
+    SGD, not AdamW: AdamW divides each gradient by its own magnitude and would hide an expert
+    gradient scaled by the ranks (Note: [expert gradients] in memfit/fitting/apply.py:
+    torchtitan's divide factor, the data-parallel degree); the weight changes (lr 1e-2 times
+    the gradient) are compared within rtol 1e-4 (fp32 reordering of sums of ~1e-3
+    gradients)."""
+    from memfit.parallel.gloo import spawn
+
+    model, batch = _moe()
+    ref_cfg = FitConfig(precision="fp32", micro_batch=1, accumulation=EP_BATCH, optimizer="sgd")
+    want_losses, want = _sgd_steps(model, ref_cfg, batch, 1)
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_ep_worker, world, out)
+        ranks = [torch.load(Path(out, f"rank{r}.pt")) for r in range(world)]
+    for case, layout in enumerate(EP_CASES[world]):
+        for step in range(2):
+            got = sum(r[case][0][step] for r in ranks)
+            assert got == pytest.approx(want_losses[step], rel=1e-5), layout
+        for rank, r in enumerate(ranks):
+            weights = r[case][1]
+            checked = 0
+            for name, w in weights.items():
+                if name.endswith(":before"):
+                    continue
+                whole = name.replace(".experts.", ".")
+                ref, ref0 = want[whole], want[f"{whole}:before"]
+                if ".experts." in name:  # its expert group index's experts (ep innermost)
+                    local, index = w.shape[0], rank % layout["ep"]
+                    ref, ref0 = (t[index * local:(index + 1) * local] for t in (ref, ref0))
+                torch.testing.assert_close(w - weights[f"{name}:before"] if
+                                           f"{name}:before" in weights else w - ref0,
+                                           ref - ref0, rtol=1e-4, atol=1e-8)
+                checked += 1
+            assert checked == len(want) // 2, layout
