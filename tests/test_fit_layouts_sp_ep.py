@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -164,3 +165,137 @@ def test_plan_apply_runs_expert_parallelism_like_one_process(world: int) -> None
                                            ref - ref0, rtol=1e-4, atol=1e-8)
                 checked += 1
             assert checked == len(want) // 2, layout
+
+
+# -- the search offers and chooses them ----------------------------------------------------------
+
+FIXED = {"precision": ["fp32"], "checkpointing": ["none"], "optimizer": ["adamw"],
+         "chunked_loss": [False]}
+
+
+def _meta(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v, device="meta") for k, v in batch.items()}
+
+
+def _decoder(seq: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    from memfit.models.build import build_model
+    from memfit.parallel.measure import tiny_spec
+
+    torch.manual_seed(0)
+    model = build_model(tiny_spec(), backend="builtin", device="cpu")
+    ids = torch.zeros(4, seq, dtype=torch.long)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_layouts_offer_sp_and_loss_parallel_variants_of_each_tp_layout() -> None:
+    """Each tp > 1 layout of the builtin decoder comes plain, with sp, and with sp + loss
+    parallelism (not under a pipeline, where Plan.apply refuses loss parallelism); a model
+    tying its head to its embedding (which tp_plan cannot split two ways) gets plain tp only."""
+    import dataclasses
+
+    from memfit.fitting.layouts import layouts, model_shape
+    from memfit.models.build import build_model
+    from memfit.parallel.measure import tiny_spec
+
+    model, _ = _decoder(16)
+    found = layouts(gpus=4, gpus_per_node=None, global_batch=8, shape=model_shape(model, 16),
+                    space={}, rejected=[])
+    tp_layouts = [p for p in found if p.tp > 1 and not p.sp]
+    assert tp_layouts
+    for par in tp_layouts:
+        assert dataclasses.replace(par, sp=True) in found
+        assert (dataclasses.replace(par, sp=True, loss_parallel=True) in found) == (par.pp == 1)
+    assert not any(p.loss_parallel and not p.sp for p in found)
+    tied = build_model(dataclasses.replace(tiny_spec(), tie_embeddings=True), backend="builtin",
+                       device="meta")
+    found = layouts(gpus=4, gpus_per_node=None, global_batch=8, shape=model_shape(tied, 16),
+                    space={}, rejected=[])
+    assert any(p.tp > 1 for p in found) and not any(p.sp or p.loss_parallel for p in found)
+
+
+def test_search_chooses_sequence_parallelism_when_plain_tp_does_not_fit() -> None:
+    """tp 2 on 2 GPUs (dp 1), micro-batch 4 x 64 tokens, fp32, AdamW. The budget is set from
+    independent per-rank traces of the three tp 2 layouts (memfit.estimate(parallel=...), two
+    steps): between tp 2 + sp + loss parallel's peak and tp 2 + sp's, only the first fits and is
+    chosen; between tp 2 + sp's and plain tp 2's, both sp layouts fit and the search picks one
+    of them (plain tp, faster, is rejected over budget). The chosen peak is the worst rank's
+    traced peak (0.5%: the search traces one step on the CPU and adds the states)."""
+    import memfit
+
+    model, batch = _decoder(64)
+    peaks = {}
+    for kw in ({}, {"sp": True}, {"sp": True, "loss_parallel": True}):
+        par = Parallel(gpus=2, tp=2, **kw)
+        peaks[(par.sp, par.loss_parallel)] = memfit.estimate(
+            model, _meta(batch), device="cpu", optimizer="adamw", parallel=par,
+            steps=2).peak_bytes
+    plain, sp, lp = peaks[(False, False)], peaks[(True, False)], peaks[(True, True)]
+    assert lp < sp < plain  # logits split < gathered; Korthikanti Eq. 4 < Eq. 2
+    space = FIXED | {"micro_batch": [4], "tp": [2]}
+    for budget, want in (((lp + sp) // 2, {(True, True)}),
+                         ((sp + plain) // 2, {(True, True), (True, False)})):
+        plan = memfit.fit(model, batch, global_batch=4, budget_bytes=budget, device="cpu",
+                          gpus=2, headroom=0.0, progress=False, space=space)
+        par = plan.chosen.config.parallel
+        assert par is not None and (par.sp, par.loss_parallel) in want, par.describe()
+        assert plan.chosen.per_rank
+        assert plan.chosen.peak_bytes == pytest.approx(peaks[(par.sp, par.loss_parallel)],
+                                                       rel=0.005)
+        assert any(r.what.endswith("adamw, tp 2") for r in plan.rejected)
+
+
+def test_search_traces_expert_parallel_layouts_per_rank() -> None:
+    """The builtin MoE (4 experts) on 2 GPUs: the search offers ep 2 with DDP and with FSDP2
+    (ZeRO-2/3), traces each per rank, and each candidate's peak is the worst rank of an
+    independent memfit.estimate(..., parallel=Parallel(gpus=2, ep=2, ...)) of the same step
+    (0.5%); its communication includes the all-to-alls (more than the same layout without ep
+    for FSDP2, whose collectives otherwise match)."""
+    import memfit
+    from memfit.fitting.config import layout_label
+
+    model, batch = _moe()
+    plan = memfit.fit(model, batch, global_batch=4, budget_bytes=2**30, device="cpu", gpus=2,
+                      headroom=0.0, progress=False, top=10,
+                      space=FIXED | {"micro_batch": [2], "tp": [1], "pp": [1]})
+    cands = [plan.chosen, *plan.runners_up]
+    by_label = {layout_label(c.config.parallel): c for c in cands}
+    assert {"ep 2, ddp x2", "ep 2, zero2 x2", "ep 2, fsdp x2"} <= set(by_label)
+    for label in ("ep 2, ddp x2", "ep 2, zero2 x2", "ep 2, fsdp x2"):
+        c = by_label[label]
+        assert c.per_rank
+        est = memfit.estimate(model, _meta({k: v[:2] for k, v in batch.items()}), device="cpu",
+                              optimizer="adamw", parallel=c.config.parallel, steps=2)
+        assert c.peak_bytes == pytest.approx(est.peak_bytes, rel=0.005), label
+    assert by_label["ep 2, fsdp x2"].cost.comm_s > by_label["fsdp x2"].cost.comm_s
+
+
+def test_layout_comm_of_sp_loss_parallel_and_ep_from_first_principles() -> None:
+    """One micro-batch, tp 2 on one node (450 GB/s), a block input of B bytes over L blocks:
+    plain tp 4 all-reduces of 2 (t-1)/t B per block; sp adds the embedding's reduce-scatter and
+    all-gather and the head's all-gather and reduce-scatter, (t-1)/t B each, and the logits'
+    all-gather, (t-1)/t of them; loss parallelism replaces that with three fp32 all-reduces per
+    token. ep 2 over 2 ranks: 4 all-to-alls per MoE layer of (ep-1)/ep of the buffers, and the
+    experts leave the gradient all-reduce (ep = dp)."""
+    from memfit.fitting.cost import Rates, layout_comm
+
+    link = 450e9
+    rates = Rates(flops={"fp32": 1e12}, bandwidth=1e12, host_link=25e9, gpu_link=link,
+                  launch_s=0.0, source="test")
+    b, layers, logits, tokens = 10**6, 3, 8 * 10**6, 1000
+
+    def comm(par: Parallel, **kw: Any) -> float:
+        return layout_comm(rates, par, sharding="none", param_bytes=0, grad_bytes=0,
+                           boundary_bytes=b, layers=layers, accumulation=1, logits_bytes=logits,
+                           tokens=tokens, **kw)
+
+    blocks = layers * 4 * 2 * 0.5 * b / link
+    assert comm(Parallel(gpus=2, tp=2)) == pytest.approx(blocks)
+    assert comm(Parallel(gpus=2, tp=2, sp=True)) == pytest.approx(
+        blocks + (4 * 0.5 * b + 0.5 * logits) / link)
+    assert comm(Parallel(gpus=2, tp=2, sp=True, loss_parallel=True)) == pytest.approx(
+        blocks + (4 * 0.5 * b + 3 * 2 * 0.5 * 4 * tokens) / link)
+    g, exchange = 4 * 10**9, 2 * 10**6
+    ep = layout_comm(rates, Parallel(gpus=2, ep=2), sharding="none", param_bytes=0,
+                     grad_bytes=g, boundary_bytes=0, layers=2, accumulation=1, moe_layers=2,
+                     exchange_bytes=exchange, expert_share=0.75)
+    assert ep == pytest.approx(2 * 0.5 * 0.25 * g / link + 4 * 2 * 0.5 * exchange / link)
