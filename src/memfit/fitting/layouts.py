@@ -288,7 +288,12 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     - the data-parallel ``dp = gpus / (tp pp)`` ranks: DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and,
       across nodes, HSDP sharding inside a node (``fsdp = gpus_per_node / (tp pp)``), replicas
       across (with tp > 1: FSDP / HSDP only, as apply_model runs them); ``dp`` must divide the
-      global batch.
+      global batch;
+    - each tp > 1 layout again with sequence parallelism, and with sequence and loss
+      parallelism (not under a pipeline), where ``tp_plan`` splits the model so (Note:
+      [sequence and loss parallelism are tp variants]);
+    - for memfit's builtin MoE models, without tp or pp: each ``ep`` of
+      :meth:`ModelShape.ep_degrees` with FSDP2 (zero2 / zero3), and with DDP where ``ep = dp``.
     """
     node = gpus_per_node or gpus
     for name in ("tp", "pp"):

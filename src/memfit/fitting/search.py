@@ -175,9 +175,10 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
 
     ``gpus=N`` (with ``gpus_per_node``, default: all on one node) searches the multi-GPU layout
     too: data-parallel sharding (DDP, ZeRO-1, ZeRO-2, FSDP, HSDP) x tensor parallelism (within
-    a node) x pipeline stages (:mod:`memfit.fitting.layouts`), each a :class:`memfit.Parallel`
-    that the plan records (``plan.parallel``) and ``Plan.apply`` runs under torchrun; ``space``
-    takes ``"tp"`` and ``"pp"`` lists. The budget is per GPU. ``num_gpus=N`` is the older
+    a node, also with sequence parallelism and with sequence + loss parallelism) x pipeline
+    stages, and expert parallelism for memfit's MoE models (:mod:`memfit.fitting.layouts`),
+    each a :class:`memfit.Parallel` that the plan records (``plan.parallel``) and
+    ``Plan.apply`` runs under torchrun; ``space`` takes ``"tp"`` and ``"pp"`` lists. The budget is per GPU. ``num_gpus=N`` is the older
     search: ZeRO over every GPU, no tp or pp.
 
     >>> plan = fit(model, (x, y), global_batch=64, budget_bytes=2**30, device="cpu")
