@@ -178,8 +178,8 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     a node, also with sequence parallelism and with sequence + loss parallelism) x pipeline
     stages, and expert parallelism for memfit's MoE models (:mod:`memfit.fitting.layouts`),
     each a :class:`memfit.Parallel` that the plan records (``plan.parallel``) and
-    ``Plan.apply`` runs under torchrun; ``space`` takes ``"tp"`` and ``"pp"`` lists. The budget is per GPU. ``num_gpus=N`` is the older
-    search: ZeRO over every GPU, no tp or pp.
+    ``Plan.apply`` runs under torchrun; ``space`` takes ``"tp"`` and ``"pp"`` lists. The budget
+    is per GPU. ``num_gpus=N`` is the older search: ZeRO over every GPU, no tp or pp.
 
     >>> plan = fit(model, (x, y), global_batch=64, budget_bytes=2**30, device="cpu")
     >>> model, optimizer, step = plan.apply(model)
@@ -451,7 +451,12 @@ class _Search:
             # holds ceil(tokens k / E) slots; one layer's buffers, E x capacity x hidden.
             experts = max(shape.experts)
             capacity = max(1, min(tokens, -(-tokens * shape.top_k // experts)))
-            out.update(moe_layers=len(shape.experts), expert_share=shape.expert_share(),
+            # The experts' share of the rank's parameter bytes the cost is given (self.share:
+            # under DDP the rank holds 1/ep of the experts, under FSDP2 all before sharding).
+            share = shape.expert_share()
+            if sharding_of(par) == "none":
+                share = share / par.ep / self.share(par)
+            out.update(moe_layers=len(shape.experts), expert_share=share,
                        exchange_bytes=experts * capacity * shape.hidden * element)
         return out
 
