@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from memfit.fitting.config import FitConfig
 
 __all__ = ["ModelShape", "activation_factor", "check_gpus", "layouts", "model_shape",
-           "pipeline_runs", "traced_step"]
+           "pipeline_runs", "root_split", "traced_step"]
 
 # The projections memfit/parallel/apply.py: apply_tp splits (Colwise / Rowwise by name).
 TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -73,20 +73,26 @@ class ModelShape:
     expert_numel: int = 0
     """Parameters of the MoE layers' experts (what ``ep`` splits), all layers."""
 
-    def param_share(self, tp: int, pp: int) -> float:
+    def param_share(self, tp: int, pp: int, root_split: tuple[bool, bool] = (False, False)
+                    ) -> float:
         """The share of the model's parameters the most loaded rank holds: its stage's blocks
         (split projections / ``tp``), plus the embeddings on the first stage and the rest on
-        the last (1F1B's first stage also holds the most activations)."""
+        the last (1F1B's first stage also holds the most activations). ``root_split``: whether
+        tp splits the embeddings (sequence parallelism: ``RowwiseParallel`` on the token
+        embedding) and the head (sequence or loss parallelism: ``ColwiseParallel``), as
+        ``memfit/parallel/apply.py: tp_plan`` does (:func:`root_split`)."""
         total = sum(s + r for s, r in self.block_numels) + self.first_numel + self.last_numel
         if not total:
             return 1.0
+        first = self.first_numel / (tp if root_split[0] else 1)
+        last = self.last_numel / (tp if root_split[1] else 1)
         per_stage = -(-len(self.block_numels) // pp)
         worst = 0.0
         for stage in range(pp):
             blocks = self.block_numels[stage * per_stage:(stage + 1) * per_stage]
             held = sum(s / tp + r for s, r in blocks)
-            held += (self.first_numel if stage == 0 else 0)
-            held += (self.last_numel if stage == pp - 1 else 0)
+            held += (first if stage == 0 else 0)
+            held += (last if stage == pp - 1 else 0)
             worst = max(worst, held)
         return worst / total
 
@@ -108,17 +114,19 @@ class ModelShape:
         return [ep for ep in range(2, dp + 1) if dp % ep == 0
                 and all(e % ep == 0 and (e // ep) % (dp // ep) == 0 for e in self.experts)]
 
-    def unit_shares(self, tp: int, pp: int) -> tuple[float, float]:
+    def unit_shares(self, tp: int, pp: int, root_split: tuple[bool, bool] = (False, False)
+                    ) -> tuple[float, float]:
         """(the largest block, the root's parameters: embeddings, final norm, head) as shares
         of the model's parameters, on one tensor-parallel rank of the most loaded stage: the
         FSDP2 units ``memfit/parallel/apply.py: apply_fsdp`` shards (each block, then the root
-        holding what no block holds)."""
+        holding what no block holds); ``root_split`` as in :meth:`param_share`."""
         total = self.numel
         if not total:
             return 0.0, 0.0
         block = max((s / tp + r for s, r in self.block_numels), default=0.0)
-        root = (self.first_numel + self.last_numel if pp == 1
-                else max(self.first_numel, self.last_numel))
+        first = self.first_numel / (tp if root_split[0] else 1)
+        last = self.last_numel / (tp if root_split[1] else 1)
+        root = first + last if pp == 1 else max(first, last)
         return block / total, root / total
 
 
@@ -211,6 +219,12 @@ def _pipeline_splittable(base: nn.Module) -> bool:
 
     return isinstance(base, DecoderLM) and \
         base.lm_head.weight is not base.model.embed_tokens.weight
+
+
+def root_split(par: Parallel) -> tuple[bool, bool]:
+    """Whether ``par``'s tensor parallelism splits the token embedding (sequence parallelism)
+    and the head (sequence or loss parallelism): ``memfit/parallel/apply.py: tp_plan``."""
+    return par.tp > 1 and par.sp, par.tp > 1 and (par.sp or par.loss_parallel)
 
 
 def pipeline_runs(par: Parallel) -> bool:

@@ -58,6 +58,7 @@ from memfit.fitting.layouts import (
     layouts,
     model_shape,
     pipeline_runs,
+    root_split,
     traced_step,
 )
 from memfit.fitting.plan import (
@@ -400,8 +401,8 @@ class _Search:
         if par is None:
             return _derive(t, ref_m, m, offload_states, offload_activations, sharding,
                            self.num_gpus, self.per_gpu)
-        units = (self.shape.unit_shares(par.tp, par.pp) if self.shape is not None
-                 else (0.0, 0.0))
+        units = (self.shape.unit_shares(par.tp, par.pp, root_split(par))
+                 if self.shape is not None else (0.0, 0.0))
         if par.ep > 1 and self.shape is not None:  # a block gathers 1/ep of its experts
             block, root = units
             units = (block - self.shape.expert_share() / self.shape.layers * (1 - 1 / par.ep),
@@ -409,18 +410,20 @@ class _Search:
         peak = _derive_layout(t, ref_m, m, offload_states, offload_activations, sharding, par,
                               per_rank or self.per_gpu, self.share(par),
                               self.act_factor(par, attention), units)
-        if par.sp and not par.loss_parallel:
-            # The head all-gathers the logits (and the loss upcasts them): they are whole on
-            # every rank, where act_factor split them with the rest (Korthikanti's Eq. 4 counts
-            # the blocks only). Counted as fp32 logits and fp32 log-probabilities.
-            peak += int(self.logits_bytes(m, 4) * 2 * (1 - 1 / par.tp))
+        if par.tp > 1 and not par.loss_parallel:
+            # Without loss parallelism the logits are whole on every rank (the head replicated,
+            # or all-gathering them under sequence parallelism), and the loss upcasts them;
+            # act_factor shrank them with the rest (Korthikanti's equations count the blocks
+            # only). Added back as fp32 logits and fp32 log-probabilities.
+            peak += int(self.logits_bytes(m, 4) * 2 * (1 - self.act_factor(par, attention)))
         return peak
 
     def share(self, par: Parallel) -> float:
         """The share of the parameters the most loaded rank of ``par`` holds before
         data-parallel sharding (expert parallelism under DDP: ``1/ep`` of the experts; under
         FSDP2 every parameter ends up ``1/dp`` either way, so the sharding accounts for it)."""
-        share = self.shape.param_share(par.tp, par.pp) if self.shape is not None else 1.0
+        share = (self.shape.param_share(par.tp, par.pp, root_split(par))
+                 if self.shape is not None else 1.0)
         if par.ep > 1 and sharding_of(par) == "none" and self.shape is not None:
             share -= self.shape.expert_share() * (1 - 1 / par.ep)
         return share
