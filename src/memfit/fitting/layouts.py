@@ -254,15 +254,19 @@ def activation_factor(tp: int, *, eager: bool, shape: ModelShape | None,
     al. 2022 (arXiv 2205.05198), per layer, without sequence parallelism Eq. 2,
     ``sbh(10 + 24/t + 5as/(ht))`` of Eq. 1's ``sbh(34 + 5as/h)`` (the ``5as/h`` attention scores
     only where attention is eager: SDPA keeps none); with it (``sp``) Eq. 4,
-    ``sbh(34/t + 5as/(ht))``: the norms' and dropouts' ``10 sbh`` split along the sequence too,
-    so ``1/t`` of everything."""
+    ``sbh(34/t + 5as/(ht))``, the norms' and dropouts' ``10 sbh`` split along the sequence
+    too, less what PyTorch keeps whole: Megatron stores the attention's and the MLP's inputs
+    split and all-gathers them again in the backward (Korthikanti §4.2.2), while DTensor's
+    ``ColwiseParallel`` projections save the all-gathered input their matmul ran on
+    (``PrepareModuleInput(desired_input_layouts=Replicate())``, then ``mm`` saves its input),
+    so those ``2 sbh + 2 sbh`` stay whole: ``sbh(30/t + 4 + 5as/(ht))``."""
     if tp == 1:
         return 1.0
-    if sp:
-        return 1 / tp
     scores = 0.0
     if eager and shape is not None and shape.heads and shape.seq and shape.hidden:
         scores = 5 * shape.heads * shape.seq / shape.hidden
+    if sp:
+        return (30 / tp + 4 + scores / tp) / (34 + scores)
     return (10 + 24 / tp + scores / tp) / (34 + scores)
 
 
