@@ -116,7 +116,12 @@ class RankAgreement:
         gradient on a rank contributes zeros."""
         dist = torch.distributed
         world = dist.get_world_size()
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Parameters DDP leaves out (``DistributedDataParallel.parameters_to_ignore``, qualified
+        # names in its module: expert parallelism's own experts) are not averaged either.
+        ignored = getattr(self.model, "parameters_to_ignore", set())
+        inner = getattr(self.model, "module", self.model)
+        params = [p for name, p in inner.named_parameters()
+                  if p.requires_grad and name not in ignored]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

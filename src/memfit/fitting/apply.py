@@ -17,7 +17,8 @@ from memfit.errors import MemfitError
 from memfit.fitting.config import FitConfig
 from memfit.techniques.checkpointing import BlockProfile, Mode, Policy
 
-__all__ = ["FixedModes", "PipelineStep", "apply_config", "apply_pipeline", "call_model"]
+__all__ = ["FixedModes", "LossParallelStep", "PipelineStep", "apply_config", "apply_pipeline",
+           "call_model"]
 
 log = logging.getLogger("memfit")
 
@@ -194,6 +195,42 @@ def apply_layout(model: nn.Module, config: FitConfig) -> nn.Module:
             "(memfit.parallel.apply.apply_model) and pipelines alone, with tp and with FSDP2 "
             "(apply_pipeline); export the plan (plan.export('torchtitan')) or choose one of "
             "these layouts") from None
+
+
+def expert_gradients_as_dense(model: nn.Module, parallel: Any,
+                              optimizer: torch.optim.Optimizer) -> None:
+    """Divide the expert gradients of an expert-parallel ``model`` as the dense ones are, before
+    each ``optimizer`` step (a step pre-hook).
+
+    Note: [expert gradients] Each rank's loss is scaled for an average over the ``dp``
+    data-parallel ranks (the guard's ``world / items``, :mod:`memfit.oom_guard`), and the dense
+    gradients are averaged over them (DDP, FSDP2). An expert's gradient holds every token routed
+    to it from its whole expert group (the backward's reverse all-to-all brings them home), so
+    it must be divided by ``dp`` in all, not by the ranks that hold the same expert: torchtitan
+    sets the experts' FSDP2 divide factor to the data-parallel degree ("the gradient division
+    factor should be consistent with data parallelism": ``torchtitan/models/llama4/infra/
+    parallelize.py: apply_fsdp``, ``moe.experts.set_gradient_divide_factor``). That factor
+    reduce-scatters with ``ReduceOp.PREMUL_SUM``, which gloo refuses ("Cannot use
+    ReduceOp.PREMUL_SUM with Gloo"), so the same division is done here on the reduced
+    gradients, on any backend: experts sharded by FSDP2 over the ``dp / ep`` ranks that hold
+    them were averaged over those, and are divided by ``ep`` more; experts outside DDP / FSDP2
+    (``ep = dp``, each on one rank) by ``dp``. A division of the gradients commutes with the
+    GradScaler's unscaling; a gradient clipping placed before the step sees them undivided."""
+    from memfit.parallel.expert import moe_layers
+
+    grads: list[tuple[nn.Parameter, float]] = []
+    for _, moe in moe_layers(getattr(model, "module", model)):
+        sharded = hasattr(moe.experts, "set_gradient_divide_factor")  # an FSDPModule
+        factor = float(parallel.ep if sharded else parallel.dp)
+        grads += [(p, factor) for p in moe.experts.parameters() if p.requires_grad]
+
+    def divide(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        with torch.no_grad():
+            for p, factor in grads:
+                if p.grad is not None:
+                    p.grad.div_(factor)
+
+    optimizer.register_step_pre_hook(divide)
 
 
 def apply_tensor_parallel(model: nn.Module, config: FitConfig) -> Any:
@@ -490,14 +527,44 @@ def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: LossFn | None 
     elif par is None and config.sharding != "none":
         model = shard(model, config, num_gpus)
     optimizer = _optimizer(model, config)
+    if multi and par is not None and par.ep > 1:
+        expert_gradients_as_dense(model, par, optimizer)
     base = loss_fn or model_loss
 
     def loss_under_autocast(m: nn.Module, batch: Any) -> torch.Tensor:
         with mp.autocast():
             return base(m, batch)
 
-    step = guard(model, optimizer, loss_under_autocast, micro_batch_size=config.micro_batch,
-                 scaler=mp.scaler, budget_bytes=budget_bytes, reduction=reduction,
-                 count_fn=count_fn, log=log_recoveries)
+    step: Any = guard(model, optimizer, loss_under_autocast,
+                      micro_batch_size=config.micro_batch, scaler=mp.scaler,
+                      budget_bytes=budget_bytes, reduction=reduction, count_fn=count_fn,
+                      log=log_recoveries)
+    if multi and par is not None and par.loss_parallel:
+        step = LossParallelStep(step, par)
     log.info("memfit: applied plan %s", config.label())
     return model, optimizer, step
+
+
+class LossParallelStep:
+    """A guarded step run inside torch's ``loss_parallel()`` (a layout with
+    ``loss_parallel=True``): the head's logits stay a vocabulary-split DTensor
+    (``memfit/parallel/apply.py: tp_plan``, Note: [loss parallelism]) and the model's own
+    cross-entropy runs on the shards. ``torch/distributed/tensor/parallel/loss.py:
+    loss_parallel``: "The corresponding backward() call, if any, also needs to happen under this
+    context manager"; torchtitan enters it around its whole forward-backward
+    (``torchtitan/distributed/utils.py: get_train_context``, ``enable_loss_parallel``), and so
+    does this step around the guard's micro-batches and their backwards (the optimizer's
+    step inside it is unchanged: the context only swaps the softmax / nll kernels on DTensors).
+    Every other attribute is the guarded step's."""
+
+    def __init__(self, step: Any, parallel: Any) -> None:
+        self.step, self.parallel = step, parallel
+
+    def __call__(self, batch: Any) -> float:
+        from memfit.parallel.apply import loss_context
+
+        with loss_context(self.parallel):
+            return self.step(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.step, name)

@@ -32,7 +32,10 @@ def sharding_of(parallel: Parallel) -> str:
 def layout_label(parallel: Parallel) -> str:
     """Short, e.g. ``fsdp x8``, ``hsdp 4x2``, ``zero1 x8``, ``ddp x8``, ``tp 2, fsdp x4``,
     ``pp 2, ddp x4`` (data-parallel ranks after an x)."""
-    parts = [f"tp {parallel.tp}"] if parallel.tp > 1 else []
+    tp_notes = "".join(f" + {n}" for n, on in (("sp", parallel.sp),
+                                               ("loss parallel", parallel.loss_parallel)) if on)
+    parts = [f"tp {parallel.tp}{tp_notes}"] if parallel.tp > 1 else []
+    parts += [f"ep {parallel.ep}"] if parallel.ep > 1 else []
     parts += [f"pp {parallel.pp}"] if parallel.pp > 1 else []
     names = {"zero3": "fsdp", "zero2": "zero2", "zero1": "zero1", "none": "ddp"}
     shard = sharding_of(parallel)

@@ -175,7 +175,8 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
               activation_traffic_bytes: int, offloaded_bytes: int, ops_per_micro: int,
               param_bytes: int, grad_bytes: int, state_bytes: int, offload_activations: bool,
               offload_states: bool, sharding: str, num_gpus: int, parallel: Any = None,
-              boundary_bytes: int = 0, layers: int = 1) -> StepCost:
+              boundary_bytes: int = 0, layers: int = 1,
+              layout_bytes: dict[str, Any] | None = None) -> StepCost:
     """Seconds of one optimizer step of a candidate (see the module docstring for each term).
 
     ``micro_flops``: forward + backward (+ recompute) FLOPs of one micro-batch;
@@ -185,7 +186,8 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
     scales them to the rank's share), ``micro_flops`` is the whole micro-batch's (divided here
     by ``tp * pp``), ``boundary_bytes`` is one block's input for one micro-batch (what a
     tensor-parallel all-reduce and a pipeline send move) and ``layers`` the model's blocks; the
-    communication is :func:`layout_comm`'s, ``num_gpus`` and ``sharding`` are then unused."""
+    communication is :func:`layout_comm`'s (``layout_bytes``: its keyword arguments for the
+    head's logits, the loss and the experts), ``num_gpus`` and ``sharding`` are then unused."""
     rate = rates.flops[precision]
     compute = accumulation * micro_flops / rate
     traffic = accumulation * 3 * activation_traffic_bytes / rates.bandwidth
@@ -213,7 +215,7 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
                            grad_bytes=grad_bytes, boundary_bytes=boundary_bytes,
                            layers=layers, accumulation=accumulation,
                            compute_s=accumulation * micro_flops / rate
-                           / (parallel.tp * parallel.pp))
+                           / (parallel.tp * parallel.pp), **(layout_bytes or {}))
     elif num_gpus > 1:
         link = rates.gpu_link or rates.host_link
         ring = (num_gpus - 1) / num_gpus
@@ -235,7 +237,9 @@ def _link(rates: Rates, span: int, gpus_per_node: int | None) -> float:
 
 def layout_comm(rates: Rates, parallel: Any, *, sharding: str, param_bytes: int,
                 grad_bytes: int, boundary_bytes: int, layers: int, accumulation: int,
-                compute_s: float = 0.0) -> float:
+                compute_s: float = 0.0, logits_bytes: int = 0, tokens: int = 0,
+                moe_layers: int = 0, exchange_bytes: int = 0,
+                expert_share: float = 0.0) -> float:
     """Seconds of one step's collectives under ``parallel`` that the compute does not hide.
     ``param_bytes`` / ``grad_bytes``: this rank's share before data-parallel sharding;
     ``compute_s``: this rank's compute for the step (no bubble), the window data-parallel
@@ -256,12 +260,45 @@ def layout_comm(rates: Rates, parallel: Any, *, sharding: str, param_bytes: int,
     - tensor parallel: two all-reduces of a block's input in the forward and two in the
       backward (Shoeybi et al. 2019, Megatron-LM §3: the ``f`` and ``g`` operators), each
       ``2 (tp-1)/tp`` of it, per block of this stage and micro-batch, on the critical path;
+    - sequence parallelism (``parallel.sp``): each block's all-reduces become an all-gather
+      before and a reduce-scatter after the attention and the MLP, the same bytes (Korthikanti
+      et al. 2022, arXiv 2205.05198, §4.2.2: "a ring all-reduce is composed of two steps: a
+      reduce-scatter followed by an all-gather ... the same bandwidth"), so the per-block term
+      is unchanged; the root adds, per micro-batch, the token embedding's reduce-scatter
+      (forward) and all-gather (backward) and the head's all-gather of its input (forward) and
+      reduce-scatter of its gradient (backward), ``(tp-1)/tp`` of a block's input each
+      (``memfit/parallel/apply.py: tp_plan``, torchtitan's plan);
+    - the head's logits (``logits_bytes``: a micro-batch's, all of the vocabulary): with
+      sequence parallelism and without loss parallelism the head all-gathers them in the
+      forward, ``(tp-1)/tp`` of them (``ColwiseParallel(output_layouts=Replicate())``; its
+      backward takes the local chunk, no collective); loss parallelism (``loss_parallel``)
+      keeps them split and all-reduces, per token (``tokens`` in the micro-batch), the
+      softmax's max and sum of exponentials and the picked log-probability, three fp32
+      all-reduces (``torch/distributed/tensor/parallel/loss.py: _log_softmax`` two
+      ``funcol.all_reduce``, ``_nll_loss_forward`` one ``_reduce_value``), ``2 (tp-1)/tp`` of
+      ``4 tokens`` bytes each; without sequence parallelism the head then takes a replicated
+      input, whose gradient ``ColwiseParallel`` all-reduces in the backward;
+    - expert parallelism (``parallel.ep``; ``moe_layers`` MoE layers, ``exchange_bytes`` one
+      layer's expert buffers for a micro-batch, ``experts x capacity x hidden``): two
+      all-to-alls per MoE layer in the forward (dispatch, combine) and two in the backward
+      (their reverses), each sending ``(ep-1)/ep`` of the buffers to the other ranks of the
+      expert group (GShard, Lepikhin et al. 2020, §2.2 "dispatch ... AllToAll ... combine";
+      torchtitan's ``AllToAllTokenDispatcher``; memfit's ``ExpertParallelMoE.run_experts``),
+      on the critical path; the experts (``expert_share`` of ``grad_bytes`` and
+      ``param_bytes``) leave the data-parallel reduction: with ``ep = dp`` each expert lives on
+      one rank and is not reduced, with fewer FSDP2 reduce-scatters and all-gathers each
+      rank's ``1/ep`` of them over the ``dp/ep`` ranks holding the same experts;
     - pipeline: one send of a block's input forward and one of its gradient back per stage
       boundary and micro-batch, not hidden (an upper bound)."""
     gpn = parallel.gpus_per_node
     dp, tp, pp = parallel.dp, parallel.tp, parallel.pp
     micro_compute = compute_s / max(1, accumulation)
     comm = 0.0
+    ep = getattr(parallel, "ep", 1)
+    expert_grads = expert_params = 0.0
+    if ep > 1:  # the experts leave the dense data-parallel collectives (see above)
+        expert_grads, expert_params = grad_bytes * expert_share, param_bytes * expert_share
+        grad_bytes, param_bytes = int(grad_bytes - expert_grads), int(param_bytes - expert_params)
     if dp > 1:
         link = _link(rates, tp * dp, gpn)
         if sharding == "hsdp":
@@ -277,11 +314,32 @@ def layout_comm(rates: Rates, parallel: Any, *, sharding: str, param_bytes: int,
             gather = {"zero3": 2, "zero2": 1}.get(sharding, 0) * ring * param_bytes / link
             if sharding == "zero1":
                 comm += ring * param_bytes / link
+        holders = dp // ep
+        if ep > 1 and holders > 1:  # FSDP2 over the dp/ep ranks holding the same experts
+            e_ring = (holders - 1) / holders
+            reduce += 2 * e_ring * expert_grads / ep / link
+            gather += {"zero3": 2, "zero2": 1}.get(sharding, 0) * e_ring * expert_params / ep \
+                / link
         comm += max(0.0, reduce - 2 / 3 * micro_compute)
         comm += accumulation * max(0.0, gather - micro_compute)
     if tp > 1:
-        per_block = 4 * 2 * (tp - 1) / tp * boundary_bytes / _link(rates, tp, gpn)
+        tp_link = _link(rates, tp, gpn)
+        split = (tp - 1) / tp
+        per_block = 4 * 2 * split * boundary_bytes / tp_link
         comm += accumulation * per_block * -(-layers // pp)
+        root = 0.0
+        if parallel.sp:  # embedding RS + AG, head input AG + RS
+            root += 4 * split * boundary_bytes
+        if parallel.loss_parallel:
+            root += 3 * 2 * split * 4 * tokens
+            if not parallel.sp:
+                root += 2 * split * boundary_bytes
+        elif parallel.sp:
+            root += split * logits_bytes
+        comm += accumulation * root / tp_link
+    if ep > 1:
+        comm += accumulation * 4 * moe_layers * (ep - 1) / ep * exchange_bytes \
+            / _link(rates, tp * ep, gpn)
     if pp > 1:
         comm += accumulation * 2 * boundary_bytes / _link(rates, parallel.gpus, gpn)
     return comm

@@ -3,9 +3,16 @@ tensor x pipeline parallelism, as :class:`memfit.Parallel` values, and the formu
 layout's per-rank memory from the one-GPU trace before the per-rank trace checks the ones that
 can win (Note: [layouts are derived, then traced] in :mod:`memfit.fitting.search`).
 
-Known limitations: expert parallelism is not searched (``ep = 1``); tensor parallelism is
-Megatron's split of the attention and MLP projections without sequence parallelism, as
-:func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must name their
+Every tp > 1 layout also comes with sequence parallelism (``sp=True``) and with sequence and
+loss parallelism (``sp=True, loss_parallel=True``; loss parallelism not under a pipeline) where
+:func:`memfit.parallel.apply.tp_plan` splits the model that way (memfit's builtin decoders with
+untied embeddings, rotary positions and dense MLPs); a mixture-of-experts model built by memfit
+also gets expert-parallel layouts (``ep`` dividing its experts and the data-parallel ranks, with
+DDP when ``ep`` is every data-parallel rank or FSDP2 over all of them, no tp or pp:
+:func:`memfit.parallel.expert.check_experts`).
+
+Known limitations: tensor parallelism is Megatron's split of the attention and MLP projections,
+as :func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must name their
 projections as Llama does (``q_proj`` ... ``down_proj``). Pipelines (``pp > 1``) split memfit's
 builtin decoders only (:mod:`memfit.parallel.pipeline`) and run alone, with tp and with FSDP2
 (not beside DDP, ZeRO-1 or HSDP), with the 1F1B schedule and ``accumulation`` micro-batches.
@@ -28,7 +35,7 @@ if TYPE_CHECKING:
     from memfit.fitting.config import FitConfig
 
 __all__ = ["ModelShape", "activation_factor", "check_gpus", "layouts", "model_shape",
-           "pipeline_runs", "traced_step"]
+           "pipeline_runs", "root_split", "traced_step"]
 
 # The projections memfit/parallel/apply.py: apply_tp splits (Colwise / Rowwise by name).
 TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -54,21 +61,38 @@ class ModelShape:
     pipeline_splittable: bool = True
     """Whether :mod:`memfit.parallel.pipeline` splits the model into stages (memfit's builtin
     decoders with an untied head)."""
+    sp_splittable: bool = False
+    """Whether :func:`memfit.parallel.apply.tp_plan` runs sequence and loss parallelism on the
+    model (``_sp_root``: memfit's builtin decoders, untied, rotary, dense MLPs)."""
+    vocab: int | None = None
+    """The head's output features (the logits' last dimension)."""
+    experts: tuple[int, ...] = ()
+    """The experts of each builtin MoE layer (:func:`memfit.parallel.expert.moe_layers`)."""
+    top_k: int = 0
+    """Experts per token of the MoE layers."""
+    expert_numel: int = 0
+    """Parameters of the MoE layers' experts (what ``ep`` splits), all layers."""
 
-    def param_share(self, tp: int, pp: int) -> float:
+    def param_share(self, tp: int, pp: int, root_split: tuple[bool, bool] = (False, False)
+                    ) -> float:
         """The share of the model's parameters the most loaded rank holds: its stage's blocks
         (split projections / ``tp``), plus the embeddings on the first stage and the rest on
-        the last (1F1B's first stage also holds the most activations)."""
+        the last (1F1B's first stage also holds the most activations). ``root_split``: whether
+        tp splits the embeddings (sequence parallelism: ``RowwiseParallel`` on the token
+        embedding) and the head (sequence or loss parallelism: ``ColwiseParallel``), as
+        ``memfit/parallel/apply.py: tp_plan`` does (:func:`root_split`)."""
         total = sum(s + r for s, r in self.block_numels) + self.first_numel + self.last_numel
         if not total:
             return 1.0
+        first = self.first_numel / (tp if root_split[0] else 1)
+        last = self.last_numel / (tp if root_split[1] else 1)
         per_stage = -(-len(self.block_numels) // pp)
         worst = 0.0
         for stage in range(pp):
             blocks = self.block_numels[stage * per_stage:(stage + 1) * per_stage]
             held = sum(s / tp + r for s, r in blocks)
-            held += (self.first_numel if stage == 0 else 0)
-            held += (self.last_numel if stage == pp - 1 else 0)
+            held += (first if stage == 0 else 0)
+            held += (last if stage == pp - 1 else 0)
             worst = max(worst, held)
         return worst / total
 
@@ -77,17 +101,32 @@ class ModelShape:
     def numel(self) -> int:
         return sum(s + r for s, r in self.block_numels) + self.first_numel + self.last_numel
 
-    def unit_shares(self, tp: int, pp: int) -> tuple[float, float]:
+    def expert_share(self) -> float:
+        """The experts' share of the model's parameters."""
+        return self.expert_numel / self.numel if self.numel else 0.0
+
+    def ep_degrees(self, dp: int) -> list[int]:
+        """The ``ep > 1`` that :func:`memfit.parallel.expert.check_experts` takes over ``dp``
+        data-parallel ranks: dividing ``dp`` and every layer's experts, each rank's experts
+        splitting evenly over the ``dp / ep`` ranks that hold the same ones."""
+        if not self.experts:
+            return []
+        return [ep for ep in range(2, dp + 1) if dp % ep == 0
+                and all(e % ep == 0 and (e // ep) % (dp // ep) == 0 for e in self.experts)]
+
+    def unit_shares(self, tp: int, pp: int, root_split: tuple[bool, bool] = (False, False)
+                    ) -> tuple[float, float]:
         """(the largest block, the root's parameters: embeddings, final norm, head) as shares
         of the model's parameters, on one tensor-parallel rank of the most loaded stage: the
         FSDP2 units ``memfit/parallel/apply.py: apply_fsdp`` shards (each block, then the root
-        holding what no block holds)."""
+        holding what no block holds); ``root_split`` as in :meth:`param_share`."""
         total = self.numel
         if not total:
             return 0.0, 0.0
         block = max((s / tp + r for s, r in self.block_numels), default=0.0)
-        root = (self.first_numel + self.last_numel if pp == 1
-                else max(self.first_numel, self.last_numel))
+        first = self.first_numel / (tp if root_split[0] else 1)
+        last = self.last_numel / (tp if root_split[1] else 1)
+        root = first + last if pp == 1 else max(first, last)
         return block / total, root / total
 
 
@@ -141,10 +180,36 @@ def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
         else:
             last += p.numel()
     hidden = _count(base, ("hidden_size", "n_embd", "d_model"))
+    from memfit.parallel.expert import moe_layers
+
+    moes = moe_layers(base)
+    expert_numel = sum(p.numel() for _, moe in moes for n, p in moe.named_parameters()
+                       if n.split(".")[-1] in _EXPERT_PARAMS)
     return ModelShape(heads=heads, kv_heads=kv_heads, layers=len(blocks), hidden=hidden,
                       seq=sample_seq, tp_splittable=splittable,
                       block_numels=tuple(block_numels), first_numel=first, last_numel=last,
-                      pipeline_splittable=_pipeline_splittable(base))
+                      pipeline_splittable=_pipeline_splittable(base),
+                      sp_splittable=_sp_splittable(base),
+                      vocab=_count(base, ("vocab_size",)),
+                      experts=tuple(int(moe.num_experts) for _, moe in moes),
+                      top_k=max((int(moe.top_k) for _, moe in moes), default=0),
+                      expert_numel=expert_numel)
+
+
+# memfit/parallel/expert.py: _EXPERT_PARAMS (the stacked expert weights ep splits on dim 0).
+_EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
+
+
+def _sp_splittable(base: nn.Module) -> bool:
+    """Whether ``tp_plan`` takes sequence and loss parallelism on ``base`` (its own check,
+    ``memfit/parallel/apply.py: _sp_root``)."""
+    from memfit.parallel.apply import _sp_root
+
+    try:
+        _sp_root(base, Parallel(gpus=2, tp=2, sp=True))
+    except MemfitError:
+        return False
+    return True
 
 
 def _pipeline_splittable(base: nn.Module) -> bool:
@@ -154,6 +219,12 @@ def _pipeline_splittable(base: nn.Module) -> bool:
 
     return isinstance(base, DecoderLM) and \
         base.lm_head.weight is not base.model.embed_tokens.weight
+
+
+def root_split(par: Parallel) -> tuple[bool, bool]:
+    """Whether ``par``'s tensor parallelism splits the token embedding (sequence parallelism)
+    and the head (sequence or loss parallelism): ``memfit/parallel/apply.py: tp_plan``."""
+    return par.tp > 1 and par.sp, par.tp > 1 and (par.sp or par.loss_parallel)
 
 
 def pipeline_runs(par: Parallel) -> bool:
@@ -177,16 +248,25 @@ def traced_step(cfg: FitConfig) -> tuple[int, Parallel]:
             dataclasses.replace(par, microbatches=cfg.accumulation))
 
 
-def activation_factor(tp: int, *, eager: bool, shape: ModelShape | None) -> float:
-    """The share of a block's saved activations one tensor-parallel rank keeps, without
-    sequence parallelism: Korthikanti et al. 2022 (arXiv 2205.05198, Eq. 2 vs Eq. 1), per layer
-    ``sbh(10 + 24/t + 5as/(ht))`` of ``sbh(34 + 5as/h)``; the ``5as/h`` attention scores only
-    where attention is eager (SDPA keeps none)."""
+def activation_factor(tp: int, *, eager: bool, shape: ModelShape | None,
+                      sp: bool = False) -> float:
+    """The share of a block's saved activations one tensor-parallel rank keeps: Korthikanti et
+    al. 2022 (arXiv 2205.05198), per layer, without sequence parallelism Eq. 2,
+    ``sbh(10 + 24/t + 5as/(ht))`` of Eq. 1's ``sbh(34 + 5as/h)`` (the ``5as/h`` attention scores
+    only where attention is eager: SDPA keeps none); with it (``sp``) Eq. 4,
+    ``sbh(34/t + 5as/(ht))``, the norms' and dropouts' ``10 sbh`` split along the sequence
+    too, less what PyTorch keeps whole: Megatron stores the attention's and the MLP's inputs
+    split and all-gathers them again in the backward (Korthikanti §4.2.2), while DTensor's
+    ``ColwiseParallel`` projections save the all-gathered input their matmul ran on
+    (``PrepareModuleInput(desired_input_layouts=Replicate())``, then ``mm`` saves its input),
+    so those ``2 sbh + 2 sbh`` stay whole: ``sbh(30/t + 4 + 5as/(ht))``."""
     if tp == 1:
         return 1.0
     scores = 0.0
     if eager and shape is not None and shape.heads and shape.seq and shape.hidden:
         scores = 5 * shape.heads * shape.seq / shape.hidden
+    if sp:
+        return (30 / tp + 4 + scores / tp) / (34 + scores)
     return (10 + 24 / tp + scores / tp) / (34 + scores)
 
 
@@ -226,7 +306,12 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     - the data-parallel ``dp = gpus / (tp pp)`` ranks: DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and,
       across nodes, HSDP sharding inside a node (``fsdp = gpus_per_node / (tp pp)``), replicas
       across (with tp > 1: FSDP / HSDP only, as apply_model runs them); ``dp`` must divide the
-      global batch.
+      global batch;
+    - each tp > 1 layout again with sequence parallelism, and with sequence and loss
+      parallelism (not under a pipeline), where ``tp_plan`` splits the model so (Note:
+      [sequence and loss parallelism are tp variants]);
+    - for memfit's builtin MoE models, without tp or pp: each ``ep`` of
+      :meth:`ModelShape.ep_degrees` with FSDP2 (zero2 / zero3), and with DDP where ``ep = dp``.
     """
     node = gpus_per_node or gpus
     for name in ("tp", "pp"):
@@ -292,12 +377,53 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
                                          "(torchtitan's (pp, dp, tp) mesh); FSDP is searched"))
             refused = (("none", "zero1") if tp > 1 else ()) + (
                 ("none", "zero1", "hsdp") if pp > 1 else ())
-            out += _shardings(gpus, gpus_per_node, tp, pp, dp,
-                              [z for z in shardings if z not in refused])
+            found = _shardings(gpus, gpus_per_node, tp, pp, dp,
+                               [z for z in shardings if z not in refused])
+            out += found
+            if tp > 1 and shape is not None and shape.sp_splittable:
+                # Note: [sequence and loss parallelism are tp variants] Every tp layout also
+                # runs with sequence parallelism, and with sequence and loss parallelism
+                # (torchtitan's default: its apply_tp keeps the logits split unless
+                # disable_loss_parallel); loss parallelism not under a pipeline
+                # (fitting/apply.py: _pipeline_parallel refuses it on the last stage).
+                for par in found:
+                    out.append(dataclasses.replace(par, sp=True))
+                    if pp == 1:
+                        out.append(dataclasses.replace(par, sp=True, loss_parallel=True))
+            if tp == 1 and pp == 1 and shape is not None and shape.experts:
+                out += _expert_layouts(gpus, gpus_per_node, dp, shape, shardings, rejected)
     if not out:
         raise MemfitError(f"no layout of {gpus} GPUs fits the search's limits (global batch "
                           f"{global_batch}, space {space}); pick a global batch that "
                           "divides over the data-parallel ranks")
+    return out
+
+
+def _expert_layouts(gpus: int, gpus_per_node: int | None, dp: int, shape: ModelShape,
+                    shardings: list[str], rejected: list[Rejected]) -> list[Parallel]:
+    """The expert-parallel layouts of ``dp`` data-parallel ranks (no tp, no pp) that
+    :func:`memfit.parallel.expert.check_experts` takes: each ``ep`` of
+    :meth:`ModelShape.ep_degrees` with FSDP2 over every data-parallel rank (zero2 / zero3; the
+    ``dp / ep`` ranks holding the same experts shard them), and DDP when ``ep`` is every
+    data-parallel rank."""
+    degrees = shape.ep_degrees(dp)
+    if not degrees:
+        if dp > 1:
+            rejected.append(Rejected(what="expert parallelism", reason=(
+                f"no ep > 1 divides both the {dp} data-parallel ranks and the experts "
+                f"({', '.join(map(str, sorted(set(shape.experts))))}) with each rank's experts "
+                "split evenly over the ranks that hold the same ones")))
+        return []
+    if any(z in shardings for z in ("zero1", "hsdp")):
+        rejected.append(Rejected(what="ep with zero1 / hsdp, or beside tp / pp", reason=(
+            "memfit.parallel.expert runs expert parallelism with DDP (ep = dp) or FSDP2 over "
+            "every data-parallel rank, without tp or pp")))
+    out = []
+    for ep in degrees:
+        if ep == dp and "none" in shardings:
+            out.append(Parallel(gpus=gpus, gpus_per_node=gpus_per_node, ep=ep))
+        out += [Parallel(gpus=gpus, gpus_per_node=gpus_per_node, ep=ep, zero=z)
+                for z in (2, 3) if f"zero{z}" in shardings]
     return out
 
 

@@ -103,14 +103,15 @@ class Candidate:
 def simplicity(config: FitConfig) -> tuple[int, int]:
     """Sort key, simplest first: the number of techniques beyond a plain step (mixed precision,
     checkpointing, an 8-bit optimizer, offload, chunked loss, switched attention, sharding,
-    tensor and pipeline parallelism), then the checkpointing policy, none < selective < full <
-    budget."""
+    tensor, sequence, loss, pipeline and expert parallelism), then the checkpointing policy,
+    none < selective < full < budget."""
     par = config.parallel
     techniques = (config.precision != "fp32", config.checkpointing != "none",
                   config.optimizer.endswith("-8bit"), config.offload_states,
                   config.offload_activations, config.chunked_loss, config.attention != "model",
                   config.sharding != "none", par is not None and par.tp > 1,
-                  par is not None and par.pp > 1)
+                  par is not None and par.pp > 1, par is not None and par.sp,
+                  par is not None and par.loss_parallel, par is not None and par.ep > 1)
     return sum(techniques), CHECKPOINTING.index(config.checkpointing)
 
 

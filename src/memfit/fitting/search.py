@@ -58,6 +58,7 @@ from memfit.fitting.layouts import (
     layouts,
     model_shape,
     pipeline_runs,
+    root_split,
     traced_step,
 )
 from memfit.fitting.plan import (
@@ -175,10 +176,11 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
 
     ``gpus=N`` (with ``gpus_per_node``, default: all on one node) searches the multi-GPU layout
     too: data-parallel sharding (DDP, ZeRO-1, ZeRO-2, FSDP, HSDP) x tensor parallelism (within
-    a node) x pipeline stages (:mod:`memfit.fitting.layouts`), each a :class:`memfit.Parallel`
-    that the plan records (``plan.parallel``) and ``Plan.apply`` runs under torchrun; ``space``
-    takes ``"tp"`` and ``"pp"`` lists. The budget is per GPU. ``num_gpus=N`` is the older
-    search: ZeRO over every GPU, no tp or pp.
+    a node, also with sequence parallelism and with sequence + loss parallelism) x pipeline
+    stages, and expert parallelism for memfit's MoE models (:mod:`memfit.fitting.layouts`),
+    each a :class:`memfit.Parallel` that the plan records (``plan.parallel``) and
+    ``Plan.apply`` runs under torchrun; ``space`` takes ``"tp"`` and ``"pp"`` lists. The budget
+    is per GPU. ``num_gpus=N`` is the older search: ZeRO over every GPU, no tp or pp.
 
     >>> plan = fit(model, (x, y), global_batch=64, budget_bytes=2**30, device="cpu")
     >>> model, optimizer, step = plan.apply(model)
@@ -399,20 +401,67 @@ class _Search:
         if par is None:
             return _derive(t, ref_m, m, offload_states, offload_activations, sharding,
                            self.num_gpus, self.per_gpu)
-        units = (self.shape.unit_shares(par.tp, par.pp) if self.shape is not None
-                 else (0.0, 0.0))
-        return _derive_layout(t, ref_m, m, offload_states, offload_activations, sharding, par,
+        units = (self.shape.unit_shares(par.tp, par.pp, root_split(par))
+                 if self.shape is not None else (0.0, 0.0))
+        if par.ep > 1 and self.shape is not None:  # a block gathers 1/ep of its experts
+            block, root = units
+            units = (block - self.shape.expert_share() / self.shape.layers * (1 - 1 / par.ep),
+                     root)
+        peak = _derive_layout(t, ref_m, m, offload_states, offload_activations, sharding, par,
                               per_rank or self.per_gpu, self.share(par),
                               self.act_factor(par, attention), units)
+        if par.tp > 1 and not par.loss_parallel:
+            # Without loss parallelism the logits are whole on every rank (the head replicated,
+            # or all-gathering them under sequence parallelism), and the loss upcasts them;
+            # act_factor shrank them with the rest (Korthikanti's equations count the blocks
+            # only). Added back as fp32 logits and fp32 log-probabilities.
+            peak += int(self.logits_bytes(m, 4) * 2 * (1 - self.act_factor(par, attention)))
+        return peak
 
     def share(self, par: Parallel) -> float:
         """The share of the parameters the most loaded rank of ``par`` holds before
-        data-parallel sharding."""
-        return self.shape.param_share(par.tp, par.pp) if self.shape is not None else 1.0
+        data-parallel sharding (expert parallelism under DDP: ``1/ep`` of the experts; under
+        FSDP2 every parameter ends up ``1/dp`` either way, so the sharding accounts for it)."""
+        share = (self.shape.param_share(par.tp, par.pp, root_split(par))
+                 if self.shape is not None else 1.0)
+        if par.ep > 1 and sharding_of(par) == "none" and self.shape is not None:
+            share -= self.shape.expert_share() * (1 - 1 / par.ep)
+        return share
 
     def act_factor(self, par: Parallel, attention: str) -> float:
         return activation_factor(par.tp, eager=attention == "model" and self.eager,
-                                 shape=self.shape)
+                                 shape=self.shape, sp=par.sp)
+
+    def logits_bytes(self, m: int, element: int) -> int:
+        """A micro-batch's logits, ``m x seq x vocab`` elements of ``element`` bytes; 0 when
+        unknown."""
+        shape = self.shape
+        if shape is None or not shape.seq or not shape.vocab:
+            return 0
+        return m * shape.seq * shape.vocab * element
+
+    def layout_bytes(self, precision: str, m: int, par: Parallel) -> dict[str, Any]:
+        """:func:`memfit.fitting.cost.layout_comm`'s sizes for the head, the loss and the
+        experts of a micro-batch of ``m`` under ``par``."""
+        shape = self.shape
+        if shape is None:
+            return {}
+        element = 4 if precision == "fp32" else 2
+        tokens = m * (shape.seq or 0)
+        out: dict[str, Any] = {"logits_bytes": self.logits_bytes(m, element), "tokens": tokens}
+        if par.ep > 1 and shape.experts and shape.hidden:
+            # memfit/models/build.py: MoE.capacity (capacity factor 1.0): each expert's buffer
+            # holds ceil(tokens k / E) slots; one layer's buffers, E x capacity x hidden.
+            experts = max(shape.experts)
+            capacity = max(1, min(tokens, -(-tokens * shape.top_k // experts)))
+            # The experts' share of the rank's parameter bytes the cost is given (self.share:
+            # under DDP the rank holds 1/ep of the experts, under FSDP2 all before sharding).
+            share = shape.expert_share()
+            if sharding_of(par) == "none":
+                share = share / par.ep / self.share(par)
+            out.update(moe_layers=len(shape.experts), expert_share=share,
+                       exchange_bytes=experts * capacity * shape.hidden * element)
+        return out
 
     def variants(self, m: int) -> list[tuple[bool, bool, str, Parallel | None, int]]:
         """(offload states, offload activations, sharding, layout, per-rank batch) of the
@@ -466,7 +515,8 @@ class _Search:
             state_bytes=int(states * share), offload_activations=off_a, offload_states=off_s,
             sharding=shard, num_gpus=self.num_gpus, parallel=par,
             boundary_bytes=self.boundary_bytes(precision, m),
-            layers=self.shape.layers if self.shape is not None else 1)
+            layers=self.shape.layers if self.shape is not None else 1,
+            layout_bytes=self.layout_bytes(precision, m, par))
 
     # -- time: FLOPs, traffic, bounds ----------------------------------------------------------
 
@@ -1062,7 +1112,9 @@ def per_rank_traced(par: Parallel) -> bool:
     per-rank batch, :func:`memfit.fitting.layouts.traced_step`)."""
     if par.pp > 1:
         return pipeline_runs(par)
-    return par.ep == 1 and (par.tp == 1 or par.dp == 1 or par.strategy in ("fsdp", "hsdp"))
+    if par.ep > 1:  # memfit/parallel/expert.py: check_experts
+        return par.tp == 1 and par.strategy in ("ddp", "fsdp")
+    return par.tp == 1 or par.dp == 1 or par.strategy in ("fsdp", "hsdp")
 
 
 def _seq_of(batch: Any) -> int | None:
