@@ -34,8 +34,9 @@ class Parallel:
     dim of a 2-D ``("dp", "tp")`` mesh (``Parallel(gpus=4, tp=2, fsdp=2)``) or HSDP on a 3-D
     ``("replicate", "shard", "tp")`` one; tp with DDP or ZeRO-1 is refused (torchtitan
     refuses it too).
-    Sequence parallelism (``sp=True``) is traced for memfit's builtin decoders (untied
-    embeddings, rotary positions), as is loss parallelism (``loss_parallel=True``: the
+    Sequence parallelism (``sp=True``) is traced for memfit's builtin decoders and Hugging
+    Face's Llama, Mistral, Qwen2 and Qwen3 modules (untied embeddings, rotary positions), as is
+    loss parallelism (``loss_parallel=True``: the
     model's own cross-entropy on vocabulary-split logits).
     Expert parallelism (``memfit/parallel/expert.py``) runs on memfit's builtin MoE layers only
     (not Hugging Face MoE modules), with FSDP2 over every data-parallel rank for the other
@@ -52,7 +53,9 @@ class Parallel:
     ``(pp, tp)``, ``(pp, dp, tp)`` or ``(pp, replicate, shard, tp)`` mesh with FSDP2 / HSDP;
     DDP and ZeRO-1 beside ``pp x tp`` are refused as torchtitan refuses them), and with ep
     (above), on
-    memfit's builtin decoders (``memfit.models.build_model``), with the model's own loss on the
+    memfit's builtin decoders (``memfit.models.build_model``) and Hugging Face's Llama,
+    Mistral, Qwen2 and Qwen3 modules (``memfit/parallel/hf_pipeline.py``; ep: builtin only),
+    with the model's own loss on the
     last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
     (``input_ids``, ``labels``); each pipeline rank is one rank role.
     """
