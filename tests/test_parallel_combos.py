@@ -25,26 +25,18 @@ from __future__ import annotations
 import pytest
 
 import memfit
+from _pipeline import SEQ, per_rank, pp_case
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, tiny_moe_spec, tiny_spec
 
-SEQ = 64
 H, F, V, HEAD_DIM = 64, 128, 256, 16  # tiny_spec's hidden, MLP, vocabulary, head sizes
 BLOCK = 4 * H * H + 3 * H * F + 2 * H  # q, k, v, o; gate, up, down; two RMS norms
 ROPE = 4 * (HEAD_DIM // 2)  # the rotary inverse frequencies, an fp32 buffer on each stage
 
 
-def _case(parallel: Parallel) -> Case:
-    return Case(spec=tiny_spec(4), batch=8, seq=SEQ, parallel=parallel)
-
-
-def _per_rank(case: Case) -> tuple[memfit.Estimate, ...]:
-    model, inputs = build(case)
-    est = memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)
-    assert sorted(r for e in est.per_rank for r in e.ranks) == list(range(case.parallel.gpus))
-    return est.per_rank
+_case, _per_rank = pp_case, per_rank
 
 
 def test_ddp_on_each_stage_holds_its_parameters_gradients_and_buckets() -> None:

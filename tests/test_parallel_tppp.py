@@ -18,23 +18,12 @@ from __future__ import annotations
 
 import pytest
 
-import memfit
+from _pipeline import per_rank, pp_case
 from memfit.categories import MemoryCategory
 from memfit.parallel import Parallel
-from memfit.parallel.measure import Case, build, tiny_spec
+from memfit.parallel.measure import Case
 
-SEQ = 64
-
-
-def _case(parallel: Parallel) -> Case:
-    return Case(spec=tiny_spec(4), batch=8, seq=SEQ, parallel=parallel)
-
-
-def _per_rank(case: Case) -> tuple[memfit.Estimate, ...]:
-    model, inputs = build(case)
-    est = memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)
-    assert sorted(r for e in est.per_rank for r in e.ranks) == list(range(case.parallel.gpus))
-    return est.per_rank
+_case, _per_rank = pp_case, per_rank
 
 
 def test_each_stage_holds_its_blocks_with_the_projections_split() -> None:
