@@ -7,7 +7,8 @@ weight after two AdamW steps within ``rtol=1e-5, atol=5e-5``, 5% of one AdamW st
 adds each micro-batch's token-loss sum in another order than one process's mean over the batch,
 and FSDP2 / tensor parallelism reorder their sums as in the other layouts' tests. Measured (this
 machine): the worst weight differs by 6.2e-6 (pp 2, 1F1B), 1.8e-5 (interleaved 1F1B, 4 blocks),
-7.5e-6 (pp 2 x fsdp 2) and 3.9e-6 (pp 2 x tp 2) from the one-process run.
+7.5e-6 (pp 2 x fsdp 2), 3.9e-6 (pp 2 x tp 2), 7.5e-6 (pp 2 x ddp 2 and pp 2 x zero1 2) from the
+one-process run.
 """
 
 from __future__ import annotations
@@ -99,12 +100,18 @@ def _reference(layers: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 @pytest.mark.parametrize(("cases", "world"), [
     ([({"pp": 2}, 2), ({"pp": 2, "pp_schedule": "interleaved-1f1b"}, 4)], 2),
     ([({"pp": 2, "fsdp": 2}, 2), ({"pp": 2, "tp": 2}, 2)], 4),
-], ids=["pp2-1f1b+interleaved", "pp2xfsdp2+pp2xtp2"])
+    ([({"pp": 2}, 2), ({"pp": 2, "zero": 1}, 2)], 4),
+], ids=["pp2-1f1b+interleaved", "pp2xfsdp2+pp2xtp2", "pp2xddp2+pp2xzero1"])
 def test_pipeline_plan_trains_like_one_process(cases: list[tuple[dict[str, Any], int]],
                                                world: int) -> None:
     """Two AdamW steps of a pipeline plan over gloo ranks give the one-process run's loss and
     weights within fp32 reordering (module docstring): pp 2 with 1F1B and with interleaved 1F1B
-    (4 blocks, two stages per rank) on 2 ranks; pp 2 x FSDP2 2 and pp 2 x tp 2 on 4. Every
+    (4 blocks, two stages per rank) on 2 ranks; pp 2 x FSDP2 2 and pp 2 x tp 2 on 4; pp 2 x DDP 2
+    and pp 2 x ZeRO-1 2 on 4 (a DDP wrapper per stage over its data-parallel group, which
+    torch's schedule runs under ``no_sync`` for every micro-batch but the last:
+    ``torch/distributed/pipelining/stage.py: _PipelineStageBase.backward_maybe_with_nosync``;
+    ZeRO-1's ``ZeroRedundancyOptimizer`` over that group: a rank whose DDP did not average the
+    gradients, or whose optimizer partitioned over the wrong ranks, would differ). Every
     parameter is held by the ranks of exactly one stage (its tp / dp peers), full on each after
     gathering; the returned losses are each rank's share (0.0 off the last stage), which add up
     to the batch's mean loss."""
