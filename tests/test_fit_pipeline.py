@@ -139,9 +139,13 @@ def test_pipeline_plan_trains_like_one_process(cases: list[tuple[dict[str, Any],
 
 # -- fit's pipeline candidates -------------------------------------------------------------------
 
-def test_pipeline_candidates_peak_is_their_worst_stage_traced() -> None:
-    """Each pipeline candidate's peak is the worst stage's peak of memfit.estimate(...,
-    parallel=Parallel(pp=2, microbatches=accumulation)) over the per-rank batch, two steps
+@pytest.mark.parametrize(("gpus", "shardings"), [(2, ["none"]), (4, ["none", "zero1"])],
+                         ids=["pp2", "pp2xddp2+pp2xzero1"])
+def test_pipeline_candidates_peak_is_their_worst_stage_traced(gpus: int,
+                                                              shardings: list[str]) -> None:
+    """Each pipeline candidate's peak is the worst rank's peak of memfit.estimate(...,
+    parallel=Parallel(pp=2, microbatches=accumulation)) over the per-rank batch (on 4 GPUs: pp 2
+    beside DDP 2 and beside ZeRO-1 2, a DDP wrapper per stage, ZeRO-1 over its dp group), two steps
     (the second holds the optimizer states; the search traces one step on the CPU and adds
     them, Note: [one traced step on CPU] in memfit/fitting/search.py), not the formulas'
     derivation. The stages differ: the first holds more micro-batches in flight (1F1B), the
@@ -151,29 +155,46 @@ def test_pipeline_candidates_peak_is_their_worst_stage_traced() -> None:
 
     model, batch = tiny()
     plan = memfit.fit(model, batch, global_batch=8, budget_bytes=64 * 2**20, device="cpu",
-                      gpus=2, progress=False, space={"precision": ["fp32"], "tp": [1],
-                                                     "checkpointing": ["none"], "pp": [2]})
+                      gpus=gpus, progress=False, space={"precision": ["fp32"], "tp": [1],
+                                                        "checkpointing": ["none"], "pp": [2],
+                                                        "sharding": shardings})
     shown = [plan.chosen, *plan.runners_up]
     assert {c.config.accumulation for c in shown} >= {2, 4}  # 1F1B: at least pp micro-batches
+    assert {c.config.sharding for c in shown} == set(shardings)
     for c in shown:
         cfg = c.config
         assert cfg.parallel is not None and cfg.parallel.pp == 2 and c.per_rank
-        par = Parallel(gpus=2, pp=2, microbatches=cfg.accumulation)
+        par = Parallel(gpus=gpus, pp=2, zero=1 if cfg.sharding == "zero1" else None,
+                       microbatches=cfg.accumulation)
+        assert cfg.parallel.strategy == par.strategy
         est = memfit.estimate(model, meta_batch(batch, cfg.micro_batch * cfg.accumulation),
                               device="cpu", optimizer="adamw", parallel=par, steps=2)
         stages = [e.peak_bytes for e in est.per_rank]
-        assert len(stages) == 2 and est.peak_bytes == max(stages)
+        assert len(stages) >= 2 and est.peak_bytes == max(stages)
         assert c.peak_bytes == pytest.approx(est.peak_bytes, rel=0.005), cfg.label()
 
 
 def test_pipeline_layouts_are_the_ones_apply_runs() -> None:
-    """A pipeline beside DDP, ZeRO-1 or HSDP is left out with why (apply_pipeline runs pp
-    alone, with tp and with FSDP2); pp x FSDP (zero2 / zero3) stays."""
+    """fit offers a pipeline beside DDP, ZeRO-1 and FSDP (zero2 / zero3), the layouts
+    apply_pipeline runs (test_pipeline_plan_trains_like_one_process); pp x HSDP is left out
+    with why, and with tp only FSDP stays beside the pipeline (DDP beside tp is refused)."""
+    from memfit.fitting.apply import _pipeline_parallel
     from memfit.fitting.layouts import layouts, model_shape
+    from memfit.fitting.search import per_rank_traced
 
     model, _ = tiny()
+    shape = model_shape(model, SEQ)
     rejected: list[Any] = []
-    found = layouts(gpus=8, gpus_per_node=4, global_batch=8, shape=model_shape(model, SEQ),
+    found = layouts(gpus=8, gpus_per_node=4, global_batch=8, shape=shape,
                     space={"tp": [1], "pp": [2]}, rejected=rejected)
-    assert sorted(sharding_of(p) for p in found) == ["zero2", "zero3"]
-    assert any("pipeline runs beside FSDP2 only" in r.reason for r in rejected)
+    assert sorted(sharding_of(p) for p in found) == ["none", "zero1", "zero2", "zero3"]
+    assert sorted(p.strategy for p in found) == ["ddp", "fsdp", "fsdp", "zero1"]
+    assert any("not HSDP yet" in r.reason for r in rejected)
+    for par in found:  # traced per rank, and applied without a refusal
+        assert per_rank_traced(par), par.describe()
+        cfg = FitConfig(precision="fp32", micro_batch=1, accumulation=2,
+                        sharding=sharding_of(par), parallel=par)
+        assert _pipeline_parallel(cfg, None, None, "mean").pp == 2
+    with_tp = layouts(gpus=8, gpus_per_node=4, global_batch=8, shape=shape,
+                      space={"tp": [2], "pp": [2]}, rejected=[])
+    assert {p.strategy for p in with_tp} == {"fsdp"}
