@@ -198,3 +198,25 @@ def test_pipeline_layouts_are_the_ones_apply_runs() -> None:
     with_tp = layouts(gpus=8, gpus_per_node=4, global_batch=8, shape=shape,
                       space={"tp": [2], "pp": [2]}, rejected=[])
     assert {p.strategy for p in with_tp} == {"fsdp"}
+
+
+def test_zero1_states_are_traced_as_optimizer_states() -> None:
+    """ZeRO-1 on 2 ranks (tiny_spec(2): 115,008 fp32 parameters in 21 tensors): the states of
+    ``ZeroRedundancyOptimizer``'s local optimizer (``torch/distributed/optim/
+    zero_redundancy_optimizer.py``: ``self.optim``, the rank's partition) are tagged optimizer
+    states, so that fit's one traced CPU step adds them (Note: [one traced step on CPU] in
+    memfit/fitting/search.py). Over both ranks AdamW's exp_avg and exp_avg_sq of every
+    parameter, once (2 x 4 bytes an element) and its 21 fp32 ``step`` scalars (4 bytes each;
+    CPU: no rounding)."""
+    import memfit
+    from memfit._tensors import meta_batch
+    from memfit.categories import MemoryCategory
+
+    model, batch = tiny()
+    assert sum(p.numel() for p in model.parameters()) == 115_008
+    est = memfit.estimate(model, meta_batch(batch, 2), device="cpu", optimizer="adamw",
+                          parallel=Parallel(gpus=2, zero=1), steps=1)
+    states = [max(p.by_category()[MemoryCategory.OPTIMIZER_STATES] for p in e.timeline)
+              for e in est.per_rank]
+    assert len(states) == 2 and all(s > 0 for s in states)
+    assert sum(states) == 2 * 4 * 115_008 + 4 * 21

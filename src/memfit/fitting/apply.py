@@ -460,8 +460,7 @@ def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
         pipeline_mesh,
         stage_modules,
     )
-    from memfit.techniques import make_optimizer
-    from memfit.techniques import apply_precision
+    from memfit.techniques import apply_precision, make_optimizer
 
     _check_world(config)
     par = _pipeline_parallel(config, loss_fn, count_fn, reduction)
