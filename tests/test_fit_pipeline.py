@@ -165,12 +165,13 @@ def test_pipeline_candidates_peak_is_their_worst_stage_traced(gpus: int,
         cfg = c.config
         assert cfg.parallel is not None and cfg.parallel.pp == 2 and c.per_rank
         par = Parallel(gpus=gpus, pp=2, zero=1 if cfg.sharding == "zero1" else None,
-                       microbatches=cfg.accumulation)
+                       microbatches=cfg.accumulation, pp_schedule=cfg.parallel.pp_schedule)
         assert cfg.parallel.strategy == par.strategy
         est = memfit.estimate(model, meta_batch(batch, cfg.micro_batch * cfg.accumulation),
                               device="cpu", optimizer="adamw", parallel=par, steps=2)
         stages = [e.peak_bytes for e in est.per_rank]
         assert len(stages) >= 2 and est.peak_bytes == max(stages)
+        print(cfg.label(), cfg.parallel.describe(), c.peak_bytes, est.peak_bytes)
         assert c.peak_bytes == pytest.approx(est.peak_bytes, rel=0.005), cfg.label()
 
 
@@ -187,8 +188,11 @@ def test_pipeline_layouts_are_the_ones_apply_runs() -> None:
     rejected: list[Any] = []
     found = layouts(gpus=8, gpus_per_node=4, global_batch=8, shape=shape,
                     space={"tp": [1], "pp": [2]}, rejected=rejected)
-    assert sorted(sharding_of(p) for p in found) == ["none", "zero1", "zero2", "zero3"]
-    assert sorted(p.strategy for p in found) == ["ddp", "fsdp", "fsdp", "zero1"]
+    one_f = [p for p in found if p.pp_schedule == "1f1b"]
+    assert sorted(sharding_of(p) for p in one_f) == ["none", "zero1", "zero2", "zero3"]
+    assert sorted(p.strategy for p in one_f) == ["ddp", "fsdp", "fsdp", "zero1"]
+    # each with GPipe too; interleaved 1F1B needs 2 pp = 4 stages of the 2 blocks: not offered
+    assert sorted(p.pp_schedule for p in found) == ["1f1b"] * 4 + ["gpipe"] * 4
     assert any("not HSDP yet" in r.reason for r in rejected)
     for par in found:  # traced per rank, and applied without a refusal
         assert per_rank_traced(par), par.describe()
@@ -198,6 +202,48 @@ def test_pipeline_layouts_are_the_ones_apply_runs() -> None:
     with_tp = layouts(gpus=8, gpus_per_node=4, global_batch=8, shape=shape,
                       space={"tp": [2], "pp": [2]}, rejected=[])
     assert {p.strategy for p in with_tp} == {"fsdp"}
+    four = layouts(gpus=2, gpus_per_node=None, global_batch=8,
+                   shape=model_shape(tiny(4)[0], SEQ), space={"tp": [1], "pp": [2]},
+                   rejected=[])
+    assert sorted(p.pp_schedule for p in four) == ["1f1b", "gpipe", "interleaved-1f1b"]
+
+
+def test_pipeline_schedules_searched_and_their_bubbles() -> None:
+    """Note: [pipeline schedules] in memfit/fitting/layouts.py. GPipe is searched only below pp
+    micro-batches (1F1B cannot run there; from pp on it has 1F1B's bubble and keeps every
+    micro-batch's activations), interleaved 1F1B where pp divides them. The compute of a rank
+    is stretched by the bubble, (p - 1) / m of the step under GPipe / 1F1B and (p - 1) / (v m)
+    with v = 2 stages a rank (Narayanan et al. 2021, §2.2): p = 4, m = 4 gives 1 + 3/4 and
+    1 + 3/8. The first rank's micro-batches in flight: GPipe every one (m), 1F1B min(p, m),
+    interleaved (rank 0's warm-up forwards of torch's _get_warmup_ops, (v - 1) p + 2 (p - 1),
+    plus one, over v): p = 4 gives (4 + 6 + 1) / 2 = 5.5."""
+    from memfit.fitting.cost import cpu_rates, step_cost
+    from memfit.fitting.layouts import pipeline_in_flight, schedule_searched
+
+    def par(s: str) -> Parallel:
+        return Parallel(gpus=4, pp=4, pp_schedule=s)
+
+    assert [schedule_searched(par("gpipe"), n) for n in (2, 3, 4, 8)] == [True, True, False,
+                                                                            False]
+    assert [schedule_searched(par("interleaved-1f1b"), n) for n in (2, 4, 6, 8)] == [
+        False, True, False, True]
+    assert schedule_searched(par("1f1b"), 2)  # refused later, with its reason
+    assert [pipeline_in_flight(par("gpipe"), n) for n in (2, 8)] == [2, 8]
+    assert [pipeline_in_flight(par("1f1b"), n) for n in (2, 8)] == [2, 4]
+    assert [pipeline_in_flight(par("interleaved-1f1b"), n) for n in (4, 8)] == [4, 5.5]
+    rates = cpu_rates()
+
+    def compute(s: str) -> float:
+        return step_cost(rates, precision="fp32", micro_flops=1e9, accumulation=4,
+                         activation_traffic_bytes=0, offloaded_bytes=0, ops_per_micro=0,
+                         param_bytes=0, grad_bytes=0, state_bytes=0,
+                         offload_activations=False, offload_states=False, sharding="none",
+                         num_gpus=4, parallel=par(s)).compute_s
+
+    base = 4 * 1e9 / rates.flops["fp32"] / 4  # each rank: 1/pp of 4 micro-batches' FLOPs
+    assert compute("1f1b") == pytest.approx(base * (1 + 3 / 4))
+    assert compute("gpipe") == pytest.approx(base * (1 + 3 / 4))
+    assert compute("interleaved-1f1b") == pytest.approx(base * (1 + 3 / 8))
 
 
 def test_zero1_states_are_traced_as_optimizer_states() -> None:
