@@ -100,14 +100,14 @@ def _reference(layers: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 @pytest.mark.parametrize(("cases", "world"), [
     ([({"pp": 2}, 2), ({"pp": 2, "pp_schedule": "interleaved-1f1b"}, 4)], 2),
     ([({"pp": 2, "fsdp": 2}, 2), ({"pp": 2, "tp": 2}, 2)], 4),
-    ([({"pp": 2}, 2), ({"pp": 2, "zero": 1}, 2)], 4),
-], ids=["pp2-1f1b+interleaved", "pp2xfsdp2+pp2xtp2", "pp2xddp2+pp2xzero1"])
+    ([({"pp": 2}, 2), ({"pp": 2, "zero": 1}, 2), ({"pp": 2, "pp_schedule": "gpipe"}, 2)], 4),
+], ids=["pp2-1f1b+interleaved", "pp2xfsdp2+pp2xtp2", "pp2xddp2+pp2xzero1+gpipe"])
 def test_pipeline_plan_trains_like_one_process(cases: list[tuple[dict[str, Any], int]],
                                                world: int) -> None:
     """Two AdamW steps of a pipeline plan over gloo ranks give the one-process run's loss and
     weights within fp32 reordering (module docstring): pp 2 with 1F1B and with interleaved 1F1B
     (4 blocks, two stages per rank) on 2 ranks; pp 2 x FSDP2 2 and pp 2 x tp 2 on 4; pp 2 x DDP 2
-    and pp 2 x ZeRO-1 2 on 4 (a DDP wrapper per stage over its data-parallel group, which
+    and pp 2 x ZeRO-1 2 on 4, and pp 2 x DDP 2 with GPipe (a DDP wrapper per stage over its data-parallel group, which
     torch's schedule runs under ``no_sync`` for every micro-batch but the last:
     ``torch/distributed/pipelining/stage.py: _PipelineStageBase.backward_maybe_with_nosync``;
     ZeRO-1's ``ZeroRedundancyOptimizer`` over that group: a rank whose DDP did not average the
