@@ -107,9 +107,10 @@ def test_pipeline_plan_trains_like_one_process(cases: list[tuple[dict[str, Any],
     """Two AdamW steps of a pipeline plan over gloo ranks give the one-process run's loss and
     weights within fp32 reordering (module docstring): pp 2 with 1F1B and with interleaved 1F1B
     (4 blocks, two stages per rank) on 2 ranks; pp 2 x FSDP2 2 and pp 2 x tp 2 on 4; pp 2 x DDP 2
-    and pp 2 x ZeRO-1 2 on 4, and pp 2 x DDP 2 with GPipe (a DDP wrapper per stage over its data-parallel group, which
-    torch's schedule runs under ``no_sync`` for every micro-batch but the last:
-    ``torch/distributed/pipelining/stage.py: _PipelineStageBase.backward_maybe_with_nosync``;
+    and pp 2 x ZeRO-1 2 on 4, and pp 2 x DDP 2 with GPipe (a DDP wrapper per stage over its
+    data-parallel group, which torch's schedule runs under ``no_sync`` for every micro-batch but
+    the last: ``torch/distributed/pipelining/stage.py:
+    _PipelineStageBase.backward_maybe_with_nosync``;
     ZeRO-1's ``ZeroRedundancyOptimizer`` over that group: a rank whose DDP did not average the
     gradients, or whose optimizer partitioned over the wrong ranks, would differ). Every
     parameter is held by the ranks of exactly one stage (its tp / dp peers), full on each after

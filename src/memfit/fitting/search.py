@@ -1111,8 +1111,8 @@ def per_rank_traced(par: Parallel) -> bool:
     """Whether the fit search traces ``par`` per rank: the data-parallel family (DDP, ZeRO-1,
     FSDP2, HSDP), tensor parallelism alone and tp x FSDP / HSDP, as
     ``memfit/parallel/apply.py: apply_model`` applies them, and pipelines alone, with tp and
-    with FSDP2 (``memfit/parallel/pipeline.py``: every stage's rank traced over the whole
-    per-rank batch, :func:`memfit.fitting.layouts.traced_step`)."""
+    with DDP, ZeRO-1 or FSDP2 (``memfit/parallel/pipeline.py``: every stage's rank traced over
+    the whole per-rank batch, :func:`memfit.fitting.layouts.traced_step`)."""
     if par.pp > 1:
         return pipeline_runs(par)
     if par.ep > 1:  # memfit/parallel/expert.py: check_experts
