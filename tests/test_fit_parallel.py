@@ -284,22 +284,22 @@ def test_plan_apply_trains_like_one_process(layout: dict[str, Any], world: int) 
 
 
 def test_apply_needs_torchrun_and_names_what_it_cannot_run_yet() -> None:
-    """Without torch.distributed: how to start the ranks. A pipeline beside DDP, which Plan.apply
-    does not run (pipelines run alone, with tp and with FSDP2: tests/test_fit_pipeline.py): one
-    line saying so and the way out (over a fake 4-rank process group, memfit/parallel/trace.py:
-    fake_world)."""
+    """Without torch.distributed: how to start the ranks. A pipeline beside HSDP, which Plan.apply
+    does not run (pipelines run alone, with tp, and with DDP, ZeRO-1 and FSDP2:
+    tests/test_fit_pipeline.py): one line saying so and the way out (over a fake 8-rank process
+    group, memfit/parallel/trace.py: fake_world)."""
     from memfit.fitting.apply import apply_config
     from memfit.parallel.trace import fake_world
 
-    par = Parallel(gpus=4, pp=2)  # dp 2 without sharding: DDP
-    cfg = FitConfig(micro_batch=1, accumulation=2, parallel=par)
+    par = Parallel(gpus=8, pp=2, fsdp=2)  # dp 4: 2 replicas of 2 shards, HSDP
+    cfg = FitConfig(micro_batch=1, accumulation=2, sharding="hsdp", parallel=par)
     model, _ = tiny()
-    with pytest.raises(MemfitError, match="torchrun --nproc-per-node 4") as info:
-        apply_config(model, cfg, num_gpus=4)
+    with pytest.raises(MemfitError, match="torchrun --nproc-per-node 8") as info:
+        apply_config(model, cfg, num_gpus=8)
     assert "\n" not in str(info.value)
-    with fake_world(4, 0), pytest.raises(MemfitError, match="cannot run this pipeline plan") \
+    with fake_world(8, 0), pytest.raises(MemfitError, match="cannot run this pipeline plan") \
             as info:
-        apply_config(model, cfg, num_gpus=4)
+        apply_config(model, cfg, num_gpus=8)
     assert "\n" not in str(info.value) and "fsdp = gpus / (pp * tp)" in str(info.value)
 
 

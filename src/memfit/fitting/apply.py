@@ -192,9 +192,9 @@ def apply_layout(model: nn.Module, config: FitConfig) -> nn.Module:
         raise MemfitError(
             f"Plan.apply cannot run {par.describe()} yet: it runs the data-parallel family "
             "(DDP, ZeRO-1, FSDP2, HSDP), tensor parallelism, tp x FSDP / HSDP, ep without tp "
-            "(memfit.parallel.apply.apply_model) and pipelines alone, with tp and with FSDP2 "
-            "(apply_pipeline); export the plan (plan.export('torchtitan')) or choose one of "
-            "these layouts") from None
+            "(memfit.parallel.apply.apply_model) and pipelines alone, with tp and with DDP, "
+            "ZeRO-1 or FSDP2 (apply_pipeline); export the plan (plan.export('torchtitan')) "
+            "or choose one of these layouts") from None
 
 
 def expert_gradients_as_dense(model: nn.Module, parallel: Any,
@@ -330,8 +330,10 @@ class PipelineStep:
     no GradScaler (fp16-mixed), no custom ``loss_fn``."""
 
     def __init__(self, modules: list[nn.Module], optimizer: torch.optim.Optimizer,
-                 parallel: Any, group: Any, device: torch.device, autocast: Any) -> None:
+                 parallel: Any, group: Any, device: torch.device, autocast: Any,
+                 submods: list[nn.Module] | None = None) -> None:
         self.modules, self.optimizer, self.parallel = modules, optimizer, parallel
+        self.submods = submods  # the stages' DDP wrappers (pp beside DDP / ZeRO-1), or None
         self.group, self.device, self.autocast = group, device, autocast
         self.loss = _WeightedStageLoss()
         self._pipelines: dict[tuple[int, int], Any] = {}
@@ -345,7 +347,8 @@ class PipelineStep:
         if key not in self._pipelines:  # the stages are given static shapes: one per shape
             self._pipelines[key] = build_pipeline(
                 self.modules, self.parallel, rows, seq, device=str(self.device),
-                group=self.group, loss_fn=self.loss, scale_grads=False)
+                group=self.group, loss_fn=self.loss, scale_grads=False,
+                submods=self.submods)
         return self._pipelines[key]
 
     def __call__(self, batch: Any) -> float:
@@ -405,9 +408,11 @@ def _pipeline_parallel(config: FitConfig, loss_fn: Any, count_fn: Any, reduction
                           f"its accumulation={config.accumulation}: under a pipeline they are "
                           "the same micro-batches; make them equal")
     why = None
-    if par.ep > 1 or par.strategy not in ("none", "fsdp"):
-        why = (f"{par.describe()}: a pipeline runs alone, with tp and with FSDP2 over the "
-               "other ranks (torchtitan's (pp, dp, tp) mesh); use fsdp = gpus / (pp * tp)")
+    if par.ep > 1 or par.strategy == "hsdp" or (par.tp > 1 and par.strategy != "fsdp"
+                                                 and par.dp > 1):
+        why = (f"{par.describe()}: a pipeline runs alone, with tp (and FSDP2 over the other "
+               "ranks: torchtitan's (pp, dp, tp) mesh) and with DDP, ZeRO-1 or FSDP2 without "
+               "tp; use fsdp = gpus / (pp * tp)")
     elif par.tp > 1 and par.loss_parallel:
         why = "loss parallelism on the last stage; use loss_parallel=False"
     elif loss_fn is not None:
@@ -431,23 +436,31 @@ def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
     (:func:`memfit.parallel.pipeline.stage_modules`, torchtitan's manual split, the one the
     per-rank trace and the gloo measurement run), tensor parallelism on each stage and FSDP2
     over the data-parallel ranks (:func:`~memfit.parallel.pipeline.apply_tp_stages`,
-    :func:`~memfit.parallel.pipeline.shard_stages`: torchtitan's order), the optimizer over
-    the stages' parameters, and a :class:`PipelineStep`.
+    :func:`~memfit.parallel.pipeline.shard_stages`: torchtitan's order), or without tp the
+    layout's data parallelism on each stage (:func:`~memfit.parallel.pipeline.apply_dp_stages`,
+    the trace's and the measurement's: FSDP2 / HSDP in place, or a DDP wrapper per stage over
+    the stage's data-parallel group, which the schedule runs; torch's pipelining drives its
+    ``no_sync``: ``torch/distributed/pipelining/stage.py:
+    _PipelineStageBase.backward_maybe_with_nosync`` skips the all-reduce for every micro-batch
+    but the last), the optimizer over the stages' parameters (ZeRO-1: a
+    ``ZeroRedundancyOptimizer`` over the stage's data-parallel group, as the measurement's), and
+    a :class:`PipelineStep`.
 
     Returns ``(stage, optimizer, step)``: ``stage`` is this rank's
     :class:`~memfit.parallel.pipeline.StageModule` (a ``ModuleList`` of two with the
     interleaved schedule), holding ``model``'s own submodules; the parameters of the other
     stages are freed on this rank (zero elements), as torchtitan's ``pipeline_module_split``
     keeps only a stage's modules."""
+    from memfit.parallel.apply import apply_optimizer
     from memfit.parallel.pipeline import (
         _decoder_parts,
+        apply_dp_stages,
         apply_tp_stages,
         check_pipeline,
         pipeline_mesh,
-        shard_stages,
         stage_modules,
     )
-    from memfit.techniques import apply_precision
+    from memfit.techniques import apply_precision, make_optimizer
 
     _check_world(config)
     par = _pipeline_parallel(config, loss_fn, count_fn, reduction)
@@ -468,18 +481,23 @@ def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
             if id(p) not in held:  # another stage's: freed on this rank
                 p.data = p.data.new_empty(0)
                 p.requires_grad_(False)
-    group = None
+    group = dp_group = submods = None
     if par.tp > 1:
         mesh = pipeline_mesh(par, device.type)
         apply_tp_stages(modules, par, mesh)  # TP on each stage, then FSDP2 over dp
         group = mesh["pp"].get_group()
-    elif par.dp > 1:
+    elif par.dp > 1:  # FSDP2 / HSDP in place, or DDP wrappers (ddp, zero1) the stages run
         mesh = pipeline_mesh(par, device.type)
-        shard_stages(modules, par, mesh)
+        submods = apply_dp_stages(modules, par, mesh)
         group = mesh["pp"].get_group()
+        if "dp" in (mesh.mesh_dim_names or ()):
+            dp_group = mesh["dp"].get_group()
     stage: nn.Module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-    optimizer = _optimizer(stage, config)
-    step = PipelineStep(modules, optimizer, par, group, device, mp.autocast)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    optimizer = apply_optimizer(make_optimizer(params, config.optimizer,
+                                               offload_states=config.offload_states),
+                                par, process_group=dp_group)
+    step = PipelineStep(modules, optimizer, par, group, device, mp.autocast, submods)
     log.info("memfit: applied plan %s (pipeline stage%s %s of rank %d)", config.label(),
              "s" if len(modules) > 1 else "", ", ".join(str(m.index) for m in modules), rank)
     return stage, optimizer, step

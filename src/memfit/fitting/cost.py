@@ -195,8 +195,11 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
     if parallel is not None:
         # Each rank runs 1/(tp pp) of the micro-batch's FLOPs, and its stage's work (compute,
         # traffic, launches) waits (pp - 1) micro-batch slots in the pipeline's fill and drain
-        # (the bubble).
-        bubble = 1 + (parallel.pp - 1) / accumulation
+        # (the bubble): (p - 1) / m of the step under GPipe and 1F1B, (p - 1) / (v m) under
+        # interleaved 1F1B with v stages a rank (Narayanan et al. 2021, "Efficient Large-Scale
+        # Language Model Training on GPU Clusters Using Megatron-LM", §2.2).
+        v = 2 if getattr(parallel, "pp_schedule", "1f1b") == "interleaved-1f1b" else 1
+        bubble = 1 + (parallel.pp - 1) / (v * accumulation)
         compute = compute / (parallel.tp * parallel.pp) * bubble
         traffic *= bubble
         dispatch *= bubble
@@ -340,6 +343,7 @@ def layout_comm(rates: Rates, parallel: Any, *, sharding: str, param_bytes: int,
     if ep > 1:
         comm += accumulation * 4 * moe_layers * (ep - 1) / ep * exchange_bytes \
             / _link(rates, tp * ep, gpn)
-    if pp > 1:
-        comm += accumulation * 2 * boundary_bytes / _link(rates, parallel.gpus, gpn)
+    if pp > 1:  # interleaved: v stages a rank, v times the sends (Narayanan et al. §2.2)
+        v = 2 if getattr(parallel, "pp_schedule", "1f1b") == "interleaved-1f1b" else 1
+        comm += accumulation * 2 * v * boundary_bytes / _link(rates, parallel.gpus, gpn)
     return comm

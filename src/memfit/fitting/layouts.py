@@ -34,8 +34,9 @@ from memfit.parallel.config import Parallel
 if TYPE_CHECKING:
     from memfit.fitting.config import FitConfig
 
-__all__ = ["ModelShape", "activation_factor", "check_gpus", "layouts", "model_shape",
-           "pipeline_runs", "root_split", "traced_step"]
+__all__ = ["PIPELINE_SCHEDULES", "ModelShape", "activation_factor", "check_gpus", "layouts",
+           "model_shape", "pipeline_in_flight", "pipeline_runs", "root_split",
+           "schedule_searched", "traced_step"]
 
 # The projections memfit/parallel/apply.py: apply_tp splits (Colwise / Rowwise by name).
 TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -230,8 +231,46 @@ def root_split(par: Parallel) -> tuple[bool, bool]:
 def pipeline_runs(par: Parallel) -> bool:
     """Whether ``par`` (``pp > 1``) is a pipeline that the per-rank trace and ``Plan.apply`` run
     (:func:`memfit.fitting.apply.apply_pipeline`): alone, with tp, with FSDP2 over the other
-    ranks (torchtitan's ``(pp, dp, tp)`` mesh); not with DDP, ZeRO-1, HSDP or ep."""
-    return par.ep == 1 and par.strategy in ("none", "fsdp")
+    ranks (torchtitan's ``(pp, dp, tp)`` mesh), with DDP or ZeRO-1 on each stage without tp
+    (``memfit/parallel/pipeline.py: replicate_stages``); not with HSDP or ep."""
+    return par.ep == 1 and (par.strategy in ("none", "fsdp")
+                            or (par.tp == 1 and par.strategy in ("ddp", "zero1")))
+
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+"""The schedules fit searches for a pipeline layout (``Parallel.pp_schedule``)."""
+
+
+def schedule_searched(par: Parallel, accumulation: int) -> bool:
+    """Whether fit searches ``par``'s pipeline schedule at ``accumulation`` micro-batches
+    (Note: [pipeline schedules]). 1F1B always (it refuses fewer than ``pp`` micro-batches with
+    its reason); GPipe only below ``pp`` micro-batches, where 1F1B cannot run: from ``pp`` on it
+    has 1F1B's bubble and holds every micro-batch's activations until its backwards, never
+    fewer; interleaved 1F1B where ``pp`` divides the micro-batches (``schedules.py:
+    ScheduleInterleaved1F1B`` runs them in rounds of ``pp``)."""
+    if par.pp == 1 or par.pp_schedule == "1f1b":
+        return True
+    if par.pp_schedule == "gpipe":
+        return accumulation < par.pp
+    return accumulation >= par.pp and accumulation % par.pp == 0
+
+
+def pipeline_in_flight(par: Parallel, accumulation: int) -> float:
+    """How many micro-batches' activations of its whole share of the blocks the first stage's
+    rank (the one that holds the most) keeps at once under ``par``'s schedule: GPipe every
+    micro-batch's, 1F1B ``pp`` at most (its warm-up forwards plus one, ``schedules.py:
+    Schedule1F1B``); interleaved 1F1B with ``v`` stages a rank, each ``1/v`` of the rank's
+    blocks: ``(v - 1) * pp + 2 * (pp - 1)`` warm-up forwards plus one, of ``v * accumulation``
+    at most (``torch/distributed/pipelining/schedules.py: _get_warmup_ops`` of rank 0, rounds
+    of ``pp`` micro-batches), divided by ``v``."""
+    n = accumulation
+    if par.pp_schedule == "gpipe":
+        return float(n)
+    if par.pp_schedule != "interleaved-1f1b":
+        return float(min(par.pp, n))
+    v = 2  # memfit/parallel/pipeline.py: stages_per_rank
+    warmup = (v - 1) * par.pp + 2 * (par.pp - 1)
+    return min(warmup + 1, v * n) / v
 
 
 def traced_step(cfg: FitConfig) -> tuple[int, Parallel]:
@@ -302,7 +341,9 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     that cannot be; layouts left out are recorded in ``rejected`` with why):
 
     - tp: the divisors of the attention and KV heads (``apply_tp`` splits both) up to a node;
-    - pp: the divisors of ``gpus / tp`` up to the number of blocks;
+    - pp: the divisors of ``gpus / tp`` up to the number of blocks, each with the 1F1B, GPipe
+      and (where the blocks fill ``2 pp`` stages) interleaved 1F1B schedules
+      (:func:`schedule_searched`);
     - the data-parallel ``dp = gpus / (tp pp)`` ranks: DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and,
       across nodes, HSDP sharding inside a node (``fsdp = gpus_per_node / (tp pp)``), replicas
       across (with tp > 1: FSDP / HSDP only, as apply_model runs them); ``dp`` must divide the
@@ -370,15 +411,25 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
                 rejected.append(Rejected(what=f"tp {tp} x pp {pp} with ddp / zero1 over {dp}",
                                          reason="DDP beside tensor parallelism is refused by "
                                          "torchtitan and apply_model; FSDP / HSDP are searched"))
-            if pp > 1 and dp > 1 and any(z in shardings for z in ("none", "zero1", "hsdp")):
-                # memfit/parallel/pipeline.py: check_pipeline; fitting/apply.py: apply_pipeline
-                rejected.append(Rejected(what=f"tp {tp} x pp {pp} with ddp / zero1 / hsdp over "
-                                         f"{dp}", reason="a pipeline runs beside FSDP2 only "
-                                         "(torchtitan's (pp, dp, tp) mesh); FSDP is searched"))
-            refused = (("none", "zero1") if tp > 1 else ()) + (
-                ("none", "zero1", "hsdp") if pp > 1 else ())
+            if pp > 1 and dp > 1 and "hsdp" in shardings:
+                # fitting/apply.py: _pipeline_parallel (Plan.apply runs pp beside DDP, ZeRO-1
+                # and FSDP2: tests/test_fit_pipeline.py; HSDP under a pipeline is traced but
+                # not applied yet)
+                rejected.append(Rejected(what=f"tp {tp} x pp {pp} with hsdp over {dp}",
+                                         reason="Plan.apply runs a pipeline beside DDP, ZeRO-1 "
+                                         "and FSDP2, not HSDP yet; FSDP is searched"))
+            refused = (("none", "zero1") if tp > 1 else ()) + (("hsdp",) if pp > 1 else ())
             found = _shardings(gpus, gpus_per_node, tp, pp, dp,
                                [z for z in shardings if z not in refused])
+            if pp > 1:
+                # Note: [pipeline schedules] Each pipeline layout with each schedule of
+                # PIPELINE_SCHEDULES, the interleaved one where the blocks fill two stages a
+                # rank; which accumulation each is searched at: schedule_searched. Costed by
+                # their bubble (memfit/fitting/cost.py: step_cost).
+                found += [dataclasses.replace(par, pp_schedule=sched) for par in found
+                          for sched in PIPELINE_SCHEDULES[1:]
+                          if sched != "interleaved-1f1b" or shape is None
+                          or 2 * pp <= shape.layers]
             out += found
             if tp > 1 and shape is not None and shape.sp_splittable:
                 # Note: [sequence and loss parallelism are tp variants] Every tp layout also

@@ -57,8 +57,10 @@ from memfit.fitting.layouts import (
     check_gpus,
     layouts,
     model_shape,
+    pipeline_in_flight,
     pipeline_runs,
     root_split,
+    schedule_searched,
     traced_step,
 )
 from memfit.fitting.plan import (
@@ -476,7 +478,8 @@ class _Search:
         out = []
         for par in self.layouts:
             per_rank = self.global_batch // par.dp
-            if per_rank % m == 0 and sharding_of(par) in self.dims["sharding"]:
+            if per_rank % m == 0 and sharding_of(par) in self.dims["sharding"] \
+                    and schedule_searched(par, per_rank // m):
                 out += [(False, False, sharding_of(par), par, per_rank)]
         return out
 
@@ -1108,8 +1111,8 @@ def per_rank_traced(par: Parallel) -> bool:
     """Whether the fit search traces ``par`` per rank: the data-parallel family (DDP, ZeRO-1,
     FSDP2, HSDP), tensor parallelism alone and tp x FSDP / HSDP, as
     ``memfit/parallel/apply.py: apply_model`` applies them, and pipelines alone, with tp and
-    with FSDP2 (``memfit/parallel/pipeline.py``: every stage's rank traced over the whole
-    per-rank batch, :func:`memfit.fitting.layouts.traced_step`)."""
+    with DDP, ZeRO-1 or FSDP2 (``memfit/parallel/pipeline.py``: every stage's rank traced over
+    the whole per-rank batch, :func:`memfit.fitting.layouts.traced_step`)."""
     if par.pp > 1:
         return pipeline_runs(par)
     if par.ep > 1:  # memfit/parallel/expert.py: check_experts
@@ -1155,7 +1158,7 @@ def _derive_layout(t: _Traced, ref_m: int, m: int, offload_states: bool,
     bf16-mixed with 2 micro-batches it gives 100-116%, over rather than under.)"""
     peak = _derive(t, ref_m, m, offload_states, offload_activations, "none", 1, per_rank)
     acts = t.activations_at_peak * m / ref_m
-    in_flight = min(par.pp, per_rank // m)
+    in_flight = pipeline_in_flight(par, per_rank // m)
     states = 0 if offload_states else t.states
     peak -= (t.weights + t.grads + states) * (1 - share)
     peak -= acts * (1 - act_factor * in_flight / par.pp)

@@ -656,6 +656,9 @@ def _mark_grads(tracker: Tracker, params: list[nn.Parameter], owners: dict[int, 
 
 
 def _mark_states(tracker: Tracker, opt: torch.optim.Optimizer, owners: dict[int, str]) -> None:
+    inner = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer: its local optimizer's states
+    if isinstance(inner, torch.optim.Optimizer) and not opt.state:
+        opt = inner
     for p, state in opt.state.items():
         for v in tensor_leaves(state, objects=True):
             tracker.track(v, MemoryCategory.OPTIMIZER_STATES, owners.get(id(p), ""))
