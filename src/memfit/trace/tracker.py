@@ -37,7 +37,13 @@ from memfit.categories import MemoryCategory
 from memfit.ledger import Ledger, ModuleStack, Storage
 from memfit.trace.cpu_kernels import is_opaque, rnn_workspace_bytes, transient_peak
 from memfit.trace.datadep import ASSUMPTION, DATA_DEPENDENT, DataDependentSizes
-from memfit.trace.fastkey import FastCacheKey, cacheable_twin, device_of, lifted_constant
+from memfit.trace.fastkey import (
+    _DEVICE_HANDLER,
+    FastCacheKey,
+    cacheable_twin,
+    device_of,
+    lifted_constant,
+)
 from memfit.trace.fastkey import enabled as fast_keys_enabled
 
 _FORWARD = "forward"
@@ -336,10 +342,14 @@ _DYNAMO: list[Any] = []  # [get_eval_frame_callback, torch._dynamo.eval_frame] o
 def _load_dynamo() -> list[Any]:
     """The two names :meth:`TrackingFakeMode.__torch_dispatch__` reads (loaded at the first
     op, as torch's own wrapper imports ``torch._dynamo`` at its first call)."""
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback
-    from torch._dynamo import eval_frame
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo import eval_frame
 
-    _DYNAMO[:] = [get_eval_frame_callback, eval_frame]
+        eval_frame._stance.stance  # noqa: B018 - torch >= 2.6 (torch.compiler.set_stance)
+        _DYNAMO[:] = [get_eval_frame_callback, eval_frame]
+    except (ImportError, AttributeError):  # another torch: its wrapper on every call
+        _DYNAMO[:] = [lambda: True, None]
     return _DYNAMO
 
 
@@ -386,6 +396,8 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
         dynamo = _DYNAMO or _load_dynamo()
         if dynamo[0]() is not None or dynamo[1]._stance.stance != "default":
             return _disabled_top(self, func, types, args, kwargs)
+        if func is _PRIM_DEVICE:  # as _top (device_of), two Python calls fewer: 2 per op
+            return _DEVICE_HANDLER(args)
         return self._top(func, types, args, kwargs)
 
     def _top(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
