@@ -439,10 +439,11 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
         if self.matmul_workspaces and func in _MATMULS:
             for nbytes in self.matmul_workspaces.pop(tracker.phase, []):
                 tracker.add_pseudo(nbytes, MemoryCategory.RUNTIME)
-        known = self.datadep.known_answer(func, args) if func in DATA_DEPENDENT else None
+        data_dependent = func in DATA_DEPENDENT  # (an OpOverload's hash is a Python call)
+        known = self.datadep.known_answer(func, args) if data_dependent else None
         if known is not None:
             out = known
-        elif func in DATA_DEPENDENT:
+        elif data_dependent:
             try:
                 out = self._run(func, types, args, kwargs)
             except (DynamicOutputShapeException, DataDependentOutputException, RuntimeError):
