@@ -535,6 +535,11 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.distributed.tensor._op_schema": ("OpSchema", "OpSpec", "OpStrategy", "TupleStrategy"),
     "torch.distributed.tensor._dtensor_spec": ("DTensorSpec",),
     "torch.distributed.tensor.placement_types": ("_StridedShard",),
+    # trace/tracker.py: Note: [dynamo's disable wrapper] (checked in torch 2.13.0)
+    "torch._C._dynamo.eval_frame": ("get_eval_frame_callback",),
+    "torch._dynamo": ("eval_frame",),
+    "torch._dynamo.eval_frame": ("_stance",),
+    "torch": ("_disable_dynamo",),
 }
 """Every private torch name memfit uses, by module (those looked up with ``getattr`` are in
 :data:`OPTIONAL_NAMES`). ``tests/test_compat.py`` checks that each still exists and that
@@ -550,6 +555,8 @@ OPTIONAL_NAMES: dict[str, str] = {
     "torch._subclasses.fake_tensor.FakeTensorMode._prep_args_for_hash": "2.11, 2.13",
     "torch._subclasses.fake_tensor._DISPATCH_META_HANDLERS": "2.11, 2.13",
     "torch._subclasses.fake_impls.op_implementations_dict": "2.11, 2.13",
+    # trace/tracker.py: TrackingFakeMode overrides it (Note: [dynamo's disable wrapper]); 2.13
+    "torch.utils._python_dispatch.TorchDispatchMode._should_skip_dynamo": "2.13",
     "torch.Tensor._make_subclass": "2.11, 2.13 (fastkey: cached outputs, lifted constants)",
     # parallel/trace.py: _forget_dtensor_shardings (between fake worlds)
     "torch.distributed.tensor.debug._clear_sharding_prop_cache": "2.13",

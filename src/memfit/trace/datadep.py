@@ -416,7 +416,7 @@ class DataDependentSizes:
             if classes:
                 self.density[out] = 1.0 / classes
             return
-        if func in _PRESERVING and self.density:
+        if self.density and func in _PRESERVING:  # (the cheaper test first)
             d = None
             for a in args:
                 if isinstance(a, torch.Tensor) and a in self.density:

@@ -37,7 +37,13 @@ from memfit.categories import MemoryCategory
 from memfit.ledger import Ledger, ModuleStack, Storage
 from memfit.trace.cpu_kernels import is_opaque, rnn_workspace_bytes, transient_peak
 from memfit.trace.datadep import ASSUMPTION, DATA_DEPENDENT, DataDependentSizes
-from memfit.trace.fastkey import FastCacheKey, cacheable_twin, device_of, lifted_constant
+from memfit.trace.fastkey import (
+    _DEVICE_HANDLER,
+    FastCacheKey,
+    cacheable_twin,
+    device_of,
+    lifted_constant,
+)
 from memfit.trace.fastkey import enabled as fast_keys_enabled
 
 _FORWARD = "forward"
@@ -330,6 +336,23 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
+_DYNAMO: list[Any] = []  # [get_eval_frame_callback, torch._dynamo.eval_frame] once loaded
+
+
+def _load_dynamo() -> list[Any]:
+    """The two names :meth:`TrackingFakeMode.__torch_dispatch__` reads (loaded at the first
+    op, as torch's own wrapper imports ``torch._dynamo`` at its first call)."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo import eval_frame
+
+        eval_frame._stance.stance  # noqa: B018 - torch >= 2.6 (torch.compiler.set_stance)
+        _DYNAMO[:] = [get_eval_frame_callback, eval_frame]
+    except (ImportError, AttributeError):  # another torch: its wrapper on every call
+        _DYNAMO[:] = [lambda: True, None]
+    return _DYNAMO
+
+
 class TrackingFakeMode(FastCacheKey, FakeTensorMode):
     """A FakeTensorMode that records the new output storages of every top-level op.
 
@@ -353,7 +376,31 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
         self._oom_noted: Any = None
         self.fast_keys = fast_keys_enabled()  # see Note: [fast cache key] in fastkey.py
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No dynamo-disable wrapper from ``TorchDispatchMode.__init_subclass__``:
+        :meth:`__torch_dispatch__` applies it itself, only where it does something (Note:
+        [dynamo's disable wrapper])."""
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Note: [dynamo's disable wrapper] torch wraps a dispatch mode's __torch_dispatch__ in
+        # ``torch._disable_dynamo`` (``torch/utils/_python_dispatch.py:
+        # TorchDispatchMode.__init_subclass__``), whose ``_fn`` (``torch/_dynamo/eval_frame.py:
+        # DisableContext.__call__``) sets the eval-frame callback to None, then to
+        # ``_callback_from_stance(None)`` (None under the "default" stance), runs the function
+        # (annotating it only when exporting a function not named __torch_dispatch__) and
+        # restores the prior callback. With no callback set and the default stance all of that
+        # leaves every state as it was: the body runs directly. Else torch's wrapper runs it.
+        # The trace asks this about three times per op (two of them prim.device).
+        dynamo = _DYNAMO or _load_dynamo()
+        if dynamo[0]() is not None or dynamo[1]._stance.stance != "default":
+            return _disabled_top(self, func, types, args, kwargs)
+        if func is _PRIM_DEVICE:  # as _top (device_of), two Python calls fewer: 2 per op
+            return _DEVICE_HANDLER(args)
+        return self._top(func, types, args, kwargs)
+
+    def _top(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _PRIM_DEVICE:
             return device_of(args)  # FakeTensorMode.dispatch's own answer (_device_handler)
         if self._depth:
@@ -392,10 +439,11 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
         if self.matmul_workspaces and func in _MATMULS:
             for nbytes in self.matmul_workspaces.pop(tracker.phase, []):
                 tracker.add_pseudo(nbytes, MemoryCategory.RUNTIME)
-        known = self.datadep.known_answer(func, args) if func in DATA_DEPENDENT else None
+        data_dependent = func in DATA_DEPENDENT  # (an OpOverload's hash is a Python call)
+        known = self.datadep.known_answer(func, args) if data_dependent else None
         if known is not None:
             out = known
-        elif func in DATA_DEPENDENT:
+        elif data_dependent:
             try:
                 out = self._run(func, types, args, kwargs)
             except (DynamicOutputShapeException, DataDependentOutputException, RuntimeError):
@@ -431,3 +479,7 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
                             len(tracker.events)))
         self.datadep.observe(func, args, kwargs, out)
         return out
+
+
+# torch's own wrapper (Note: [dynamo's disable wrapper]), for when dynamo has a callback set.
+_disabled_top = torch._disable_dynamo(TrackingFakeMode._top, recursive=True)
