@@ -74,7 +74,10 @@ def test_estimates_equal_the_unfrozen_trace(device: str, monkeypatch: pytest.Mon
 
 def test_a_freeze_the_process_made_is_left_alone() -> None:
     """A process that called gc.freeze() itself keeps its permanent generation after a trace
-    (unfreezing would move the user's objects back into collections)."""
+    (unfreezing would move the user's objects back into collections). ``gc.unfreeze()`` empties
+    the permanent generation (its count drops to 0); a frozen object that dies meanwhile (a
+    finalizer, another thread) lowers the count by one, which CI once saw (2 fewer of 3.48
+    million), so the check is that the generation was kept, not that no object in it died."""
     import gc
 
     from memfit.trace.heap import frozen_heap
@@ -85,6 +88,6 @@ def test_a_freeze_the_process_made_is_left_alone() -> None:
         assert before > 0
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() >= before
+        assert gc.get_freeze_count() > before // 2
     finally:
         gc.unfreeze()
