@@ -40,10 +40,14 @@ from memfit.ledger import replay
 from memfit.progress import trace_progress
 from memfit.trace import foreach, host
 from memfit.trace.autocast import cuda_autocast_emulation, target_autocast
+from memfit.trace.blocks import replaying_blocks
 from memfit.trace.datadep import DataDependentSizes, RealValues, record_real_values
 from memfit.trace.estimate import TRACKED, Estimate, ModuleMemory, TimelinePoint
 from memfit.trace.heap import with_frozen_heap
 from memfit.trace.optim import OptimizerFactory, make_optimizer
+from memfit.trace.replay import ReplayMismatch
+from memfit.trace.replay import counts as replay_counts
+from memfit.trace.replay import disabled as replay_disabled
 from memfit.trace.sdpa import CudaSdpaRouting
 from memfit.trace.tracker import Tracker, TrackingFakeMode
 
@@ -129,7 +133,9 @@ def _fake_model(model: nn.Module, device: str, dtype: torch.dtype | None) -> nn.
                 fake = _fake_like(p, device, dtype)
                 memo[id(p)] = param = nn.Parameter(fake, requires_grad=p.requires_grad)
                 if type(p) is not nn.Parameter and vars(p):
-                    param.__dict__.update(_fake_state(vars(p), device, memo))
+                    state = _fake_state(vars(p), device, memo)
+                    param.__dict__.update(state)
+                    param._memfit_state = tuple(state)  # see _register_baseline
         for b in mod._buffers.values():
             if b is not None and id(b) not in memo:
                 memo[id(b)] = _fake_like(b, device, dtype)
@@ -176,6 +182,13 @@ def _state_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield v
         elif not isinstance(v, type | nn.Module):
             yield from _state_tensors(v, depth + 1)
+
+
+class _Holder:
+    """One attribute's value, as :func:`_state_tensors` walks an object's attributes."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 def _leaves_shallow(values: Any) -> Iterator[torch.Tensor]:
@@ -394,7 +407,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
             num_gpus=max(num_gpus, getattr(parallel, "gpus", 1)), keep_output=keep_output,
             parallel=parallel, _rank=role),
             model, parallel)
-    trace = functools.partial(_trace, model, inputs, optimizer=optimizer, precision=precision,
+    trace = functools.partial(_trace_or_redo, model, inputs, optimizer=optimizer, precision=precision,
                               compute_loss=compute_loss, device=device, gpu=gpu, steps=steps,
                               expandable_segments=expandable_segments, num_gpus=num_gpus,
                               keep_output=keep_output, rank=_rank)
@@ -447,6 +460,24 @@ def _real_step(model: nn.Module, inputs: Any) -> bool:
     leaves = list(tensor_leaves(inputs, objects=True))
     return bool(leaves) and all(t.device.type == "cpu" and not _is_fake(t)
                                 for t in (*tensors, *leaves))
+
+
+def _trace_or_redo(*args: Any, **kwargs: Any) -> tuple[Estimate, DataDependentSizes]:
+    """:func:`_trace`, redone without replay where a replayed block's template turned out not
+    to be replayable (Note: [replaying identical blocks] in blocks.py)."""
+    if kwargs.get("rank") is not None:  # a parallel rank: memfit.parallel.trace redoes it
+        return _trace(*args, **kwargs)
+    try:
+        return _trace(*args, **kwargs)
+    except Exception as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, ReplayMismatch):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+    replay_counts["redone"] += 1
+    with replay_disabled():
+        return _trace(*args, **kwargs)
 
 
 @with_frozen_heap  # Note: [frozen heap] in heap.py
@@ -528,6 +559,9 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         fake_mode.tracking = True
         stack.callback(tracker.close)  # runs last: frees after the trace are not recorded
         stack.callback(setattr, fake_mode, "tracking", False)
+        if rank is None and cuda_target and training and replay is None:
+            # before the trace's own module hooks: see Note: [replaying identical blocks]
+            stack.enter_context(replaying_blocks(fmodel, tracker, fake_mode))
         stack.enter_context(_module_hooks(fmodel, tracker))
         stack.enter_context(trace_progress(fmodel, steps=steps, training=training))
         stack.enter_context(_eager_library_paths())
@@ -638,8 +672,9 @@ def _register_baseline(tracker: Tracker, model: nn.Module, inputs: Any) -> None:
         for p in mod._parameters.values():
             if p is not None:
                 tracker.track(p, MemoryCategory.WEIGHTS, name)
-                for t in _state_tensors(p):
-                    tracker.track(t, MemoryCategory.WEIGHTS, name)
+                for key in getattr(p, "_memfit_state", ()):  # a subclass's state: _fake_model
+                    for t in _state_tensors(_Holder(getattr(p, key))):
+                        tracker.track(t, MemoryCategory.WEIGHTS, name)
         for b in mod._buffers.values():
             if b is not None:
                 tracker.track(b, MemoryCategory.WEIGHTS, name)

@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 
 from memfit.trace.tracker import StorageInfo
 
@@ -254,9 +255,14 @@ class _Replay:
 
     # -- replay --------------------------------------------------------------------------------
 
-    def emit(self, window: _Window, foreign: list[int], real: torch.Tensor | None
-             ) -> list[int]:
-        """Replay ``window``'s events and ops now; returns the new uids by local index."""
+    def emit(self, window: _Window, foreign: Any, reals: dict[int, torch.Tensor],
+             prefix: str | None = None) -> list[int]:
+        """Replay ``window``'s events and ops now; returns the new uids by local index.
+
+        ``foreign[i]``: the uid of the paired forward's survivor ``i`` (negative ``i``: a
+        storage made outside, freed here and forgotten, see :func:`_forget`); ``reals``: local
+        index -> the real fake tensor that storage is (watched, not a ledger key); ``prefix``:
+        the window's module names are relative to a block, named ``prefix`` here."""
         tracker = self.tracker
         if tracker.phase != window.phase:
             raise ReplayMismatch(f"replayed in phase {tracker.phase}, recorded in "
@@ -275,9 +281,11 @@ class _Replay:
                 k += 1
                 if e[0] == "a":
                     local = len(uids)
-                    uid = tracker._allocate(StorageInfo(e[1], phase, step, e[2]))
+                    uid = tracker._allocate(StorageInfo(
+                        e[1], phase, step, e[2] if prefix is None else prefix + e[2]))
                     uids.append(uid)
-                    if local == window.real_local and real is not None:
+                    real = reals.get(local)
+                    if real is not None:
                         st = real.untyped_storage()
                         tracker.watch(uid, st._cdata, st)
                     else:
@@ -288,8 +296,8 @@ class _Replay:
                     if e[1] == "l":
                         uid = uids[e[2]]
                         live.pop(keys.pop(e[2]), None)
-                    elif e[2] == -1:  # the output's gradient: freed here, not at its death
-                        uid = foreign[-1]
+                    elif e[2] < 0:  # made outside (the output's gradient): freed here
+                        uid = foreign[e[2]]
                         _forget(tracker, uid)
                     else:
                         uid = foreign[e[2]]
@@ -300,7 +308,8 @@ class _Replay:
                     fake_mode._oom_noted = tracker.oom
                     fake_mode.warn(f"an unlimited GPU from {func} on: the step does not fit "
                                    f"({tracker.oom})")
-                ops.append((func, phase, step, module, len(tracker.events)))
+                ops.append((func, phase, step, module if prefix is None else prefix + module,
+                            len(tracker.events)))
         for local, key in keys.items():
             self.saved_keys[uids[local]] = key
         return uids
@@ -336,8 +345,14 @@ def _forget(tracker: Any, uid: int) -> None:
     tracker._refs.pop(uid, None)
 
 
+def device_of_fake(t: torch.Tensor) -> torch.device:
+    """A fake tensor's device without dispatching ``prim.device``."""
+    return getattr(t, "fake_device", None) or t.device
+
+
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.untyped_storage().nbytes())
+    device = device_of_fake(t)
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.untyped_storage().nbytes(), device)
 
 
 def _uids_of(tracker: Any, start: tuple[int, ...], locals_: list[int]) -> list[int]:
@@ -346,18 +361,16 @@ def _uids_of(tracker: Any, start: tuple[int, ...], locals_: list[int]) -> list[i
 
 
 def _new_tensor(meta: tuple[Any, ...], fake_mode: Any) -> torch.Tensor:
-    """A fresh fake tensor of ``meta``, made without a ledger event (the replay records it)."""
-    shape, stride, dtype, nbytes = meta
-    before, fake_mode.tracking = fake_mode.tracking, False
-    try:
-        with fake_mode:
-            t = torch.empty_strided(shape, stride, dtype=dtype, device="cpu")
-    finally:
-        fake_mode.tracking = before
+    """A fresh fake tensor of ``meta``, made without a ledger event (the replay records it):
+    a meta ``empty_strided`` wrapped as the fake mode wraps its kernels' outputs
+    (``from_meta_and_device``), with no op dispatched."""
+    shape, stride, dtype, nbytes, device = meta
+    with no_dispatch():
+        t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     if t.untyped_storage().nbytes() != nbytes:
         raise ReplayMismatch(f"a replayed tensor's storage is {t.untyped_storage().nbytes()} "
                              f"bytes, the recorded one {nbytes}")
-    return t
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, t, device)
 
 
 class _Replayed(torch.autograd.Function):
@@ -370,7 +383,7 @@ class _Replayed(torch.autograd.Function):
         assert window is not None and window.meta is not None
         fake_mode = replay.fake_mode
         out = _new_tensor(window.meta, fake_mode)
-        uids = replay.emit(window, [], out)
+        uids = replay.emit(window, [], {window.real_local: out})
         ctx.replay, ctx.saved = replay, uids
         ctx.fake_mode = fake_mode
         ctx.input = x if x is not replay.anchor else None
@@ -392,7 +405,7 @@ class _Replayed(torch.autograd.Function):
                                      "of its own")
             saved.append(uid)  # index -1
         grad = _new_tensor(window.meta, ctx.fake_mode) if window.meta is not None else None
-        replay.emit(window, saved, grad)
+        replay.emit(window, saved, {} if grad is None else {window.real_local: grad})
         replay.tracker.modules.backward = window.module_after
         count = len(replay.tracker.events), len(replay.tracker.ops)
 
@@ -490,7 +503,7 @@ def _call(replay: _Replay, run: Any, args: tuple[Any, ...], kwargs: dict[str, An
     x = args[0]
     if not x.requires_grad:
         if replay.anchor is None:
-            replay.anchor = _new_tensor(((0,), (1,), torch.float32, 0),
+            replay.anchor = _new_tensor(((0,), (1,), torch.float32, 0, device_of_fake(x)),
                                         replay.fake_mode).requires_grad_()
         x = replay.anchor
     replay.replayed += 1

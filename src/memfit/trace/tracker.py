@@ -28,8 +28,10 @@ import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
 )
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit._compat import torch_internals
@@ -49,6 +51,7 @@ from memfit.trace.fastkey import enabled as fast_keys_enabled
 _FORWARD = "forward"
 aten = torch.ops.aten
 _PRIM_DEVICE = torch.ops.prim.device.default
+_ITEM = aten._local_scalar_dense.default
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
             aten._addmm_activation.default, aten.addmv.default, aten.mv.default}
 
@@ -99,6 +102,7 @@ class Tracker(Ledger):
         self.op_peaks: dict[int, int] = {}  # op index -> high point inside that op's kernel
         self.stream = 0  # CUDA stream new device storages are allocated on (0: the compute one)
         self.oom: Any = None  # the first SimulatedOOM of the allocator model (then unlimited)
+        self.on_forward_end: list[Any] = []  # called when the forward ends (replayed blocks)
 
     @property
     def module(self) -> str:
@@ -268,7 +272,10 @@ class Tracker(Ledger):
         self.reached(candidate)
 
     def end_forward(self) -> None:
-        """Mark forward-created storages alive now as saved activations."""
+        """Mark forward-created storages alive now as saved activations (first, the frees
+        ``on_forward_end`` stands in for: see Note: [replaying identical blocks])."""
+        for callback in self.on_forward_end:
+            callback()
         infos = self.infos
         for uid in self.live.values():
             info = infos[uid]
@@ -443,6 +450,13 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
         known = self.datadep.known_answer(func, args) if data_dependent else None
         if known is not None:
             out = known
+        elif (func is _ITEM and type(args[0]) is FakeTensor and args[0].constant is not None
+              and args[0].fake_mode is self and self.shape_env is None):
+            # What the fake mode does for ``.item()`` of a tensor with a known value (AdamW's
+            # step counts: twice per parameter per step, ``adam.py: _get_value``), without the
+            # rest of ``FakeTensorMode._dispatch_impl``: the op run on the constant, no dispatch.
+            with no_dispatch():
+                out = func(args[0].constant)
         elif data_dependent:
             try:
                 out = self._run(func, types, args, kwargs)
