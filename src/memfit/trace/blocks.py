@@ -60,43 +60,62 @@ MIN_BLOCKS = 4
 """Fewer blocks leave nothing to replay (blocks 0, 1 and N-1 always run)."""
 
 
-def _relative(window: _r._Window | None, prefix: str) -> _r._Window | None:
-    """``window`` with module names relative to ``prefix`` (None if a name is outside it)."""
+def _relative(window: _r._Window | None, prefix: str, blocks: frozenset[str]
+              ) -> _r._Window | None:
+    """``window`` with its module names as indices into ``window.names``: ``(True, rest)`` for
+    a name inside block ``prefix`` (``rest`` after the prefix), ``(False, name)`` for one
+    outside every block (a function called in the block but attributed by autograd's hooks to
+    an outer module). None where a name is inside another block."""
     if window is None:
         return None
-    n = len(prefix)
-    names: dict[str, str] = {}
+    index: dict[str, int] = {}
+    names: list[tuple[bool, str]] = []
 
-    def rel(name: str) -> str | None:
-        out = names.get(name)
-        if out is None:
-            if name != prefix and not name.startswith(prefix + "."):
+    def of(name: str) -> int | None:
+        k = index.get(name)
+        if k is None:
+            if name == prefix or name.startswith(prefix + "."):
+                entry = (True, name[len(prefix):])
+            elif _inside(name, blocks):
                 return None
-            out = names[name] = name[n:]
-        return out
+            else:
+                entry = (False, name)
+            k = index[name] = len(names)
+            names.append(entry)
+        return k
 
     events = []
     for e in window.events:
         if e[0] == "a":
-            r = rel(e[2])
-            if r is None:
+            k = of(e[2])
+            if k is None:
                 return None
-            events.append(("a", e[1], r))
+            events.append(("a", e[1], k))
         else:
             events.append(e)
     ops = []
     for func, module, count in window.ops:
-        r = rel(module)
-        if r is None:
+        k = of(module)
+        if k is None:
             return None
-        ops.append((func, r, count))
-    window.events, window.ops = events, ops
+        ops.append((func, k, count))
+    window.events, window.ops, window.names = events, ops, names
     return window
+
+
+def _inside(name: str, blocks: frozenset[str]) -> bool:
+    """Whether module ``name`` is one of ``blocks`` or inside one."""
+    parts = name.split(".")
+    return any(".".join(parts[:k]) in blocks for k in range(1, len(parts) + 1))
+
+
+def _names_for(window: _r._Window, prefix: str) -> list[str]:
+    return [prefix + name if rel else name for rel, name in window.names]
 
 
 def _same_window(a: _r._Window, b: _r._Window) -> bool:
     return (a.events == b.events and a.ops == b.ops and a.survivors == b.survivors
-            and a.real_local == b.real_local and a.meta == b.meta)
+            and a.real_local == b.real_local and a.meta == b.meta and a.names == b.names)
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
@@ -158,6 +177,7 @@ class _Blocks:
         self.tracker = tracker
         self.fake_mode = fake_mode
         self.names = [n for n, _ in blocks]
+        self.block_names = frozenset(self.names)
         self.params = [[p for p in m.parameters()] for _, m in blocks]
         self.n = len(blocks)
         self.off = False
@@ -288,7 +308,8 @@ class _Blocks:
         uid = _plain_uid(tracker, out)
         if uid is None or not out.requires_grad or out.grad_fn is None:
             return None
-        return _relative(_window(tracker, start, {}, uid, _meta(out)), self.names[i])
+        return _relative(_window(tracker, start, {}, uid, _meta(out)), self.names[i],
+                         self.block_names)
 
     def _record_last(self, i: int, run: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                      ) -> Any:
@@ -364,7 +385,7 @@ class _Blocks:
         window = None
         if state is not None and "start" in state:
             window = _relative(_window(tracker, state["start"], state["foreign"], None, None),
-                               self.names[i])
+                               self.names[i], self.block_names)
         if window is None:
             raise ReplayMismatch(f"block {i}'s backward is not replayable")
         window.module_after = self._rel_module(str(tracker.modules.backward), i)
@@ -403,11 +424,13 @@ class _Blocks:
         self.backward_t, self.grad_in = window, grad_in
         self.param_grads, self.param_metas = param_grads, param_metas
 
-    def _rel_module(self, name: str, i: int) -> str:
+    def _rel_module(self, name: str, i: int) -> tuple[bool, str]:
         prefix = self.names[i]
-        if name != prefix and not name.startswith(prefix + "."):
+        if name == prefix or name.startswith(prefix + "."):
+            return (True, name[len(prefix):])
+        if _inside(name, self.block_names):
             raise ReplayMismatch(f"block {i}'s backward ended in module {name!r}")
-        return name[len(prefix):]
+        return (False, name)
 
 
 class _BlockReplayed(torch.autograd.Function):
@@ -466,7 +489,8 @@ class _BlockReplayed(torch.autograd.Function):
         else:
             grad_in = grad
         _emit(blocks, window, foreign, reals, i)
-        tracker.modules.backward = blocks.names[i] + window.module_after
+        rel, name = window.module_after  # type: ignore[misc]
+        tracker.modules.backward = blocks.names[i] + name if rel else name
         for p, g in zip(params, grads, strict=True):
             if g is not None:
                 p.grad = g  # as AccumulateGrad set it in the recorded window
@@ -480,7 +504,7 @@ def _emit(blocks: _Blocks, window: _r._Window, foreign: Any, reals: dict[int, to
     emitter = _r._Replay.__new__(_r._Replay)
     emitter.tracker, emitter.fake_mode, emitter.saved_keys = (blocks.tracker, blocks.fake_mode,
                                                               blocks.saved_keys)
-    return emitter.emit(window, foreign, reals, blocks.names[i])
+    return emitter.emit(window, foreign, reals, _names_for(window, blocks.names[i]))
 
 
 def _blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:

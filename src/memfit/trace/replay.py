@@ -95,7 +95,8 @@ class _Window:
     survivors: list[int]  # local indices alive at the end (forward: output first)
     real_local: int | None  # local index of the storage that stays a real tensor
     meta: tuple[Any, ...] | None  # (shape, stride, dtype) of that tensor
-    module_after: str = ""
+    module_after: Any = ""  # blocks.py: (relative, name)
+    names: list[tuple[bool, str]] = dataclasses.field(default_factory=list)  # blocks.py
 
 
 def _snapshot(tracker: Any) -> tuple[int, int, int, int, int]:
@@ -256,13 +257,14 @@ class _Replay:
     # -- replay --------------------------------------------------------------------------------
 
     def emit(self, window: _Window, foreign: Any, reals: dict[int, torch.Tensor],
-             prefix: str | None = None) -> list[int]:
+             names: list[str] | None = None) -> list[int]:
         """Replay ``window``'s events and ops now; returns the new uids by local index.
 
         ``foreign[i]``: the uid of the paired forward's survivor ``i`` (negative ``i``: a
         storage made outside, freed here and forgotten, see :func:`_forget`); ``reals``: local
-        index -> the real fake tensor that storage is (watched, not a ledger key); ``prefix``:
-        the window's module names are relative to a block, named ``prefix`` here."""
+        index -> the real fake tensor that storage is (watched, not a ledger key); ``names``: the
+        module names of a window whose events and ops hold indices into its ``names``
+        (:func:`memfit.trace.blocks._relative`), for the block replayed."""
         tracker = self.tracker
         if tracker.phase != window.phase:
             raise ReplayMismatch(f"replayed in phase {tracker.phase}, recorded in "
@@ -282,7 +284,7 @@ class _Replay:
                 if e[0] == "a":
                     local = len(uids)
                     uid = tracker._allocate(StorageInfo(
-                        e[1], phase, step, e[2] if prefix is None else prefix + e[2]))
+                        e[1], phase, step, e[2] if names is None else names[e[2]]))
                     uids.append(uid)
                     real = reals.get(local)
                     if real is not None:
@@ -308,7 +310,7 @@ class _Replay:
                     fake_mode._oom_noted = tracker.oom
                     fake_mode.warn(f"an unlimited GPU from {func} on: the step does not fit "
                                    f"({tracker.oom})")
-                ops.append((func, phase, step, module if prefix is None else prefix + module,
+                ops.append((func, phase, step, module if names is None else names[module],
                             len(tracker.events)))
         for local, key in keys.items():
             self.saved_keys[uids[local]] = key
