@@ -407,10 +407,10 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
             num_gpus=max(num_gpus, getattr(parallel, "gpus", 1)), keep_output=keep_output,
             parallel=parallel, _rank=role),
             model, parallel)
-    trace = functools.partial(_trace_or_redo, model, inputs, optimizer=optimizer, precision=precision,
-                              compute_loss=compute_loss, device=device, gpu=gpu, steps=steps,
-                              expandable_segments=expandable_segments, num_gpus=num_gpus,
-                              keep_output=keep_output, rank=_rank)
+    trace = functools.partial(_trace_or_redo, model, inputs, optimizer=optimizer,
+                              precision=precision, compute_loss=compute_loss, device=device,
+                              gpu=gpu, steps=steps, expandable_segments=expandable_segments,
+                              num_gpus=num_gpus, keep_output=keep_output, rank=_rank)
     if not _real_step(model, inputs):
         return trace(None)[0]
     # Note: [real values of a real step] in datadep.py: trace once; if its forward needed an
