@@ -22,16 +22,26 @@ the forward and the output head's in the backward (block 0 is never replayed). S
   engine runs every node of a block before any node of the block below: nodes run by sequence
   number, highest first, and a block's nodes were all made after the block below's,
   ``torch/csrc/autograd/engine.cpp: CompareNodeTaskTime``); blocks N-2 .. 2 replay that
-  backward template; blocks 1 and 0 run.
+  backward template; blocks 1 and 0 run;
+- later steps: block 0 runs (its arguments, the same metadata as the first step's, are the
+  ones blocks 1 .. N-1 must match), blocks 1 .. N-1 replay the first step's templates.
+
+Block 0 runs in every step because its saved tensors are what hold the arguments every block
+shares (the rotary tables) until its backward frees them, as in the real step.
 
 What a replayed block shares with the world outside stays real: its output (a fake tensor with
-the recorded metadata, watched by the ledger), its input (kept alive by the replay until the
-recorded backward frees it, as the block's saved tensors kept it), the gradient it receives
-(freed where the recorded one was) and the ones it gives: the input's gradient, returned to
-autograd, and each parameter's ``.grad``, set as ``AccumulateGrad`` set it. Every other storage
-the forward leaves alive is freed by the block's own backward (else the template is refused).
-Module names in a template are relative to its block and renamed for the block replayed, so the
-breakdown by module is the real one's.
+the recorded metadata, watched by the ledger); its input, kept alive until the recorded
+backward frees it where block 1 saved its own (a bf16-mixed block's ``x.float()`` is ``x``),
+and not kept where block 1's input died once the call returned (a pure-bf16 block saves only
+its fp32 copy); the gradient it receives (freed where the recorded one was) and the ones it
+gives: the input's gradient, returned to autograd, and each parameter's ``.grad``, set as
+``AccumulateGrad`` set it. Every other storage the forward leaves alive is freed by the block's
+own backward, or dies when the forward ends (autocast's cached casts that activation
+checkpointing did not save: freed for the replayed blocks when the tracker closes the forward,
+after the last op, as the cache is cleared then; checked against block N-1's); else the
+template is refused. Module names in a template are relative to its block and renamed for the
+block replayed, so the breakdown by module is the real one's; a name outside every block (the
+rotary backward of Hugging Face's ``apply_rotary_pos_emb``, attributed to no module) is kept.
 
 Used for a single-process trace of a training step on a CUDA target only: a CPU target measures
 kernel scratch per op (its windows are refused), a parallel layout's blocks hold FSDP or DTensor
