@@ -409,6 +409,25 @@ def fsdp_chunks_on_demand() -> Iterator[None]:
 # -- calls ---------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def without_function_modes(kinds: tuple[type, ...]) -> Iterator[None]:
+    """Inside the block, the torch-function modes of ``kinds`` at the top of the mode stack
+    are popped (``torch/overrides.py: _pop_mode``), and pushed back on exit."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+
+    popped = []
+    try:
+        while True:
+            stack = _get_current_function_mode_stack()
+            if not stack or not isinstance(stack[-1], kinds):
+                break
+            popped.append(_pop_mode())
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)
+
+
 def storage_use_count(t: torch.Tensor) -> int:
     """References to ``t``'s storage (``c10::StorageImpl`` use count), as autograd's input buffer
     reads it (``torch/csrc/autograd/input_buffer.cpp: can_accumulate_inplace``:
@@ -522,6 +541,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
                  "_set_conj", "_set_neg", "_set_throw_on_mutable_data_ptr",
                  "_set_warn_deprecated_on_mutable_data_ptr", "_storage_Use_Count"),
     "torch.utils._mode_utils": ("no_dispatch",),
+    "torch.overrides": ("_get_current_function_mode_stack", "_pop_mode", "_push_mode"),
     "torch._utils": ("_flatten_dense_tensors", "_unflatten_dense_tensors"),
     "torch.autograd.graph": ("_engine_run_backward",),
     "torch.autograd.profiler": ("_is_profiler_enabled",),

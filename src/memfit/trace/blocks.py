@@ -56,18 +56,33 @@ on and off.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from memfit._compat.torch_internals import DisableTorchFunction
 from memfit.trace import replay as _r
 from memfit.trace.replay import ReplayMismatch, _meta, _new_tensor, _plain_uid, _snapshot, _window
 
 MIN_BLOCKS = 4
 """Fewer blocks leave nothing to replay (blocks 0, 1 and N-1 always run)."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _bookkeeping(fn: _F) -> _F:
+    """``fn`` runs with torch-function handling off: the replay's own tensor calls
+    (``.grad``, ``.shape``, making a fake tensor) are not the model's, and the trace's modes
+    (autocast lists, SDPA routing) would otherwise see each of them."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with DisableTorchFunction():
+            return fn(*args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 def _relative(window: _r._Window | None, prefix: str, blocks: frozenset[str]
@@ -232,32 +247,52 @@ class _Blocks:
     # -- the forward ---------------------------------------------------------------------------
 
     def call(self, i: int, run: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        tracker = self.tracker
-        if self.off or tracker.phase != "forward":  # a checkpoint's recompute: as it comes
+        if self.off:
             return run(*args, **kwargs)
+        with DisableTorchFunction():
+            how = self._decide(i, args, kwargs)
+        if how == "run":
+            return run(*args, **kwargs)
+        if how == "record":
+            return self._record_forward(i, run, args, kwargs)
+        if how == "last":
+            return self._record_last(i, run, args, kwargs)
+        self.replayed += 1
+        _r.counts["replayed"] += 1
+        out = _BlockReplayed.apply(self, i, args[0])
+        if i == self.n - 2 and not self.reusing:
+            out.register_hook(self._close_template)  # block N-1's backward ends here
+        return out
+
+    def _decide(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """What block ``i``'s call is: "run", "record" (block 1's forward), "last" (block
+        N-1's) or "replay"."""
+        tracker = self.tracker
+        if tracker.phase != "forward":  # a checkpoint's recompute: as it comes
+            return "run"
         if tracker.step != self.step:
             if self.pending is not None or self.expected not in (0, self.n):
                 self.stop("a step began before the last one's blocks were done")
-                return run(*args, **kwargs)
+                return "run"
             self._new_step()
         if i != self.expected or not torch.is_grad_enabled():
             self.stop(f"block {i} called where block {self.expected} was expected, or "
                       "without grad")
-            return run(*args, **kwargs)
+            return "run"
         self.expected += 1
         x = args[0] if args else None
         rest = (args[1:], kwargs)
         if i == 0 and not self.reusing:
-            return run(*args, **kwargs)
+            return "run"
         if i == 0 or (i == 1 and not self.reusing):  # the arguments later blocks must match
             sig = (_meta(x) if isinstance(x, torch.Tensor) else None, _signature(rest))
             meta_sig = _meta_signature(rest)
             if sig[1] is None:
                 self.stop(f"block {i}'s arguments cannot be compared with later blocks'")
-                return run(*args, **kwargs)
+                return "run"
             if i == 1:
-                self.meta_sig = meta_sig
-                return self._record_forward(i, run, args, kwargs, sig)
+                self.meta_sig, self.sig = meta_sig, sig
+                return "record"
             # Block 0 runs in every step: its saved tensors hold the arguments all blocks
             # share (the rotary tables) until its backward frees them, as in the real step.
             if sig[0] != self.x_meta or meta_sig != self.meta_sig:
@@ -265,51 +300,52 @@ class _Blocks:
                 self._forget_templates()
             else:
                 self.sig = sig
-            return run(*args, **kwargs)
-        elif (self.sig is None or not isinstance(x, torch.Tensor) or _meta(x) != self.sig[0]
+            return "run"
+        if (self.sig is None or not isinstance(x, torch.Tensor) or _meta(x) != self.sig[0]
                 or not _matches(self.sig[1], rest)):
             self.stop(f"block {i} called with other arguments than block "
                       f"{0 if self.reusing else 1}")
-            return run(*args, **kwargs)
+            return "run"
         if i == self.n - 1 and not self.reusing:
-            return self._record_last(i, run, args, kwargs)
+            return "last"
         if any(p.grad is not None for p in self.params[i]):
             self.stop(f"block {i}'s parameters have gradients before its backward")
-            return run(*args, **kwargs)
+            return "run"
         if i == 2 and not self.reusing:
             # Block 1's input is dead by now unless block 1 saved it for its backward (or the
             # model keeps it): a replayed block keeps its input alive exactly then.
             if self.x1_uid is None:
                 self.stop("block 1's input is not a storage of its own")
-                return run(*args, **kwargs)
+                return "run"
             self.hold_input = self.x1_uid in tracker._refs
-        self.replayed += 1
-        _r.counts["replayed"] += 1
-        out = _BlockReplayed.apply(self, i, x)
-        if i == self.n - 2 and not self.reusing:
-            out.register_hook(self._close_template)  # block N-1's backward ends here
-        return out
+        return "replay"
 
-    def _record_forward(self, i: int, run: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                        sig: tuple[Any, ...]) -> Any:
+    def _record_forward(self, i: int, run: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> Any:
+        """Block 1 runs, and its ledger events become the forward template."""
         x = args[0] if args else None
         tracker = self.tracker
-        if (not isinstance(x, torch.Tensor) or not x.requires_grad
-                or any(isinstance(a, torch.Tensor) and a.requires_grad
-                       for a in (*args[1:], *kwargs.values()))
-                or (tracker.allocator is not None and tracker.allocator.pending_free_bytes)
-                or tracker.stream):
+        with DisableTorchFunction():
+            refused = (not isinstance(x, torch.Tensor) or not x.requires_grad
+                       or any(isinstance(a, torch.Tensor) and a.requires_grad
+                              for a in (*args[1:], *kwargs.values()))
+                       or (tracker.allocator is not None
+                           and tracker.allocator.pending_free_bytes)
+                       or tracker.stream)
+        if refused:
             self.stop("block 1's call is not replayable (its input needs no grad, another "
                       "argument needs grad, or side-stream work is pending)")
             return run(*args, **kwargs)
         start = _snapshot(tracker)
         out = run(*args, **kwargs)
-        window = self._forward_window(i, start, out)
-        if window is None:
-            self.stop("block 1's forward touched what a replay cannot reproduce")
-            return out
-        self.forward_t, self.sig, self.x_meta = window, sig, sig[0]
-        self.x1_uid = _plain_uid(tracker, x)
+        with DisableTorchFunction():
+            window = self._forward_window(i, start, out)
+            if window is None:
+                self.stop("block 1's forward touched what a replay cannot reproduce")
+                return out
+            assert self.sig is not None
+            self.forward_t, self.x_meta = window, self.sig[0]
+            self.x1_uid = _plain_uid(tracker, x)
         _r.counts["recorded"] += 1
         return out
 
@@ -325,13 +361,18 @@ class _Blocks:
                      ) -> Any:
         """Block N-1 runs; its forward must equal the template, and its backward is recorded."""
         tracker = self.tracker
-        x = args[0]
         start = _snapshot(tracker)
         out = run(*args, **kwargs)
+        with DisableTorchFunction():
+            self._recorded_last(i, start, args[0], out)
+        return out
+
+    def _recorded_last(self, i: int, start: tuple[int, ...], x: torch.Tensor, out: Any) -> None:
+        tracker = self.tracker
         window = self._forward_window(i, start, out)
         if window is None or self.forward_t is None or not _same_window(window, self.forward_t):
             self.stop(f"block {i}'s forward differs from block 1's")
-            return out
+            return
         # the storages block N-1's backward frees: its forward's survivors (by index), the
         # output's gradient (-1) and its input (-2)
         allocs = [e for e in tracker.events[start[0]:] if e >= 0]
@@ -342,6 +383,7 @@ class _Blocks:
         state: dict[str, Any] = {"foreign": foreign, "x_uid": x_uid}
         self.last_survivors = [allocs[local] for local in window.survivors]
 
+        @_bookkeeping
         def begin(grad: Any) -> None:
             if any(p.grad is not None for p in self.params[i]):
                 return  # accumulated into existing gradients: no template
@@ -352,8 +394,8 @@ class _Blocks:
 
         out.register_hook(begin)
         self.pending = state
-        return out
 
+    @_bookkeeping
     def forward_ended(self) -> None:
         """The forward ended (autocast's cache was cleared): which of block N-1's survivors
         died since its last op (recorded), and the same survivors of each replayed block."""
@@ -386,6 +428,7 @@ class _Blocks:
 
     # -- the backward --------------------------------------------------------------------------
 
+    @_bookkeeping
     def _close_template(self, grad: Any) -> None:
         """Block N-2's output gradient is ready: block N-1's backward is done; make its
         window the backward template."""
@@ -447,6 +490,7 @@ class _BlockReplayed(torch.autograd.Function):
     """One replayed block: the forward template's events, then the backward template's."""
 
     @staticmethod
+    @_bookkeeping
     def forward(ctx: Any, blocks: _Blocks, i: int, x: torch.Tensor) -> torch.Tensor:  # type: ignore
         window = blocks.forward_t
         assert window is not None and window.meta is not None
@@ -460,6 +504,7 @@ class _BlockReplayed(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_bookkeeping
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
         blocks: _Blocks = ctx.blocks
         i = ctx.i

@@ -608,7 +608,8 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
                 del loss, out
                 _mark_grads(tracker, params, owners)
                 tracker.phase = "optimizer"
-                opt.step()
+                with _optimizer_modes(opt):
+                    opt.step()
                 _mark_states(tracker, opt, owners)
                 tracker.phase = "zero_grad"
                 opt.zero_grad(set_to_none=True)
@@ -617,6 +618,20 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
     elapsed = time.perf_counter() - started
     return _result(tracker, allocator, runtime, in_allocator, device=device, precision=precision,
                    optimizer=optimizer, steps=steps, notes=notes, elapsed=elapsed), datadep
+
+
+def _optimizer_modes(opt: torch.optim.Optimizer) -> Any:
+    """The trace's own torch-function modes (CUDA's autocast lists, SDPA and device routing)
+    left out of a ``torch.optim`` optimizer's step, where none of them acts: autocast is off,
+    and torch's optimizers make their tensors on their parameters' device and call no SDPA or
+    norm. Each op of the step then passes two Python modes fewer (AdamW's first step makes
+    three state tensors per parameter). Other optimizers keep them."""
+    if not type(opt).__module__.startswith("torch.optim."):
+        return contextlib.nullcontext()
+    from memfit.trace.autocast import _CudaAutocastOnCpu
+    from memfit.trace.sdpa import CudaRouting
+
+    return torch_internals.without_function_modes((_CudaAutocastOnCpu, CudaRouting))
 
 
 @contextlib.contextmanager
