@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -310,13 +311,15 @@ def main() -> None:
         n = sum(p.numel() for p in model.parameters())
         row: dict[str, object] = {"params": n}
         if not args.no_memtracker:
-            row["memtracker"] = repeated(lambda: time_memtracker(model, idx, args.steps),
-                                         args.repeat, cold=False)
+            row["memtracker"] = repeated(
+                functools.partial(time_memtracker, model, idx, args.steps), args.repeat,
+                cold=False)
         mt = row.get("memtracker") or {}
         for target in targets:
             if target == "cuda":
-                runs = {"": repeated(lambda: time_memfit(model, idx, args.steps, "cuda",
-                                                         precision), args.repeat, cold=True)}
+                runs = {"": repeated(functools.partial(time_memfit, model, idx, args.steps,
+                                                       "cuda", precision),
+                                     args.repeat, cold=True)}
                 row["cuda"] = runs[""]
             else:
                 row["cpu"] = time_cpu_target(model, idx, args.steps, precision)
