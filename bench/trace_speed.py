@@ -21,16 +21,34 @@ with the process's memory cleared but the file kept (every later run).
 Prints the times (wall and process CPU: other processes on a shared machine inflate wall time),
 the ratio to MemTracker (memfit / MemTracker, CPU time) and the peak RSS, and writes
 ``bench/results/trace-speed-cpu-<date>.json`` with the torch version and the command.
+``--repeat N`` (default 3) runs MemTracker and each CUDA-target trace N times and reports the
+run with the median CPU time (every run's in ``cpu_seconds_all``); before each CUDA-target run
+the fake mode's dispatch cache and memfit's fast-key plans are emptied, so every run is a first
+trace of that shape (a single run of the 1B trace varied by 0.36-0.48 s on this machine).
 
-Profile (1b, CUDA target, 2 steps, torch 2.13 CPU build, a shared 2-core machine; cProfile and a
-SIGPROF stack sampler, 2026-11-24): 9165 ops, about 80 us each once warm (0.75 s CPU). Backward
-about 45% (autograd's C++ engine, which also asks ``prim.device`` of a fake tensor 12,000 times,
-each a Python call), forward 30%, AdamW 15%. Per op: the fake kernel's cache key and cached
-output about 40%, the ledger (``tracker.track``, allocator model) about 20%, the two
-torch-function modes (autocast lists, SDPA routing) about 5%, dynamo's disable wrapper around
-every ``__torch_dispatch__`` call (three per op) about 5% (now skipped where it does nothing:
-``trace/tracker.py``, Note: [dynamo's disable wrapper]). What is left per op is spread thin; the
-next factor is doing fewer ops (replaying identical blocks), not cheaper ones.
+Profile before block replay (1b, CUDA target, 2 steps, torch 2.13 CPU build, a shared 2-core
+machine; cProfile and a SIGPROF stack sampler, 2026-11-24): 9165 ops, about 80 us each once warm
+(0.75 s CPU). Backward about 45% (autograd's C++ engine, which also asks ``prim.device`` of a
+fake tensor 12,000 times, each a Python call), forward 30%, AdamW 15%. Per op: the fake kernel's
+cache key and cached output about 40%, the ledger (``tracker.track``, allocator model) about 20%,
+the two torch-function modes (autocast lists, SDPA routing) about 5%, dynamo's disable wrapper
+around every ``__torch_dispatch__`` call (three per op) about 5% (now skipped where it does
+nothing: ``trace/tracker.py``, Note: [dynamo's disable wrapper]). What was left per op was spread
+thin, so the next factor was doing fewer ops: identical blocks are replayed
+(``trace/blocks.py``, Note: [replaying identical blocks]).
+
+Profile after (the same trace as a process's first, wall clock per phase, 2026-11-24): 0.36-0.43
+s in all. Forward 0.09-0.11 s (the four blocks that run: 0.053 s, the 28 replayed: 0.012 s, the
+embedding, rotary tables, head and loss: 0.026 s), backward 0.12-0.14 s, AdamW 0.08-0.10 s
+(its first step makes two ``zeros_like`` states and one ``torch.tensor`` step per parameter: 442
+ops, 25 ms), the fake model's copy 0.022 s, the result (timeline of 9165 points, replay at the
+peak) 0.024 s. A first trace also misses the fake cache once per distinct op signature (about
+370 misses, 0.1 s: the cold-to-warm difference). Seen and cut on the way: the replay's own tensor
+calls passed through the trace's torch-function modes (``.grad``, making fake tensors), AdamW's
+``.item()`` of its step counters took the fake mode's full path (``_dispatch_impl`` with
+constant propagation: 588 calls, 0.1 s), ``_register_baseline`` walked every fake parameter's
+attributes (13,230 calls), and the optimizer step passed two Python modes per op that never act
+there.
 """
 
 from __future__ import annotations
