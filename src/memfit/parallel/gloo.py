@@ -34,12 +34,10 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable[..., None], world: int, port: int,
-           args: tuple[Any, ...], environ: dict[str, str]) -> None:
+           args: tuple[Any, ...]) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.clear()  # a forkserver child has the server's: take the caller's
-    os.environ.update(environ)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -61,28 +59,10 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int,
         os._exit(code)
 
 
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
-            "torch.distributed.pipelining", "memfit", "memfit.parallel.gloo",
-            "memfit.parallel.measure"]
-"""What the fork server imports once (``multiprocessing.forkserver``): each rank forked from it
-starts with these imported, instead of importing torch again (seconds per rank)."""
-
-
 def spawn(fn: Callable[..., None], world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes (``fn`` must be importable: a
-    module-level function); raise ``torch.multiprocessing.ProcessExitedException`` if any
-    rank failed.
-
-    Ranks are forked from a fork server that imported torch and memfit once (``forkserver``,
-    where the platform has it; torch's ``spawn`` elsewhere): a fresh process per rank, without
-    the caller's threads, as ``spawn`` gives, but without importing torch in each. Each rank
-    takes the caller's environment as it is at the call."""
-    import multiprocessing
-
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes (``torch.multiprocessing``'s
+    spawn start method, so ``fn`` must be importable: a module-level function); raise
+    ``torch.multiprocessing.ProcessExitedException`` if any rank failed."""
     import torch.multiprocessing as mp
 
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    if method == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    mp.start_processes(_entry, args=(fn, world, free_port(), args, dict(os.environ)),
-                       nprocs=world, join=True, start_method=method)
+    mp.spawn(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)
