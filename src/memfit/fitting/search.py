@@ -878,46 +878,67 @@ class _Search:
         trace without offload (``_derive``); the ones that reach the table are traced with the
         offload applied (the engine keeps host copies out of the device peak), and their traced
         peak replaces the derived one, or rejects them."""
-        verified: set[int] = set()
-        budget, per_gpu = self.budget, self.per_gpu
-        with Progress("memfit fit: tracing the offload candidates", total=None,
-                      progress=self.progress, delay=0.5) as verifying:
+        per_gpu = self.per_gpu
+
+        def traced(cfg: FitConfig) -> tuple[Any, int] | str:
+            t = _trace_one(self.base, self.sample_batch, precision=cfg.precision,
+                           ckpt=cfg.checkpointing, optimizer=cfg.optimizer,
+                           chunked=cfg.chunked_loss, attention=cfg.attention,
+                           m=cfg.micro_batch, per_gpu=per_gpu, device=self.device,
+                           gpu=self.spec, loss_fn=self.loss_fn, num_gpus=self.num_gpus,
+                           offload_activations=cfg.offload_activations,
+                           offload_states=cfg.offload_states)
+            if isinstance(t, str):
+                return t
+            return t, (t.peak_accum + _rest_of_batch(t, cfg.micro_batch, per_gpu)
+                       if cfg.accumulation > 1 else t.peak)
+
+        self._verify("memfit fit: tracing the offload candidates", _unverified, traced,
+                     "traced with offload: peak", lambda t: {"host_bytes": t.host_peak},
+                     f"no configuration fits the budget of {self.budget:,} bytes once "
+                     "offload is traced; raise the budget, shorten the sequence, or shrink "
+                     "the model")
+
+    def _verify(self, title: str, pending: Callable[[Candidate], bool],
+                traced: Callable[[FitConfig], tuple[Any, int] | str | None], what: str,
+                extra: Callable[[Any], dict[str, Any]], empty: str) -> None:
+        """Trace the candidates of the table that ``pending`` marks, best first, one at a
+        time: ``traced(cfg)`` gives the trace and its peak (which replaces the derived one, or
+        rejects the candidate as ``what`` over the budget), a reason it cannot be traced (the
+        candidate is rejected), or None (it keeps its derived peak). The table is ranked again
+        after each; ``empty`` is the error when nothing is left."""
+        done: set[int] = set()
+        with Progress(title, total=None, progress=self.progress, delay=0.5) as verifying:
             while True:
-                pending = [i for i, c in enumerate(self.candidates[:self.top])
-                           if id(c) not in verified and _unverified(c)]
-                if not pending:
+                todo = [i for i, c in enumerate(self.candidates[:self.top])
+                        if id(c) not in done and pending(c)]
+                if not todo:
                     break
-                i = pending[0]
+                i = todo[0]
                 c = self.candidates[i]
                 cfg = c.config
                 verifying.phase(cfg.label())
-                t = _trace_one(self.base, self.sample_batch, precision=cfg.precision,
-                               ckpt=cfg.checkpointing, optimizer=cfg.optimizer,
-                               chunked=cfg.chunked_loss, attention=cfg.attention,
-                               m=cfg.micro_batch, per_gpu=per_gpu, device=self.device,
-                               gpu=self.spec, loss_fn=self.loss_fn, num_gpus=self.num_gpus,
-                               offload_activations=cfg.offload_activations,
-                               offload_states=cfg.offload_states)
-                if isinstance(t, str):
-                    self.rejected.append(Rejected(what=cfg.label(), reason=t))
+                got = traced(cfg)
+                if got is None:
+                    done.add(id(c))
+                    continue
+                if isinstance(got, str):
+                    self.rejected.append(Rejected(what=cfg.label(), reason=got))
                     del self.candidates[i]
                     continue
-                peak = (t.peak_accum + _rest_of_batch(t, cfg.micro_batch, per_gpu)
-                        if cfg.accumulation > 1 else t.peak)
-                if peak > budget:
+                t, peak = got
+                if peak > self.budget:
                     self.rejected.append(Rejected(what=cfg.label(), reason=(
-                        f"traced with offload: peak {_over(peak, budget)} (after "
-                        f"{self.headroom:.0%} headroom)"), peak_bytes=peak))
+                        f"{what} {_over(peak, self.budget)} (after {self.headroom:.0%} "
+                        "headroom)"), peak_bytes=peak))
                     del self.candidates[i]
                     continue
                 self.candidates[i] = dataclasses.replace(c, peak_bytes=peak, traced=True,
-                                                         host_bytes=t.host_peak)
-                verified.add(id(self.candidates[i]))
+                                                         **extra(t))
+                done.add(id(self.candidates[i]))
                 self.candidates = rank(self.candidates)
         if not self.candidates:
-            raise MemfitError(f"no configuration fits the budget of {budget:,} bytes once "
-                              "offload is traced; raise the budget, shorten the sequence, or "
-                              "shrink the model")
+            raise MemfitError(empty)
 
     def verify_layouts(self) -> None:
         """Note: [layouts are derived, then traced] Every layout's peak is first derived from
@@ -934,45 +955,22 @@ class _Search:
         hold fewer than ``top``; the combinations pruned against them are not revisited."""
         if self.layouts is None:
             return
-        done: set[int] = set()
-        with Progress("memfit fit: tracing each rank of the layouts that can win", total=None,
-                      progress=self.progress, delay=0.5) as verifying:
-            while True:
-                pending = [i for i, c in enumerate(self.candidates[:self.top])
-                           if id(c) not in done and not c.per_rank]
-                if not pending:
-                    break
-                i = pending[0]
-                c = self.candidates[i]
-                cfg = c.config
-                verifying.phase(cfg.label())
-                t = self.rank_trace(cfg)
-                if t is None:
-                    done.add(id(c))
-                    continue
-                if isinstance(t, str):
-                    self.rejected.append(Rejected(what=cfg.label(), reason=t))
-                    del self.candidates[i]
-                    continue
-                assert cfg.parallel is not None
-                per_rank = self.global_batch // cfg.parallel.dp
-                # A pipeline's trace ran the whole step, every micro-batch (layouts.traced_step).
-                peak = (t.peak_accum + _rest_of_batch(t, cfg.micro_batch, per_rank)
-                        if cfg.accumulation > 1 and cfg.parallel.pp == 1 else t.peak)
-                if peak > self.budget:
-                    self.rejected.append(Rejected(what=cfg.label(), reason=(
-                        f"traced per rank: worst rank's peak {_over(peak, self.budget)} (after "
-                        f"{self.headroom:.0%} headroom)"), peak_bytes=peak))
-                    del self.candidates[i]
-                    continue
-                self.candidates[i] = dataclasses.replace(c, peak_bytes=peak, traced=True,
-                                                         per_rank=True)
-                done.add(id(self.candidates[i]))
-                self.candidates = rank(self.candidates)
-        if not self.candidates:
-            raise MemfitError(f"no layout fits the budget of {self.budget:,} bytes once each "
-                              "rank is traced; raise the budget, add GPUs, or shorten the "
-                              "sequence")
+
+        def traced(cfg: FitConfig) -> tuple[Any, int] | str | None:
+            t = self.rank_trace(cfg)
+            if t is None or isinstance(t, str):
+                return t
+            assert cfg.parallel is not None
+            per_rank = self.global_batch // cfg.parallel.dp
+            # A pipeline's trace ran the whole step, every micro-batch (layouts.traced_step).
+            return t, (t.peak_accum + _rest_of_batch(t, cfg.micro_batch, per_rank)
+                       if cfg.accumulation > 1 and cfg.parallel.pp == 1 else t.peak)
+
+        self._verify("memfit fit: tracing each rank of the layouts that can win",
+                     lambda c: not c.per_rank, traced, "traced per rank: worst rank's peak",
+                     lambda _t: {"per_rank": True},
+                     f"no layout fits the budget of {self.budget:,} bytes once each rank is "
+                     "traced; raise the budget, add GPUs, or shorten the sequence")
 
     def rank_trace(self, cfg: FitConfig) -> _Traced | str | None:
         """The per-rank trace of ``cfg``'s step under its layout (cached), the worst rank's;
