@@ -125,13 +125,33 @@ def test_frozen_weights_have_no_gradient_to_replay() -> None:
     assert fast.breakdown[memfit.MemoryCategory.GRADIENTS] < 64 * 1024  # the norms' alone
 
 
-@pytest.mark.parametrize("case", ["inference", "three-blocks", "cpu-target", "user-hook"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32", "bf16"])
+def test_a_forward_without_grad_replays_its_blocks(precision: str) -> None:
+    """Inference: the forward template alone; under autocast the cached casts outlive each
+    block until the forward ends, as in the real forward."""
+    model, inputs = _builtin()
+    fast, slow, used = _both(model, inputs, optimizer=None, precision=precision)
+    assert used["replayed"] == _replays(2) and used["redone"] == 0
+    assert _fields(fast) == _fields(slow)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_hugging_face_forward_without_grad_with_and_without_its_kv_cache(
+        cache: bool) -> None:
+    """A KV cache is an object each block adds its own entries to: those blocks run."""
+    model = _hf("llama")
+    model.config.use_cache = cache
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    fast, slow, used = _both(model, {"input_ids": ids}, optimizer=None)
+    assert used["replayed"] == (0 if cache else _replays(2)) and used["redone"] == 0
+    assert _fields(fast) == _fields(slow)
+
+
+@pytest.mark.parametrize("case", ["three-blocks", "cpu-target", "user-hook"])
 def test_where_nothing_is_replayed(case: str) -> None:
     model, inputs = _builtin(layers=3 if case == "three-blocks" else _LAYERS)
     kw: dict[str, Any] = {}
-    if case == "inference":
-        kw = {"optimizer": None}
-    elif case == "cpu-target":
+    if case == "cpu-target":
         kw = {"device": "cpu", "gpu": None}
     elif case == "user-hook":  # it would not run inside a replayed block
         model.model.layers[3].mlp.register_forward_hook(lambda *_: None)

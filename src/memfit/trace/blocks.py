@@ -1,5 +1,5 @@
-"""Replay of a model's identical blocks: the transformer layers of one training step traced
-once or twice, and the others replayed from that record (:mod:`memfit.trace.replay`'s windows).
+"""Replay of a model's identical blocks: the transformer layers of a traced step run once or
+twice, and the others replayed from that record (:mod:`memfit.trace.replay`'s windows).
 
 Note: [replaying identical blocks] A decoder runs ``N`` blocks of one class, each with
 parameters of the same shapes, dtypes and strides, each on a hidden state of the same metadata
@@ -43,10 +43,14 @@ template is refused. Module names in a template are relative to its block and re
 block replayed, so the breakdown by module is the real one's; a name outside every block (the
 rotary backward of Hugging Face's ``apply_rotary_pos_emb``, attributed to no module) is kept.
 
-Used for a single-process trace of a training step on a CUDA target only: a CPU target measures
-kernel scratch per op (its windows are refused), a parallel layout's blocks hold FSDP or DTensor
-state across calls, and real values replayed into data-dependent ops differ per call. A model
-that calls its blocks in another order, with other arguments or without grad stops the replay;
+A forward without grad (inference) replays the forward template alone; what a block leaves
+alive but its output must die when the forward ends (autocast's cached casts), and a block given
+an object (a KV cache it adds its own entries to) runs.
+
+Used for a single-process trace on a CUDA target only: a CPU target measures kernel scratch per
+op (its windows are refused), a parallel layout's blocks hold FSDP or DTensor state across
+calls, and real values replayed into data-dependent ops differ per call. A model that calls its
+blocks in another order, with other arguments or with another grad mode stops the replay;
 if a block was already replayed in that step, the trace is redone without replay
 (:class:`memfit.trace.replay.ReplayMismatch`), as it is when a template turns out not to be
 replayable. ``tests/test_trace_block_replay_exact.py`` compares every Estimate field with replay
@@ -179,6 +183,17 @@ def _meta_signature(obj: Any) -> Any:
     return ("o", type(obj))
 
 
+def _holds_objects(obj: Any) -> bool:
+    """Whether ``obj`` (a block's arguments) holds anything but tensors and plain values."""
+    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+        return False
+    if isinstance(obj, tuple | list):
+        return any(_holds_objects(o) for o in obj)
+    if type(obj) is dict:
+        return any(_holds_objects(o) for o in obj.values())
+    return True
+
+
 def _matches(sig: Any, obj: Any) -> bool:
     """Whether ``obj`` is what ``sig`` (from :func:`_signature`) identified: the same objects,
     or equal plain values."""
@@ -197,8 +212,9 @@ def _matches(sig: Any, obj: Any) -> bool:
 class _Blocks:
     """The replay state of one model's blocks in one trace (see the module's note)."""
 
-    def __init__(self, tracker: Any, fake_mode: Any, blocks: list[tuple[str, nn.Module]]
-                 ) -> None:
+    def __init__(self, tracker: Any, fake_mode: Any, blocks: list[tuple[str, nn.Module]],
+                 training: bool = True) -> None:
+        self.training = training  # else a forward without grad: no backward to replay
         self.tracker = tracker
         self.fake_mode = fake_mode
         self.names = [n for n, _ in blocks]
@@ -209,6 +225,7 @@ class _Blocks:
         self.step = -1
         self.saved_keys: dict[int, int] = {}
         self.backward_t = None
+        self.complete = False  # the templates of an earlier step are all there
         self._new_step()
 
     def _new_step(self) -> None:
@@ -220,11 +237,12 @@ class _Blocks:
         self.forwards: list[list[int]] = []  # the uids each replayed forward made
         # A later step starts where the first did (Note: [replaying identical blocks]): the
         # first step's templates serve every block of it but block 0.
-        self.reusing = self.backward_t is not None
+        self.reusing = self.complete
         if not self.reusing:
             self._forget_templates()
 
     def _forget_templates(self) -> None:
+        self.complete = False
         self.forward_t: _r._Window | None = None
         self.backward_t: _r._Window | None = None
         self.meta_sig: Any = None  # the arguments' metadata, to compare across steps
@@ -236,6 +254,7 @@ class _Blocks:
         # survivors of a forward (indices) that die when the forward ends (autocast's cached
         # casts that checkpointing did not save), not in the backward
         self.dead_at_end: list[int] | None = None
+        self.last_survivors: list[int] = []  # block N-1's forward survivors (uids)
 
     def stop(self, why: str) -> None:
         """No more replay in this trace; a step with replayed blocks is redone without."""
@@ -259,6 +278,13 @@ class _Blocks:
             return self._record_last(i, run, args, kwargs)
         self.replayed += 1
         _r.counts["replayed"] += 1
+        if not self.training:
+            with DisableTorchFunction():
+                window = self.forward_t
+                assert window is not None and window.meta is not None
+                out = _new_tensor(window.meta, self.fake_mode)
+                self.forwards.append(_emit(self, window, {}, {window.real_local: out}, i))
+            return out
         out = _BlockReplayed.apply(self, i, args[0])
         if i == self.n - 2 and not self.reusing:
             out.register_hook(self._close_template)  # block N-1's backward ends here
@@ -275,9 +301,9 @@ class _Blocks:
                 self.stop("a step began before the last one's blocks were done")
                 return "run"
             self._new_step()
-        if i != self.expected or not torch.is_grad_enabled():
+        if i != self.expected or torch.is_grad_enabled() != self.training:
             self.stop(f"block {i} called where block {self.expected} was expected, or "
-                      "without grad")
+                      f"{'without' if self.training else 'with'} grad")
             return "run"
         self.expected += 1
         x = args[0] if args else None
@@ -289,6 +315,10 @@ class _Blocks:
             meta_sig = _meta_signature(rest)
             if sig[1] is None:
                 self.stop(f"block {i}'s arguments cannot be compared with later blocks'")
+                return "run"
+            if not self.training and _holds_objects(rest):
+                # a KV cache (Hugging Face's past_key_values): each block adds its own entries
+                self.stop(f"block {i} is given an object (a cache) without grad")
                 return "run"
             if i == 1:
                 self.meta_sig, self.sig = meta_sig, sig
@@ -308,6 +338,8 @@ class _Blocks:
             return "run"
         if i == self.n - 1 and not self.reusing:
             return "last"
+        if not self.training:
+            return "replay"
         if any(p.grad is not None for p in self.params[i]):
             self.stop(f"block {i}'s parameters have gradients before its backward")
             return "run"
@@ -326,7 +358,7 @@ class _Blocks:
         x = args[0] if args else None
         tracker = self.tracker
         with DisableTorchFunction():
-            refused = (not isinstance(x, torch.Tensor) or not x.requires_grad
+            refused = (not isinstance(x, torch.Tensor) or x.requires_grad != self.training
                        or any(isinstance(a, torch.Tensor) and a.requires_grad
                               for a in (*args[1:], *kwargs.values()))
                        or (tracker.allocator is not None
@@ -352,10 +384,11 @@ class _Blocks:
     def _forward_window(self, i: int, start: tuple[int, ...], out: Any) -> _r._Window | None:
         tracker = self.tracker
         uid = _plain_uid(tracker, out)
-        if uid is None or not out.requires_grad or out.grad_fn is None:
+        if uid is None or out.requires_grad != self.training or (
+                self.training and out.grad_fn is None):
             return None
-        return _relative(_window(tracker, start, {}, uid, _meta(out)), self.names[i],
-                         self.block_names)
+        window = _window(tracker, start, {}, uid, _meta(out))
+        return _relative(window, self.names[i], self.block_names)
 
     def _record_last(self, i: int, run: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                      ) -> Any:
@@ -373,15 +406,17 @@ class _Blocks:
         if window is None or self.forward_t is None or not _same_window(window, self.forward_t):
             self.stop(f"block {i}'s forward differs from block 1's")
             return
+        allocs = [e for e in tracker.events[start[0]:] if e >= 0]
+        self.last_survivors = [allocs[local] for local in window.survivors]
+        if not self.training:  # forward_ended checks what outlives the forward
+            return
         # the storages block N-1's backward frees: its forward's survivors (by index), the
         # output's gradient (-1) and its input (-2)
-        allocs = [e for e in tracker.events[start[0]:] if e >= 0]
         foreign = {allocs[local]: index for index, local in enumerate(window.survivors)}
         x_uid = _plain_uid(tracker, x)
         if x_uid is not None:
             foreign[x_uid] = -2
         state: dict[str, Any] = {"foreign": foreign, "x_uid": x_uid}
-        self.last_survivors = [allocs[local] for local in window.survivors]
 
         @_bookkeeping
         def begin(grad: Any) -> None:
@@ -403,7 +438,8 @@ class _Blocks:
         if self.off or not self.forwards:
             return
         if not self.reusing:
-            if self.pending is None or self.forward_t is None:
+            if (self.pending is None and self.training) or self.forward_t is None \
+                    or not self.last_survivors:
                 raise ReplayMismatch("the forward ended before the last block ran")
             since = tracker.ops[-1][4] if tracker.ops else 0  # events once the last op returned
             # (survivor 0, the output, is a real tensor in a replay: it dies as it does)
@@ -412,9 +448,15 @@ class _Blocks:
             frees = {~e for e in tracker.events[since:] if e < 0}
             if any(self.last_survivors[k] not in frees for k in dead):
                 raise ReplayMismatch("a replayed block's storage died inside the forward")
-            foreign = self.pending["foreign"]
-            for k in dead:
-                del foreign[self.last_survivors[k]]
+            if self.training:
+                foreign = self.pending["foreign"]  # type: ignore[index]
+                for k in dead:
+                    del foreign[self.last_survivors[k]]
+            elif len(dead) != len(self.last_survivors) - 1:
+                # without grad nothing but the output may outlive the forward (a KV cache)
+                raise ReplayMismatch("a block's storage outlives a forward without grad")
+            else:
+                self.complete = True
             self.dead_at_end = dead
         forward = self.forward_t
         assert forward is not None and self.dead_at_end is not None
@@ -474,7 +516,7 @@ class _Blocks:
                 grad_in == -1 and -1 in freed):
             raise ReplayMismatch(f"block {i}'s backward leaves other storages alive, or does "
                                  "not free its saved activations")
-        self.backward_t, self.grad_in = window, grad_in
+        self.backward_t, self.grad_in, self.complete = window, grad_in, True
         self.param_grads, self.param_metas = param_grads, param_metas
 
     def _rel_module(self, name: str, i: int) -> tuple[bool, str]:
@@ -612,14 +654,15 @@ def _is_plain_fake(t: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def replaying_blocks(model: nn.Module, tracker: Any, fake_mode: Any) -> Iterator[None]:
+def replaying_blocks(model: nn.Module, tracker: Any, fake_mode: Any, *, training: bool = True
+                     ) -> Iterator[None]:
     """Inside the block, the model's identical blocks replay (see the module's note). Enter it
     before the trace registers its own module hooks."""
     blocks = _blocks_of(model) if _r.enabled() else []
     if not blocks:
         yield
         return
-    state = _Blocks(tracker, fake_mode, blocks)
+    state = _Blocks(tracker, fake_mode, blocks, training)
     tracker.on_forward_end.append(state.forward_ended)
     previous = []  # a forward of the instance's own (activation checkpointing's wrapper)
     for i, (_, module) in enumerate(blocks):

@@ -559,9 +559,10 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         fake_mode.tracking = True
         stack.callback(tracker.close)  # runs last: frees after the trace are not recorded
         stack.callback(setattr, fake_mode, "tracking", False)
-        if rank is None and cuda_target and training and replay is None:
+        if rank is None and cuda_target and replay is None:
             # before the trace's own module hooks: see Note: [replaying identical blocks]
-            stack.enter_context(replaying_blocks(fmodel, tracker, fake_mode))
+            stack.enter_context(replaying_blocks(fmodel, tracker, fake_mode,
+                                                 training=training))
         stack.enter_context(_module_hooks(fmodel, tracker))
         stack.enter_context(trace_progress(fmodel, steps=steps, training=training))
         stack.enter_context(_eager_library_paths())
