@@ -426,6 +426,17 @@ def apply_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -
         shard_stages(modules, parallel, mesh)
 
 
+def _autocast_dtype() -> torch.dtype | None:
+    """The dtype autocast gives the last stage's ``lm_head`` (a linear: on its lower-precision
+    list) when the pipeline is built inside autocast, as the trace builds it; torch 2.11's
+    ``PipelineStage`` checks each stage's outputs against the declared ones
+    (``stage.py: _validate_fwd_outputs``)."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+    return None
+
+
 def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, seq: int,
                    device: str = "cpu", group: Any = None, *, loss_fn: Any = stage_loss,
                    scale_grads: bool = True, submods: list[nn.Module] | None = None) -> Pipeline:
@@ -467,7 +478,8 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
             states = torch.zeros(micro, seq // parallel.tp if parallel.sp else seq, width,
                                  dtype=dtype, requires_grad=True)
             logits = torch.zeros(micro, seq, module.lm_head.out_features if module.last else 1,
-                                 dtype=dtype, requires_grad=True)  # type: ignore[union-attr]
+                                 dtype=_autocast_dtype() or dtype,
+                                 requires_grad=True)  # type: ignore[union-attr]
         stages.append(PipelineStage(module if submods is None else submods[position], index,
                                     num_stages, torch.device(device),
                                     input_args=ids if module.first else states,
