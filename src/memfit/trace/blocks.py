@@ -37,11 +37,14 @@ its fp32 copy); the gradient it receives (freed where the recorded one was) and 
 gives: the input's gradient, returned to autograd, and each parameter's ``.grad``, set as
 ``AccumulateGrad`` set it. Every other storage the forward leaves alive is freed by the block's
 own backward, or dies when the forward ends (autocast's cached casts that activation
-checkpointing did not save: freed for the replayed blocks when the tracker closes the forward,
-after the last op, as the cache is cleared then; checked against block N-1's); else the
-template is refused. Module names in a template are relative to its block and renamed for the
-block replayed, so the breakdown by module is the real one's; a name outside every block (the
-rotary backward of Hugging Face's ``apply_rotary_pos_emb``, attributed to no module) is kept.
+checkpointing did not save: autocast caches the low-precision copy of a leaf fp32 tensor that
+requires grad, ``aten/src/ATen/autocast_mode.cpp: cached_cast``, until the outermost autocast
+exits, ``torch/amp/autocast_mode.py: __exit__`` calling ``clear_autocast_cache``; freed for the
+replayed blocks when the tracker closes the forward, after the last op, as the cache is cleared
+then; checked against block N-1's); else the template is refused. Module names in a
+template are relative to its block and renamed for the block replayed, so the breakdown by
+module is the real one's; a name outside every block (the rotary backward of Hugging Face's
+``apply_rotary_pos_emb``, attributed to no module) is kept.
 
 A forward without grad (inference) replays the forward template alone; what a block leaves
 alive but its output must die when the forward ends (autocast's cached casts), and a block given
