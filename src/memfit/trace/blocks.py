@@ -601,10 +601,8 @@ class _BlockReplayed(torch.autograd.Function):
 
 def _emit(blocks: _Blocks, window: _r._Window, foreign: Any, reals: dict[int, torch.Tensor],
           i: int) -> list[int]:
-    emitter = _r._Replay.__new__(_r._Replay)
-    emitter.tracker, emitter.fake_mode, emitter.saved_keys = (blocks.tracker, blocks.fake_mode,
-                                                              blocks.saved_keys)
-    return emitter.emit(window, foreign, reals, _names_for(window, blocks.names[i]))
+    return _r.emit(blocks.tracker, blocks.fake_mode, blocks.saved_keys, window, foreign, reals,
+                   _names_for(window, blocks.names[i]))
 
 
 def _blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:

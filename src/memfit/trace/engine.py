@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -173,22 +173,14 @@ def _fake_state(state: dict[str, Any], device: str, memo: dict[int, Any]) -> dic
     return out
 
 
-def _state_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors among a Parameter subclass's attributes (see ``_fake_state``)."""
-    if depth > 2 or not hasattr(obj, "__dict__"):
-        return
-    for v in vars(obj).values():
+def _state_tensors(values: Iterable[Any], depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors among a Parameter subclass's attributes ``values`` (see ``_fake_state``), and
+    among their own attributes, two levels down."""
+    for v in values:
         if isinstance(v, torch.Tensor):
             yield v
-        elif not isinstance(v, type | nn.Module):
-            yield from _state_tensors(v, depth + 1)
-
-
-class _Holder:
-    """One attribute's value, as :func:`_state_tensors` walks an object's attributes."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
+        elif depth < 2 and hasattr(v, "__dict__") and not isinstance(v, type | nn.Module):
+            yield from _state_tensors(vars(v).values(), depth + 1)
 
 
 def _leaves_shallow(values: Any) -> Iterator[torch.Tensor]:
@@ -688,9 +680,9 @@ def _register_baseline(tracker: Tracker, model: nn.Module, inputs: Any) -> None:
         for p in mod._parameters.values():
             if p is not None:
                 tracker.track(p, MemoryCategory.WEIGHTS, name)
-                for key in getattr(p, "_memfit_state", ()):  # a subclass's state: _fake_model
-                    for t in _state_tensors(_Holder(getattr(p, key))):
-                        tracker.track(t, MemoryCategory.WEIGHTS, name)
+                state = [getattr(p, key) for key in getattr(p, "_memfit_state", ())]
+                for t in _state_tensors(state):  # a subclass's state: _fake_model
+                    tracker.track(t, MemoryCategory.WEIGHTS, name)
         for b in mod._buffers.values():
             if b is not None:
                 tracker.track(b, MemoryCategory.WEIGHTS, name)

@@ -94,7 +94,7 @@ class _Window:
     phase: str
     survivors: list[int]  # local indices alive at the end (forward: output first)
     real_local: int | None  # local index of the storage that stays a real tensor
-    meta: tuple[Any, ...] | None  # (shape, stride, dtype) of that tensor
+    meta: tuple[Any, ...] | None  # that tensor's _meta: shape, stride, dtype, bytes, device
     module_after: Any = ""  # blocks.py: (relative, name)
     names: list[tuple[bool, str]] = dataclasses.field(default_factory=list)  # blocks.py
 
@@ -256,68 +256,74 @@ class _Replay:
 
     # -- replay --------------------------------------------------------------------------------
 
-    def emit(self, window: _Window, foreign: Any, reals: dict[int, torch.Tensor],
-             names: list[str] | None = None) -> list[int]:
-        """Replay ``window``'s events and ops now; returns the new uids by local index.
-
-        ``foreign[i]``: the uid of the paired forward's survivor ``i`` (negative ``i``: a
-        storage made outside, freed here and forgotten, see :func:`_forget`); ``reals``: local
-        index -> the real fake tensor that storage is (watched, not a ledger key); ``names``: the
-        module names of a window whose events and ops hold indices into its ``names``
-        (:func:`memfit.trace.blocks._relative`), for the block replayed."""
-        tracker = self.tracker
-        if tracker.phase != window.phase:
-            raise ReplayMismatch(f"replayed in phase {tracker.phase}, recorded in "
-                                 f"{window.phase}")
-        uids: list[int] = []
-        keys: dict[int, int] = {}
-        live = tracker.live
-        ops = tracker.ops
-        phase, step = tracker.phase, tracker.step
-        fake_mode = self.fake_mode
-        k = 0
-        events = window.events
-        for func, module, upto in [*window.ops, (None, "", len(events))]:
-            while k < upto:
-                e = events[k]
-                k += 1
-                if e[0] == "a":
-                    local = len(uids)
-                    uid = tracker._allocate(StorageInfo(
-                        e[1], phase, step, e[2] if names is None else names[e[2]]))
-                    uids.append(uid)
-                    real = reals.get(local)
-                    if real is not None:
-                        st = real.untyped_storage()
-                        tracker.watch(uid, st._cdata, st)
-                    else:
-                        key = next(_keys)
-                        live[key] = uid
-                        keys[local] = key
-                else:
-                    if e[1] == "l":
-                        uid = uids[e[2]]
-                        live.pop(keys.pop(e[2]), None)
-                    elif e[2] < 0:  # made outside (the output's gradient): freed here
-                        uid = foreign[e[2]]
-                        _forget(tracker, uid)
-                    else:
-                        uid = foreign[e[2]]
-                        live.pop(self.saved_keys.pop(uid), None)
-                    tracker.freed(uid)
-            if func is not None:
-                if tracker.oom is not None and tracker.oom is not fake_mode._oom_noted:
-                    fake_mode._oom_noted = tracker.oom
-                    fake_mode.warn(f"an unlimited GPU from {func} on: the step does not fit "
-                                   f"({tracker.oom})")
-                ops.append((func, phase, step, module if names is None else names[module],
-                            len(tracker.events)))
-        for local, key in keys.items():
-            self.saved_keys[uids[local]] = key
-        return uids
+    def emit(self, window: _Window, foreign: Any, reals: dict[int, torch.Tensor]
+             ) -> list[int]:
+        """Replay ``window``'s events and ops now (:func:`emit`)."""
+        return emit(self.tracker, self.fake_mode, self.saved_keys, window, foreign, reals)
 
     saved_keys: dict[int, int]
     fake_mode: Any = None
+
+
+def emit(tracker: Any, fake_mode: Any, saved_keys: dict[int, int], window: _Window,
+     foreign: Any, reals: dict[int, torch.Tensor], names: list[str] | None = None
+     ) -> list[int]:
+    """Replay ``window``'s events and ops now; returns the new uids by local index.
+
+    ``foreign[i]``: the uid of the paired forward's survivor ``i`` (negative ``i``: a
+    storage made outside, freed here and forgotten, see :func:`_forget`); ``reals``: local
+    index -> the real fake tensor that storage is (watched, not a ledger key); ``names``: the
+    module names of a window whose events and ops hold indices into its ``names``
+    (:func:`memfit.trace.blocks._relative`), for the block replayed. ``saved_keys``: the
+    replay's ledger keys of the forward survivors still alive, by uid."""
+    if tracker.phase != window.phase:
+        raise ReplayMismatch(f"replayed in phase {tracker.phase}, recorded in "
+                             f"{window.phase}")
+    uids: list[int] = []
+    keys: dict[int, int] = {}
+    live = tracker.live
+    ops = tracker.ops
+    phase, step = tracker.phase, tracker.step
+    k = 0
+    events = window.events
+    for func, module, upto in [*window.ops, (None, "", len(events))]:
+        while k < upto:
+            e = events[k]
+            k += 1
+            if e[0] == "a":
+                local = len(uids)
+                uid = tracker._allocate(StorageInfo(
+                    e[1], phase, step, e[2] if names is None else names[e[2]]))
+                uids.append(uid)
+                real = reals.get(local)
+                if real is not None:
+                    st = real.untyped_storage()
+                    tracker.watch(uid, st._cdata, st)
+                else:
+                    key = next(_keys)
+                    live[key] = uid
+                    keys[local] = key
+            else:
+                if e[1] == "l":
+                    uid = uids[e[2]]
+                    live.pop(keys.pop(e[2]), None)
+                elif e[2] < 0:  # made outside (the output's gradient): freed here
+                    uid = foreign[e[2]]
+                    _forget(tracker, uid)
+                else:
+                    uid = foreign[e[2]]
+                    live.pop(saved_keys.pop(uid), None)
+                tracker.freed(uid)
+        if func is not None:
+            if tracker.oom is not None and tracker.oom is not fake_mode._oom_noted:
+                fake_mode._oom_noted = tracker.oom
+                fake_mode.warn(f"an unlimited GPU from {func} on: the step does not fit "
+                               f"({tracker.oom})")
+            ops.append((func, phase, step, module if names is None else names[module],
+                        len(tracker.events)))
+    for local, key in keys.items():
+        saved_keys[uids[local]] = key
+    return uids
 
 
 def torch_internals_queue(callback: Any) -> None:
