@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+from memfit import validate
 from memfit.validate import matrix, run_config
 
 
@@ -51,3 +52,13 @@ def test_tiny_config_matches_its_real_cpu_run() -> None:
         warnings.simplefilter("ignore")
         result = run_config(config, size="tiny", device="cpu", gpu=None)
     assert abs(result.error_allocated) <= 0.01, result
+
+
+@pytest.mark.parametrize("size", validate.SIZES)
+def test_every_family_builds_at_every_size(size: str) -> None:
+    # The GPU matrix ("medium") was never run before a GPU was lent: its ViT had no spec, so
+    # every vit config would have failed on the first GPU. Build each family on meta.
+    for family, with_batch in validate.zoo(size).items():
+        model, inputs, _loss = with_batch(2)("meta")
+        assert sum(p.numel() for p in model.parameters()) > 0, family
+        assert all(t.device.type == "meta" for t in inputs), family

@@ -169,14 +169,17 @@ def _small_gpt2(layers: int, hidden: int, vocab: int = 50257) -> Any:
         position="learned", tie_embeddings=True)
 
 
-def _small_vit() -> Any:
+def _small_vit(layers: int = 2, hidden: int = 128, image: int = 32, patch: int = 8,
+               labels: int = 10) -> Any:
     from memfit.models.spec import TransformerSpec
 
+    heads = hidden // 64
     return TransformerSpec(
-        name="vit-2x128", family="vit", arch="vision", hidden_size=128, num_layers=2,
-        num_heads=2, num_kv_heads=2, head_dim=64, intermediate_size=512, mlp="gelu",
-        norm="layernorm", qkv_bias=True, attn_out_bias=True, mlp_bias=True, position="learned",
-        image_size=32, patch_size=8, num_labels=10)
+        name=f"vit-{layers}x{hidden}", family="vit", arch="vision", hidden_size=hidden,
+        num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=64,
+        intermediate_size=4 * hidden, mlp="gelu", norm="layernorm", qkv_bias=True,
+        attn_out_bias=True, mlp_bias=True, position="learned", image_size=image,
+        patch_size=patch, num_labels=labels)
 
 
 _SCALED: dict[str, Callable[[], Any]] = {
@@ -189,6 +192,7 @@ _SCALED: dict[str, Callable[[], Any]] = {
     "vit-small": _small_vit,
     "gpt2-small": lambda: _small_gpt2(4, 256),
     "gpt2-medium": lambda: _small_gpt2(12, 768),
+    "vit-medium": lambda: _small_vit(12, 768, image=224, patch=16, labels=1000),  # ViT-B/16
     "llama-small": lambda: _small_llama(4, 256),
     "llama-medium": lambda: _small_llama(16, 2048),
     "moe-small": lambda: _small_llama(2, 256, experts=4),
