@@ -88,13 +88,21 @@ def _model(args: argparse.Namespace) -> tuple[nn.Module, Any]:
     return model, example_inputs(spec, batch=1, seq=args.seq, device="cpu")
 
 
+def _count_fn(sample: Any) -> Any:
+    """A Hugging Face causal LM's ``.loss`` averages over its label tokens: the OOM guard must
+    count those, not rows, to split a micro-batch exactly (``memfit.oom_guard``)."""
+    from memfit.oom_guard import causal_lm_count
+
+    return causal_lm_count if isinstance(sample, dict) and "labels" in sample else None
+
+
 def _time_config(model: nn.Module, sample: Any, cfg: FitConfig, global_batch: int,
                  device: str, budget: int, steps: int) -> dict[str, Any]:
     trial = copy.deepcopy(model).to(device)
     batch = real_batch(sample, global_batch, device)
     row: dict[str, Any] = {"config": cfg.label()}
     try:
-        _, opt, step = apply_config(trial, cfg, log_recoveries=False)
+        _, opt, step = apply_config(trial, cfg, log_recoveries=False, count_fn=_count_fn(sample))
         step(batch)  # warm-up (optimizer state created)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -224,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     plan = fit(model, sample, global_batch=global_batch, budget_bytes=budget, gpu=gpu,
-               device=args.device, measure=not cpu, progress=False)
+               device=args.device, measure=not cpu, progress=False, count_fn=_count_fn(sample))
     search_s = time.perf_counter() - started
     print(plan)
 
