@@ -111,6 +111,9 @@ def test_gpus_and_models_list(capsys) -> None:
     (["plan", "--params", "7e9", "--mode", "lora"], "architecture"),
     (["plan", "llama-3-8b", "--method", "magic"], "method"),
     (["plan", "llama-3-8b", "--gpu", "t4", "--precision", "fp8"], "fp8"),
+    # a name that fits boards of 40 and 80 GB: refused with the candidates, never guessed
+    (["plan", "llama-3-8b", "--gpu", "a100"], "a100-sxm-40gb (40 GB HBM2), a100-sxm-80gb"),
+    (["plan", "llama-3-8b", "--gpu", "h100"], "h100-sxm-80gb (80 GB HBM3), h100-pcie-80gb"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv: list[str], needle: str) -> None:
     code, _, err = run_or_exit(capsys, argv)
@@ -135,7 +138,8 @@ def test_malformed_config_file(capsys, tmp_path) -> None:
 def test_malformed_gpu_file(capsys, tmp_path) -> None:
     bad = tmp_path / "gpus.json"
     bad.write_text("[1, 2")
-    code, _, err = run_or_exit(capsys, ["plan", "gpt2", "--gpu", "h100", "--gpu-file", str(bad)])
+    code, _, err = run_or_exit(capsys, ["plan", "gpt2", "--gpu", "h100-80gb", "--gpu-file",
+                                        str(bad)])
     assert code == 2 and len(err.strip().splitlines()) == 1
 
 

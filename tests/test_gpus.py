@@ -125,10 +125,10 @@ def test_no_bf16_on_v100_and_t4_but_fp16() -> None:
 
 def test_driver_reported_capacities_from_facts() -> None:
     # facts.md: nvidia-smi shows 81,559 MiB on an H100 80GB HBM3 and 143,771 MiB on an H200
-    assert get_gpu("h100").memory_bytes == 81559 * MiB
+    assert get_gpu("h100-sxm-80gb").memory_bytes == 81559 * MiB
     assert get_gpu("h100-80gb").memory_bytes == 81559 * MiB
     assert get_gpu("h200").memory_bytes == 143771 * MiB
-    assert get_gpu("h100").memory_basis == "driver"
+    assert get_gpu("h100-sxm-80gb").memory_basis == "driver"
 
 
 def test_usable_never_exceeds_total() -> None:
@@ -147,13 +147,14 @@ def test_precision_flags_follow_compute_capability() -> None:
             cc = tuple(int(p) for p in gpu.compute_capability.split("."))
             assert gpu.bf16 == (cc >= (8, 0)), gpu.name
             assert gpu.fp8 == (cc >= (8, 9)), gpu.name
-    assert get_gpu("a100").supports("fp8") is False
-    assert get_gpu("h100").supports("fp8") is True
+    assert get_gpu("a100-sxm-80gb").supports("fp8") is False
+    assert get_gpu("h100-sxm-80gb").supports("fp8") is True
 
 
 def test_dense_not_sparse_tflops() -> None:
     """Datasheets print sparse tensor figures; the catalog stores dense = sparse / 2."""
-    assert get_gpu("h100").tflops["fp8"] == pytest.approx(3958 / 2, rel=0.001)  # 3,958 sparse
+    h100 = get_gpu("h100-sxm-80gb")
+    assert h100.tflops["fp8"] == pytest.approx(3958 / 2, rel=0.001)  # 3,958 sparse
     assert get_gpu("l40s").tflops["fp8"] == pytest.approx(1466 / 2, rel=0.001)  # 1,466 sparse
     assert get_gpu("l4").tflops["bf16"] == pytest.approx(242 / 2, rel=0.001)  # 242 sparse
     for gpu in list_gpus():  # tensor bf16 is never below fp32 on any of these parts
@@ -175,7 +176,7 @@ def test_pcie_per_direction_from_lane_arithmetic() -> None:
 def test_gpu_links_per_direction() -> None:
     # published bidirectional totals / 2: NVLink 2 300, NVLink 3 600, NVLink 4 900, NVLink 5
     # 1.8 TB/s; MI300X: 7 Infinity Fabric links x 128 GB/s bidirectional.
-    expected = {"v100": 150, "a100-80gb": 300, "h100": 450, "h200": 450, "b200": 900,
+    expected = {"v100-16gb": 150, "a100-80gb": 300, "h100-sxm-80gb": 450, "h200": 450, "b200": 900,
                 "mi300x": 7 * 128 / 2, "rtx-3090": 112.5 / 2}
     for name, gbps in expected.items():
         link = get_gpu(name).gpu_link
@@ -236,7 +237,7 @@ def test_top_level_describes_units() -> None:
 
 @pytest.mark.parametrize(("spelling", "canonical"), [
     ("rtx-4090", "rtx-4090"), ("4090", "rtx-4090"), ("RTX_4090", "rtx-4090"),
-    ("rtx 4090", "rtx-4090"), ("h100-80gb", "h100-sxm-80gb"), ("H100", "h100-sxm-80gb"),
+    ("rtx 4090", "rtx-4090"), ("h100-80gb", "h100-sxm-80gb"), ("H100-SXM", "h100-sxm-80gb"),
     ("h100-sxm", "h100-sxm-80gb"), ("a100-40gb", "a100-sxm-40gb"), ("A100-80GB", "a100-sxm-80gb"),
     ("h200", "h200-141gb"), ("  L40S ", "l40s"), ("MI300X", "mi300x"),
 ])
@@ -248,16 +249,75 @@ def test_unknown_gpu_suggests_closest_and_how_to_fix() -> None:
     with pytest.raises(MemfitError) as err:
         get_gpu("h10")
     message = str(err.value)
-    assert "'h100'" in message
+    assert "'h100-sxm-80gb'" in message  # found through an alias, named as `memfit gpus` does
     assert "memfit gpus" in message and "--gpu-file" in message
     assert "\n" not in message
     with pytest.raises(MemfitError, match="'rtx-4090'"):
         get_gpu("rtx-4080")
 
 
+def _memory_gb(label: str) -> float:
+    """The size in a memory label: "80 GB HBM3" -> 80."""
+    return float(label.split()[0])
+
+
+@pytest.mark.parametrize(("name", "family"), [
+    ("a100", "a100-"), ("A100", "a100-"), ("h100", "h100-"), ("v100", "v100-"),
+    ("a100-sxm", "a100-sxm-"), ("Tesla V100", "v100-"),
+])
+def test_a_name_that_fits_several_gpus_is_refused_with_the_candidates(name: str,
+                                                                        family: str) -> None:
+    """``a100`` once meant the 80 GB SXM board although a 40 GB one is in the catalog: a
+    silent 2x in capacity. Every catalog board of the family is a candidate, in one line."""
+    boards = [g.name for g in list_gpus() if g.name.startswith(family)]
+    assert len(boards) >= 2
+    with pytest.raises(MemfitError) as err:
+        get_gpu(name)
+    message = str(err.value)
+    assert "\n" not in message and f"GPU {name!r} fits {len(boards)} catalog GPUs" in message
+    for board in boards:
+        assert board in message
+
+
+def test_every_alias_names_one_memory_size() -> None:
+    """An alias may leave out the form factor of boards with the same memory (h100-80gb: SXM
+    or PCIe, both 80 GB), never the memory size: each alias's words fit no board of another
+    size."""
+    entries = _raw_entries()
+
+    def words(entry: dict) -> set[str]:
+        return {w for key in (entry["name"], *entry["aliases"], entry["label"])
+                for w in re.split(r"[^a-z0-9.]+", key.lower()) if w}
+
+    for entry in entries:
+        for alias in entry["aliases"]:
+            fits = [e for e in entries if set(alias.split("-")) <= words(e)]
+            sizes = {_memory_gb(e["memory_label"]) for e in fits}
+            assert sizes == {_memory_gb(entry["memory_label"])}, (alias, [e["name"] for e in fits])
+
+
+def test_the_label_plan_prints_is_accepted() -> None:
+    """``memfit plan`` prints the label ("NVIDIA GeForce RTX 4090"); it is a valid --gpu,
+    in any case."""
+    for gpu in list_gpus():
+        assert get_gpu(gpu.label) == gpu
+        assert get_gpu(gpu.label.upper()) == gpu and get_gpu(gpu.label.lower()) == gpu
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4080", "geforce 4090", "h10", "h1000",
+                                  "a100-40gb-pcie", "rtx4080"])
+def test_suggestions_are_names_memfit_gpus_lists(name: str) -> None:
+    """A suggestion is copied into --gpu; `memfit gpus` lists canonical names only."""
+    listed = {g.name for g in list_gpus()}
+    with pytest.raises(MemfitError) as err:
+        get_gpu(name)
+    suggested = re.findall(r"'([^']+)'", str(err.value).split(";")[0])[1:]
+    assert suggested and set(suggested) <= listed, suggested
+
+
 def test_supports_rejects_unknown_precision() -> None:
     with pytest.raises(MemfitError, match="valid: fp32, tf32, fp16, bf16, fp8"):
-        get_gpu("h100").supports("int3")
+        get_gpu("h100-80gb").supports("int3")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +349,8 @@ def test_user_file_adds_a_gpu(tmp_path: Path) -> None:
 
 def test_user_file_partial_override(tmp_path: Path) -> None:
     path = _write(tmp_path, {"gpus": [
-        {"name": "h100", "price_per_hour": 1.25, "tflops": {"bf16": 800}, "gpu_link": {"gbps": 1}},
+        {"name": "h100-80gb", "price_per_hour": 1.25, "tflops": {"bf16": 800},
+         "gpu_link": {"gbps": 1}},
         {"name": "a100-sxm-80gb", "memory_bytes": 80 * 2**30},
     ]})
     h100 = get_gpu("h100-sxm-80gb", extra_file=path)
@@ -302,7 +363,7 @@ def test_user_file_partial_override(tmp_path: Path) -> None:
     a100 = get_gpu("a100-80gb", extra_file=path)
     assert a100.memory_bytes == a100.usable_bytes == 80 * 2**30
     assert a100.memory_basis == "user"
-    assert get_gpu("h100").price_per_hour != 1.25  # built-in cache not mutated
+    assert get_gpu("h100-80gb").price_per_hour != 1.25  # built-in cache not mutated
 
 
 def test_user_file_from_env_and_default_location(monkeypatch: pytest.MonkeyPatch,
@@ -360,8 +421,10 @@ BAD = [  # (entry or whole document, text the one-line message must contain)
     (dict(NEW_GPU, bf16="yes"), "'bf16' must be true or false"),
     (dict(NEW_GPU, host_link={"kind": "PCIe", "gbps": -3}), "host_link.gbps must be a positive"),
     (dict(NEW_GPU, host_link=None), "'host_link' must be an object"),
-    (dict(NEW_GPU, aliases=["h100"]), "'h100' is used by both"),
-    ({"name": "h100", "memory_bytes": -1}, "'memory_bytes' must be a positive whole number"),
+    (dict(NEW_GPU, aliases=["h100-80gb"]), "'h100-80gb' is used by both"),
+    ({"name": "h100", "memory_bytes": 1}, "not a catalog name; to override some fields use one of "
+     "h100-sxm-80gb, h100-pcie-80gb, h100-nvl-94gb"),
+    ({"name": "h100-80gb", "memory_bytes": -1}, "'memory_bytes' must be a positive whole number"),
     ({"name": "t4", "gpu_link": {"gbps": 10}}, "gpu_link is missing 'kind'"),  # T4 has none
     ({"gpus": []}, "non-empty \"gpus\" list"),
     ({"gpus": [NEW_GPU], "gpu": []}, "unknown top-level keys ['gpu']"),

@@ -249,7 +249,8 @@ def test_this_needs_n_gpus_and_host_memory_per_node(capsys) -> None:
     text = " ".join(out.split())
     assert f"this needs {n} GPUs (ZeRO-3 / FSDP: --gpus {n} --zero 3)" in text
     assert n > 2 and f"{-(-n // 2)} nodes of 2 GPUs" in text
-    assert f"{format_bytes(per_gpu * 2)} per node ({format_bytes(per_gpu)} per GPU)" in text
+    assert (f"host memory for offloaded states on {n} GPUs: {format_bytes(per_gpu)} per GPU, "
+            f"{format_bytes(per_gpu * 2)} per node of 2 GPUs") in text
 
 
 def test_no_gpu_count_helps_when_the_activations_alone_do_not_fit(capsys) -> None:

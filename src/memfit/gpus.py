@@ -11,13 +11,14 @@ file, the entry and the fix.
 Example::
 
     >>> from memfit.gpus import get_gpu
-    >>> gpu = get_gpu("h100")
+    >>> gpu = get_gpu("h100-80gb")
     >>> gpu.name, gpu.memory_bytes == 81559 * 2**20, gpu.supports("fp8")
     ('h100-sxm-80gb', True, True)
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -164,40 +165,67 @@ def list_gpus(extra_file: str | Path | None = None) -> list[GpuSpec]:
 
 
 def get_gpu(name: str, extra_file: str | Path | None = None) -> GpuSpec:
-    """Look up a GPU by canonical name or alias (case-insensitive; ``_`` and spaces read as ``-``).
+    """Look up a GPU by canonical name, alias or the label ``memfit plan`` prints
+    (case-insensitive; ``_`` and spaces read as ``-``).
 
-    >>> get_gpu("RTX_4090").name
-    'rtx-4090'
+    A name that fits several GPUs of the catalog (``a100``: the 40 and 80 GB boards) is refused
+    with the candidates, never resolved to one of them.
+
+    >>> get_gpu("RTX_4090").name, get_gpu("NVIDIA GeForce RTX 4090").name
+    ('rtx-4090', 'rtx-4090')
     """
     catalog = load_catalog(extra_file)
-    index = _index(catalog)
-    canonical = index.get(_key(name))
-    if canonical is None:
-        hint = suggest(_key(name), _spellings(catalog))
-        raise MemfitError(
-            f"unknown GPU {name!r}{hint}; run `memfit gpus` to list the catalog, or pass "
-            f"--gpu-file FILE (or set ${ENV_VAR}) to add your own")
-    return catalog[canonical]
+    canonical = _index(catalog).get(_key(name))
+    if canonical is not None:
+        return catalog[canonical]
+    candidates = _matching(catalog, name)
+    if len(candidates) > 1:
+        listed = ", ".join(f"{c.name} ({c.memory_label})" for c in candidates)
+        raise MemfitError(f"GPU {name!r} fits {len(candidates)} catalog GPUs: {listed}; name "
+                          "one of them (`memfit gpus` lists the catalog)")
+    close = [c.name for c in candidates] or _closest(catalog, name)
+    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+    raise MemfitError(
+        f"unknown GPU {name!r}{hint}; run `memfit gpus` to list the catalog, or pass "
+        f"--gpu-file FILE (or set ${ENV_VAR}) to add your own")
 
 
-def _spellings(catalog: Mapping[str, GpuSpec]) -> list[str]:
-    """Names then aliases for suggestions ("h10" should find "h100"), one per spelling that
-    differs only in dashes ("rtx4090" is left out when "rtx-4090" is there)."""
-    out: list[str] = []
-    seen: set[str] = set()
-    names = [spec.name for spec in catalog.values()]
-    for key in names + [a for spec in catalog.values() for a in spec.aliases]:
-        if key.replace("-", "") not in seen:
-            seen.add(key.replace("-", ""))
-            out.append(key)
-    return out
+def _tokens(text: str) -> set[str]:
+    """The words of a name: ``NVIDIA A100 SXM4 80GB`` -> {nvidia, a100, sxm4, 80gb}."""
+    return {t for t in re.split(r"[^a-z0-9.]+", text.lower()) if t}
+
+
+def _matching(catalog: Mapping[str, GpuSpec], name: str) -> list[GpuSpec]:
+    """The GPUs whose names (canonical, aliases, label) hold every word of ``name``, in catalog
+    order: ``h100`` -> the SXM, PCIe and NVL boards; ``geforce 4090`` -> rtx-4090."""
+    words = _tokens(name)
+    if not words:
+        return []
+    return [spec for spec in catalog.values()
+            if words <= set().union(*(_tokens(k) for k in (spec.name, *spec.aliases, spec.label)))]
+
+
+def _closest(catalog: Mapping[str, GpuSpec], name: str, n: int = 3) -> list[str]:
+    """The canonical names (the ones `memfit gpus` lists) of the GPUs with a spelling closest
+    to ``name``: "h10" finds the h100 boards through their aliases."""
+    spellings: dict[str, str] = {}
+    for spec in catalog.values():
+        for key in (spec.name, *spec.aliases, spec.label):
+            spellings.setdefault(_key(key), spec.name)
+    close = difflib.get_close_matches(_key(name), list(spellings), n=4 * n, cutoff=0.5)
+    return list(dict.fromkeys(spellings[c] for c in close))[:n]
 
 
 def _index(catalog: Mapping[str, GpuSpec]) -> dict[str, str]:
+    """Lookup key -> canonical name: every name and alias, and each label that one GPU has."""
     index: dict[str, str] = {}
     for spec in catalog.values():
         for key in (spec.name, *spec.aliases):
             index.setdefault(_key(key), spec.name)
+    labels = [_key(spec.label) for spec in catalog.values()]
+    for spec, label in zip(catalog.values(), labels, strict=True):
+        if labels.count(label) == 1:
+            index.setdefault(label, spec.name)
     return index
 
 
@@ -439,6 +467,11 @@ def _merge(builtin: tuple[tuple[str, dict[str, Any]], ...], user: list[dict[str,
                     base[fld] = value
             seen.add(target)
         else:
+            close = [spec.name for spec in _matching(_builtin(), key)]
+            if close and any(k not in entry for k in _REQUIRED_NEW):
+                raise MemfitError(f"{where}: GPU {entry['name']!r} is not a catalog name; to "
+                                  f"override some fields use one of {', '.join(close)}, or give "
+                                  f"every required field ({', '.join(_REQUIRED_NEW)}) to add it")
             _validate_entry(entry, where, new=True)
             merged[key] = dict(entry, name=key)
             seen.add(key)

@@ -805,29 +805,52 @@ def gpus_needed(p: MemoryPlan, *, gpus_per_node: int = GPUS_PER_NODE,
     return None
 
 
+def unshrinkable(p: MemoryPlan) -> MemoryPlan:
+    """``p``'s step with so many data-parallel ranks (one per parameter, and the ZeRO stage
+    :func:`gpus_needed` adds ranks with) that every sharded state is down to a few bytes: the
+    per-GPU bytes no number of GPUs removes (one micro-batch's activations and temporaries, the
+    runtime, what the ZeRO stage does not shard)."""
+    run = p.run
+    step = run.parallel.tp * run.parallel.pp
+    ranks = max(p.model.param_count(), MAX_GPUS)
+    return plan(p.model, run.relayout(gpus=ranks * step, zero=run.zero or _widest_zero(run)),
+                p.gpu)
+
+
 def scale_out_line(p: MemoryPlan, scale: ScaleOut | None, *,
                    gpus_per_node: int = GPUS_PER_NODE) -> str:
     """The line ``memfit plan`` prints when ``p`` does not fit: how many GPUs it needs, or why
-    no count up to :data:`MAX_GPUS` will do."""
+    no count up to :data:`MAX_GPUS` will do: what does not shrink with more GPUs is over the
+    GPU's budget (:func:`unshrinkable`), or the sharded states still are at that count."""
     if scale is None:
         if p.run.training:
             zero = p.run.zero or _widest_zero(p.run)
             step = p.run.parallel.tp * p.run.parallel.pp
-            widest = plan(p.model, p.run.relayout(gpus=MAX_GPUS // step * step, zero=zero), p.gpu)
-            held = (widest.breakdown[MemoryCategory.ACTIVATIONS]
-                    + widest.breakdown[MemoryCategory.TEMPORARIES])
+            # the largest count searched (or the one planned, past it): per-GPU bytes never grow
+            # with the ranks, so none below it holds the step either
+            top = max(MAX_GPUS // step * step, p.run.parallel.gpus)
+            widest = plan(p.model, p.run.relayout(gpus=top, zero=zero), p.gpu)
+            floor = unshrinkable(p)
+            head = f"no number of GPUs up to {top} holds this step with ZeRO-{zero}"
             if zero < 3:
-                kept = (widest.breakdown[MemoryCategory.WEIGHTS]
-                        + widest.breakdown[MemoryCategory.GRADIENTS])
-                return (f"no number of GPUs up to {MAX_GPUS} holds this step with ZeRO-{zero} "
-                        f"({widest.engine_label}): the weights and gradients "
-                        f"({format_bytes(kept)} per GPU) and one micro-batch's activations and "
-                        f"temporaries ({format_bytes(held)}) do not shrink with more GPUs; try "
-                        "--tp, --pp or an engine that shards parameters (--engine fsdp2)")
-            return (f"no number of GPUs up to {MAX_GPUS} holds this step with ZeRO-{zero}: the "
-                    f"activations and temporaries of one micro-batch ({format_bytes(held)} per "
-                    "GPU) do not shrink with more GPUs; try --checkpointing full, a smaller "
-                    "--batch, or --tp")
+                head += f" ({widest.engine_label})"
+            unknown = ("" if p.activations_known else
+                       " (activations not counted: only the parameter count is given)")
+            if floor.fits:  # what is left at MAX_GPUS is sharded: more GPUs would shrink it
+                return (f"{head}: each of {top} GPUs still needs "
+                        f"{format_bytes(widest.total_bytes)}, all but "
+                        f"{format_bytes(floor.total_bytes)} of it sharded states, which more "
+                        f"GPUs shrink{unknown}; plan a larger --gpus, or fewer bytes per "
+                        "parameter (--offload-optimizer, --optimizer adamw-8bit)")
+            budget = (p.capacity_bytes or 0) - int(FITS_MARGIN * (p.capacity_bytes or 0))
+            # the sharded states are down to a few bytes each: name the parts of a MiB or more
+            parts = ", ".join(f"{c.value} {format_bytes(b)}" for c, b in floor.breakdown.items()
+                              if b >= 2**20)
+            fix = ("try --tp, --pp or an engine that shards parameters (--engine fsdp2)"
+                   if zero < 3 else "try --checkpointing full, a smaller --batch, or --tp")
+            return (f"{head}: what more GPUs do not shrink is {format_bytes(floor.total_bytes)} "
+                    f"per GPU ({parts}){unknown}, over the {format_bytes(budget)} the fit "
+                    f"margin leaves; {fix}")
         return (f"no tensor/pipeline split up to {MAX_GPUS} GPUs holds this step; try --quant, "
                 "--kv-cache-dtype or a smaller --batch")
     q = scale.plan
@@ -836,6 +859,9 @@ def scale_out_line(p: MemoryPlan, scale: ScaleOut | None, *,
     if scale.gpus > gpus_per_node:
         line += f"; {scale.nodes} nodes of {gpus_per_node} GPUs"
     if q.host_bytes:
-        line += (f"; host memory for offloaded states {format_bytes(scale.host_bytes_per_node)} "
-                 f"per node ({format_bytes(q.host_bytes)} per GPU)")
+        # Note: the per-GPU share is of this count of GPUs, not of the plan above it.
+        line += (f"; host memory for offloaded states on {scale.gpus} GPUs: "
+                 f"{format_bytes(q.host_bytes)} per GPU, "
+                 f"{format_bytes(scale.host_bytes_per_node)} per node of "
+                 f"{min(scale.gpus, gpus_per_node)} GPUs")
     return line

@@ -70,6 +70,8 @@ class MemoryTable:
     suggestions_title: str = "What would save memory (one change each)"
     lines_before: tuple[str, ...] = field(default=())
     lines_after: tuple[str, ...] = field(default=())
+    closing: tuple[str, ...] = field(default=())
+    """Lines after the suggestions: what to do when no single change will (more GPUs)."""
 
     def rich_table(self) -> Any:
         from rich.table import Table
@@ -143,7 +145,7 @@ class MemoryTable:
 
     def print(self, out: Any, verdict: Any = None) -> None:
         """Print to a rich console: lines before, the table, footnotes, ``verdict(out)``, lines
-        after, then the suggestions."""
+        after, the suggestions (single changes), then the closing lines (more hardware)."""
         for line in self.lines_before:
             out.print(line)
         out.print(self.rich_table())
@@ -155,6 +157,8 @@ class MemoryTable:
             out.print(line, markup=False)
         if self.suggestions:
             out.print(self.suggestions_table())
+        for line in self.closing:
+            out.print(line, markup=False)
 
     def text(self, width: int = 100, verdict: Any = None) -> str:
         """Plain text, for ``__str__``."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from memfit import progress
 from memfit._noise import quiet_loggers
@@ -15,8 +16,23 @@ from memfit.errors import MemfitError
 EXIT_USAGE = 2
 
 
+def plain_text(doc: str | None) -> str | None:
+    """A docstring as ``--help`` shows it: reStructuredText literals and roles (two backticks,
+    ``:func:`x```) written as the help strings write code, in single backticks."""
+    if doc is None:
+        return None
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", doc)
+    return re.sub(r"``(.+?)``", r"`\1`", doc, flags=re.S)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (what is wrong and where to look), exit 2."""
+    """argparse, but a usage error is one line (what is wrong and where to look), exit 2; the
+    description and epilog (module docstrings) in plain text (:func:`plain_text`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for key in ("description", "epilog"):
+            kwargs[key] = plain_text(kwargs.get(key))
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"memfit: error: {message} (see `{self.prog} --help`)\n")

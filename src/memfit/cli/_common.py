@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 from rich.console import Console
@@ -36,13 +37,51 @@ def nonneg_int(text: str | None, flag: str) -> int | None:
     return value
 
 
+class _Console(Console):
+    """rich's Console, except that when stdout is not a terminal (piped or captured, where rich
+    assumes 80 columns unless ``COLUMNS`` says) a line of text is never split: a script or
+    ``grep`` gets each line whole. Tables, with their titles and captions, keep to the width."""
+
+    def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
+        if soft_wrap is None and not self.is_terminal and all(isinstance(o, str)
+                                                              for o in objects):
+            soft_wrap = True
+        super().print(*objects, soft_wrap=soft_wrap, **kwargs)
+
+
 def console() -> Console:
-    return Console(highlight=False, soft_wrap=False)
+    """The console a subcommand prints to: lines wrap at a terminal's width, and are whole
+    when stdout is not a terminal (:class:`_Console`)."""
+    return _Console(highlight=False, soft_wrap=False)
 
 
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+EXIT_DOES_NOT_FIT = 1
+"""``memfit plan --check``'s exit code when the step does not fit (0: it fits; 2: bad input)."""
+
+
+def exit_status(args: Any, capacity: int | None, total: int, margin: float) -> int:
+    """A plan's exit code: :data:`EXIT_DOES_NOT_FIT` under ``--check`` when ``total`` leaves
+    less than ``margin`` of ``capacity`` free, else 0 (without ``--check`` a plan that was
+    answered exits 0, whatever its verdict)."""
+    if not getattr(args, "check", False) or capacity is None:
+        return 0
+    return 0 if capacity - total >= margin * capacity else EXIT_DOES_NOT_FIT
+
+
+def took(args: Any, traced_seconds: float) -> str:
+    """How long a traced plan took, for its header: the command's wall time since ``memfit
+    plan`` started (importing torch and transformers, building the model on meta, tracing),
+    and the part of it spent tracing the step."""
+    started = getattr(args, "started", None)
+    if started is None:
+        return f"in {traced_seconds:.1f} s (tracing the step)"
+    return (f"in {time.perf_counter() - started:.1f} s ({traced_seconds:.1f} s of it tracing "
+            "the step)")
 
 
 def print_fit_verdict(out: Console, capacity: int | None, total: int, margin: float,

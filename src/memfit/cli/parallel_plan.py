@@ -31,7 +31,7 @@ from typing import Any
 from memfit.analytic.config import RunConfig
 from memfit.analytic.planner import ENGINE_LABELS, MemoryPlan, plan
 from memfit.categories import MemoryCategory
-from memfit.cli._common import console, print_fit_verdict, print_json
+from memfit.cli._common import console, exit_status, print_fit_verdict, print_json, took
 from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
 from memfit.models.hf_auto import HFModelSpec
@@ -360,7 +360,10 @@ def run_parallel_plan(args: argparse.Namespace, model: ModelSpec, run: RunConfig
     analytic = plan(model, comparable_run(run, parallel), gpu) if covered else None
     render_parallel(args, model, run, gpu, parallel, est, analytic, analytic_check.seq,
                     backend=_backend_name(model, backend), backend_note=note)
-    return 0
+    from memfit.trace.estimate import TRACE_FITS_MARGIN
+
+    return exit_status(args, gpu.usable_bytes if gpu else None, est.total_bytes,
+                       TRACE_FITS_MARGIN)
 
 
 _SHORT = {MemoryCategory.WEIGHTS: "weights", MemoryCategory.GRADIENTS: "grads",
@@ -477,8 +480,8 @@ def render_parallel(args: argparse.Namespace, spec: ModelSpec, run: RunConfig,
 
     out = console()
     out.print(f"[bold]{spec.name}[/bold] ({format_params(spec.param_count())} params): each rank "
-              f"role traced on meta tensors{f' for {gpu.label}' if gpu else ' for CUDA'} in "
-              f"{seconds:.1f} s", soft_wrap=True)
+              f"role traced on meta tensors{f' for {gpu.label}' if gpu else ' for CUDA'} "
+              f"{took(args, seconds)}", soft_wrap=True)
     out.print(f"layout: {parallel.describe()}; engine: {engine}", soft_wrap=True)
     for note in notes:
         out.print(note, soft_wrap=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from memfit.analytic.config import (
     RunConfig,
 )
 from memfit.analytic.planner import (
+    FITS_MARGIN,
     GPUS_PER_NODE,
     MemoryPlan,
     default_precision,
@@ -28,7 +30,14 @@ from memfit.analytic.planner import (
     scale_out_line,
 )
 from memfit.analytic.suggestions import suggest_changes
-from memfit.cli._common import console, nonneg_int, positive_int, print_fit_verdict, print_json
+from memfit.cli._common import (
+    console,
+    exit_status,
+    nonneg_int,
+    positive_int,
+    print_fit_verdict,
+    print_json,
+)
 from memfit.cli.layout import parallel_from_args
 from memfit.errors import MemfitError
 from memfit.models.spec import ModelSpec, ParamCountSpec
@@ -44,11 +53,16 @@ EPILOG = """examples:
   memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --fsdp --method analytic   # the formulas
   memfit plan llama-3-8b --gpu h100-80gb --gpus 16 --tp 2 --fsdp 8 --sp   # tp x fsdp, traced
   memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --pp 4 --fsdp --pp-schedule gpipe
-  memfit plan llama-3.1-8b --gpu h100-80gb --gpus 8 --engine fsdp2 --checkpointing selective \
+  memfit plan llama-3.1-8b --gpu h100-80gb --gpus 8 --engine fsdp2 --checkpointing selective \\
       --batch 2 --seq 8192
-  memfit plan llama-2-7b --engine deepspeed --zero 3 --offload-optimizer --offload-params \
+  memfit plan llama-2-7b --engine deepspeed --zero 3 --offload-optimizer --offload-params \\
       --offload-to nvme
   memfit plan llama-3-8b --mode inference --batch 8 --seq 4096 --new-tokens 512 --quant int4
+  memfit plan llama-3-8b --gpu l4 --mode qlora --checkpointing full --check && \\
+      python train.py   # run only when it fits
+
+exit status: 0 when the plan is answered (with --check: and the step fits), 1 with --check
+when it does not fit, 2 for bad input (one line on stderr)
 """
 
 
@@ -124,6 +138,9 @@ def register(sub: Any) -> None:
                    "the trace for --gpus > 1 when the model can be built, one row per rank "
                    "role, and for model types the formulas do not cover; else the formulas)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 when the step does not fit (0 when it does), for scripts; "
+                   "needs --gpu")
     p.add_argument("--quiet", action="store_true", help="no progress display (--method trace)")
     p.set_defaults(func=run)
 
@@ -198,7 +215,11 @@ def choose_precision(args: argparse.Namespace, gpu: Any) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from memfit.models.hf_auto import HFModelSpec
 
+    args.started = time.perf_counter()  # a traced plan's header says how long it took
     model, gpu = resolve(args)
+    if args.check and gpu is None:
+        raise MemfitError("--check exits 1 when the step does not fit a GPU: name one with "
+                          "--gpu (`memfit gpus` lists them)")
     args.precision_note = choose_precision(args, gpu)
     config = run_config(args)
     if isinstance(model, HFModelSpec):
@@ -277,23 +298,24 @@ def run(args: argparse.Namespace) -> int:
         if checkpoint is not None:
             out["checkpoint"] = checkpoint_dict(checkpoint, model)
         print_json(out)
-        return 0
+        return exit_status(args, result.capacity_bytes, result.total_bytes, FITS_MARGIN)
     render(result, suggestions, per_node,
            scale_out_line(result, scale, gpus_per_node=per_node) if result.fits is False
            else None, args.precision_note, method_note)
-    return 0
+    return exit_status(args, result.capacity_bytes, result.total_bytes, FITS_MARGIN)
 
 
 def render(p: MemoryPlan, suggestions: list[Any], gpus_per_node: int = GPUS_PER_NODE,
            scale_out: str | None = None, precision_note: str | None = None,
            method_note: str | None = None) -> None:
-    """The shared memory table (:meth:`MemoryPlan.table`), the fit verdict, how many GPUs it
-    needs when one will not do, the notes and the suggestions."""
-    from memfit.analytic.planner import FITS_MARGIN
-
+    """The shared memory table (:meth:`MemoryPlan.table`), the fit verdict, the notes, the
+    single changes that would save memory, then how many GPUs it needs when one will not do:
+    a change of options comes before more hardware."""
     table = p.table(suggestions, gpus_per_node=gpus_per_node)
     if scale_out:
-        table = dataclasses.replace(table, lines_after=(scale_out, *table.lines_after))
+        if any(s.plan.fits for s in suggestions):
+            scale_out = f"or, with none of these changes: {scale_out}"
+        table = dataclasses.replace(table, closing=(scale_out,))
     if precision_note:  # the precision chosen for this GPU, under the run's description
         table = dataclasses.replace(table, lines_before=(*table.lines_before, precision_note))
     if method_note:  # why several GPUs were not traced

@@ -29,7 +29,14 @@ from memfit.analytic.table import (
     reserve_not_modelled_note,
 )
 from memfit.categories import MemoryCategory
-from memfit.cli._common import console, positive_int, print_fit_verdict, print_json
+from memfit.cli._common import (
+    console,
+    exit_status,
+    positive_int,
+    print_fit_verdict,
+    print_json,
+    took,
+)
 from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
 from memfit.models.hf_auto import HFModelSpec
@@ -263,7 +270,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             "run": {**{k: (list(v) if isinstance(v, tuple) else v)
                        for k, v in dataclasses.asdict(run).items()}, "seq": analytic.seq},
         })
-        return 0
+        return exit_status(args, capacity, est.total_bytes, TRACE_FITS_MARGIN)
     after = []
     if covered and suggestions and analytic.fits is False:
         # The trace models one GPU; how many it needs comes from the analytic plan.
@@ -283,7 +290,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
         footnotes=tuple(trace_footnotes(est, analytic, run)) if covered else (),
         lines_before=(
             f"[bold]{spec.name}[/bold] ({format_params(spec.param_count())} params) traced on meta "
-            f"tensors{f' for {gpu.label}' if gpu else ' for CUDA'} in {est.trace_seconds:.1f} s",
+            f"tensors{f' for {gpu.label}' if gpu else ' for CUDA'} {took(args, est.trace_seconds)}",
             analytic.describe(),
             *([args.precision_note] if getattr(args, "precision_note", None) else []),
             f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
@@ -293,4 +300,4 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
                           "re-plan's, applied to the trace's total)")
     table.print(console(), verdict=lambda out: print_fit_verdict(
         out, capacity, est.total_bytes, TRACE_FITS_MARGIN, "trace"))
-    return 0
+    return exit_status(args, capacity, est.total_bytes, TRACE_FITS_MARGIN)
