@@ -459,7 +459,7 @@ def target_rates(device: str, gpu: GpuSpec | None,
     elif isinstance(pinned, str | os.PathLike):
         pins = load_rates(pinned)
     elif isinstance(pinned, Mapping):
-        pins = check_pins(pinned, source="rates=")
+        pins = check_pins(pinned, source="fit(rates=...)")
     else:
         raise MemfitError(f"rates must be a memfit.fitting.Rates, a dict of rates or a rates "
                           f"file's path, not {type(pinned).__name__}")
