@@ -91,3 +91,34 @@ def parse_count(text: str | float | int, *, what: str) -> int:
     if not math.isfinite(value) or value <= 0:
         raise MemfitError(f"{what} must be a positive number, got {text!r}")
     return round(value)
+
+
+_RATE_PREFIX = {"": 1.0, "n": 1e-9, "u": 1e-6, "µ": 1e-6, "m": 1e-3, "k": 1e3, "K": 1e3,
+                "M": 1e6, "G": 1e9, "g": 1e9, "T": 1e12, "t": 1e12, "P": 1e15}
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([nuµmkKMGgTtP]?)"
+                      r"\s*([A-Za-z/]*)\s*$")
+_RATE_UNITS = {"FLOP/s": ("flop/s", "flops"), "B/s": ("b/s",), "s": ("s",)}
+
+
+def parse_rate(text: str | float | int, *, what: str, unit: str) -> float:
+    """Parse a positive rate or duration in ``unit`` (``FLOP/s``, ``B/s`` or ``s``): a number
+    (``113e9``) or a number with an SI prefix and, optionally, the unit (``113G``,
+    ``113 GFLOP/s``, ``20GB/s``, ``8us``); raises MemfitError on anything else.
+
+    >>> parse_rate("20GB/s", what="--mem-bandwidth", unit="B/s")
+    20000000000.0
+    """
+    example = {"FLOP/s": "113e9 or 113G", "B/s": "20e9 or 20GB/s", "s": "8e-6 or 8us"}[unit]
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        raise MemfitError(f"{what} must be a number in {unit}, e.g. {example}; got {text!r}")
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        match = _RATE_RE.match(text)
+        if not match or (match.group(3) and match.group(3).lower() not in _RATE_UNITS[unit]):
+            raise MemfitError(f"{what} {text!r} is not a rate in {unit}; write e.g. {example}")
+        value = float(match.group(1)) * _RATE_PREFIX[match.group(2)]
+    if not math.isfinite(value) or value <= 0:
+        raise MemfitError(f"{what} must be a positive number in {unit}, e.g. {example}; "
+                          f"got {text!r}")
+    return value

@@ -25,6 +25,7 @@ EPILOG = """examples:
   memfit fit gpt2 --gpu a100-40gb --global-batch 256 --seq 1024
   memfit fit mypkg.train:make --budget 2GB --device cpu --global-batch 64 --save plan.json
   memfit fit llama-3.1-8b --gpu h100-80gb --gpus 16 --gpus-per-node 8 --global-batch 256
+  memfit fit gpt2 --budget 8GB --global-batch 64 --device cpu --rates plan.json
 """
 
 
@@ -50,6 +51,15 @@ def register(sub: Any) -> None:
                    help="target device (default: cuda with --gpu, else cpu)")
     p.add_argument("--measure", action="store_true",
                    help="time real steps of the top candidates and pick the fastest measured")
+    p.add_argument("--rates", metavar="FILE",
+                   help="pin the rates step times are costed at: a JSON object (flops, "
+                   "bandwidth, host_link, gpu_link, inter_node_link, launch_s; FLOP/s, bytes/s, "
+                   "seconds) or a plan saved with --save (default: the GPU catalog's; on cpu "
+                   "this machine's, measured once and kept in ~/.cache/memfit)")
+    p.add_argument("--flops", help="pin the matmul rate in FLOP/s, e.g. 113e9 or 113G for every "
+                   "precision, or fp32=113G,bf16-mixed=40G (over --rates)")
+    p.add_argument("--mem-bandwidth", help="pin the memory bandwidth in bytes/s, e.g. 20GB/s "
+                   "(over --rates)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress display on stderr")
     p.add_argument("--save", help="write the plan to this JSON file (memfit.Plan.load reads it)")
@@ -105,6 +115,23 @@ def _load_preset(name: str, seq: int | None) -> tuple[Any, Any]:
     return model, example_inputs(spec, batch=1, seq=None if spec.arch == "vision" else seq)
 
 
+def _pinned_rates(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--rates FILE``, then ``--flops`` and ``--mem-bandwidth`` over it; None: none pinned."""
+    from memfit.fitting.rates import load_rates, merge_pins, parse_pin
+
+    pins = load_rates(args.rates) if args.rates else {}
+    named = [f"--rates {args.rates}"] if args.rates else []
+    for key, flag, value in (("flops", "--flops", args.flops),
+                             ("bandwidth", "--mem-bandwidth", args.mem_bandwidth)):
+        if value is not None:
+            pins = merge_pins(pins, {key: parse_pin(key, value, flag)})
+            named.append(flag)
+    if not named:
+        return None
+    pins["source"] = ", ".join(named)
+    return pins
+
+
 def run(args: argparse.Namespace) -> int:
     from memfit.fitting import fit
 
@@ -117,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu is None and budget is None:
         raise MemfitError("give --gpu NAME (see `memfit gpus`) or --budget SIZE (e.g. 2GB)")
     device = args.device or ("cuda" if args.gpu else "cpu")
+    pins = _pinned_rates(args)
     if ":" in args.model and not Path(args.model).exists():
         if seq is not None:
             raise MemfitError(f"--seq {seq} applies to presets and config.json; the sample "
@@ -144,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
                gpu=args.gpu, budget_bytes=budget, device=device,
                gpus=num_gpus if num_gpus > 1 else None, gpus_per_node=layout.gpus_per_node,
                space=space or None, measure=args.measure, progress=False if args.quiet
-               or args.json else None)
+               or args.json else None, rates=pins)
     if args.save:
         plan.save(args.save)
     if args.json:

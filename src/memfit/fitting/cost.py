@@ -9,7 +9,8 @@ and parameter communication. The terms:
   for the precision times an efficiency factor: the measured bf16 matmul ceiling over the
   datasheet peak (shared/facts.md: A100 ~271 of 312 TFLOPS = 0.87, H100 ~794 of 989 = 0.80, H200
   ~790 of 989 = 0.80; 0.80 for GPUs without a measurement). On ``device="cpu"`` the rate is this
-  machine's measured matmul FLOP/s (measured once, ~0.1 s).
+  machine's matmul FLOP/s, measured once and kept on disk, or the user's pinned rates
+  (:mod:`memfit.fitting.rates`, Note: [rates do not move with the load]).
 - traffic: activations are written in the forward, read in the backward and their gradients
   written: ``3 x`` the bytes the step would save without checkpointing (checkpointing keeps less
   but writes as much, and its recompute writes again in proportion to the FLOPs it adds), at the
@@ -41,109 +42,14 @@ optimizer step of state offload runs at an assumed 20 GB/s host bandwidth.
 
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from memfit.fitting.rates import INTER_NODE_GBPS, Rates, cpu_rates, gpu_rates
 
-from memfit.gpus import GpuSpec
+__all__ = ["INTER_NODE_GBPS", "Rates", "StepCost", "cpu_rates", "gpu_rates", "step_cost"]
 
-__all__ = ["Rates", "StepCost", "cpu_rates", "gpu_rates", "step_cost"]
-
-# Measured matmul ceiling / datasheet peak (shared/facts.md, bf16 8192^3 matmuls).
-MATMUL_EFFICIENCY = {"a100": 271 / 312, "h100": 794 / 989, "h200": 790 / 989}
-DEFAULT_EFFICIENCY = 0.80
-CUDA_LAUNCH_S = 8e-6
 HOST_OPTIMIZER_BYTES_PER_S = 20e9
-INTER_NODE_GBPS = 50.0
-"""GB/s per direction per GPU between nodes: one 400 Gb/s NDR InfiniBand port (ConnectX-7)
-per GPU, as NVIDIA's DGX H100 / H200 nodes are built (NVIDIA DGX H100 User Guide, §1.2.3
-"Network Modules", Table 6: eight ConnectX-7 ports, one per GPU). The GPU catalog has no
-inter-node figure (a node's network is not the GPU's); facts.md has none either."""
-_TFLOPS_KEY = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rates:
-    """What one device sustains."""
-
-    flops: dict[str, float]
-    """Achievable matmul FLOP/s by precision (only the supported ones)."""
-    bandwidth: float
-    """Device memory bytes/s."""
-    host_link: float
-    """Host<->device bytes/s per direction (CPU: a memory copy)."""
-    gpu_link: float | None
-    """GPU<->GPU bytes/s per direction; None: no link."""
-    launch_s: float
-    """Seconds per eager op dispatch."""
-    inter_node_link: float | None = None
-    """Bytes/s per direction per GPU between nodes; None: :data:`INTER_NODE_GBPS`."""
-    async_launch: bool = True
-    """Whether dispatch overlaps the work (CUDA streams) or adds to it (CPU)."""
-    source: str
-    """Where the numbers come from, for the report."""
-
-
-def _efficiency(gpu: GpuSpec) -> float:
-    for prefix, eff in MATMUL_EFFICIENCY.items():
-        if gpu.name.startswith(prefix):
-            return eff
-    return DEFAULT_EFFICIENCY
-
-
-def gpu_rates(gpu: GpuSpec) -> Rates:
-    """Rates of ``gpu`` from the catalog (dense peak x measured matmul efficiency)."""
-    eff = _efficiency(gpu)
-    flops = {}
-    for precision, key in _TFLOPS_KEY.items():
-        tflops = gpu.tflops.get(key)
-        if tflops and gpu.supports(precision):
-            flops[precision] = tflops * 1e12 * eff
-    return Rates(flops=flops, bandwidth=gpu.bandwidth_gbps * 1e9,
-                 host_link=gpu.host_link.gbps * 1e9,
-                 gpu_link=gpu.gpu_link.gbps * 1e9 if gpu.gpu_link else None,
-                 launch_s=CUDA_LAUNCH_S,
-                 inter_node_link=INTER_NODE_GBPS * 1e9,
-                 source=f"{gpu.name}: catalog peak TFLOPS x {eff:.2f} (measured matmul "
-                        f"ceiling / peak), {gpu.bandwidth_gbps:g} GB/s, host link "
-                        f"{gpu.host_link.gbps:g} GB/s")
-
-
-def _best_seconds(fn: object, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()  # type: ignore[operator]
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-@functools.cache
-def cpu_rates() -> Rates:
-    """This machine's CPU, measured once per process: a 512^3 matmul per dtype, a 32 MB copy and
-    the dispatch time of a tiny op."""
-    n = 512
-    flops: dict[str, float] = {}
-    for precision, dtype in (("fp32", torch.float32), ("bf16-mixed", torch.bfloat16)):
-        a = torch.randn(n, n, dtype=dtype)
-        b = torch.randn(n, n, dtype=dtype)
-        torch.mm(a, b)  # warm-up (thread pool, oneDNN primitives)
-        flops[precision] = 2 * n**3 / _best_seconds(lambda a=a, b=b: torch.mm(a, b), 5)
-    flops["bf16"] = flops["bf16-mixed"]
-    src = torch.empty(8 * 2**20)
-    dst = torch.empty_like(src)
-    copy_s = _best_seconds(lambda: dst.copy_(src), 3)
-    bandwidth = 2 * src.nbytes / copy_s  # read + write
-    tiny = torch.ones(4)
-    launch = _best_seconds(lambda: [tiny.add(1) for _ in range(100)], 3) / 100
-    return Rates(flops=flops, bandwidth=bandwidth, host_link=bandwidth / 2, gpu_link=None,
-                 launch_s=launch, async_launch=False,
-                 source=f"this CPU, measured: fp32 matmul {flops['fp32'] / 1e9:.0f} GFLOP/s, "
-                        f"bf16 {flops['bf16-mixed'] / 1e9:.0f} GFLOP/s, copy "
-                        f"{bandwidth / 1e9:.1f} GB/s")
 
 
 @dataclass(frozen=True, kw_only=True)

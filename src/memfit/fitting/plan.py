@@ -19,6 +19,7 @@ from torch import nn
 from memfit.errors import MemfitError, read_json_file
 from memfit.fitting.config import CHECKPOINTING, FitConfig
 from memfit.fitting.cost import StepCost
+from memfit.fitting.rates import Rates
 from memfit.units import format_bytes, format_seconds
 
 __all__ = ["Candidate", "Plan", "Rejected"]
@@ -181,6 +182,10 @@ class Plan:
     search_seconds: float = 0.0
     traces: int = 0
     candidates_considered: int = 0
+    rates: Rates | None = None
+    """The rates the step times were costed at (``rates_source`` says where they came from);
+    ``memfit fit --rates plan.json`` and ``fit(..., rates=...)`` pin them for another search.
+    None in a plan saved before memfit recorded them."""
 
     @property
     def config(self) -> FitConfig:
@@ -328,7 +333,9 @@ class Plan:
                 "rejected": [dataclasses.asdict(r) for r in self.rejected],
                 "budget_bytes": self.budget_bytes, "global_batch": self.global_batch,
                 "num_gpus": self.num_gpus, "device": self.device, "gpu": self.gpu,
-                "rates_source": self.rates_source, "headroom": self.headroom,
+                "rates_source": self.rates_source,
+                "rates": self.rates.to_dict() if self.rates is not None else None,
+                "headroom": self.headroom,
                 "oom_trials": self.oom_trials,
                 "search_seconds": self.search_seconds,
                 "traces": self.traces, "candidates_considered": self.candidates_considered}
@@ -353,6 +360,7 @@ class Plan:
                        global_batch=int(data["global_batch"]), num_gpus=int(data["num_gpus"]),
                        device=str(data["device"]), gpu=data.get("gpu"),
                        rates_source=str(data.get("rates_source", "")),
+                       rates=Rates.from_dict(data["rates"]) if data.get("rates") else None,
                        headroom=float(data.get("headroom", 0.0)),
                        oom_trials=int(data.get("oom_trials", 0)),
                        search_seconds=float(data.get("search_seconds", 0.0)),

@@ -27,9 +27,10 @@ import copy
 import dataclasses
 import importlib.util
 import itertools
+import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ from memfit.fitting.config import (
     FitConfig,
     sharding_of,
 )
-from memfit.fitting.cost import Rates, StepCost, cpu_rates, gpu_rates, step_cost
+from memfit.fitting.cost import StepCost, step_cost
 from memfit.fitting.layouts import (
     ModelShape,
     activation_factor,
@@ -72,6 +73,7 @@ from memfit.fitting.plan import (
     simplicity,
     tie_time,
 )
+from memfit.fitting.rates import Rates, target_rates
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.parallel.config import Parallel
 from memfit.progress import Progress, phase
@@ -160,7 +162,8 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
         count_fn: Callable[[Any], Any] | None = None,
         num_gpus: int = 1, measure: bool = False, space: dict[str, Any] | None = None,
         progress: bool | None = None, top: int = 5, headroom: float | None = None,
-        gpus: int | None = None, gpus_per_node: int | None = None) -> Plan:
+        gpus: int | None = None, gpus_per_node: int | None = None,
+        rates: Rates | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Plan:
     """Find the fastest training configuration of ``model`` that fits.
 
     ``sample_batch``: one batch as the model takes it (tensor, tuple -> ``model(*b)``, dict ->
@@ -184,6 +187,13 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     ``Plan.apply`` runs under torchrun; ``space`` takes ``"tp"`` and ``"pp"`` lists. The budget
     is per GPU. ``num_gpus=N`` is the older search: ZeRO over every GPU, no tp or pp.
 
+    ``rates``: what the step times are costed at (:func:`memfit.fitting.rates.target_rates`):
+    default the catalog's for a GPU and, on ``device="cpu"``, this machine's, measured once and
+    kept on disk; a :class:`memfit.fitting.Rates`, a dict such as ``{"flops": 113e9,
+    "bandwidth": 20e9, "launch_s": 4e-6}`` or a rates file's path pins them (Note: [rates do
+    not move with the load]). ``plan.rates`` holds those used, ``plan.rates_source`` where
+    they came from.
+
     >>> plan = fit(model, (x, y), global_batch=64, budget_bytes=2**30, device="cpu")
     >>> model, optimizer, step = plan.apply(model)
     """
@@ -191,7 +201,7 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                    budget_bytes=budget_bytes, device=device, loss_fn=loss_fn,
                    reduction=reduction, count_fn=count_fn, num_gpus=num_gpus, measure=measure,
                    space=space, progress=progress, top=top, headroom=headroom, gpus=gpus,
-                   gpus_per_node=gpus_per_node).run()
+                   gpus_per_node=gpus_per_node, pinned=rates).run()
 
 
 Combo = tuple[str, str, str, bool, str]
@@ -232,7 +242,9 @@ class _Search:
                  count_fn: Callable[[Any], Any] | None, num_gpus: int, measure: bool,
                  space: dict[str, Any] | None, progress: bool | None, top: int,
                  headroom: float | None, gpus: int | None = None,
-                 gpus_per_node: int | None = None) -> None:
+                 gpus_per_node: int | None = None,
+                 pinned: Rates | Mapping[str, Any] | str | os.PathLike[str] | None = None
+                 ) -> None:
         self.started = time.perf_counter()
         self.layouts: list[Parallel] | None = None
         """With ``gpus=``: the layouts searched (Note: [layouts are derived, then traced])."""
@@ -285,13 +297,9 @@ class _Search:
         # published GPU measurement (TRACE_FITS_MARGIN); the OOM guard, not a crash, handles
         # what is still missed.
         self.budget = int(self.full_budget * (1 - headroom))
-        rates: Rates = gpu_rates(spec) if spec is not None else cpu_rates()
-        if device == "cuda" and spec is None:
-            rates = gpu_rates(get_gpu("a100-40gb"))
-            rates = Rates(flops=rates.flops, bandwidth=rates.bandwidth,
-                          host_link=rates.host_link, gpu_link=rates.gpu_link,
-                          launch_s=rates.launch_s,
-                          source="no GPU named: A100-40GB rates assumed; " + rates.source)
+        # Note: [rates do not move with the load] (fitting/rates.py): the catalog's, this
+        # CPU's measured once and kept on disk, or the caller's.
+        rates = target_rates(device, spec, pinned)
         self.model, self.sample_batch, self.loss_fn = model, sample_batch, loss_fn
         self.reduction, self.count_fn, self.measure = reduction, count_fn, measure
         self.device, self.spec, self.rates, self.headroom = device, spec, rates, headroom
@@ -697,7 +705,7 @@ class _Search:
                     headroom=self.headroom, oom_trials=oom_trials,
                     global_batch=self.global_batch, num_gpus=self.num_gpus,
                     device=self.device, gpu=spec.name if spec else None,
-                    rates_source=self.rates.source,
+                    rates_source=self.rates.source, rates=self.rates,
                     search_seconds=time.perf_counter() - self.started,
                     traces=sum(1 for v in self.runs.values() if not isinstance(v, str)),
                     candidates_considered=len(cands) + len(self.rejected))

@@ -96,8 +96,9 @@ def _method_hash() -> str:
     return _method
 
 
-def fingerprint() -> dict[str, Any]:
-    """What a cached measurement is valid for (module docstring)."""
+def machine() -> dict[str, Any]:
+    """The machine and build a CPU measurement holds for: :func:`fingerprint` without the
+    measuring code's hash (the fit's CPU rates, :mod:`memfit.fitting.rates`, key on it too)."""
     return {
         "torch": torch.__version__,
         "git": getattr(torch.version, "git_version", None),
@@ -108,8 +109,12 @@ def fingerprint() -> dict[str, Any]:
         "mkldnn": bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "threads": torch.get_num_threads(),
-        "method": _method_hash(),
     }
+
+
+def fingerprint() -> dict[str, Any]:
+    """What a cached measurement is valid for (module docstring)."""
+    return {**machine(), "method": _method_hash()}
 
 
 def _encode(x: Any) -> Any:
