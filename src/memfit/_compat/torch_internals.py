@@ -8,6 +8,7 @@ installed torch and names the internal in its failure message.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +20,8 @@ __all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator
            "called_by_autograd_engine", "clear_cublas_workspaces", "current_graph_task_id",
            "ddp_ignore",
            "dtensor_foreach_propagation_once_per_shape", "dtensor_meta_propagation_within",
-           "engine_run_backward", "fake_op_rule", "fake_store", "flatten_dense_tensors",
+           "engine_run_backward", "fake_op_errors_unlogged", "fake_op_rule", "fake_store",
+           "flatten_dense_tensors",
            "fsdp_chunks_on_demand", "has_dispatch_kernel",
            "is_norm_layer", "queue_engine_callback", "reporting_get_rng_state",
            "sdp_priority_order", "storage_use_count", "unflatten_dense_tensors"]
@@ -104,6 +106,26 @@ def reporting_get_rng_state(on_state: Callable[[torch.Tensor], None]) -> Iterato
         yield
     finally:
         torch.get_rng_state = original
+
+
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+"""The logger of ``torch/_subclasses/fake_tensor.py``, whose ``FakeTensorMode._dispatch_impl``
+logs an op that failed on meta with its traceback (``log.exception("failed while attempting to
+run meta for %s", func)``) before raising the error (checked in torch 2.13.0)."""
+
+
+@contextlib.contextmanager
+def fake_op_errors_unlogged() -> Iterator[None]:
+    """Within the context, an op that fails on fake tensors raises without its traceback also
+    going to stderr through :data:`FAKE_TENSOR_LOGGER` (the error itself still propagates, to
+    be reported once by the caller); the logger's level is restored on exit."""
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from fractions import Fraction
 
 from memfit.analytic.config import RunConfig
 from memfit.errors import MemfitError
+from memfit.models.hf_auto import HFModelSpec
 from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
 
 # Optimizer state tensors per trainable parameter (each one parameter-sized).
@@ -102,6 +103,11 @@ def split_params(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ParamSp
     """
     if isinstance(model, ParamCountSpec):
         if run.mode in ("lora", "qlora"):
+            if isinstance(model, HFModelSpec):  # a config.json the formulas do not cover
+                raise MemfitError(
+                    f"--mode {run.mode}: memfit's formulas do not cover model_type "
+                    f"{model.model_type!r} (which layers get adapters); it is traced on one "
+                    "GPU: drop --gpus and --method analytic")
             raise MemfitError(
                 "--mode lora/qlora needs the model's architecture (which layers get adapters); "
                 "give a preset or a config.json instead of --params")

@@ -122,27 +122,7 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """One line: the mode, precision, optimizer, batch and parallelism planned."""
-        r = self.run
-        parts = [r.mode, r.precision]
-        if r.training:
-            parts += [r.optimizer, f"checkpointing {r.checkpointing}"]
-        parts.append(f"batch {r.batch}")
-        if self.seq:
-            parts.append(f"seq {self.seq}")
-        if r.grad_accum > 1:
-            parts.append(f"grad-accum {r.grad_accum}")
-        if r.gpus > 1:
-            parts.append(f"{r.gpus} GPUs (dp {r.dp}, tp {r.tp}, pp {r.pp}, zero {r.zero})")
-        if r.training and r.layout != "zero-paper":  # (the notes name the default layout)
-            parts.append(f"engine: {self.engine_label}")
-        if r.mode in ("lora", "qlora"):
-            parts.append(f"rank {r.lora_rank} on {','.join(r.lora_targets)}")
-        if r.mode == "inference":
-            if r.weight_quant != "none":
-                parts.append(f"weights {r.weight_quant}")
-            if r.new_tokens:
-                parts.append(f"+{r.new_tokens} new tokens")
-        return ", ".join(parts)
+        return describe_run(self.run, self.seq)
 
     def column(self, name: str = "bytes") -> Column:
         """This plan's numbers as a column of the shared memory table."""
@@ -222,6 +202,32 @@ class MemoryPlan:
             "run": {**self.run.to_dict(), "seq": self.seq},
             "notes": list(self.notes),
         }
+
+
+def describe_run(run: RunConfig, seq: int | None) -> str:
+    """One line: the mode, precision, optimizer, batch, ``seq`` (the tokens per row planned,
+    when the model has a sequence) and parallelism of ``run``."""
+    r = run
+    parts = [r.mode, r.precision]
+    if r.training:
+        parts += [r.optimizer, f"checkpointing {r.checkpointing}"]
+    parts.append(f"batch {r.batch}")
+    if seq:
+        parts.append(f"seq {seq}")
+    if r.grad_accum > 1:
+        parts.append(f"grad-accum {r.grad_accum}")
+    if r.gpus > 1:
+        parts.append(f"{r.gpus} GPUs (dp {r.dp}, tp {r.tp}, pp {r.pp}, zero {r.zero})")
+    if r.training and r.layout != "zero-paper":  # (the notes name the default layout)
+        parts.append(f"engine: {ENGINE_LABELS[r.layout]}")
+    if r.mode in ("lora", "qlora"):
+        parts.append(f"rank {r.lora_rank} on {','.join(r.lora_targets)}")
+    if r.mode == "inference":
+        if r.weight_quant != "none":
+            parts.append(f"weights {r.weight_quant}")
+        if r.new_tokens:
+            parts.append(f"+{r.new_tokens} new tokens")
+    return ", ".join(parts)
 
 
 def default_precision(gpu: GpuSpec | None, mode: str) -> str:

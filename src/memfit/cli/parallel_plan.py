@@ -358,7 +358,9 @@ def run_parallel_plan(args: argparse.Namespace, model: ModelSpec, run: RunConfig
     covered = (not isinstance(model, HFModelSpec) and parallel.strategy != "hsdp"
                and parallel.ep == 1 and not parallel.loss_parallel)
     analytic = plan(model, comparable_run(run, parallel), gpu) if covered else None
-    render_parallel(args, model, run, gpu, parallel, est, analytic, analytic_check.seq,
+    seq = (model.sequence_length(run.seq) if isinstance(model, HFModelSpec)
+           else analytic_check.seq)
+    render_parallel(args, model, run, gpu, parallel, est, analytic, seq,
                     backend=_backend_name(model, backend), backend_note=note)
     from memfit.trace.estimate import TRACE_FITS_MARGIN
 

@@ -13,8 +13,10 @@ from memfit.analytic.config import RunConfig
 from memfit.analytic.planner import (
     FITS_MARGIN,
     GPUS_PER_NODE,
+    MAX_GPUS,
     MemoryPlan,
     check_model_options,
+    describe_run,
     gpus_needed,
     plan,
     scale_out_line,
@@ -47,10 +49,6 @@ from memfit.units import format_bytes
 
 
 def _check_traceable(model: ModelSpec, run: RunConfig) -> TransformerSpec | HFModelSpec:
-    if isinstance(model, HFModelSpec) and run.mode in ("lora", "qlora"):
-        raise MemfitError(f"--mode {run.mode} needs a model family memfit's formulas cover "
-                          f"(which layers get adapters); {model.model_type} is traced as "
-                          "configured only: use --mode train or inference")
     if not isinstance(model, TransformerSpec | HFModelSpec):
         raise MemfitError("--method trace needs the model's architecture; give a preset or a "
                           "config.json instead of --params")
@@ -89,7 +87,7 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
     else:
         model = build_model(spec, device="meta", attn_implementation=attn, backend=backend)
     if run.mode in ("lora", "qlora"):
-        _apply_adapters(model, run)
+        _apply_adapters(model, run, covered=not isinstance(spec, HFModelSpec))
     if run.checkpointing != "none":
         from memfit.techniques.checkpointing import apply_activation_checkpointing
 
@@ -113,9 +111,16 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
                     device="cuda", gpu=gpu, steps=2 if training else 1, parallel=parallel)
 
 
-def _apply_adapters(model: Any, run: RunConfig) -> None:
+_NF4_WEIGHTS_PER_BLOCK = 64 * 256
+"""torchao's ``to_nf4`` (block_size 64, scaler_block_size 256) asserts that a weight's size
+divides into blocks of 64 and their count into blocks of 256."""
+
+
+def _apply_adapters(model: Any, run: RunConfig, *, covered: bool = True) -> None:
     """``--mode lora``: the base frozen in bf16 (as the analytic plan counts it: 16-bit), fp32
-    adapters of rank ``--lora-rank`` on the ``*_proj`` layers ``--lora-targets`` names.
+    adapters of rank ``--lora-rank`` on the ``*_proj`` layers ``--lora-targets`` names (by
+    name, as PEFT's ``target_modules`` matches them: in a model type the formulas do not
+    cover, every such layer, a vision tower's included).
     ``--mode qlora``: those layers' weights in NF4 (torchao's ``NF4Tensor``, which quantizes
     meta tensors: bitsandbytes needs real weights; both store 4.1 bits per weight) and fp32
     adapters; the rest of the base in bf16."""
@@ -127,15 +132,28 @@ def _apply_adapters(model: Any, run: RunConfig) -> None:
     targets = [f"{t}_proj" for t in run.lora_targets]
     missing = [t for t in targets if t not in names]
     if missing:
+        fix = ("use the default analytic method" if covered else
+               "the trace adapts layers named <target>_proj only; use --mode train")
         raise MemfitError(f"--method trace --mode {run.mode}: this model has no "
                           f"{', '.join(missing)} layers (it names its projections differently); "
-                          "use the default analytic method")
-    model.to(torch.bfloat16)
+                          f"{fix}")
+    from torch import nn
+
     if run.mode == "qlora":
         # As a 4-bit load does (transformers' load_in_4bit): every linear layer but the head is
-        # NF4, with or without an adapter.
-        from torch import nn
-
+        # NF4, with or without an adapter; torchao's NF4 takes only whole blocks of weights.
+        odd = [(name, tuple(mod.weight.shape)) for name, mod in model.named_modules()
+               if type(mod) is nn.Linear and not name.endswith("lm_head")
+               and mod.weight.numel() % _NF4_WEIGHTS_PER_BLOCK]
+        if odd:
+            more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
+            raise MemfitError(
+                f"--method trace --mode qlora: torchao's NF4 quantizes a weight whose size is a "
+                f"multiple of {_NF4_WEIGHTS_PER_BLOCK} (blocks of 64 weights, their scales in "
+                f"blocks of 256); {odd[0][0]} {'x'.join(map(str, odd[0][1]))}{more} is not: "
+                "use --mode lora")
+    model.to(torch.bfloat16)
+    if run.mode == "qlora":
         from memfit.techniques.peft import NF4Linear, _replace
 
         for name, mod in list(model.named_modules()):
@@ -214,35 +232,160 @@ def trace_suggestions(est: Any, analytic: MemoryPlan, capacity: int | None,
     return rows[:limit]
 
 
+def retrace_candidates(run: RunConfig) -> list[tuple[str, dict[str, Any]]]:
+    """The few single changes re-traced for a model type the formulas do not cover (no
+    analytic plan to take savings from; each is one more trace of the real model, seconds to a
+    minute): what shrinks activations (full checkpointing, half the micro-batch) and, in
+    training, the optimizer states (``--offload-optimizer``)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    if run.training and run.checkpointing != "full":
+        out.append(("--checkpointing full", {"checkpointing": "full"}))
+    if run.batch > 1:
+        half = run.batch // 2
+        out.append((f"--batch {half} --grad-accum {run.grad_accum * 2}",
+                    {"batch": half, "grad_accum": run.grad_accum * 2}) if run.training
+                   else (f"--batch {half}", {"batch": half}))
+    if run.training and not run.offload_optimizer:
+        out.append(("--offload-optimizer", {"offload_optimizer": True}))
+    return out
+
+
+def retraced_suggestions(spec: TransformerSpec | HFModelSpec, run: RunConfig,
+                         gpu: GpuSpec | None, est: Any) -> list[SuggestionRow]:
+    """Each of :func:`retrace_candidates` traced again, those that fit first, biggest saving
+    first; empty when the trace fits or no GPU is named. A change the trace refuses is left
+    out."""
+    capacity = gpu.usable_bytes if gpu else None
+    if capacity is None or capacity - est.total_bytes >= TRACE_FITS_MARGIN * capacity:
+        return []
+    rows = []
+    for change, fields in retrace_candidates(run):
+        phase(f"re-tracing with {change}")
+        try:
+            alt = _trace(spec, dataclasses.replace(run, **fields), gpu)
+        except MemfitError:
+            continue
+        saved = est.total_bytes - alt.total_bytes
+        if saved > 0:
+            rows.append(SuggestionRow(
+                change=change, saved_bytes=saved, total_bytes=alt.total_bytes,
+                fits=capacity - alt.total_bytes >= TRACE_FITS_MARGIN * capacity))
+    rows.sort(key=lambda r: (not r.fits, -r.saved_bytes))
+    return rows
+
+
+_SHARDED = (MemoryCategory.WEIGHTS, MemoryCategory.GRADIENTS, MemoryCategory.OPTIMIZER_STATES)
+
+
+def sharded_total(est: Any, gpus: int) -> int:
+    """A floor for the one-GPU trace's total under ZeRO-3 / FSDP over ``gpus`` GPUs, op by op
+    from its timeline: the model states (weights, gradients, optimizer states) live after each
+    op, and the optimizer step's temporaries (made from the states, shard by shard), divided by
+    ``gpus``; the rest (activations, other temporaries, runtime), the allocator's reserve and
+    the runtime outside it as traced, plus NCCL's buffers. Not counted: the layers FSDP gathers
+    one at a time and its communication buffers (``--gpus N --fsdp`` traces them). ``gpus=1``
+    gives ``est.total_bytes``."""
+    from memfit.ledger import CATEGORIES
+    from memfit.runtime import nccl_buffer_bytes
+
+    sharded = [CATEGORIES.index(c) for c in _SHARDED]
+    temporaries = CATEGORIES.index(MemoryCategory.TEMPORARIES)
+    live_peak, peak = 0, 0
+    for point in est.timeline:
+        states = sum(point.bytes[i] for i in sharded)
+        if point.phase == "optimizer":
+            states += point.bytes[temporaries]
+        live = sum(point.bytes)
+        live_peak = max(live_peak, live)
+        peak = max(peak, live - states + -(-states // gpus))
+    return peak + est.total_bytes - live_peak + nccl_buffer_bytes(gpus)
+
+
+def traced_scale_out(est: Any, capacity: int | None,
+                     gpus_per_node: int = GPUS_PER_NODE) -> tuple[str, dict[str, Any] | None]:
+    """For a model type the formulas do not cover (no analytic plan to scale): the fewest GPUs
+    on which :func:`sharded_total`, a floor, keeps the trace's fit margin free: fewer GPUs
+    cannot hold the step. Returns the line and its JSON (None when no count up to
+    :data:`MAX_GPUS` does)."""
+    limit = int(capacity * (1 - TRACE_FITS_MARGIN)) if capacity else 0
+    rest = sharded_total(est, MAX_GPUS)
+    if rest > limit:
+        return (f"no number of GPUs up to {MAX_GPUS} holds this step with ZeRO-3 / FSDP: what "
+                f"one micro-batch holds besides the model states ({format_bytes(rest)} per GPU "
+                "in the trace) does not shrink with more GPUs; try --checkpointing full or a "
+                "smaller --batch"), None
+    lo, hi = 2, MAX_GPUS
+    while lo < hi:  # the per-GPU bytes never grow with the GPUs: bisect for the fewest
+        mid = (lo + hi) // 2
+        if sharded_total(est, mid) <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    per_gpu = sharded_total(est, lo)
+    nodes = -(-lo // gpus_per_node)
+    line = (f"this needs at least {lo} GPUs (ZeRO-3 / FSDP: --gpus {lo} --fsdp), at least "
+            f"{format_bytes(per_gpu)} per GPU: the trace with its model states sharded {lo} "
+            f"ways at every op, without the layers FSDP gathers; --gpus {lo} --fsdp traces "
+            "each rank")
+    if lo > gpus_per_node:
+        line += f"; {nodes} nodes of {gpus_per_node} GPUs"
+    return line, {"gpus": lo, "zero": 3, "tp": 1, "pp": 1, "flags": f"--gpus {lo} --fsdp",
+                  "strategy": "ZeRO-3 / FSDP", "per_gpu_total_bytes": per_gpu,
+                  "headroom_bytes": (capacity or 0) - per_gpu, "gpus_per_node": gpus_per_node,
+                  "nodes": nodes, "lower_bound": True}
+
+
+def _trace(spec: TransformerSpec | HFModelSpec, run: RunConfig, gpu: GpuSpec | None) -> Any:
+    """:func:`traced_estimate`, its failures in the model's own code said in one line."""
+    try:
+        with warnings.catch_warnings():
+            # The table prints each assumption as an "assumed:" line; not twice on stderr.
+            warnings.filterwarnings("ignore", message="memfit: assumed")
+            return traced_estimate(spec, run, gpu)
+    except (MemfitError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        # The model's own code failed on this config (a key transformers needs is missing, a
+        # shape does not divide): the config's problem, said in one line, as for bad input.
+        if os.environ.get("MEMFIT_DEBUG"):
+            raise
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise MemfitError(
+            f"tracing {spec.name} failed in the model's own code: {type(exc).__name__}: "
+            f"{detail}; check the config (set MEMFIT_DEBUG=1 for the traceback)") from None
+
+
 def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
               gpu: GpuSpec | None) -> int:
     spec = _check_traceable(model, run)
     check_model_options(spec, run)  # before the trace, not after it
-    with Progress(f"memfit plan: tracing {spec.name}", total=None):
-        try:
-            with warnings.catch_warnings():
-                # The table prints each assumption as an "assumed:" line; not twice on stderr.
-                warnings.filterwarnings("ignore", message="memfit: assumed")
-                est = traced_estimate(spec, run, gpu)
-        except (MemfitError, KeyboardInterrupt):
-            raise
-        except Exception as exc:
-            # The model's own code failed on this config (a key transformers needs is missing, a
-            # shape does not divide): the config's problem, said in one line, as for bad input.
-            if os.environ.get("MEMFIT_DEBUG"):
-                raise
-            detail = str(exc).splitlines()[0] if str(exc) else ""
-            raise MemfitError(
-                f"tracing {spec.name} failed in the model's own code: {type(exc).__name__}: "
-                f"{detail}; check the config (set MEMFIT_DEBUG=1 for the traceback)") from None
-    column = trace_column(est)
-    analytic = plan(spec, run, gpu)
-    capacity = gpu.usable_bytes if gpu else None
-    headroom = None if capacity is None else capacity - est.total_bytes
     # A model type the formulas do not cover has no analytic column: its "analytic plan" would
-    # be model states alone, and single-change savings taken from it would mislead.
+    # be model states alone, and single-change savings taken from it would mislead; its
+    # suggestions are re-traced instead, and it needs no analytic plan (none for LoRA).
     covered = not isinstance(spec, HFModelSpec)
-    suggestions = trace_suggestions(est, analytic, capacity) if covered else []
+    capacity = gpu.usable_bytes if gpu else None
+    per_node = positive_int(getattr(args, "gpus_per_node", None),
+                            "--gpus-per-node") or GPUS_PER_NODE
+    with Progress(f"memfit plan: tracing {spec.name}", total=None):
+        est = _trace(spec, run, gpu)
+        analytic = plan(spec, run, gpu) if covered else None
+        if analytic is not None:
+            seq = analytic.seq
+            suggestions = trace_suggestions(est, analytic, capacity)
+        else:
+            assert isinstance(spec, HFModelSpec)
+            seq = spec.sequence_length(run.seq)
+            suggestions = retraced_suggestions(spec, run, gpu, est)
+    headroom = None if capacity is None else capacity - est.total_bytes
+    fits = None if headroom is None else headroom >= TRACE_FITS_MARGIN * capacity
+    scale_line, scale_json = None, None
+    if analytic is not None and suggestions and analytic.fits is False:
+        # The trace models one GPU; how many it needs comes from the analytic plan.
+        scale = gpus_needed(analytic, gpus_per_node=per_node)
+        scale_line = "analytic plan: " + scale_out_line(analytic, scale, gpus_per_node=per_node)
+        scale_json = None if scale is None else scale.to_dict()
+    elif analytic is None and fits is False and run.training:
+        scale_line, scale_json = traced_scale_out(est, capacity, per_node)
     if args.json:
         print_json({
             "method": "trace",
@@ -250,54 +393,55 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity,
                                              "capacity_measured": gpu.usable_measured},
             "per_gpu": {"total_bytes": est.total_bytes,
-                        "breakdown": {c.value: b for c, b in column.breakdown.items()},
-                        "allocator_reserve_bytes": column.allocator_reserve},
+                        "breakdown": {c.value: b for c, b in trace_column(est).breakdown.items()},
+                        "allocator_reserve_bytes": allocator_reserve(est)},
             "peak_bytes": est.peak_bytes,
             "peak_reserved_bytes": est.peak_reserved_bytes,
             "host_peak_bytes": est.host_peak_bytes,
-            "fits": None if headroom is None else headroom >= TRACE_FITS_MARGIN * capacity,
+            "fits": fits,
             "headroom_bytes": headroom,
             "peak": {"op": est.peak_op, "phase": est.peak_phase, "module": est.peak_module},
-            "analytic_total_bytes": analytic.total_bytes if covered else None,
+            "analytic_total_bytes": None if analytic is None else analytic.total_bytes,
             "trace_seconds": est.trace_seconds,
             "assumptions": list(est.assumptions),
             "notes": [args.precision_note] if getattr(args, "precision_note", None) else [],
             **({"checkpoint": args.checkpoint_json}
                if getattr(args, "checkpoint_json", None) else {}),
+            "scale_out": scale_json,
             "suggestions": [
                 {"change": s.change, "saved_bytes": s.saved_bytes, "total_bytes": s.total_bytes,
-                 "fits": s.fits, "saving_from": "analytic"} for s in suggestions],
+                 "fits": s.fits, "saving_from": "analytic" if covered else "trace"}
+                for s in suggestions],
             "run": {**{k: (list(v) if isinstance(v, tuple) else v)
-                       for k, v in dataclasses.asdict(run).items()}, "seq": analytic.seq},
+                       for k, v in dataclasses.asdict(run).items()}, "seq": seq},
         })
         return exit_status(args, capacity, est.total_bytes, TRACE_FITS_MARGIN)
-    after = []
-    if covered and suggestions and analytic.fits is False:
-        # The trace models one GPU; how many it needs comes from the analytic plan.
-        per_node = positive_int(getattr(args, "gpus_per_node", None),
-                                "--gpus-per-node") or GPUS_PER_NODE
-        scale = gpus_needed(analytic, gpus_per_node=per_node)
-        after.append("analytic plan: " + scale_out_line(analytic, scale, gpus_per_node=per_node))
+    after = [scale_line] if scale_line else []
     if est.host_peak_bytes:
         after.append(f"host memory for offloaded states (peak): "
                      f"{format_bytes(est.host_peak_bytes)}")
     after += [f"assumed: {note}" for note in est.assumptions]
+    column = trace_column(est)
     table = MemoryTable(
         title="Memory per GPU: trace vs analytic" if covered else "Memory per GPU (trace)",
         capacity=capacity,
         capacity_is_driver_total=gpu is not None and not gpu.usable_measured,
-        columns=(column, analytic.column("analytic")) if covered else (column,),
-        footnotes=tuple(trace_footnotes(est, analytic, run)) if covered else (),
+        columns=(column, analytic.column("analytic")) if analytic is not None else (column,),
+        footnotes=(tuple(trace_footnotes(est, analytic, run)) if analytic is not None
+                   else ()),
         lines_before=(
             f"[bold]{spec.name}[/bold] ({format_params(spec.param_count())} params) traced on meta "
             f"tensors{f' for {gpu.label}' if gpu else ' for CUDA'} {took(args, est.trace_seconds)}",
-            analytic.describe(),
+            describe_run(run, seq),
             *([args.precision_note] if getattr(args, "precision_note", None) else []),
             f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
             f"({est.peak_phase}, step {est.peak_step})"),
         lines_after=tuple(after), suggestions=tuple(suggestions),
-        suggestions_title="What would save memory (one change each; the saving is the analytic "
-                          "re-plan's, applied to the trace's total)")
+        suggestions_title=(
+            "What would save memory (one change each; the saving is the analytic re-plan's, "
+            "applied to the trace's total)" if covered else
+            "What would save memory (one change each, re-traced: these few only, as each is "
+            "one more trace)"))
     table.print(console(), verdict=lambda out: print_fit_verdict(
         out, capacity, est.total_bytes, TRACE_FITS_MARGIN, "trace"))
     return exit_status(args, capacity, est.total_bytes, TRACE_FITS_MARGIN)

@@ -11,8 +11,10 @@ Nothing from the Hub is executed: ``auto_map`` (``trust_remote_code``) entries a
 model type transformers does not ship is refused.
 
 Known limitations: the analytic planner sees only the parameter count of these models (model
-states, no activations); LoRA/QLoRA planning needs a family the formulas cover. A config's
-``quantization_config`` is dropped: the model is planned at the precision ``--precision`` says.
+states, no activations), so LoRA/QLoRA on them is traced only (one GPU). A config's
+``quantization_config`` and ``torch_dtype`` are dropped: the model is planned at the precision
+``--precision`` says. An image-text model (Gemma-3) gets text inputs only: its vision tower
+holds its weights but, running in no step, no gradients or optimizer states.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ TASKS: dict[str, tuple[str, str]] = {
 _SEQ2SEQ_FIRST = ("seq2seq-lm", "speech-seq2seq")
 # Keys that describe how the checkpoint was stored or run, not the architecture.
 _DROPPED_KEYS = ("model_type", "auto_map", "quantization_config", "transformers_version")
+# The dtype the checkpoint was saved in (Note: [the trace's parameter dtype]).
+_DTYPE_KEYS = ("torch_dtype", "dtype")
 _MAX_DEFAULT_SEQ = 2048
 _AUDIO_SAMPLES = 16_000  # one second at 16 kHz for waveform models (wav2vec2, HuBERT)
 
@@ -90,16 +94,46 @@ def _pick_task(model_type: str, architectures: list[str], encoder_decoder: bool)
                       "--params N to plan model states only")
 
 
+def _without_dtype(values: dict[str, Any]) -> dict[str, Any]:
+    """The config's values (and those of every config nested in it: ``text_config``,
+    ``vision_config``, ``encoder``...) without the dtype the checkpoint was saved in.
+
+    Note: [the trace's parameter dtype] transformers 5's ``from_config`` builds the model in
+    the config's ``torch_dtype`` (``dtype``), and a published config.json always names one
+    (usually bfloat16): kept, a bf16-mixed plan would trace bf16 parameters and optimizer
+    states, half the fp32 ones autocast training keeps. The run's precision decides instead:
+    the model is built in fp32 (:meth:`HFModelSpec.build`) and the trace casts it for a pure
+    16-bit run, as for every other model."""
+    out = {k: v for k, v in values.items() if k not in _DTYPE_KEYS}
+    for key, value in out.items():
+        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+            out[key] = _without_dtype(value)
+    return out
+
+
+def _no_cache(config: Any) -> None:
+    """``use_cache=False`` (a training step keeps no KV cache) on ``config`` and on every
+    sub-config, as written in the file or filled in by transformers: a nested text config
+    left with its cache re-appends the KV cache in checkpointing's recompute, and Gemma-3's
+    sliding-window mask then no longer matches the keys."""
+    config.use_cache = False
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            _no_cache(sub)
+
+
 def _config_object(model_type: str, data: dict[str, Any], where: str) -> Any:
     hf = _transformers(f"model_type {model_type!r}")
-    values = {k: v for k, v in data.items() if k not in _DROPPED_KEYS}
-    values["use_cache"] = False
+    values = _without_dtype({k: v for k, v in data.items() if k not in _DROPPED_KEYS})
     try:
-        return hf.AutoConfig.for_model(model_type, **values)
+        config = hf.AutoConfig.for_model(model_type, **values)
     except (ValueError, TypeError, KeyError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise MemfitError(f"{where}: transformers cannot read this {model_type} config "
                           f"({first}); fix the config") from None
+    _no_cache(config)
+    return config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +207,8 @@ class HFModelSpec(ParamCountSpec):
     def build(self, *, device: Any = "meta", dtype: Any = None,
               attn_implementation: str | None = None) -> Any:
         """The task model on ``device`` (meta: no memory), parameters in ``dtype`` (default
-        fp32). ``attn_implementation`` unset means SDPA where the class has it, else eager.
+        fp32, whatever ``torch_dtype`` the config names: Note: [the trace's parameter dtype]).
+        ``attn_implementation`` unset means SDPA where the class has it, else eager.
 
         >>> spec = hf_model_spec({"model_type": "t5", "d_model": 64, ...})  # doctest: +SKIP
         >>> model = spec.build()  # T5ForConditionalGeneration on meta
@@ -211,11 +246,30 @@ class HFModelSpec(ParamCountSpec):
                 return min(value, _MAX_DEFAULT_SEQ)
         return _MAX_DEFAULT_SEQ
 
+    def sequence_length(self, seq: int | None) -> int | None:
+        """Tokens per row of :meth:`example_inputs`: ``seq`` (default :attr:`default_seq_len`)
+        for text models, capped at ``max_target_positions`` for the labels of speech models;
+        None for image and audio models, whose inputs have no sequence length to choose."""
+        if self.task in ("image-classification", "ctc", "audio-classification"):
+            return None
+        seq = seq or self.default_seq_len
+        if self.task == "speech-seq2seq":
+            target = self._text_config().get("max_target_positions", seq)
+            return min(seq, int(target))
+        return seq
+
     def _text_config(self) -> dict[str, Any]:
         text = self.config.get("text_config")
         if isinstance(text, dict) and "vocab_size" not in self.config:
             return {**self.config, **text}
         return self.config
+
+    def _text_default(self, key: str) -> Any:
+        """``key`` of the text config as transformers fills it in when the file leaves it out
+        (a published Gemma-3 config.json has no vocab_size anywhere)."""
+        config = self.hf_config()
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(text, key, None)
 
     def example_inputs(self, batch: int, seq: int | None = None, device: Any = "meta", *,
                        training: bool = True) -> dict[str, Any]:
@@ -239,8 +293,10 @@ class HFModelSpec(ParamCountSpec):
         if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
             raise MemfitError(f"batch must be a positive integer, got {batch!r}")
         config = self._text_config()
-        seq = seq or self.default_seq_len
+        seq = self.sequence_length(seq) or self.default_seq_len
         vocab = config.get("vocab_size")
+        if vocab is None:  # transformers' default: Gemma-3's text config says 262,208
+            vocab = self._text_default("vocab_size")
         if self.task in ("causal-lm", "seq2seq-lm", "masked-lm", "base"):
             if not isinstance(vocab, int) or vocab <= 0:
                 raise MemfitError(f"{self.source or self.name}: no vocab_size in the config; "
@@ -259,9 +315,8 @@ class HFModelSpec(ParamCountSpec):
         if self.task == "speech-seq2seq":
             mels = int(config.get("num_mel_bins", 80))
             frames = 2 * int(config.get("max_source_positions", 1500))
-            target = min(seq, int(config.get("max_target_positions", seq)))
             return {"input_features": torch.randn(batch, mels, frames, device=device),
-                    "labels": torch.randint(0, int(vocab or 2), (batch, target), device=device)}
+                    "labels": torch.randint(0, int(vocab or 2), (batch, seq), device=device)}
         wave = torch.randn(batch, _AUDIO_SAMPLES, device=device)
         if self.task == "ctc":
             labels = torch.randint(1, int(vocab or 2), (batch, 16), device=device)

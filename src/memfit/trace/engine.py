@@ -507,6 +507,7 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
     fake_mode = TrackingFakeMode(tracker, datadep, warn, measure_cpu_kernels=not cuda_target)
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_mode)
+        stack.enter_context(torch_internals.fake_op_errors_unlogged())  # raised, not logged
         stack.enter_context(host.tracing(tracker))
         stack.enter_context(_grouped_mm_rule())
         stack.enter_context(foreach.grouped())  # Note: [foreach ops on fake tensors]
