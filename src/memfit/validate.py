@@ -23,7 +23,9 @@ Speed: on the CPU the real run is measured under the profiler (every allocation 
 a config costs seconds to minutes. The CPU default is therefore the ``tiny`` sizes and the
 ``quick`` matrix (one config per family, the families together covering every precision,
 checkpointing, optimizer and offload kind: :func:`matrix`), a few minutes on two cores;
-``memfit validate --full`` runs the whole matrix.
+``memfit validate --full`` runs the whole matrix. A config the machine cannot run at all (a
+bf16 LSTM where oneDNN refuses it: an AVX2-only CPU) is skipped with the reason
+(:func:`why_not_here`, the probe the test suite skips with), not counted as a failure.
 
 Known limitations: configs run one after another in one process, so CUDA's caching allocator
 starts each config with an empty cache but the CUDA context and library handles already exist
