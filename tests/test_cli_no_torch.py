@@ -8,12 +8,15 @@ it takes. bench/cli_startup.py times the same commands.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 import memfit
 
@@ -100,6 +103,23 @@ def test_analytic_cli_paths_import_neither_torch_nor_transformers(tmp_path: Path
     assert codes.pop("plan llama-9-8b") == 2
     assert codes.pop("--help") == 0 and codes.pop("--version") == 0
     assert set(codes.values()) == {0}, codes
+
+
+# A GPU driver's device files (NVIDIA, ROCm, WSL2): with one, monitor may ask torch.cuda.
+_GPU_FILES = ("/dev/nvidiactl", "/dev/nvidia[0-9]*", "/proc/driver/nvidia/version", "/dev/kfd",
+              "/dev/dxg")
+
+
+@pytest.mark.skipif(any(glob.glob(p) for p in _GPU_FILES), reason="a GPU driver is here: "
+                    "without NVML, monitor reads the GPUs through torch.cuda")
+def test_monitor_once_reads_host_memory_without_torch() -> None:
+    """`memfit monitor --once` on a host with no GPU shows host memory only; it imported torch
+    (seconds) to learn there was no GPU. NVML (nvidia-ml-py) needs no torch either."""
+    results = _run_cli([["monitor", "--once"], ["monitor", "--once", "--json"],
+                        ["monitor", "--once", "--threshold", "0.5"]])
+    assert [(r["argv"], r["loaded"], r["code"]) for r in results] == [
+        (argv, [], 0) for argv in (["monitor", "--once"], ["monitor", "--once", "--json"],
+                                   ["monitor", "--once", "--threshold", "0.5"])]
 
 
 def test_the_check_sees_torch_when_a_command_needs_it() -> None:

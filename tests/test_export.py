@@ -20,14 +20,16 @@ from memfit.fitting.plan import Candidate, Plan
 from memfit.parallel import Parallel
 
 
-def fit_plan(*, num_gpus: int = 1, global_batch: int | None = None, **config) -> Plan:
+def fit_plan(*, num_gpus: int = 1, global_batch: int | None = None, device: str = "cuda",
+             **config) -> Plan:
     if global_batch is None:
         global_batch = config.get("micro_batch", 1) * config.get("accumulation", 1) * num_gpus
     cost = StepCost(compute_s=1.0, traffic_s=0.1, transfer_s=0.0, comm_s=0.0, dispatch_s=0.01,
                     optimizer_s=0.05)
     return Plan(chosen=Candidate(config=FitConfig(**config), peak_bytes=2**30, cost=cost),
                 runners_up=(), rejected=(), budget_bytes=2**31, global_batch=global_batch,
-                num_gpus=num_gpus, device="cuda", gpu="a100-80gb", rates_source="test")
+                num_gpus=num_gpus, device=device, gpu="a100-80gb" if device == "cuda" else None,
+                rates_source="test")
 
 
 def analytic_plan(**run) -> dict:
@@ -76,6 +78,63 @@ def test_analytic_plan_from_the_plan_command(tmp_path, capsys):
         "plan", 8, 8, 3, 2, 4)
     assert s.offload_optimizer and s.offload_params and s.checkpointing == "full"
     assert s.global_batch == 2 * 4 * 8
+
+
+def test_plan_command_json_exports_without_unknown_fields(tmp_path, capsys):
+    """Issue 20: every export of a `memfit plan --json` file reported "offload_to=cpu: this
+    memfit version's exporter does not know this plan field" (RunConfig's name for the offload
+    device), with no offload in the plan."""
+    code, out, _ = cli(capsys, "plan", "gpt2", "--json")
+    assert code == 0
+    (tmp_path / "p.json").write_text(out)
+    for target in TARGETS:
+        gaps = export_plan(tmp_path / "p.json", target).gaps
+        assert not [g for g in gaps if "does not know" in g.reason], (target, gaps)
+    code, out, _ = cli(capsys, "plan", "gpt2", "--json", "--offload-optimizer", "--offload-to",
+                       "nvme", "--engine", "deepspeed", "--zero", "3", "--gpus", "2")
+    assert code == 0
+    (tmp_path / "nvme.json").write_text(out)
+    s = read_plan(tmp_path / "nvme.json")
+    assert (s.offload_optimizer, s.offload_device, s.unknown) == (True, "nvme", {})
+    ds = json.loads(export_plan(s, "deepspeed").text)
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+
+
+def test_cpu_fit_plan_exports_target_the_cpu(tmp_path):
+    """A `memfit fit --device cpu` plan: the launchers run it on the CPU (they targeted a GPU:
+    Lightning accelerator "gpu", torchtune device "cuda", Accelerate use_cpu false); a GPU
+    plan still targets the GPU."""
+    yaml = pytest.importorskip("yaml")
+    for device, gpu in (("cpu", False), ("cuda", True)):
+        path = tmp_path / f"{device}.json"
+        fit_plan(device=device, precision="bf16-mixed", micro_batch=4, accumulation=2).save(path)
+        lightning = yaml.safe_load(export_plan(path, "lightning").text)["trainer"]
+        assert (lightning["accelerator"], lightning["devices"]) == (
+            "gpu" if gpu else "cpu", 1)
+        assert yaml.safe_load(export_plan(path, "torchtune").text)["device"] == device
+        accelerate = yaml.safe_load(export_plan(path, "accelerate").text)
+        assert (accelerate["use_cpu"], accelerate["distributed_type"]) == (not gpu, "NO")
+        trainer = json.loads(export_plan(path, "hf-trainer").text)
+        assert trainer.get("use_cpu", False) is (not gpu)
+        titan = {g.setting for g in export_plan(path, "torchtitan").gaps}
+        assert ("device" in titan) is (not gpu)
+        assert read_plan(path).device == device
+
+
+def test_torchtitan_checkpointing_line_is_its_subcommand_under_a_comment():
+    """Every other line is a --section.field[=value] override; the activation-checkpointing
+    policy is a tyro subcommand, written as torchtitan spells it (activation-checkpoint:full)
+    under a comment saying so (it ended with a bare `activation_checkpoint:none`)."""
+    import re
+
+    for ckpt in ("none", "full", "selective"):
+        text = export_plan(PlanSettings(source="plan", checkpointing=ckpt), "torchtitan").text
+        lines = text.splitlines()
+        assert lines[-1] == f"activation-checkpoint:{ckpt}"
+        assert lines[-2].startswith("# activation checkpointing: a subcommand")
+        overrides = [line for line in lines[:-1] if not line.startswith("#")]
+        assert overrides and all(re.fullmatch(r"--[a-z_]+\.[a-z_-]+(=\S+)?", line)
+                                 for line in overrides), overrides
 
 
 def test_parallel_fields_flat_or_nested():

@@ -41,10 +41,12 @@ PP = plan(precision="bf16", checkpointing="selective", micro_batch=1, accumulati
           parallel=Parallel(gpus=8, pp=4, zero=3))
 
 
-def needs(module: str, why: str = ""):
+def needs(module: str, extra: str, why: str = ""):
+    """Skip unless ``module`` imports; the reason names the extra that installs it (checked
+    against pyproject.toml by tests/test_install_hints.py)."""
     return pytest.mark.skipif(importlib.util.find_spec(module) is None,
                               reason=f"{module} is not installed{why} (pip install "
-                                     "'memfit[export]')")
+                                     f"'memfit[{extra}]')")
 
 
 # -- DeepSpeed ------------------------------------------------------------------------------
@@ -59,7 +61,7 @@ def ds_config(data: dict, world_size: int):
         return dsc.DeepSpeedConfig(data)
 
 
-@needs("deepspeed")
+@needs("deepspeed", "export")
 def test_deepspeed_zero2_offload():
     """ZeRO-2 + optimizer offload on 8 ranks: DeepSpeed checks train_batch_size = micro x
     accumulation x world size (config.py: _batch_assertion): 2 x 4 x 8 = 64."""
@@ -73,7 +75,7 @@ def test_deepspeed_zero2_offload():
     assert cfg.optimizer_name == "adamw"
 
 
-@needs("deepspeed")
+@needs("deepspeed", "export")
 def test_deepspeed_zero3_offload_params_fp16_and_gaps():
     out = export_plan(ZERO3_OFFLOAD, "deepspeed")
     cfg = ds_config(out.data, 16)
@@ -84,7 +86,7 @@ def test_deepspeed_zero3_offload_params_fp16_and_gaps():
     assert {g.setting for g in out.gaps} == set()
 
 
-@needs("deepspeed")
+@needs("deepspeed", "export")
 def test_deepspeed_tp_pp_and_checkpointing():
     """AutoTP carries tp; a pipeline and checkpointing are code, so gaps."""
     out = export_plan(TP, "deepspeed")
@@ -98,7 +100,7 @@ def test_deepspeed_tp_pp_and_checkpointing():
     assert {"pp", "checkpointing"} <= {g.setting for g in out.gaps}
 
 
-@needs("deepspeed")
+@needs("deepspeed", "export")
 def test_deepspeed_single_gpu_offload_runs_zero1():
     s = plan(precision="bf16-mixed", micro_batch=8, offload_optimizer=True)
     cfg = ds_config(export_plan(s, "deepspeed").data, 1)
@@ -126,8 +128,8 @@ def accelerate_launch_args(path: Path):
     return _validate_launch_command(args)[0]
 
 
-@needs("accelerate")
-@needs("yaml")
+@needs("accelerate", "export")
+@needs("yaml", "export")
 def test_accelerate_fsdp(tmp_path):
     path = export_plan(FSDP8, "accelerate", tmp_path / "a.yaml")
     args = accelerate_launch_args(tmp_path / "a.yaml")
@@ -138,8 +140,8 @@ def test_accelerate_fsdp(tmp_path):
     assert {"micro_batch", "accumulation"} <= {g.setting for g in path.gaps}
 
 
-@needs("accelerate")
-@needs("yaml")
+@needs("accelerate", "export")
+@needs("yaml", "export")
 def test_accelerate_deepspeed_zero2_offload(tmp_path):
     export_plan(ZERO2_OFFLOAD, "accelerate", tmp_path / "a.yaml")
     args = accelerate_launch_args(tmp_path / "a.yaml")
@@ -148,8 +150,8 @@ def test_accelerate_deepspeed_zero2_offload(tmp_path):
     assert int(args.gradient_accumulation_steps) == 4
 
 
-@needs("accelerate")
-@needs("yaml")
+@needs("accelerate", "export")
+@needs("yaml", "export")
 def test_accelerate_hsdp_over_two_nodes(tmp_path):
     """16 GPUs, 8 per node: 2 machines; 2 replicas x 8-way shards."""
     export_plan(HSDP16, "accelerate", tmp_path / "a.yaml")
@@ -159,8 +161,8 @@ def test_accelerate_hsdp_over_two_nodes(tmp_path):
             int(args.parallelism_config_dp_shard_size)) == (2, 8)
 
 
-@needs("accelerate")
-@needs("yaml")
+@needs("accelerate", "export")
+@needs("yaml", "export")
 def test_accelerate_fsdp_plugin_takes_the_fsdp_keys(tmp_path):
     """The FSDP keys also build Accelerate's FullyShardedDataParallelPlugin (fsdp_ stripped, as
     the launcher's environment variables do)."""
@@ -189,7 +191,7 @@ def training_args(kwargs: dict):
         return ta.TrainingArguments(**kwargs)
 
 
-@needs("transformers")
+@needs("transformers", "hf")
 def test_hf_trainer_fsdp():
     out = export_plan(FSDP8, "hf-trainer")
     args = training_args(json.loads(out.text))
@@ -201,8 +203,8 @@ def test_hf_trainer_fsdp():
     assert "gpus" in {g.setting for g in out.gaps}
 
 
-@needs("transformers")
-@needs("deepspeed")
+@needs("transformers", "hf")
+@needs("deepspeed", "export")
 def test_hf_trainer_deepspeed_zero2():
     """The embedded DeepSpeed config goes through the Trainer's own DeepSpeed integration
     (HfTrainerDeepSpeedConfig), which refuses values that disagree with the arguments."""
@@ -213,7 +215,7 @@ def test_hf_trainer_deepspeed_zero2():
     assert ds["train_micro_batch_size_per_gpu"] == args.per_device_train_batch_size == 2
 
 
-@needs("transformers")
+@needs("transformers", "hf")
 def test_hf_trainer_one_gpu_and_8bit_optimizer():
     s = plan(precision="fp16-mixed", checkpointing="full", micro_batch=4, accumulation=2,
              optimizer="adamw-8bit")
@@ -223,7 +225,7 @@ def test_hf_trainer_one_gpu_and_8bit_optimizer():
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 2)
 
 
-@needs("transformers")
+@needs("transformers", "hf")
 def test_hf_trainer_json_file_parser(tmp_path):
     """HfArgumentParser(TrainingArguments).parse_json_file reads the file as written."""
     import transformers.training_args as ta
@@ -257,8 +259,8 @@ def lightning_trainer(path: Path):
                             save_config_callback=None).trainer
 
 
-@needs("lightning")
-@needs("jsonargparse", " (LightningCLI needs it)")
+@needs("lightning", "export")
+@needs("jsonargparse", "export", " (LightningCLI needs it)")
 def test_lightning_fsdp(tmp_path):
     export_plan(FSDP8, "lightning", tmp_path / "l.yaml")
     trainer = lightning_trainer(tmp_path / "l.yaml")
@@ -270,9 +272,9 @@ def test_lightning_fsdp(tmp_path):
     assert trainer.precision == "bf16-mixed"
 
 
-@needs("lightning")
-@needs("jsonargparse", " (LightningCLI needs it)")
-@needs("deepspeed")
+@needs("lightning", "export")
+@needs("jsonargparse", "export", " (LightningCLI needs it)")
+@needs("deepspeed", "export")
 def test_lightning_deepspeed_zero3_offload(tmp_path):
     out = export_plan(ZERO3_OFFLOAD, "lightning", tmp_path / "l.yaml")
     trainer = lightning_trainer(tmp_path / "l.yaml")
@@ -285,8 +287,8 @@ def test_lightning_deepspeed_zero3_offload(tmp_path):
     assert {"micro_batch", "optimizer"} <= {g.setting for g in out.gaps}
 
 
-@needs("lightning")
-@needs("jsonargparse", " (LightningCLI needs it)")
+@needs("lightning", "export")
+@needs("jsonargparse", "export", " (LightningCLI needs it)")
 def test_lightning_hsdp_and_tp(tmp_path):
     export_plan(HSDP16, "lightning", tmp_path / "h.yaml")
     trainer = lightning_trainer(tmp_path / "h.yaml")
@@ -302,8 +304,8 @@ def test_lightning_hsdp_and_tp(tmp_path):
 
 # -- torchtitan ---------------------------------------------------------------------------------
 
-@needs("torchtitan")
-@needs("tyro")
+@needs("torchtitan", "export-torchtitan")
+@needs("tyro", "export-torchtitan")
 def test_torchtitan_overrides_parse_with_its_tyro_rules(tmp_path):
     """torchtitan 0.3's ConfigManager parses ``--section.field=value`` overrides with tyro into
     Trainer.Config. Its model registries import triton (absent from CPU torch builds), so the
@@ -392,8 +394,8 @@ def recipe_keys(recipe: str) -> set[str]:
     return keys
 
 
-@needs("recipes", " (torchtune's recipes ship with torchtune)")
-@needs("omegaconf")
+@needs("recipes", "export-torchtune", " (torchtune's recipes ship with torchtune)")
+@needs("omegaconf", "export-torchtune")
 def test_torchtune_keys_are_what_its_recipes_read(tmp_path):
     """torchtune loads configs with OmegaConf (torchtune/config/_parse.py). ``import torchtune``
     itself fails with torchao >= 0.14 (torchtune 0.6.1 imports torchao.dtypes.nf4tensor), so

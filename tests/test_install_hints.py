@@ -46,11 +46,21 @@ def _texts(source: str) -> list[str]:
     return out
 
 
-def _require_calls(source: str) -> list[tuple[str, str]]:
-    """``(module, extra)`` of each ``require("module", "extra", ...)`` call."""
+def _require_calls(source: str, function: str = "require") -> list[tuple[str, str]]:
+    """``(module, extra)`` of each ``require("module", "extra", ...)`` call (or of another
+    ``function`` with the same two first arguments)."""
     return [(node.args[0].value, node.args[1].value) for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "require"
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == function
             and len(node.args) >= 2 and all(isinstance(a, ast.Constant) for a in node.args[:2])]
+
+
+# Import names whose distribution is named otherwise.
+_MODULE_DIST = {"yaml": "pyyaml", "recipes": "torchtune"}  # torchtune ships its recipes
+
+
+def _installs(extras: dict[str, set[str]], extra: str, module: str) -> bool:
+    top = module.split(".")[0]
+    return _dist(_MODULE_DIST.get(top, top)) in extras.get(extra, set())
 
 
 def problems(source: str, extras: dict[str, set[str]]) -> tuple[list[str], int]:
@@ -78,7 +88,7 @@ def problems(source: str, extras: dict[str, set[str]]) -> tuple[list[str], int]:
         checked += 1
         if extra not in extras:
             bad.append(f"require({module!r}, {extra!r}): {extra!r} is not an extra")
-        elif _dist(module.split(".")[0]) not in extras[extra]:
+        elif not _installs(extras, extra, module):
             bad.append(f"require({module!r}, {extra!r}): the extra does not install {module}")
     return bad, checked
 
@@ -108,3 +118,18 @@ def test_checker_catches_a_missing_extra_split_over_lines() -> None:
     assert bad == ["memfit[8bit] is not an extra", "pip install nosuchpkg: not a dependency of "
                    "any extra", "require('bitsandbytes', 'quant'): the extra does not install "
                    "bitsandbytes"]
+
+
+def test_test_skip_hints_name_the_extra_that_installs_the_module() -> None:
+    """The tests' skips say which extra to install (issue 20: the tyro and omegaconf skips
+    said ``memfit[export]``; they are in ``export-torchtitan`` and ``export-torchtune``)."""
+    extras = _extras()
+    bad, checked = [], 0
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for module, extra in _require_calls(path.read_text(encoding="utf-8"), "needs"):
+            checked += 1
+            if not _installs(extras, extra, module):
+                bad.append(f"{path.name}: needs({module!r}, {extra!r}): the extra does not "
+                           f"install {module}")
+    assert not bad, "\n".join(bad)
+    assert checked >= 20, checked  # test_export_tools.py's skips are found

@@ -106,6 +106,31 @@ def test_hf_stages_make_the_sliding_window_masks_of_the_models_forward(kind: str
             assert torch.equal(_composed_loss(model, Parallel(gpus=pp, pp=pp), inputs), whole)
 
 
+def test_hf_stage_masks_take_the_installed_transformers_cache_keyword() -> None:
+    """transformers 5.x renamed the mask functions' ``past_key_values`` to ``cache`` (the old
+    name warns, FutureWarning, and goes in 5.40): a stage passes the name the installed
+    version's signature has, so no warning; Qwen2 with full then sliding layers makes both
+    kinds of mask, and the composed stages still give the whole model's loss."""
+    import inspect
+    import warnings
+
+    from transformers import masking_utils
+
+    model = _tiny_hf("qwen2")
+    ids = torch.randint(0, 128, (2, 32))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    with torch.no_grad():
+        whole = model(**inputs).loss
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            assert torch.equal(_composed_loss(model, Parallel(gpus=1, pp=1), inputs), whole)
+    from memfit.parallel.hf_pipeline import cache_keyword
+
+    for make in (masking_utils.create_causal_mask,
+                 masking_utils.create_sliding_window_causal_mask):
+        assert cache_keyword(make) in inspect.signature(make).parameters
+
+
 def test_hf_pipeline_is_refused_for_other_hf_models_in_one_line() -> None:
     """GPT-2 (``GPT2LMHeadModel``: learned positions, ``transformer.h``) is not split."""
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)

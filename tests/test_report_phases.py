@@ -110,3 +110,38 @@ def test_png_marker_and_legend(result: ProfileResult, tmp_path, monkeypatch) -> 
     assert "kv_cache" not in seen["legend"]  # type: ignore[operator]
     assert {"weights", "optimizer_states", "forward", "backward", "optimizer"} <= set(
         seen["legend"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("peak_at", [2, 37])
+def test_png_legend_leaves_the_peak_label_readable(peak_at: int, tmp_path, monkeypatch) -> None:
+    """The legend sat in the plot's upper left, over the "peak" label when the peak came early;
+    it is outside the plot now, and the label stays inside the figure, on either side: their
+    drawn boxes (matplotlib's window extents) do not meet."""
+    pytest.importorskip("matplotlib", reason="the PNG export needs memfit[report]")
+    from matplotlib.figure import Figure
+
+    phases = ["forward"] * 15 + ["backward"] * 15 + ["optimizer"] * 10
+    mib = 2**20
+    points = [_point(i, phase, weights=64 * mib, acts=(96 if i == peak_at else 32) * mib)
+              for i, phase in enumerate(phases)]
+    result = ProfileResult(
+        device="cpu", peak_bytes=160 * mib, peak_reserved_bytes=None, breakdown={},
+        tracked_peak_bytes=160 * mib, baseline_bytes=64 * mib, peak_index=peak_at,
+        peak_op="aten.x", peak_phase=phases[peak_at], peak_module="", num_ops=len(points),
+        timeline=points, modules=[], top_tensors=[])
+    boxes: dict[str, object] = {}
+    original = Figure.savefig
+
+    def spy(self: Figure, *args: object, **kwargs: object) -> None:
+        renderer = self.canvas.get_renderer()
+        ax = self.axes[0]
+        label, = (t for t in ax.texts if t.get_text().startswith("peak "))
+        boxes.update(legend=ax.get_legend().get_window_extent(renderer),
+                     label=label.get_window_extent(renderer), figure=self.bbox)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    write_png(tmp_path / "t.png", result)
+    legend, label, figure = boxes["legend"], boxes["label"], boxes["figure"]
+    assert not legend.overlaps(label), (legend, label)  # type: ignore[attr-defined]
+    assert figure.x0 <= label.x0 and label.x1 <= figure.x1, (label, figure)  # type: ignore

@@ -185,6 +185,36 @@ def test_estimate_predicts_the_chunked_peak_hf() -> None:
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
 
 
+def test_hf_chunked_loss_logs_no_cache_deprecation() -> None:
+    """`memfit fit gpt2` began with transformers' "`past_key_values`/`cache_params` are
+    deprecated. Use `cache` instead.": the chunked forward read and passed the outputs' old
+    field name (transformers/utils/generic.py: ModelOutput.past_key_values logs it once). It
+    now uses the name the installed transformers has, and nothing is logged."""
+    import logging
+
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=32)
+    base = transformers.GPT2LMHeadModel(config).eval()  # no dropout: the losses compare
+    model = apply_chunked_loss(copy.deepcopy(base), chunk_size=16)
+    ids = torch.randint(0, 64, (2, 32))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    root = logging.getLogger("transformers")
+    hf_logging.warning_once.cache_clear()  # a line logged once already would not show again
+    root.addHandler(handler)
+    try:
+        out = model(input_ids=ids, labels=ids)
+    finally:
+        root.removeHandler(handler)
+    assert [r.getMessage() for r in records if "deprecated" in r.getMessage()] == []
+    assert close(out.loss, base(input_ids=ids, labels=ids).loss)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_dense_and_uses_liger_when_installed() -> None:

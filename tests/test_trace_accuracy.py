@@ -7,7 +7,6 @@ on the same module; the two peaks must agree within 1%.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -22,26 +21,9 @@ from memfit._tensors import call_model
 from memfit.categories import MemoryCategory
 from memfit.profiling import measure_cpu_peak
 from memfit.trace import estimate
+from memfit.validate import bf16_lstm_refused  # the probe memfit validate skips with
 
 TOLERANCE = 0.01
-
-
-@functools.cache
-def bf16_lstm_refused() -> str | None:
-    """Why this CPU cannot train an LSTM under bf16 autocast, or None if it can.
-
-    Probed by running one: torch routes a bf16 LSTM to oneDNN, which creates its primitive only
-    where the CPU has the instructions for it (on an AVX2-only CPU, or AVX-512 limited with
-    ``ONEDNN_MAX_CPU_ISA=AVX2``: "could not create a primitive descriptor"). A step that cannot
-    run has no peak to compare with."""
-    lstm, x = nn.LSTM(4, 4, batch_first=True), torch.randn(1, 2, 4)
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = lstm(x)[0]
-        out.float().sum().backward()
-    except RuntimeError as exc:
-        return str(exc).strip().splitlines()[0]
-    return None
 
 
 def skip_unless_runs_here(kind: str, precision: str) -> None:

@@ -9,14 +9,19 @@
   the Hugging Face and Lightning callbacks.
 
 NVML comes from ``nvidia-ml-py`` (``pip install 'memfit[monitor]'``). Without it, CUDA devices are
-read through ``torch.cuda.mem_get_info``; with no GPU at all, only host memory is shown.
+read through ``torch.cuda.mem_get_info``; with no GPU at all, only host memory is shown, and
+torch (seconds to import) is not imported unless the host has a GPU driver's device files
+(:func:`gpu_device_files`).
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -110,6 +115,8 @@ def read_gpus() -> tuple[list[GpuMemory], str, str | None]:
             return _read_nvml(pynvml), "nvml", None
         except pynvml.NVMLError as exc:
             nvml_error = str(exc)
+    if not _torch_might_see_a_gpu():
+        return _no_gpu(nvml_error)
     import torch
 
     if torch.cuda.is_available():
@@ -122,9 +129,36 @@ def read_gpus() -> tuple[list[GpuMemory], str, str | None]:
         note = ("nvidia-ml-py is not installed: GPUs read through torch.cuda "
                 "(`pip install 'memfit[monitor]'` for NVML)") if pynvml is None else None
         return gpus, "torch", note
+    return _no_gpu(nvml_error)
+
+
+def _no_gpu(nvml_error: str | None) -> tuple[list[GpuMemory], str, str | None]:
     if nvml_error is not None:
         return [], "none", f"no GPU: NVML failed ({nvml_error}); showing host memory only"
     return [], "none", "no GPU found: showing host memory only"
+
+
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia[0-9]*", "/proc/driver/nvidia/version",
+                     "/dev/kfd", "/dev/dxg")
+"""The files a GPU driver makes on Linux: NVIDIA's, ROCm's (``/dev/kfd``: torch.cuda on AMD)
+and WSL2's (``/dev/dxg``). torch.cuda finds no device without one of them."""
+
+
+def gpu_device_files() -> list[str]:
+    """The GPU driver device files on this host (Linux; empty elsewhere or with no GPU)."""
+    return sorted(f for pattern in _GPU_DEVICE_FILES for f in glob.glob(pattern))
+
+
+def _torch_might_see_a_gpu() -> bool:
+    """Whether ``torch.cuda`` could find a device: torch is imported already (asking is then
+    free), or it is installed and this host has a GPU driver's device files (on Linux; off
+    Linux there is no such cheap check, so torch is asked). Without them the host-only
+    reading skips importing torch, which takes seconds."""
+    if "torch" in sys.modules:
+        return True
+    if importlib.util.find_spec("torch") is None:
+        return False
+    return not sys.platform.startswith("linux") or bool(gpu_device_files())
 
 
 def _read_nvml(pynvml: Any) -> list[GpuMemory]:

@@ -23,7 +23,9 @@ Speed: on the CPU the real run is measured under the profiler (every allocation 
 a config costs seconds to minutes. The CPU default is therefore the ``tiny`` sizes and the
 ``quick`` matrix (one config per family, the families together covering every precision,
 checkpointing, optimizer and offload kind: :func:`matrix`), a few minutes on two cores;
-``memfit validate --full`` runs the whole matrix.
+``memfit validate --full`` runs the whole matrix. A config the machine cannot run at all (a
+bf16 LSTM where oneDNN refuses it: an AVX2-only CPU) is skipped with the reason
+(:func:`why_not_here`, the probe the test suite skips with), not counted as a failure.
 
 Known limitations: configs run one after another in one process, so CUDA's caching allocator
 starts each config with an empty cache but the CUDA context and library handles already exist
@@ -32,9 +34,11 @@ starts each config with an empty cache but the CUDA context and library handles 
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -303,6 +307,9 @@ def matrix(size: str, *, families: list[str] | None = None, quick: bool = False
 
 # -- the runner -----------------------------------------------------------------------------------
 
+_CPU_OFFLOAD_NOTE = "memfit: offload_activations on CPU tensors"
+"""The start of ``memfit.techniques.offload``'s warning on CPU tensors (a regex prefix)."""
+
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9),
@@ -411,30 +418,76 @@ def run_config(config: Config, *, size: str, device: str, gpu: str | None,
     from memfit.trace import estimate
 
     factory = zoo(size)[config.family](config.batch)
-    phase(f"{config.name}: real run on {device}")
-    measured_alloc, measured_res, real_seconds = _measure(config, factory, device, steps)
-    phase(f"{config.name}: trace")
-    torch.manual_seed(0)
-    meta_model, meta_inputs, meta_loss = factory("meta")
-    est = estimate(meta_model, meta_inputs, optimizer=_techniques(meta_model, config),
-                   precision=config.precision, loss_fn=lambda m, b: meta_loss(m(*b)),
-                   device=device,
-                   gpu=gpu if device == "cuda" else None, steps=steps,
-                   keep_output=True)  # _steps keeps ``out`` alive through backward
+    with warnings.catch_warnings():
+        # Activation offload on the CPU is run (and traced) on purpose: its prediction is that
+        # nothing moves. The technique's warning that it saves nothing there is for users who
+        # apply it, not for this check.
+        warnings.filterwarnings("ignore", message=_CPU_OFFLOAD_NOTE)
+        phase(f"{config.name}: real run on {device}")
+        measured_alloc, measured_res, real_seconds = _measure(config, factory, device, steps)
+        phase(f"{config.name}: trace")
+        torch.manual_seed(0)
+        meta_model, meta_inputs, meta_loss = factory("meta")
+        est = estimate(meta_model, meta_inputs, optimizer=_techniques(meta_model, config),
+                       precision=config.precision, loss_fn=lambda m, b: meta_loss(m(*b)),
+                       device=device,
+                       gpu=gpu if device == "cuda" else None, steps=steps,
+                       keep_output=True)  # _steps keeps ``out`` alive through backward
     return Result(config=config.name, device=device, measured_allocated=measured_alloc,
                   measured_reserved=measured_res, predicted_allocated=est.peak_bytes,
                   predicted_reserved=est.peak_reserved_bytes, seconds_real=real_seconds,
                   seconds_trace=est.trace_seconds)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Skipped:
+    """A config this machine cannot run at all, and why (found by probing: :func:`why_not_here`)."""
+
+    config: Config
+    reason: str
+
+
+@functools.cache
+def bf16_lstm_refused() -> str | None:
+    """Why this CPU cannot train an LSTM under bf16 autocast, or None if it can.
+
+    Probed by running one: torch routes a bf16 LSTM to oneDNN, which creates its primitive only
+    where the CPU has the instructions for it (on an AVX2-only CPU, or AVX-512 limited with
+    ``ONEDNN_MAX_CPU_ISA=AVX2``: "could not create a primitive descriptor"). A step that cannot
+    run has no peak to compare with."""
+    lstm, x = nn.LSTM(4, 4, batch_first=True), torch.randn(1, 2, 4)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = lstm(x)[0]
+        out.float().sum().backward()
+    except RuntimeError as exc:
+        return str(exc).strip().splitlines()[0]
+    return None
+
+
+def why_not_here(config: Config, device: str) -> str | None:
+    """Why ``config`` cannot run on this machine's ``device`` at all, or None (it can).
+
+    The test suite skips the same cases with the same reason."""
+    if (device == "cpu" and config.precision == "bf16-mixed" and config.family == "lstm"
+            and (why := bf16_lstm_refused())):
+        return (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) cannot run a bf16 LSTM: "
+                f"{why}")
+    return None
+
+
 def run_matrix(configs: list[Config], *, size: str, device: str, gpu: str | None,
-               steps: int = 2) -> Iterator[Result | tuple[Config, str]]:
-    """Run each config; yields a Result, or (config, error message) when a config fails.
+               steps: int = 2) -> Iterator[Result | Skipped | tuple[Config, str]]:
+    """Run each config; yields a Result, a :class:`Skipped` when this machine cannot run the
+    config at all (:func:`why_not_here`), or (config, error message) when a config fails.
 
     Shows no progress itself: ``memfit validate`` wraps it in a :class:`memfit.progress.Progress`
     (each config names its phase in the active progress, if any). ``KeyboardInterrupt`` is not
     caught: results yielded before it stand."""
     for config in configs:
+        if (reason := why_not_here(config, device)) is not None:
+            yield Skipped(config=config, reason=reason)
+            continue
         try:
             yield run_config(config, size=size, device=device, gpu=gpu, steps=steps)
         except torch.OutOfMemoryError:

@@ -17,11 +17,18 @@ from memfit.cli._common import console
 from memfit.errors import MemfitError
 from memfit.progress import Progress
 
+EXIT_FAILED = 1
+"""A config could not be run or traced (skipped configs, which this machine cannot run at all,
+do not count)."""
 
 def register(sub: Any) -> None:
     p = sub.add_parser("validate", help="compare trace predictions with real runs",
-                       description=__doc__)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+                       description=__doc__, epilog="exit status: 0 when every config ran (or "
+                       "was skipped: this machine cannot run it, with the reason), 1 when a "
+                       "config failed, 2 on bad input, 130 when interrupted")
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"],
+                   help="where the real runs go (default: cuda when a CUDA device is "
+                   "available, else cpu; the first line says which)")
     p.add_argument("--size", default=None, choices=["tiny", "small", "medium"],
                    help="model sizes (default: medium on cuda, tiny on cpu)")
     p.add_argument("--full", action="store_true",
@@ -55,8 +62,14 @@ def _detect_gpu() -> str | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from memfit.validate import Result, matrix, run_matrix, summarize, zoo
+    from memfit.validate import Result, Skipped, matrix, run_matrix, summarize, zoo
 
+    out = console()
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        out.print(f"memfit validate: on {args.device} (no --device given; "
+                  + ("a CUDA device is available)" if args.device == "cuda"
+                     else "no CUDA device here)"))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise MemfitError("no CUDA device here: run `memfit validate --device cpu`, or run on a "
                           "GPU machine")
@@ -72,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
                               f"{', '.join(zoo(size))}")
     configs = matrix(size, families=families, quick=quick)[: args.limit]
     gpu = args.gpu or (_detect_gpu() if args.device == "cuda" else None)
-    out = console()
     results: list[Result] = []
     failures: list[dict[str, str]] = []
+    skipped: list[dict[str, str]] = []
+    done: list[Any] = []  # every item in the order it finished: the table's rows
     doc = _document(args, gpu, size, len(configs))
     doc["started"] = time.perf_counter()
     interrupted = False
@@ -84,68 +98,171 @@ def run(args: argparse.Namespace) -> int:
     with Progress(f"memfit validate ({args.device}, {size})", total=len(configs),
                   unit="configs", progress=False if args.quiet else None) as bar:
         if args.json_path:
-            _write_json(args.json_path, doc, results, failures, complete=False)
+            _write_json(args.json_path, doc, results, failures, skipped, complete=False)
         try:
             for item in run_matrix(configs, size=size, device=args.device, gpu=gpu):
                 if isinstance(item, Result):
                     results.append(item)
+                elif isinstance(item, Skipped):
+                    skipped.append({"config": item.config.name, "reason": item.reason})
                 else:
                     config, message = item
                     failures.append({"config": config.name, "error": message})
+                done.append(item)
                 bar.advance()
                 bar.phase("")
                 bar.set_note(f"{len(failures)} failed" if failures else "")
                 if bar.shown:
-                    bar.show(_table(args.device, size, results, failures,
-                                    last=max(3, bar.console_height() - 8)))
+                    bar.show(ResultsView(args.device, size, done,
+                                         last=max(3, bar.console_height() - 8)))
                 if args.json_path:
-                    _write_json(args.json_path, doc, results, failures, complete=False)
+                    _write_json(args.json_path, doc, results, failures, skipped,
+                                complete=False)
         except KeyboardInterrupt:
             interrupted = True
-    out.print(_table(args.device, size, results, failures))
-    summary = summarize(results)
-    out.print(json.dumps(summary, indent=2))
+    out.print(ResultsView(args.device, size, done))
+    out.print(summary_line(summarize(results), len(skipped), len(failures)))
     if args.json_path:
-        _write_json(args.json_path, doc, results, failures, complete=not interrupted)
+        _write_json(args.json_path, doc, results, failures, skipped,
+                    complete=not interrupted)
         if not interrupted:
             out.print(f"wrote {args.json_path}")
     if interrupted:
-        done = len(results) + len(failures)
+        finished = len(done)
         where = f"; results so far in {args.json_path}" if args.json_path else ""
-        print(f"memfit validate: interrupted after {done} of {len(configs)} configs{where}",
+        print(f"memfit validate: interrupted after {finished} of {len(configs)} configs{where}",
               file=sys.stderr)
         return 130  # the shell's code for a run stopped by SIGINT
-    return 0
+    return EXIT_FAILED if failures else 0
 
 
-def _table(device: str, size: str, results: list[Any], failures: list[dict[str, str]], *,
-           last: int | None = None) -> Table:
-    """The results table; ``last``: only the last rows (the live view on a short terminal)."""
-    table = Table(title=f"trace vs real ({device}, {size})", title_justify="left")
-    rows = [_row(r) for r in results] + [
-        (f"{f['config']}", f"[red]failed[/red]: {f['error']}", "", "", "", "", "")
-        for f in failures]
-    names = max((len(row[0]) for row in rows), default=6)
-    for col in ("config", "measured alloc", "predicted", "error", "measured reserved",
-                "predicted", "error"):
-        # Names never break (a user copies them); numbers fold rather than lose digits.
-        table.add_column(col, justify="left" if col == "config" else "right", overflow="fold",
-                         min_width=names if col == "config" else None,
-                         no_wrap=col == "config")
-    if last is not None and len(rows) > last:
-        table.caption = f"(the last {last} of {len(rows)} rows; all of them at the end)"
-        rows = rows[-last:]
-    for row in rows:
-        table.add_row(*row)
-    return table
+def summary_line(summary: dict[str, Any], skipped: int, failed: int) -> str:
+    """One line: how many configs ran and their errors (the JSON file has the same numbers)."""
+    alloc = summary["allocated"]
+    text = f"{summary['configs']} configs compared"
+    if alloc["median_abs"] is not None:
+        text += (f"; allocated error: median {100 * alloc['median_abs']:.2f}%, "
+                 f"max {100 * alloc['max_abs']:.2f}%, worst under "
+                 f"{100 * alloc['worst_under']:+.2f}%")
+    res = summary["reserved"]
+    if res["median_abs"] is not None:
+        text += (f"; reserved: median {100 * res['median_abs']:.2f}%, max "
+                 f"{100 * res['max_abs']:.2f}%")
+    if skipped:
+        text += f"; {skipped} skipped"
+    if failed:
+        text += f"; [red]{failed} failed[/red]"
+    return text
 
 
-def _row(item: Any) -> tuple[str, ...]:
-    res = item.error_reserved
-    return (item.config, f"{item.measured_allocated:,}", f"{item.predicted_allocated:,}",
-            f"{100 * item.error_allocated:+.2f}%",
-            "-" if item.measured_reserved is None else f"{item.measured_reserved:,}",
-            f"{item.predicted_reserved:,}", "-" if res is None else f"{100 * res:+.2f}%")
+class ResultsView:
+    """The results as a table when it fits the width drawn at; else one config a line with its
+    numbers on the next (a name is never broken: a user copies it). Skipped and failed configs
+    show in their row, their reasons under it. ``last``: only the last rows (the live view on a
+    short terminal)."""
+
+    def __init__(self, device: str, size: str, items: list[Any], *,
+                 last: int | None = None) -> None:
+        self.title = f"trace vs real ({device}, {size})"
+        self.items, self.total = (items[-last:] if last is not None else items), len(items)
+        self.last = last
+        self.reserved = any(getattr(i, "measured_reserved", None) is not None
+                            for i in self.items)
+
+    def _cells(self, item: Any) -> tuple[str, list[str]]:
+        from memfit.validate import Result, Skipped
+
+        if isinstance(item, Result):
+            cells = [f"{item.measured_allocated:,}", f"{item.predicted_allocated:,}",
+                     f"{100 * item.error_allocated:+.2f}%"]
+            if self.reserved:
+                res = item.error_reserved
+                cells += ["-" if item.measured_reserved is None else f"{item.measured_reserved:,}",
+                          f"{item.predicted_reserved:,}",
+                          "-" if res is None else f"{100 * res:+.2f}%"]
+            return item.config, cells
+        name = item.config.name if isinstance(item, Skipped) else item[0].name
+        status = ("[yellow]skipped[/yellow]" if isinstance(item, Skipped)
+                  else "[red]failed[/red]")
+        return name, [status] + [""] * (5 if self.reserved else 2)
+
+    @staticmethod
+    def _reason(item: Any) -> str:
+        """Why a skipped or failed config has no numbers ("" for a result)."""
+        from memfit.validate import Skipped
+
+        return item.reason if isinstance(item, Skipped) else (
+            item[1] if isinstance(item, tuple) else "")
+
+    def _notes(self) -> list[Any]:
+        """Under the table: each skipped or failed config's status and reason."""
+        from rich.text import Text
+
+        notes = []
+        for item in self.items:
+            if reason := self._reason(item):
+                name, cells = self._cells(item)
+                notes.append(Text(name + ": ") + Text.from_markup(cells[0])
+                             + Text(": " + reason))
+        return notes
+
+    def _caption(self) -> str | None:
+        if self.last is not None and self.total > self.last:
+            return f"(the last {self.last} of {self.total} rows; all of them at the end)"
+        return None
+
+    def table(self) -> Table:
+        table = Table(title=self.title, title_justify="left", caption=self._caption())
+        table.add_column("config", no_wrap=True)
+        heads = ["measured alloc", "predicted", "error"]
+        if self.reserved:
+            heads += ["measured reserved", "predicted", "error"]
+        for head in heads:
+            table.add_column(head, justify="right", no_wrap=True)
+        for item in self.items:
+            name, cells = self._cells(item)
+            table.add_row(name, *cells)
+        return table
+
+    def compact(self) -> Any:
+        """One config a line, its numbers on the next, aligned: fits 80 columns."""
+        from rich.console import Group
+        from rich.text import Text
+
+        rows = [self._cells(item) for item in self.items]
+        numbers = [cells for _, cells in rows if cells[1]]  # skipped/failed rows have none
+        # measured, predicted, error: one width each for the allocated and reserved lines
+        widths = [max((len(cells[k]) for cells in numbers for k in (i, i + 3)
+                       if k < len(cells)), default=1) for i in range(3)]
+        lines: list[Any] = [Text(self.title + ": bytes measured / predicted, error",
+                                 style="italic")]
+        for item, (name, cells) in zip(self.items, rows, strict=True):
+            lines.append(Text(name, style="bold", no_wrap=True, overflow="ignore"))
+            if not cells[1]:  # skipped or failed: the status and its reason
+                lines.append(Text.from_markup("    " + cells[0] + ": ")
+                             + Text(self._reason(item)))
+                continue
+            parts = [("allocated", cells[:3])]
+            if self.reserved:
+                parts.append(("reserved", cells[3:]))
+            for label, (measured, predicted, error) in parts:
+                lines.append(Text(f"    {label:<9} {measured:>{widths[0]}} / "
+                                  f"{predicted:>{widths[1]}}  {error:>{widths[2]}}"))
+        if (caption := self._caption()) is not None:
+            lines.append(Text(caption, style="dim"))
+        return Group(*lines)
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.measure import Measurement
+
+        table = self.table()
+        # Measured unbounded: a measurement is clamped to the width it is given.
+        needed = Measurement.get(console, options.update_width(10**6), table).maximum
+        if needed > options.max_width:
+            yield self.compact()
+            return
+        yield table
+        yield from self._notes()
 
 
 def _document(args: argparse.Namespace, gpu: str | None, size: str, total: int
@@ -169,13 +286,14 @@ def _document(args: argparse.Namespace, gpu: str | None, size: str, total: int
 
 
 def _write_json(path: str, doc: dict[str, Any], results: list[Any],
-                failures: list[dict[str, str]], *, complete: bool) -> None:
+                failures: list[dict[str, str]], skipped: list[dict[str, str]], *,
+                complete: bool) -> None:
     """Write the document atomically: a stopped run never leaves a half-written file."""
     from memfit.validate import summarize
 
     body = {**{k: v for k, v in doc.items() if k != "started"}, "complete": complete,
             "wall_seconds": time.perf_counter() - doc.get("started", time.perf_counter()),
-            "configs_done": len(results) + len(failures),
+            "configs_done": len(results) + len(failures) + len(skipped),
             "summary": summarize(results), "results": [r.to_dict() for r in results],
-            "failures": failures}
+            "failures": failures, "skipped": skipped}
     write_atomic(path, json.dumps(body, indent=2))

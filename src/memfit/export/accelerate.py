@@ -21,6 +21,7 @@ _MIXED = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp8": "fp8"
 def export(s: PlanSettings) -> Export:
     b = Builder(s, "accelerate")
     engine = sharding_engine(s, b)
+    cpu = s.device == "cpu"
     if s.parallel.tp > 1 and engine == "deepspeed":
         b.gap("tp", s.parallel.tp, "Accelerate runs tensor parallelism only with FSDP2 "
               "(parallelism_config); this plan needs DeepSpeed for its sharding/offload")
@@ -29,8 +30,8 @@ def export(s: PlanSettings) -> Export:
     out: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
-        "distributed_type": {"none": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP",
-                             "deepspeed": "DEEPSPEED"}[engine],
+        "distributed_type": {"none": "NO", "ddp": "MULTI_CPU" if cpu else "MULTI_GPU",
+                             "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}[engine],
         "downcast_bf16": "no",
         "machine_rank": 0,
         "main_training_function": "main",
@@ -39,8 +40,11 @@ def export(s: PlanSettings) -> Export:
         "num_processes": s.parallel.gpus,
         "rdzv_backend": "static",
         "same_network": True,
-        "use_cpu": False,
+        "use_cpu": cpu,
     }
+    if cpu and engine in ("fsdp", "deepspeed"):
+        b.gap("device", "cpu", f"Accelerate runs {engine} on GPUs; on the CPU it runs plain "
+              "or data-parallel (MULTI_CPU) training")
     if s.precision == "bf16":
         b.gap("precision", "bf16", "Accelerate's mixed_precision is autocast over fp32 "
               "weights; for pure bf16 load the model in bf16 (model.to(torch.bfloat16))")

@@ -130,4 +130,7 @@ def config(s: PlanSettings, b: Builder, *, standalone: bool = True) -> dict[str,
 def export(s: PlanSettings) -> Export:
     b = Builder(s, "deepspeed")
     data = config(s, b)
+    if s.device == "cpu":
+        b.note("device cpu: the config names no device; DeepSpeed picks its accelerator from "
+               "the environment (DS_ACCELERATOR=cpu)")
     return b.done(dump_json(data), "ds_config.json", data)

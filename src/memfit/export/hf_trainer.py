@@ -27,6 +27,8 @@ def export(s: PlanSettings) -> Export:
         "per_device_train_batch_size": s.micro_batch,
         "gradient_accumulation_steps": s.accumulation,
     }
+    if s.device == "cpu":
+        out["use_cpu"] = True
     if s.precision == "bf16-mixed":
         out["bf16"] = True
     elif s.precision == "fp16-mixed":

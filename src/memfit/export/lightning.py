@@ -65,7 +65,7 @@ def strategy(s: PlanSettings, b: Builder) -> str | dict[str, Any]:
 def export(s: PlanSettings) -> Export:
     b = Builder(s, "lightning")
     trainer: dict[str, Any] = {
-        "accelerator": "gpu",
+        "accelerator": "cpu" if s.device == "cpu" else "gpu",
         "devices": s.parallel.gpus if s.nodes == 1 else s.gpus_per_node,
         "num_nodes": s.nodes,
         "precision": _PRECISION.get(s.precision, "32-true"),

@@ -65,13 +65,16 @@ class PlanSettings:
     offload_params: bool = False
     offload_gradients: bool = False
     offload_device: str = "cpu"
-    """cpu, or nvme (ZeRO-Infinity)."""
+    """cpu, or nvme (ZeRO-Infinity); ``memfit plan --json`` names it ``offload_to``."""
     offload_activations: bool = False
     chunked_loss: bool = False
     attention: str = "model"
     """model (keep the model's attention), sdpa, or another kernel the plan switched to."""
     lora_rank: int | None = None
     weight_quant: str = "none"
+    device: str = "cuda"
+    """Where the plan trains: ``cuda`` (GPUs), or ``cpu`` (``memfit fit --device cpu``): the
+    exports then target the CPU (Lightning ``accelerator: cpu``, Accelerate ``use_cpu``, ...)."""
     unknown: dict[str, Any] = field(default_factory=dict)
     """Plan fields this exporter does not understand (reported by every export)."""
 
@@ -122,6 +125,8 @@ class PlanSettings:
         if self.offload_device not in ("cpu", "nvme"):
             raise MemfitError(f"plan: offload device must be cpu or nvme, got "
                               f"{self.offload_device!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise MemfitError(f"plan: device must be cuda or cpu, got {self.device!r}")
         if self.mode not in ("train", "lora", "qlora"):
             raise MemfitError(f"plan: mode {self.mode!r} trains nothing; export takes a "
                               "training plan (memfit plan --mode train|lora|qlora, or memfit fit)")
@@ -292,7 +297,10 @@ def _from_fit(data: dict[str, Any], source: str) -> PlanSettings:
         "offload_gradients": _bool(config, "offload_gradients", where),
         "offload_device": config.pop("offload_device", None) or "cpu",
     }
-    settings = PlanSettings(**common, parallel=plan.parallel,
+    # "cuda:0" trains on GPUs as "cuda" does; anything else that is not the CPU (a plan made
+    # for another accelerator) is exported for GPUs too.
+    device = "cpu" if plan.device.split(":")[0] == "cpu" else "cuda"
+    settings = PlanSettings(**common, parallel=plan.parallel, device=device,
                             unknown={k: v for k, v in config.items() if v not in (None, False)})
     if settings.global_batch != plan.global_batch:
         raise MemfitError(f"{source}: micro-batch {settings.micro_batch} x accumulation "
@@ -308,6 +316,7 @@ def _from_run(data: dict[str, Any], source: str) -> PlanSettings:
     for key in _BOOKKEEPING:
         run.pop(key, None)
     layout, engine = _layout(run, where)
+    offload_to = run.pop("offload_to", None)  # RunConfig's name for the offload device
     try:
         common = {
             "source": "plan", "mode": run.pop("mode", "train"),
@@ -320,7 +329,7 @@ def _from_run(data: dict[str, Any], source: str) -> PlanSettings:
             "offload_params": _bool(run, "offload_params", where),
             "offload_gradients": _bool(run, "offload_gradients", where),
             "offload_activations": _bool(run, "offload_activations", where),
-            "offload_device": run.pop("offload_device", None) or "cpu",
+            "offload_device": run.pop("offload_device", None) or offload_to or "cpu",
             "chunked_loss": _bool(run, "chunked_loss", where),
             "weight_quant": run.pop("weight_quant", "none") or "none",
         }

@@ -4,7 +4,11 @@ torchtitan 0.3 reads no TOML: a job is a ``config_registry`` function (``--modul
 --config llama3_8b``) plus ``--section.field=value`` overrides that ``ConfigManager`` parses with
 tyro into ``Trainer.Config`` (``torchtitan/config/manager.py``; fields in
 ``torchtitan/config/configs.py`` and ``torchtitan/distributed/activation_checkpoint.py``).
-This export is those overrides, one per line, the activation-checkpointing subcommand last.
+This export is those overrides, one per line. The activation-checkpointing policy is not an
+override but a tyro subcommand, written last as torchtitan's own messages spell it
+(``activation-checkpoint:full``; ``torchtitan/distributed/activation_checkpoint.py``:
+``ActivationCheckpointingConfig``, a union of ``selective``, ``full``, ``memory-budget`` and
+``none``), under a comment saying so.
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ def overrides(s: PlanSettings, b: Builder) -> dict[str, dict[str, Any]]:
         b.budget_checkpointing()
     if s.offload_activations:
         b.gap("offload_activations", True, "torchtitan has no activation offload setting")
+    if s.device == "cpu":
+        b.gap("device", "cpu", "torchtitan trains on accelerators (CUDA, ROCm, XPU); it has "
+              "no CPU setting")
     b.gap("optimizer", s.optimizer, "torchtitan's optimizer is set by the config_registry "
           "function (optimizer.param_groups: Adam, AdamW or DistMuon)")
     if s.engine not in (None, "fsdp", "fsdp2", "hsdp", "ddp"):
@@ -102,5 +109,8 @@ def export(s: PlanSettings) -> Export:
             else:
                 lines.append(f"--{section}.{key}={value}")
     if "activation_checkpoint" in data:
-        lines.append(f"activation_checkpoint:{data['activation_checkpoint']['mode']}")
+        # Not a --section.field=value override: the policy is a tyro subcommand (a union
+        # field), chosen by name after the overrides.
+        lines += ["# activation checkpointing: a subcommand (the policy's name), not an override",
+                  f"activation-checkpoint:{data['activation_checkpoint']['mode']}"]
     return b.done("\n".join(lines) + "\n", "torchtitan_overrides.txt", data)

@@ -23,7 +23,7 @@ _OPTIMIZERS = {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam",
 
 def config(s: PlanSettings, b: Builder) -> dict[str, Any]:
     out: dict[str, Any] = {"batch_size": s.micro_batch,
-                           "gradient_accumulation_steps": s.accumulation, "device": "cuda"}
+                           "gradient_accumulation_steps": s.accumulation, "device": s.device}
     if s.precision in ("fp32", "bf16"):
         out["dtype"] = "fp32" if s.precision == "fp32" else "bf16"
     else:

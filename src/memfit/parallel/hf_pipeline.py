@@ -10,7 +10,8 @@ LlamaModel.forward``):
 - the token embedding (``inputs_embeds = self.embed_tokens(input_ids)``, line 370);
 - position ids ``torch.arange(seq).unsqueeze(0)`` (lines 375-378, no cache in training);
 - the causal mask, ``masking_utils.create_causal_mask(config=..., inputs_embeds=...,
-  attention_mask=None, past_key_values=None, position_ids=...)`` (lines 380-386): under SDPA
+  attention_mask=None, cache=None, position_ids=...)`` (lines 380-386; the cache argument is
+  ``past_key_values`` before transformers renamed it, see :func:`cache_keyword`): under SDPA
   with no padding mask it is None and SDPA runs ``is_causal`` (``masking_utils.py:
   sdpa_mask``); Mistral with a ``sliding_window`` uses ``create_sliding_window_causal_mask``
   (``modeling_mistral.py: MistralModel.forward``), Qwen2 / Qwen3 pick one per layer from
@@ -31,6 +32,9 @@ The attention is called with keyword arguments only (``LlamaDecoderLayer.forward
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,6 +74,15 @@ def mask_kind(config: Any, layer: int) -> str:
     return "full_attention"
 
 
+@functools.cache
+def cache_keyword(function: Callable[..., Any]) -> str:
+    """The name ``function`` (a ``transformers.masking_utils`` mask function) gives its cache
+    argument: ``cache`` in current transformers 5.x, ``past_key_values`` before the rename (the
+    old name still works there but warns, and goes in 5.40: ``@deprecate_kwarg(
+    "past_key_values", "5.40.0", new_name="cache")``)."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
+
+
 class HFStageModule(nn.Module):
     """One pipeline stage of a Hugging Face decoder, holding the model's own submodules (no
     copy), with the attributes of ``pipeline.StageModule`` (``index``, ``first``, ``last``,
@@ -101,11 +114,13 @@ class HFStageModule(nn.Module):
         )
 
         embeds = x if x.shape[1] == seq else x[:, :1].expand(x.shape[0], seq, x.shape[-1])
-        kwargs = {"config": self.config, "inputs_embeds": embeds, "attention_mask": None,
-                  "past_key_values": None, "position_ids": position_ids}
-        kinds = {mask_kind(self.config, int(i)) for i in self.layers}
-        return {kind: (create_sliding_window_causal_mask if kind == "sliding_attention"
-                       else create_causal_mask)(**kwargs) for kind in sorted(kinds)}
+        masks = {}
+        for kind in sorted({mask_kind(self.config, int(i)) for i in self.layers}):
+            make = (create_sliding_window_causal_mask if kind == "sliding_attention"
+                    else create_causal_mask)
+            masks[kind] = make(config=self.config, inputs_embeds=embeds, attention_mask=None,
+                               position_ids=position_ids, **{cache_keyword(make): None})
+        return masks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[1] * (1 if self.first else self.seq_shards)

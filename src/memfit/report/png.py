@@ -55,9 +55,12 @@ def write_png(path: str | os.PathLike[str], result: ProfileResult, *, width: flo
         if result.peak_index >= 0 and points:
             peak_x = peak_marker_x(xs, result.peak_index)
             ax.axvline(peak_x, color="#c0392b", linestyle="--", linewidth=1)
+            # The label reads away from the plot's nearer edge, so it stays inside the plot.
+            left = peak_x > (xs[0] + xs[-1]) / 2
             ax.annotate(f"peak {result.peak_bytes / scale:.2f} {unit}",
                         xy=(peak_x, result.peak_bytes / scale),
-                        xytext=(4, -12), textcoords="offset points", color="#c0392b")
+                        xytext=(-4 if left else 4, -12), textcoords="offset points",
+                        ha="right" if left else "left", color="#c0392b")
         for phase, start, end in phase_spans(result.timeline):
             # The phases of the step as bands along the x-axis (the legend names them).
             ax.axvspan(start, end, ymin=0, ymax=0.025, color=PHASE_COLORS[phase], linewidth=0,
@@ -66,7 +69,9 @@ def write_png(path: str | os.PathLike[str], result: ProfileResult, *, width: flo
         ax.set_xlabel(f"op index ({result.num_ops} ops)")
         ax.set_ylabel(f"live memory ({unit})")
         ax.set_title(f"memfit profile ({result.device})")
-        ax.legend(loc="upper left", fontsize=8, ncol=2)
+        # Outside the plot, on its right: inside, it covered whatever was drawn there, the
+        # peak's label included (an early peak sits in the upper left).
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
         ax.margins(x=0)
         ax.set_ylim(bottom=0)
         fig.tight_layout()

@@ -22,6 +22,7 @@ a single chunk the order of operations is that of the dense computation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -201,8 +202,12 @@ def _chunked_forward(forward: Any, model: nn.Module, base: nn.Module, head: nn.L
         return loss
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    return CausalLMOutputWithPast(loss=loss, logits=None,
-                                  past_key_values=getattr(out, "past_key_values", None))
+    # The cache under the name this transformers' outputs have: ``cache`` in current 5.x,
+    # ``past_key_values`` before the rename (reading or passing the old name there logs a
+    # deprecation line: transformers/utils/generic.py, ModelOutput._replace_old_cache_name).
+    key = ("cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+           else "past_key_values")
+    return CausalLMOutputWithPast(loss=loss, logits=None, **{key: getattr(out, key, None)})
 
 
 def apply_chunked_loss(model: nn.Module, *, chunk_size: int = 1024,
