@@ -136,17 +136,19 @@ def test_context_measurements_are_derived_from_their_quotes() -> None:
 def test_context_depends_on_cuda_version_and_lazy_loading() -> None:
     """PyTorch sets CUDA_MODULE_LOADING=LAZY unless the user set it
     (``aten/src/ATen/cuda/detail/CUDAHooks.cpp: CUDAHooks::init``); CUDA honours it from 11.7.
-    Lazy: the largest lazy figure, 400 MiB (pytorch#109888). Eager: CUDA 11.1 on an RTX 3090
+    Lazy: the largest lazy figure, 758 MiB (memfit's own, an H100 with CUDA 13 after a training
+    step: bench/results/cuda-facts-h100-2026-11-27.json; pytorch#109888 says 400 MiB). Eager:
+    CUDA 11.1 on an RTX 3090
     measured 1,687 MiB with a 2 MiB segment (pytorch#55277); CUDA 10.1: 721 - 2 MiB."""
     assert lazy_module_loading() and lazy_module_loading("12.8") and lazy_module_loading("11.7")
     assert not lazy_module_loading("11.6") and not lazy_module_loading("12.4", env="EAGER")
-    assert cuda_context_bytes() == cuda_context_bytes("12.8") == 400 * MiB
+    assert cuda_context_bytes() == cuda_context_bytes("12.8") == 758 * MiB
     assert cuda_context_bytes("11.2") == 1685 * MiB  # no lazy loading before 11.7
-    assert cuda_context_bytes("cu112") == 1685 * MiB and cuda_context_bytes("cu128") == 400 * MiB
+    assert cuda_context_bytes("cu112") == 1685 * MiB and cuda_context_bytes("cu128") == 758 * MiB
     assert cuda_context_bytes("10.1") == 719 * MiB
     # no CUDA 12 eager figure: the largest eager figure of all (documented fallback)
     assert cuda_context_bytes("12.8", lazy=False) == 1685 * MiB
-    assert cuda_context_bytes("11.7", lazy=True) == 400 * MiB
+    assert cuda_context_bytes("11.7", lazy=True) == 758 * MiB
     assert cuda_runtime_bytes(cuda_version="11.2")["cuda_context"] == 1685 * MiB
     with pytest.raises(MemfitError, match="CUDA version"):
         cuda_context_bytes("twelve")
@@ -156,8 +158,8 @@ def test_allocator_capacity_is_total_memory_minus_the_runtime_outside() -> None:
     """The allocator can reserve ``total_memory`` minus the CUDA context and NCCL buffers; the
     cuBLAS workspaces are inside it (``getNewWorkspace`` allocates through the allocator)."""
     total = 80 * 2**30
-    assert allocator_capacity(total) == total - 400 * MiB
-    assert allocator_capacity(total, "h100", num_gpus=8) == total - 400 * MiB - 308_281_344
+    assert allocator_capacity(total) == total - 758 * MiB
+    assert allocator_capacity(total, "h100", num_gpus=8) == total - 758 * MiB - 308_281_344
     with pytest.raises(MemfitError, match="cannot hold"):
         allocator_capacity(100 * MiB)
 

@@ -117,6 +117,16 @@ CONTEXT_MEASUREMENTS: tuple[ContextMeasurement, ...] = (
         context_bytes=(1343 - 2) * MiB,
         how="pynvml used memory (MiB) after torch.ones((1, 1)).to('cuda') (one 2 MiB small "
             "segment); the page's runs are on CUDA 11.2, before lazy loading"),
+    ContextMeasurement(
+        source="memfit's own: bench/cuda_facts.py, bench/results/cuda-facts-h100-2026-11-27.json",
+        quote="outside the allocator after an MLP training step (autocast bf16, AdamW): 758.0 MiB",
+        cuda="13.0", lazy=True, gpu="H100 80GB HBM3",
+        context_bytes=794_820_608,
+        how="NVML's used memory of this process alone (nvmlDeviceGetComputeRunningProcesses) "
+            "minus torch.cuda.memory_reserved(), torch 2.11.0+cu130, driver 580.159.04, lazy "
+            "loading (PyTorch's default): 610 MiB after the first tensor, 676 MiB after fp32/"
+            "bf16/fp16 GEMMs, 758 MiB once the four SDPA backends and an AdamW step had loaded "
+            "their kernels; the figure after a training step is the one a training job holds"),
 )
 """Published CUDA-context measurements the context model takes its constants from.
 
@@ -128,8 +138,8 @@ _LAZY_FROM = (11, 7)  # CUDA 11.7 added lazy loading; PyTorch sets it (CUDAHooks
 
 CUDA_CONTEXT_BYTES = max(m.context_bytes for m in CONTEXT_MEASUREMENTS if m.lazy)
 """CUDA context per GPU with lazy module loading (PyTorch's default since 1.13 on CUDA >= 11.7),
-outside PyTorch's allocator: the largest published lazy-loading figure, 400 MiB
-(:data:`CONTEXT_MEASUREMENTS`). See :func:`cuda_context_bytes` for other CUDA versions and
+outside PyTorch's allocator: the largest lazy-loading figure, 758 MiB, memfit's own on an H100
+with CUDA 13 (the published figures for CUDA 11.7 are 254-400 MiB: :data:`CONTEXT_MEASUREMENTS`). See :func:`cuda_context_bytes` for other CUDA versions and
 eager loading."""
 
 
@@ -166,14 +176,15 @@ def lazy_module_loading(cuda_version: str | None = None, env: str | None = None)
 def cuda_context_bytes(cuda_version: str | None = None, *, lazy: bool | None = None) -> int:
     """CUDA context per GPU outside PyTorch's allocator, from :data:`CONTEXT_MEASUREMENTS`.
 
-    Lazy loading (:func:`lazy_module_loading`): the largest lazy figure (400 MiB). Eager: the
+    Lazy loading (:func:`lazy_module_loading`): the largest lazy figure (758 MiB, measured by
+    memfit on an H100 with CUDA 13; the published CUDA 11.7 figures are lower). Eager: the
     largest eager figure for the same CUDA major version (11.x: 1,685 MiB on an RTX 3090, CUDA
     11.1; 10.x: 719 MiB), else the largest of all. The GPU is not a parameter: the figures do not
     cover enough GPUs to model it, and the largest figure is taken so that the context is not
     under-counted on a GPU with more SMs (their local-memory reservation grows with the SM count).
 
     >>> cuda_context_bytes() >> 20, cuda_context_bytes("11.2") >> 20
-    (400, 1685)
+    (758, 1685)
     """
     if lazy is None:
         lazy = lazy_module_loading(cuda_version)
