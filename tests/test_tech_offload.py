@@ -402,3 +402,20 @@ def test_estimate_predicts_torchs_save_on_cpu() -> None:
     assert est.host_peak_bytes == 2 * L * A + (L - 1) * W
     # patched for the trace only: torch's own class is back
     assert torch.autograd.graph.save_on_cpu.__init__.__module__ == "torch.autograd.graph"
+
+
+def test_a_model_whose_hooks_hold_streams_can_be_estimated() -> None:
+    # On a GPU the hooks keep their CUDA streams after a real step, and torch.cuda.Stream cannot
+    # be deep-copied: memfit.estimate failed with "cannot pickle 'Stream'" (first GPU run). A
+    # lock stands in for the stream here (it cannot be pickled either).
+    import threading
+
+    torch.manual_seed(0)
+    model = Net(layers=2)
+    hooks = apply_activation_offload(model, min_bytes=2**16)
+    x = torch.randint(0, VOCAB, (4, 64))
+    expected = estimate(model, (x,), loss_fn=lambda m, b: loss_fn(m(*b)), device="cpu")
+    hooks._stream = hooks._h2d = threading.Lock()
+    got = estimate(model, (x,), loss_fn=lambda m, b: loss_fn(m(*b)), device="cpu")
+    assert got.peak_bytes == expected.peak_bytes
+    assert hooks._stream is not None  # the user's hooks are untouched

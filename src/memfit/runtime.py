@@ -139,8 +139,8 @@ _LAZY_FROM = (11, 7)  # CUDA 11.7 added lazy loading; PyTorch sets it (CUDAHooks
 CUDA_CONTEXT_BYTES = max(m.context_bytes for m in CONTEXT_MEASUREMENTS if m.lazy)
 """CUDA context per GPU with lazy module loading (PyTorch's default since 1.13 on CUDA >= 11.7),
 outside PyTorch's allocator: the largest lazy-loading figure, 758 MiB, memfit's own on an H100
-with CUDA 13 (the published figures for CUDA 11.7 are 254-400 MiB: :data:`CONTEXT_MEASUREMENTS`). See :func:`cuda_context_bytes` for other CUDA versions and
-eager loading."""
+with CUDA 13 (the published figures for CUDA 11.7 are 254-400 MiB: :data:`CONTEXT_MEASUREMENTS`).
+See :func:`cuda_context_bytes` for other CUDA versions and eager loading."""
 
 
 def _cuda_version(text: str | None) -> tuple[int, int] | None:

@@ -39,6 +39,7 @@ never offloaded; tensors smaller than ``min_bytes`` stay.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import warnings
@@ -133,6 +134,20 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._last: _Offloaded | None = None  # the copy made last: the next one's ``prev``
         self._warned = False
         super().__init__(self._pack, self._unpack)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadActivations:
+        # memfit.estimate deep-copies the model, and these hooks with its forward. After a real
+        # step on a GPU they hold CUDA streams, which cannot be copied ("cannot pickle
+        # 'Stream'", seen on the first GPU run): the copy starts without streams, copies or
+        # statistics, and makes its own streams when it first needs them.
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.model = copy.deepcopy(self.model, memo)
+        new.stats = OffloadStats()
+        new._exclude, new._copies, new._last = set(), {}, None
+        new._stream = new._h2d = None
+        new.pack_hook, new.unpack_hook = new._pack, new._unpack
+        return new
 
     def __enter__(self) -> OffloadActivations:  # ``with offload_activations() as off:``
         # The model's storages now (it may have moved since the hooks were made).
