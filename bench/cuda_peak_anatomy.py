@@ -86,16 +86,70 @@ def anatomy(name: str) -> dict[str, Any]:
     }
 
 
+def big_ops(name: str, min_bytes: int = 64 << 20) -> dict[str, Any]:
+    """The aten ops of the real run whose outputs are ``min_bytes`` or more (what made the big
+    blocks the allocator trace shows without a Python frame), and which attention ops ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    seen: collections.Counter[str] = collections.Counter()
+    attention: collections.Counter[str] = collections.Counter()
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            op = str(func)
+            if "attention" in op or "softmax" in op or "dropout" in op:
+                attention[op] += 1
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.numel() * t.element_size() >= min_bytes:
+                    seen[f"{op} -> {tuple(t.shape)} {t.dtype}"] += 1
+            return out
+
+    config = _config(name)
+    factory = V.zoo("medium")[config.family](config.batch)
+    V._reset_cuda()
+    with Log():
+        measured, _, _ = V._measure(config, factory, "cuda", 2)
+    return {"config": name, "measured": measured, "big_outputs": dict(seen.most_common(40)),
+            "attention_ops": dict(attention)}
+
+
+def without_cudnn(name: str) -> dict[str, Any]:
+    """The real run with cuDNN off (``torch.backends.cudnn.flags(enabled=False)``): if the gap
+    to the trace closes, it was cuDNN's workspace."""
+    config = _config(name)
+    factory = V.zoo("medium")[config.family](config.batch)
+    V._reset_cuda()
+    with torch.backends.cudnn.flags(enabled=False):
+        measured, reserved, _ = V._measure(config, factory, "cuda", 2)
+    return {"config": name, "cudnn": False, "measured": measured, "reserved": reserved}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("configs", nargs="+")
     ap.add_argument("--out", type=Path, default=Path("cuda-peak-anatomy.json"))
+    ap.add_argument("--ops", action="store_true",
+                    help="log the ops with large outputs and the attention ops instead")
+    ap.add_argument("--no-cudnn", action="store_true", help="measure with cuDNN off instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("cuda_peak_anatomy: needs a CUDA device", file=sys.stderr)
         return 2
     results = []
     for name in args.configs:
+        if args.ops or args.no_cudnn:
+            try:
+                r = big_ops(name) if args.ops else without_cudnn(name)
+            except Exception as exc:
+                r = {"config": name, "error": f"{type(exc).__name__}: {exc}"}
+            results.append(r)
+            print(json.dumps(r, indent=1))
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                            "torch": torch.__version__, "results": results},
+                                           indent=1) + "\n")
+            continue
         try:
             r = anatomy(name)
         except Exception as exc:  # one config's failure must not lose the others

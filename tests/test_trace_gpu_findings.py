@@ -1,6 +1,7 @@
-"""A user-built torch optimizer on a CUDA target takes the implementation torch picks for real
-CUDA parameters (foreach), not the for-loop torch would pick for the trace's fake parameters.
-Note: [torch's default optimizer implementation on CUDA] in ``memfit/trace/optim.py``."""
+"""What the first GPU validation (H100, torch 2.11; bench/results/validate-h100-2026-11-27*.json)
+found, checked on the CPU: a user-built torch optimizer on a CUDA target takes the implementation
+torch picks for real CUDA parameters (foreach; Note: [torch's default optimizer implementation on
+CUDA] in ``memfit/trace/optim.py``), and an estimate with convolutions says what it leaves out."""
 
 from __future__ import annotations
 
@@ -43,3 +44,20 @@ def test_an_explicit_for_loop_choice_is_kept() -> None:
     # time (4 MiB each), so the step stays under foreach's 5 P.
     loop = _peak(lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=False))
     assert 4 * P + WORKSPACES < loop < 5 * P + WORKSPACES, (loop - WORKSPACES) / P
+
+
+def test_a_convolution_on_a_cuda_target_says_what_is_not_modelled() -> None:
+    # The first GPU validation found conv nets 4-16% above the trace (cuDNN workspaces among
+    # the causes): an estimate with a convolution says so; one without does not.
+    from memfit.trace.engine import CONV_NOTE
+
+    with torch.device("meta"):
+        conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.LazyLinear(4))
+        conv(torch.empty(1, 3, 8, 8))  # materialise the lazy layer's shape
+    est = memfit.estimate(conv, (torch.empty(2, 3, 8, 8, device="meta"),), device="cuda",
+                          gpu="h100-sxm-80gb", loss_fn=lambda m, b: m(*b).sum())
+    assert CONV_NOTE in est.assumptions
+    net, batch = _net()
+    plain = memfit.estimate(net, batch, device="cuda", gpu="h100-sxm-80gb",
+                            loss_fn=lambda m, b: m(*b).sum())
+    assert CONV_NOTE not in plain.assumptions
