@@ -305,6 +305,8 @@ def test_uncovered_type_that_does_not_fit_gets_retraced_suggestions_and_a_gpu_co
     text = " ".join(out.split())
     assert "batch 2, seq 128" in text and "What would save memory" in text
     assert "re-traced" in text and f"this needs at least {count} GPUs" in text
+    # more GPUs come after the single changes (issue 20: options before hardware)
+    assert text.index("What would save memory") < text.index(f"this needs at least {count}")
 
 
 def test_sharded_total_divides_the_model_states_op_by_op() -> None:

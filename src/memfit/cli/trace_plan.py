@@ -416,7 +416,11 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
                        for k, v in dataclasses.asdict(run).items()}, "seq": seq},
         })
         return exit_status(args, capacity, est.total_bytes, TRACE_FITS_MARGIN)
-    after = [scale_line] if scale_line else []
+    after: list[str] = []
+    closing: tuple[str, ...] = ()
+    if scale_line:  # a change of options comes before more hardware (as in ``plan.render``)
+        closing = ((f"or, with none of these changes: {scale_line}"
+                    if any(s.fits for s in suggestions) else scale_line),)
     if est.host_peak_bytes:
         after.append(f"host memory for offloaded states (peak): "
                      f"{format_bytes(est.host_peak_bytes)}")
@@ -436,7 +440,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             *([args.precision_note] if getattr(args, "precision_note", None) else []),
             f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
             f"({est.peak_phase}, step {est.peak_step})"),
-        lines_after=tuple(after), suggestions=tuple(suggestions),
+        lines_after=tuple(after), suggestions=tuple(suggestions), closing=closing,
         suggestions_title=(
             "What would save memory (one change each; the saving is the analytic re-plan's, "
             "applied to the trace's total)" if covered else
