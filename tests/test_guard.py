@@ -14,6 +14,7 @@ import gc
 import importlib
 import logging
 import random
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -25,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 import memfit
 from memfit.errors import MemfitError
-from memfit.oom_guard import GuardedStep, guard
+from memfit.oom_guard import BudgetWarning, GuardedStep, guard
 from memfit.techniques.accumulation import accumulate, split_batch
 
 IN, HIDDEN, OUT = 6, 12, 3
@@ -479,6 +480,43 @@ def test_default_prediction_uses_the_trace_engine():
     model_step(seq_batch(8, 256))
     assert model_step.history == [4]
     assert model_step.recoveries[0].predicted_bytes == at8
+
+
+def test_a_budget_below_micro_batch_one_warns_once_and_runs_at_one():
+    # 64 -> 256 -> 10 with AdamW: weights, gradients and two states are 16 B per parameter,
+    # 307,360 B before any activation, so no micro-batch fits 300,000 B (first principles).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    params = 64 * 256 + 256 + 256 * 10 + 10
+    budget = 300_000
+    assert 16 * params > budget
+    x, y = torch.randn(33, 64), torch.randint(0, 10, (33,))
+    with torch.no_grad():
+        expected = F.cross_entropy(model(x), y).item()
+    def loss_fn(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(m(b[0]).reshape(-1, 10), b[1].reshape(-1))
+
+    step = guard(model, torch.optim.AdamW(model.parameters()), loss_fn, budget_bytes=budget,
+                 log=False)
+    with pytest.warns(BudgetWarning) as record:
+        loss = step((x, y))
+        step((x[:20], y[:20]))      # the same shape signature: cached, no second prediction
+        step((torch.randn(8, 2, 64), torch.randint(0, 10, (8, 2))))  # a new one, also over
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "even micro-batch 1" in message and f"{budget:,} B" in message
+    predicted = int(message.split(" is predicted at ")[1].split(" B")[0].replace(",", ""))
+    assert predicted > 16 * params  # the prediction holds the model states at least
+    assert record[0].filename == __file__  # points at the caller's step(batch)
+    # Training goes on, at the least memory the guard can give, with the full batch's loss.
+    assert step.history == [1, 1, 1] and loss == pytest.approx(expected, rel=1e-5)
+    # A budget micro-batch 1 fits: no warning.
+    roomy = guard(model, torch.optim.AdamW(model.parameters()), loss_fn,
+                  budget_bytes=predicted, log=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetWarning)
+        roomy((x, y))
+    assert roomy.history == [1]
 
 
 def test_grow_back_after_clean_steps_is_opt_in():

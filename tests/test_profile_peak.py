@@ -223,6 +223,78 @@ def test_tensors_alive_before_and_freed_inside_are_seen_freed() -> None:
     assert r.peak_bytes == truth
 
 
+class _MlpBlock(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class _Clf(nn.Module):
+    """The issue-20 classifier, smaller: ``inp``, pre-norm GELU MLP blocks, ``head``, and its
+    own cross-entropy loss as the output."""
+
+    def __init__(self, inp: int, d: int, h: int, blocks: int, classes: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(inp, d)
+        self.blocks = nn.ModuleList(_MlpBlock(d, h) for _ in range(blocks))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h), y)
+
+
+def test_a_step_that_traces_inside_the_block_is_counted_once() -> None:
+    """Plan.apply's step is OOM-guarded with the plan's budget: its first batch is predicted by
+    memfit's trace, a fake copy of the model and its optimizer run under a FakeTensorMode,
+    inside the profiled block. That work holds no memory and must not count (issue 20: the fake
+    copy's weights and states doubled the tracked peak above the allocator's, "inside kernels"
+    went negative and every module was listed twice, as ``Clf.blocks.0.fc1`` and
+    ``blocks.0.fc1``)."""
+    from memfit.fitting import FitConfig
+    from memfit.fitting.apply import apply_config
+
+    inp, d, h, n, classes = 32, 64, 256, 2, 10
+    params = (inp * d + d) + n * (2 * d + (d * h + h) + (h * d + d)) + (d * classes + classes)
+    tensors = 2 + n * 6 + 2  # weight and bias of every Linear and LayerNorm
+    torch.manual_seed(0)
+    model = _Clf(inp, d, h, n, classes)
+    x, y = torch.randn(64, inp), torch.randint(0, classes, (64,))
+    # What Plan.apply runs (fitting/plan.py: Plan.apply -> apply_config, budget_bytes=the plan's)
+    config = FitConfig(precision="fp32", checkpointing="none", micro_batch=16, accumulation=4,
+                       optimizer="adamw")
+    model, opt, step = apply_config(model, config, budget_bytes=2**30, log_recoveries=False)
+    # baseline=: the objects of this step only, not what earlier tests left alive.
+    with profile(device="cpu", baseline=(model, opt, x, y)) as prof:
+        step((x, y))
+        step((x, y))
+    r = prof.result
+    assert r is not None and step.history == [16, 16]
+    assert r.inside_kernels_bytes is not None and r.inside_kernels_bytes >= 0
+    assert r.tracked_peak_bytes <= r.peak_bytes
+    assert sum(r.breakdown.values()) + r.inside_kernels_bytes == r.peak_bytes
+    # Each parameter once; AdamW's two fp32 states per parameter and a 4-byte step per tensor
+    # (the peak is in the second step, its states made by the first).
+    assert r.breakdown[MemoryCategory.WEIGHTS] == params * F32
+    assert r.breakdown[MemoryCategory.OPTIMIZER_STATES] == 2 * params * F32 + tensors * F32
+    assert r.breakdown[MemoryCategory.GRADIENTS] <= params * F32
+    names = {name for name, _ in model.named_modules()}
+    listed = [m.name for m in r.modules]
+    assert len(listed) == len(set(listed)) and set(listed) <= names
+    assert {p.module for p in r.timeline} <= names
+    assert prof.optimizers == [opt]
+    # The trace's fake ops are not on the timeline: two guarded steps of 4 micro-batches each,
+    # not the trace's thousands more.
+    with profile(device="cpu", baseline=()) as plain:
+        step((x, y))
+    assert plain.result is not None and r.num_ops < 3 * plain.result.num_ops
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_peak_is_max_memory_allocated(tmp_path: Path) -> None:

@@ -34,7 +34,12 @@ Two defences, both keeping the effective batch:
   PyTorch's allocator already reserved), a batch whose micro-batch shapes were not seen yet is
   first predicted (``predict``; default :func:`memfit.estimate` of a training step of one
   micro-batch on meta tensors, cached by shape) and its micro-batch halved until it is predicted
-  to fit. This cap holds for that shape only: short sequences keep the large micro-batch.
+  to fit. This cap holds for that shape only: short sequences keep the large micro-batch. When
+  even a micro-batch of 1 is predicted over the budget, the guard still runs at micro-batch 1
+  (the least memory it can give; recovery stays behind it) and says so once, with a
+  :class:`BudgetWarning`: refusing would stop a run the prediction may overrate, and a run
+  that must not continue turns it into an error (``warnings.simplefilter("error",
+  BudgetWarning)``).
 - **Recovery**: on ``torch.OutOfMemoryError`` during a forward or backward, the attempt's
   gradients are dropped (``.grad = None``: nothing is counted twice), normalisation buffers
   (BatchNorm running statistics) and the RNG are restored to their state at the start of the
@@ -77,6 +82,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,12 +97,17 @@ from memfit._tensors import meta_batch, tensor_leaves
 from memfit.errors import MemfitError
 from memfit.techniques.accumulation import _sync_gradients, count_tokens, split_batch
 
-__all__ = ["GuardedStep", "Recovery", "causal_lm_count", "guard"]
+__all__ = ["BudgetWarning", "GuardedStep", "Recovery", "causal_lm_count", "guard"]
 
 log = logging.getLogger("memfit")
 
 CountFn = Callable[[Any], int | torch.Tensor]
 Predict = Callable[[Any], int]
+
+
+class BudgetWarning(UserWarning):
+    """Even a micro-batch of 1 is predicted over the guard's budget: the step runs at
+    micro-batch 1 and may run out of memory."""
 
 
 def causal_lm_count(batch: Any, *, ignore_index: int = -100) -> int:
@@ -237,6 +248,7 @@ class GuardedStep:
         self._predict_given = predict is not None
         self._scaler_ready = False
         self._predict_failed = False
+        self._warned_over_budget = False
 
     # -- budget and prediction -------------------------------------------------------------------
 
@@ -288,6 +300,15 @@ class GuardedStep:
                                   old_micro_batch_size=cap, new_micro_batch_size=new,
                                   predicted_bytes=predicted))
             cap = new
+        if cap == 1 and predicted > budget and not self._warned_over_budget:
+            # Splitting cannot go further: say so once (once per guard, not per shape).
+            self._warned_over_budget = True
+            warnings.warn(
+                f"memfit guard: even micro-batch 1 is predicted at {predicted:,} B, over the "
+                f"budget of {budget:,} B; running at micro-batch 1 ({size} accumulation steps "
+                f"for batch {size}), which may run out of memory: enable activation "
+                "checkpointing, a smaller optimizer state or lower precision (memfit.fit "
+                "searches these), or raise the budget", BudgetWarning, stacklevel=3)
         self._caps[sig] = cap
         return cap
 

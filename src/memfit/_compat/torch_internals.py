@@ -20,7 +20,8 @@ __all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator
            "called_by_autograd_engine", "clear_cublas_workspaces", "current_graph_task_id",
            "ddp_ignore",
            "dtensor_foreach_propagation_once_per_shape", "dtensor_meta_propagation_within",
-           "engine_run_backward", "fake_op_errors_unlogged", "fake_op_rule", "fake_store",
+           "engine_run_backward", "fake_mode_active", "fake_op_errors_unlogged", "fake_op_rule",
+           "fake_store",
            "flatten_dense_tensors",
            "fsdp_chunks_on_demand", "has_dispatch_kernel",
            "is_norm_layer", "queue_engine_callback", "reporting_get_rng_state",
@@ -483,6 +484,17 @@ def current_graph_task_id() -> Callable[[], int] | None:
     return getattr(torch._C, "_current_graph_task_id", None)
 
 
+def fake_mode_active() -> Callable[[], bool]:
+    """A function saying whether a ``FakeTensorMode`` is active on this thread (memfit's trace):
+    ``torch._C._get_dispatch_mode(_TorchDispatchModeKey.FAKE)``.
+    ``FakeTensorMode`` is an infra mode (``torch/_subclasses/fake_tensor.py: _mode_key``): it
+    sits in its own slot below the mode stack (``torch/utils/_python_dispatch.py:
+    _push_mode``), so a ``TorchDispatchMode`` entered before it still sees every op of its fake
+    tensors first, outputs included. Checked in torch 2.13.0 (the same since torch 2.2)."""
+    get, key = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
+    return lambda: get(key) is not None
+
+
 def sdp_priority_order() -> list[int] | None:
     """The SDPA backend order set with ``sdpa_kernel(..., set_priority=True)`` as
     ``torch.nn.attention.SDPBackend`` values (``torch._C._get_sdp_priority_order``,
@@ -559,7 +571,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch._C._profiler": ("_EventType", "_RecordFunctionFast"),
     "torch._ops": ("OpOverload",),
     "torch._C": ("DisableTorchFunction", "_DisableTorchDispatch", "_current_graph_task_id",
-                 "_dispatch_has_kernel_for_dispatch_key", "_get_sdp_priority_order",
+                 "_TorchDispatchModeKey", "_dispatch_has_kernel_for_dispatch_key",
+                 "_get_dispatch_mode", "_get_sdp_priority_order",
                  "_set_conj", "_set_neg", "_set_throw_on_mutable_data_ptr",
                  "_set_warn_deprecated_on_mutable_data_ptr", "_storage_Use_Count"),
     "torch.utils._mode_utils": ("no_dispatch",),

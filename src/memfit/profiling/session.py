@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch._C._profiler import _RecordFunctionFast
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit._compat import torch_internals
@@ -82,6 +83,7 @@ _STACK_DEPTH = 8
 _SKIP_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep
                    for m in (torch, sys.modules["memfit"]))
 _in_backward = torch_internals.current_graph_task_id()
+_faking = torch_internals.fake_mode_active()
 
 
 class _Storage(Storage):
@@ -99,6 +101,15 @@ class _Storage(Storage):
         self.stack = stack
 
 
+# Note: [fake work is not measured] Work on fake tensors holds no memory: memfit's own trace (the
+# OOM guard's prediction at a step's first batch of a shape, which Plan.apply's step runs) runs
+# a fake copy of the model under a FakeTensorMode, an infra mode that sits below this
+# profiler's dispatch mode, so every fake op, the fake model's module calls, its saved tensors
+# and its optimizer's step reach this profiler too. Counted, the fake copy's weights and states
+# were a second model (tracked peak above the allocator's, negative "inside kernels", every
+# module twice: issue 20). While a fake mode is active, the ops and hooks are skipped, and a fake
+# tensor met elsewhere is never a storage; the allocator's events of real memory made in that
+# time (the trace's small CPU kernel measurements) still count.
 class _Mode(TorchDispatchMode):
     def __init__(self, prof: Profiler) -> None:
         super().__init__()
@@ -106,6 +117,8 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         prof = self.prof
+        if _faking():  # Note: [fake work is not measured]
+            return func(*args, **(kwargs or {}))
         if not prof._mark_ops:
             out = func(*args, **(kwargs or {}))
             prof._after_op(func, out)
@@ -374,7 +387,7 @@ class Profiler:
         if uid is not None:
             return uid
         nbytes = st.nbytes()
-        if nbytes == 0:
+        if nbytes == 0 or isinstance(t, FakeTensor):  # Note: [fake work is not measured]
             return None
         phase, module = self._where() if where is None else where
         uid = ledger.add(_Storage(nbytes, op, phase, module, t.shape, t.dtype,
@@ -460,6 +473,8 @@ class Profiler:
         return type(mod).__name__ if name is None else name
 
     def _pre(self, mod: nn.Module, args: Any) -> None:
+        if _faking():  # Note: [fake work is not measured]
+            return
         if not self._modules.stack:
             if id(mod) not in self._names:
                 self._discover(mod)
@@ -471,6 +486,8 @@ class Profiler:
         self._modules.enter(self._module_id(self._name_of(mod)))
 
     def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if _faking():
+            return
         self._modules.leave(tensor_leaves(out) if torch.is_grad_enabled() else ())
 
     def _discover(self, root: nn.Module) -> None:
@@ -501,6 +518,8 @@ class Profiler:
         self._mark(p.grad, MemoryCategory.GRADIENTS, self._param_owner.get(id(p)))
 
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _faking():  # Note: [fake work is not measured]
+            return
         self._in_optimizer += 1
         if not any(o is opt for o in self.optimizers):
             self.optimizers.append(opt)
@@ -511,6 +530,8 @@ class Profiler:
                     self._mark(p.grad, MemoryCategory.GRADIENTS, self._param_owner.get(id(p)))
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _faking():
+            return
         if self._in_optimizer:
             self._in_optimizer -= 1
         for p, state in opt.state.items():
@@ -518,7 +539,8 @@ class Profiler:
                 self._mark(v, MemoryCategory.OPTIMIZER_STATES, self._param_owner.get(id(p)))
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._mark(t, MemoryCategory.ACTIVATIONS)
+        if not _faking():
+            self._mark(t, MemoryCategory.ACTIVATIONS)
         return t
 
     # -- result ---------------------------------------------------------------------------------
