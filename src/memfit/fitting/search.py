@@ -1247,7 +1247,7 @@ def _attention_choices(base: nn.Module, rejected: list[Rejected]) -> list[str]:
 
 def _default_space(base: nn.Module, optimizer: str, device: str, spec: GpuSpec | None,
                    num_gpus: int, per_gpu: int, rejected: list[Rejected]) -> dict[str, list[Any]]:
-    from memfit.techniques.checkpointing import find_blocks
+    from memfit.models.anatomy import find_blocks
 
     if device == "cpu":
         precisions = ["fp32", "bf16-mixed"]

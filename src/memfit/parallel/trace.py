@@ -487,7 +487,7 @@ def _model_shape(model: nn.Module) -> tuple[int | None, int | None, int | None]:
     """(attention heads, KV heads, layers) of a model, where its config or structure says them."""
     heads = _count(model, ("num_attention_heads", "n_head", "num_heads"), "num_heads")
     kv_heads = _count(model, ("num_key_value_heads",), "num_kv_heads")
-    from memfit.techniques.checkpointing import find_blocks
+    from memfit.models.anatomy import find_blocks
 
     try:
         layers: int | None = len(find_blocks(model)) or None

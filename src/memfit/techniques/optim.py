@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from memfit import vocab
-from memfit._noise import quiet_import
-from memfit.errors import MemfitError, require, suggest
+from memfit._noise import quiet_import, require
+from memfit.errors import MemfitError, suggest
 from memfit.trace.host import host_memory
 
 __all__ = ["IMPLS", "OPTIMIZER_NAMES", "CPUOffloadOptimizer", "constructor_settings",
