@@ -1304,8 +1304,8 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
     checkpointing budget the search resolved) the blocks are checkpointed as they say; with
     ``parallel`` the step is traced per rank (the worst rank's, ``memfit/parallel/trace.py``).
     """
+    from memfit.parallel.trace import estimate
     from memfit.techniques.checkpointing import Budget, apply_activation_checkpointing
-    from memfit.trace import estimate
     from memfit.trace.optim import offloaded
 
     model = _meta_copy(base)
