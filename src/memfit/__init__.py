@@ -16,7 +16,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-__version__ = "0.2.0"
+from memfit._version import __version__
 
 # public name -> the module that defines it
 _SOURCES: dict[str, str] = {

@@ -103,7 +103,7 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
         inputs.pop("labels", None)
     optimizer: Any = run.optimizer if training else None
     if training and run.offload_optimizer:
-        from memfit.trace.optim import offloaded
+        from memfit.techniques.optim import offloaded
 
         optimizer = offloaded(run.optimizer)
     phase("tracing one step" if not training else "tracing two steps")

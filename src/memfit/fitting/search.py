@@ -1306,7 +1306,7 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
     """
     from memfit.parallel.trace import estimate
     from memfit.techniques.checkpointing import Budget, apply_activation_checkpointing
-    from memfit.trace.optim import offloaded
+    from memfit.techniques.optim import offloaded
 
     model = _meta_copy(base)
     inputs = meta_batch(sample, m)
