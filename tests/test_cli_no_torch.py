@@ -139,9 +139,9 @@ def test_import_memfit_is_light_and_the_api_stays_whole() -> None:
         p = plan(resolve_model("gpt2"), RunConfig(batch=2, seq=512))
         light += [m for m in ("torch", "transformers") if m in sys.modules]
         fn = memfit.estimate  # a torch-side name loads on first use
-        import memfit.trace
+        import memfit.parallel.trace  # memfit.estimate: the engine, or each rank of a layout
         print(json.dumps({"light": light, "torch": "torch" in sys.modules,
-                          "total": p.total_bytes, "same": fn is memfit.trace.estimate}))
+                          "total": p.total_bytes, "same": fn is memfit.parallel.trace.estimate}))
     """)
     done = _python(code)
     assert done.returncode == 0, done.stderr

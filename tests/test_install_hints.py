@@ -71,7 +71,7 @@ def problems(source: str, extras: dict[str, set[str]]) -> tuple[list[str], int]:
     for text in _texts(source):
         for match in _EXTRA.finditer(text):
             if "{" in match.group(1):
-                continue  # a template (errors.require): its callers are checked below
+                continue  # a template (_noise.require): its callers are checked below
             for extra in match.group(1).split(","):
                 checked += 1
                 if extra.strip() not in extras:

@@ -16,7 +16,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-__version__ = "0.2.0"
+from memfit._version import __version__
 
 # public name -> the module that defines it
 _SOURCES: dict[str, str] = {
@@ -32,7 +32,7 @@ _SOURCES: dict[str, str] = {
     "RunConfig": "memfit.analytic.config",
     "TransformerSpec": "memfit.models",
     "build_model": "memfit.models.build",
-    "estimate": "memfit.trace",
+    "estimate": "memfit.parallel.trace",  # the engine, or each rank of a layout
     "example_inputs": "memfit.models.build",
     "find_batch_size": "memfit.batch_size",
     "fit": "memfit.fitting",
@@ -102,5 +102,6 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.monitor import watch
     from memfit.oom_guard import GuardedStep, guard
     from memfit.parallel import Parallel
+    from memfit.parallel.trace import estimate
     from memfit.profiling.session import profile
-    from memfit.trace import Estimate, estimate
+    from memfit.trace import Estimate

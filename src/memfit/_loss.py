@@ -12,12 +12,13 @@ says whether the returned scalar is the micro-batch's **mean** over its items (d
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from memfit._tensors import call_model, tensor_leaves
 from memfit.errors import MemfitError
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -78,7 +79,29 @@ def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The loss when none is given: the model's own loss on ``batch`` (``model(**batch)`` for a
     dict, ``model(*batch)`` for a tuple, else ``model(batch)``), read from its output by
     :func:`memfit.trace.default_loss` (a scalar output, ``.loss``, or the sum of the output)."""
-    from memfit._tensors import call_model
-    from memfit.trace.engine import default_loss
-
     return default_loss(call_model(model, batch))
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss when none is given: a scalar output itself, else ``.loss`` / ``["loss"]`` when
+    present, else a scalar first element of a tuple (the ``return_dict=False`` convention), else
+    the sum of every floating-point tensor in the output."""
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output
+    if (isinstance(output, list | tuple) and output and isinstance(output[0], torch.Tensor)
+            and output[0].numel() == 1 and output[0].requires_grad):
+        return output[0]
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    leaves = [t for t in tensor_leaves(output, objects=True)
+              if t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        raise MemfitError("the model output has no floating-point tensor that requires grad to "
+                          "backpropagate; pass loss_fn=... or optimizer=None for inference")
+    total = leaves[0].sum()
+    for t in leaves[1:]:
+        total = total + t.sum()
+    return total

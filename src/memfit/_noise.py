@@ -37,6 +37,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from memfit.errors import MemfitError
+
 __all__ = ["quiet_fd2", "quiet_import", "quiet_imports", "quiet_loggers", "quiet_profile"]
 
 _IMPORT_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
@@ -134,3 +136,15 @@ def quiet_import(module: str) -> Any:
     """``importlib.import_module(module)`` inside :func:`quiet_imports`."""
     with quiet_imports():
         return importlib.import_module(module)
+
+
+def require(module: str, extra: str, what: str) -> Any:
+    """Import an optional dependency, or say in one line which extra installs it.
+
+    >>> bnb = require("bitsandbytes", "bnb", "optimizer 'adamw-8bit'")
+    """
+    try:
+        return quiet_import(module)  # without torchao's import-time log lines
+    except ImportError:
+        raise MemfitError(f"{what} needs {module.split('.')[0]}, which is not installed; run "
+                          f"pip install 'memfit[{extra}]'") from None

@@ -25,20 +25,6 @@ def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:
     return " (did you mean " + ", ".join(repr(c) for c in close) + "?)"
 
 
-def require(module: str, extra: str, what: str) -> Any:
-    """Import an optional dependency, or say in one line which extra installs it.
-
-    >>> bnb = require("bitsandbytes", "bnb", "optimizer 'adamw-8bit'")
-    """
-    from memfit._noise import quiet_import
-
-    try:
-        return quiet_import(module)  # without torchao's import-time log lines
-    except ImportError:
-        raise MemfitError(f"{what} needs {module.split('.')[0]}, which is not installed; run "
-                          f"pip install 'memfit[{extra}]'") from None
-
-
 def read_json_file(path: str | Path, *, what: str, fix: str) -> Any:
     """Parse a user's JSON file (``json.loads`` only: never eval or unpickle).
 

@@ -392,7 +392,7 @@ def trace_progress(model: Any, *, steps: int, training: bool,
     import torch
 
     from memfit.errors import MemfitError
-    from memfit.techniques.checkpointing import find_blocks
+    from memfit.models.anatomy import find_blocks
 
     try:
         names = find_blocks(model)

@@ -78,7 +78,7 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
     :func:`memfit.models.build_model` backend of a preset or config.json, ``"builtin"`` for
     the layouts only memfit's decoders take: pipeline, sequence and expert parallelism)."""
     from memfit.models.build import build_model, example_inputs
-    from memfit.trace import estimate
+    from memfit.parallel.trace import estimate
 
     attn = "eager" if run.attention == "eager" else "sdpa"
     phase("building the model on meta")
@@ -103,7 +103,7 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
         inputs.pop("labels", None)
     optimizer: Any = run.optimizer if training else None
     if training and run.offload_optimizer:
-        from memfit.trace.optim import offloaded
+        from memfit.techniques.optim import offloaded
 
         optimizer = offloaded(run.optimizer)
     phase("tracing one step" if not training else "tracing two steps")

@@ -147,7 +147,7 @@ def shard(model: nn.Module, config: FitConfig, num_gpus: int) -> nn.Module:
                           "torch >= 2.6); upgrade torch") from None
     from torch.distributed.device_mesh import init_device_mesh
 
-    from memfit.techniques.checkpointing import find_blocks
+    from memfit.models.anatomy import find_blocks
 
     mesh = init_device_mesh(device.type, (world,))
     reshard = config.sharding == "zero3"

@@ -142,8 +142,8 @@ def _count(model: nn.Module, names: tuple[str, ...]) -> int | None:
 
 def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
     """The model's shape for the layout formulas, or None when it has no repeated blocks."""
+    from memfit.models.anatomy import find_blocks
     from memfit.parallel.trace import _model_shape
-    from memfit.techniques.checkpointing import find_blocks
 
     try:
         blocks = find_blocks(base)

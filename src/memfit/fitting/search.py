@@ -1300,7 +1300,7 @@ def _attention_choices(base: nn.Module, rejected: list[Rejected]) -> list[str]:
 
 def _default_space(base: nn.Module, optimizer: str, device: str, spec: GpuSpec | None,
                    num_gpus: int, per_gpu: int, rejected: list[Rejected]) -> dict[str, list[Any]]:
-    from memfit.techniques.checkpointing import find_blocks
+    from memfit.models.anatomy import find_blocks
 
     if device == "cpu":
         precisions = ["fp32", "bf16-mixed"]
@@ -1357,9 +1357,9 @@ def _trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optim
     checkpointing budget the search resolved) the blocks are checkpointed as they say; with
     ``parallel`` the step is traced per rank (the worst rank's, ``memfit/parallel/trace.py``).
     """
+    from memfit.parallel.trace import estimate
     from memfit.techniques.checkpointing import Budget, apply_activation_checkpointing
-    from memfit.trace import estimate
-    from memfit.trace.optim import offloaded
+    from memfit.techniques.optim import offloaded
 
     model = _meta_copy(base)
     inputs = meta_batch(sample, m)

@@ -40,7 +40,7 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
     the layout's ``reshard_after_forward``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from memfit.techniques.checkpointing import find_blocks
+    from memfit.models.anatomy import find_blocks
 
     kwargs: dict[str, Any] = {"mesh": mesh,
                               "reshard_after_forward": bool(parallel.reshard_after_forward)}
@@ -118,8 +118,8 @@ def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = Non
         SequenceParallel,
     )
 
+    from memfit.models.anatomy import find_blocks
     from memfit.parallel.hf_pipeline import attention_input, is_hf_attention
-    from memfit.techniques.checkpointing import find_blocks
 
     sp = parallel.sp
     row_out = {"output_layouts": Shard(1)} if sp else {}

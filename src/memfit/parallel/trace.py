@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,14 @@ from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
 from memfit.parallel.apply import apply_model, apply_optimizer
 from memfit.parallel.config import Parallel
+from memfit.trace.engine import check_request
+from memfit.trace.engine import estimate as trace_estimate
+
+if TYPE_CHECKING:
+    from memfit._loss import LossFn
+    from memfit.gpus import GpuSpec
+    from memfit.trace.estimate import Estimate
+    from memfit.trace.optim import OptimizerFactory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,7 +495,7 @@ def _model_shape(model: nn.Module) -> tuple[int | None, int | None, int | None]:
     """(attention heads, KV heads, layers) of a model, where its config or structure says them."""
     heads = _count(model, ("num_attention_heads", "n_head", "num_heads"), "num_heads")
     kv_heads = _count(model, ("num_key_value_heads",), "num_kv_heads")
-    from memfit.techniques.checkpointing import find_blocks
+    from memfit.models.anatomy import find_blocks
 
     try:
         layers: int | None = len(find_blocks(model)) or None
@@ -530,3 +538,27 @@ def estimate_ranks(run: Callable[[RankRole], Any], model: nn.Module, parallel: P
         estimates.append(dataclasses.replace(est, ranks=role.ranks, parallel=parallel))
     worst = max(estimates, key=lambda e: (e.peak_reserved_bytes, e.peak_bytes))
     return dataclasses.replace(worst, per_rank=tuple(estimates))
+
+
+def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory | None = "adamw",
+             precision: str = "fp32", loss_fn: LossFn | None = None,
+             device: str = "cuda", gpu: str | GpuSpec | None = None, steps: int = 2,
+             expandable_segments: bool = False, num_gpus: int = 1,
+             keep_output: bool = False, parallel: Parallel | None = None) -> Estimate:
+    """``memfit.estimate``: :func:`memfit.trace.estimate` (see there for every argument), and
+    with ``parallel``, a :class:`memfit.Parallel` layout, each distinct rank of it traced running
+    PyTorch's own DDP / ZeRO-1 / FSDP2 / HSDP over a fake process group, the result being the
+    rank with the highest peak and ``per_rank`` holding one estimate per rank role.
+
+    >>> est = memfit.estimate(model, inputs, device="cpu", parallel=Parallel(gpus=8, fsdp=8))
+    """
+    kwargs: dict[str, Any] = dict(
+        optimizer=optimizer, precision=precision, loss_fn=loss_fn, device=device, gpu=gpu,
+        steps=steps, expandable_segments=expandable_segments, keep_output=keep_output)
+    if parallel is None:
+        return trace_estimate(model, inputs, num_gpus=num_gpus, **kwargs)
+    check_request(model, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
+                  device=device, steps=steps)
+    return estimate_ranks(lambda role: trace_estimate(
+        model, inputs, num_gpus=max(num_gpus, getattr(parallel, "gpus", 1)), rank=role,
+        **kwargs), model, parallel)

@@ -99,7 +99,7 @@ class ProfileResult:
     def to_dict(self, *, estimate: Estimate | None = None,
                 max_points: int = 1000) -> dict[str, Any]:
         """The ``--json`` document; ``estimate`` adds ``predicted`` next to the measurement."""
-        from memfit import __version__
+        from memfit._version import __version__
 
         points = downsample(self.timeline, max_points, keep=self.peak_index)
         doc: dict[str, Any] = {

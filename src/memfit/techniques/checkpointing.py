@@ -55,6 +55,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memfit._tensors import call_model, tensor_leaves
 from memfit.errors import MemfitError, suggest
+from memfit.models.anatomy import find_blocks
 
 __all__ = [
     "SAVE_OPS",
@@ -232,70 +233,6 @@ def _policy(policy: str | Policy) -> Policy:
     name = str(policy)
     raise MemfitError(f"unknown checkpointing policy {policy!r}{suggest(name, POLICIES)}; valid: "
                       "'full', 'selective', EveryK(k), Budget(bytes)")
-
-
-# -- finding blocks --------------------------------------------------------------------------------
-
-def find_blocks(model: nn.Module,
-                blocks: str | type | Sequence[str | type] | None = None) -> list[str]:
-    """Names of the modules to checkpoint.
-
-    ``blocks=None``: the children of the ``ModuleList``/``Sequential`` of two or more same-type
-    modules holding the most parameters. A string names a container (its children are the blocks)
-    or one block; a type selects every outermost module of that type; a list mixes them.
-
-    >>> find_blocks(build_model(spec))
-    ['model.layers.0', 'model.layers.1', ...]
-    """
-    modules = dict(model.named_modules())
-    if blocks is None:
-        return _auto_blocks(model)
-    items: Sequence[str | type] = ([blocks] if isinstance(blocks, str | type) else list(blocks))
-    names: list[str] = []
-    for item in items:
-        if isinstance(item, type):
-            found = [n for n, m in modules.items() if isinstance(m, item) and n
-                     and not any(n.startswith(o + ".") for o in names)]
-            if not found:
-                raise MemfitError(f"no module of type {item.__name__} in the model; pass block "
-                                  "names or types that exist (see print(model))")
-            names.extend(n for n in found if not any(n.startswith(o + ".") for o in found))
-        elif isinstance(item, str):
-            if item not in modules or not item:
-                raise MemfitError(f"no module named {item!r} in the model"
-                                  f"{suggest(item, [n for n in modules if n])}; pass a name from "
-                                  "model.named_modules()")
-            mod = modules[item]
-            if isinstance(mod, nn.ModuleList | nn.Sequential):
-                names.extend(f"{item}.{c}" for c, _ in mod.named_children())
-            else:
-                names.append(item)
-        else:
-            raise MemfitError(f"blocks must be names or module types, got {item!r}")
-    return list(dict.fromkeys(names))
-
-
-def _auto_blocks(model: nn.Module) -> list[str]:
-    best: tuple[int, str, list[str]] | None = None
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList | nn.Sequential):
-            continue
-        children = list(mod.named_children())
-        # A ModuleList of one block counts (a one-layer config); a Sequential needs two.
-        minimum = 1 if isinstance(mod, nn.ModuleList) else 2
-        if len(children) < minimum or len({type(c) for _, c in children}) != 1:
-            continue
-        if not any(True for _, c in children for _ in c.parameters()):
-            continue
-        params = sum(p.numel() for p in mod.parameters())
-        prefix = f"{name}." if name else ""
-        if best is None or params > best[0]:
-            best = (params, name, [prefix + c for c, _ in children])
-    if best is None:
-        raise MemfitError(
-            f"found no repeated blocks in {type(model).__name__} (a ModuleList or Sequential of "
-            "two or more modules of one type); pass blocks= with block names or types")
-    return best[2]
 
 
 # -- wrapping ------------------------------------------------------------------------------------

@@ -39,9 +39,11 @@ from typing import Any
 import torch
 
 from memfit import vocab
-from memfit._noise import quiet_import
-from memfit.errors import MemfitError, require, suggest
+from memfit._noise import quiet_import, require
+from memfit.errors import MemfitError, suggest
 from memfit.trace.host import host_memory
+from memfit.trace.optim import OptimizerFactory
+from memfit.trace.optim import make_optimizer as trace_optimizer
 
 __all__ = ["IMPLS", "OPTIMIZER_NAMES", "CPUOffloadOptimizer", "constructor_settings",
            "make_optimizer", "state_bytes"]
@@ -263,3 +265,14 @@ def state_bytes(optimizer: torch.optim.Optimizer, *, device: str | None = None) 
             if isinstance(v, torch.Tensor):
                 visit(v)
     return sum(seen.values())
+
+
+def offloaded(name: str) -> OptimizerFactory:
+    """The optimizer ``name`` with its states and step on the host, as
+    ``memfit.techniques.make_optimizer(..., offload_states=True)`` runs it: a
+    ``CPUOffloadOptimizer`` whose inner optimizer is torch's CPU implementation."""
+    def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return CPUOffloadOptimizer(
+            params, lambda host: trace_optimizer(name, host, cuda_target=False))
+    factory.__name__ = f"{name}+offload"
+    return factory

@@ -30,8 +30,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from memfit._noise import quiet_import
-from memfit.errors import MemfitError, require, suggest
+from memfit._noise import quiet_import, require
+from memfit.errors import MemfitError, suggest
 
 __all__ = ["LORA_BACKENDS", "QUANT_BACKENDS", "LoRALinear", "NF4Linear", "apply_lora",
            "apply_qlora", "trainable_parameters"]

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import MemfitError, require, suggest
+from memfit._noise import require
+from memfit.errors import MemfitError, suggest
 
 __all__ = ["QAT_SCHEMES", "WEIGHT_ONLY_DTYPES", "convert_qat", "prepare_qat",
            "quantize_weights", "tensor_bytes", "weight_bytes"]

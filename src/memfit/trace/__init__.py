@@ -8,7 +8,8 @@
 True
 """
 
-from memfit.trace.engine import PRECISIONS, default_loss, estimate
+from memfit._loss import default_loss
+from memfit.trace.engine import PRECISIONS, estimate
 from memfit.trace.estimate import Estimate, ModuleMemory, TimelinePoint
 from memfit.trace.optim import OPTIMIZERS
 

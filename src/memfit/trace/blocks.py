@@ -610,7 +610,7 @@ def _blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     of one class in one container, with parameters and buffers of the same names and
     metadata, no hooks of the user's inside them, no tensor subclasses (FSDP, DTensor)."""
     from memfit.errors import MemfitError
-    from memfit.techniques.checkpointing import find_blocks
+    from memfit.models.anatomy import find_blocks
 
     try:
         names = find_blocks(model)

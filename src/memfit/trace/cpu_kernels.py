@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit._noise import quiet_profile
-from memfit.profiling.cpu import allocator_deltas, running_peak
+from memfit.cpu_peak import allocator_deltas, running_peak
 from memfit.trace import kernel_cache
 
 aten = torch.ops.aten

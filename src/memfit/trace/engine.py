@@ -22,7 +22,7 @@ import functools
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -211,31 +211,6 @@ def _fake_inputs(inputs: Any, device: str, memo: dict[int, torch.Tensor],
     return inputs
 
 
-def default_loss(output: Any) -> torch.Tensor:
-    """The loss when none is given: a scalar output itself, else ``.loss`` / ``["loss"]`` when
-    present, else a scalar first element of a tuple (the ``return_dict=False`` convention), else
-    the sum of every floating-point tensor in the output."""
-    if isinstance(output, torch.Tensor) and output.numel() == 1:
-        return output
-    if (isinstance(output, list | tuple) and output and isinstance(output[0], torch.Tensor)
-            and output[0].numel() == 1 and output[0].requires_grad):
-        return output[0]
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
-        return loss
-    leaves = [t for t in tensor_leaves(output, objects=True)
-              if t.is_floating_point() and t.requires_grad]
-    if not leaves:
-        raise MemfitError("the model output has no floating-point tensor that requires grad to "
-                          "backpropagate; pass loss_fn=... or optimizer=None for inference")
-    total = leaves[0].sum()
-    for t in leaves[1:]:
-        total = total + t.sum()
-    return total
-
-
 # -- module attribution ------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -355,11 +330,42 @@ def _validate(optimizer: Any, precision: str, device: str, steps: int) -> None:
                           f"cover optimizer-state creation and the steady state")
 
 
+def check_request(model: Any, *, optimizer: str | OptimizerFactory | None, precision: str,
+                  loss_fn: LossFn | None, device: str, steps: int) -> LossFn:
+    """The checks :func:`estimate` makes before tracing (one MemfitError line each), and the
+    loss it will compute; ``memfit.parallel`` makes them once before tracing each rank."""
+    _validate(optimizer, precision, device, steps)
+    compute_loss = check_loss_fn(loss_fn) or model_loss
+    if not isinstance(model, nn.Module):
+        raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    return compute_loss
+
+
+class RankHooks(Protocol):
+    """What one rank of a parallel layout changes in a trace (``memfit.parallel`` implements it,
+    as PyTorch's ``FSDPMemTracker`` extends ``MemTracker``: the engine is extended, never calls
+    up). Optional members, read with ``getattr``: ``local_model(model)`` (the part of the model
+    this rank holds, e.g. a pipeline stage), ``runs_step`` and ``run_step(model, inputs,
+    tracker, ...)`` (a rank whose schedule runs the forward and backward itself)."""
+
+    def tracing(self, tracker: Any, fake_mode: Any) -> contextlib.AbstractContextManager[Any]:
+        """Entered around the whole trace (the rank's fake process group, its streams)."""
+        ...
+
+    def wrap_model(self, model: nn.Module, tracker: Any, fake_mode: Any) -> nn.Module:
+        """The fake model as this rank runs it (DDP, FSDP2, tensor-parallel shards)."""
+        ...
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer as this rank steps it (ZeRO-1's partition, an offloaded step)."""
+        ...
+
+
 def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory | None = "adamw",
              precision: str = "fp32", loss_fn: LossFn | None = None,
              device: str = "cuda", gpu: str | GpuSpec | None = None, steps: int = 2,
              expandable_segments: bool = False, num_gpus: int = 1,
-             keep_output: bool = False, parallel: Any = None, _rank: Any = None) -> Estimate:
+             keep_output: bool = False, rank: RankHooks | None = None) -> Estimate:
     """Trace ``steps`` training steps (or forward passes if ``optimizer=None``) of ``model`` on
     ``inputs`` and predict their peak memory on ``device``.
 
@@ -375,10 +381,9 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
     the backward only what the loss's autograd graph saved is alive, e.g. not the logits that a
     cross-entropy (which saves its log-softmax) was computed from.
 
-    ``parallel``: a :class:`memfit.Parallel` layout; each distinct rank of it is traced running
-    PyTorch's own DDP / ZeRO-1 / FSDP2 / HSDP over a fake process group (see
-    ``memfit/parallel/trace.py``), the result being the rank with the highest peak and
-    ``per_rank`` holding one estimate per rank role.
+    ``rank``: the hooks of one rank of a parallel layout (:class:`RankHooks`); ``memfit.parallel``
+    passes them to trace each rank (``memfit.estimate(..., parallel=...)``); the engine itself
+    knows nothing of parallelism.
 
     >>> with torch.device("meta"):
     ...     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
@@ -386,23 +391,12 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
     >>> est.peak_bytes > 4 * 4 * 1024 * 1024  # weights + grads + two Adam states
     True
     """
-    _validate(optimizer, precision, device, steps)
-    compute_loss = check_loss_fn(loss_fn) or model_loss
-    if not isinstance(model, nn.Module):
-        raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    if parallel is not None and _rank is None:
-        from memfit.parallel.trace import estimate_ranks
-
-        return estimate_ranks(lambda role: estimate(
-            model, inputs, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
-            device=device, gpu=gpu, steps=steps, expandable_segments=expandable_segments,
-            num_gpus=max(num_gpus, getattr(parallel, "gpus", 1)), keep_output=keep_output,
-            parallel=parallel, _rank=role),
-            model, parallel)
+    compute_loss = check_request(model, optimizer=optimizer, precision=precision,
+                                 loss_fn=loss_fn, device=device, steps=steps)
     trace = functools.partial(_trace_or_redo, model, inputs, optimizer=optimizer,
                               precision=precision, compute_loss=compute_loss, device=device,
                               gpu=gpu, steps=steps, expandable_segments=expandable_segments,
-                              num_gpus=num_gpus, keep_output=keep_output, rank=_rank)
+                              num_gpus=num_gpus, keep_output=keep_output, rank=rank)
     if not _real_step(model, inputs):
         return trace(None)[0]
     # Note: [real values of a real step] in datadep.py: trace once; if its forward needed an
@@ -476,7 +470,8 @@ def _trace_or_redo(*args: Any, **kwargs: Any) -> tuple[Estimate, DataDependentSi
 def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
            optimizer: str | OptimizerFactory | None, precision: str,
            compute_loss: LossFn, device: str, gpu: str | GpuSpec | None, steps: int,
-           expandable_segments: bool, num_gpus: int, keep_output: bool, rank: Any = None
+           expandable_segments: bool, num_gpus: int, keep_output: bool,
+           rank: RankHooks | None = None
            ) -> tuple[Estimate, DataDependentSizes]:
     """One trace of ``steps`` steps (see :func:`estimate`); ``replay``: the data-dependent answers
     of a real forward, replayed in each forward."""
@@ -582,7 +577,7 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
             with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda), \
                     _outputs(fmodel, keep_output) as out:
                 if pipeline:
-                    loss = rank.run_step(fmodel, finputs, tracker,
+                    loss = rank.run_step(fmodel, finputs, tracker,  # type: ignore[union-attr]
                                          compute_loss if training else None)
                 elif training:
                     loss = compute_loss(fmodel, finputs)

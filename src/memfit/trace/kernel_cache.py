@@ -13,7 +13,7 @@ version and git revision, the CPU capability ATen dispatches to (and ``ATEN_CPU_
 oneDNN's ISA limit (``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA``) and fp-math mode, the CPU model
 and flags (AVX-512-bf16 and AMX change oneDNN's bf16 GEMM scratch), the float32 matmul precision
 and the intra-op thread count (CPU flash attention keeps one buffer per thread); and the
-measuring code itself (a hash of ``cpu_kernels.py`` and ``profiling/cpu.py``), so a memfit that
+measuring code itself (a hash of ``cpu_kernels.py`` and ``cpu_peak.py``), so a memfit that
 measures differently never reads an older memfit's numbers.
 
 ``MEMFIT_NO_CACHE=1`` turns the disk cache off (measurements then live for the process only).
@@ -85,13 +85,13 @@ def _method_hash() -> str:
     """A hash of the code that measures (module docstring)."""
     global _method
     if _method is None:
-        from memfit.profiling import cpu as profile_cpu
-        from memfit.trace import cpu_kernels
+        from memfit import cpu_peak
 
         h = hashlib.sha256()
-        for module in (cpu_kernels, profile_cpu):
+        # cpu_kernels.py by path: it imports this module, which must not import it back
+        for path in (Path(__file__).with_name("cpu_kernels.py"), Path(cpu_peak.__file__)):
             with contextlib.suppress(OSError, TypeError):
-                h.update(Path(module.__file__).read_bytes())  # type: ignore[arg-type]
+                h.update(path.read_bytes())
         _method = h.hexdigest()[:16]
     return _method
 

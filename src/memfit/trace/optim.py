@@ -159,16 +159,3 @@ def _default_as_on_cuda(opt: torch.optim.Optimizer) -> None:
         if isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable", False):
             continue
         group["foreach"] = True
-
-
-def offloaded(name: str) -> OptimizerFactory:
-    """The optimizer ``name`` with its states and step on the host, as
-    ``memfit.techniques.make_optimizer(..., offload_states=True)`` runs it: a
-    ``CPUOffloadOptimizer`` whose inner optimizer is torch's CPU implementation."""
-    from memfit.techniques.optim import CPUOffloadOptimizer
-
-    def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return CPUOffloadOptimizer(
-            params, lambda host: make_optimizer(name, host, cuda_target=False))
-    factory.__name__ = f"{name}+offload"
-    return factory
