@@ -5,17 +5,7 @@
 #   CONFIGS="llama/fp32/sgd-momentum/ckpt-full/b8 ..." TESTS="tests/x.py::y" bash bench/gpu_recheck.sh OUTDIR
 set -u
 OUT=${1:?usage: bench/gpu_recheck.sh OUTDIR}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MEMFIT_PROGRESS=0
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PWD/src:/tmp/site"
-else
-  export PYTHONPATH="$PWD/src"
-fi
-LOG=$OUT/session.log
-T0=$(date +%s)
-step() { echo "== $1 rc=$2 at +$(( $(date +%s) - T0 ))s" >>"$LOG"; }
+. bench/gpu_env.sh
 ( timeout "${VALIDATE_S:-200}" python3 bench/validate_gpu.py --json "$OUT/validate.json" \
     >"$OUT/validate.log" 2>&1; step validate $? ) &
 ( timeout "${ANATOMY_S:-200}" python3 bench/cuda_peak_anatomy.py ${CONFIGS:-} \

@@ -4,19 +4,9 @@
 # Memory-only checks run side by side (each process has its own allocator statistics and NVML
 # reads per process); the timing benches run afterwards, alone on the GPU. Each step has its own
 # time limit so the whole script ends inside one device call; results are written as they come.
-# Optional wheels (torchao, bitsandbytes, liger-kernel; the GPU image lacks them) are installed
-# from .whl/ when it exists (see the device README for how to download them).
 set -u
 OUT=${1:?usage: bench/gpu_session.sh OUTDIR}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MEMFIT_PROGRESS=0
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PWD/src:/tmp/site"
-else
-  export PYTHONPATH="$PWD/src"
-fi
-LOG=$OUT/session.log
+. bench/gpu_env.sh
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
@@ -24,8 +14,6 @@ LOG=$OUT/session.log
     python3 -c "import $m; print('$m', getattr($m, '__version__', '?'))" 2>&1 | tail -1
   done
 } >"$LOG" 2>&1
-T0=$(date +%s)
-step() { echo "== $1 rc=$2 at +$(( $(date +%s) - T0 ))s" >>"$LOG"; }
 
 timeout "${FACTS_S:-60}" python3 bench/cuda_facts.py --out "$OUT/cuda-facts.json" >>"$LOG" 2>&1
 step cuda_facts $?
