@@ -1,5 +1,5 @@
 """The README runs as written: its Python API example (with a small model for MyModel) and every
-`memfit plan` output it quotes, checked against the tool in-process."""
+`memfit plan` output it and the pages in docs/ quote, checked against the tool in-process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# the README and the pages in docs/: sentences that quote a `memfit plan` run live in both
+QUOTING = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 class MyModel(nn.Module):
@@ -94,10 +97,10 @@ _QUOTES = re.compile(r"`(memfit\s+plan\s[^`]+)` (prints|gives|counts) "
 
 
 def quoted_examples() -> list[tuple[str, str, str, str | None]]:
-    """Every README sentence that quotes an analytic ``memfit plan`` run: `command` prints
-    "a line", `command` gives <total>, `command` counts <bytes> of <category>."""
+    """Every sentence of the README or docs/ that quotes an analytic ``memfit plan`` run:
+    `command` prints "a line", `command` gives <total>, `command` counts <bytes> of <category>."""
     out = []
-    for m in _QUOTES.finditer(README.read_text()):
+    for m in _QUOTES.finditer("\n\n".join(page.read_text() for page in QUOTING)):
         command, verb = words(m.group(1)), m.group(2)
         if verb == "prints":
             out.append((command, verb, words(m.group(3)), None))
