@@ -208,7 +208,7 @@ def describe_run(run: RunConfig, seq: int | None) -> str:
     """One line: the mode, precision, optimizer, batch, ``seq`` (the tokens per row planned,
     when the model has a sequence) and parallelism of ``run``."""
     r = run
-    parts = [r.mode, r.precision]
+    parts: list[str] = [r.mode, r.precision]
     if r.training:
         parts += [r.optimizer, f"checkpointing {r.checkpointing}"]
     parts.append(f"batch {r.batch}")

@@ -485,10 +485,11 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
         memo: dict[int, Any] = {}
         weights: list[torch.Tensor] = []
         for mod in model.modules():
-            for p in mod._parameters.values():
-                if p is not None and id(p) not in memo:
-                    memo[id(p)] = nn.Parameter(_fake_like(p), requires_grad=p.requires_grad)
-                    weights.append(memo[id(p)])
+            for param in mod._parameters.values():
+                if param is not None and id(param) not in memo:
+                    memo[id(param)] = nn.Parameter(_fake_like(param),
+                                                   requires_grad=param.requires_grad)
+                    weights.append(memo[id(param)])
             for b in mod._buffers.values():
                 if b is not None and id(b) not in memo:
                     memo[id(b)] = _fake_like(b)
