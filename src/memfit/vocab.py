@@ -54,6 +54,8 @@ class Precision:
     matmul: str
     """The format of the matmul inputs: which of a GPU's peak rates a step runs at (fp8's
     matmuls are fp8 under a bf16 autocast)."""
+    compute_bytes: int
+    """Bytes per element of the ``compute`` format (activations, logits, working copies)."""
     weight_bytes: int
     """Bytes per parameter of the weights as PyTorch holds them (the ``params`` format)."""
     grad_bytes: int
@@ -85,28 +87,28 @@ def _precisions(*records: Precision) -> dict[str, Precision]:
 
 PRECISIONS: dict[str, Precision] = _precisions(
     Precision(name="fp32", autocast=None, params="fp32", compute="fp32", matmul="fp32",
-              weight_bytes=4, grad_bytes=4, master_bytes=0, grad_scaler=False, needs=None,
-              layers=_ALL),
+              compute_bytes=4, weight_bytes=4, grad_bytes=4, master_bytes=0,
+              grad_scaler=False, needs=None, layers=_ALL),
     # torch.autocast(bf16), fp32 parameters
     Precision(name="bf16-mixed", autocast="bf16", params="fp32", compute="bf16", matmul="bf16",
-              weight_bytes=4, grad_bytes=4, master_bytes=4, grad_scaler=False, needs="bf16",
-              layers=_ALL),
+              compute_bytes=2, weight_bytes=4, grad_bytes=4, master_bytes=4,
+              grad_scaler=False, needs="bf16", layers=_ALL),
     # torch.autocast(fp16), fp32 parameters, loss scaling
     Precision(name="fp16-mixed", autocast="fp16", params="fp32", compute="fp16", matmul="fp16",
-              weight_bytes=4, grad_bytes=4, master_bytes=4, grad_scaler=True, needs=None,
-              layers=_ALL),
+              compute_bytes=2, weight_bytes=4, grad_bytes=4, master_bytes=4,
+              grad_scaler=True, needs=None, layers=_ALL),
     # parameters and compute in bf16
     Precision(name="bf16", autocast=None, params="bf16", compute="bf16", matmul="bf16",
-              weight_bytes=2, grad_bytes=2, master_bytes=0, grad_scaler=False, needs="bf16",
-              layers=_ALL),
+              compute_bytes=2, weight_bytes=2, grad_bytes=2, master_bytes=0,
+              grad_scaler=False, needs="bf16", layers=_ALL),
     # pure fp16 (inference; training diverges unscaled)
     Precision(name="fp16", autocast=None, params="fp16", compute="fp16", matmul="fp16",
-              weight_bytes=2, grad_bytes=2, master_bytes=0, grad_scaler=False, needs=None,
-              layers=frozenset({"plan", "trace"})),
+              compute_bytes=2, weight_bytes=2, grad_bytes=2, master_bytes=0,
+              grad_scaler=False, needs=None, layers=frozenset({"plan", "trace"})),
     # torchao float8 training: fp8 matmuls under bf16 autocast, fp32 parameters
     Precision(name="fp8", autocast="bf16", params="fp32", compute="bf16", matmul="fp8",
-              weight_bytes=4, grad_bytes=4, master_bytes=4, grad_scaler=False, needs="fp8",
-              layers=frozenset({"plan", "apply"})),
+              compute_bytes=2, weight_bytes=4, grad_bytes=4, master_bytes=4,
+              grad_scaler=False, needs="fp8", layers=frozenset({"plan", "apply"})),
 )
 """Precision name -> its :class:`Precision`, in memfit's order (fit searches in this order)."""
 
