@@ -112,6 +112,20 @@ def test_the_analytic_run_reads_the_record() -> None:
     assert RunConfig(precision="fp16").compute_format == "fp16"
 
 
+@pytest.mark.parametrize(("extra", "says"), [
+    ((), "--method trace does not model --precision fp8 yet"),
+    (("--gpus", "2", "--zero", "3"), "--method trace over 2 GPUs: --precision fp8 is not traced"),
+])
+def test_a_precision_the_trace_does_not_take_is_refused_by_plan_method_trace(
+        capsys: pytest.CaptureFixture[str], extra: tuple[str, ...], says: str) -> None:
+    from memfit.cli import main
+
+    code = main(["plan", "gpt2", "--method", "trace", "--precision", "fp8", "--gpu",
+                 "h100-sxm-80gb", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "Traceback" not in err
+
+
 # --------------------------------------------------------------------------------------------
 # No second table
 
