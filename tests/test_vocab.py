@@ -24,7 +24,8 @@ def test_each_layer_takes_what_its_code_handles() -> None:
     assert set(vocab.names("precision", "plan")) == set(get_args(plan_config.Precision))
     assert set(vocab.names("optimizer", "plan")) == set(get_args(plan_config.Optimizer))
     assert set(vocab.names("checkpointing", "plan")) == set(get_args(plan_config.Checkpointing))
-    assert set(engine.PRECISIONS) == set(engine._DTYPES)
+    # the engine's dtypes per precision (checked by value in tests/test_vocab_precision.py)
+    assert set(engine.PRECISIONS) == set(vocab.names("precision", "trace"))
     for name in vocab.names("optimizer", "trace"):
         assert callable(_named(name, None))
     apply_optimizers = set(_TORCH_CLASSES) | {"adamw-8bit", "adam-8bit"}

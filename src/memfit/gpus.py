@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from memfit import vocab
 from memfit.errors import MemfitError, read_json_file, suggest
 
 __all__ = ["GpuSpec", "Link", "get_gpu", "list_gpus", "load_catalog", "user_gpu_file"]
@@ -111,16 +112,17 @@ class GpuSpec:
         key = precision.strip().lower().replace("_", "-")
         for suffix in ("-mixed", "-true"):
             key = key.removesuffix(suffix)
-        if key in ("fp32", "fp16"):
-            return True
-        if key == "bf16":
-            return self.bf16
-        if key == "fp8":
-            return self.fp8
         if key == "tf32":
             return self.tflops.get("tf32") is not None
-        raise MemfitError(f"unknown precision {precision!r}{suggest(key, PRECISIONS)}; "
-                          f"valid: {', '.join(PRECISIONS)}")
+        if key not in PRECISIONS:
+            raise MemfitError(f"unknown precision {precision!r}{suggest(key, PRECISIONS)}; "
+                              f"valid: {', '.join(PRECISIONS)}")
+        needs = vocab.precision(key).needs  # fp32 and fp16 need nothing
+        if needs == "bf16":
+            return self.bf16
+        if needs == "fp8":
+            return self.fp8
+        return True
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,7 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit import vocab
 from memfit._compat import torch_internals
+from memfit.dtypes import torch_dtype
 from memfit.errors import MemfitError
 
 Factory = Callable[[str], tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.Tensor]]]
@@ -365,7 +367,8 @@ def _techniques(model: nn.Module, config: Config) -> Callable[[Any], torch.optim
 
 def _steps(model: nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[[Any], torch.Tensor],
            opt: torch.optim.Optimizer, precision: str, device: str, steps: int) -> None:
-    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+    fmt = vocab.precision(precision).autocast
+    dtype = torch_dtype(fmt) if fmt else None
     for _ in range(steps):
         with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             out = model(*inputs)

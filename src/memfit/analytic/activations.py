@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memfit.analytic.config import RunConfig
+from memfit.dtypes import nbytes
 from memfit.models.spec import TransformerSpec
 
-FORMAT_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 MASK_BYTES = 1  # dropout masks are torch.bool
 LSE_BYTES = 4  # fused attention saves a fp32 logsumexp per query row and head
 INDEX_BYTES = 8  # token ids and labels are int64
@@ -426,7 +426,7 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     ``backward start``, ``forward start``, ``forward end``: see ``Activations.moment``); they
     only decide which moment is the peak (FSDP2 holds different buffers at each: planner.py:
     fsdp2_buffers). The last three are moments only such an engine has."""
-    e = FORMAT_BYTES[run.compute_format]
+    e = nbytes(1, run.compute_format)
     s, b, h = seq, run.batch, spec.hidden_size
     lora = run.mode in ("lora", "qlora")
     # Under autocast the residual stream stays fp32 (fp32 embeddings and residual adds); the
@@ -562,7 +562,7 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
 def inference_activations(spec: TransformerSpec, run: RunConfig, seq: int) -> Activations:
     """Prefill working set: nothing is saved for backward, so the peak is one block's transient
     tensors plus the logits of the last position (HF generate computes only those)."""
-    e = FORMAT_BYTES[run.compute_format]
+    e = nbytes(1, run.compute_format)
     s, b, h, tp = seq, run.batch, spec.hidden_size, run.parallel.tp
     residual = 2 * e * s * b * h  # residual stream + normed copy
     qkv = -(-e * s * b * (spec.q_dim + 2 * spec.kv_dim) // tp)

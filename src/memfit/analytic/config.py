@@ -140,7 +140,7 @@ class RunConfig:
         elif self.weight_quant != "none":
             raise MemfitError(f"--quant {self.weight_quant} is weight-only quantization for "
                               "--mode inference; to train on a 4-bit base use --mode qlora")
-        if self.mode == "qlora" and self.precision in ("fp32",):
+        if self.mode == "qlora" and self.compute_format == "fp32":
             raise MemfitError("qlora computes in 16-bit; use --precision bf16-mixed or "
                               "fp16-mixed")
         # Note: [options that do nothing] an option that cannot act in this mode is refused,
@@ -287,13 +287,12 @@ class RunConfig:
     @property
     def compute_format(self) -> str:
         """Number format of activations and 16-bit copies of the weights."""
-        return {"fp32": "fp32", "fp16-mixed": "fp16", "fp16": "fp16", "bf16-mixed": "bf16",
-                "bf16": "bf16", "fp8": "bf16"}[self.precision]
+        return vocab.precision(self.precision).compute
 
     @property
     def mixed(self) -> bool:
         """Mixed precision: 16-bit working weights + fp32 masters in the optimizer."""
-        return self.precision in ("fp16-mixed", "bf16-mixed", "fp8")
+        return vocab.precision(self.precision).mixed
 
 
 FLAT_LAYOUT = ("gpus", "zero", "tp", "pp", "sequence_parallel")

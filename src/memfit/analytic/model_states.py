@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from memfit import vocab
 from memfit.analytic.config import RunConfig
+from memfit.dtypes import nbytes
 from memfit.errors import MemfitError
 from memfit.models.hf_auto import HFModelSpec
 from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
@@ -42,8 +44,6 @@ NF4_BYTES_PER_PARAM = (Fraction(4) + Fraction(8, 64) + Fraction(32, 64 * 256)) /
 # int4 in groups of 128 with a 16-bit scale and zero point per group.
 INT8_BYTES_PER_PARAM = Fraction(1)
 INT4_BYTES_PER_PARAM = Fraction(1, 2) + Fraction(2 + 2, 128)
-
-FORMAT_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 def _ceil(x: Fraction | int) -> int:
@@ -185,16 +185,17 @@ class ModelStates:
 
 def _optimizer_states_per_param(run: RunConfig) -> Fraction:
     """Optimizer state bytes per trainable parameter, without the fp32 master copy."""
-    pure16 = run.precision in ("bf16", "fp16")
     if run.optimizer == "adamw-8bit":
         return STATES_PER_PARAM["adamw-8bit"] * BNB_8BIT_BYTES_PER_STATE
-    return Fraction(STATES_PER_PARAM[run.optimizer] * (2 if pure16 else 4))
+    # torch optimizers keep their states in the parameters' dtype (16-bit for pure bf16/fp16)
+    state_bytes = vocab.precision(run.precision).weight_bytes
+    return Fraction(STATES_PER_PARAM[run.optimizer] * state_bytes)
 
 
 def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelStates:
     """Weights, gradients and optimizer states on one GPU of pipeline stage ``stage``."""
     split = split_params(model, run, stage=stage)
-    compute_bytes = FORMAT_BYTES[run.compute_format]
+    compute_bytes = nbytes(1, run.compute_format)
     notes: list[str] = []
     frozen = split.total - split.trainable if run.mode in ("lora", "qlora") else 0
     frozen_linear = split.linear if run.mode in ("lora", "qlora") else 0
@@ -218,20 +219,21 @@ def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelSt
 
     # --- gradients and optimizer states of the trainable parameters
     layout = run.layout
-    master = 4 if run.mixed else 0
+    prec = vocab.precision(run.precision)
+    master = prec.master_bytes
     if layout in ("fsdp2", "ddp"):
         # PyTorch keeps the trainable parameters in fp32 under mixed precision (autocast or
         # MixedPrecisionPolicy): they are the optimizer's master copy; gradients match them.
-        param_bytes = 4 if run.mixed else compute_bytes
-        weights += split.trainable * (param_bytes - compute_bytes)
-        gradients = split.trainable * param_bytes
+        weights += split.trainable * (prec.weight_bytes - compute_bytes)
+        gradients = split.trainable * prec.grad_bytes
         master = 0
     elif layout == "megatron":
         # fp32 main-grad buffer for bf16 (and fp32); fp16 keeps fp16 model gradients and the
         # optimizer an fp32 main-grad copy (Note: [engine layouts])
-        grad_bytes = {"bf16-mixed": 4, "fp8": 4, "fp32": 4}.get(run.precision, compute_bytes)
+        fp16_grads = prec.mixed and prec.compute == "fp16"
+        grad_bytes = compute_bytes if fp16_grads or not prec.mixed else 4
         gradients = split.trainable * grad_bytes
-        if run.precision == "fp16-mixed":
+        if fp16_grads:
             master += 4  # the fp32 main gradients live with the optimizer
     else:
         gradients = split.trainable * compute_bytes

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
+from memfit import vocab
 from memfit.analytic.activations import inference_activations, training_activations
 from memfit.analytic.config import RunConfig
 from memfit.analytic.kv_cache import kv_cache_bytes
@@ -24,6 +25,7 @@ from memfit.analytic.table import (
     suggestion_rows,
 )
 from memfit.categories import MemoryCategory, empty_breakdown
+from memfit.dtypes import nbytes
 from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
@@ -247,17 +249,17 @@ def default_precision(gpu: GpuSpec | None, mode: str) -> str:
 def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> None:
     """Conflicting options, caught up front with the way around."""
     if gpu is not None:
-        if run.precision in ("bf16", "bf16-mixed") and not gpu.bf16:
+        if vocab.precision(run.precision).needs == "bf16" and not gpu.bf16:
             raise MemfitError(
                 f"{gpu.label} has no bf16 support (compute capability "
                 f"{gpu.compute_capability}); use --precision fp16-mixed (fp16 for inference), "
                 "or leave --precision out for the best this GPU supports")
-        needs_fp8 = run.precision == "fp8" or run.kv_cache_dtype == "fp8"
+        needs_fp8 = vocab.precision(run.precision).needs == "fp8" or run.kv_cache_dtype == "fp8"
         if needs_fp8 and not gpu.fp8:
             raise MemfitError(
                 f"{gpu.label} has no fp8 support; use bf16-mixed (or an fp8 GPU such as "
                 "h100-sxm-80gb, h200, l40s, l4, rtx-4090)")
-    elif run.precision == "fp8":
+    elif vocab.precision(run.precision).needs == "fp8":
         raise MemfitError("fp8 needs a GPU that supports it: add --gpu (e.g. --gpu h100-80gb)")
     if isinstance(model, TransformerSpec):
         tp, pp = run.parallel.tp, run.parallel.pp
@@ -333,7 +335,7 @@ def optimizer_step_temporaries(model: ModelSpec, run: RunConfig, stage: int) -> 
     trainable = split_params(model, run, stage=stage).trainable
     if run.zero >= 1:
         trainable = -(-trainable // run.parallel.dp)
-    state_bytes = 2 if run.precision in ("bf16", "fp16") else 4
+    state_bytes = vocab.precision(run.precision).weight_bytes  # states in the parameters' dtype
     return STEP_TEMPORARIES_PER_PARAM[run.optimizer] * state_bytes * trainable
 
 
@@ -408,8 +410,8 @@ def fsdp2_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, dic
       previous group is the root: root twice and block twice; later a block: root and three
       blocks. With LoRA's small activations these are the step's peak."""
     split = split_params(model, run, stage=stage)
-    cb = 2 if run.compute_format != "fp32" else 4
-    reduce = 4 if run.mixed else cb
+    cb = nbytes(1, run.compute_format)
+    reduce = vocab.precision(run.precision).grad_bytes
     trained = Fraction(split.trainable, split.total) if split.total else Fraction(1)
     root, block = fsdp_root_params(model, run), split.largest_layer
     if not isinstance(model, TransformerSpec):  # only the parameter count: the old bound
@@ -442,8 +444,8 @@ def _fsdp2_backward_end(model: ModelSpec, run: RunConfig, all_gradients: int
     if (run.layout != "fsdp2" or not run.training or run.mode != "train"
             or not isinstance(model, TransformerSpec) or not model.param_count()):
         return None
-    cb = 2 if run.compute_format != "fp32" else 4
-    reduce = 4 if run.mixed else cb
+    cb = nbytes(1, run.compute_format)
+    reduce = vocab.precision(run.precision).grad_bytes
     root = fsdp_root_params(model, run)
     blocks_sharded = all_gradients - all_gradients * root * run.parallel.tp // model.param_count()
     # Just before: the input embedding's backward (the root's last op), with the root still
@@ -468,7 +470,7 @@ def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, in
     if not run.training or run.layout == "zero-paper":
         return {}
     split = split_params(model, run, stage=stage)
-    cb = 2 if run.compute_format != "fp32" else 4
+    cb = nbytes(1, run.compute_format)
     out: dict[str, int] = {}
     layout, dp = run.layout, run.parallel.dp
     if layout == "fsdp2":
@@ -479,7 +481,7 @@ def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, in
         # DDP copies gradients into its buckets unless gradient_as_bucket_view=True
         # (torch.nn.parallel.DistributedDataParallel docs: the saving "will be equal to the total
         # gradients size")
-        out["DDP gradient buckets"] = split.trainable * (4 if run.mixed else cb)
+        out["DDP gradient buckets"] = split.trainable * vocab.precision(run.precision).grad_bytes
     elif layout == "deepspeed":
         if run.zero >= 1:
             # stage_1_and_2.py: setup_buckets / stage3.py: _setup_for_real_optimizer allocate
@@ -521,7 +523,7 @@ def nvme_host_buffers(model: ModelSpec, run: RunConfig, stage: int) -> int:
     """Pinned host buffers ZeRO-Infinity swaps NVMe through (offload_config.py defaults)."""
     if run.offload_to != "nvme":
         return 0
-    cb = 2 if run.compute_format != "fp32" else 4
+    cb = nbytes(1, run.compute_format)
     total = 0
     if run.offload_params:
         total += DS_PARAM_SWAP_BUFFERS * cb
@@ -570,7 +572,7 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
         temporaries = acts.temporaries
         if run.training and run.layout == "zero-paper":
             split = split_params(model, run, stage=stage)
-            compute_bytes = 2 if run.compute_format != "fp32" else 4
+            compute_bytes = nbytes(1, run.compute_format)
             if run.zero == 3:
                 # FSDP/ZeRO-3: the current block is all-gathered and the next one prefetched;
                 # its full gradient exists before the reduce-scatter.

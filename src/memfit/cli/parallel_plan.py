@@ -73,10 +73,10 @@ def formulas_reason(model: ModelSpec, run: RunConfig, ep: int = 1) -> str | None
         return "--offload-optimizer over several GPUs is not traced yet"
     if run.weight_quant != "none" or run.kv_cache_dtype is not None or run.new_tokens:
         return "--quant / --kv-cache-dtype / --new-tokens are not traced yet"
-    if run.precision == "fp8":
-        return "--precision fp8 is not traced yet"
     from memfit import vocab
 
+    if "trace" not in vocab.precision(run.precision).layers:
+        return f"--precision {run.precision} is not traced yet"
     try:
         vocab.check("checkpointing", run.checkpointing, "trace", what="checkpointing policy")
     except MemfitError:

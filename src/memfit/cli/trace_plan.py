@@ -9,6 +9,7 @@ import os
 import warnings
 from typing import Any
 
+from memfit import vocab
 from memfit.analytic.config import RunConfig
 from memfit.analytic.planner import (
     FITS_MARGIN,
@@ -59,8 +60,8 @@ def _check_traceable(model: ModelSpec, run: RunConfig) -> TransformerSpec | HFMo
         unsupported.append("--offload-params")
     if run.weight_quant != "none" or run.kv_cache_dtype is not None or run.new_tokens:
         unsupported.append("--quant / --kv-cache-dtype / --new-tokens")
-    if run.precision == "fp8":
-        unsupported.append("--precision fp8")
+    if "trace" not in vocab.precision(run.precision).layers:
+        unsupported.append(f"--precision {run.precision}")
     if unsupported:
         raise MemfitError(f"--method trace does not model {', '.join(unsupported)} yet; use the "
                           "default analytic method for these")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit import vocab
 from memfit._loss import LossFn, check_loss_fn, check_reduction, model_loss
 from memfit._tensors import call_model
 from memfit.errors import MemfitError
@@ -105,9 +106,9 @@ def _pipeline_refusal(config: FitConfig) -> str | None:
     par = config.parallel
     assert par is not None
     n = config.accumulation
-    if config.precision == "fp16-mixed":
-        return "fp16-mixed under a pipeline: GradScaler's skipped steps would differ between " \
-               "stages; use bf16-mixed"
+    if vocab.precision(config.precision).grad_scaler:
+        return (f"{config.precision} under a pipeline: GradScaler's skipped steps would differ "
+                "between stages; use bf16-mixed")
     if config.chunked_loss:
         return "the chunked loss under a pipeline: the last stage computes the decoder's loss"
     if par.pp_schedule != "gpipe" and n < par.pp:

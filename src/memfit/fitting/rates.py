@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from memfit import vocab
+from memfit.dtypes import torch_dtype
 from memfit.errors import MemfitError, read_json_file, suggest
 from memfit.gpus import GpuSpec, get_gpu
 from memfit.units import parse_rate
@@ -59,7 +61,8 @@ INTER_NODE_GBPS = 50.0
 per GPU, as NVIDIA's DGX H100 / H200 nodes are built (NVIDIA DGX H100 User Guide, §1.2.3
 "Network Modules", Table 6: eight ConnectX-7 ports, one per GPU). The GPU catalog has no
 inter-node figure (a node's network is not the GPU's); facts.md has none either."""
-_TFLOPS_KEY = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16"}
+_TFLOPS_KEY = {p: vocab.precision(p).matmul for p in ("fp32", "bf16-mixed", "bf16", "fp16-mixed")}
+"""Precision -> the catalog's TFLOPS key: the format its matmuls run in."""
 
 CPU_PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 """The precisions a CPU target has a rate for (bf16 and bf16-mixed: the bf16 matmul)."""
@@ -230,7 +233,8 @@ def _measure_cpu() -> Rates:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     flops: dict[str, float] = {}
     runs: list[int] = []
-    for precision, dtype in (("fp32", torch.float32), ("bf16-mixed", torch.bfloat16)):
+    for precision in ("fp32", "bf16-mixed"):
+        dtype = torch_dtype(vocab.precision(precision).matmul)
         a = torch.randn(n, n, dtype=dtype)
         b = torch.randn(n, n, dtype=dtype)
         for _ in range(2):

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from memfit import vocab
 from memfit._loss import LossFn, check_loss_fn, check_reduction, model_loss
 from memfit._tensors import meta_batch, tensor_leaves
 from memfit.categories import MemoryCategory
@@ -456,7 +457,7 @@ class _Search:
         shape = self.shape
         if shape is None:
             return {}
-        element = 4 if precision == "fp32" else 2
+        element = vocab.precision(precision).compute_bytes
         tokens = m * (shape.seq or 0)
         out: dict[str, Any] = {"logits_bytes": self.logits_bytes(m, element), "tokens": tokens}
         if par.ep > 1 and shape.experts and shape.hidden:
@@ -502,7 +503,7 @@ class _Search:
         shape = self.shape
         if shape is None or not shape.seq or not shape.hidden:
             return 0
-        return m * shape.seq * shape.hidden * (4 if precision == "fp32" else 2)
+        return m * shape.seq * shape.hidden * vocab.precision(precision).compute_bytes
 
     def cost(self, *, precision: str, micro_flops: float, m: int, traffic: int, offloaded: int,
              ops: int, weights: int, grads: int, states: int, off_s: bool, off_a: bool,

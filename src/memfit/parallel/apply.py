@@ -13,10 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.dtypes import torch_dtype
 from memfit.errors import MemfitError
 from memfit.parallel.config import Parallel
-
-_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def device_mesh(parallel: Parallel, device_type: str) -> Any:
@@ -46,8 +45,8 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
                               "reshard_after_forward": bool(parallel.reshard_after_forward)}
     if parallel.param_dtype or parallel.reduce_dtype:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=_DTYPE.get(parallel.param_dtype or ""),
-            reduce_dtype=_DTYPE.get(parallel.reduce_dtype or ""))
+            param_dtype=torch_dtype(parallel.param_dtype) if parallel.param_dtype else None,
+            reduce_dtype=torch_dtype(parallel.reduce_dtype) if parallel.reduce_dtype else None)
     if parallel.cpu_offload:
         # Pinned host memory (torchtitan's CPUOffloadPolicy() default) needs an accelerator:
         # on a CPU-only torch (the trace's fake ranks, the gloo ranks) the shards stay pageable,

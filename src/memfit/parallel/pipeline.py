@@ -37,8 +37,8 @@ import torch.distributed.pipelining  # Note: [importing pipelining outside the t
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.dtypes import torch_dtype
 from memfit.errors import MemfitError
-from memfit.parallel.apply import _DTYPE
 from memfit.parallel.config import PP_SCHEDULES, Parallel
 from memfit.parallel.trace import RankRole, host_step, offloaded
 
@@ -468,7 +468,7 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
         # the hidden states' dtype: FSDP2's compute dtype, else the parameters' (an fp32 model
         # under autocast keeps an fp32 residual stream: embedding + residual adds)
         width = module.hidden_size
-        dtype = (_DTYPE[parallel.param_dtype] if parallel.param_dtype else
+        dtype = (torch_dtype(parallel.param_dtype) if parallel.param_dtype else
                  next(p.dtype for p in module.parameters() if p.is_floating_point()))
         with torch.device("meta"):
             ids = torch.zeros(micro, seq, dtype=torch.long)

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from memfit import vocab
+from memfit.dtypes import torch_dtype
 from memfit.errors import MemfitError
 
 __all__ = ["PRECISIONS", "MasterWeights", "MixedPrecision", "apply_precision"]
@@ -44,8 +45,6 @@ __all__ = ["PRECISIONS", "MasterWeights", "MixedPrecision", "apply_precision"]
 log = logging.getLogger("memfit")
 
 PRECISIONS = vocab.names("precision", "apply")
-_AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16,
-                   "fp8": torch.bfloat16}
 FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor-core matmuls (torch._scaled_mm): Ada and newer
 
 
@@ -144,7 +143,8 @@ class MixedPrecision:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return _AUTOCAST_DTYPE.get(self.precision)
+        fmt = vocab.precision(self.precision).autocast
+        return torch_dtype(fmt) if fmt else None
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -238,20 +238,21 @@ def apply_precision(model: nn.Module, precision: str = "bf16-mixed", *,
     >>> opt = mp.wrap_optimizer(torch.optim.AdamW(model.parameters()))
     """
     vocab.check("precision", precision, "apply")
-    if master_weights and precision != "bf16":
+    spec = vocab.precision(precision)
+    if master_weights and spec.params == "fp32":
         raise MemfitError(f"master_weights=True only applies to precision='bf16' (the "
                           f"parameters of {precision!r} are already fp32)")
     device = _device_type(model, device_type)
-    if device == "cuda" and precision in ("bf16-mixed", "bf16") and torch.cuda.is_available() \
+    if device == "cuda" and spec.needs == "bf16" and torch.cuda.is_available() \
             and not torch.cuda.is_bf16_supported():
         raise MemfitError(f"{precision} needs a GPU with bf16 (compute capability 8.0, "
                           "Ampere or newer); use precision='fp16-mixed' on V100/T4")
     scaler = None
-    if precision == "fp16-mixed":
+    if spec.grad_scaler:
         scaler = torch.amp.GradScaler(device, init_scale=init_scale)
-    elif precision == "bf16":
-        model.to(torch.bfloat16)
-    elif precision == "fp8":
+    elif spec.params != "fp32":
+        model.to(torch_dtype(spec.params))
+    elif spec.matmul == "fp8":  # torchao float8 linears
         convert = _check_fp8(device)
         convert(model, module_filter_fn=_fp8_filter)
     log.info("memfit: precision %s%s", precision,

@@ -34,6 +34,7 @@ from memfit._compat import torch_internals, transformers_internals
 from memfit._loss import LossFn, check_loss_fn, model_loss
 from memfit._tensors import call_model, tensor_leaves
 from memfit.categories import MemoryCategory
+from memfit.dtypes import torch_dtype
 from memfit.errors import MemfitError, suggest
 from memfit.gpus import GpuSpec
 from memfit.ledger import replay
@@ -51,15 +52,17 @@ from memfit.trace.replay import disabled as replay_disabled
 from memfit.trace.sdpa import CudaSdpaRouting
 from memfit.trace.tracker import Tracker, TrackingFakeMode
 
-# precision -> (autocast dtype, parameter dtype); "-mixed": autocast with fp32 parameters.
-_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
-    "fp32": (None, None),
-    "bf16-mixed": (torch.bfloat16, None),
-    "fp16-mixed": (torch.float16, None),
-    "bf16": (None, torch.bfloat16),
-    "fp16": (None, torch.float16),
-}
-PRECISIONS = {name: _DTYPES[name] for name in vocab.names("precision", "trace")}
+
+def _dtypes(p: vocab.Precision) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(autocast dtype, dtype the model is cast to) of ``p``; None: no autocast, and the model
+    as given for fp32 parameters ("-mixed" is autocast over fp32 parameters)."""
+    return (torch_dtype(p.autocast) if p.autocast else None,
+            None if p.params == "fp32" else torch_dtype(p.params))
+
+
+PRECISIONS = {name: _dtypes(vocab.precision(name)) for name in vocab.names("precision", "trace")}
+"""Precision name -> (autocast dtype, parameter dtype), from :class:`memfit.vocab.Precision`."""
+
 DEVICES = ("cuda", "cpu")
 _CUDA_BLOCK = 512  # the CUDA caching allocator rounds every request up to 512 bytes
 _DEFAULT_CC = (8, 0)  # SDPA routing when no GPU is named: an A100-class GPU
