@@ -172,7 +172,8 @@ def test_model_code_settings_are_gaps_in_every_target():
         assert gaps["chunked_loss"] is True, target
         assert gaps["attention"] == "sdpa", target
         assert gaps["checkpointing"] == "budget", target
-        reason = next(g.reason for g in export_plan(plan, target).gaps if g.setting == "checkpointing")
+        reason = next(g.reason for g in export_plan(plan, target).gaps
+                      if g.setting == "checkpointing")
         assert "2 full, 1 none" in reason
 
 

@@ -453,10 +453,10 @@ def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
     keeps only a stage's modules."""
     from memfit.parallel.apply import apply_optimizer
     from memfit.parallel.pipeline import (
-        _decoder_parts,
         apply_dp_stages,
         apply_tp_stages,
         check_pipeline,
+        decoder_parts,
         pipeline_mesh,
         stage_modules,
     )
@@ -464,7 +464,7 @@ def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
 
     _check_world(config)
     par = _pipeline_parallel(config, loss_fn, count_fn, reduction)
-    decoder, head = _decoder_parts(model)
+    decoder, head = decoder_parts(model)
     if head.weight is decoder.embed_tokens.weight:
         raise MemfitError("Plan.apply cannot run this pipeline plan: the model ties its head "
                           "to its embedding, which sit on the first and the last stage; untie "

@@ -85,7 +85,7 @@ def stage_layers(num_layers: int, num_stages: int) -> list[range]:
     return out
 
 
-def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(``model.model``, ``model.lm_head``) of memfit's builtin decoder or of a Hugging Face
     decoder ``hf_pipeline.HFStageModule`` splits, else a one-line error."""
     from memfit.models.build import DecoderLM
@@ -113,7 +113,7 @@ class StageModule(nn.Module):
     def __init__(self, model: nn.Module, layers: range, *, index: int, first: bool,
                  last: bool) -> None:
         super().__init__()
-        decoder, head = _decoder_parts(model)
+        decoder, head = decoder_parts(model)
         self.index, self.first, self.last = index, first, last
         self.hidden_size = int(decoder.embed_tokens.weight.shape[1])
         self.embed_tokens = decoder.embed_tokens if first else None
@@ -155,12 +155,12 @@ def num_microbatches(parallel: Parallel) -> int:
 
 def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> None:
     """One-line errors for a pipeline layout the model or batch cannot take."""
-    decoder, _ = _decoder_parts(model)
+    decoder, _ = decoder_parts(model)
     check_pipeline_dp(parallel)
     if parallel.tp > 1 and (parallel.sp or parallel.loss_parallel):
-        from memfit.parallel.apply import _sp_root
+        from memfit.parallel.apply import sp_root
 
-        _sp_root(model, parallel)  # the model checks of sequence parallelism
+        sp_root(model, parallel)  # the model checks of sequence parallelism
     stages = parallel.pp * stages_per_rank(parallel)
     layers = len(decoder.layers)
     if stages > layers:
@@ -216,7 +216,7 @@ def pp_rank(parallel: Parallel, rank: int) -> int:
 def stage_modules(model: nn.Module, parallel: Parallel, rank: int) -> list[StageModule]:
     """This rank's stages of ``model`` (its own submodules): stage ``pp_rank``, and for the
     interleaved schedule also ``pp_rank + pp`` (torchtitan's "loop" placement)."""
-    decoder, _ = _decoder_parts(model)
+    decoder, _ = decoder_parts(model)
     num_stages = parallel.pp * stages_per_rank(parallel)
     layers = stage_layers(len(decoder.layers), num_stages)
     first_index = pp_rank(parallel, rank)

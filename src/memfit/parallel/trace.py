@@ -34,6 +34,7 @@ from torch import nn
 
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
+from memfit.models.anatomy import model_shape
 from memfit.parallel.apply import apply_model, apply_optimizer
 from memfit.parallel.config import Parallel
 from memfit.trace.engine import check_request
@@ -225,7 +226,7 @@ def offload_copies(tracker: Any, parallel: Parallel) -> Iterator[None]:
                                kwargs: dict | None = None) -> Any:
             kwargs = kwargs or {}
             if (func in (torch.Tensor.to, torch.Tensor.cpu) and args
-                    and host._is_fake(args[0]) and tracker.host_depth == 0
+                    and host.is_fake(args[0]) and tracker.host_depth == 0
                     and to_cpu(func, args, kwargs)):
                 t = args[0]
                 if host.stands_for_device(t):  # device -> host (a gradient shard)
@@ -479,38 +480,13 @@ def _forget_dtensor_shardings() -> None:
         clear()
 
 
-def _count(model: nn.Module, config_names: tuple[str, ...], attr: str) -> int | None:
-    """A head count from the model's config, else from a module's own attribute (memfit's
-    builtin Attention: ``num_heads``, ``num_kv_heads``)."""
-    config = getattr(model, "config", None)
-    for name in config_names:
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return next((getattr(m, attr) for m in model.modules()
-                 if isinstance(getattr(m, attr, None), int)), None)
-
-
-def _model_shape(model: nn.Module) -> tuple[int | None, int | None, int | None]:
-    """(attention heads, KV heads, layers) of a model, where its config or structure says them."""
-    heads = _count(model, ("num_attention_heads", "n_head", "num_heads"), "num_heads")
-    kv_heads = _count(model, ("num_key_value_heads",), "num_kv_heads")
-    from memfit.models.anatomy import find_blocks
-
-    try:
-        layers: int | None = len(find_blocks(model)) or None
-    except MemfitError:
-        layers = None
-    return heads, kv_heads, layers
-
-
 def estimate_ranks(run: Callable[[RankRole], Any], model: nn.Module, parallel: Parallel) -> Any:
     """Trace each rank role with ``run(role)`` (an :func:`memfit.trace.estimate` of that rank)
     and return the estimate of the rank with the highest peak, carrying every role's estimate in
     ``per_rank``."""
     if not isinstance(parallel, Parallel):
         raise MemfitError(f"parallel must be a memfit.Parallel, not {type(parallel).__name__}")
-    heads, kv_heads, layers = _model_shape(model)
+    heads, kv_heads, layers = model_shape(model)
     parallel.check_model(heads=heads, kv_heads=kv_heads, layers=layers)
     if parallel.ep > 1:
         from memfit.parallel.expert import check_experts

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.categories import MemoryCategory
 from memfit.ledger import CATEGORIES, TimelinePoint
-from memfit.profiling.result import TRACKED, ProfileResult, downsample
 from memfit.profiling.report._assets import CATEGORY_COLORS, CSS, JS, PHASE_COLORS
+from memfit.profiling.result import TRACKED, ProfileResult, downsample
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
