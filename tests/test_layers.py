@@ -120,3 +120,26 @@ def test_the_private_name_scan_finds_both_forms(tmp_path: Path) -> None:
     assert private_names_across_packages(pkg) == [
         "memfit/b/up.py:1: from memfit.a.low import _hidden",
         "memfit/b/up.py:3: memfit.a.low._hidden"]
+
+
+def test_the_cli_contract_covers_every_other_module() -> None:
+    """"Only the CLI imports the CLI" names every top-level part of memfit but the CLI, so a new
+    module is covered the day it is added."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    contract = next(c for c in project["tool"]["importlinter"]["contracts"]
+                    if c.get("forbidden_modules") == ["memfit.cli"])
+    parts = {f"memfit.{p.stem if p.is_file() else p.name}" for p in SRC.iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    assert set(contract["source_modules"]) == parts - {"memfit.cli"}
+
+
+def test_the_replay_retry_exists_once() -> None:
+    """A trace whose replayed call was not replayable is redone by one function
+    (memfit.trace.replay.redo_without_replay); nothing else looks for a ReplayMismatch."""
+    catchers = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "isinstance" and "ReplayMismatch" in ast.unparse(node)):
+                catchers.append(str(path.relative_to(SRC)))
+    assert catchers == ["trace/replay.py"]

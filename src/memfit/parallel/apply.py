@@ -51,7 +51,7 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
     if parallel.cpu_offload:
         # Pinned host memory (torchtitan's CPUOffloadPolicy() default) needs an accelerator:
         # on a CPU-only torch (the trace's fake ranks, the gloo ranks) the shards stay pageable,
-        # which changes no byte (Note: [CPU offload in a trace] in memfit/parallel/trace.py).
+        # which changes no byte (Note: [CPU offload in a trace] in memfit/parallel/rank.py).
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if ignored_params:  # neither sharded nor reduced (expert parallelism's own experts)
         kwargs["ignored_params"] = ignored_params
