@@ -382,3 +382,84 @@ def test_has_dispatch_kernel_reads_the_dispatcher() -> None:
     assert ti.has_dispatch_kernel("aten::mm", "AutocastCUDA")
     assert not ti.has_dispatch_kernel("aten::add.Tensor", "AutocastCUDA")
     assert not ti.has_dispatch_kernel("aten::no_such_op_memfit", "AutocastCUDA")
+
+
+# -- the patches of a rank traced over a fake process group (memfit/parallel) -----------------
+
+def test_storage_resizes_are_reported_and_the_method_restored() -> None:
+    original = torch.UntypedStorage.resize_
+    st = torch.empty(4).untyped_storage()
+    seen: list[tuple[int, int]] = []
+    with ti.storage_resizes_reported(lambda s, size: seen.append((s.nbytes(), size))):
+        st.resize_(0)
+        st.resize_(32)
+    assert seen == [(0, 0), (32, 32)], (
+        "torch.UntypedStorage.resize_ no longer goes through the Python attribute memfit "
+        "replaces: FSDP2's all-gather frees would be invisible to the parallel trace")
+    assert torch.UntypedStorage.resize_ is original
+
+
+@pytest.fixture
+def fake_world_of_two():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    dist.init_process_group("fake", store=ti.fake_store(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_device_meshes_made_real_inside_a_fake_mode(fake_world_of_two) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+    with FakeTensorMode(), ti.device_meshes_made_real():
+        mesh = DeviceMesh("cpu", [0, 1])
+    assert not isinstance(mesh.mesh, FakeTensor), (
+        "DeviceMesh.__init__ made its rank map inside the fake mode: "
+        "device_meshes_made_real no longer reaches the mesh's constructor")
+    assert list(mesh.get_coordinate() or ()) == [0]
+    assert DeviceMesh.__init__ is original
+
+
+def test_p2p_works_hold_their_tensors(fake_world_of_two) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+    t = torch.ones(3)
+    with ti.p2p_works_hold_their_tensors():
+        works = schedules._batch_p2p([dist.P2POp(dist.isend, t, 1)])
+    assert works and all(any(x is t for x in w._tensors) for w in works), (
+        "torch.distributed.pipelining.schedules._batch_p2p's works no longer carry the sent "
+        "tensor: a schedule's send would free its activations early in the trace")
+    for w in works:
+        w.wait()
+    assert schedules._batch_p2p is original
+
+
+def test_autograd_backward_keeps_function_modes() -> None:
+    """A torch-function mode sees ``torch.autograd.backward`` itself (and runs it with the mode
+    popped); inside the context the call enters the engine with the mode still on top."""
+    seen: list[Any] = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    original = torch.autograd.backward
+    w = torch.ones(2, requires_grad=True)
+    with Record():
+        torch.autograd.backward((w * 2).sum())
+    assert torch.autograd.backward in seen  # the premise: the mode intercepts the call
+    seen.clear()
+    w.grad = None
+    with Record(), ti.autograd_backward_keeps_function_modes():
+        torch.autograd.backward((w * 3).sum())
+    assert torch.autograd.backward not in seen and torch.equal(w.grad, torch.full((2,), 3.0))
+    assert torch.autograd.backward is original

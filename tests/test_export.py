@@ -168,11 +168,12 @@ def test_model_code_settings_are_gaps_in_every_target():
                     checkpointing="budget", checkpoint_budget_bytes=2**30,
                     checkpoint_modes=("full", "full", None))
     for target in TARGETS:
-        gaps = {g.setting: g.value for g in plan.export(target).gaps}
+        gaps = {g.setting: g.value for g in export_plan(plan, target).gaps}
         assert gaps["chunked_loss"] is True, target
         assert gaps["attention"] == "sdpa", target
         assert gaps["checkpointing"] == "budget", target
-        reason = next(g.reason for g in plan.export(target).gaps if g.setting == "checkpointing")
+        reason = next(g.reason for g in export_plan(plan, target).gaps
+                      if g.setting == "checkpointing")
         assert "2 full, 1 none" in reason
 
 
@@ -284,7 +285,7 @@ def test_export_api_takes_plan_dict_settings_or_path(tmp_path):
     assert len(texts) == 1
     with pytest.raises(MemfitError, match="cannot export a int"):
         export_plan(3, "deepspeed")
-    written = plan.export("torchtune", tmp_path / "tt.yaml")
+    written = export_plan(plan, "torchtune", tmp_path / "tt.yaml")
     assert (tmp_path / "tt.yaml").read_text() == written.text
 
 

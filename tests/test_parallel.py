@@ -27,7 +27,8 @@ from torch import nn
 import memfit
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
-from memfit.parallel.trace import _zero1_partition, rank_roles
+from memfit.parallel.rank import zero1_partition
+from memfit.parallel.trace import rank_roles
 
 # -- the layout ---------------------------------------------------------------------------------
 
@@ -85,7 +86,7 @@ def test_zero1_partition_is_greedy_largest_first() -> None:
     """torch/distributed/optim/zero_redundancy_optimizer.py: _partition_parameters sorts by numel,
     largest first, and gives each to the rank with the fewest elements so far (the first such)."""
     # 100 -> r0; 60 -> r1; 50 -> r1 (60 < 100); 10 -> r0 (100 < 110)
-    assert _zero1_partition([10, 60, 100, 50], 2) == [(100, 10), (60, 50)]
+    assert zero1_partition([10, 60, 100, 50], 2) == [(100, 10), (60, 50)]
 
 
 def test_rank_roles_group_ranks_that_hold_the_same_shapes() -> None:

@@ -1,5 +1,5 @@
 """Pipeline stages beside data parallelism and loss parallelism (memfit/parallel/pipeline.py:
-check_pipeline_dp, replicate_stages, apply_dp_stages; memfit/parallel/trace.py: traced_ddp).
+check_pipeline_dp, replicate_stages, apply_dp_stages; memfit/parallel/rank.py: traced_ddp).
 
 The layouts are PyTorch's own: each stage's module wrapped in ``DistributedDataParallel`` over
 the stage's data-parallel group, which ``torch.distributed.pipelining`` drives itself

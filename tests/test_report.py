@@ -14,9 +14,9 @@ from torch import nn
 
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
+from memfit.profiling.report import embed_json, render_html, write_png
 from memfit.profiling.result import ProfileResult
 from memfit.profiling.session import profile
-from memfit.report import embed_json, render_html, write_png
 from memfit.units import format_bytes
 
 HOSTILE = "<script>alert(1)</script>"

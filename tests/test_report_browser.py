@@ -80,7 +80,7 @@ def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     result, est = _run()
     page = tmp_path / "report.html"
-    from memfit.report.html import write_html
+    from memfit.profiling.report.html import write_html
 
     write_html(page, result, estimate=est, title="memfit profile: 3-block MLP, AdamW, CPU")  # type: ignore[arg-type]
     url = page.as_uri()
@@ -95,7 +95,7 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert not [c for c in console if "Uncaught" in c or "Error" in c], console
     # The chart was drawn: one stacked area per category that holds bytes (an MLP has no KV
     # cache: none drawn), the peak line and its value.
-    from memfit.report.html import legend_categories
+    from memfit.profiling.report.html import legend_categories
 
     areas = re.findall(r'<path [^>]*data-category="([^"]+)"', html)
     assert areas == [c.value for c in legend_categories(result.timeline)]
@@ -124,7 +124,7 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
 
 
 def test_cuda_report_draws_allocated_and_reserved(tmp_path: Path) -> None:
-    from memfit.report.html import write_html
+    from memfit.profiling.report.html import write_html
     from test_report import cuda_like_result
 
     page = tmp_path / "cuda.html"

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
+from memfit.profiling.report.html import legend_categories, phase_spans, render_html
+from memfit.profiling.report.png import peak_marker_x, write_png
 from memfit.profiling.result import TRACKED, MeasuredPoint, ProfileResult
-from memfit.report.html import legend_categories, phase_spans, render_html
-from memfit.report.png import peak_marker_x, write_png
 from test_report import HOSTILE, _profiled
 
 

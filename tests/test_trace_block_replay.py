@@ -64,3 +64,40 @@ def test_skipping_dynamos_disable_wrapper_changes_no_field(
     assert asked["fast"] > 1000 and asked["wrapped"] > 1000
     assert fast == wrapped
 
+
+
+# -- the one retry (memfit.trace.replay.redo_without_replay) -----------------------------------
+
+def test_a_replay_mismatch_is_redone_once_without_replay() -> None:
+    from memfit.trace import replay
+
+    calls: list[bool] = []
+    dropped: list[bool] = []
+
+    def run() -> str:
+        calls.append(replay.enabled())
+        if len(calls) == 1:  # wrapped, as a pipeline schedule wraps a backward's error
+            try:
+                raise replay.ReplayMismatch("block 3's backward is not replayable")
+            except replay.ReplayMismatch as exc:
+                raise RuntimeError("stage backward failed") from exc
+        return "traced"
+
+    before = replay.counts["redone"]
+    assert replay.redo_without_replay(run, before=lambda: dropped.append(True)) == "traced"
+    assert calls == [replay.enabled(), False]  # the second run without replay
+    assert dropped == [True] and replay.counts["redone"] == before + 1
+
+
+def test_another_error_is_not_retried() -> None:
+    from memfit.trace import replay
+
+    calls = []
+
+    def run() -> None:
+        calls.append(1)
+        raise ValueError("a real error")
+
+    with pytest.raises(ValueError, match="a real error"):
+        replay.redo_without_replay(run)
+    assert calls == [1]

@@ -95,7 +95,7 @@ from memfit._guard_dist import ERROR, OK, OOM, RankAgreement, fsdp_ranks, global
 from memfit._loss import LossFn, check_loss_fn, check_reduction
 from memfit._tensors import meta_batch, tensor_leaves
 from memfit.errors import MemfitError
-from memfit.techniques.accumulation import _sync_gradients, count_tokens, split_batch
+from memfit.techniques.accumulation import count_tokens, split_batch, sync_gradients
 
 __all__ = ["BudgetWarning", "GuardedStep", "Recovery", "causal_lm_count", "guard"]
 
@@ -379,7 +379,7 @@ class GuardedStep:
                     raise MemfitError("the last micro-batch has no items to average over "
                                       "(all labels ignored?); use reduction='sum'")
                 continue
-            with _sync_gradients(self.model, sync=sync_last and last):
+            with sync_gradients(self.model, sync=sync_last and last):
                 loss = self.loss_fn(self.model, part)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise MemfitError(f"loss_fn must return a scalar tensor: the micro-batch's "

@@ -16,16 +16,36 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIONAL_NAMES", "PRIVATE_NAMES", "DisableTorchFunction", "allocator_settings_setter",
-           "called_by_autograd_engine", "clear_cublas_workspaces", "current_graph_task_id",
-           "ddp_ignore",
-           "dtensor_foreach_propagation_once_per_shape", "dtensor_meta_propagation_within",
-           "engine_run_backward", "fake_mode_active", "fake_op_errors_unlogged", "fake_op_rule",
-           "fake_store",
-           "flatten_dense_tensors",
-           "fsdp_chunks_on_demand", "has_dispatch_kernel",
-           "is_norm_layer", "queue_engine_callback", "reporting_get_rng_state",
-           "sdp_priority_order", "storage_use_count", "unflatten_dense_tensors"]
+__all__ = [
+    "OPTIONAL_NAMES",
+    "PRIVATE_NAMES",
+    "DisableTorchFunction",
+    "allocator_settings_setter",
+    "autograd_backward_keeps_function_modes",
+    "called_by_autograd_engine",
+    "clear_cublas_workspaces",
+    "current_graph_task_id",
+    "ddp_ignore",
+    "device_meshes_made_real",
+    "dtensor_foreach_propagation_once_per_shape",
+    "dtensor_meta_propagation_within",
+    "engine_run_backward",
+    "fake_mode_active",
+    "fake_op_errors_unlogged",
+    "fake_op_rule",
+    "fake_store",
+    "flatten_dense_tensors",
+    "fsdp_chunks_on_demand",
+    "has_dispatch_kernel",
+    "is_norm_layer",
+    "p2p_works_hold_their_tensors",
+    "queue_engine_callback",
+    "reporting_get_rng_state",
+    "sdp_priority_order",
+    "storage_resizes_reported",
+    "storage_use_count",
+    "unflatten_dense_tensors",
+]
 
 # -- the frame walk ------------------------------------------------------------------------------
 
@@ -427,6 +447,156 @@ def fsdp_chunks_on_demand() -> Iterator[None]:
         yield
     finally:
         _fsdp_param._chunk_with_empty = original
+
+
+# -- distributed: a rank traced over a fake process group (memfit/parallel) ---------------------
+
+
+@contextlib.contextmanager
+def storage_resizes_reported(on_resize: Callable[[torch.UntypedStorage, int], None]
+                             ) -> Iterator[None]:
+    """Inside the block, ``torch.UntypedStorage.resize_`` also calls ``on_resize(storage,
+    size)`` after it resized; torch's own method again on exit.
+
+    FSDP2 frees and re-allocates its all-gather outputs with ``UntypedStorage.resize_``
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``: ``free_storage``,
+    ``alloc_storage``), which no dispatch mode sees; PyTorch's own ``FSDPMemTracker`` patches
+    the same method for the same reason (``torch/distributed/_tools/mem_tracker.py:
+    MemTracker._track_resize``, torch 2.13.0)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(st: torch.UntypedStorage, size: int) -> Any:
+        out = original(st, size)
+        on_resize(st, int(size))
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def device_meshes_made_real() -> Iterator[None]:
+    """Inside the block, a ``DeviceMesh`` is constructed outside the fake mode; restored after.
+
+    Note: [FSDP2 over tensor parallelism in a trace] ``fully_shard`` over DTensor parameters
+    builds each parameter's 2-D ``(dp, tp)`` mesh while it shards (``torch/distributed/fsdp/
+    _fully_shard/_fsdp_param.py: FSDPParam._init_sharding_spec_tp`` -> ``DeviceMesh.
+    _concatenate``), and a mesh finds its own coordinates with ``(mesh == rank).nonzero()``
+    on its rank map (``device_mesh.py: DeviceMesh._compute_coordinates_from_mesh``), a real
+    CPU tensor that a fake mode would turn into a fake one of unknown size. A mesh holds no
+    device memory."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original  # type: ignore[method-assign]
+
+
+class _HeldWork:
+    """A point-to-point work that keeps the tensors it was given, as a real backend's does."""
+
+    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
+        self._work, self._tensors = work, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def p2p_works_hold_their_tensors() -> Iterator[None]:
+    """Inside the block, the schedule's P2P works keep their tensors alive as long as the
+    schedule keeps the works; the schedules module's own ``_batch_p2p`` again on exit.
+
+    Note: [a P2P work keeps its tensor] A backend's send or receive work holds the tensor it
+    was given for as long as the work object lives: gloo's ``SendWork`` / ``RecvWork`` keep it
+    as a member (``torch/csrc/distributed/c10d/ProcessGroupGloo.hpp``: ``at::Tensor
+    tensor_``), NCCL's work keeps it as its outputs (``ProcessGroupNCCL.cpp:
+    ProcessGroupNCCL::pointToPoint``: "we still create these outputs [for send] for use cases
+    such as profiling", ``work->outputs_``). A schedule keeps its last send works in a local
+    variable until it waits on the next ones, or to the end of the step: 1F1B's first stage
+    keeps the send of its first micro-batch's activations through the whole steady state
+    (``schedules.py: Schedule1F1B._step_microbatches``: ``send_work`` is only reassigned from
+    the backward sends, and the first stage has none), one micro-batch's output past its
+    backward (measured on gloo: +32,768 bytes, one 2x64x64 fp32 activation, on stage 0 of 2
+    with 4 micro-batches). A fake process group's ``FakeWork`` keeps nothing, so each work the
+    schedule gets here carries its tensors."""
+    from torch.distributed.pipelining import schedules
+
+    batch_p2p = schedules._batch_p2p
+
+    def held(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+        works = batch_p2p(p2p_ops, desc=desc)
+        if len(works) == len(p2p_ops):
+            return [_HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops, strict=True)]
+        return [_HeldWork(w, [op.tensor for op in p2p_ops]) for w in works]  # coalesced
+
+    schedules._batch_p2p = held  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch_p2p  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def autograd_backward_keeps_function_modes() -> Iterator[None]:
+    """Inside the block, ``torch.autograd.backward`` enters autograd's engine directly, while the
+    trace's torch-function modes (the CUDA SDPA routing, the CUDA autocast emulation) stay
+    active; torch's own function again on exit.
+
+    Note: [the stage's backward under the trace's modes] A stage's backward is
+    ``torch.autograd.backward(stage_output_tensors, grad_tensors=output_grad_tensors)``
+    (``torch/distributed/pipelining/_backward.py: stage_backward``, called by ``stage.py:
+    backward_maybe_with_nosync`` for ``backward_one_chunk(full_backward=True)``, which every
+    schedule here uses). ``torch.autograd.backward`` is a torch function
+    (``torch/autograd/__init__.py: backward``: ``handle_torch_function``), so a torch-function
+    mode handles it with the mode popped (``torch/overrides.py: handle_torch_function``), and a
+    block that activation checkpointing recomputes inside it would run without the trace's CUDA
+    routing: CPU attention kernels and no autocast where the forward had CUDA's, so
+    ``torch/utils/checkpoint.py: _checkpoint_hook`` / ``_CachingTorchDispatchMode`` reject the
+    recompute ("A different number of tensors was saved", or an op "not found in storage"
+    under selective checkpointing). A trace artifact: on a real GPU there is no such mode. As
+    the single-device step does (``memfit/trace/engine.py: _backward``), the engine is entered
+    without the torch-function dispatch; the implicit gradient of a scalar output is
+    ``torch.ones_like(out, memory_format=torch.preserve_format)`` as in ``torch/autograd/
+    __init__.py: _make_grads``. Calls with other arguments go to torch's own function."""
+    original = torch.autograd.backward
+
+    def backward(tensors: Any, grad_tensors: Any = None, retain_graph: Any = None,
+                 create_graph: bool = False, grad_variables: Any = None,
+                 inputs: Any = None) -> None:
+        outs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        grads = ((grad_tensors,) if isinstance(grad_tensors, torch.Tensor) or grad_tensors is None
+                 else tuple(grad_tensors))
+        if (retain_graph or create_graph or grad_variables is not None or inputs is not None
+                or len(grads) != len(outs)
+                or any(g is None and (o.numel() != 1 or not o.is_floating_point())
+                       for o, g in zip(outs, grads, strict=True))):
+            return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables,
+                            inputs)
+        grads = tuple(torch.ones_like(o, memory_format=torch.preserve_format) if g is None
+                      else g for o, g in zip(outs, grads, strict=True))
+        engine_run_backward(outs, grads)
+
+    torch.autograd.backward = backward  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
 
 
 # -- calls ---------------------------------------------------------------------------------------

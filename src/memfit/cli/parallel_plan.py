@@ -126,11 +126,11 @@ def _hf_splits(model: Any) -> bool:
     pipeline and sequence-parallel traces split (``hf_pipeline.HF_DECODERS``)."""
     if not isinstance(model, TransformerSpec) or model.arch != "decoder":
         return False
-    from memfit.models.build import _transformers_available
+    from memfit.models.build import transformers_available
     from memfit.parallel.hf_pipeline import HF_DECODERS
 
     return (model.family in HF_DECODERS and not getattr(model, "num_experts", 0)
-            and _transformers_available())
+            and transformers_available())
 
 
 def pipeline_microbatches(run: RunConfig, microbatches: int | None) -> int | None:
@@ -391,9 +391,9 @@ def _role_stages(est: Any, parallel: Any) -> list[int]:
 
 
 def _role_label(est: Any, parallel: Any = None) -> str:
-    from memfit.trace.estimate import _ranks_text
+    from memfit.trace.estimate import ranks_text
 
-    label = _ranks_text(est.ranks) if est.ranks else "0"
+    label = ranks_text(est.ranks) if est.ranks else "0"
     stages = _role_stages(est, parallel)
     if stages:
         return f"{label} (stage{'s' if len(stages) > 1 else ''} " + \
@@ -418,9 +418,9 @@ def _backend_name(model: ModelSpec, backend: str) -> str:
     """The builder that made the traced model: ``builtin`` or ``transformers``."""
     if backend != "auto":
         return backend
-    from memfit.models.build import _transformers_available
+    from memfit.models.build import transformers_available
 
-    return ("transformers" if isinstance(model, HFModelSpec) or _transformers_available()
+    return ("transformers" if isinstance(model, HFModelSpec) or transformers_available()
             else "builtin")
 
 

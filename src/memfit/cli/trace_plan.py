@@ -155,12 +155,13 @@ def _apply_adapters(model: Any, run: RunConfig, *, covered: bool = True) -> None
                 "use --mode lora")
     model.to(torch.bfloat16)
     if run.mode == "qlora":
-        from memfit.techniques.peft import NF4Linear, _replace
+        from memfit.models.anatomy import replace_module
+        from memfit.techniques.peft import NF4Linear
 
         for name, mod in list(model.named_modules()):
             if (type(mod) is nn.Linear and name.rsplit(".", 1)[-1] not in targets
                     and not name.endswith("lm_head")):
-                _replace(model, name, NF4Linear(mod))
+                replace_module(model, name, NF4Linear(mod))
         apply_qlora(model, rank=run.lora_rank, targets=targets, quant_backend="torchao")
     else:
         apply_lora(model, rank=run.lora_rank, targets=targets, backend="builtin")

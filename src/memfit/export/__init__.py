@@ -1,7 +1,7 @@
 """Write a plan as the config file each training tool reads.
 
 >>> plan = memfit.fit(model, batch, global_batch=64, gpu="a100-80gb")
->>> out = plan.export("deepspeed", "ds_config.json")
+>>> out = memfit.export.export_plan(plan, "deepspeed", "ds_config.json")
 >>> for gap in out.gaps:                # what the DeepSpeed config could not carry
 ...     print(gap.setting, gap.value, gap.reason)
 

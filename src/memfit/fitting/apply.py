@@ -194,8 +194,8 @@ def apply_layout(model: nn.Module, config: FitConfig) -> nn.Module:
             f"Plan.apply cannot run {par.describe()} yet: it runs the data-parallel family "
             "(DDP, ZeRO-1, FSDP2, HSDP), tensor parallelism, tp x FSDP / HSDP, ep without tp "
             "(memfit.parallel.apply.apply_model) and pipelines alone, with tp and with DDP, "
-            "ZeRO-1 or FSDP2 (apply_pipeline); export the plan (plan.export('torchtitan')) "
-            "or choose one of these layouts") from None
+            "ZeRO-1 or FSDP2 (apply_pipeline); export the plan (memfit export plan.json "
+            "--to torchtitan) or choose one of these layouts") from None
 
 
 def expert_gradients_as_dense(model: nn.Module, parallel: Any,
@@ -454,10 +454,10 @@ def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
     keeps only a stage's modules."""
     from memfit.parallel.apply import apply_optimizer
     from memfit.parallel.pipeline import (
-        _decoder_parts,
         apply_dp_stages,
         apply_tp_stages,
         check_pipeline,
+        decoder_parts,
         pipeline_mesh,
         stage_modules,
     )
@@ -465,7 +465,7 @@ def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
 
     _check_world(config)
     par = _pipeline_parallel(config, loss_fn, count_fn, reduction)
-    decoder, head = _decoder_parts(model)
+    decoder, head = decoder_parts(model)
     if head.weight is decoder.embed_tokens.weight:
         raise MemfitError("Plan.apply cannot run this pipeline plan: the model ties its head "
                           "to its embedding, which sit on the first and the last stage; untie "

@@ -64,7 +64,7 @@ class ModelShape:
     decoders with an untied head)."""
     sp_splittable: bool = False
     """Whether :func:`memfit.parallel.apply.tp_plan` runs sequence and loss parallelism on the
-    model (``_sp_root``: memfit's builtin decoders, untied, rotary, dense MLPs)."""
+    model (``sp_root``: memfit's builtin decoders, untied, rotary, dense MLPs)."""
     vocab: int | None = None
     """The head's output features (the logits' last dimension)."""
     experts: tuple[int, ...] = ()
@@ -142,14 +142,13 @@ def _count(model: nn.Module, names: tuple[str, ...]) -> int | None:
 
 def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
     """The model's shape for the layout formulas, or None when it has no repeated blocks."""
-    from memfit.models.anatomy import find_blocks
-    from memfit.parallel.trace import _model_shape
+    from memfit.models.anatomy import find_blocks, model_shape
 
     try:
         blocks = find_blocks(base)
     except MemfitError:
         return None
-    heads, kv_heads, _ = _model_shape(base)
+    heads, kv_heads, _ = model_shape(base)
     seen: set[int] = set()
     block_numels = []
     splittable = True
@@ -203,11 +202,11 @@ _EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "
 
 def _sp_splittable(base: nn.Module) -> bool:
     """Whether ``tp_plan`` takes sequence and loss parallelism on ``base`` (its own check,
-    ``memfit/parallel/apply.py: _sp_root``)."""
-    from memfit.parallel.apply import _sp_root
+    ``memfit/parallel/apply.py: sp_root``)."""
+    from memfit.parallel.apply import sp_root
 
     try:
-        _sp_root(base, Parallel(gpus=2, tp=2, sp=True))
+        sp_root(base, Parallel(gpus=2, tp=2, sp=True))
     except MemfitError:
         return False
     return True

@@ -378,16 +378,3 @@ class Plan:
         data = read_json_file(path, what="plan file",
                               fix="re-create it with memfit fit --save")
         return cls.from_dict(data, source=f"plan file {path}")
-
-    # -- exporting --------------------------------------------------------------------------
-
-    def export(self, to: str, path: str | Path | None = None) -> Any:
-        """The plan as the config file ``to`` reads (deepspeed, accelerate, lightning,
-        hf-trainer, torchtitan, torchtune), written to ``path`` when given; returns a
-        :class:`memfit.export.Export` whose ``gaps`` list what the tool cannot express.
-
-        >>> plan.export("deepspeed", "ds_config.json").gaps
-        """
-        from memfit.export import export_plan
-
-        return export_plan(self, to, path)

@@ -1,4 +1,5 @@
-"""Model anatomy: where a model keeps its repeated blocks.
+"""Model anatomy: where a model keeps its repeated blocks, how many attention heads and layers it
+has, and how one of its submodules is swapped for another.
 
 Read by the techniques (checkpointing wraps the blocks), the trace engine (per-block
 attribution), the progress display (a layer counter) and the parallel layouts (FSDP units,
@@ -13,7 +14,7 @@ from torch import nn
 
 from memfit.errors import MemfitError, suggest
 
-__all__ = ["find_blocks"]
+__all__ = ["find_blocks", "model_shape", "replace_module"]
 
 
 def find_blocks(model: nn.Module,
@@ -76,3 +77,39 @@ def _auto_blocks(model: nn.Module) -> list[str]:
             f"found no repeated blocks in {type(model).__name__} (a ModuleList or Sequential of "
             "two or more modules of one type); pass blocks= with block names or types")
     return best[2]
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` in place of the submodule ``name`` of ``model`` (a dotted name from
+    ``model.named_modules()``)."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _count(model: nn.Module, config_names: tuple[str, ...], attr: str) -> int | None:
+    """A head count from the model's config, else from a module's own attribute (memfit's
+    builtin Attention: ``num_heads``, ``num_kv_heads``)."""
+    config = getattr(model, "config", None)
+    for name in config_names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return next((getattr(m, attr) for m in model.modules()
+                 if isinstance(getattr(m, attr, None), int)), None)
+
+
+def model_shape(model: nn.Module) -> tuple[int | None, int | None, int | None]:
+    """(attention heads, KV heads, layers) of a model, where its config or structure says them
+    (None where it does not): the checks of a parallel layout read them.
+
+    >>> model_shape(build_model(spec))
+    (12, 12, 12)
+    """
+    heads = _count(model, ("num_attention_heads", "n_head", "num_heads"), "num_heads")
+    kv_heads = _count(model, ("num_key_value_heads",), "num_kv_heads")
+    try:
+        layers: int | None = len(find_blocks(model)) or None
+    except MemfitError:
+        layers = None
+    return heads, kv_heads, layers

@@ -49,7 +49,7 @@ from torch import nn
 from memfit.errors import MemfitError, suggest
 from memfit.models.spec import TransformerSpec
 
-__all__ = ["BACKENDS", "build_model", "example_inputs"]
+__all__ = ["BACKENDS", "build_model", "example_inputs", "transformers_available"]
 
 BACKENDS = ("auto", "transformers", "builtin")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -750,7 +750,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _transformers_available() -> bool:
+def transformers_available() -> bool:
+    """Whether Hugging Face ``transformers`` imports here (``backend="auto"`` then builds
+    with it)."""
     try:
         importlib.import_module("transformers")
     except ImportError:
@@ -800,7 +802,7 @@ def build_model(
         raise MemfitError(f"bad device {device!r}: {exc}; use e.g. 'meta', 'cpu' or 'cuda'"
                           ) from None
     if backend == "auto":
-        backend = "transformers" if _transformers_available() else "builtin"
+        backend = "transformers" if transformers_available() else "builtin"
 
     with target, _default_dtype(dtype):
         if backend == "transformers":

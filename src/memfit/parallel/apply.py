@@ -50,7 +50,7 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
     if parallel.cpu_offload:
         # Pinned host memory (torchtitan's CPUOffloadPolicy() default) needs an accelerator:
         # on a CPU-only torch (the trace's fake ranks, the gloo ranks) the shards stay pageable,
-        # which changes no byte (Note: [CPU offload in a trace] in memfit/parallel/trace.py).
+        # which changes no byte (Note: [CPU offload in a trace] in memfit/parallel/rank.py).
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if ignored_params:  # neither sharded nor reduced (expert parallelism's own experts)
         kwargs["ignored_params"] = ignored_params
@@ -108,7 +108,7 @@ def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = Non
     ``blocks``: the blocks' names (default: ``find_blocks(model)``), e.g. a pipeline stage's
     ``layers.<i>`` (``memfit.parallel.pipeline.apply_tp_stages``); ``root``: the names of the
     token embedding, final norm and head that sequence / loss parallelism split (default:
-    ``_sp_root(model)``; None for a part a pipeline stage does not hold)."""
+    ``sp_root(model)``; None for a part a pipeline stage does not hold)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -149,7 +149,7 @@ def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = Non
                     plan[f"{name}.{sub}"] = PrepareModuleInput(
                         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     if sp or parallel.loss_parallel:
-        embed, norm, head = _sp_root(model, parallel) if root is None else root
+        embed, norm, head = sp_root(model, parallel) if root is None else root
         # Note: [loss parallelism] the logits stay a vocabulary-split DTensor and the loss
         # runs inside torch's loss_parallel() (torch/distributed/tensor/parallel/loss.py: "the
         # input is sharded on the class dimension"), as torchtitan's apply_tp writes the head
@@ -174,7 +174,7 @@ def _is_norm(module: nn.Module) -> bool:
         "RMSNorm")
 
 
-def _sp_root(model: nn.Module, parallel: Parallel) -> tuple[str, str, str]:
+def sp_root(model: nn.Module, parallel: Parallel) -> tuple[str, str, str]:
     """Names of the token embedding, final norm and head that sequence parallelism splits, for
     memfit's builtin decoders (``memfit.models.build.DecoderLM``) and Hugging Face's Llama,
     Mistral, Qwen2 and Qwen3 (``hf_pipeline.hf_sp_root``; their position ids are given whole:

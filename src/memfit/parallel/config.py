@@ -101,7 +101,7 @@ class Parallel:
     """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer states on the
     host. A CUDA-target trace reports the device's bytes as its peak and the host's apart
     (``Estimate.host_peak_bytes``); a CPU target has one memory, whose peak is the total (see
-    Note: [CPU offload in a trace] in memfit/parallel/trace.py)."""
+    Note: [CPU offload in a trace] in memfit/parallel/rank.py)."""
     bucket_cap_mb: float = 25.0
     """DDP ``bucket_cap_mb``: gradients are all-reduced in flat buckets of about this size."""
     pp_schedule: str = "1f1b"

@@ -37,10 +37,14 @@ import torch.distributed.pipelining  # Note: [importing pipelining outside the t
 import torch.nn.functional as F
 from torch import nn
 
+from memfit._compat.torch_internals import (
+    autograd_backward_keeps_function_modes,
+    p2p_works_hold_their_tensors,
+)
 from memfit.dtypes import torch_dtype
 from memfit.errors import MemfitError
 from memfit.parallel.config import PP_SCHEDULES, Parallel
-from memfit.parallel.trace import RankRole, host_step, offloaded
+from memfit.parallel.rank import RankRole, host_step, offloaded
 
 # Note: [importing pipelining outside the trace] ``torch/distributed/pipelining/microbatch.py``
 # makes a tensor when it is first imported (module level: ``sum_reducer = _LossReducer(
@@ -85,7 +89,7 @@ def stage_layers(num_layers: int, num_stages: int) -> list[range]:
     return out
 
 
-def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(``model.model``, ``model.lm_head``) of memfit's builtin decoder or of a Hugging Face
     decoder ``hf_pipeline.HFStageModule`` splits, else a one-line error."""
     from memfit.models.build import DecoderLM
@@ -113,7 +117,7 @@ class StageModule(nn.Module):
     def __init__(self, model: nn.Module, layers: range, *, index: int, first: bool,
                  last: bool) -> None:
         super().__init__()
-        decoder, head = _decoder_parts(model)
+        decoder, head = decoder_parts(model)
         self.index, self.first, self.last = index, first, last
         self.hidden_size = int(decoder.embed_tokens.weight.shape[1])
         self.embed_tokens = decoder.embed_tokens if first else None
@@ -155,12 +159,12 @@ def num_microbatches(parallel: Parallel) -> int:
 
 def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> None:
     """One-line errors for a pipeline layout the model or batch cannot take."""
-    decoder, _ = _decoder_parts(model)
+    decoder, _ = decoder_parts(model)
     check_pipeline_dp(parallel)
     if parallel.tp > 1 and (parallel.sp or parallel.loss_parallel):
-        from memfit.parallel.apply import _sp_root
+        from memfit.parallel.apply import sp_root
 
-        _sp_root(model, parallel)  # the model checks of sequence parallelism
+        sp_root(model, parallel)  # the model checks of sequence parallelism
     stages = parallel.pp * stages_per_rank(parallel)
     layers = len(decoder.layers)
     if stages > layers:
@@ -216,7 +220,7 @@ def pp_rank(parallel: Parallel, rank: int) -> int:
 def stage_modules(model: nn.Module, parallel: Parallel, rank: int) -> list[StageModule]:
     """This rank's stages of ``model`` (its own submodules): stage ``pp_rank``, and for the
     interleaved schedule also ``pp_rank + pp`` (torchtitan's "loop" placement)."""
-    decoder, _ = _decoder_parts(model)
+    decoder, _ = decoder_parts(model)
     num_stages = parallel.pp * stages_per_rank(parallel)
     layers = stage_layers(len(decoder.layers), num_stages)
     first_index = pp_rank(parallel, rank)
@@ -290,7 +294,7 @@ def replicate_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
     the reducer for the last backward (``stage.py: forward_maybe_with_nosync``,
     ``backward_maybe_with_nosync``: ``reducer.prepare_for_backward``), so the buckets are
     all-reduced once per step. ``wrap``: a function the constructor call is handed to (the
-    trace's :func:`memfit.parallel.trace.traced_ddp`)."""
+    trace's :func:`memfit.parallel.rank.traced_ddp`)."""
     from memfit.parallel.apply import apply_ddp
 
     group = mesh["dp"].get_group()
@@ -516,7 +520,7 @@ class PipelineRole(RankRole):
         if self.parallel.dp > 1 and self.parallel.tp == 1:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-            from memfit.parallel.trace import traced_ddp
+            from memfit.parallel.rank import traced_ddp
 
             with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
                 mesh = pipeline_mesh(self.parallel)
@@ -561,7 +565,7 @@ class PipelineRole(RankRole):
         # (Note: [replaying a pipeline stage's micro-batches] in memfit/trace/replay.py); not
         # beside data parallelism, whose wrappers (DDP's reducer, FSDP2) keep state across calls
         alone = self.parallel.dp == 1 and not self.state.get("submods")
-        with _phases(pipeline.schedule, tracker), _works_hold_their_tensors(), \
+        with _phases(pipeline.schedule, tracker), p2p_works_hold_their_tensors(), \
                 replaying(pipeline.modules if alone else [], tracker):
             pipeline.step(inputs)
 
@@ -570,59 +574,11 @@ class PipelineRole(RankRole):
         mesh's ``dp`` group), each keeping the states of its partition of the stage's
         parameters; otherwise ``optimizer`` itself."""
         from memfit.parallel.apply import apply_optimizer
-        from memfit.parallel.trace import check_foreach_kinds
+        from memfit.parallel.rank import check_foreach_kinds
 
         check_foreach_kinds(optimizer, self.parallel)
         return host_step(apply_optimizer(optimizer, self.parallel,
                                          process_group=self.state.get("dp_group")), self.parallel)
-
-
-class _HeldWork:
-    """A point-to-point work that keeps the tensors it was given, as a real backend's does."""
-
-    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
-        self._work, self._tensors = work, tensors
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-@contextlib.contextmanager
-def _works_hold_their_tensors() -> Iterator[None]:
-    """Inside the block, the schedule's P2P works keep their tensors alive as long as the
-    schedule keeps the works; the schedules module's own ``_batch_p2p`` again on exit.
-
-    Note: [a P2P work keeps its tensor] A backend's send or receive work holds the tensor it
-    was given for as long as the work object lives: gloo's ``SendWork`` / ``RecvWork`` keep it
-    as a member (``torch/csrc/distributed/c10d/ProcessGroupGloo.hpp``: ``at::Tensor
-    tensor_``), NCCL's work keeps it as its outputs (``ProcessGroupNCCL.cpp:
-    ProcessGroupNCCL::pointToPoint``: "we still create these outputs [for send] for use cases
-    such as profiling", ``work->outputs_``). A schedule keeps its last send works in a local
-    variable until it waits on the next ones, or to the end of the step: 1F1B's first stage
-    keeps the send of its first micro-batch's activations through the whole steady state
-    (``schedules.py: Schedule1F1B._step_microbatches``: ``send_work`` is only reassigned from
-    the backward sends, and the first stage has none), one micro-batch's output past its
-    backward (measured on gloo: +32,768 bytes, one 2x64x64 fp32 activation, on stage 0 of 2
-    with 4 micro-batches). A fake process group's ``FakeWork`` keeps nothing, so each work the
-    schedule gets here carries its tensors."""
-    from torch.distributed.pipelining import schedules
-
-    batch_p2p = schedules._batch_p2p
-
-    def held(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
-        works = batch_p2p(p2p_ops, desc=desc)
-        if len(works) == len(p2p_ops):
-            return [_HeldWork(w, [op.tensor]) for w, op in zip(works, p2p_ops, strict=True)]
-        return [_HeldWork(w, [op.tensor for op in p2p_ops]) for w in works]  # coalesced
-
-    schedules._batch_p2p = held  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        schedules._batch_p2p = batch_p2p  # type: ignore[assignment]
 
 
 def _batch_shape(inputs: Any) -> tuple[int, int]:
@@ -658,55 +614,6 @@ def _static_metadata(schedule: Any) -> None:
 
 
 @contextlib.contextmanager
-def _backward_keeps_the_modes() -> Iterator[None]:
-    """Inside the block, ``torch.autograd.backward`` enters autograd's engine directly, while the
-    trace's torch-function modes (the CUDA SDPA routing, the CUDA autocast emulation) stay
-    active; torch's own function again on exit.
-
-    Note: [the stage's backward under the trace's modes] A stage's backward is
-    ``torch.autograd.backward(stage_output_tensors, grad_tensors=output_grad_tensors)``
-    (``torch/distributed/pipelining/_backward.py: stage_backward``, called by ``stage.py:
-    backward_maybe_with_nosync`` for ``backward_one_chunk(full_backward=True)``, which every
-    schedule here uses). ``torch.autograd.backward`` is a torch function
-    (``torch/autograd/__init__.py: backward``: ``handle_torch_function``), so a torch-function
-    mode handles it with the mode popped (``torch/overrides.py: handle_torch_function``), and a
-    block that activation checkpointing recomputes inside it would run without the trace's CUDA
-    routing: CPU attention kernels and no autocast where the forward had CUDA's, so
-    ``torch/utils/checkpoint.py: _checkpoint_hook`` / ``_CachingTorchDispatchMode`` reject the
-    recompute ("A different number of tensors was saved", or an op "not found in storage"
-    under selective checkpointing). A trace artifact: on a real GPU there is no such mode. As
-    the single-device step does (``memfit/trace/engine.py: _backward``), the engine is entered
-    without the torch-function dispatch; the implicit gradient of a scalar output is
-    ``torch.ones_like(out, memory_format=torch.preserve_format)`` as in ``torch/autograd/
-    __init__.py: _make_grads``. Calls with other arguments go to torch's own function."""
-    from memfit._compat import torch_internals
-
-    original = torch.autograd.backward
-
-    def backward(tensors: Any, grad_tensors: Any = None, retain_graph: Any = None,
-                 create_graph: bool = False, grad_variables: Any = None,
-                 inputs: Any = None) -> None:
-        outs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-        grads = ((grad_tensors,) if isinstance(grad_tensors, torch.Tensor) or grad_tensors is None
-                 else tuple(grad_tensors))
-        if (retain_graph or create_graph or grad_variables is not None or inputs is not None
-                or len(grads) != len(outs)
-                or any(g is None and (o.numel() != 1 or not o.is_floating_point())
-                       for o, g in zip(outs, grads, strict=True))):
-            return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables,
-                            inputs)
-        grads = tuple(torch.ones_like(o, memory_format=torch.preserve_format) if g is None
-                      else g for o, g in zip(outs, grads, strict=True))
-        torch_internals.engine_run_backward(outs, grads)
-
-    torch.autograd.backward = backward  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.autograd.backward = original
-
-
-@contextlib.contextmanager
 def _phases(schedule: Any, tracker: Any) -> Iterator[None]:
     """Each stage's ``forward_one_chunk`` traced as ``forward`` (its storages still alive at the
     end marked as saved activations) and ``backward_one_chunk`` as ``backward``; the stages'
@@ -726,7 +633,7 @@ def _phases(schedule: Any, tracker: Any) -> Iterator[None]:
             tracker.phase = "backward"
             tracker.modules.backward = ""
             try:
-                with _backward_keeps_the_modes():
+                with autograd_backward_keeps_function_modes():
                     return _run(*args, **kwargs)
             finally:
                 tracker.phase = "forward"
@@ -759,13 +666,13 @@ def _dp_signature(params: list[nn.Parameter], parallel: Parallel, dp_index: int)
     ``torch.chunk`` rows of each dim 0 (HSDP: over the ``fsdp`` ranks of its replica, the
     mesh's innermost dim), ZeRO-1's partition of the optimizer states, nothing of its own
     under DDP."""
-    from memfit.parallel.trace import _chunk, _zero1_partition
+    from memfit.parallel.rank import chunk_rows, zero1_partition
 
     if parallel.strategy in ("fsdp", "hsdp"):
-        return tuple(_chunk(p.shape[0] if p.dim() else 1, parallel.fsdp,
-                            dp_index % parallel.fsdp) for p in params)
+        return tuple(chunk_rows(p.shape[0] if p.dim() else 1, parallel.fsdp,
+                                 dp_index % parallel.fsdp) for p in params)
     if parallel.strategy == "zero1":
-        return _zero1_partition([p.numel() for p in params if p.requires_grad],
+        return zero1_partition([p.numel() for p in params if p.requires_grad],
                                 parallel.dp)[dp_index]
     return ()
 
@@ -776,7 +683,7 @@ def _tp_pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
     dim tensor parallelism splits (``memfit.parallel.apply.tp_split_dims`` on the stage's
     blocks), then FSDP2's ``dp_index`` chunk of that local tensor's dim 0."""
     from memfit.parallel.apply import tp_split_dims
-    from memfit.parallel.trace import local_shapes
+    from memfit.parallel.rank import local_shapes
 
     stages: dict[int, tuple[list[nn.Parameter], dict[int, int]]] = {}
     groups: dict[Any, list[int]] = {}

@@ -267,13 +267,13 @@ class Profiler:
     def report(self, path: str | os.PathLike[str], *, estimate: Estimate | None = None,
                title: str = "memfit profile") -> None:
         """Write the self-contained offline HTML report to ``path``."""
-        from memfit.report.html import write_html
+        from memfit.profiling.report.html import write_html
 
         write_html(path, self._require(), estimate=estimate, title=title)
 
     def save_png(self, path: str | os.PathLike[str]) -> None:
         """Write the timeline as a PNG (needs ``pip install 'memfit[report]'``)."""
-        from memfit.report.png import write_png
+        from memfit.profiling.report.png import write_png
 
         write_png(path, self._require())
 

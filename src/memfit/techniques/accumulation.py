@@ -34,7 +34,8 @@ from torch import nn
 from memfit._loss import LossFn, check_loss_fn, check_reduction
 from memfit.errors import MemfitError
 
-__all__ = ["AccumulatedStep", "AccumulationResult", "accumulate", "count_tokens", "split_batch"]
+__all__ = ["AccumulatedStep", "AccumulationResult", "accumulate", "count_tokens", "split_batch",
+           "sync_gradients"]
 
 CountFn = Callable[[Any], int | torch.Tensor]
 
@@ -106,7 +107,7 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
 
 
 @contextlib.contextmanager
-def _sync_gradients(model: nn.Module, sync: bool) -> Iterator[None]:
+def sync_gradients(model: nn.Module, sync: bool) -> Iterator[None]:
     """Skip the gradient all-reduce for this backward when ``sync`` is False (DDP / FSDP2)."""
     if sync:
         yield
@@ -186,7 +187,7 @@ def accumulate(model: nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn, 
                 raise MemfitError("the last micro-batch has no items to average over (all "
                                   "labels ignored?); use reduction='sum'")
             continue
-        with _sync_gradients(model, sync=last):
+        with sync_gradients(model, sync=last):
             loss = loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise MemfitError(f"loss_fn must return a scalar tensor: the micro-batch's "

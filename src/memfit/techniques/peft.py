@@ -32,6 +32,7 @@ from torch import nn
 
 from memfit._noise import quiet_import, require
 from memfit.errors import MemfitError, suggest
+from memfit.models.anatomy import replace_module
 
 __all__ = ["LORA_BACKENDS", "QUANT_BACKENDS", "LoRALinear", "NF4Linear", "apply_lora",
            "apply_qlora", "trainable_parameters"]
@@ -149,12 +150,6 @@ def _targets(model: nn.Module, targets: str | Iterable[str]) -> list[str]:
     return chosen
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
 def _freeze_all_but_lora(model: nn.Module) -> None:
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
@@ -194,7 +189,7 @@ def apply_lora(model: nn.Module, *, rank: int = 8, alpha: float = 16.0,
         for name in names:
             linear = model.get_submodule(name)
             assert isinstance(linear, nn.Linear)
-            _replace(model, name, LoRALinear(
+            replace_module(model, name, LoRALinear(
                 linear, linear.in_features, linear.out_features, rank=rank, alpha=alpha,
                 dropout=dropout, device=linear.weight.device, adapter_dtype=linear.weight.dtype))
     _freeze_all_but_lora(model)
@@ -249,7 +244,7 @@ def apply_qlora(model: nn.Module, *, rank: int = 8, alpha: float = 16.0,
                               "cannot be stored in NF4 blocks of 64 (scales per 256); leave it "
                               "out of targets")
         base = _bnb_4bit(linear) if quant_backend == "bitsandbytes" else NF4Linear(linear)
-        _replace(model, name, LoRALinear(
+        replace_module(model, name, LoRALinear(
             base, linear.in_features, linear.out_features, rank=rank, alpha=alpha,
             dropout=dropout, device=linear.weight.device, adapter_dtype=linear.weight.dtype))
         del linear

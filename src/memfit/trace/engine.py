@@ -46,9 +46,7 @@ from memfit.trace.datadep import DataDependentSizes, RealValues, record_real_val
 from memfit.trace.estimate import TRACKED, Estimate, ModuleMemory, TimelinePoint
 from memfit.trace.heap import with_frozen_heap
 from memfit.trace.optim import OptimizerFactory, make_optimizer
-from memfit.trace.replay import ReplayMismatch
-from memfit.trace.replay import counts as replay_counts
-from memfit.trace.replay import disabled as replay_disabled
+from memfit.trace.replay import redo_without_replay
 from memfit.trace.sdpa import CudaSdpaRouting
 from memfit.trace.tracker import Tracker, TrackingFakeMode
 
@@ -455,18 +453,8 @@ def _trace_or_redo(*args: Any, **kwargs: Any) -> tuple[Estimate, DataDependentSi
     """:func:`_trace`, redone without replay where a replayed block's template turned out not
     to be replayable (Note: [replaying identical blocks] in blocks.py)."""
     if kwargs.get("rank") is not None:  # a parallel rank: memfit.parallel.trace redoes it
-        return _trace(*args, **kwargs)
-    try:
-        return _trace(*args, **kwargs)
-    except Exception as exc:
-        cause: BaseException | None = exc
-        while cause is not None and not isinstance(cause, ReplayMismatch):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-    replay_counts["redone"] += 1
-    with replay_disabled():
-        return _trace(*args, **kwargs)
+        return _trace(*args, **kwargs)  # (in a fresh fake world, the rank's state dropped)
+    return redo_without_replay(lambda: _trace(*args, **kwargs))
 
 
 @with_frozen_heap  # Note: [frozen heap] in heap.py
@@ -512,7 +500,7 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         # A pipeline rank fakes only its own stages (memfit/parallel/pipeline.py: local_model).
         local = getattr(rank, "local_model", None)
         fmodel = _fake_model(model if local is None else local(model), fake_device, param_dtype)
-        if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/trace.py)
+        if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/rank.py)
             stack.enter_context(rank.tracing(tracker, fake_mode))
             stack.enter_context(torch_internals.dtensor_foreach_propagation_once_per_shape())
             stack.enter_context(torch_internals.fsdp_chunks_on_demand())

@@ -138,7 +138,7 @@ class Estimate:
             ranks.add_column("peak allocated", justify="right")
             ranks.add_column("peak reserved", justify="right")
             for est in self.per_rank:
-                ranks.add_row(_ranks_text(est.ranks), format_bytes(est.peak_bytes),
+                ranks.add_row(ranks_text(est.ranks), format_bytes(est.peak_bytes),
                               format_bytes(est.peak_reserved_bytes))
             console.print(ranks)
         cats = Table(title="at the peak, by category")
@@ -166,7 +166,7 @@ class Estimate:
         return buf.getvalue().rstrip() + "\n"
 
 
-def _ranks_text(ranks: tuple[int, ...]) -> str:
+def ranks_text(ranks: tuple[int, ...]) -> str:
     """``0-6`` for a run of ranks, ``0, 2`` otherwise."""
     if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"

@@ -25,8 +25,8 @@ import torch
 if TYPE_CHECKING:
     from memfit.trace.tracker import Tracker
 
-__all__ = ["copy_to_device", "copy_to_host", "host_memory", "record_stream", "side_stream",
-           "stands_for_device", "traced_save_on_cpu"]
+__all__ = ["copy_to_device", "copy_to_host", "host_memory", "is_fake", "record_stream",
+           "side_stream", "stands_for_device", "traced_save_on_cpu"]
 
 _ACTIVE: list[Tracker] = []  # the tracker of the trace running now (the engine is not reentrant)
 
@@ -45,7 +45,8 @@ def _tracker() -> Tracker | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def _is_fake(t: torch.Tensor) -> bool:
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (the trace's), not a real one."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
@@ -59,7 +60,7 @@ def stands_for_device(t: torch.Tensor) -> bool:
         return True
     tracker = _tracker()
     return (tracker is not None and tracker.host_split and t.device.type == "cpu"
-            and _is_fake(t) and not tracker.is_host(t))
+            and is_fake(t) and not tracker.is_host(t))
 
 
 @contextlib.contextmanager
@@ -80,7 +81,7 @@ def host_memory() -> Iterator[None]:
 def copy_to_host(t: torch.Tensor, *, pin_memory: bool = False) -> torch.Tensor:
     """A host (CPU) copy of ``t`` with the same strides when dense; pinned if asked and ``t`` is
     on CUDA (pinned memory makes the copies asynchronous)."""
-    pin = pin_memory and t.is_cuda and not _is_fake(t)
+    pin = pin_memory and t.is_cuda and not is_fake(t)
     with host_memory():
         host = torch.empty_like(t, device="cpu", pin_memory=pin)
     host.copy_(t, non_blocking=pin)
@@ -91,10 +92,10 @@ def copy_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tens
     """``host`` back on ``device``: a new device allocation (also in a trace, where a CUDA target's
     device tensors are fake CPU tensors and ``.to`` would return ``host`` itself)."""
     tracker = _tracker()
-    if (tracker is not None and tracker.host_split and _is_fake(host)
+    if (tracker is not None and tracker.host_split and is_fake(host)
             and torch.device(device).type == "cpu"):
         return host.clone()
-    return host.to(device, non_blocking=host.is_pinned() if not _is_fake(host) else False)
+    return host.to(device, non_blocking=host.is_pinned() if not is_fake(host) else False)
 
 
 def record_stream(t: torch.Tensor, stream: int) -> None:

@@ -26,7 +26,7 @@ which stays real here:
 - every other storage the forward leaves alive must be freed by the same call's backward (the
   saved activations), and the backward leaves nothing else alive and frees nothing made outside
   the call: else the call is not replayable (:class:`ReplayMismatch` when replays were already
-  made, and the trace is redone without replay, ``memfit.parallel.trace.estimate_ranks``).
+  made, and the trace is redone without replay, ``redo_without_replay``).
 
 Ledger events are the whole of what the estimate is computed from (``engine._result``: the log,
 the ops' marks, the allocator model fed in the same order, the running peaks), so the replayed
@@ -44,8 +44,8 @@ import dataclasses
 import itertools
 import os
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._mode_utils import no_dispatch
@@ -55,6 +55,8 @@ from memfit.trace.tracker import StorageInfo
 _ENV = "MEMFIT_NO_REPLAY"
 _disabled = 0
 _keys = itertools.count(-1, -1)  # ledger keys of replayed storages: never a real StorageImpl
+T = TypeVar("T")
+
 counts = {"recorded": 0, "replayed": 0, "redone": 0}
 """Calls recorded as templates, calls replayed, rank traces redone without replay (this process;
 for tests and benchmarks)."""
@@ -79,6 +81,27 @@ def disabled() -> Iterator[None]:
 class ReplayMismatch(RuntimeError):
     """A call was replayed, then its template turned out not to be replayable; the trace of
     this rank is redone without replay."""
+
+
+def redo_without_replay(run: Callable[[], T], *, before: Callable[[], None] | None = None) -> T:
+    """``run()``; where it failed on a :class:`ReplayMismatch` (raised, or the cause or context
+    of what was raised: a pipeline schedule wraps a backward's error), ``before()`` (state the
+    failed run left to drop), then ``run()`` again with replay disabled, counted in
+    ``counts["redone"]``. The one retry of a trace whose replayed call turned out not to be
+    replayable (the engine's single-device trace, and each rank of a parallel layout)."""
+    try:
+        return run()
+    except Exception as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, ReplayMismatch):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+    if before is not None:
+        before()
+    counts["redone"] += 1
+    with disabled():
+        return run()
 
 
 @dataclasses.dataclass

@@ -11,9 +11,9 @@ import os
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.profiling.report._assets import CATEGORY_COLORS, PHASE_COLORS
+from memfit.profiling.report.html import legend_categories, phase_spans
 from memfit.profiling.result import TRACKED, ProfileResult, downsample
-from memfit.report._assets import CATEGORY_COLORS, PHASE_COLORS
-from memfit.report.html import legend_categories, phase_spans
 
 MAX_POINTS = 4000
 

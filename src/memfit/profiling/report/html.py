@@ -5,7 +5,7 @@ Tables are rendered here with every user string (module names, ops, file paths) 
 and ``&`` written as ``\\u003c``/``\\u003e``/``\\u0026``, so no string in it can close the
 ``<script>`` element (stricter than escaping ``</`` as ``<\\/``).
 
->>> import memfit.report.html as h
+>>> import memfit.profiling.report.html as h
 >>> h.embed_json({"name": "</script><script>alert(1)</script>"})
 '{"name": "\\\\u003c/script\\\\u003e\\\\u003cscript\\\\u003ealert(1)\\\\u003c/script\\\\u003e"}'
 """
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.categories import MemoryCategory
 from memfit.ledger import CATEGORIES, TimelinePoint
+from memfit.profiling.report._assets import CATEGORY_COLORS, CSS, JS, PHASE_COLORS
 from memfit.profiling.result import TRACKED, ProfileResult, downsample
-from memfit.report._assets import CATEGORY_COLORS, CSS, JS, PHASE_COLORS
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:

@@ -1,9 +1,0 @@
-"""Reports of a profiled run: the offline HTML file and a PNG of the timeline.
-
->>> from memfit.report import render_html, write_html, write_png
-"""
-
-from memfit.report.html import embed_json, render_html, write_html
-from memfit.report.png import write_png
-
-__all__ = ["embed_json", "render_html", "write_html", "write_png"]
