@@ -504,13 +504,13 @@ def test_a_trace_with_fixed_modes_checkpoints_as_they_say() -> None:
     # The verification of a derived micro-batch (and the per-rank trace) traces a checkpointing
     # budget's step with the per-block modes the search resolved, as Plan.apply's FixedModes
     # runs them; resolving the budget again at another micro-batch would trace another step.
-    # (_trace_one used to overwrite its modes argument with None before reading it.)
-    from memfit.fitting.search import _trace_one
+    # (trace_one used to overwrite its modes argument with None before reading it.)
+    from memfit.fitting.search import trace_one
 
     model, batch = make(8)
     modes = ("full", None, "selective", None)
-    t = _trace_one(model, batch, precision="fp32", ckpt="budget", optimizer="adamw",
-                   chunked=False, attention="model", m=2, per_gpu=8, device="cpu", gpu=None,
-                   loss_fn=None, num_gpus=1, modes=modes)
+    t = trace_one(model, batch, precision="fp32", ckpt="budget", optimizer="adamw",
+                  chunked=False, attention="model", m=2, per_gpu=8, device="cpu", gpu=None,
+                  loss_fn=None, num_gpus=1, modes=modes)
     assert not isinstance(t, str)
     assert t.checkpoint_modes == modes

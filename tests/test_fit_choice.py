@@ -11,8 +11,9 @@ from torch import nn
 
 from memfit.fitting import FitConfig, Plan, fit
 from memfit.fitting.cost import StepCost
+from memfit.fitting.derive import plain_policy
 from memfit.fitting.plan import TIE_TOLERANCE, Candidate, Rejected, rank, simplicity
-from memfit.fitting.search import _meta_copy, _plain_policy, _trace_one
+from memfit.fitting.search import trace_one
 from memfit.units import GiB, format_seconds
 
 # test_fit's activation-heavy model (pytest puts tests/ on sys.path).
@@ -119,11 +120,11 @@ def test_measured_seconds_rank_the_same_way() -> None:
 # -- a checkpointing budget is never nonsense -----------------------------------------------
 
 def test_plain_policy_of_a_uniform_budget() -> None:
-    assert _plain_policy("budget", ("selective",) * 4) == "selective"
-    assert _plain_policy("budget", ("full",) * 3) == "full"
-    assert _plain_policy("budget", (None, None)) == "none"
-    assert _plain_policy("budget", (None, "selective")) is None
-    assert _plain_policy("selective", ("selective",) * 4) is None
+    assert plain_policy("budget", ("selective",) * 4) == "selective"
+    assert plain_policy("budget", ("full",) * 3) == "full"
+    assert plain_policy("budget", (None, None)) == "none"
+    assert plain_policy("budget", (None, "selective")) is None
+    assert plain_policy("selective", ("selective",) * 4) is None
 
 
 def test_budget_label_says_what_it_resolved_to() -> None:
@@ -140,19 +141,18 @@ def _floor_and_midpoint(model: nn.Module, sample: object, m: int) -> tuple[int, 
         profile_blocks,
     )
 
-    base = _meta_copy(model)
-    names = find_blocks(base)
-    profiles = profile_blocks(base, names, meta_batch(sample, m))
+    names = find_blocks(model)
+    profiles = profile_blocks(model, names, meta_batch(sample, m))
     floor = predict_activation_bytes(profiles, ["full"] * len(names))
     ceiling = predict_activation_bytes(profiles, [None] * len(names))
     return floor, (floor + ceiling) // 2
 
 
 def _trace_budget(model: nn.Module, sample: object, m: int, device_budget: int | None):
-    t = _trace_one(_meta_copy(model), sample, precision="fp32", ckpt="budget",
-                   optimizer="adamw", chunked=False, attention="model", m=m, per_gpu=m,
-                   device="cpu", gpu=None, loss_fn=None, num_gpus=1,
-                   device_budget=device_budget)
+    t = trace_one(model, sample, precision="fp32", ckpt="budget",
+                  optimizer="adamw", chunked=False, attention="model", m=m, per_gpu=m,
+                  device="cpu", gpu=None, loss_fn=None, num_gpus=1,
+                  device_budget=device_budget)
     assert not isinstance(t, str), t
     return t
 
@@ -171,10 +171,10 @@ def test_budget_is_clamped_to_what_the_device_leaves_for_activations() -> None:
     # Less room than every block checkpointed needs: the floor, i.e. ckpt=full everywhere.
     t = _trace_budget(model, sample, 8, weights_and_grads + floor // 2)
     assert t.checkpoint_budget == floor
-    assert _plain_policy("budget", t.checkpoint_modes) == "full"
+    assert plain_policy("budget", t.checkpoint_modes) == "full"
 
 
-def test_fit_table_has_no_budget_above_the_device_or_equal_to_a_plain_policy() -> None:
+def test_fit_table_has_no_budget_above_the_device_or_equal_to_aplain_policy() -> None:
     """A budget so tight that no checkpointing does not fit: the table's budgets are below the
     budget, none is uniform (it would be its plain policy), and nothing faster by under 1% is
     more complex than the chosen configuration."""
@@ -189,7 +189,7 @@ def test_fit_table_has_no_budget_above_the_device_or_equal_to_a_plain_policy() -
     for c in shown:
         if c.config.checkpointing == "budget":
             assert c.config.checkpoint_budget_bytes <= budget
-            assert _plain_policy("budget", c.config.checkpoint_modes) is None
+            assert plain_policy("budget", c.config.checkpoint_modes) is None
     fastest = min(c.step_s for c in shown)
     tied = [c for c in shown if c.step_s <= fastest * (1 + TIE_TOLERANCE)]
     assert simplicity(plan.chosen.config) == min(simplicity(c.config) for c in tied)

@@ -302,23 +302,23 @@ def test_layout_comm_of_sp_loss_parallel_and_ep_from_first_principles() -> None:
 
 
 def test_derived_tp_peaks_follow_the_per_rank_trace() -> None:
-    """The formulas that rank the tp 2 layouts before their per-rank traces (search.py:
-    _derive_layout with layouts.activation_factor; sp: Korthikanti's Eq. 4 less the inputs
+    """The formulas that rank the tp 2 layouts before their per-rank traces (derive.py:
+    derive_layout with layouts.activation_factor; sp: Korthikanti's Eq. 4 less the inputs
     DTensor's column-parallel projections save all-gathered, (30/t + 4)/34 = 19/34 at t = 2,
     and the embedding and head split; without loss parallelism the logits whole) against the
     per-rank trace of the same step: the tiny decoder, fp32, micro-batch 4 x 64 tokens, within
     8% (measured 4.2-5.5% under on every one; derived peaks under the truth get traced, never
     wrongly rejected)."""
     from memfit.fitting.layouts import activation_factor
-    from memfit.fitting.search import _Search
+    from memfit.fitting.search import Search
 
     assert activation_factor(2, eager=False, shape=None, sp=True) == pytest.approx(19 / 34)
     model, batch = _decoder(64)
-    search = _Search(model, batch, optimizer="adamw", global_batch=4, gpu=None,
-                     budget_bytes=2**30, device="cpu", loss_fn=None, reduction="mean",
-                     count_fn=None, num_gpus=1, measure=False,
-                     space={"precision": ["fp32"], "tp": [2], "pp": [1]}, progress=False,
-                     top=5, headroom=0.0, gpus=2)
+    search = Search(model, batch, optimizer="adamw", global_batch=4, gpu=None,
+                    budget_bytes=2**30, device="cpu", loss_fn=None, reduction="mean",
+                    count_fn=None, num_gpus=1, measure=False,
+                    space={"precision": ["fp32"], "tp": [2], "pp": [1]}, progress=False,
+                    top=5, headroom=0.0, gpus=2)
     one_gpu = search.trace(("fp32", "none", "adamw", False, "model"), 4)
     assert not isinstance(one_gpu, str)
     kinds = set()

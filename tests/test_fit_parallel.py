@@ -323,17 +323,17 @@ def test_cli_fit_over_gpus_saves_the_layout(tmp_path: Path, monkeypatch: Any,
 
 
 def test_derived_layout_peaks_follow_the_per_rank_trace() -> None:
-    """The formulas that rank layouts before any per-rank trace (search.py: _derive_layout)
+    """The formulas that rank layouts before any per-rank trace (derive.py: derive_layout)
     against the per-rank trace of the same step (PyTorch's DDP / ZeroRedundancyOptimizer /
     FSDP2 on the fake model): fp32, 4 ranks, micro-batch 2, within 3%. Without the engines'
     buffers (DDP's buckets, FSDP2's gathered units) they were 19-52% under."""
-    from memfit.fitting.search import _Search, per_rank_traced
+    from memfit.fitting.search import Search, per_rank_traced
 
     model, batch = tiny()
-    search = _Search(model, batch, optimizer="adamw", global_batch=8, gpu=None,
-                     budget_bytes=2**30, device="cpu", loss_fn=None, reduction="mean",
-                     count_fn=None, num_gpus=1, measure=False, space={"precision": ["fp32"]},
-                     progress=False, top=5, headroom=None, gpus=4)
+    search = Search(model, batch, optimizer="adamw", global_batch=8, gpu=None,
+                    budget_bytes=2**30, device="cpu", loss_fn=None, reduction="mean",
+                    count_fn=None, num_gpus=1, measure=False, space={"precision": ["fp32"]},
+                    progress=False, top=5, headroom=None, gpus=4)
     m = 2
     one_gpu = search.trace(("fp32", "none", "adamw", False, "model"), m)
     assert not isinstance(one_gpu, str)

@@ -148,7 +148,7 @@ def test_pipeline_candidates_peak_is_their_worst_stage_traced(gpus: int,
     parallel=Parallel(pp=2, microbatches=accumulation)) over the per-rank batch (on 4 GPUs: pp 2
     beside DDP 2 and beside ZeRO-1 2, a DDP wrapper per stage, ZeRO-1 over its dp group), two steps
     (the second holds the optimizer states; the search traces one step on the CPU and adds
-    them, Note: [one traced step on CPU] in memfit/fitting/search.py), not the formulas'
+    them, Note: [one traced step on CPU] in memfit/fitting/traced.py), not the formulas'
     derivation. The stages differ: the first holds more micro-batches in flight (1F1B), the
     last the head; which one is worst depends on the micro-batch."""
     import memfit
@@ -252,7 +252,7 @@ def test_zero1_states_are_traced_as_optimizer_states() -> None:
     ``ZeroRedundancyOptimizer``'s local optimizer (``torch/distributed/optim/
     zero_redundancy_optimizer.py``: ``self.optim``, the rank's partition) are tagged optimizer
     states, so that fit's one traced CPU step adds them (Note: [one traced step on CPU] in
-    memfit/fitting/search.py). Over both ranks AdamW's exp_avg and exp_avg_sq of every
+    memfit/fitting/traced.py). Over both ranks AdamW's exp_avg and exp_avg_sq of every
     parameter, once (2 x 4 bytes an element) and its 21 fp32 ``step`` scalars (4 bytes each;
     CPU: no rounding)."""
     import memfit

@@ -1,7 +1,7 @@
 """The fit search's pruning and trace sharing change no answer: on small models the pruned search
-(``memfit.fitting.search._Search``) shows the same table, with the same peaks and step times, as
+(``memfit.fitting.search.Search``) shows the same table, with the same peaks and step times, as
 the exhaustive one (every combination explored, every trace run), and every combination it left
-out could not have entered the table (Note: [pruning] in memfit/fitting/search.py)."""
+out could not have entered the table (Note: [pruning] in memfit/fitting/search_bounds.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from memfit.fitting import search
 from memfit.fitting.plan import simplicity
-from memfit.fitting.search import _Search
+from memfit.fitting.search import Search, SearchOptions, trace_one
 from test_fit import make
 
 
@@ -36,26 +35,24 @@ def _tiny_lm() -> tuple[torch.nn.Module, Any]:
     return model, example_inputs(spec, batch=1, seq=128, device="cpu")
 
 
-def _run(model: torch.nn.Module, batch: Any, *, exhaustive: bool, **kw: Any) -> _Search:
+def _run(model: torch.nn.Module, batch: Any, *, exhaustive: bool, **kw: Any) -> Search:
     args: dict[str, Any] = dict(optimizer="adamw", gpu=None, budget_bytes=None,
                                 device="cpu", loss_fn=None, reduction="mean", count_fn=None,
                                 num_gpus=1, measure=False, space=None, progress=False, top=5,
                                 headroom=None)
     args.update(kw)
-    s = _Search(model, batch, **args)
-    if exhaustive:
-        s.prune = False
-        s.share_traces = False
+    options = SearchOptions(prune=False, share_traces=False) if exhaustive else None
+    s = Search(model, batch, options=options, **args)
     s.plan = s.run()  # type: ignore[attr-defined]
     return s
 
 
-def _table(s: _Search) -> list[tuple[str, int, float]]:
+def _table(s: Search) -> list[tuple[str, int, float]]:
     plan = s.plan  # type: ignore[attr-defined]
     return [(c.config.label(), c.peak_bytes, c.step_s) for c in (plan.chosen, *plan.runners_up)]
 
 
-def _check(fast: _Search, full: _Search) -> None:
+def _check(fast: Search, full: Search) -> None:
     # Same table (configurations, peaks, step times: the answer), fewer traces.
     assert _table(fast) == _table(full)
     assert fast.plan.traces < full.plan.traces  # type: ignore[attr-defined]
@@ -111,12 +108,11 @@ def test_fp16_mixed_traces_as_bf16_mixed_on_a_cuda_target() -> None:
     from memfit.gpus import get_gpu
 
     model, batch = _tiny_lm()
-    base = search._meta_copy(model)
     for ckpt, attention in (("none", "model"), ("selective", "sdpa")):
-        traced = [search._trace_one(base, batch, precision=p, ckpt=ckpt, optimizer="adamw",
-                                    chunked=False, attention=attention, m=4, per_gpu=8,
-                                    device="cuda", gpu=get_gpu("a100-40gb"), loss_fn=None,
-                                    num_gpus=1) for p in ("bf16-mixed", "fp16-mixed")]
+        traced = [trace_one(model, batch, precision=p, ckpt=ckpt, optimizer="adamw",
+                            chunked=False, attention=attention, m=4, per_gpu=8,
+                            device="cuda", gpu=get_gpu("a100-40gb"), loss_fn=None,
+                            num_gpus=1) for p in ("bf16-mixed", "fp16-mixed")]
         assert not isinstance(traced[0], str)
         assert traced[0] == traced[1], (ckpt, attention)
 
@@ -128,15 +124,13 @@ def test_model_states_depend_on_precision_and_optimizer_only() -> None:
     from memfit.gpus import get_gpu
 
     model, batch = _tiny_lm()
-    base = search._meta_copy(model)
     for precision in ("fp32", "bf16-mixed"):
         states = set()
         for ckpt, chunked, attention, m in (("none", False, "model", 4),
                                             ("full", True, "sdpa", 2)):
-            t = search._trace_one(base, batch, precision=precision, ckpt=ckpt,
-                                  optimizer="adamw", chunked=chunked, attention=attention, m=m,
-                                  per_gpu=8, device="cuda", gpu=get_gpu("a100-40gb"),
-                                  loss_fn=None, num_gpus=1)
+            t = trace_one(model, batch, precision=precision, ckpt=ckpt, optimizer="adamw",
+                          chunked=chunked, attention=attention, m=m, per_gpu=8, device="cuda",
+                          gpu=get_gpu("a100-40gb"), loss_fn=None, num_gpus=1)
             assert not isinstance(t, str)
             states.add((t.weights, t.grads, t.states))
         assert len(states) == 1, (precision, states)
@@ -179,11 +173,10 @@ def test_pruning_compares_times_as_rank_does() -> None:
     combo = ("bf16-mixed", "selective", "adamw-8bit", False, "model")
     kept = {}
     for tie in (False, True):
-        s = _Search(model, batch, optimizer="adamw", global_batch=16, gpu="a100-40gb",
-                    budget_bytes=None, device="cuda", loss_fn=None, reduction="mean",
-                    count_fn=None, num_gpus=1, measure=False, space=space, progress=False,
-                    top=5, headroom=None)
-        s.tie_arithmetic = tie
+        s = Search(model, batch, optimizer="adamw", global_batch=16, gpu="a100-40gb",
+                   budget_bytes=None, device="cuda", loss_fn=None, reduction="mean",
+                   count_fn=None, num_gpus=1, measure=False, space=space, progress=False,
+                   top=5, headroom=None, options=SearchOptions(tie_arithmetic=tie))
         s.candidates = list(plain)
         s.bounds = lambda c: {4: t4, 8: t8, 16: t8}  # type: ignore[method-assign]
         kept[tie] = not s.pruned(combo, 0.0)

@@ -8,6 +8,7 @@
 from memfit.fitting.config import FitConfig
 from memfit.fitting.cost import Rates, StepCost
 from memfit.fitting.plan import Candidate, Plan, Rejected
-from memfit.fitting.search import fit
+from memfit.fitting.search import SearchOptions, fit
 
-__all__ = ["Candidate", "FitConfig", "Plan", "Rates", "Rejected", "StepCost", "fit"]
+__all__ = ["Candidate", "FitConfig", "Plan", "Rates", "Rejected", "SearchOptions", "StepCost",
+           "fit"]

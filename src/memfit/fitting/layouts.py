@@ -1,7 +1,7 @@
 """The multi-GPU layouts :func:`memfit.fit` searches with ``gpus=N``: data-parallel sharding x
 tensor x pipeline parallelism, as :class:`memfit.Parallel` values, and the formulas that derive a
 layout's per-rank memory from the one-GPU trace before the per-rank trace checks the ones that
-can win (Note: [layouts are derived, then traced] in :mod:`memfit.fitting.search`).
+can win (Note: [layouts are derived, then traced] in :mod:`memfit.fitting.search_verify`).
 
 Every tp > 1 layout also comes with sequence parallelism (``sp=True``) and with sequence and
 loss parallelism (``sp=True, loss_parallel=True``; loss parallelism not under a pipeline) where

@@ -43,7 +43,7 @@ def tie_time(seconds: float) -> float:
     and 8 can differ by 1e-11 relative; no measurement or rate tells those apart. Rounded to 9
     significant digits (a grid of 1e-9 to 1e-8 relative, far below TIE_TOLERANCE) they are one
     time. Rounding is monotone (``a <= b`` gives ``tie_time(a) <= tie_time(b)``), which the fit
-    search's pruning relies on (Note: [pruning] in memfit/fitting/search.py)."""
+    search's pruning relies on (Note: [pruning] in memfit/fitting/search_bounds.py)."""
     return float(f"{seconds:.{TIE_DIGITS}g}")
 
 

@@ -37,7 +37,6 @@ bytes per FLOP recomputed, until the prediction fits.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -53,7 +52,7 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.flop_counter import FlopCounterMode
 
-from memfit._tensors import call_model, tensor_leaves
+from memfit._tensors import call_model, fake_inputs, fake_model, tensor_leaves
 from memfit.errors import MemfitError, suggest
 from memfit.models.anatomy import find_blocks
 
@@ -419,11 +418,6 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _fake_like(t: torch.Tensor) -> torch.Tensor:
-    device = "cpu" if t.device.type == "meta" else t.device
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-
-
 def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list[BlockProfile]:
     """Measure each block's saved activations and FLOPs by running ``model``'s forward once on
     fake tensors (a structural copy: the model is not touched, nothing real is allocated).
@@ -482,20 +476,10 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
-        memo: dict[int, Any] = {}
-        weights: list[torch.Tensor] = []
-        for mod in model.modules():
-            for param in mod._parameters.values():
-                if param is not None and id(param) not in memo:
-                    memo[id(param)] = nn.Parameter(_fake_like(param),
-                                                   requires_grad=param.requires_grad)
-                    weights.append(memo[id(param)])
-            for b in mod._buffers.values():
-                if b is not None and id(b) not in memo:
-                    memo[id(b)] = _fake_like(b)
-                    weights.append(memo[id(b)])
-        fmodel = copy.deepcopy(model, memo)
-        finputs = _fake_tree(inputs, {})
+        # Each tensor on its own device (the CPU for a meta one).
+        fmodel = fake_model(model, None)
+        weights = [*fmodel.parameters(), *fmodel.buffers()]
+        finputs = fake_inputs(inputs, None)
         for t in [*weights, *tensor_leaves(finputs)]:
             constant.add(_storage_key(t))
         fmods = dict(fmodel.named_modules())
@@ -534,15 +518,3 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
     if profiles:
         profiles[0].other = outside
     return profiles
-
-
-def _fake_tree(obj: Any, memo: dict[int, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = _fake_like(obj).requires_grad_(obj.requires_grad)
-        return memo[id(obj)]
-    if isinstance(obj, Mapping):
-        return {k: _fake_tree(v, memo) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_fake_tree(v, memo) for v in obj)
-    return obj

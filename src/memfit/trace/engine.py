@@ -16,23 +16,21 @@ its attention kernels (``sdpa.py``), foreach optimizers (``optim.py``) and its c
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit import vocab
 from memfit._compat import torch_internals, transformers_internals
 from memfit._loss import LossFn, check_loss_fn, model_loss
-from memfit._tensors import call_model, tensor_leaves
+from memfit._tensors import call_model, fake_inputs, fake_model, shallow_leaves, tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.dtypes import torch_dtype
 from memfit.errors import MemfitError, suggest
@@ -99,7 +97,7 @@ def _runtime(gpu: GpuSpec | None, num_gpus: int, training: bool
     return dict(parts), frozenset(ALLOCATOR_PARTS) & set(parts), None
 
 
-# -- fake copies -------------------------------------------------------------------------------
+# -- fake tensors ------------------------------------------------------------------------------
 
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
@@ -107,109 +105,14 @@ def _is_fake(t: torch.Tensor) -> bool:
     return bool(is_fake(t))
 
 
-def _fake_like(t: torch.Tensor, device: str, dtype: torch.dtype | None) -> torch.Tensor:
-    if is_traceable_wrapper_subclass(t):
-        # A tensor subclass that stores other tensors (torchao's Int8Tensor / NF4Tensor, float8
-        # weights...): fake its inner tensors, as stored (quantized data, scales), and rebuild
-        # the subclass around them, so its bytes are the real ones and its own ops (dequantizing
-        # temporaries) run.
-        names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
-        inner = {name: _fake_like(getattr(t, name), device, None) for name in names}
-        return type(t).__tensor_unflatten__(  # type: ignore[attr-defined, no-any-return]
-            inner, ctx, t.size(), t.stride())
-    dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-    if dt == t.dtype:
-        fake = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=device)
-    else:
-        fake = torch.empty(t.shape, dtype=dt, device=device)
-    return fake
-
-
-def _fake_model(model: nn.Module, device: str, dtype: torch.dtype | None) -> nn.Module:
-    """A copy of ``model`` with fake tensors; tied parameters stay one object (one storage)."""
-    memo: dict[int, Any] = {}
-    for mod in model.modules():
-        for p in mod._parameters.values():
-            if p is not None and id(p) not in memo:
-                fake = _fake_like(p, device, dtype)
-                memo[id(p)] = param = nn.Parameter(fake, requires_grad=p.requires_grad)
-                if type(p) is not nn.Parameter and vars(p):
-                    state = _fake_state(vars(p), device, memo)
-                    param.__dict__.update(state)
-                    param._memfit_state = tuple(state)  # see _register_baseline
-        for b in mod._buffers.values():
-            if b is not None and id(b) not in memo:
-                memo[id(b)] = _fake_like(b, device, dtype)
-        for v in _leaves_shallow(vars(mod).values()):
-            if id(v) not in memo:
-                memo[id(v)] = _fake_like(v, device, dtype).requires_grad_(
-                    v.requires_grad and v.is_floating_point())
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception as exc:  # deepcopy of arbitrary user state: say what to do
-        raise MemfitError(
-            f"cannot copy the model to trace it ({type(exc).__name__}: {exc}); the engine needs "
-            f"copy.deepcopy(model) to work: move unpicklable attributes (locks, open files) out "
-            f"of the module") from exc
-
-
-def _fake_state(state: dict[str, Any], device: str, memo: dict[int, Any]) -> dict[str, Any]:
-    """The attributes of a Parameter subclass (bitsandbytes' ``Params4bit.quant_state``: absmax,
-    code...), copied with their tensors faked (a fake parameter is a plain Parameter: the subclass
-    cannot wrap a fake tensor, so its state travels as attributes)."""
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            if id(value) not in memo:
-                memo[id(value)] = _fake_like(value, device, None)
-            out[key] = memo[id(value)]
-        elif hasattr(value, "__dict__") and not isinstance(value, type | nn.Module) and any(
-                isinstance(v, torch.Tensor) or hasattr(v, "__dict__")
-                for v in vars(value).values()):
-            clone = copy.copy(value)
-            clone.__dict__.update(_fake_state(vars(value), device, memo))
-            out[key] = clone
-        else:
-            out[key] = value
-    return out
-
-
 def _state_tensors(values: Iterable[Any], depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors among a Parameter subclass's attributes ``values`` (see ``_fake_state``), and
-    among their own attributes, two levels down."""
+    """Tensors among a Parameter subclass's attributes ``values`` (see
+    :func:`memfit._tensors.fake_model`), and among their own attributes, two levels down."""
     for v in values:
         if isinstance(v, torch.Tensor):
             yield v
         elif depth < 2 and hasattr(v, "__dict__") and not isinstance(v, type | nn.Module):
             yield from _state_tensors(vars(v).values(), depth + 1)
-
-
-def _leaves_shallow(values: Any) -> Iterator[torch.Tensor]:
-    """Tensors among module attributes, also inside a list/tuple/dict attribute (one level), so
-    that deepcopy never copies real data."""
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            yield v
-        elif isinstance(v, list | tuple):
-            yield from (t for t in v if isinstance(t, torch.Tensor))
-        elif isinstance(v, dict):
-            yield from (t for t in v.values() if isinstance(t, torch.Tensor))
-
-
-def _fake_inputs(inputs: Any, device: str, memo: dict[int, torch.Tensor],
-                 dtype: torch.dtype | None) -> Any:
-    """Fake copies of the inputs; floating ones in ``dtype`` for pure low-precision runs (the user
-    feeds a ``model.to(bf16)`` model bf16 inputs)."""
-    if isinstance(inputs, torch.Tensor):
-        if id(inputs) not in memo:
-            memo[id(inputs)] = _fake_like(inputs, device, dtype).requires_grad_(
-                inputs.requires_grad)
-        return memo[id(inputs)]
-    if isinstance(inputs, Mapping):
-        return {k: _fake_inputs(v, device, memo, dtype) for k, v in inputs.items()}
-    if isinstance(inputs, list | tuple):
-        return type(inputs)(_fake_inputs(v, device, memo, dtype) for v in inputs)
-    return inputs
 
 
 # -- module attribution ------------------------------------------------------------------------
@@ -499,14 +402,14 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         stack.enter_context(foreach.grouped())  # Note: [foreach ops on fake tensors]
         # A pipeline rank fakes only its own stages (memfit/parallel/pipeline.py: local_model).
         local = getattr(rank, "local_model", None)
-        fmodel = _fake_model(model if local is None else local(model), fake_device, param_dtype)
+        fmodel = fake_model(model if local is None else local(model), fake_device, param_dtype)
         if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/rank.py)
             stack.enter_context(rank.tracing(tracker, fake_mode))
             stack.enter_context(torch_internals.dtensor_foreach_propagation_once_per_shape())
             stack.enter_context(torch_internals.fsdp_chunks_on_demand())
             fmodel = rank.wrap_model(fmodel, tracker, fake_mode)
         memo: dict[int, torch.Tensor] = {}
-        finputs = _fake_inputs(inputs, fake_device, memo, param_dtype)
+        finputs = fake_inputs(inputs, fake_device, memo, param_dtype)
         for real in tensor_leaves(inputs, objects=True):
             if id(real) in memo and real.device.type == "cpu" and not _is_fake(real):
                 datadep.know(memo[id(real)], real)  # e.g. an attention mask's padding
@@ -668,12 +571,12 @@ def _register_baseline(tracker: Tracker, model: nn.Module, inputs: Any) -> None:
             if p is not None:
                 tracker.track(p, MemoryCategory.WEIGHTS, name)
                 state = [getattr(p, key) for key in getattr(p, "_memfit_state", ())]
-                for t in _state_tensors(state):  # a subclass's state: _fake_model
+                for t in _state_tensors(state):  # a subclass's state: fake_model
                     tracker.track(t, MemoryCategory.WEIGHTS, name)
         for b in mod._buffers.values():
             if b is not None:
                 tracker.track(b, MemoryCategory.WEIGHTS, name)
-        for v in _leaves_shallow(vars(mod).values()):
+        for v in shallow_leaves(vars(mod).values()):
             tracker.track(v, MemoryCategory.WEIGHTS, name)
     for t in tensor_leaves(inputs, objects=True):
         tracker.track(t, MemoryCategory.ACTIVATIONS, "")
