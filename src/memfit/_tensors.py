@@ -95,7 +95,8 @@ def fake_model(model: nn.Module, device: str | torch.device | None,
                 if type(p) is not nn.Parameter and vars(p):
                     state = _fake_state(vars(p), device, memo)
                     param.__dict__.update(state)
-                    param._memfit_state = tuple(state)  # see _register_baseline
+                    # see _register_baseline; an attribute torch's Parameter does not declare
+                    param.__dict__["_memfit_state"] = tuple(state)
         for b in mod._buffers.values():
             if b is not None and id(b) not in memo:
                 memo[id(b)] = fake_like(b, device, dtype)

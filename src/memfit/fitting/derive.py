@@ -76,7 +76,7 @@ def derive_layout(t: Traced, ref_m: int, m: int, offload_states: bool,
     (tests/test_fit_parallel.py's tiny model over 4 ranks, fp32, micro-batch 2: without these
     buffers the derivation gave 48-81% of the per-rank trace, with them 97.8-100%; in
     bf16-mixed with 2 micro-batches it gives 100-116%, over rather than under.)"""
-    peak = derive(t, ref_m, m, offload_states, offload_activations, "none", 1, per_rank)
+    peak: float = derive(t, ref_m, m, offload_states, offload_activations, "none", 1, per_rank)
     acts = t.activations_at_peak * m / ref_m
     in_flight = pipeline_in_flight(par, per_rank // m)
     states = 0 if offload_states else t.states

@@ -301,7 +301,7 @@ class SearchState:
         if self.layouts is None:
             return [(s, a, z, None, self.per_gpu) for s, a in offloads
                     for z in self.dims["sharding"]]
-        out = []
+        out: list[tuple[bool, bool, str, Parallel | None, int]] = []
         for par in self.layouts:
             per_rank = self.global_batch // par.dp
             if per_rank % m == 0 and sharding_of(par) in self.dims["sharding"] \
