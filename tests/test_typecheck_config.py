@@ -28,6 +28,6 @@ def test_the_readme_test_command_and_ci_run_mypy() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     command = next(line for line in readme.splitlines()
                    if line.startswith("python3 -m venv") and "pytest" in line)
-    assert "&& lint-imports && mypy && pytest" in command
+    assert "&& lint-imports && mypy && mkdocs build --strict && pytest" in command
     checks = command[command.index("ruff check"):]
     assert checks in ci
