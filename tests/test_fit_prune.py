@@ -77,7 +77,7 @@ def test_pruned_search_equals_exhaustive_on_cpu(budget_mib: int) -> None:
     # the whole batch fits and the plain step ties with the policies that only cost memory.
     # Rates pinned: how much pruning saves depends on the step times, and a CPU's measured
     # rates differ between machines (at 100 GFLOP/s in both precisions nothing is pruned here;
-    # CI once measured rates where pruning saved no trace). A CPU without bf16 matrix units.
+    # a fresh run measured rates where pruning saved no trace). A CPU without bf16 matrix units.
     rates = {"flops": {"fp32": 100e9, "bf16-mixed": 30e9, "bf16": 30e9}, "bandwidth": 20e9,
              "launch_s": 4e-6}
     model, batch = make(16)
