@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from _models import Classifier
 from memfit.errors import MemfitError
 from memfit.fitting import FitConfig, Plan, fit
 from memfit.fitting.plan import TIE_TOLERANCE
@@ -437,32 +438,6 @@ def test_predicted_peak_matches_the_applied_step_measured(precision: str, micro_
     assert abs(plan.peak_bytes - real) <= 0.01 * real, (plan.peak_bytes, real)
 
 
-class _MlpBlock(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, h), nn.Linear(h, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class _Clf(nn.Module):
-    """Issue 20's classifier, smaller: ``inp``, pre-norm GELU MLP blocks, ``head``, and its
-    own cross-entropy as the output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(32, 128)
-        self.blocks = nn.ModuleList(_MlpBlock(128, 512) for _ in range(3))
-        self.head = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return nn.functional.cross_entropy(self.head(h), y)
-
-
 def test_every_micro_batch_in_the_table_matches_its_applied_step_measured() -> None:
     # Micro-batches below the largest one traced used to be derived from its trace, shrinking
     # only the activations alive at that trace's one-step peak (the optimizer's step: the input
@@ -477,7 +452,8 @@ def test_every_micro_batch_in_the_table_matches_its_applied_step_measured() -> N
 
     def make_clf() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
         torch.manual_seed(0)
-        return _Clf(), (torch.randn(128, 32), torch.randint(0, 10, (128,)))
+        return Classifier(32, 128, 512, 3, 10), (torch.randn(128, 32),
+                                                  torch.randint(0, 10, (128,)))
 
     model, batch = make_clf()
     space = {"precision": ["fp32"], "checkpointing": ["none"], "micro_batch": [16, 128],

@@ -19,29 +19,7 @@ from memfit.errors import MemfitError
 from memfit.fitting import Plan, Rates, fit
 from memfit.fitting import rates as rates_mod
 from memfit.units import parse_rate
-
-D, T, C = 32, 64, 8
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(D, 4 * D)
-        self.down = nn.Linear(4 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class SeqNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(4)])
-        self.head = nn.Linear(D, C)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.blocks(x))
-        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+from test_fit import C, D, SeqNet, T  # the same tiny model as fit's own tests
 
 
 def make() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:

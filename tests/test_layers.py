@@ -24,12 +24,15 @@ def test_the_layers_contract_is_in_pyproject() -> None:
                project["project"]["optional-dependencies"]["test"])
 
 
-def test_the_readme_test_command_and_ci_run_lint_imports() -> None:
+def test_the_readme_test_command_and_ci_run_every_check() -> None:
+    """The README's test command runs the import layers, the type check (tests/
+    test_typecheck_config.py), the docs build and pytest, and .ci/run runs the same checks."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     command = next(line for line in readme.splitlines()
                    if line.startswith("python3 -m venv") and "pytest" in line)
     assert "&& lint-imports &&" in command
+    assert "&& lint-imports && mypy && mkdocs build --strict && pytest" in command
     checks = command[command.index("ruff check"):]  # .ci/run's pip is quiet (-q); the checks match
     assert checks in ci
 

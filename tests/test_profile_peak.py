@@ -24,6 +24,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
+from _models import Classifier
 from memfit.categories import MemoryCategory
 from memfit.cli import main
 from memfit.profiling import profile
@@ -223,32 +224,6 @@ def test_tensors_alive_before_and_freed_inside_are_seen_freed() -> None:
     assert r.peak_bytes == truth
 
 
-class _MlpBlock(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, h), nn.Linear(h, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class _Clf(nn.Module):
-    """The issue-20 classifier, smaller: ``inp``, pre-norm GELU MLP blocks, ``head``, and its
-    own cross-entropy loss as the output."""
-
-    def __init__(self, inp: int, d: int, h: int, blocks: int, classes: int) -> None:
-        super().__init__()
-        self.inp = nn.Linear(inp, d)
-        self.blocks = nn.ModuleList(_MlpBlock(d, h) for _ in range(blocks))
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return nn.functional.cross_entropy(self.head(h), y)
-
-
 def test_a_step_that_traces_inside_the_block_is_counted_once() -> None:
     """Plan.apply's step is OOM-guarded with the plan's budget: its first batch is predicted by
     memfit's trace, a fake copy of the model and its optimizer run under a FakeTensorMode,
@@ -263,7 +238,7 @@ def test_a_step_that_traces_inside_the_block_is_counted_once() -> None:
     params = (inp * d + d) + n * (2 * d + (d * h + h) + (h * d + d)) + (d * classes + classes)
     tensors = 2 + n * 6 + 2  # weight and bias of every Linear and LayerNorm
     torch.manual_seed(0)
-    model = _Clf(inp, d, h, n, classes)
+    model = Classifier(inp, d, h, n, classes)
     x, y = torch.randn(64, inp), torch.randint(0, classes, (64,))
     # What Plan.apply runs (fitting/plan.py: Plan.apply -> apply_config, budget_bytes=the plan's)
     config = FitConfig(precision="fp32", checkpointing="none", micro_batch=16, accumulation=4,

@@ -21,13 +21,3 @@ def test_mypy_is_configured_strict_over_src() -> None:
         assert not override.get("ignore_errors", False), override["module"]
         assert set(override) <= {"module", "disable_error_code", "ignore_missing_imports"}
     assert any(d.startswith("mypy") for d in project["project"]["optional-dependencies"]["test"])
-
-
-def test_the_readme_test_command_and_ci_run_mypy() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    command = next(line for line in readme.splitlines()
-                   if line.startswith("python3 -m venv") and "pytest" in line)
-    assert "&& lint-imports && mypy && mkdocs build --strict && pytest" in command
-    checks = command[command.index("ruff check"):]
-    assert checks in ci
