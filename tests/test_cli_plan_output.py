@@ -240,5 +240,7 @@ def test_the_trace_header_says_the_whole_time(capsys, monkeypatch) -> None:
                       r"the step\)", out.splitlines()[0])
     assert found is not None, out.splitlines()[0]
     said, step = float(found.group(1)), float(found.group(2))
-    assert wall - 0.5 <= said <= wall + 0.05
+    # the slowed build is inside the time said, which is inside the test's own stopwatch (no
+    # lower wall-clock tolerance: imports before the command's timer vary with the machine)
+    assert 1.5 <= said <= wall + 0.05
     assert step <= said - 1.4
