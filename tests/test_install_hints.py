@@ -125,7 +125,7 @@ def test_test_skip_hints_name_the_extra_that_installs_the_module() -> None:
     said ``memfit[export]``; they are in ``export-torchtitan`` and ``export-torchtune``)."""
     extras = _extras()
     bad, checked = [], 0
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
         for module, extra in _require_calls(path.read_text(encoding="utf-8"), "needs"):
             checked += 1
             if not _installs(extras, extra, module):

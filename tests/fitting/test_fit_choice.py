@@ -16,7 +16,7 @@ from memfit.fitting.plan import TIE_TOLERANCE, Candidate, Rejected, rank, simpli
 from memfit.fitting.search import trace_one
 from memfit.units import GiB, format_seconds
 
-# test_fit's activation-heavy model (pytest puts tests/ on sys.path).
+# test_fit's activation-heavy model (pytest puts this directory on sys.path).
 from test_fit import make, params_bytes
 
 

@@ -202,7 +202,7 @@ def test_without_transformers_the_error_names_the_extra(tmp_path: Path,
         load_hf_config(_write(tmp_path, TINY_T5))
     message = str(err.value)
     assert "pip install 'memfit[hf]'" in message and "'t5'" in message and "\n" not in message
-    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    pyproject = Path(__file__).parents[2] / "pyproject.toml"
     assert "\nhf = [" in pyproject.read_text()  # the extra the hint names exists
 
 

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "arch_sweep.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "arch_sweep.py"
 ARCHITECTURES = [
     ("causal-lm", "gpt2"), ("causal-lm", "llama"), ("causal-lm", "mixtral"),
     ("causal-lm", "qwen3_moe"), ("causal-lm", "olmoe"), ("causal-lm", "deepseek_v3"),

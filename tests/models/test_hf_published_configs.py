@@ -19,7 +19,7 @@ from memfit.cli import main
 
 pytest.importorskip("transformers")
 
-DATA = Path(__file__).parent / "data" / "published_configs"
+DATA = Path(__file__).parents[1] / "data" / "published_configs"
 CONFIGS = sorted(DATA.glob("*.json"))
 BLOCK = 512  # the CUDA caching allocator rounds every tensor up to 512 bytes
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # --lora-targets q,k,v,o (the default)

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "formulas_vs_trace.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "formulas_vs_trace.py"
 HAS_HF = importlib.util.find_spec("transformers") is not None
 
 
