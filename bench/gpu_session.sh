@@ -21,14 +21,15 @@ step cuda_facts $?
 ( timeout "${VALIDATE_S:-240}" python3 bench/validate_gpu.py --json "$OUT/validate.json" \
     >"$OUT/validate.log" 2>&1; step validate $? ) &
 ( timeout "${PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra" \
-    tests/test_batch_size.py tests/test_guard.py tests/test_profile.py \
-    tests/test_profile_peak.py tests/test_tech_allocator.py tests/test_tech_loss.py \
-    tests/test_tech_optim.py tests/test_tech_precision.py tests/test_tech_quant.py \
-    tests/test_tech_offload.py >"$OUT/pytest.log" 2>&1; step pytest $? ) &
+    tests/fitting/test_batch_size.py tests/guard/test_guard.py tests/profiling/test_profile.py \
+    tests/profiling/test_profile_peak.py tests/techniques/test_tech_allocator.py \
+    tests/techniques/test_tech_loss.py tests/techniques/test_tech_optim.py \
+    tests/techniques/test_tech_precision.py tests/techniques/test_tech_quant.py \
+    tests/techniques/test_tech_offload.py >"$OUT/pytest.log" 2>&1; step pytest $? ) &
 wait
 # The CUDA offload test is not marked gpu (it skips without CUDA): run it too.
-timeout 40 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_tech_offload.py \
-  -k cuda >>"$OUT/pytest.log" 2>&1
+timeout 40 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" \
+  tests/techniques/test_tech_offload.py -k cuda >>"$OUT/pytest.log" 2>&1
 step pytest_offload $?
 # Phase 2, timed, alone on the GPU.
 timeout "${TECH_S:-130}" python3 bench/techniques.py --device cuda --out "$OUT/techniques.json" \

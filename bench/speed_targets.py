@@ -12,7 +12,7 @@ shared machine inflate wall time, not CPU time). Prints one line per target and 
 Targets (from the issues that set them):
 - ``estimate`` of eight 256x256 Linears (CUDA target, bf16-mixed): < 3 s;
 - ``plan`` of every preset in five run modes: < 100 ms each (the slowest is reported);
-- ``fit`` of ``tests/test_fit.py``'s small model (global batch 16, 1 GiB): < 3 s;
+- ``fit`` of ``tests/fitting/test_fit.py``'s small model (global batch 16, 1 GiB): < 3 s;
 - building the 8B Llama preset on the meta device: < 2 s;
 - the caching-allocator simulator: 100,000 malloc/free pairs < 10 s.
 """
@@ -72,7 +72,8 @@ def small_fit() -> None:
     from memfit.fitting import fit
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from fit import SmallNet  # bench/fit.py's model; at this size tests/test_fit.py's SeqNet
+    # bench/fit.py's model; at this size tests/fitting/test_fit.py's SeqNet
+    from fit import SmallNet
 
     torch.manual_seed(0)
     batch = (torch.randn(16, 64, 32), torch.randint(0, 8, (16, 64)))

@@ -154,7 +154,7 @@ def test_fits_keeps_the_margin() -> None:
 
 def test_fit_keeps_the_trace_margin_on_cuda() -> None:
     """``fit``'s default headroom: the trace's evidence-derived margin for a CUDA target, 5% for
-    the CPU, where applied steps measure within 0.5% of the plan (tests/test_fit.py)."""
+    the CPU, where applied steps measure within 0.5% of the plan (tests/fitting/test_fit.py)."""
     import torch
     from torch import nn
 

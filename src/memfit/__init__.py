@@ -10,7 +10,7 @@ True
 # `import memfit` imports nothing of memfit or torch: each public name below is imported on first
 # use (PEP 562 module __getattr__), so the analytic CLI (`memfit plan --params 7e9`, `memfit gpus`)
 # answers without importing torch (2-3 s on its own). `from memfit import plan` and `memfit.plan`
-# work as before. tests/test_cli_no_torch.py checks that those paths never import torch.
+# work as before. tests/cli/test_cli_no_torch.py checks that those paths never import torch.
 
 import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
@@ -46,7 +46,7 @@ _SOURCES: dict[str, str] = {
     "watch": "memfit.monitor",
 }
 
-# (tests/test_cli_no_torch.py checks that __all__ and _SOURCES name the same things)
+# (tests/cli/test_cli_no_torch.py checks that __all__ and _SOURCES name the same things)
 __all__ = [
     "Estimate",
     "GpuSpec",

@@ -1,7 +1,7 @@
 """memfit export: reading both kinds of plan, the gaps every target reports, bad input.
 
-The exports' contents are checked by the tools' own parsers in tests/test_export_tools.py; here
-the settings a plan carries are compared with values written by hand in each test.
+The exports' contents are checked by the tools' own parsers in tests/export/test_export_tools.py;
+here the settings a plan carries are compared with values written by hand in each test.
 """
 
 from __future__ import annotations

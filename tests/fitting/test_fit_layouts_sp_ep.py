@@ -9,8 +9,8 @@ exponentials, ``_nll_loss_forward`` the picked log-probability; "the correspondi
 call ... also needs to happen under this context manager"); torchtitan's train context
 (torchtitan/distributed/utils.py: get_train_context) entering it around forward and backward;
 GShard (Lepikhin et al. 2020, §2.2) and torchtitan's AllToAllTokenDispatcher: two all-to-alls per
-MoE layer forward, their reverses backward. The parity tolerance is tests/test_fit_parallel.py's
-(fp32 reordering, its module docstring).
+MoE layer forward, their reverses backward. The parity tolerance is
+tests/fitting/test_fit_parallel.py's (fp32 reordering, its module docstring).
 """
 
 from __future__ import annotations

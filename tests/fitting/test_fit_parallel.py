@@ -286,8 +286,8 @@ def test_plan_apply_trains_like_one_process(layout: dict[str, Any], world: int) 
 def test_apply_needs_torchrun_and_names_what_it_cannot_run_yet() -> None:
     """Without torch.distributed: how to start the ranks. A pipeline beside HSDP, which Plan.apply
     does not run (pipelines run alone, with tp, and with DDP, ZeRO-1 and FSDP2:
-    tests/test_fit_pipeline.py): one line saying so and the way out (over a fake 8-rank process
-    group, memfit/parallel/trace.py: fake_world)."""
+    tests/fitting/test_fit_pipeline.py): one line saying so and the way out (over a fake 8-rank
+    process group, memfit/parallel/trace.py: fake_world)."""
     from memfit.fitting.apply import apply_config
     from memfit.parallel.trace import fake_world
 

@@ -2,7 +2,7 @@
 schedules over memfit/parallel/pipeline.py's stages), and fit's per-rank trace of pipeline
 candidates.
 
-Parity tolerance: as tests/test_fit_parallel.py (fp32; the loss within ``rtol=1e-5``, every
+Parity tolerance: as tests/fitting/test_fit_parallel.py (fp32; the loss within ``rtol=1e-5``, every
 weight after two AdamW steps within ``rtol=1e-5, atol=5e-5``, 5% of one AdamW step). A pipeline
 adds each micro-batch's token-loss sum in another order than one process's mean over the batch,
 and FSDP2 / tensor parallelism reorder their sums as in the other layouts' tests. Measured (this

@@ -238,9 +238,9 @@ def test_each_rank_matches_a_real_gloo_run_within_1_percent(name: str, measured:
     reshard_after_forward; the experts are fully_shard's ignored_params), the profiler's
     allocator events per rank (memfit/parallel/measure.py): each rank's peak, and its high point
     in each phase, within 1% of the trace. A rank that is off is measured again from scratch and
-    the lower kept, as tests/test_parallel.py does: gloo's worker thread can hold a finished
-    collective's output past its use, which only adds bytes (one run of three held 5% more on
-    one rank here)."""
+    the lower kept, as tests/parallel/test_parallel.py does: gloo's worker thread can hold a
+    finished collective's output past its use, which only adds bytes (one run of three held 5% more
+    on one rank here)."""
     from memfit.parallel.measure import measure
 
     case = _case(LAYOUTS[name])

@@ -58,7 +58,7 @@ def _run(mode: FakeTensorMode, name: str, device: str) -> list[tuple[object, ...
     return results
 
 
-@pytest.mark.parametrize("device", ["cpu"])  # CUDA fakes: tests/test_trace_fastkey.py
+@pytest.mark.parametrize("device", ["cpu"])  # CUDA fakes: tests/trace/test_trace_fastkey.py
 @pytest.mark.parametrize("name", list(OPS))
 def test_hit_equals_torchs(name: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     made = []

@@ -40,7 +40,7 @@ from memfit.progress import Progress
 from memfit.units import format_bytes
 
 # Nothing here imports torch at module level: `plan --params --gpus N` and the engines the trace
-# does not run stay on the light analytic path (tests/test_cli_no_torch.py).
+# does not run stay on the light analytic path (tests/cli/test_cli_no_torch.py).
 
 AGREEMENT = 0.05
 """The analytic plan agrees with the trace when within 5% of its live bytes at the peak (issue

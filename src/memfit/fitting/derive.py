@@ -73,8 +73,8 @@ def derive_layout(t: Traced, ref_m: int, m: int, offload_states: bool,
     block's unsharded gradient before its reduce-scatter (``_fsdp_collectives.py:
     foreach_all_gather, foreach_reduce``); without resharding every block stays gathered from
     forward to backward beside its shard, with the unsharded gradient of a block and the root.
-    (tests/test_fit_parallel.py's tiny model over 4 ranks, fp32, micro-batch 2: without these
-    buffers the derivation gave 48-81% of the per-rank trace, with them 97.8-100%; in
+    (tests/fitting/test_fit_parallel.py's tiny model over 4 ranks, fp32, micro-batch 2: without
+    these buffers the derivation gave 48-81% of the per-rank trace, with them 97.8-100%; in
     bf16-mixed with 2 micro-batches it gives 100-116%, over rather than under.)"""
     peak: float = derive(t, ref_m, m, offload_states, offload_activations, "none", 1, per_rank)
     acts = t.activations_at_peak * m / ref_m
@@ -108,7 +108,7 @@ def rest_of_batch(t: Traced, ref_m: int, per_gpu: int) -> int:
     # Note: [whole batch] Plan.apply's step (and accumulate()) takes the per-GPU batch and runs
     # views of it one micro-batch at a time, so all of it is alive at the peak. Leaving it out
     # under-predicted a 4 x 4 accumulation step by 6.5% (104,448 B of a 16-sample batch, in
-    # tests/test_fit.py's model) while the 5% headroom hid it.
+    # tests/fitting/test_fit.py's model) while the 5% headroom hid it.
     return t.input_bytes * (per_gpu - ref_m) // ref_m
 
 

@@ -412,7 +412,7 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
                                          "torchtitan and apply_model; FSDP / HSDP are searched"))
             if pp > 1 and dp > 1 and "hsdp" in shardings:
                 # fitting/apply.py: _pipeline_parallel (Plan.apply runs pp beside DDP, ZeRO-1
-                # and FSDP2: tests/test_fit_pipeline.py; HSDP under a pipeline is traced but
+                # and FSDP2: tests/fitting/test_fit_pipeline.py; HSDP under a pipeline is traced but
                 # not applied yet)
                 rejected.append(Rejected(what=f"tp {tp} x pp {pp} with hsdp over {dp}",
                                          reason="Plan.apply runs a pipeline beside DDP, ZeRO-1 "

@@ -19,7 +19,7 @@ candidates are ranked ahead of anything it could give (Note: [pruning]), by a bo
 cost model's own arithmetic (Note: [traffic bound], Note: [model-state bound]).
 cost model's own arithmetic (Note: [traffic bound], Note: [model-state bound]).
 ``SearchOptions(prune=False, share_traces=False)`` is the exhaustive search the tests compare
-with (``tests/test_fit_prune.py``).
+with (``tests/fitting/test_fit_prune.py``).
 
 The search in parts: the request checks and the space (:mod:`memfit.fitting.search_space`), a
 traced step (:mod:`memfit.fitting.traced`), the variants derived from it

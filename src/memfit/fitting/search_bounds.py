@@ -37,9 +37,9 @@ class Pruning(SearchState):
         depend on the precision and the optimizer only (the same parameters, the same optimizer
         state per parameter; checkpointing, chunked loss and the attention kernel change
         activations), so a traced sibling with the same precision and optimizer gives them
-        before ``combo`` is traced (``tests/test_fit_search.py`` checks that siblings agree).
-        The bound is then ``step_cost`` itself with no activation transfer (>= 0) and the plain
-        sibling's ops per micro-batch for the dispatch (checkpointing only adds ops: the
+        before ``combo`` is traced (``tests/fitting/test_fit_search.py`` checks that siblings
+        agree). The bound is then ``step_cost`` itself with no activation transfer (>= 0) and the
+        plain sibling's ops per micro-batch for the dispatch (checkpointing only adds ops: the
         recompute; none before the plain sibling is traced), minimised over the offload and
         sharding variants: a candidate that ties with it differs from it only by those terms."""
         by_m = self.bounds(combo)
@@ -131,9 +131,9 @@ class Pruning(SearchState):
         them out changes nothing in it either: a left-out ``X`` could only matter as the
         fastest of a tie group (which sets where the group ends), but every ``B`` is at least
         as fast, so when ``X`` would head a group either all ``B`` are placed already (the
-        table is full) or one heads it at the same time. ``tests/test_fit_search.py`` compares
-        the search with the exhaustive one (``SearchOptions(prune=False)``) and checks every
-        pruned combination's candidates against its bound."""
+        table is full) or one heads it at the same time. ``tests/fitting/test_fit_search.py``
+        compares the search with the exhaustive one (``SearchOptions(prune=False)``) and checks
+        every pruned combination's candidates against its bound."""
         precision, ckpt, opt, chunked, _ = combo
         top = self.top
         by_m = self.bounds(combo) if self.options.prune else {}

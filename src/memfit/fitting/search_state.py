@@ -56,9 +56,9 @@ traces)."""
 @dataclass(kw_only=True, frozen=True)
 class SearchOptions:
     """How :func:`memfit.fitting.fit` searches: each option saves traces without changing the
-    answer (``tests/test_fit_prune.py`` and ``tests/test_fit_search.py`` compare the searches with
-    and without them). The defaults are what ``fit`` runs; turning one off searches more (and
-    more slowly), for tests and ``bench/fit.py``."""
+    answer (``tests/fitting/test_fit_prune.py`` and ``tests/fitting/test_fit_search.py`` compare the
+    searches with and without them). The defaults are what ``fit`` runs; turning one off searches
+    more (and more slowly), for tests and ``bench/fit.py``."""
 
     traffic_bound: bool = True
     """Prune by compute + activation traffic (Note: [traffic bound]); False: by FLOPs alone
@@ -102,8 +102,8 @@ class SearchState:
         self.full_budget = min(b for b in (budget_bytes, spec.usable_bytes if spec else None)
                                if b)
         # Note: [headroom] A candidate must fit in the budget less the headroom. On the CPU the
-        # applied step measures within 0.5% of the plan (tests/test_fit.py), so 5% is ample. On
-        # CUDA the default is the trace's margin, derived from its worst under-prediction of a
+        # applied step measures within 0.5% of the plan (tests/fitting/test_fit.py), so 5% is ample.
+        # On CUDA the default is the trace's margin, derived from its worst under-prediction of a
         # published GPU measurement (TRACE_FITS_MARGIN); the OOM guard, not a crash, handles
         # what is still missed.
         self.budget = int(self.full_budget * (1 - headroom))
@@ -211,7 +211,7 @@ class SearchState:
         depend on it, and the one place the trace engine branches on the half dtype, the SDPA
         kernel choice (``sdp_utils.cpp: check_tensor_dtype``, ``check_dtypes_low_precision``:
         bf16 needs sm80+), accepts both on a GPU that runs bf16-mixed. So one trace serves both
-        (``tests/test_fit_search.py`` traces both and compares them). GradScaler's state (a
+        (``tests/fitting/test_fit_search.py`` traces both and compares them). GradScaler's state (a
         scale and a growth tracker, two scalars) is not in the trace of either. On the CPU only
         bf16-mixed is searched (the CPU kernels' scratch differs by dtype)."""
         if (self.options.share_traces and precision == "fp16-mixed" and self.device == "cuda"

@@ -30,8 +30,8 @@ class Verification(SearchState):
         """Note: [derived micro-batches are verified by a trace] A micro-batch below the
         largest one traced is costed from that trace (``derive``), which is cheap enough for
         every micro-batch but over-states it (by 3 to 29% in 12 fp32 and bf16-mixed cases of
-        ``tests/test_fit.py``'s classifier): it takes the traced step's accumulating peak less
-        the activations alive at its one-step peak, and that peak is often the optimizer's
+        ``tests/fitting/test_fit.py``'s classifier): it takes the traced step's accumulating peak
+        less the activations alive at its one-step peak, and that peak is often the optimizer's
         step, where the input is the only activation. Issue 20's classifier (3 MLP blocks of
         width 2048) at micro-batch 128 of 4096 was given micro-batch 256's peak, 7.7% over its
         measured step; GPT-2's micro-batch 4 of 256 was given 22.84 GB for a traced 8.80 GB.

@@ -166,8 +166,9 @@ def _read(est: Any, model: nn.Module, inputs: Any, *, device: str, steps: int,
     ``inputs`` (traced with ``steps`` steps)."""
     if steps == 1 and len(est.per_rank) > 1:
         # The worst rank once its optimizer states exist (Note: [one traced step on CPU]): the
-        # first step's worst can be another (tests/test_fit_pipeline.py's pp 2 at micro-batch
-        # 2 x 4: the first step's worst stage gave a peak 4.4% under the two-step trace's).
+        # first step's worst can be another (tests/fitting/test_fit_pipeline.py's pp 2 at
+        # micro-batch 2 x 4: the first step's worst stage gave a peak 4.4% under the two-step
+        # trace's).
         est = max(est.per_rank, key=_one_step_peak)
     cats = est.breakdown
     outside = est.total_bytes - est.peak_reserved_bytes

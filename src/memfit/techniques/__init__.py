@@ -13,9 +13,9 @@ Note: [composition order] Apply them in this order (each step's docstring says w
    ``accumulate`` inside it.
 8. Inference: ``quantize_weights`` on the eval model.
 
-``tests/test_tech_composition.py`` applies steps 3 to 7 to one model (chunked loss, selective
-checkpointing, offload, ``torch.compile``, FSDP2, AdamW) and checks the loss, gradients and
-updated weights are bit-identical to the plain model's.
+``tests/techniques/test_tech_composition.py`` applies steps 3 to 7 to one model (chunked loss,
+selective checkpointing, offload, ``torch.compile``, FSDP2, AdamW) and checks the loss, gradients
+and updated weights are bit-identical to the plain model's.
 """
 
 from memfit.techniques.accumulation import (

@@ -15,7 +15,7 @@ The lists are torch's: ``aten/src/ATen/autocast_mode.h`` (``AT_FORALL_LOWER_PREC
 ``AT_FORALL_FP32``, ``AT_FORALL_FP32_SET_OPT_DTYPE``, ``AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE``,
 ``AT_FORALL_PROMOTE``, registered for CUDA by ``TORCH_LIBRARY_IMPL(aten, Autocast, m)`` in
 ``autocast_mode.cpp``) against ``TORCH_LIBRARY_IMPL(aten, AutocastCPU, m)`` there.
-``tests/test_autocast.py`` checks them against the installed torch itself: which ops carry an
+``tests/trace/test_autocast.py`` checks them against the installed torch itself: which ops carry an
 AutocastCUDA / AutocastCPU kernel (the dispatcher), and what each kernel does (fake CUDA tensors
 under CUDA autocast, which a CPU-only build runs for forward ops).
 

@@ -56,8 +56,8 @@ calls, and real values replayed into data-dependent ops differ per call. A model
 blocks in another order, with other arguments or with another grad mode stops the replay;
 if a block was already replayed in that step, the trace is redone without replay
 (:class:`memfit.trace.replay.ReplayMismatch`), as it is when a template turns out not to be
-replayable. ``tests/test_trace_block_replay_exact.py`` compares every Estimate field with replay
-on and off.
+replayable. ``tests/trace/test_trace_block_replay_exact.py`` compares every Estimate field with
+replay on and off.
 """
 
 from __future__ import annotations

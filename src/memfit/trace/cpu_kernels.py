@@ -10,10 +10,10 @@ events (outputs included) is cached per signature.
 
 Three kernels are run smaller where their source shows the scratch does not depend on the
 dimension cut, and what does grows linearly with it: the op runs at two small sizes and the peak is
-extrapolated, exactly (each Note below gives the source; tests/test_cpu_kernels_reduced.py checks
-each against the full-size run): CPU flash attention at batch 1 with one and two heads, bf16 ``mm``
-at two row counts that are multiples of 256 x threads (oneDNN's blocking is then the same), and
-mixed-dtype add/sub/mul/div at sizes 1 and 2 of one output dimension. On a 1B Llama step (bf16,
+extrapolated, exactly (each Note below gives the source; tests/trace/test_cpu_kernels_reduced.py
+checks each against the full-size run): CPU flash attention at batch 1 with one and two heads, bf16
+``mm`` at two row counts that are multiples of 256 x threads (oneDNN's blocking is then the same),
+and mixed-dtype add/sub/mul/div at sizes 1 and 2 of one output dimension. On a 1B Llama step (bf16,
 seq 4096) this cut the kernel runs from 3.6 to 1.3 CPU-s.
 
 Known limitations: only ops whose inputs total at most ``CALIBRATION_CAP_BYTES`` are measured
@@ -231,7 +231,7 @@ def _sdpa_reducible(args: Any, kwargs: dict[str, Any]) -> bool:
     (``_scaled_dot_product_flash_attention_cpu``, aten/src/ATen/native/transformers/
     attention.cpp: output (B, L, H, D) and logsumexp (B, L, H)) are linear in batch x heads.
     So the peak at batch x heads = n is p1 + (n - 1) * (p2 - p1), p1 and p2 measured at one and
-    two heads (tests/test_cpu_kernels_reduced.py compares it with the full-size measurement).
+    two heads (tests/trace/test_cpu_kernels_reduced.py compares it with the full-size measurement).
     Without a mask only (a mask's broadcast shape depends on batch and heads)."""
     if kwargs.get("attn_mask") is not None or len(args) != 5:
         return False

@@ -30,10 +30,10 @@ which stays real here:
 
 Ledger events are the whole of what the estimate is computed from (``engine._result``: the log,
 the ops' marks, the allocator model fed in the same order, the running peaks), so the replayed
-trace's estimate is the real one's, field for field; ``tests/test_trace_speed_exact.py`` compares
-both on pipeline layouts with ``MEMFIT_NO_REPLAY=1`` (or :func:`disabled`) as the reference.
-Replay is used only where nothing else hangs on the skipped calls: no FSDP inside the module
-(its hooks own state across calls), no real values replayed into data-dependent ops, no host
+trace's estimate is the real one's, field for field; ``tests/trace/test_trace_speed_exact.py``
+compares both on pipeline layouts with ``MEMFIT_NO_REPLAY=1`` (or :func:`disabled`) as the
+reference. Replay is used only where nothing else hangs on the skipped calls: no FSDP inside the
+module (its hooks own state across calls), no real values replayed into data-dependent ops, no host
 memory, no side-stream frees pending.
 """
 
