@@ -1,20 +1,88 @@
-"""Tiny models shared by several test files (one definition, not one per file)."""
+"""Tiny models shared by several test files (one definition, not one per file).
+
+The blocks build their submodules in a fixed order, so a seeded model has the same weights in
+every file that uses it. Blocks still defined in a test file differ in what they run (another
+forward, another signature), not only in their sizes.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Block(nn.Module):
+    """A pre-norm GPT block: causal SDPA attention over ``heads`` heads, then a GELU MLP of
+    width ``4 * dim``, each added to the residual (through ``dropout``, if not 0)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, s, d)))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class TinyGPT(nn.Module):
+    """The tiny decoder: an embedding, ``layers`` blocks (:class:`Block`), a final LayerNorm and a
+    bias-free head over ``vocab`` tokens (``tied``: the head is the embedding's weight;
+    ``ckpt``: each block under ``torch.utils.checkpoint``, non-reentrant)."""
+
+    def __init__(self, layers: int = 4, *, vocab: int = 256, dim: int = 64, heads: int = 4,
+                 dropout: float = 0.0, tied: bool = False, ckpt: bool = False) -> None:
+        super().__init__()
+        self.ckpt = ckpt
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
+        return self.head(self.ln(x))
+
+
+class ReluBlock(nn.Module):
+    """``x + down(relu(up(x)))``, ``up`` from ``dim`` to ``4 * dim``: a residual ReLU MLP with no
+    norm (few parameters, activations of batch x 4 * dim)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
 
 
 class MlpBlock(nn.Module):
-    """A pre-norm GELU MLP block with a residual."""
+    """A pre-norm GELU MLP block with a residual (through ``dropout``, if not 0)."""
 
-    def __init__(self, d: int, h: int) -> None:
+    def __init__(self, d: int, h: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, h), nn.Linear(h, d)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.norm(x)))))
 
 
 class Classifier(nn.Module):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from _models import Classifier
+from _models import Classifier, ReluBlock
 from memfit.errors import MemfitError
 from memfit.fitting import FitConfig, Plan, fit
 from memfit.fitting.plan import TIE_TOLERANCE
@@ -22,22 +22,12 @@ from memfit.profiling.cpu import measure_cpu_peak
 D, T, C = 32, 64, 8
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
 class SeqNet(nn.Module):
     """Activations (batch x T x 4D per block) dominate its few parameters."""
 
     def __init__(self, d: int = D, n: int = 4) -> None:
         super().__init__()
-        self.blocks = nn.Sequential(*[Block(d) for _ in range(n)])
+        self.blocks = nn.Sequential(*[ReluBlock(d) for _ in range(n)])
         self.head = nn.Linear(d, C)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

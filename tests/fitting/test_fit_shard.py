@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _models import ReluBlock
 from memfit.errors import MemfitError
 from memfit.fitting import FitConfig
 from memfit.fitting.apply import apply_config
@@ -19,20 +20,10 @@ from memfit.fitting.apply import apply_config
 D, C = 16, 4
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(D, 4 * D)
-        self.down = nn.Linear(4 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.blocks = nn.Sequential(*[ReluBlock(D) for _ in range(3)])
         self.head = nn.Linear(D, C)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from _models import ReluBlock
 from memfit.profiling.result import ProfileResult
 from memfit.profiling.session import profile
 from memfit.units import format_bytes
@@ -32,20 +33,10 @@ pytestmark = pytest.mark.skipif(
     reason="headless browser test needs /usr/bin/chromium (apt-get install -y chromium)")
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
 def _model(d: int = 128) -> nn.Sequential:
     model = nn.Sequential()
     model.add_module(HOSTILE, nn.Linear(d, d))  # a module name that must stay text
-    model.add_module("blocks", nn.Sequential(Block(d), Block(d), Block(d)))
+    model.add_module("blocks", nn.Sequential(ReluBlock(d), ReluBlock(d), ReluBlock(d)))
     model.add_module("head", nn.Linear(d, 32))
     return model
 

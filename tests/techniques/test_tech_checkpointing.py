@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from _models import Block, TinyGPT
 from memfit import MemoryCategory, estimate
 from memfit.errors import MemfitError
 from memfit.models.build import build_model, example_inputs
@@ -30,42 +31,7 @@ from memfit.techniques.checkpointing import (
     remove_activation_checkpointing,
 )
 
-DIM, HEADS, VOCAB = 64, 4, 256
-
-
-class Block(nn.Module):
-    def __init__(self, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM)
-        self.proj = nn.Linear(DIM, DIM)
-        self.ln2 = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, 4 * DIM)
-        self.fc2 = nn.Linear(4 * DIM, DIM)
-        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (t.view(b, s, HEADS, d // HEADS).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, s, d)))
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, layers: int = 4, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block(dropout) for _ in range(layers))
-        self.ln = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
+DIM, VOCAB = 64, 256  # TinyGPT's defaults (tests/_models.py)
 
 
 def lm_loss(logits: torch.Tensor) -> torch.Tensor:

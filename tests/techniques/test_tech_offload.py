@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from _models import MlpBlock
 from memfit import estimate
 from memfit.errors import MemfitError
 from memfit.profiling import measure_cpu_peak
@@ -26,23 +26,11 @@ from memfit.techniques.offload import (
 DIM, VOCAB = 64, 256
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, 4 * DIM)
-        self.fc2 = nn.Linear(4 * DIM, DIM)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
-
-
 class Net(nn.Module):
     def __init__(self, layers: int = 4) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.blocks = nn.ModuleList(MlpBlock(DIM, 4 * DIM, dropout=0.1) for _ in range(layers))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _models import TinyGPT
 from memfit import estimate
 from memfit.errors import MemfitError
 from memfit.profiling import measure_cpu_peak
 from memfit.techniques.precision import MasterWeights, MixedPrecision, apply_precision
 
-DIM, HEADS, VOCAB = 64, 4, 256
+VOCAB = 256  # TinyGPT's default (tests/_models.py)
 
 # Unit roundoff (half an ulp at 1.0): bf16 keeps 8 significant bits, fp16 11.
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -27,40 +28,6 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 # forward and backward) whose errors add at worst: 16 leaves a margin. The loss (computed from
 # logits by cross-entropy, upcast to fp32 by autocast) sees fewer: 2.
 GRAD_ROUNDOFFS, LOSS_ROUNDOFFS = 16, 2
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM)
-        self.proj = nn.Linear(DIM, DIM)
-        self.ln2 = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, 4 * DIM)
-        self.fc2 = nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (t.view(b, s, HEADS, d // HEADS).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, layers: int = 4) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
-        self.ln = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
 
 
 def lm_loss(logits: torch.Tensor) -> torch.Tensor:

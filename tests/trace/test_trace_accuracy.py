@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from _models import MlpBlock, TinyGPT
 from memfit._tensors import call_model
 from memfit.categories import MemoryCategory
 from memfit.profiling import measure_cpu_peak
@@ -46,43 +47,6 @@ class ConvBN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).flatten(1))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 256, dim: int = 64, heads: int = 4, layers: int = 2,
-                 ckpt: bool = False) -> None:
-        super().__init__()
-        self.ckpt = ckpt
-        self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.emb.weight  # tied
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
-        return self.head(self.ln(x))
 
 
 class Recurrent(nn.Module):
@@ -178,7 +142,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]],
     "lstm-gru": (Recurrent, lambda: (torch.randn(8, 10, 32),), mse),
     "unet-groupnorm": (UNet, lambda: (torch.randn(2, 3, 32, 32),), mse),
     "topk-moe": (lambda: _moe(4 * 32), lambda: (torch.randn(4, 32, 64),), mse),
-    "checkpointed-transformer": (lambda: TinyGPT(ckpt=True),
+    "checkpointed-transformer": (lambda: TinyGPT(2, tied=True, ckpt=True),
                                  lambda: (torch.randint(0, 256, (4, 64)),), mse),
 }
 
@@ -500,24 +464,13 @@ def test_padded_multihead_attention_within_1_percent(precision: str) -> None:
     assert abs(est.peak_bytes - real) <= TOLERANCE * real, (est.peak_bytes, real)
 
 
-class FfnBlock(nn.Module):
-    def __init__(self, dim: int = 64) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
 class CheckpointedFfn(nn.Module):
     """Every block under ``torch.utils.checkpoint`` (non-reentrant), fed by an embedding."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(512, 64)
-        self.blocks = nn.ModuleList(FfnBlock() for _ in range(4))
+        self.blocks = nn.ModuleList(MlpBlock(64, 256) for _ in range(4))
         self.head = nn.Linear(64, 512)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
