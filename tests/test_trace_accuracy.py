@@ -419,7 +419,7 @@ def test_mse_loss_temporary_within_1_percent(precision: str) -> None:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_hugging_face_llama_within_1_percent(attn: str) -> None:
     # transformers treats fake tensors as compile-time tracing and would materialise a causal
-    # mask the real (eager) step skips; see engine.py's note on libraries that detect fakes.
+    # mask the real (eager) step skips; see fake_rules.py's note on libraries that detect fakes.
     pytest.importorskip("transformers")
     from memfit.models.build import build_model, example_inputs
     from memfit.models.spec import TransformerSpec

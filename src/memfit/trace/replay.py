@@ -28,7 +28,7 @@ which stays real here:
   the call: else the call is not replayable (:class:`ReplayMismatch` when replays were already
   made, and the trace is redone without replay, ``redo_without_replay``).
 
-Ledger events are the whole of what the estimate is computed from (``engine._result``: the log,
+Ledger events are the whole of what the estimate is computed from (``result._result``: the log,
 the ops' marks, the allocator model fed in the same order, the running peaks), so the replayed
 trace's estimate is the real one's, field for field; ``tests/test_trace_speed_exact.py`` compares
 both on pipeline layouts with ``MEMFIT_NO_REPLAY=1`` (or :func:`disabled`) as the reference.
