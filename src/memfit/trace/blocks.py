@@ -55,7 +55,7 @@ op (its windows are refused), a parallel layout's blocks hold FSDP or DTensor st
 calls, and real values replayed into data-dependent ops differ per call. A model that calls its
 blocks in another order, with other arguments or with another grad mode stops the replay;
 if a block was already replayed in that step, the trace is redone without replay
-(:class:`memfit.trace.replay.ReplayMismatch`), as it is when a template turns out not to be
+(:class:`memfit.trace.replay_windows.ReplayMismatch`), as it is when a template turns out not to be
 replayable. ``tests/test_trace_block_replay_exact.py`` compares every Estimate field with replay
 on and off.
 """
@@ -73,7 +73,16 @@ from torch import nn
 
 from memfit._compat.torch_internals import DisableTorchFunction
 from memfit.trace import replay as _r
-from memfit.trace.replay import ReplayMismatch, _meta, _new_tensor, _plain_uid, _snapshot, _window
+from memfit.trace.replay_windows import (
+    ReplayMismatch,
+    _meta,
+    _new_tensor,
+    _plain_uid,
+    _snapshot,
+    _Window,
+    _window,
+    emit,
+)
 
 MIN_BLOCKS = 4
 """Fewer blocks leave nothing to replay (blocks 0, 1 and N-1 always run)."""
@@ -92,8 +101,8 @@ def _bookkeeping(fn: _F) -> _F:
     return run  # type: ignore[return-value]
 
 
-def _relative(window: _r._Window | None, prefix: str, blocks: frozenset[str]
-              ) -> _r._Window | None:
+def _relative(window: _Window | None, prefix: str, blocks: frozenset[str]
+              ) -> _Window | None:
     """``window`` with its module names as indices into ``window.names``: ``(True, rest)`` for
     a name inside block ``prefix`` (``rest`` after the prefix), ``(False, name)`` for one
     outside every block (a function called in the block but attributed by autograd's hooks to
@@ -141,11 +150,11 @@ def _inside(name: str, blocks: frozenset[str]) -> bool:
     return any(".".join(parts[:k]) in blocks for k in range(1, len(parts) + 1))
 
 
-def _names_for(window: _r._Window, prefix: str) -> list[str]:
+def _names_for(window: _Window, prefix: str) -> list[str]:
     return [prefix + name if rel else name for rel, name in window.names]
 
 
-def _same_window(a: _r._Window, b: _r._Window) -> bool:
+def _same_window(a: _Window, b: _Window) -> bool:
     return (a.events == b.events and a.ops == b.ops and a.survivors == b.survivors
             and a.real_local == b.real_local and a.meta == b.meta and a.names == b.names)
 
@@ -246,8 +255,8 @@ class _Blocks:
 
     def _forget_templates(self) -> None:
         self.complete = False
-        self.forward_t: _r._Window | None = None
-        self.backward_t: _r._Window | None = None
+        self.forward_t: _Window | None = None
+        self.backward_t: _Window | None = None
         self.meta_sig: Any = None  # the arguments' metadata, to compare across steps
         self.grad_in: int | None = None  # local index of the input's gradient (-1: passed on)
         self.param_grads: list[int | None] = []  # local index of each parameter's .grad
@@ -384,7 +393,7 @@ class _Blocks:
         _r.counts["recorded"] += 1
         return out
 
-    def _forward_window(self, i: int, start: tuple[int, ...], out: Any) -> _r._Window | None:
+    def _forward_window(self, i: int, start: tuple[int, ...], out: Any) -> _Window | None:
         tracker = self.tracker
         uid = _plain_uid(tracker, out)
         if uid is None or out.requires_grad != self.training or (
@@ -599,9 +608,9 @@ class _BlockReplayed(torch.autograd.Function):
         return None, None, grad_in
 
 
-def _emit(blocks: _Blocks, window: _r._Window, foreign: Any, reals: dict[int, torch.Tensor],
+def _emit(blocks: _Blocks, window: _Window, foreign: Any, reals: dict[int, torch.Tensor],
           i: int) -> list[int]:
-    return _r.emit(blocks.tracker, blocks.fake_mode, blocks.saved_keys, window, foreign, reals,
+    return emit(blocks.tracker, blocks.fake_mode, blocks.saved_keys, window, foreign, reals,
                    _names_for(window, blocks.names[i]))
 
 
