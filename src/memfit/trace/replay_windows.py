@@ -109,7 +109,7 @@ def emit(tracker: Any, fake_mode: Any, saved_keys: dict[int, int], window: _Wind
     storage made outside, freed here and forgotten, see :func:`_forget`); ``reals``: local
     index -> the real fake tensor that storage is (watched, not a ledger key); ``names``: the
     module names of a window whose events and ops hold indices into its ``names``
-    (:func:`memfit.trace.blocks._relative`), for the block replayed. ``saved_keys``: the
+    (:func:`memfit.trace.block_match._relative`), for the block replayed. ``saved_keys``: the
     replay's ledger keys of the forward survivors still alive, by uid."""
     if tracker.phase != window.phase:
         raise ReplayMismatch(f"replayed in phase {tracker.phase}, recorded in "
