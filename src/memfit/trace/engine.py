@@ -39,7 +39,7 @@ from memfit.progress import trace_progress
 from memfit.trace import foreach, host
 from memfit.trace.autocast import cuda_autocast_emulation
 from memfit.trace.blocks import replaying_blocks
-from memfit.trace.datadep import DataDependentSizes, RealValues, record_real_values
+from memfit.trace.datadep import DataDependentSizes
 from memfit.trace.estimate import Estimate
 from memfit.trace.fake_rules import _count_cpu_rng_states, _eager_library_paths, _grouped_mm_rule
 from memfit.trace.heap import with_frozen_heap
@@ -52,6 +52,7 @@ from memfit.trace.options import (
     _runtime,
     check_request,
 )
+from memfit.trace.real_values import RealValues, record_real_values
 from memfit.trace.replay import redo_without_replay
 from memfit.trace.result import _result
 from memfit.trace.sdpa import CudaSdpaRouting
@@ -108,7 +109,7 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
                               num_gpus=num_gpus, keep_output=keep_output, rank=rank)
     if not _real_step(model, inputs):
         return trace(None)[0]
-    # Note: [real values of a real step] in datadep.py: trace once; if its forward needed an
+    # Note: [real values of a real step] in real_values.py: trace once; if its forward needed an
     # assumption, read the values from a real forward and trace again.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -18,8 +18,8 @@ from memfit._tensors import call_model, shallow_leaves, tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
 from memfit.trace.autocast import target_autocast
-from memfit.trace.datadep import RealValues
 from memfit.trace.options import RankHooks
+from memfit.trace.real_values import RealValues
 from memfit.trace.tracker import Tracker
 
 
