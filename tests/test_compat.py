@@ -223,7 +223,7 @@ def test_checkpoint_reports_its_cpu_rng_state(use_reentrant: bool) -> None:
     assert len(states) == 1 and states[0].dtype == torch.uint8, (
         f"torch {torch.__version__}: torch.utils.checkpoint (use_reentrant={use_reentrant}) no "
         f"longer saves the CPU RNG state through torch.get_rng_state() (saw {len(states)} "
-        "calls); memfit would miss the saved state's bytes (trace/engine.py: "
+        "calls); memfit would miss the saved state's bytes (trace/fake_rules.py: "
         "_count_cpu_rng_states)")
 
 
@@ -269,7 +269,7 @@ def test_fake_op_rules_are_consulted_by_fake_tensor_dispatch() -> None:
         return
     pytest.fail(f"torch {torch.__version__}: FakeTensorMode no longer consults "
                 "torch._subclasses.fake_impls.op_implementations_checks; memfit's fake rule for "
-                "aten._grouped_mm (trace/engine.py: _grouped_mm_rule) would be ignored")
+                "aten._grouped_mm (trace/fake_rules.py: _grouped_mm_rule) would be ignored")
 
 
 # -- calls -----------------------------------------------------------------------------------------

@@ -18,14 +18,14 @@ def test_each_layer_takes_what_its_code_handles() -> None:
     from memfit.analytic import config as plan_config
     from memfit.fitting import config as fit_config
     from memfit.techniques.optim import _TORCH_CLASSES
-    from memfit.trace import engine
+    from memfit.trace import options
     from memfit.trace.optim import _named
 
     assert set(vocab.names("precision", "plan")) == set(get_args(plan_config.Precision))
     assert set(vocab.names("optimizer", "plan")) == set(get_args(plan_config.Optimizer))
     assert set(vocab.names("checkpointing", "plan")) == set(get_args(plan_config.Checkpointing))
     # the engine's dtypes per precision (checked by value in tests/test_vocab_precision.py)
-    assert set(engine.PRECISIONS) == set(vocab.names("precision", "trace"))
+    assert set(options.PRECISIONS) == set(vocab.names("precision", "trace"))
     for name in vocab.names("optimizer", "trace"):
         assert callable(_named(name, None))
     apply_optimizers = set(_TORCH_CLASSES) | {"adamw-8bit", "adam-8bit"}

@@ -80,7 +80,7 @@ def test_an_unknown_precision_is_one_line_with_the_closest_and_the_valid() -> No
 def test_the_trace_engine_reads_the_record() -> None:
     """(autocast dtype, dtype the model is cast to): autocast over an untouched fp32 model for
     the "-mixed" precisions, a cast model and no autocast for pure bf16/fp16."""
-    from memfit.trace.engine import PRECISIONS
+    from memfit.trace.options import PRECISIONS
 
     assert PRECISIONS == {
         "fp32": (None, None),

@@ -2,7 +2,7 @@
 part of memfit takes each. Torch-free, so the analytic CLI can read it.
 
 Each layer's tuple (``estimate.config.PRECISIONS``, ``fit.config.PRECISIONS``,
-``trace.engine.PRECISIONS``, ``techniques.precision.PRECISIONS``, the optimizer and
+``trace.options.PRECISIONS``, ``techniques.precision.PRECISIONS``, the optimizer and
 checkpointing lists) is derived from here with :func:`names`, in this module's order, and
 :func:`check` gives one error for a name a layer does not take: the closest name when it is
 unknown, and where it works when it is known but not there (fp8 is planned and applied, not

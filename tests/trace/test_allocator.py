@@ -15,12 +15,8 @@ import random
 import pytest
 
 from memfit.errors import MemfitError
-from memfit.trace.allocator import (
-    CachingAllocatorSim,
-    SimulatedOOM,
-    allocation_size,
-    round_size,
-)
+from memfit.trace.allocator import CachingAllocatorSim
+from memfit.trace.allocator_model import SimulatedOOM, allocation_size, round_size
 
 KiB = 2**10
 MiB = 2**20

@@ -129,7 +129,7 @@ def test_data_dependent_ops_warn_once_and_do_not_crash() -> None:
     assert len(ours) == 1
     assert est.assumptions and "data-dependent" in est.assumptions[0]
     # Real weights and inputs: a real forward answers every one of them (Note: [real values of
-    # a real step] in trace/datadep.py), without a warning.
+    # a real step] in trace/real_values.py), without a warning.
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -383,7 +383,7 @@ def test_mse_loss_temporary_within_1_percent(precision: str) -> None:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_hugging_face_llama_within_1_percent(attn: str) -> None:
     # transformers treats fake tensors as compile-time tracing and would materialise a causal
-    # mask the real (eager) step skips; see engine.py's note on libraries that detect fakes.
+    # mask the real (eager) step skips; see fake_rules.py's note on libraries that detect fakes.
     pytest.importorskip("transformers")
     from memfit.models.build import build_model, example_inputs
     from memfit.models.spec import TransformerSpec
@@ -409,7 +409,7 @@ def test_hugging_face_llama_within_1_percent(attn: str) -> None:
 def test_hugging_face_padded_batch_within_1_percent(padded: bool) -> None:
     # A real attention mask with padding: the real step sees that the mask is not all ones and
     # runs masked attention (a materialised 4D mask; on the CPU a slower, bigger kernel). The
-    # engine keeps the values of real integer inputs (datadep.py: known values), so its answer
+    # engine keeps the values of real integer inputs (known_values.py), so its answer
     # to transformers' "all ones?" check is the real one. (The trace predicted 23% too little
     # for this padded batch when it assumed no padding.)
     pytest.importorskip("transformers")
@@ -546,7 +546,7 @@ class SignBranch(nn.Module):
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_data_dependent_branch_follows_real_inputs(sign: float) -> None:
-    """Note: [real values of a real step] (trace/datadep.py): with real weights and inputs the
+    """Note: [real values of a real step] (trace/real_values.py): with real weights and inputs the
     branch is the one the real step takes, for positive and for negative inputs, measured."""
     torch.manual_seed(0)
     model, inputs = SignBranch(), (sign * torch.rand(64, 256),)

@@ -70,6 +70,7 @@ def test_skipping_dynamos_disable_wrapper_changes_no_field(
 
 def test_a_replay_mismatch_is_redone_once_without_replay() -> None:
     from memfit.trace import replay
+    from memfit.trace.replay_windows import ReplayMismatch
 
     calls: list[bool] = []
     dropped: list[bool] = []
@@ -78,8 +79,8 @@ def test_a_replay_mismatch_is_redone_once_without_replay() -> None:
         calls.append(replay.enabled())
         if len(calls) == 1:  # wrapped, as a pipeline schedule wraps a backward's error
             try:
-                raise replay.ReplayMismatch("block 3's backward is not replayable")
-            except replay.ReplayMismatch as exc:
+                raise ReplayMismatch("block 3's backward is not replayable")
+            except ReplayMismatch as exc:
                 raise RuntimeError("stage backward failed") from exc
         return "traced"
 

@@ -23,6 +23,7 @@ from torch import nn
 
 import memfit
 from memfit.trace import blocks, replay
+from memfit.trace.replay_windows import ReplayMismatch
 
 _LAYERS = 6
 
@@ -213,7 +214,7 @@ def test_a_template_found_unreplayable_after_replays_redoes_the_trace(
     model, inputs = _builtin()
 
     def refuse(self: Any, grad: Any) -> None:
-        raise replay.ReplayMismatch("refused by the test")
+        raise ReplayMismatch("refused by the test")
 
     monkeypatch.setattr(blocks._Blocks, "_close_template", refuse)
     fast, slow, used = _both(model, inputs)

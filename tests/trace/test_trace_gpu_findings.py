@@ -49,7 +49,7 @@ def test_an_explicit_for_loop_choice_is_kept() -> None:
 def test_a_convolution_on_a_cuda_target_says_what_is_not_modelled() -> None:
     # The first GPU validation found conv nets 4-16% above the trace (cuDNN workspaces among
     # the causes): an estimate with a convolution says so; one without does not.
-    from memfit.trace.engine import CONV_NOTE
+    from memfit.trace.result import CONV_NOTE
 
     with torch.device("meta"):
         conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.LazyLinear(4))

@@ -1,9 +1,9 @@
-"""Known values computed on first read (Note: [lazy known values] in ``memfit/trace/datadep.py``)
-change nothing.
+"""Known values computed on first read (Note: [lazy known values] in
+``memfit/trace/known_values.py``) change nothing.
 
-Expected values come from the eager path (``datadep.EAGER_KNOWN = True``: every op on known values
-computed when the fake op runs, the code before the shortcut) and from the real step's own values
-(hand-computed sums of the masks below).
+Expected values come from the eager path (``known_values.EAGER_KNOWN = True``: every op on known
+values computed when the fake op runs, the code before the shortcut) and from the real step's own
+values (hand-computed sums of the masks below).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from _hf import tiny_hf_llama
-from memfit.trace import datadep, estimate
+from memfit.trace import datadep, estimate, known_values
 
 
 def _same(a: object, b: object) -> None:
@@ -26,12 +26,12 @@ def _same(a: object, b: object) -> None:
 
 def _both(model: nn.Module, inputs: object, **kw: object) -> tuple[object, object]:
     lazy = estimate(model, inputs, optimizer="adamw", **kw)
-    saved = datadep.EAGER_KNOWN
-    datadep.EAGER_KNOWN = True
+    saved = known_values.EAGER_KNOWN
+    known_values.EAGER_KNOWN = True
     try:
         eager = estimate(model, inputs, optimizer="adamw", **kw)
     finally:
-        datadep.EAGER_KNOWN = saved
+        known_values.EAGER_KNOWN = saved
     return lazy, eager
 
 

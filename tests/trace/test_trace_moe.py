@@ -7,7 +7,7 @@ CPU for torch > 2.10). torch's meta function for it accepts only bf16
 (``torch/_meta_registrations.py: _meta_grouped_mm_common``) while the kernels take fp32, bf16 and
 fp16 (``aten/src/ATen/native/GroupedMMUtils.h: _grouped_mm_validate_inputs``;
 ``aten/src/ATen/native/cuda/GroupedBlas.cpp: _grouped_mm_cuda`` falls back to one mm per group for
-anything but bf16 on sm90/sm100). See Note: [grouped_mm on fake tensors] in ``trace/engine.py``.
+anything but bf16 on sm90/sm100). See Note: [grouped_mm on fake tensors] in ``trace/fake_rules.py``.
 """
 
 from __future__ import annotations

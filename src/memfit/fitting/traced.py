@@ -20,7 +20,7 @@ from memfit.fitting.config import FitConfig
 from memfit.fitting.layouts import pipeline_runs
 from memfit.gpus import GpuSpec
 from memfit.parallel.config import Parallel
-from memfit.trace.allocator import round_size
+from memfit.trace.allocator_model import round_size
 from memfit.trace.estimate import TRACKED
 
 __all__ = ["ENGINE_FAILED", "Traced", "count_flops", "per_rank_traced", "trace_one"]

@@ -43,7 +43,7 @@ class RankRole:
     rank: int
     ranks: tuple[int, ...]
 
-    # -- hooks the trace engine calls (memfit/trace/engine.py: _trace) --------------------------
+    # -- hooks the trace engine calls (memfit/trace/engine.py: _trace; step.py: run_steps) -------
 
     @contextlib.contextmanager
     def tracing(self, tracker: Any, fake_mode: Any) -> Iterator[None]:

@@ -22,8 +22,8 @@ from memfit.errors import MemfitError
 from memfit.models.anatomy import model_shape
 from memfit.parallel.config import Parallel
 from memfit.parallel.rank import RankRole, chunk_rows, local_shapes, zero1_partition
-from memfit.trace.engine import check_request
 from memfit.trace.engine import estimate as trace_estimate
+from memfit.trace.options import check_request
 
 if TYPE_CHECKING:
     from memfit._loss import LossFn

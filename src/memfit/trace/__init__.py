@@ -9,9 +9,10 @@ True
 """
 
 from memfit._loss import default_loss
-from memfit.trace.engine import PRECISIONS, estimate
+from memfit.trace.engine import estimate
 from memfit.trace.estimate import Estimate, ModuleMemory, TimelinePoint
 from memfit.trace.optim import OPTIMIZERS
+from memfit.trace.options import PRECISIONS
 
 __all__ = ["OPTIMIZERS", "PRECISIONS", "Estimate", "ModuleMemory", "TimelinePoint",
            "default_loss", "estimate"]

@@ -5,6 +5,11 @@ The tracer replays a step's allocations and frees (storage sizes, in order) thro
 ``torch.cuda.max_memory_reserved()`` and ``peak_allocated_bytes`` of
 ``torch.cuda.max_memory_allocated()``.
 
+The simulator is built in layers, one module each: the size rules and the block, segment and
+pool records (``allocator_model.py``), the state and statistics it reports
+(``allocator_state.py``), expandable segments (``allocator_expandable.py``), and here the
+options, ``malloc``/``free`` and the out-of-memory retries.
+
 Every rule below is taken from ``c10/cuda/CUDACachingAllocator.cpp`` (class
 ``DeviceCachingAllocator``; since 2.9 partly in ``c10/core/CachingDeviceAllocator.h``) and the
 config parser ``c10/core/AllocatorConfig.cpp``. The function named in each comment is the
@@ -78,166 +83,33 @@ Known limitations
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.trace.allocator_expandable import _ExpandableSegments
+from memfit.trace.allocator_model import (
+    _UNLIMITED,
+    LARGE_BUFFER,
+    MIN_BLOCK_SIZE,
+    ROUND_LARGE,
+    SMALL_SIZE,
+    SimulatedOOM,
+    _Block,
+    _divisions_table,
+    _expandable_size,
+    _Pool,
+    _remove,
+    _Segment,
+    allocation_size,
+    round_size,
+)
 
-__all__ = [
-    "LARGE_BUFFER",
-    "MIN_BLOCK_SIZE",
-    "MIN_LARGE_ALLOC",
-    "ROUND_LARGE",
-    "SMALL_BUFFER",
-    "SMALL_SIZE",
-    "CachingAllocatorSim",
-    "SimulatedOOM",
-    "allocation_size",
-    "round_size",
-]
-
-MIN_BLOCK_SIZE = 512
-"""``kMinBlockSize``: every request rounds up to a multiple of 512 bytes."""
-SMALL_SIZE = 1 << 20
-"""``kSmallSize``: the largest small-pool request (1 MiB)."""
-SMALL_BUFFER = 2 << 20
-"""``kSmallBuffer``: small-pool segment size (2 MiB); also the small expandable page size."""
-LARGE_BUFFER = 20 << 20
-"""``kLargeBuffer``: segment for 1-10 MiB requests (20 MiB); large expandable page size."""
-MIN_LARGE_ALLOC = 10 << 20
-"""``kMinLargeAlloc``: requests from here on get a segment of their own size."""
-ROUND_LARGE = 2 << 20
-"""``kRoundLarge``: large segments round up to 2 MiB."""
-
-_UNLIMITED = 2**64 - 1  # SIZE_MAX: the default max_split_size ("unlimited")
-_ROUNDUP_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB, one per power of two
-_ROUNDUP_START_LOG2 = 20  # kRoundUpPowerOfTwoStart = 1 MiB
-_DEFAULT_DEVICE_MEMORY = 1 << 40  # address space of an expandable segment when capacity unknown
+__all__ = ["CachingAllocatorSim"]
 
 
-def _roundup_power2_next_division(size: int, divisions: int) -> int:
-    """``roundup_power2_next_division``: next of ``divisions`` steps between powers of two."""
-    if size & (size - 1) == 0:
-        return size
-    power2_floor = 1 << (size.bit_length() - 1)
-    step = power2_floor >> (divisions.bit_length() - 1)
-    if step == 0:
-        return power2_floor << 1
-    floor = size & ~(step - 1)
-    return size if floor == size else floor + step
-
-
-def round_size(nbytes: int, divisions: Sequence[int] | None = None) -> int:
-    """Bytes the allocator hands out for a request of ``nbytes`` (``round_size``).
-
-    ``divisions`` is the ``roundup_power2_divisions`` table: 16 entries, one per power-of-two
-    interval from 1 MiB (sizes below 2 MiB use entry 0, >= 32 GiB entry 15); 0 or 1 = off.
-
-    >>> round_size(1), round_size(513), round_size(1200, [4] * 16)
-    (512, 1024, 1536)
-    """
-    if nbytes < MIN_BLOCK_SIZE:
-        return MIN_BLOCK_SIZE
-    if divisions:
-        index = min(max(nbytes.bit_length() - 1 - _ROUNDUP_START_LOG2, 0), _ROUNDUP_INTERVALS - 1)
-        div = divisions[index]
-        if div > 1 and nbytes > MIN_BLOCK_SIZE * div:
-            return _roundup_power2_next_division(nbytes, div)
-    return (nbytes + MIN_BLOCK_SIZE - 1) & ~(MIN_BLOCK_SIZE - 1)
-
-
-def allocation_size(size: int, large_segment_size: int = LARGE_BUFFER) -> int:
-    """Segment size ``cudaMalloc``-ed for a rounded request (``get_allocation_size``).
-
-    ``large_segment_size`` is ``kLargeBuffer`` (20 MiB); the newest PyTorch makes it
-    configurable (``large_segment_size_mb``).
-
-    >>> [allocation_size(s) >> 20 for s in (512, 3 << 20, 11 << 20)]
-    [2, 20, 12]
-    """
-    rounded = (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        # max(): a large_segment_size below the request would not hold it (memfit's guard)
-        return max(large_segment_size, rounded)
-    return rounded
-
-
-class SimulatedOOM(Exception):
-    """The simulated device ran out of memory (PyTorch would raise ``torch.OutOfMemoryError``).
-
-    Raised after the allocator freed its cached segments and retried, as ``malloc`` does.
-    """
-
-    def __init__(self, *, requested: int, alloc_size: int, allocated: int, reserved: int,
-                 capacity: int, stream: int) -> None:
-        self.requested = requested
-        self.alloc_size = alloc_size
-        self.allocated = allocated
-        self.reserved = reserved
-        self.capacity = capacity
-        self.stream = stream
-        super().__init__(
-            f"simulated CUDA out of memory: tried to allocate {alloc_size} bytes (request "
-            f"{requested} bytes, stream {stream}) with capacity {capacity} bytes; {allocated} "
-            f"bytes allocated, {reserved - allocated} reserved but unallocated")
-
-
-class _Segment:
-    """One ``cudaMalloc`` (``expandable`` False) or one expandable virtual segment."""
-
-    __slots__ = ("base", "expandable", "page", "size")
-
-    def __init__(self, base: int, size: int, expandable: bool, page: int) -> None:
-        self.base = base
-        self.size = size  # bytes of address space
-        self.expandable = expandable
-        self.page = page  # physical page size (expandable only)
-
-
-class _Pool:
-    """Cached free blocks of one stream and size class (``BlockPool``)."""
-
-    __slots__ = ("free", "is_small", "stream", "unmapped")
-
-    def __init__(self, stream: int, is_small: bool) -> None:
-        self.stream = stream
-        self.is_small = is_small
-        # (size, addr, block) sorted: best fit is bisect_left((size,)). (size, addr) is unique.
-        self.free: list[tuple[int, int, _Block]] = []
-        # (addr, block) sorted, unmapped address ranges of expandable segments.
-        self.unmapped: list[tuple[int, _Block]] = []
-
-
-class _Block:
-    __slots__ = ("addr", "allocated", "gc_base", "mapped", "next", "pending", "pool", "prev",
-                 "requested", "segment", "size", "stream_uses")
-
-    def __init__(self, addr: int, size: int, pool: _Pool, segment: _Segment,
-                 mapped: bool = True) -> None:
-        self.addr = addr
-        self.size = size
-        self.pool = pool
-        self.segment = segment
-        self.mapped = mapped
-        self.allocated = False
-        self.requested = 0
-        self.gc_base = 0  # get_free_blocks_call_count when cached (Block::gc_count_base)
-        self.stream_uses: set[int] = set()  # other streams recorded by record_stream
-        # Freed but waiting on those streams' events (event_count > 0): still not free, so it
-        # stays `allocated` for merging and searching, but no longer counts as allocated bytes.
-        self.pending = False
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
-
-
-def _remove(blocks: list[tuple[int, int, _Block]], block: _Block) -> None:
-    del blocks[bisect_left(blocks, (block.size, block.addr))]
-
-
-class CachingAllocatorSim:
+class CachingAllocatorSim(_ExpandableSegments):
     """Replays allocations and frees through a model of PyTorch's CUDA caching allocator.
 
     >>> sim = CachingAllocatorSim()
@@ -341,58 +213,6 @@ class CachingAllocatorSim:
             capacity = allocator_capacity(gpu.usable_bytes, gpu.name, num_gpus=num_gpus)
         return cls(capacity=capacity, **options)
 
-    # ----------------------------------------------------------------- public counters
-    @property
-    def allocated_bytes(self) -> int:
-        """``torch.cuda.memory_allocated()``: sizes of live blocks (rounded, unsplit excess)."""
-        return self._allocated
-
-    @property
-    def reserved_bytes(self) -> int:
-        """``torch.cuda.memory_reserved()``: segments (or mapped pages) held."""
-        return self._reserved
-
-    @property
-    def requested_bytes(self) -> int:
-        """Bytes the live allocations asked for, before rounding (``requested_bytes``)."""
-        return self._requested
-
-    @property
-    def peak_allocated_bytes(self) -> int:
-        """``torch.cuda.max_memory_allocated()`` since construction or :meth:`reset_peak`."""
-        return self._peak_allocated
-
-    @property
-    def peak_reserved_bytes(self) -> int:
-        """``torch.cuda.max_memory_reserved()`` since construction or :meth:`reset_peak`."""
-        return self._peak_reserved
-
-    @property
-    def num_segments(self) -> int:
-        """Segments held: ``cudaMalloc`` segments, plus one per live expandable segment."""
-        return self._segments + len(self._expandable)
-
-    def reset_peak(self) -> None:
-        """``torch.cuda.reset_peak_memory_stats()``: peaks restart from the current values."""
-        self._peak_allocated = self._allocated
-        self._peak_reserved = self._reserved
-
-    def memory_stats(self) -> dict[str, int]:
-        """A subset of ``torch.cuda.memory_stats()`` under the same keys."""
-        return {
-            "allocated_bytes.all.current": self._allocated,
-            "allocated_bytes.all.peak": self._peak_allocated,
-            "reserved_bytes.all.current": self._reserved,
-            "reserved_bytes.all.peak": self._peak_reserved,
-            "requested_bytes.all.current": self._requested,
-            "segment.all.current": self._segments,
-            "num_alloc_retries": self.num_alloc_retries,
-            "num_ooms": self.num_ooms,
-            "num_device_alloc": self.num_device_alloc,
-            "num_device_free": self.num_device_free,
-            "pending_free_bytes": self.pending_free_bytes,
-        }
-
     # ----------------------------------------------------------------- malloc / free
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         """Allocate ``nbytes`` on ``stream``; returns a handle for :meth:`free` (0 for 0 bytes).
@@ -492,12 +312,6 @@ class CachingAllocatorSim:
             block.pending = block.allocated = False
             self._free_block(block)
 
-    @property
-    def pending_free_bytes(self) -> int:
-        """Bytes of freed blocks still waiting on another stream's event (not reusable)."""
-        pending = self._pending
-        return sum(b.size for b in pending) if pending else 0  # asked before every op
-
     def _free_block(self, block: _Block) -> None:
         """``free_block``: merge with free neighbours and return the block to its pool."""
         pool = block.pool
@@ -521,11 +335,6 @@ class CachingAllocatorSim:
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: free every wholly free segment (unmap free pages)."""
         self._release_cached_blocks()
-
-    def _insert_free(self, pool: _Pool, block: _Block) -> None:
-        """``BlockPool::insert_into_blocks``: cache a free block, noting its gc age base."""
-        block.gc_base = self._free_calls[pool.is_small]
-        insort(pool.free, (block.size, block.addr, block))
 
     # ----------------------------------------------------------------- internals
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
@@ -590,15 +399,6 @@ class CachingAllocatorSim:
         self._grow_reserved(alloc_size)
         return block
 
-    def _fits(self, nbytes: int) -> bool:
-        """``alloc_block``: the device has room (``capacity``) and, after
-        ``set_per_process_memory_fraction``, ``total_allocated_memory + size`` stays within
-        ``allowed_memory_maximum``."""
-        after = self._reserved + nbytes
-        if self.capacity is not None and after > self.capacity:
-            return False
-        return self.allowed_memory_maximum is None or after <= self.allowed_memory_maximum
-
     def _garbage_collect_cached_blocks(self) -> None:
         """``garbage_collect_cached_blocks``: above ``threshold x allowed_memory_maximum``
         reserved, free whole cached large-pool segments whose age (``get_free_block`` calls on
@@ -633,11 +433,6 @@ class CachingAllocatorSim:
                     total_age -= age
                     count -= 1
                     self._release_block(block)
-
-    def _grow_reserved(self, nbytes: int) -> None:
-        self._reserved += nbytes
-        if self._reserved > self._peak_reserved:
-            self._peak_reserved = self._reserved
 
     def _release_block(self, block: _Block) -> None:
         """``release_block``: ``cudaFree`` a wholly free segment."""
@@ -688,195 +483,3 @@ class CachingAllocatorSim:
                     # release_expandable_segment: the whole address range is unmapped
                     del pool.unmapped[bisect_left(pool.unmapped, (block.addr,))]
                     self._expandable.discard(block.segment)
-
-    # ----------------------------------------------------------------- expandable segments
-    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
-        """``find_expandable_block``: lowest address with ``size`` bytes of free/unmapped room."""
-        for _, block in pool.unmapped:
-            prev = block.prev
-            if prev is not None and not prev.allocated:
-                block = prev
-            room = 0
-            walk: _Block | None = block
-            while room < size and walk is not None and not walk.allocated:
-                room += walk.size
-                walk = walk.next
-            if room >= size:
-                return block
-        page = SMALL_BUFFER if pool.is_small else self.large_segment_size
-        device_memory = self.capacity or _DEFAULT_DEVICE_MEMORY
-        # ExpandableSegment: address space for 1 1/8 of the device memory, whole pages
-        pages = -(-max(device_memory + device_memory // 8, size) // page)
-        base = self._next_addr
-        self._next_addr += pages * page
-        segment = _Segment(base, pages * page, True, page)
-        self._expandable.add(segment)
-        block = _Block(base, pages * page, pool, segment, mapped=False)
-        insort(pool.unmapped, (base, block))
-        return block
-
-    def _try_allocate_expandable_block(self, pool: _Pool, size: int) -> _Block | None:
-        """``try_allocate_expandable_block``: map pages until a free block holds ``size``."""
-        candidate = self._find_expandable_block(pool, size)
-        if not candidate.mapped and not self._map_block(candidate, min(candidate.size, size)):
-            return None
-        while candidate.size < size:
-            nxt = candidate.next
-            assert nxt is not None and not nxt.mapped
-            if not self._map_block(nxt, min(size - candidate.size, nxt.size)):
-                return None
-            candidate = nxt  # map_block merged the old candidate into it
-        _remove(pool.free, candidate)
-        return candidate
-
-    def _map_block(self, block: _Block, size: int) -> bool:
-        """``map_block``: back the first ``size`` bytes (whole pages) of an unmapped block."""
-        segment = block.segment
-        page = segment.page
-        offset = block.addr - segment.base
-        mapped = -(-(offset + size) // page) * page - offset
-        if not self._fits(mapped):
-            return False  # cuMemCreate out of memory
-        pool = block.pool
-        del pool.unmapped[bisect_left(pool.unmapped, (block.addr,))]
-        block.mapped = True
-        if mapped < block.size:
-            rest = _Block(block.addr + mapped, block.size - mapped, pool, segment, mapped=False)
-            rest.prev = block
-            rest.next = block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            insort(pool.unmapped, (rest.addr, rest))
-            block.size = mapped
-        self._try_merge(block, block.prev)
-        self._try_merge(block, block.next)
-        self._insert_free(pool, block)
-        self.num_device_alloc += 1
-        self._grow_reserved(mapped)
-        return True
-
-    def _unmap_block(self, block: _Block) -> None:
-        """``unmap_block``: return the whole pages inside a free block to the device."""
-        segment = block.segment
-        page = segment.page
-        begin = -(-(block.addr - segment.base) // page) * page + segment.base
-        end = (block.addr + block.size - segment.base) // page * page + segment.base
-        if begin >= end:
-            return
-        pool = block.pool
-        _remove(pool.free, block)
-        if begin > block.addr:
-            before = _Block(block.addr, begin - block.addr, pool, segment)
-            before.prev = block.prev
-            if block.prev is not None:
-                block.prev.next = before
-            before.next = block
-            block.prev = before
-            self._insert_free(pool, before)
-        block_end = block.addr + block.size
-        if block_end > end:
-            after = _Block(end, block_end - end, pool, segment)
-            after.next = block.next
-            if block.next is not None:
-                block.next.prev = after
-            after.prev = block
-            block.next = after
-            self._insert_free(pool, after)
-        block.addr = begin
-        block.size = end - begin
-        block.mapped = False
-        self._try_merge(block, block.prev)
-        self._try_merge(block, block.next)
-        insort(pool.unmapped, (block.addr, block))
-        self._reserved -= end - begin
-        self.num_device_free += 1
-
-    @staticmethod
-    def _try_merge(dst: _Block, src: _Block | None) -> None:
-        """``try_merge_blocks``: absorb a free neighbour in the same mapped state."""
-        if src is None or src.allocated or src.mapped != dst.mapped:
-            return
-        pool = src.pool
-        if src.mapped:
-            _remove(pool.free, src)
-        else:
-            del pool.unmapped[bisect_left(pool.unmapped, (src.addr,))]
-        if dst.prev is src:
-            dst.addr = src.addr
-            dst.prev = src.prev
-            if dst.prev is not None:
-                dst.prev.next = dst
-        else:
-            dst.next = src.next
-            if dst.next is not None:
-                dst.next.prev = dst
-        dst.size += src.size
-
-    # ----------------------------------------------------------------- reports
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Segments and their blocks, like ``torch.cuda.memory_snapshot()`` (sorted by address).
-
-        Each segment: ``address``, ``total_size``, ``allocated_size``, ``requested_size``,
-        ``stream``, ``segment_type`` ("small"/"large"), ``is_expandable`` and ``blocks``
-        (``address``, ``size``, ``requested_size``, ``state``: "active_allocated",
-        "active_pending_free" (freed, waiting on another stream) or "inactive").
-        An expandable segment is reported once per contiguous mapped range, as PyTorch does.
-        """
-        by_segment: dict[int, list[_Block]] = {}
-        segments: dict[int, _Segment] = {}
-        blocks = [b for pool in self._pools.values() for _, _, b in pool.free]
-        blocks += [*self._live.values(), *self._pending]
-        for block in blocks:
-            key = id(block.segment)
-            segments[key] = block.segment
-            by_segment.setdefault(key, []).append(block)
-        result: list[dict[str, Any]] = []
-        for key, members in by_segment.items():
-            members.sort(key=lambda b: b.addr)
-            runs: list[list[_Block]] = [[members[0]]]
-            for block in members[1:]:
-                last = runs[-1][-1]
-                if last.addr + last.size == block.addr:
-                    runs[-1].append(block)
-                else:
-                    runs.append([block])
-            for run in runs:
-                result.append(_segment_info(run, segments[key]))
-        result.sort(key=lambda s: s["address"])
-        return result
-
-
-def _segment_info(run: list[_Block], segment: _Segment) -> dict[str, Any]:
-    pool = run[0].pool
-    return {
-        "address": run[0].addr,
-        "total_size": sum(b.size for b in run),
-        "allocated_size": sum(b.size for b in run if b.allocated and not b.pending),
-        "requested_size": sum(b.requested for b in run if b.allocated),
-        "stream": pool.stream,
-        "segment_type": "small" if pool.is_small else "large",
-        "is_expandable": segment.expandable,
-        "blocks": [{"address": b.addr, "size": b.size, "requested_size": b.requested,
-                    "state": ("active_pending_free" if b.pending else
-                              "active_allocated" if b.allocated else "inactive")} for b in run],
-    }
-
-
-def _expandable_size(block: _Block) -> int:
-    """``get_free_block``'s ``expandable_size``: size plus unmapped room right after it."""
-    nxt = block.next
-    return block.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
-
-
-def _divisions_table(value: int | Sequence[int] | None) -> list[int] | None:
-    """The 16-entry ``roundup_power2_divisions`` table, or None when rounding is off."""
-    if value is None:
-        return None
-    table = [value] * _ROUNDUP_INTERVALS if isinstance(value, int) else list(value)
-    if len(table) != _ROUNDUP_INTERVALS or any(
-            not isinstance(d, int) or d < 0 or (d & (d - 1)) for d in table):
-        raise MemfitError(
-            f"roundup_power2_divisions must be a power of two (or 0 = off), or a list of "
-            f"{_ROUNDUP_INTERVALS} such values (1 MiB .. 32 GiB intervals), got {value!r}")
-    return table if any(d > 1 for d in table) else None

@@ -204,7 +204,7 @@ class Tracker(Ledger):
         """The allocator model's malloc on the current stream. A simulated out-of-memory (the
         step would not fit the GPU) is remembered in ``oom`` and the trace goes on with an
         unlimited device, so the estimate still says by how much it does not fit."""
-        from memfit.trace.allocator import SimulatedOOM
+        from memfit.trace.allocator_model import SimulatedOOM
 
         allocator = self.allocator
         try:

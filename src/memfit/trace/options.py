@@ -1,0 +1,105 @@
+"""What a trace may be asked for, and the facts of its target: the precisions and devices the
+engine models (:data:`PRECISIONS`, :data:`DEVICES`), the checks made before tracing
+(:func:`check_request`), the GPU's compute capability and runtime parts, and the hooks one rank
+of a parallel layout passes in (:class:`RankHooks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from memfit import vocab
+from memfit._loss import LossFn, check_loss_fn, model_loss
+from memfit.dtypes import torch_dtype
+from memfit.errors import MemfitError, suggest
+from memfit.gpus import GpuSpec
+from memfit.trace.optim import OptimizerFactory
+
+
+def _dtypes(p: vocab.Precision) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(autocast dtype, dtype the model is cast to) of ``p``; None: no autocast, and the model
+    as given for fp32 parameters ("-mixed" is autocast over fp32 parameters)."""
+    return (torch_dtype(p.autocast) if p.autocast else None,
+            None if p.params == "fp32" else torch_dtype(p.params))
+
+
+PRECISIONS = {name: _dtypes(vocab.precision(name)) for name in vocab.names("precision", "trace")}
+"""Precision name -> (autocast dtype, parameter dtype), from :class:`memfit.vocab.Precision`."""
+
+DEVICES = ("cuda", "cpu")
+_DEFAULT_CC = (8, 0)  # SDPA routing when no GPU is named: an A100-class GPU
+
+
+def _compute_capability(gpu: GpuSpec | None) -> tuple[int, int]:
+    if gpu is None or not gpu.compute_capability:
+        return _DEFAULT_CC
+    major, _, minor = gpu.compute_capability.partition(".")
+    return int(major), int(minor or 0)
+
+
+def _resolve_gpu(gpu: str | GpuSpec | None) -> GpuSpec | None:
+    if gpu is None or isinstance(gpu, GpuSpec):
+        return gpu
+    from memfit.gpus import get_gpu
+
+    return get_gpu(gpu)
+
+
+def _runtime(gpu: GpuSpec | None, num_gpus: int, training: bool
+             ) -> tuple[dict[str, int], frozenset[str], str | None]:
+    """Runtime parts by name and which of them the caching allocator holds."""
+    try:
+        from memfit.runtime import ALLOCATOR_PARTS, cuda_runtime_bytes
+    except ImportError:
+        return {}, frozenset(), ("CUDA runtime constants unavailable (memfit.runtime missing): "
+                                 "runtime not added")
+    # Matmuls run on the main thread (forward) and on autograd's device thread (backward), each
+    # with its own cuBLAS handle and workspaces.
+    parts = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=num_gpus,
+                               matmul_threads=2 if training else 1)
+    return dict(parts), frozenset(ALLOCATOR_PARTS) & set(parts), None
+
+
+def _validate(optimizer: Any, precision: str, device: str, steps: int) -> None:
+    vocab.check("precision", precision, "trace")
+    if device not in DEVICES:
+        raise MemfitError(f"unknown device {device!r}{suggest(device, DEVICES)}; valid: "
+                          f"{', '.join(DEVICES)} (the device to model, not where to run)")
+    if not isinstance(steps, int) or steps < 1:
+        raise MemfitError(f"steps must be a positive integer, got {steps!r}; use steps=2 to "
+                          f"cover optimizer-state creation and the steady state")
+
+
+def check_request(model: Any, *, optimizer: str | OptimizerFactory | None, precision: str,
+                  loss_fn: LossFn | None, device: str, steps: int) -> LossFn:
+    """The checks :func:`estimate` makes before tracing (one MemfitError line each), and the
+    loss it will compute; ``memfit.parallel`` makes them once before tracing each rank."""
+    _validate(optimizer, precision, device, steps)
+    compute_loss = check_loss_fn(loss_fn) or model_loss
+    if not isinstance(model, nn.Module):
+        raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    return compute_loss
+
+
+class RankHooks(Protocol):
+    """What one rank of a parallel layout changes in a trace (``memfit.parallel`` implements it,
+    as PyTorch's ``FSDPMemTracker`` extends ``MemTracker``: the engine is extended, never calls
+    up). Optional members, read with ``getattr``: ``local_model(model)`` (the part of the model
+    this rank holds, e.g. a pipeline stage), ``runs_step`` and ``run_step(model, inputs,
+    tracker, ...)`` (a rank whose schedule runs the forward and backward itself)."""
+
+    def tracing(self, tracker: Any, fake_mode: Any) -> contextlib.AbstractContextManager[Any]:
+        """Entered around the whole trace (the rank's fake process group, its streams)."""
+        ...
+
+    def wrap_model(self, model: nn.Module, tracker: Any, fake_mode: Any) -> nn.Module:
+        """The fake model as this rank runs it (DDP, FSDP2, tensor-parallel shards)."""
+        ...
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer as this rank steps it (ZeRO-1's partition, an offloaded step)."""
+        ...
