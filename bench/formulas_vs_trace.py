@@ -18,7 +18,7 @@ trace runs it (fp32 parameters and gradients). Agreement is within 5% or the row
 block then the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), and the
 number compared is its most loaded rank's; the reason string is the one the plan prints
 (``parallel_plan.disagreement_reason``). The formulas model FSDP2's buffers moment by moment
-(Note: [FSDP2 buffers by moment] in memfit/analytic/planner.py).
+(Note: [FSDP2 buffers by moment] in memfit/analytic/engine_buffers.py).
 
 ``--reuse-trace OLD.json`` takes the trace's numbers from an earlier results file instead of
 tracing again: the trace does not depend on ``memfit.analytic``, so a change to the formulas is

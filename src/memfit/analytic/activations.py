@@ -424,8 +424,8 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
 
     ``engine``: the engine's buffer bytes (not returned here) by moment (``loss``, ``block``,
     ``backward start``, ``forward start``, ``forward end``: see ``Activations.moment``); they
-    only decide which moment is the peak (FSDP2 holds different buffers at each: planner.py:
-    fsdp2_buffers). The last three are moments only such an engine has."""
+    only decide which moment is the peak (FSDP2 holds different buffers at each:
+    engine_buffers.py: fsdp2_buffers). The last three are moments only such an engine has."""
     e = nbytes(1, run.compute_format)
     s, b, h = seq, run.batch, spec.hidden_size
     lora = run.mode in ("lora", "qlora")
