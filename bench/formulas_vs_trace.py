@@ -70,7 +70,7 @@ assume fused attention, ``RunConfig.attention="sdpa"``)."""
 
 BUILTIN_FAMILY = "llama"
 """The Hugging Face family whose blocks memfit's builtin modules (memfit/models/build.py) are:
-none of activations.py's family sets but the eager softmax's (the trace runs SDPA)."""
+none of block_activations.py's family sets but the eager softmax's (the trace runs SDPA)."""
 
 
 def _with_builtin_fallback(trace: Callable[[str], Any]) -> Any:
@@ -187,7 +187,7 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
     backend = getattr(est, "trace_backend", "auto")
     # The builtin build's blocks are Llama's (separate q/k/v/o and gate/up projections, the
     # RMSNorm that casts before its weight, the fused F.gelu): the formulas of that module
-    # (the family-specific terms of memfit/analytic/activations.py left out) are the ones to
+    # (the family-specific terms of memfit/analytic/block_activations.py left out) are the ones to
     # check against its trace.
     planned = plan(dataclasses.replace(spec, family=BUILTIN_FAMILY)
                    if backend != "auto" else spec, run, gpu)

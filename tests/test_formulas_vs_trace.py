@@ -138,7 +138,7 @@ def test_pure_bf16_block_terms_match_real_saved_tensors(preset: str, frozen: boo
     import torch
     import transformers as hf
 
-    from memfit.analytic.activations import layer_terms
+    from memfit.analytic.block_activations import layer_terms
     from memfit.models import get_preset
 
     h, heads, f, s = 256, 4, 384, 64
