@@ -69,8 +69,9 @@ assume fused attention, ``RunConfig.attention="sdpa"``)."""
 
 
 BUILTIN_FAMILY = "llama"
-"""The Hugging Face family whose blocks memfit's builtin modules (memfit/models/build.py) are:
-none of block_activations.py's family sets but the eager softmax's (the trace runs SDPA)."""
+"""The Hugging Face family whose blocks memfit's builtin modules
+(memfit/models/builtin_layers.py) are: none of block_activations.py's family sets but the eager
+softmax's (the trace runs SDPA)."""
 
 
 def _with_builtin_fallback(trace: Callable[[str], Any]) -> Any:
