@@ -18,7 +18,7 @@ trace runs it (fp32 parameters and gradients). Agreement is within 5% or the row
 block then the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), and the
 number compared is its most loaded rank's; the reason string is the one the plan prints
 (``parallel_plan.disagreement_reason``). The formulas model FSDP2's buffers moment by moment
-(Note: [FSDP2 buffers by moment] in memfit/analytic/planner.py).
+(Note: [FSDP2 buffers by moment] in memfit/analytic/engine_buffers.py).
 
 ``--reuse-trace OLD.json`` takes the trace's numbers from an earlier results file instead of
 tracing again: the trace does not depend on ``memfit.analytic``, so a change to the formulas is
@@ -69,8 +69,9 @@ assume fused attention, ``RunConfig.attention="sdpa"``)."""
 
 
 BUILTIN_FAMILY = "llama"
-"""The Hugging Face family whose blocks memfit's builtin modules (memfit/models/build.py) are:
-none of activations.py's family sets but the eager softmax's (the trace runs SDPA)."""
+"""The Hugging Face family whose blocks memfit's builtin modules
+(memfit/models/builtin_layers.py) are: none of block_activations.py's family sets but the eager
+softmax's (the trace runs SDPA)."""
 
 
 def _with_builtin_fallback(trace: Callable[[str], Any]) -> Any:
@@ -187,7 +188,7 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
     backend = getattr(est, "trace_backend", "auto")
     # The builtin build's blocks are Llama's (separate q/k/v/o and gate/up projections, the
     # RMSNorm that casts before its weight, the fused F.gelu): the formulas of that module
-    # (the family-specific terms of memfit/analytic/activations.py left out) are the ones to
+    # (the family-specific terms of memfit/analytic/block_activations.py left out) are the ones to
     # check against its trace.
     planned = plan(dataclasses.replace(spec, family=BUILTIN_FAMILY)
                    if backend != "auto" else spec, run, gpu)

@@ -1,7 +1,7 @@
 """Eager attention's saved score bytes per precision: first principles and the trace engine.
 
 Byte rules per element of the a×s×s score matrix (Note: [eager scores under autocast] in
-memfit.analytic.activations), from torch's source:
+memfit.analytic.block_activations), from torch's source:
 
 - CUDA autocast puts ``softmax`` on its fp32 list (``aten/src/ATen/autocast_mode.h``,
   ``AT_FORALL_FP32_SET_OPT_DTYPE``; registered for CUDA in ``autocast_mode.cpp``): it runs as
@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.analytic.activations import layer_terms, score_bytes_per_element, training_activations
+from memfit.analytic.activations import training_activations
+from memfit.analytic.block_activations import layer_terms, score_bytes_per_element
 from memfit.analytic.config import RunConfig
 from memfit.categories import MemoryCategory
 from memfit.models.spec import TransformerSpec

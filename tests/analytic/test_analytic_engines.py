@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.analytic.activations import selective_layer_bytes, training_activations
+from memfit.analytic.activations import training_activations
 from memfit.analytic.config import RunConfig
 from memfit.analytic.planner import plan
+from memfit.analytic.selective_activations import selective_layer_bytes
 from memfit.categories import MemoryCategory as C
 from memfit.errors import MemfitError
 from memfit.models import get_preset

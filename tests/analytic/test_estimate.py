@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.analytic.activations import layer_terms, training_activations
+from memfit.analytic.activations import training_activations
+from memfit.analytic.block_activations import layer_terms
 from memfit.analytic.config import RunConfig
 from memfit.analytic.kv_cache import kv_cache_bytes
 from memfit.analytic.model_states import model_states

@@ -79,7 +79,7 @@ def test_gpt_activations_within_5_percent(backend: str) -> None:
     if backend == "builtin":
         # memfit's builtin GPT-2 calls the fused F.gelu(approximate="tanh"), which keeps only its
         # input; the planner counts Hugging Face's gelu_new, whose plain-PyTorch ops keep 3
-        # more fp32 tensors per element in fp32 (Note: [gelu_new] in analytic/activations.py)
+        # more fp32 tensors per element in fp32 (Note: [gelu_new] in analytic/block_activations.py)
         cpu_predicted -= GPT.num_layers * 3 * 4 * seq * batch * GPT.intermediate_size
     assert cpu_predicted == pytest.approx(measured, rel=0.05)
 

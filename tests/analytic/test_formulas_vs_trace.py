@@ -76,12 +76,12 @@ def test_eight_gpu_rows_are_a_pending_hook(bench: Any) -> None:
 ])
 def test_fsdp2_formulas_agree_with_the_per_rank_trace(bench: Any, preset: str, mode: str,
                                                        checkpointing: str) -> None:
-    """8 GPUs, FSDP2 with a bf16 MixedPrecisionPolicy, 1 x 512 tokens: the formulas' buffers at
-    each moment of the step (Note: [FSDP2 buffers by moment] in memfit/analytic/planner.py,
-    from torch/distributed/fsdp/_fully_shard/: FSDPState._lazy_init keeps the root gathered;
+    """8 GPUs, FSDP2 with a bf16 MixedPrecisionPolicy, 1 x 512 tokens: the formulas' buffers at each
+    moment of the step (Note: [FSDP2 buffers by moment] in memfit/analytic/engine_buffers.py, from
+    torch/distributed/fsdp/_fully_shard/: FSDPState._lazy_init keeps the root gathered;
     foreach_reduce frees a block's unsharded gradients after copying them into the fp32
-    reduce-scatter input; FSDPParamGroup.wait_for_unshard keeps the previous all-gather output
-    until the next copy-out in forward) against the per-rank trace, which runs FSDP2 itself.
+    reduce-scatter input; FSDPParamGroup.wait_for_unshard keeps the previous all-gather output until
+    the next copy-out in forward) against the per-rank trace, which runs FSDP2 itself.
     Before that model these cells were +27%, -17% and -12% off (bench/results/formulas-vs-
     trace-fsdp8-cpu-2026-11-24.json). Llama-3.2-1B with full checkpointing peaks at the tied
     embedding's backward: the root gathered, the head's gradient and the embedding's new one,
@@ -138,7 +138,7 @@ def test_pure_bf16_block_terms_match_real_saved_tensors(preset: str, frozen: boo
     import torch
     import transformers as hf
 
-    from memfit.analytic.activations import layer_terms
+    from memfit.analytic.block_activations import layer_terms
     from memfit.models import get_preset
 
     h, heads, f, s = 256, 4, 384, 64

@@ -538,7 +538,7 @@ def test_qk_norm_activations_are_counted() -> None:
     (2 bytes in bf16, saved for the weight's gradient): 6 bytes x s x b x (q_dim + kv_dim)."""
     import dataclasses
 
-    from memfit.analytic.activations import layer_terms
+    from memfit.analytic.block_activations import layer_terms
     from memfit.models import get_preset
 
     spec = get_preset("qwen3-8b")

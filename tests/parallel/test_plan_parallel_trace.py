@@ -214,7 +214,7 @@ def test_disagreement_reason_names_the_gap_and_the_categories(tmp_path) -> None:
     """The line the plan prints when formulas and trace are more than 5% apart: both peaks and
     the categories that differ by over 1% of the trace's live bytes. The formulas'
     unsharded-gradient buffer in a block's backward (Note: [FSDP2 buffers by moment] in
-    memfit/analytic/planner.py: the block's, q 64x64 + k 64x32 + v 64x32 + o 64x64 +
+    memfit/analytic/engine_buffers.py: the block's, q 64x64 + k 64x32 + v 64x32 + o 64x64 +
     gate/up/down 3 x 64x128 + two norms of 64 = 36,992 parameters, bf16 gradients + fp32
     reduce-scatter input = 6 bytes each; and the root's bf16 gradients made before the blocks'
     backward, unsharded until the end of backward: untied head 96x64 + final norm 64; the
@@ -250,16 +250,16 @@ def test_disagreement_reason_names_the_gap_and_the_categories(tmp_path) -> None:
 
 
 def test_disagreement_reason_names_an_untied_root(tmp_path) -> None:
-    """With untied embeddings the root fully_shard unit gathers the embedding and the head
-    together (FSDPParamGroup.unshard: one foreach_all_gather over the group's parameters): vocab
-    4096 x hidden 64 twice + the final norm's 64 = 524,352 parameters, against a block's 36,992.
-    The formulas now count that whole root (memfit/analytic/planner.py: fsdp_root_params), so
-    the plan no longer gives the old reason that they gather only the largest of a block, the
-    embedding and the head (a stand-in trace with 16 MiB more temporaries)."""
+    """With untied embeddings the root fully_shard unit gathers the embedding and the head together
+    (FSDPParamGroup.unshard: one foreach_all_gather over the group's parameters): vocab 4096 x
+    hidden 64 twice + the final norm's 64 = 524,352 parameters, against a block's 36,992. The
+    formulas now count that whole root (memfit/analytic/engine_buffers.py: fsdp_root_params), so the
+    plan no longer gives the old reason that they gather only the largest of a block, the embedding
+    and the head (a stand-in trace with 16 MiB more temporaries)."""
     from types import SimpleNamespace
 
     import memfit
-    from memfit.analytic.planner import fsdp_root_params, fsdp_unit_params
+    from memfit.analytic.engine_buffers import fsdp_root_params, fsdp_unit_params
     from memfit.cli.parallel_plan import disagreement_reason
 
     cfg = json.loads(open(tiny_llama(tmp_path)).read()) | {"vocab_size": 4096}

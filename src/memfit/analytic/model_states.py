@@ -285,7 +285,7 @@ def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelSt
     nvme = 0
     if run.offload_to == "nvme":
         # ZeRO-Infinity: the offloaded states sit on NVMe; the host keeps the swap buffers
-        # (planner.py: nvme_host_buffers counts them)
+        # (engine_buffers.py: nvme_host_buffers counts them)
         nvme, host = host, 0
     return ModelStates(weights=weights, gradients=gradients, optimizer_states=optimizer,
                        host_bytes=host, notes=tuple(notes), nvme_bytes=nvme)

@@ -102,8 +102,8 @@ def _load_preset(name: str, seq: int | None) -> tuple[Any, Any]:
 
     spec = resolve_model(name)
     if seq is not None:
+        from memfit.analytic.checks import check_context
         from memfit.analytic.config import RunConfig
-        from memfit.analytic.planner import check_context
 
         if spec.arch == "vision":
             raise MemfitError(f"{spec.name} sees {spec.default_seq_len} tokens per image; drop "

@@ -242,7 +242,7 @@ def disagreement_reason(analytic: MemoryPlan, est: Any) -> str:
     where each puts its peak, and the categories that differ (plan - trace, those over 1% of the
     trace's live bytes). The two known FSDP2 gaps this line used to name (unsharded gradients
     counted at the loss; the root unit gathering the embeddings and the head together) are in
-    the formulas now (memfit/analytic/planner.py: fsdp2_buffers, fsdp_root_params)."""
+    the formulas now (memfit/analytic/engine_buffers.py: fsdp2_buffers, fsdp_root_params)."""
     live = live_bytes(est)
     deltas = {c: analytic.breakdown.get(c, 0) - int(est.breakdown.get(c, 0)) for c in _CATEGORIES}
     reasons = []
@@ -324,7 +324,7 @@ def run_parallel_plan(args: argparse.Namespace, model: ModelSpec, run: RunConfig
     reason = formulas_reason(model, run, ep)
     parallel = None
     if reason is None:
-        from memfit.analytic.planner import check_model_options
+        from memfit.analytic.checks import check_model_options
 
         assert isinstance(model, TransformerSpec | HFModelSpec)
         check_model_options(model, run)

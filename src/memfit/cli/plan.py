@@ -25,10 +25,9 @@ from memfit.analytic.planner import (
     GPUS_PER_NODE,
     MemoryPlan,
     default_precision,
-    gpus_needed,
     plan,
-    scale_out_line,
 )
+from memfit.analytic.scale_out import gpus_needed, scale_out_line
 from memfit.analytic.suggestions import suggest_changes
 from memfit.cli._common import (
     console,

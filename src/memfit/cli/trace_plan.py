@@ -10,18 +10,10 @@ import warnings
 from typing import Any
 
 from memfit import vocab
+from memfit.analytic.checks import check_model_options
 from memfit.analytic.config import RunConfig
-from memfit.analytic.planner import (
-    FITS_MARGIN,
-    GPUS_PER_NODE,
-    MAX_GPUS,
-    MemoryPlan,
-    check_model_options,
-    describe_run,
-    gpus_needed,
-    plan,
-    scale_out_line,
-)
+from memfit.analytic.planner import FITS_MARGIN, GPUS_PER_NODE, MemoryPlan, describe_run, plan
+from memfit.analytic.scale_out import MAX_GPUS, gpus_needed, scale_out_line
 from memfit.analytic.suggestions import suggest_changes
 from memfit.analytic.table import (
     Column,

@@ -120,7 +120,7 @@ def uses_eager_attention(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "_attn_implementation"):
         return config._attn_implementation == "eager"
-    from memfit.models.build import Attention
+    from memfit.models.builtin_layers import Attention
 
     return any(isinstance(m, Attention) and m.eager for m in model.modules())
 

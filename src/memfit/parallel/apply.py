@@ -180,7 +180,8 @@ def sp_root(model: nn.Module, parallel: Parallel) -> tuple[str, str, str]:
     Mistral, Qwen2 and Qwen3 (``hf_pipeline.hf_sp_root``; their position ids are given whole:
     ``hf_pipeline.full_positions``): a one-line error for other models, whose forward may read
     the sequence length off the (now split) hidden states, as Hugging Face's position ids do."""
-    from memfit.models.build import DecoderLM, Mlp
+    from memfit.models.build import DecoderLM
+    from memfit.models.builtin_layers import Mlp
 
     where = f"Parallel(tp={parallel.tp}, {'sp' if parallel.sp else 'loss_parallel'}=True)"
     from memfit.parallel.hf_pipeline import hf_sp_root

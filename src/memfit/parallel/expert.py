@@ -25,7 +25,7 @@ memfit leaves them out of FSDP2 then, which computes the same step, and does not
 Note: [expert parallelism without data-dependent sizes] torchtitan dispatches a variable number of
 tokens per expert, so its all-to-all's split sizes come from a token-count exchange read on the
 host (``AllToAllTokenDispatcher._sync_token_count_exchange``: ``.tolist()``). memfit's builtin
-``MoE`` (``memfit/models/build.py``) gives every expert a fixed buffer of ``capacity`` token slots
+``MoE`` (``models/builtin_layers.py``) gives every expert a fixed buffer of ``capacity`` token slots
 (GShard / Switch Transformer's capacity formulation; tokens past it are dropped), so the exchange
 has equal splits: rank ``j`` gets ``[num_experts / ep, capacity, hidden]`` from every rank, and
 every size is known before the step. A rank's bytes do not depend on the routing: its expert
@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.models.build import MoE
+from memfit.models.builtin_layers import MoE
 from memfit.parallel.config import Parallel
 
 _EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
@@ -62,7 +62,7 @@ _EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The builtin MoE layers of ``model`` (``memfit.models.build.MoE``), by qualified name."""
+    """The builtin MoE layers of ``model`` (``memfit.models.builtin_layers.MoE``), by name."""
     return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
 
 
@@ -133,7 +133,7 @@ def ep_mesh(parallel: Parallel, device_type: str) -> Any:
 class Experts(nn.Module):
     """One MoE layer's local experts, a module of their own (torchtitan: ``GroupedExperts``) so
     that FSDP2 can shard them on another mesh than the layer's other parameters; its forward is
-    :meth:`memfit.models.build.MoE.run_experts` on its own parameters."""
+    :meth:`memfit.models.builtin_layers.MoE.run_experts` on its own parameters."""
 
     def __init__(self, act: nn.Module) -> None:
         super().__init__()
@@ -175,8 +175,8 @@ def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Modul
 
 class ExpertParallelMoE(MoE):
     """A builtin MoE layer holding ``num_experts / ep_size`` experts (its :class:`Experts`
-    child): the routing and the capacity buffers are :class:`memfit.models.build.MoE`'s; the
-    experts step exchanges the buffers (see the module's note)."""
+    child): the routing and the capacity buffers are :class:`~memfit.models.builtin_layers.MoE`'s;
+    the experts step exchanges the buffers (see the module's note)."""
 
     experts: Experts
     ep_group: Any

@@ -67,7 +67,7 @@ def set_attn_implementation(model: nn.Module, implementation: str) -> nn.Module:
                               f"{exc}") from None
         log.info("memfit: attention of %s set to %s", type(model).__name__, implementation)
         return model
-    from memfit.models.build import Attention
+    from memfit.models.builtin_layers import Attention
 
     switched = 0
     for module in model.modules():
