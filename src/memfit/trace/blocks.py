@@ -56,8 +56,8 @@ calls, and real values replayed into data-dependent ops differ per call. A model
 blocks in another order, with other arguments or with another grad mode stops the replay;
 if a block was already replayed in that step, the trace is redone without replay
 (:class:`memfit.trace.replay_windows.ReplayMismatch`), as it is when a template turns out not
-to be replayable. ``tests/trace/test_trace_block_replay_exact.py`` compares every Estimate field with
-replay on and off.
+to be replayable. ``tests/trace/test_trace_block_replay_exact.py`` compares every Estimate
+field with replay on and off.
 
 Here: which call runs, is recorded or is replayed (:class:`_Blocks`), and
 :func:`replaying_blocks`. Which modules are blocks and when calls match: ``block_match.py``; the
