@@ -37,9 +37,11 @@ import torch.distributed.pipelining  # Note: [importing pipelining outside the t
 import torch.nn.functional as F
 from torch import nn
 
-from memfit._compat.torch_internals import (
+from memfit._compat.torch_pipelining import (
     autograd_backward_keeps_function_modes,
     p2p_works_hold_their_tensors,
+    stage_chunks_within,
+    warmup_vote_static,
 )
 from memfit.dtypes import torch_dtype
 from memfit.errors import MemfitError
@@ -557,7 +559,6 @@ class PipelineRole(RankRole):
             self.state["pipeline"] = build_pipeline(self.state["modules"], self.parallel,
                                                     batch, seq, group=self.state.get("group"),
                                                     submods=self.state.get("submods"))
-            _static_metadata(self.state["pipeline"].schedule)
         pipeline: Pipeline = self.state["pipeline"]
         from memfit.trace.replay import replaying
 
@@ -565,7 +566,8 @@ class PipelineRole(RankRole):
         # (Note: [replaying a pipeline stage's micro-batches] in memfit/trace/replay.py); not
         # beside data parallelism, whose wrappers (DDP's reducer, FSDP2) keep state across calls
         alone = self.parallel.dp == 1 and not self.state.get("submods")
-        with _phases(pipeline.schedule, tracker), p2p_works_hold_their_tensors(), \
+        with _phases(pipeline.schedule, tracker), warmup_vote_static(pipeline.schedule), \
+                p2p_works_hold_their_tensors(), \
                 replaying(pipeline.modules if alone else [], tracker):
             pipeline.step(inputs)
 
@@ -589,61 +591,32 @@ def _batch_shape(inputs: Any) -> tuple[int, int]:
     return int(ids.shape[0]), int(ids.shape[1])
 
 
-def _static_metadata(schedule: Any) -> None:
-    """The schedule's warm-up vote answered without a peer: every stage static.
-
-    Note: [the pipeline's vote over a fake process group] Before its first step a schedule runs
-    a vote along the stages (``schedules.py: _PipelineSchedule._warmup_p2p`` ->
-    ``stage.py: PipelineStage._warmup_forward_vote``, ``_warmup_backward_result``): each stage
-    multiplies a one-element int32 tensor by 1 if it was given its input and output shapes
-    (``InferenceMode.needs_dynamic``) and sends it on, and every stage reads the result with
-    ``.item()``. A fake process group delivers nothing (the received tensor has no value) and a
-    fake tensor has no ``.item()``; every stage here is given its shapes, so every real stage
-    votes static and the result is 1. The schedule instance's ``_warmup_p2p`` is replaced by
-    one that sets that result (the 4-byte vote tensors are not traced)."""
-    try:
-        from torch.distributed.pipelining._utils import InferenceMode
-    except ImportError:  # a torch without the vote: the shapes given are used as they are
-        return
-
-    def warmup(stages_: Any, has_backward: bool, p2p_done: bool) -> None:
-        for stage in stages_:
-            stage._inference_mode = InferenceMode.STATIC
-
-    schedule._warmup_p2p = warmup
-
-
 @contextlib.contextmanager
 def _phases(schedule: Any, tracker: Any) -> Iterator[None]:
     """Each stage's ``forward_one_chunk`` traced as ``forward`` (its storages still alive at the
     end marked as saved activations) and ``backward_one_chunk`` as ``backward``; the stages'
-    own methods again on exit."""
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    for stage in stages:
-        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+    own methods again on exit (``torch_pipelining.stage_chunks_within``)."""
 
-        def fwd(*args: Any, _run: Any = forward, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        tracker.phase = "forward"
+        try:
+            yield
+        finally:
+            tracker.end_forward()
+
+    @contextlib.contextmanager
+    def backward() -> Iterator[None]:
+        tracker.phase = "backward"
+        tracker.modules.backward = ""
+        try:
+            with autograd_backward_keeps_function_modes():
+                yield
+        finally:
             tracker.phase = "forward"
-            try:
-                return _run(*args, **kwargs)
-            finally:
-                tracker.end_forward()
 
-        def bwd(*args: Any, _run: Any = backward, **kwargs: Any) -> Any:
-            tracker.phase = "backward"
-            tracker.modules.backward = ""
-            try:
-                with autograd_backward_keeps_function_modes():
-                    return _run(*args, **kwargs)
-            finally:
-                tracker.phase = "forward"
-
-        stage.forward_one_chunk, stage.backward_one_chunk = fwd, bwd
-    try:
+    with stage_chunks_within(schedule, forward, backward):
         yield
-    finally:
-        for stage in stages:
-            del stage.forward_one_chunk, stage.backward_one_chunk
 
 
 def pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:

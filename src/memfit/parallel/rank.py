@@ -50,12 +50,12 @@ class RankRole:
         """``UntypedStorage.resize_`` becomes a free and an allocation in ``tracker`` while
         ``fake_mode`` tracks (see the module's note); DTensor's metadata propagation, which
         runs each op on global-shape tensors in the active fake mode, is not tracked
-        (``torch_internals.dtensor_meta_propagation_within``)."""
-        from memfit._compat.torch_internals import (
+        (``torch_dtensor.dtensor_meta_propagation_within``)."""
+        from memfit._compat.torch_dtensor import (
             device_meshes_made_real,
             dtensor_meta_propagation_within,
-            storage_resizes_reported,
         )
+        from memfit._compat.torch_fsdp import storage_resizes_reported
         from memfit.parallel.apply import loss_context
         from memfit.parallel.streams import fsdp_streams
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memfit import vocab
-from memfit._compat import torch_internals, transformers_internals
+from memfit._compat import torch_dtensor, torch_fsdp, torch_internals, transformers_internals
 from memfit._loss import LossFn, check_loss_fn, model_loss
 from memfit._tensors import call_model, fake_inputs, fake_model, shallow_leaves, tensor_leaves
 from memfit.categories import MemoryCategory
@@ -405,8 +405,8 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         fmodel = fake_model(model if local is None else local(model), fake_device, param_dtype)
         if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/rank.py)
             stack.enter_context(rank.tracing(tracker, fake_mode))
-            stack.enter_context(torch_internals.dtensor_foreach_propagation_once_per_shape())
-            stack.enter_context(torch_internals.fsdp_chunks_on_demand())
+            stack.enter_context(torch_dtensor.dtensor_foreach_propagation_once_per_shape())
+            stack.enter_context(torch_fsdp.fsdp_chunks_on_demand())
             fmodel = rank.wrap_model(fmodel, tracker, fake_mode)
         memo: dict[int, torch.Tensor] = {}
         finputs = fake_inputs(inputs, fake_device, memo, param_dtype)
