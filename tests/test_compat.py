@@ -464,3 +464,50 @@ def test_autograd_backward_keeps_function_modes() -> None:
         torch.autograd.backward((w * 3).sum())
     assert torch.autograd.backward not in seen and torch.equal(w.grad, torch.full((2,), 3.0))
     assert torch.autograd.backward is original
+
+
+def test_the_schedule_patches_are_restored() -> None:
+    """``stage_chunks_within`` runs each stage's chunks inside the contexts given and
+    ``warmup_vote_static`` answers the vote; both leave the stage and the schedule as they were
+    (their own methods, from the class) on exit, also after an error."""
+    import contextlib
+
+    pytest.importorskip("torch.distributed.pipelining")
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    class Stage:
+        def forward_one_chunk(self, x: int) -> tuple[str, int]:
+            return "forward", x
+
+        def backward_one_chunk(self, x: int) -> tuple[str, int]:
+            return "backward", x
+
+    class Schedule:
+        def __init__(self) -> None:
+            self._stage = Stage()
+
+        def _warmup_p2p(self, stages: Any, has_backward: bool, p2p_done: bool) -> None:
+            raise AssertionError("the real vote ran")
+
+    seen: list[str] = []
+
+    def inside(name: str) -> Any:
+        @contextlib.contextmanager
+        def context() -> Any:
+            seen.append(f"{name} in")
+            yield
+            seen.append(f"{name} out")
+        return context
+
+    schedule = Schedule()
+    stage = schedule._stage
+    with torch_pipelining.stage_chunks_within(schedule, inside("fwd"), inside("bwd")):
+        assert stage.forward_one_chunk(1) == ("forward", 1)
+        assert stage.backward_one_chunk(2) == ("backward", 2)
+    assert seen == ["fwd in", "fwd out", "bwd in", "bwd out"]
+    assert "forward_one_chunk" not in vars(stage) and "backward_one_chunk" not in vars(stage)
+    with pytest.raises(ValueError), torch_pipelining.warmup_vote_static(schedule):
+        schedule._warmup_p2p([stage], True, False)
+        assert stage._inference_mode == InferenceMode.STATIC  # type: ignore[attr-defined]
+        raise ValueError
+    assert "_warmup_p2p" not in vars(schedule)
