@@ -301,7 +301,8 @@ def traced_ddp(make: Callable[[], Any], tracker: Any, fake_mode: Any) -> Any:
     tracking, so that its buckets (``Reducer::initialize_buckets``, alive as long as the model)
     are tracked as gradients; the wrapper then reduces with :func:`_fake_allreduce_hook` and
     keeps its first buckets (:class:`_NoRebuild`), as :meth:`RankRole.wrap_model` does for the
-    whole model (a pipeline stage's DDP: ``memfit.parallel.pipeline.replicate_stages``)."""
+    whole model (a pipeline stage's DDP:
+    ``memfit.parallel.pipeline_parallelize.replicate_stages``)."""
     before = len(tracker.infos)
     fake_mode.tracking = True
     try:

@@ -400,7 +400,7 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         stack.enter_context(host.tracing(tracker))
         stack.enter_context(_grouped_mm_rule())
         stack.enter_context(foreach.grouped())  # Note: [foreach ops on fake tensors]
-        # A pipeline rank fakes only its own stages (memfit/parallel/pipeline.py: local_model).
+        # A pipeline rank fakes only its own stages (memfit/parallel/pipeline_rank.py: local_model).
         local = getattr(rank, "local_model", None)
         fmodel = fake_model(model if local is None else local(model), fake_device, param_dtype)
         if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/rank.py)
@@ -466,7 +466,7 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
                 replay.start()
             grad_mode = torch.enable_grad() if training else torch.no_grad()
             # A pipeline rank's schedule runs forward and backward of every micro-batch as its
-            # step (memfit/parallel/pipeline.py: PipelineRole.run_step); the optimizer follows.
+            # step (memfit/parallel/pipeline_rank.py: PipelineRole.run_step); the optimizer follows.
             pipeline = getattr(rank, "runs_step", False)
             with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda), \
                     _outputs(fmodel, keep_output) as out:
