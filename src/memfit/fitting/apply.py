@@ -16,7 +16,8 @@ from memfit._loss import LossFn, check_loss_fn, check_reduction, model_loss
 from memfit._tensors import call_model
 from memfit.errors import MemfitError
 from memfit.fitting.config import FitConfig
-from memfit.techniques.checkpointing import BlockProfile, Mode, Policy
+from memfit.techniques.block_profile import BlockProfile, Mode
+from memfit.techniques.checkpointing import Policy
 
 __all__ = ["FixedModes", "LossParallelStep", "PipelineStep", "apply_config", "apply_pipeline",
            "call_model"]

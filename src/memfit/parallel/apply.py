@@ -35,7 +35,7 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
                blocks: list[str] | None = None,
                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """FSDP2 ``fully_shard`` on each block (``blocks``; default: the repeated blocks that
-    ``memfit.techniques.checkpointing.find_blocks`` finds), then on the root (in place), with
+    ``memfit.models.anatomy.find_blocks`` finds), then on the root (in place), with
     the layout's ``reshard_after_forward``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
