@@ -51,6 +51,7 @@ from torch import nn
 
 import memfit
 from memfit.errors import MemfitError, suggest
+from memfit.models.anatomy import find_blocks
 from memfit.models.build import build_model, example_inputs
 from memfit.models.spec import TransformerSpec
 from memfit.profiling.cpu import live_bytes, measure_cpu_peak
@@ -70,7 +71,7 @@ from memfit.techniques import (
     set_attn_implementation,
     split_batch,
 )
-from memfit.techniques.checkpointing import find_blocks, predict_activation_bytes, profile_blocks
+from memfit.techniques.block_profile import predict_activation_bytes, profile_blocks
 
 DEVICES = ("cpu", "cuda")
 # torch's own default AdamW implementation per device: the baseline uses it, explicitly.

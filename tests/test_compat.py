@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit._compat import torch_dtensor, torch_fsdp, torch_pipelining
 from memfit._compat import torch_internals as ti
 from memfit._compat import transformers_internals as tfi
 
@@ -390,7 +391,7 @@ def test_storage_resizes_are_reported_and_the_method_restored() -> None:
     original = torch.UntypedStorage.resize_
     st = torch.empty(4).untyped_storage()
     seen: list[tuple[int, int]] = []
-    with ti.storage_resizes_reported(lambda s, size: seen.append((s.nbytes(), size))):
+    with torch_fsdp.storage_resizes_reported(lambda s, size: seen.append((s.nbytes(), size))):
         st.resize_(0)
         st.resize_(32)
     assert seen == [(0, 0), (32, 32)], (
@@ -417,7 +418,7 @@ def test_device_meshes_made_real_inside_a_fake_mode(fake_world_of_two) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     original = DeviceMesh.__init__
-    with FakeTensorMode(), ti.device_meshes_made_real():
+    with FakeTensorMode(), torch_dtensor.device_meshes_made_real():
         mesh = DeviceMesh("cpu", [0, 1])
     assert not isinstance(mesh.mesh, FakeTensor), (
         "DeviceMesh.__init__ made its rank map inside the fake mode: "
@@ -432,7 +433,7 @@ def test_p2p_works_hold_their_tensors(fake_world_of_two) -> None:
 
     original = schedules._batch_p2p
     t = torch.ones(3)
-    with ti.p2p_works_hold_their_tensors():
+    with torch_pipelining.p2p_works_hold_their_tensors():
         works = schedules._batch_p2p([dist.P2POp(dist.isend, t, 1)])
     assert works and all(any(x is t for x in w._tensors) for w in works), (
         "torch.distributed.pipelining.schedules._batch_p2p's works no longer carry the sent "
@@ -459,7 +460,54 @@ def test_autograd_backward_keeps_function_modes() -> None:
     assert torch.autograd.backward in seen  # the premise: the mode intercepts the call
     seen.clear()
     w.grad = None
-    with Record(), ti.autograd_backward_keeps_function_modes():
+    with Record(), torch_pipelining.autograd_backward_keeps_function_modes():
         torch.autograd.backward((w * 3).sum())
     assert torch.autograd.backward not in seen and torch.equal(w.grad, torch.full((2,), 3.0))
     assert torch.autograd.backward is original
+
+
+def test_the_schedule_patches_are_restored() -> None:
+    """``stage_chunks_within`` runs each stage's chunks inside the contexts given and
+    ``warmup_vote_static`` answers the vote; both leave the stage and the schedule as they were
+    (their own methods, from the class) on exit, also after an error."""
+    import contextlib
+
+    pytest.importorskip("torch.distributed.pipelining")
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    class Stage:
+        def forward_one_chunk(self, x: int) -> tuple[str, int]:
+            return "forward", x
+
+        def backward_one_chunk(self, x: int) -> tuple[str, int]:
+            return "backward", x
+
+    class Schedule:
+        def __init__(self) -> None:
+            self._stage = Stage()
+
+        def _warmup_p2p(self, stages: Any, has_backward: bool, p2p_done: bool) -> None:
+            raise AssertionError("the real vote ran")
+
+    seen: list[str] = []
+
+    def inside(name: str) -> Any:
+        @contextlib.contextmanager
+        def context() -> Any:
+            seen.append(f"{name} in")
+            yield
+            seen.append(f"{name} out")
+        return context
+
+    schedule = Schedule()
+    stage = schedule._stage
+    with torch_pipelining.stage_chunks_within(schedule, inside("fwd"), inside("bwd")):
+        assert stage.forward_one_chunk(1) == ("forward", 1)
+        assert stage.backward_one_chunk(2) == ("backward", 2)
+    assert seen == ["fwd in", "fwd out", "bwd in", "bwd out"]
+    assert "forward_one_chunk" not in vars(stage) and "backward_one_chunk" not in vars(stage)
+    with pytest.raises(ValueError), torch_pipelining.warmup_vote_static(schedule):
+        schedule._warmup_p2p([stage], True, False)
+        assert stage._inference_mode == InferenceMode.STATIC  # type: ignore[attr-defined]
+        raise ValueError
+    assert "_warmup_p2p" not in vars(schedule)

@@ -135,11 +135,8 @@ def test_budget_label_says_what_it_resolved_to() -> None:
 
 def _floor_and_midpoint(model: nn.Module, sample: object, m: int) -> tuple[int, int]:
     from memfit._tensors import meta_batch
-    from memfit.techniques.checkpointing import (
-        find_blocks,
-        predict_activation_bytes,
-        profile_blocks,
-    )
+    from memfit.models.anatomy import find_blocks
+    from memfit.techniques.block_profile import predict_activation_bytes, profile_blocks
 
     names = find_blocks(model)
     profiles = profile_blocks(model, names, meta_batch(sample, m))

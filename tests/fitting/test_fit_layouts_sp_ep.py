@@ -193,7 +193,8 @@ def test_layouts_offer_sp_and_loss_parallel_variants_of_each_tp_layout() -> None
     tying its head to its embedding (which tp_plan cannot split two ways) gets plain tp only."""
     import dataclasses
 
-    from memfit.fitting.layouts import layouts, model_shape
+    from memfit.fitting.layout_space import layouts
+    from memfit.fitting.layouts import model_shape
     from memfit.models.build import build_model
     from memfit.parallel.measure import tiny_spec
 

@@ -32,7 +32,8 @@ from memfit.errors import MemfitError
 from memfit.fitting import FitConfig, Plan
 from memfit.fitting.config import sharding_of
 from memfit.fitting.cost import INTER_NODE_GBPS, Rates, layout_comm
-from memfit.fitting.layouts import activation_factor, layouts, model_shape
+from memfit.fitting.layout_space import layouts
+from memfit.fitting.layouts import activation_factor, model_shape
 from memfit.parallel import Parallel
 from memfit.parallel.measure import tiny_spec
 

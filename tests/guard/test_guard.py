@@ -610,7 +610,7 @@ def test_real_cuda_oom_is_recovered():
 
 
 def test_a_default_prediction_that_fails_warns_once_and_training_goes_on(monkeypatch, caplog):
-    guard_module = importlib.import_module("memfit.oom_guard")
+    guard_module = importlib.import_module("memfit.oom_guard.step")
 
     def untraceable(*args, **kwargs):  # type: ignore[no-untyped-def]
         def predict(meta_batch):  # type: ignore[no-untyped-def]

@@ -1,7 +1,7 @@
 """The OOM guard under DDP with two real processes (gloo on the CPU): an OOM on one rank makes
 every rank retry the same batch at the same micro-batch size, and nobody hangs.
 
-Note: [OOM agreement under DDP] in memfit/oom_guard.py.
+Note: [OOM agreement under DDP] in memfit/oom_guard/__init__.py.
 """
 
 from __future__ import annotations

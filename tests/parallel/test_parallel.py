@@ -170,7 +170,7 @@ def measured_two_ranks() -> dict[str, tuple[object, list[dict[str, int]]]]:
     cases = [Case(spec=spec, batch=2, seq=64, parallel=p) for p in TWO_RANKS.values()]
     # The optimizer's first step near the peak: a wide embedding and head, one token per row.
     # DTensor's metadata propagation made phantom full-size tensors there in the trace
-    # (memfit/_compat/torch_internals.py: dtensor_meta_propagation_within).
+    # (memfit/_compat/torch_dtensor.py: dtensor_meta_propagation_within).
     wide = dataclasses.replace(tiny_spec(), hidden_size=256, intermediate_size=512, head_dim=64,
                                vocab_size=2048)
     cases.append(Case(spec=wide, batch=1, seq=4, parallel=P(gpus=2, fsdp=2)))

@@ -296,7 +296,7 @@ def test_full_checkpointing_keeps_only_block_inputs_per_micro_batch_in_flight() 
     saves is host memory on a GPU); plus, as without checkpointing, the micro-batch's rows of
     input_ids and labels (2 x 2 x 64 x 8 = 2,048) and its gradient receive buffer (32,768).
     Selective checkpointing also keeps every matmul and attention output of each block
-    (memfit.techniques.checkpointing.SAVE_OPS): q, k, v and o projections 4 x 32,768, gate and up
+    (memfit.techniques.block_profile.SAVE_OPS): q, k, v and o projections 4 x 32,768, gate and up
     2 x 2 x 64 x 128 fp32 = 2 x 65,536, down 32,768; memory-efficient attention (fp32: aten/src/
     ATen/native/transformers/cuda/sdp_utils.cpp: use_flash_attention's check_tensor_dtype takes
     fp16/bf16 only) its output 32,768, float32 logsumexp [2, 4, 64] = 2,048 and its RNG seed

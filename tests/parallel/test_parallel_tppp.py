@@ -1,4 +1,5 @@
-"""Tensor parallelism inside each pipeline stage (memfit/parallel/pipeline.py: apply_tp_stages).
+"""Tensor parallelism inside each pipeline stage (memfit/parallel/pipeline_parallelize.py:
+apply_tp_stages).
 
 torchtitan's order (``torchtitan/distributed/pipeline_parallel.py: pipeline_llm`` splits the
 model into stages, then ``torchtitan/models/llama3/infra/parallelize.py: parallelize_llama``

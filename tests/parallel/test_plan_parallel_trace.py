@@ -481,9 +481,9 @@ def test_bad_parallel_flags_are_one_line_exit_2(capsys, tmp_path, argv, needle) 
 
 def test_pp_beside_zero1_and_loss_parallel_is_traced(capsys, tmp_path, pipeline_warmed) -> None:
     """`--gpus 4 --pp 2 --zero 1`: DDP on each stage with ZeroRedundancyOptimizer over its 2
-    data-parallel ranks (memfit/parallel/pipeline.py: replicate_stages), one role per rank, the
-    same numbers as `Parallel(gpus=4, pp=2, zero=1)` on the builtin build; `--gpus 4 --pp 2
-    --tp 2 --loss-parallel`: the last stage's logits split by vocabulary. Both on the
+    data-parallel ranks (memfit/parallel/pipeline_parallelize.py: replicate_stages), one role per
+    rank, the same numbers as `Parallel(gpus=4, pp=2, zero=1)` on the builtin build; `--gpus 4
+    --pp 2 --tp 2 --loss-parallel`: the last stage's logits split by vocabulary. Both on the
     transformers module (a Llama). Both used to fall back to the formulas ("the trace refused
     it")."""
     import memfit

@@ -16,18 +16,18 @@ from torch.utils.flop_counter import FlopCounterMode
 from _models import Block, TinyGPT
 from memfit import MemoryCategory, estimate
 from memfit.errors import MemfitError
+from memfit.models.anatomy import find_blocks
 from memfit.models.build import build_model, example_inputs
 from memfit.models.spec import TransformerSpec
 from memfit.profiling import measure_cpu_peak
+from memfit.techniques.block_profile import activation_bytes
 from memfit.techniques.checkpointing import (
     Budget,
     EveryK,
     Full,
     Policy,
     Selective,
-    activation_bytes,
     apply_activation_checkpointing,
-    find_blocks,
     remove_activation_checkpointing,
 )
 

@@ -1,5 +1,5 @@
 """DTensor's sharding propagation of foreach ops, once per distinct element
-(memfit/_compat/torch_internals.py: dtensor_foreach_propagation_once_per_shape).
+(memfit/_compat/torch_dtensor.py: dtensor_foreach_propagation_once_per_shape).
 
 The patch must give exactly torch's answer. torch/distributed/tensor/_sharding_prop.py:
 ShardingPropagator.propagate_op_sharding_non_cached expands each element of a foreach op
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from memfit._compat import torch_internals as ti
+from memfit._compat import torch_dtensor, torch_fsdp
 from memfit.parallel.trace import fake_world
 
 pytest.importorskip("torch.distributed.tensor")
@@ -74,7 +74,7 @@ def _propagate(op: Any, args: tuple[Any, ...], patched: bool) -> tuple[Any, int]
 
     prepared.__init__ = counting  # type: ignore[method-assign]
     try:
-        with ti.dtensor_foreach_propagation_once_per_shape() if patched \
+        with torch_dtensor.dtensor_foreach_propagation_once_per_shape() if patched \
                 else contextlib.nullcontext():
             out = dispatcher.sharding_propagator.propagate_op_sharding_non_cached(info.schema)
     finally:
@@ -149,12 +149,12 @@ def test_the_patch_is_restored() -> None:
     assert all(before), (f"torch {torch.__version__} lacks torch.distributed.tensor."
                          f"_sharding_prop.{names}: dtensor_foreach_propagation_once_per_shape "
                          "patches nothing (the 70B FSDP trace is slow again)")
-    with ti.dtensor_foreach_propagation_once_per_shape():
+    with torch_dtensor.dtensor_foreach_propagation_once_per_shape():
         assert [getattr(_sharding_prop, n) for n in names] != before
     assert [getattr(_sharding_prop, n) for n in names] == before
 
 
-# -- FSDP2's chunks, made when read (torch_internals.fsdp_chunks_on_demand) ----------------------
+# -- FSDP2's chunks, made when read (torch_fsdp.fsdp_chunks_on_demand) ----------------------
 
 
 @pytest.mark.parametrize(("shape", "parts", "dim"), [
@@ -167,7 +167,7 @@ def test_chunks_on_demand_are_torchs_chunks(shape: tuple[int, ...], parts: int, 
 
     t = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
     want = _chunk_with_empty(t, parts, dim)
-    got = ti._ChunksOnDemand(t, parts, dim)
+    got = torch_fsdp._ChunksOnDemand(t, parts, dim)
     assert len(got) == len(want) == parts
     for i in (*range(parts), -1):
         w, g = want[i], got[i]
@@ -185,7 +185,7 @@ def test_fully_shard_with_chunks_on_demand_shards_as_torch() -> None:
     def sharded(patched: bool) -> list[tuple[Any, ...]]:
         with torch.device("meta"):
             model = nn.Sequential(nn.Linear(6, 130), nn.Linear(130, 3), nn.LayerNorm(3))
-        with fake_world(64, 63), ti.fsdp_chunks_on_demand() if patched \
+        with fake_world(64, 63), torch_fsdp.fsdp_chunks_on_demand() if patched \
                 else contextlib.nullcontext():
             mesh = init_device_mesh("cpu", (64,))
             fully_shard(model, mesh=mesh, reshard_after_forward=8)

@@ -23,7 +23,7 @@ at each call, so replacing the module attribute reaches every caller."""
 def fake_tensors_look_eager() -> Iterator[None]:
     """Within the context ``transformers.utils.import_utils.is_fake_tensor`` answers False, so
     that ``is_tracing(fake_tensor)`` is False and transformers takes its eager code paths (see
-    Note: [libraries that detect fake tensors] in ``memfit/trace/engine.py``); restored on exit.
+    Note: [libraries that detect fake tensors] in ``memfit/trace/fake_rules.py``); restored on exit.
     Nothing is patched when transformers is not imported or has no ``is_fake_tensor``."""
     module = sys.modules.get(IMPORT_UTILS)
     original = getattr(module, "is_fake_tensor", None)

@@ -16,7 +16,8 @@ from memfit._loss import LossFn, check_loss_fn, check_reduction, model_loss
 from memfit._tensors import call_model
 from memfit.errors import MemfitError
 from memfit.fitting.config import FitConfig
-from memfit.techniques.checkpointing import BlockProfile, Mode, Policy
+from memfit.techniques.block_profile import BlockProfile, Mode
+from memfit.techniques.checkpointing import Policy
 
 __all__ = ["FixedModes", "LossParallelStep", "PipelineStep", "apply_config", "apply_pipeline",
            "call_model"]
@@ -453,13 +454,11 @@ def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
     stages are freed on this rank (zero elements), as torchtitan's ``pipeline_module_split``
     keeps only a stage's modules."""
     from memfit.parallel.apply import apply_optimizer
-    from memfit.parallel.pipeline import (
+    from memfit.parallel.pipeline import check_pipeline, decoder_parts, stage_modules
+    from memfit.parallel.pipeline_parallelize import (
         apply_dp_stages,
         apply_tp_stages,
-        check_pipeline,
-        decoder_parts,
         pipeline_mesh,
-        stage_modules,
     )
     from memfit.techniques import apply_precision, make_optimizer
 

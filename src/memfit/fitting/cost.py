@@ -154,39 +154,8 @@ def layout_comm(rates: Rates, parallel: Any, *, sharding: str, param_bytes: int,
     ``compute_s``: this rank's compute for the step (no bubble), the window data-parallel
     collectives overlap (0: nothing hidden, an upper bound).
 
-    - data parallel over ``dp`` ranks: the gradients are reduced once per step, in the last
-      micro-batch's backward (earlier ones skip it: ``no_sync`` /
-      ``set_requires_gradient_sync(False)``, as memfit.oom_guard runs them), a ring
-      all-reduce of ``2 (dp-1)/dp`` of their bytes (ZeRO's reduce-scatter + all-gather move
-      the same), overlapped with that backward, 2/3 of the micro-batch's compute (DDP's
-      buckets and FSDP2's reduce-scatter run while the backward goes on: Li et al., VLDB 2020,
-      "PyTorch Distributed", §3.2.3; Zhao et al., VLDB 2023, "PyTorch FSDP", §3.3); FSDP2
-      all-gathers the parameters in every micro-batch, ``2 (dp-1)/dp`` of them with resharding
-      after forward (zero3, HSDP inside its shard group) and ``(dp-1)/dp`` without (zero2),
-      prefetched under the micro-batch's compute; ZeRO-1's ``ZeroRedundancyOptimizer``
-      broadcasts the updated parameters after the step, ``(dp-1)/dp``, nothing to hide it;
-      HSDP all-reduces the gradient shard across the replicas too;
-    - tensor parallel: two all-reduces of a block's input in the forward and two in the
-      backward (Shoeybi et al. 2019, Megatron-LM §3: the ``f`` and ``g`` operators), each
-      ``2 (tp-1)/tp`` of it, per block of this stage and micro-batch, on the critical path;
-    - sequence parallelism (``parallel.sp``): each block's all-reduces become an all-gather
-      before and a reduce-scatter after the attention and the MLP, the same bytes (Korthikanti
-      et al. 2022, arXiv 2205.05198, §4.2.2: "a ring all-reduce is composed of two steps: a
-      reduce-scatter followed by an all-gather ... the same bandwidth"), so the per-block term
-      is unchanged; the root adds, per micro-batch, the token embedding's reduce-scatter
-      (forward) and all-gather (backward) and the head's all-gather of its input (forward) and
-      reduce-scatter of its gradient (backward), ``(tp-1)/tp`` of a block's input each
-      (``memfit/parallel/apply.py: tp_plan``, torchtitan's plan);
-    - the head's logits (``logits_bytes``: a micro-batch's, all of the vocabulary): with
-      sequence parallelism and without loss parallelism the head all-gathers them in the
-      forward, ``(tp-1)/tp`` of them (``ColwiseParallel(output_layouts=Replicate())``; its
-      backward takes the local chunk, no collective); loss parallelism (``loss_parallel``)
-      keeps them split and all-reduces, per token (``tokens`` in the micro-batch), the
-      softmax's max and sum of exponentials and the picked log-probability, three fp32
-      all-reduces (``torch/distributed/tensor/parallel/loss.py: _log_softmax`` two
-      ``funcol.all_reduce``, ``_nll_loss_forward`` one ``_reduce_value``), ``2 (tp-1)/tp`` of
-      ``4 tokens`` bytes each; without sequence parallelism the head then takes a replicated
-      input, whose gradient ``ColwiseParallel`` all-reduces in the backward;
+    - data parallel over ``dp`` ranks: :func:`_dp_comm`;
+    - tensor parallel, with sequence and loss parallelism: :func:`_tp_comm`;
     - expert parallelism (``parallel.ep``; ``moe_layers`` MoE layers, ``exchange_bytes`` one
       layer's expert buffers for a micro-batch, ``experts x capacity x hidden``): two
       all-to-alls per MoE layer in the forward (dispatch, combine) and two in the backward
@@ -208,44 +177,18 @@ def layout_comm(rates: Rates, parallel: Any, *, sharding: str, param_bytes: int,
     if ep > 1:  # the experts leave the dense data-parallel collectives (see above)
         expert_grads, expert_params = grad_bytes * expert_share, param_bytes * expert_share
         grad_bytes, param_bytes = int(grad_bytes - expert_grads), int(param_bytes - expert_params)
+    # each term added in turn, in the order the sum always took (float addition is not associative)
     if dp > 1:
-        link = _link(rates, tp * dp, gpn)
-        if sharding == "hsdp":
-            shard, replicas = parallel.fsdp, parallel.replicate
-            inner = _link(rates, tp * shard, gpn)
-            ring = (shard - 1) / shard
-            reduce = 2 * ring * grad_bytes / inner
-            reduce += 2 * (replicas - 1) / replicas * grad_bytes / shard / link
-            gather = 2 * ring * param_bytes / inner
-        else:
-            ring = (dp - 1) / dp
-            reduce = 2 * ring * grad_bytes / link
-            gather = {"zero3": 2, "zero2": 1}.get(sharding, 0) * ring * param_bytes / link
-            if sharding == "zero1":
-                comm += ring * param_bytes / link
-        holders = dp // ep
-        if ep > 1 and holders > 1:  # FSDP2 over the dp/ep ranks holding the same experts
-            e_ring = (holders - 1) / holders
-            reduce += 2 * e_ring * expert_grads / ep / link
-            gather += {"zero3": 2, "zero2": 1}.get(sharding, 0) * e_ring * expert_params / ep \
-                / link
-        comm += max(0.0, reduce - 2 / 3 * micro_compute)
-        comm += accumulation * max(0.0, gather - micro_compute)
+        for seconds in _dp_comm(rates, parallel, sharding=sharding, param_bytes=param_bytes,
+                                grad_bytes=grad_bytes, expert_params=expert_params,
+                                expert_grads=expert_grads, micro_compute=micro_compute,
+                                accumulation=accumulation):
+            comm += seconds
     if tp > 1:
-        tp_link = _link(rates, tp, gpn)
-        split = (tp - 1) / tp
-        per_block = 4 * 2 * split * boundary_bytes / tp_link
-        comm += accumulation * per_block * -(-layers // pp)
-        root = 0.0
-        if parallel.sp:  # embedding RS + AG, head input AG + RS
-            root += 4 * split * boundary_bytes
-        if parallel.loss_parallel:
-            root += 3 * 2 * split * 4 * tokens
-            if not parallel.sp:
-                root += 2 * split * boundary_bytes
-        elif parallel.sp:
-            root += split * logits_bytes
-        comm += accumulation * root / tp_link
+        for seconds in _tp_comm(rates, parallel, boundary_bytes=boundary_bytes, layers=layers,
+                                accumulation=accumulation, logits_bytes=logits_bytes,
+                                tokens=tokens):
+            comm += seconds
     if ep > 1:
         comm += accumulation * 4 * moe_layers * (ep - 1) / ep * exchange_bytes \
             / _link(rates, tp * ep, gpn)
@@ -253,3 +196,92 @@ def layout_comm(rates: Rates, parallel: Any, *, sharding: str, param_bytes: int,
         v = 2 if getattr(parallel, "pp_schedule", "1f1b") == "interleaved-1f1b" else 1
         comm += accumulation * 2 * v * boundary_bytes / _link(rates, parallel.gpus, gpn)
     return comm
+
+
+def _dp_comm(rates: Rates, parallel: Any, *, sharding: str, param_bytes: int, grad_bytes: int,
+             expert_params: float, expert_grads: float, micro_compute: float,
+             accumulation: int) -> tuple[float, float, float]:
+    """Seconds of the data-parallel collectives over ``dp`` ranks that the compute does not
+    hide: (ZeRO-1's broadcast, the gradients' reduction, the parameters' all-gathers), see
+    :func:`layout_comm` (``param_bytes`` / ``grad_bytes`` less the experts', which
+    ``expert_params`` / ``expert_grads`` are). The gradients are reduced once per step, in the
+    last micro-batch's backward (earlier ones skip it: ``no_sync`` /
+    ``set_requires_gradient_sync(False)``, as memfit.oom_guard runs them), a ring all-reduce of
+    ``2 (dp-1)/dp`` of their bytes (ZeRO's reduce-scatter + all-gather move the same),
+    overlapped with that backward, 2/3 of the micro-batch's compute (DDP's buckets and FSDP2's
+    reduce-scatter run while the backward goes on: Li et al., VLDB 2020, "PyTorch
+    Distributed", §3.2.3; Zhao et al., VLDB 2023, "PyTorch FSDP", §3.3); FSDP2 all-gathers the
+    parameters in every micro-batch, ``2 (dp-1)/dp`` of them with resharding after forward
+    (zero3, HSDP inside its shard group) and ``(dp-1)/dp`` without (zero2), prefetched under
+    the micro-batch's compute; ZeRO-1's ``ZeroRedundancyOptimizer`` broadcasts the updated
+    parameters after the step, ``(dp-1)/dp``, nothing to hide it; HSDP all-reduces the
+    gradient shard across the replicas too."""
+    gpn = parallel.gpus_per_node
+    dp, tp = parallel.dp, parallel.tp
+    ep = getattr(parallel, "ep", 1)
+    broadcast = 0.0
+    link = _link(rates, tp * dp, gpn)
+    if sharding == "hsdp":
+        shard, replicas = parallel.fsdp, parallel.replicate
+        inner = _link(rates, tp * shard, gpn)
+        ring = (shard - 1) / shard
+        reduce = 2 * ring * grad_bytes / inner
+        reduce += 2 * (replicas - 1) / replicas * grad_bytes / shard / link
+        gather = 2 * ring * param_bytes / inner
+    else:
+        ring = (dp - 1) / dp
+        reduce = 2 * ring * grad_bytes / link
+        gather = {"zero3": 2, "zero2": 1}.get(sharding, 0) * ring * param_bytes / link
+        if sharding == "zero1":
+            broadcast = ring * param_bytes / link
+    holders = dp // ep
+    if ep > 1 and holders > 1:  # FSDP2 over the dp/ep ranks holding the same experts
+        e_ring = (holders - 1) / holders
+        reduce += 2 * e_ring * expert_grads / ep / link
+        gather += {"zero3": 2, "zero2": 1}.get(sharding, 0) * e_ring * expert_params / ep \
+            / link
+    return (broadcast, max(0.0, reduce - 2 / 3 * micro_compute),
+            accumulation * max(0.0, gather - micro_compute))
+
+
+def _tp_comm(rates: Rates, parallel: Any, *, boundary_bytes: int, layers: int,
+             accumulation: int, logits_bytes: int, tokens: int) -> tuple[float, float]:
+    """Seconds of the tensor-parallel collectives, all on the critical path: (the blocks', the
+    root's), see :func:`layout_comm`:
+
+    - two all-reduces of a block's input in the forward and two in the backward (Shoeybi et
+      al. 2019, Megatron-LM §3: the ``f`` and ``g`` operators), each ``2 (tp-1)/tp`` of it, per
+      block of this stage and micro-batch;
+    - sequence parallelism (``parallel.sp``): each block's all-reduces become an all-gather
+      before and a reduce-scatter after the attention and the MLP, the same bytes (Korthikanti
+      et al. 2022, arXiv 2205.05198, §4.2.2: "a ring all-reduce is composed of two steps: a
+      reduce-scatter followed by an all-gather ... the same bandwidth"), so the per-block term
+      is unchanged; the root adds, per micro-batch, the token embedding's reduce-scatter
+      (forward) and all-gather (backward) and the head's all-gather of its input (forward) and
+      reduce-scatter of its gradient (backward), ``(tp-1)/tp`` of a block's input each
+      (``memfit/parallel/apply.py: tp_plan``, torchtitan's plan);
+    - the head's logits (``logits_bytes``: a micro-batch's, all of the vocabulary): with
+      sequence parallelism and without loss parallelism the head all-gathers them in the
+      forward, ``(tp-1)/tp`` of them (``ColwiseParallel(output_layouts=Replicate())``; its
+      backward takes the local chunk, no collective); loss parallelism (``loss_parallel``)
+      keeps them split and all-reduces, per token (``tokens`` in the micro-batch), the
+      softmax's max and sum of exponentials and the picked log-probability, three fp32
+      all-reduces (``torch/distributed/tensor/parallel/loss.py: _log_softmax`` two
+      ``funcol.all_reduce``, ``_nll_loss_forward`` one ``_reduce_value``), ``2 (tp-1)/tp`` of
+      ``4 tokens`` bytes each; without sequence parallelism the head then takes a replicated
+      input, whose gradient ``ColwiseParallel`` all-reduces in the backward."""
+    tp, pp = parallel.tp, parallel.pp
+    tp_link = _link(rates, tp, parallel.gpus_per_node)
+    split = (tp - 1) / tp
+    per_block = 4 * 2 * split * boundary_bytes / tp_link
+    blocks = accumulation * per_block * -(-layers // pp)
+    root = 0.0
+    if parallel.sp:  # embedding RS + AG, head input AG + RS
+        root += 4 * split * boundary_bytes
+    if parallel.loss_parallel:
+        root += 3 * 2 * split * 4 * tokens
+        if not parallel.sp:
+            root += 2 * split * boundary_bytes
+    elif parallel.sp:
+        root += split * logits_bytes
+    return blocks, accumulation * root / tp_link

@@ -22,10 +22,10 @@ from memfit.fitting.config import LAYOUT_SHARDING, FitConfig, sharding_of
 from memfit.fitting.cost import StepCost, step_cost
 from memfit.fitting.derive import derive as derive_one_gpu
 from memfit.fitting.derive import derive_layout
+from memfit.fitting.layout_space import layouts
 from memfit.fitting.layouts import (
     ModelShape,
     activation_factor,
-    layouts,
     model_shape,
     root_split,
     schedule_searched,

@@ -131,11 +131,8 @@ def _checkpoint(model: nn.Module, inputs: Any, ckpt: str,
         cp = apply_activation_checkpointing(model, FixedModes(tuple(fixed)))  # type: ignore[arg-type]
         modes = tuple(cp.modes)
     elif ckpt == "budget":
-        from memfit.techniques.checkpointing import (
-            find_blocks,
-            predict_activation_bytes,
-            profile_blocks,
-        )
+        from memfit.models.anatomy import find_blocks
+        from memfit.techniques.block_profile import predict_activation_bytes, profile_blocks
 
         names = find_blocks(model)
         profiles = profile_blocks(model, names, inputs)

@@ -35,7 +35,7 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, mesh: Any,
                blocks: list[str] | None = None,
                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """FSDP2 ``fully_shard`` on each block (``blocks``; default: the repeated blocks that
-    ``memfit.techniques.checkpointing.find_blocks`` finds), then on the root (in place), with
+    ``memfit.models.anatomy.find_blocks`` finds), then on the root (in place), with
     the layout's ``reshard_after_forward``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -72,7 +72,7 @@ def apply_ddp(model: nn.Module, parallel: Parallel, init_sync: bool = True,
     shapes across ranks and its broadcast of rank 0's values, which read real data (a trace has
     none); neither allocates anything that outlives the constructor. ``process_group``: the
     ranks that replicate the module (default: every rank; a pipeline stage's data-parallel
-    ranks: ``memfit.parallel.pipeline.replicate_stages``)."""
+    ranks: ``memfit.parallel.pipeline_parallelize.replicate_stages``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, bucket_cap_mb=parallel.bucket_cap_mb,
@@ -106,9 +106,9 @@ def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = Non
     ``parallel.loss_parallel`` keeps the logits split (Note: [loss parallelism]).
 
     ``blocks``: the blocks' names (default: ``find_blocks(model)``), e.g. a pipeline stage's
-    ``layers.<i>`` (``memfit.parallel.pipeline.apply_tp_stages``); ``root``: the names of the
-    token embedding, final norm and head that sequence / loss parallelism split (default:
-    ``sp_root(model)``; None for a part a pipeline stage does not hold)."""
+    ``layers.<i>`` (``memfit.parallel.pipeline_parallelize.apply_tp_stages``); ``root``: the
+    names of the token embedding, final norm and head that sequence / loss parallelism split
+    (default: ``sp_root(model)``; None for a part a pipeline stage does not hold)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,

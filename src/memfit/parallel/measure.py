@@ -141,12 +141,8 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
 
     from memfit._noise import quiet_profile
     from memfit.parallel.apply import apply_optimizer, loss_context
-    from memfit.parallel.pipeline import (
-        apply_dp_stages,
-        build_pipeline,
-        pipeline_mesh,
-        stage_modules,
-    )
+    from memfit.parallel.pipeline import build_pipeline, stage_modules
+    from memfit.parallel.pipeline_parallelize import apply_dp_stages, pipeline_mesh
     from memfit.trace.optim import make_optimizer
 
     rank = dist.get_rank()
@@ -161,7 +157,7 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
             gc.collect()  # the other stages' blocks, embedding or head: not this rank's
             group = dp_group = submods = None
             if case.parallel.tp > 1:  # TP on each stage, then FSDP2 over dp (torchtitan's order)
-                from memfit.parallel.pipeline import apply_tp_stages
+                from memfit.parallel.pipeline_parallelize import apply_tp_stages
 
                 mesh = pipeline_mesh(case.parallel)
                 apply_tp_stages(modules, case.parallel, mesh)

@@ -27,9 +27,7 @@ them for its lifetime (``stage.py: PipelineStage._setup_forward_recv_info``,
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,14 +35,9 @@ import torch.distributed.pipelining  # Note: [importing pipelining outside the t
 import torch.nn.functional as F
 from torch import nn
 
-from memfit._compat.torch_internals import (
-    autograd_backward_keeps_function_modes,
-    p2p_works_hold_their_tensors,
-)
 from memfit.dtypes import torch_dtype
 from memfit.errors import MemfitError
 from memfit.parallel.config import PP_SCHEDULES, Parallel
-from memfit.parallel.rank import RankRole, host_step, offloaded
 
 # Note: [importing pipelining outside the trace] ``torch/distributed/pipelining/microbatch.py``
 # makes a tensor when it is first imported (module level: ``sum_reducer = _LossReducer(
@@ -242,32 +235,6 @@ def _stage_class(model: nn.Module) -> Any:
     return HFStageModule
 
 
-def pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
-    """The ``(pp, dp)`` DeviceMesh of a pipeline layout with data parallelism (torch.distributed
-    initialised with ``parallel.gpus`` ranks); ``(pp, replicate, shard)`` for HSDP
-    (torchtitan's ``ParallelDims`` order: pp, dp_replicate, dp_shard)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if parallel.tp > 1:
-        return tp_pipeline_mesh(parallel, device_type)
-    if parallel.strategy == "hsdp":
-        return init_device_mesh(device_type, (parallel.pp, parallel.replicate, parallel.fsdp),
-                                mesh_dim_names=("pp", "replicate", "shard"))
-    return init_device_mesh(device_type, (parallel.pp, parallel.dp), mesh_dim_names=("pp", "dp"))
-
-
-def shard_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> None:
-    """FSDP2 on each stage over the mesh's ``dp`` dimension: each of its blocks, then the
-    stage (``memfit.parallel.apply.apply_fsdp``), as torchtitan shards each model part."""
-    from memfit.parallel.apply import apply_fsdp
-
-    dp_mesh = mesh["replicate", "shard"] if parallel.strategy == "hsdp" else mesh["dp"]
-    for module in modules:
-        apply_fsdp(module, parallel, dp_mesh, blocks=[f"layers.{k}" for k in module.layers])
-
-
-# -- data parallelism beside the pipeline ------------------------------------------------------
-
 def check_pipeline_dp(parallel: Parallel) -> None:
     """One-line errors for the data parallelism beside the pipeline that is not traced.
 
@@ -284,150 +251,6 @@ def check_pipeline_dp(parallel: Parallel) -> None:
                           f"{parallel.strategy} over {parallel.dp} data-parallel ranks: DDP "
                           "beside tensor parallelism is refused (torchtitan: \"DDP has not "
                           f"supported > 1D parallelism\"); use fsdp={parallel.dp}")
-
-
-def replicate_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
-                     init_sync: bool = True, wrap: Any = None) -> list[nn.Module]:
-    """DDP on each stage over the mesh's ``dp`` group (``memfit.parallel.apply.apply_ddp``): the
-    modules the ``PipelineStage``s run (``build_pipeline(submods=...)``). PyTorch's pipelining
-    runs every micro-batch's forward and backward but the last under ``no_sync`` and prepares
-    the reducer for the last backward (``stage.py: forward_maybe_with_nosync``,
-    ``backward_maybe_with_nosync``: ``reducer.prepare_for_backward``), so the buckets are
-    all-reduced once per step. ``wrap``: a function the constructor call is handed to (the
-    trace's :func:`memfit.parallel.rank.traced_ddp`)."""
-    from memfit.parallel.apply import apply_ddp
-
-    group = mesh["dp"].get_group()
-    out = []
-    for module in modules:
-        def make(module: nn.Module = module) -> nn.Module:
-            return apply_ddp(module, parallel, init_sync, process_group=group)
-
-        out.append(make() if wrap is None else wrap(make))
-    return out
-
-
-def apply_dp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
-                    init_sync: bool = True, wrap: Any = None) -> list[nn.Module] | None:
-    """The layout's data parallelism on each stage (no tensor parallelism): FSDP2 / HSDP in
-    place (:func:`shard_stages`; returns None), or DDP wrappers (:func:`replicate_stages`;
-    returns them, for ``build_pipeline(submods=...)``); with ``ep``, expert parallelism first
-    (:func:`apply_ep_stages`)."""
-    if parallel.ep > 1:
-        return apply_ep_stages(modules, parallel, mesh, init_sync, wrap)
-    if parallel.strategy in ("ddp", "zero1"):
-        return replicate_stages(modules, parallel, mesh, init_sync, wrap)
-    shard_stages(modules, parallel, mesh)
-    return None
-
-
-def ep_pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
-    """The expert mesh of a pipeline layout with ``ep``: ``(pp, efsdp, ep)`` = ``(pp, dp // ep,
-    ep)``, torchtitan's sparse mesh (``torchtitan/distributed/parallel_dims.py``, v0.2.2:
-    ``("pp", "dp_replicate", "efsdp", "ep", "etp")``, here without replicas or expert tensor
-    parallelism): the ``ep`` ranks of a stage that exchange tokens are adjacent, and rank ``r``
-    holds the same experts as ``r + ep``, ... of its stage, which shard them over ``efsdp``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device_type, (parallel.pp, parallel.dp // parallel.ep, parallel.ep),
-                            mesh_dim_names=("pp", "efsdp", "ep"))
-
-
-def apply_ep_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
-                    init_sync: bool = True, wrap: Any = None) -> list[nn.Module] | None:
-    """Expert parallelism on each stage's builtin MoE layers over the stage's ``ep`` ranks
-    (``memfit.parallel.expert.apply_ep`` with :func:`ep_pipeline_mesh`), then the data
-    parallelism of ``memfit.parallel.apply.apply_ep_dp`` on each stage over the ``(pp, dp)``
-    ``mesh``'s ``dp`` dim: with ``ep`` equal to the stage's data-parallel ranks the experts are
-    left out (DDP's ignored parameters, FSDP2's ``ignored_params``); with fewer, FSDP2 shards
-    them over ``efsdp`` first, then each block and the stage over ``dp``. torchtitan splits the
-    model into stages, then applies EP and FSDP to each model part (``torchtitan/models/
-    deepseek_v3/infra/parallelize.py: parallelize_deepseekv3``, v0.2.2). Returns the DDP
-    wrappers (``build_pipeline(submods=...)``), or None under FSDP2."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from memfit._compat.torch_internals import ddp_ignore
-    from memfit.parallel.apply import apply_ddp, apply_fsdp
-    from memfit.parallel.expert import apply_ep, expert_parameter_names, moe_layers
-
-    with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
-        experts_mesh = ep_pipeline_mesh(parallel)
-    for module in modules:
-        if moe_layers(module):  # a stage of only the final norm and head has none
-            apply_ep(module, parallel, experts_mesh)
-    if parallel.strategy == "fsdp":
-        for module in modules:
-            blocks = [f"layers.{k}" for k in module.layers]
-            names = expert_parameter_names(module)
-            if parallel.ep == parallel.dp:
-                apply_fsdp(module, parallel, mesh["dp"], blocks=blocks,
-                           ignored_params={module.get_parameter(n) for n in names})
-                continue
-            for _, moe in moe_layers(module):
-                apply_fsdp(moe.experts, parallel, experts_mesh["efsdp"], blocks=[])
-            apply_fsdp(module, parallel, mesh["dp"], blocks=blocks)
-        return None
-    group = mesh["dp"].get_group()
-    out = []
-    for module in modules:
-        ddp_ignore(module, expert_parameter_names(module))
-
-        def make(module: nn.Module = module) -> nn.Module:
-            return apply_ddp(module, parallel, init_sync, process_group=group)
-
-        out.append(make() if wrap is None else wrap(make))
-    return out
-
-
-# -- tensor parallelism inside each stage ------------------------------------------------------
-
-def tp_pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
-    """The DeviceMesh of a pipeline layout with tensor parallelism: ``(pp, tp)``, or
-    ``(pp, dp, tp)`` with FSDP2 over the data-parallel ranks (torchtitan's ``ParallelDims``
-    order: pipeline outermost, the tensor-parallel ranks the adjacent ones)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if parallel.dp == 1:
-        return init_device_mesh(device_type, (parallel.pp, parallel.tp),
-                                mesh_dim_names=("pp", "tp"))
-    if parallel.strategy == "hsdp":  # torchtitan: pp, dp_replicate, dp_shard, tp
-        return init_device_mesh(device_type,
-                                (parallel.pp, parallel.replicate, parallel.fsdp, parallel.tp),
-                                mesh_dim_names=("pp", "replicate", "shard", "tp"))
-    return init_device_mesh(device_type, (parallel.pp, parallel.dp, parallel.tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
-
-
-def stage_root(module: StageModule) -> tuple[str | None, str | None, str | None]:
-    """The token embedding, final norm and head a stage holds (None where it does not), which
-    sequence parallelism splits: the first stage's embedding reduce-scatters its output along
-    the sequence, so the stages exchange ``1/tp`` of it (``seq / tp`` rows each); the last
-    stage's head all-gathers its input (``memfit.parallel.apply.tp_plan``)."""
-    return ("embed_tokens" if module.first else None, "norm" if module.last else None,
-            "lm_head" if module.last else None)
-
-
-def stage_blocks(module: StageModule) -> list[str]:
-    """The names of a stage's transformer blocks inside it (``layers.<i>``)."""
-    return [f"layers.{k}" for k in module.layers]
-
-
-def apply_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> None:
-    """Tensor parallelism on each stage over the mesh's ``tp`` dimension (the plan of
-    ``memfit.parallel.apply.tp_plan`` on the stage's own blocks; the embedding, final norm and
-    head replicated), then, with data parallelism, FSDP2 over ``dp``: torchtitan's order
-    (``torchtitan/distributed/pipeline_parallel.py: pipeline_llm`` splits the model into
-    stages first, then calls ``parallelize_llama`` on each model part: ``apply_tp``, then
-    ``apply_fsdp``)."""
-    from memfit.parallel.apply import apply_tp
-
-    for module in modules:
-        apply_tp(module, parallel, mesh["tp"], blocks=stage_blocks(module),
-                 root=stage_root(module))
-        if parallel.sp:
-            module.seq_shards = parallel.tp
-    if parallel.dp > 1:
-        shard_stages(modules, parallel, mesh)
 
 
 def _autocast_dtype() -> torch.dtype | None:
@@ -451,7 +274,8 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
     ``loss_fn(logits, labels)`` and ``scale_grads`` go to the schedule (``schedules.py:
     _PipelineSchedule.__init__``: True divides the gradients by the micro-batches after the
     step); ``memfit.fitting.apply`` weighs each micro-batch's loss itself. ``submods``: what
-    each stage runs in place of its module (its DDP wrapper: :func:`replicate_stages`)."""
+    each stage runs in place of its module (its DDP wrapper:
+    :func:`memfit.parallel.pipeline_parallelize.replicate_stages`)."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -494,210 +318,3 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
         cls = ScheduleGPipe if parallel.pp_schedule == "gpipe" else Schedule1F1B
         schedule = cls(stages[0], n, loss_fn=loss_fn, scale_grads=scale_grads)
     return Pipeline(modules, schedule)
-
-
-# -- the trace's rank role ---------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class PipelineRole(RankRole):
-    """A pipeline rank: its stages of the fake model, run by the layout's schedule as the
-    step (the engine calls :meth:`run_step` in place of forward + backward)."""
-
-    state: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    runs_step = True
-
-    def local_model(self, model: nn.Module) -> nn.Module:
-        """This rank's stages of the real model (the engine fakes only these): a
-        :class:`StageModule`, or a ``ModuleList`` of two (interleaved)."""
-        modules = stage_modules(model, self.parallel, self.rank)
-        return modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-
-    def wrap_model(self, model: nn.Module, tracker: Any, fake_mode: Any) -> nn.Module:
-        """The fake stages, FSDP2-sharded over the data-parallel ranks when there are some (the
-        schedule is built at the first step)."""
-        modules = list(model) if isinstance(model, nn.ModuleList) else [model]
-        self.state["modules"] = modules
-        if self.parallel.dp > 1 and self.parallel.tp == 1:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            from memfit.parallel.rank import traced_ddp
-
-            with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
-                mesh = pipeline_mesh(self.parallel)
-            self.state["submods"] = apply_dp_stages(
-                modules, self.parallel, mesh, init_sync=False,
-                wrap=lambda make: traced_ddp(make, tracker, fake_mode))
-            self.state["group"] = mesh["pp"].get_group()
-            if "dp" in (mesh.mesh_dim_names or ()):
-                self.state["dp_group"] = mesh["dp"].get_group()
-            offloaded(model, tracker, self.parallel)
-        elif self.parallel.tp > 1:
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
-                mesh = tp_pipeline_mesh(self.parallel)
-            apply_tp_stages(modules, self.parallel, mesh)
-            self.state["group"] = mesh["pp"].get_group()
-        return model
-
-    def run_step(self, model: nn.Module, inputs: Any, tracker: Any, loss_fn: Any) -> None:
-        """One schedule step; each micro-batch's forward is traced as phase ``forward`` and its
-        backward as ``backward``. The stages and schedule are built at the first step, from the
-        batch's shape. ``loss_fn``: the trace's loss (None: no optimizer, an inference trace)."""
-        from memfit._loss import model_loss
-
-        if loss_fn is None:
-            raise MemfitError("Parallel(pp>1) traces training steps (the schedule runs each "
-                              "micro-batch's forward and backward); pass an optimizer")
-        if loss_fn is not model_loss:
-            raise MemfitError("Parallel(pp>1) computes the model's own loss on the last stage "
-                              "(cross-entropy on the batch's labels); drop loss_fn")
-        if "pipeline" not in self.state:
-            batch, seq = _batch_shape(inputs)
-            self.state["pipeline"] = build_pipeline(self.state["modules"], self.parallel,
-                                                    batch, seq, group=self.state.get("group"),
-                                                    submods=self.state.get("submods"))
-            _static_metadata(self.state["pipeline"].schedule)
-        pipeline: Pipeline = self.state["pipeline"]
-        from memfit.trace.replay import replaying
-
-        # Micro-batches 2.. of each stage module replay micro-batch 1's recorded events
-        # (Note: [replaying a pipeline stage's micro-batches] in memfit/trace/replay.py); not
-        # beside data parallelism, whose wrappers (DDP's reducer, FSDP2) keep state across calls
-        alone = self.parallel.dp == 1 and not self.state.get("submods")
-        with _phases(pipeline.schedule, tracker), p2p_works_hold_their_tensors(), \
-                replaying(pipeline.modules if alone else [], tracker):
-            pipeline.step(inputs)
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """ZeRO-1: a ``ZeroRedundancyOptimizer`` over the stage's data-parallel ranks (the
-        mesh's ``dp`` group), each keeping the states of its partition of the stage's
-        parameters; otherwise ``optimizer`` itself."""
-        from memfit.parallel.apply import apply_optimizer
-        from memfit.parallel.rank import check_foreach_kinds
-
-        check_foreach_kinds(optimizer, self.parallel)
-        return host_step(apply_optimizer(optimizer, self.parallel,
-                                         process_group=self.state.get("dp_group")), self.parallel)
-
-
-def _batch_shape(inputs: Any) -> tuple[int, int]:
-    ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
-    if ids is None or ids.dim() != 2 or "labels" not in inputs:
-        raise MemfitError("Parallel(pp>1) needs the batch as a dict with input_ids (batch, seq) "
-                          "and labels (memfit.models.build.example_inputs)")
-    return int(ids.shape[0]), int(ids.shape[1])
-
-
-def _static_metadata(schedule: Any) -> None:
-    """The schedule's warm-up vote answered without a peer: every stage static.
-
-    Note: [the pipeline's vote over a fake process group] Before its first step a schedule runs
-    a vote along the stages (``schedules.py: _PipelineSchedule._warmup_p2p`` ->
-    ``stage.py: PipelineStage._warmup_forward_vote``, ``_warmup_backward_result``): each stage
-    multiplies a one-element int32 tensor by 1 if it was given its input and output shapes
-    (``InferenceMode.needs_dynamic``) and sends it on, and every stage reads the result with
-    ``.item()``. A fake process group delivers nothing (the received tensor has no value) and a
-    fake tensor has no ``.item()``; every stage here is given its shapes, so every real stage
-    votes static and the result is 1. The schedule instance's ``_warmup_p2p`` is replaced by
-    one that sets that result (the 4-byte vote tensors are not traced)."""
-    try:
-        from torch.distributed.pipelining._utils import InferenceMode
-    except ImportError:  # a torch without the vote: the shapes given are used as they are
-        return
-
-    def warmup(stages_: Any, has_backward: bool, p2p_done: bool) -> None:
-        for stage in stages_:
-            stage._inference_mode = InferenceMode.STATIC
-
-    schedule._warmup_p2p = warmup
-
-
-@contextlib.contextmanager
-def _phases(schedule: Any, tracker: Any) -> Iterator[None]:
-    """Each stage's ``forward_one_chunk`` traced as ``forward`` (its storages still alive at the
-    end marked as saved activations) and ``backward_one_chunk`` as ``backward``; the stages'
-    own methods again on exit."""
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    for stage in stages:
-        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
-
-        def fwd(*args: Any, _run: Any = forward, **kwargs: Any) -> Any:
-            tracker.phase = "forward"
-            try:
-                return _run(*args, **kwargs)
-            finally:
-                tracker.end_forward()
-
-        def bwd(*args: Any, _run: Any = backward, **kwargs: Any) -> Any:
-            tracker.phase = "backward"
-            tracker.modules.backward = ""
-            try:
-                with autograd_backward_keeps_function_modes():
-                    return _run(*args, **kwargs)
-            finally:
-                tracker.phase = "forward"
-
-        stage.forward_one_chunk, stage.backward_one_chunk = fwd, bwd
-    try:
-        yield
-    finally:
-        for stage in stages:
-            del stage.forward_one_chunk, stage.backward_one_chunk
-
-
-def pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
-    """Ranks grouped by stage and by what they hold of it (:func:`_dp_signature`: with FSDP2 /
-    HSDP the unpadded ``torch.chunk`` of each parameter's dim 0, with ZeRO-1 the partition of
-    the optimizer states, as in ``trace.rank_roles``)."""
-    check_pipeline(model, parallel, None)
-    if parallel.tp > 1:
-        return _tp_pipeline_roles(model, parallel)
-    groups: dict[Any, list[int]] = {}
-    for rank in range(parallel.gpus):
-        params = [p for m in stage_modules(model, parallel, rank) for p in m.parameters()]
-        sig = (pp_rank(parallel, rank), _dp_signature(params, parallel, rank % parallel.dp))
-        groups.setdefault(sig, []).append(rank)
-    return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]
-
-
-def _dp_signature(params: list[nn.Parameter], parallel: Parallel, dp_index: int) -> Any:
-    """What data-parallel rank ``dp_index`` of a stage holds of its ``params``: FSDP2's
-    ``torch.chunk`` rows of each dim 0 (HSDP: over the ``fsdp`` ranks of its replica, the
-    mesh's innermost dim), ZeRO-1's partition of the optimizer states, nothing of its own
-    under DDP."""
-    from memfit.parallel.rank import chunk_rows, zero1_partition
-
-    if parallel.strategy in ("fsdp", "hsdp"):
-        return tuple(chunk_rows(p.shape[0] if p.dim() else 1, parallel.fsdp,
-                                 dp_index % parallel.fsdp) for p in params)
-    if parallel.strategy == "zero1":
-        return zero1_partition([p.numel() for p in params if p.requires_grad],
-                                parallel.dp)[dp_index]
-    return ()
-
-
-def _tp_pipeline_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
-    """Ranks of a ``(pp, [dp,] tp)`` layout grouped by stage and the local shapes they hold:
-    rank ``(pp_index * dp + dp_index) * tp + tp_index`` holds the ``tp_index`` chunk of each
-    dim tensor parallelism splits (``memfit.parallel.apply.tp_split_dims`` on the stage's
-    blocks), then FSDP2's ``dp_index`` chunk of that local tensor's dim 0."""
-    from memfit.parallel.apply import tp_split_dims
-    from memfit.parallel.rank import local_shapes
-
-    stages: dict[int, tuple[list[nn.Parameter], dict[int, int]]] = {}
-    groups: dict[Any, list[int]] = {}
-    for rank in range(parallel.gpus):
-        index = pp_rank(parallel, rank)
-        if index not in stages:
-            modules = stage_modules(model, parallel, rank)
-            split: dict[int, int] = {}
-            for m in modules:
-                split.update(tp_split_dims(m, parallel, stage_blocks(m), stage_root(m)))
-            stages[index] = ([p for m in modules for p in m.parameters()], split)
-        params, split = stages[index]
-        dp_index, tp_index = divmod(rank % (parallel.dp * parallel.tp), parallel.tp)
-        sig = local_shapes(params, split, parallel.tp, tp_index, parallel.fsdp,
-                           dp_index % parallel.fsdp)
-        groups.setdefault((index, tuple(sig)), []).append(rank)
-    return [PipelineRole(parallel, ranks[0], tuple(ranks)) for ranks in groups.values()]

@@ -50,12 +50,12 @@ class RankRole:
         """``UntypedStorage.resize_`` becomes a free and an allocation in ``tracker`` while
         ``fake_mode`` tracks (see the module's note); DTensor's metadata propagation, which
         runs each op on global-shape tensors in the active fake mode, is not tracked
-        (``torch_internals.dtensor_meta_propagation_within``)."""
-        from memfit._compat.torch_internals import (
+        (``torch_dtensor.dtensor_meta_propagation_within``)."""
+        from memfit._compat.torch_dtensor import (
             device_meshes_made_real,
             dtensor_meta_propagation_within,
-            storage_resizes_reported,
         )
+        from memfit._compat.torch_fsdp import storage_resizes_reported
         from memfit.parallel.apply import loss_context
         from memfit.parallel.streams import fsdp_streams
 
@@ -301,7 +301,8 @@ def traced_ddp(make: Callable[[], Any], tracker: Any, fake_mode: Any) -> Any:
     tracking, so that its buckets (``Reducer::initialize_buckets``, alive as long as the model)
     are tracked as gradients; the wrapper then reduces with :func:`_fake_allreduce_hook` and
     keeps its first buckets (:class:`_NoRebuild`), as :meth:`RankRole.wrap_model` does for the
-    whole model (a pipeline stage's DDP: ``memfit.parallel.pipeline.replicate_stages``)."""
+    whole model (a pipeline stage's DDP:
+    ``memfit.parallel.pipeline_parallelize.replicate_stages``)."""
     before = len(tracker.infos)
     fake_mode.tracking = True
     try:

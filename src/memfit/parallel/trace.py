@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 def rank_roles(model: nn.Module, parallel: Parallel) -> list[RankRole]:
     """Ranks grouped by what they hold, the first of each group traced for all of it."""
-    if parallel.pp > 1:  # one role per pipeline stage (memfit/parallel/pipeline.py)
-        from memfit.parallel.pipeline import pipeline_roles
+    if parallel.pp > 1:  # one role per pipeline stage (memfit/parallel/pipeline_rank.py)
+        from memfit.parallel.pipeline_rank import pipeline_roles
 
         return pipeline_roles(model, parallel)
     params = [p for p in model.parameters()]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from memfit._compat import torch_internals
+from memfit._compat import torch_dtensor, torch_fsdp, torch_internals
 from memfit._loss import LossFn, model_loss
 from memfit._tensors import call_model, fake_inputs, fake_model, tensor_leaves
 from memfit.errors import MemfitError
@@ -245,13 +245,13 @@ def _fake_model_and_inputs(stack: contextlib.ExitStack, model: nn.Module, inputs
                            param_dtype: torch.dtype | None) -> tuple[nn.Module, Any]:
     """The fake model (as this rank runs it) and the fake inputs, registered as the baseline;
     the real values of real CPU inputs are known to ``datadep``."""
-    # A pipeline rank fakes only its own stages (memfit/parallel/pipeline.py: local_model).
+    # A pipeline rank fakes only its own stages (memfit/parallel/pipeline_rank.py: local_model).
     local = getattr(rank, "local_model", None)
     fmodel = fake_model(model if local is None else local(model), fake_device, param_dtype)
     if rank is not None:  # one rank of a memfit.Parallel layout (memfit/parallel/rank.py)
         stack.enter_context(rank.tracing(tracker, fake_mode))
-        stack.enter_context(torch_internals.dtensor_foreach_propagation_once_per_shape())
-        stack.enter_context(torch_internals.fsdp_chunks_on_demand())
+        stack.enter_context(torch_dtensor.dtensor_foreach_propagation_once_per_shape())
+        stack.enter_context(torch_fsdp.fsdp_chunks_on_demand())
         fmodel = rank.wrap_model(fmodel, tracker, fake_mode)
     memo: dict[int, torch.Tensor] = {}
     finputs = fake_inputs(inputs, fake_device, memo, param_dtype)

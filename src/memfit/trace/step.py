@@ -38,7 +38,7 @@ def run_steps(fmodel: nn.Module, finputs: Any, tracker: Tracker,
             replay.start()
         grad_mode = torch.enable_grad() if training else torch.no_grad()
         # A pipeline rank's schedule runs forward and backward of every micro-batch as its
-        # step (memfit/parallel/pipeline.py: PipelineRole.run_step); the optimizer follows.
+        # step (memfit/parallel/pipeline_rank.py: PipelineRole.run_step); the optimizer follows.
         pipeline = getattr(rank, "runs_step", False)
         with grad_mode, target_autocast(device, autocast_dtype, emulate_cuda=emulate_cuda), \
                 _outputs(fmodel, keep_output) as out:

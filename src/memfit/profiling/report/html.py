@@ -184,7 +184,7 @@ def _breakdown(result: ProfileResult, estimate: Estimate | None) -> str:
             row += _predicted_cells(predicted, measured)
         rows.append(row + "</tr>")
     if inside is not None:
-        # Note: [inside kernels] in memfit.profiling.session: allocator bytes no tensor owned.
+        # Note: [inside kernels] in memfit.profiling.recorder: allocator bytes no tensor owned.
         row = (f"<tr id=\"inside-kernels\"><td><span class=\"swatch\"></span>inside kernels"
                f"</td><td class=\"num\">{_e(format_bytes(inside))}</td>"
                f"<td class=\"num\">{100 * inside / total:.1f}%</td>")

@@ -1,0 +1,223 @@
+"""The layouts of ``gpus`` that :func:`memfit.fit` searches (:func:`layouts`): each tp and pp
+the model takes, each data-parallel sharding beside them, each pipeline schedule, the sequence /
+loss parallel variants and the expert-parallel layouts of a builtin MoE model, as
+:class:`memfit.Parallel` values; what is left out is recorded with why. The model's side of it
+(:class:`~memfit.fitting.layouts.ModelShape`) and the formulas that derive a layout's per-rank
+memory are :mod:`memfit.fitting.layouts`'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from memfit.errors import MemfitError
+from memfit.fitting.config import LAYOUT_SHARDING
+from memfit.fitting.layouts import PIPELINE_SCHEDULES, TP_SPLIT, ModelShape
+from memfit.fitting.plan import Rejected
+from memfit.parallel.config import Parallel
+
+__all__ = ["layouts"]
+
+
+def _check_space(name: str, values: list[Any], gpus: int, node: int) -> None:
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MemfitError(f"space {name} {v!r} must be a positive integer")
+        if gpus % v:
+            raise MemfitError(f"{name}={v} does not divide gpus={gpus}; choose a {name} "
+                              f"that divides {gpus}")
+    if name == "tp":
+        beyond = [v for v in values if v > node]
+        if beyond:
+            raise MemfitError(f"tp={beyond[0]} is beyond a node of {node} GPUs: tensor "
+                              f"parallelism stays inside a node; choose tp <= {node}")
+
+
+def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
+            shape: ModelShape | None, space: dict[str, list[Any]],
+            rejected: list[Rejected]) -> list[Parallel]:
+    """Every layout of ``gpus`` the search considers (one-line errors for what ``space`` asks
+    that cannot be; layouts left out are recorded in ``rejected`` with why):
+
+    - tp: the divisors of the attention and KV heads (``apply_tp`` splits both) up to a node;
+    - pp: the divisors of ``gpus / tp`` up to the number of blocks, each with the 1F1B, GPipe
+      and (where the blocks fill ``2 pp`` stages) interleaved 1F1B schedules
+      (:func:`schedule_searched`);
+    - the data-parallel ``dp = gpus / (tp pp)`` ranks: DDP, ZeRO-1, ZeRO-2, ZeRO-3/FSDP and,
+      across nodes, HSDP sharding inside a node (``fsdp = gpus_per_node / (tp pp)``), replicas
+      across (with tp > 1: FSDP / HSDP only, as apply_model runs them); ``dp`` must divide the
+      global batch;
+    - each tp > 1 layout again with sequence parallelism, and with sequence and loss
+      parallelism (not under a pipeline), where ``tp_plan`` splits the model so (Note:
+      [sequence and loss parallelism are tp variants]);
+    - for memfit's builtin MoE models, without tp or pp: each ``ep`` of
+      :meth:`ModelShape.ep_degrees` with FSDP2 (zero2 / zero3), and with DDP where ``ep = dp``.
+    """
+    node = gpus_per_node or gpus
+    for name in ("tp", "pp"):
+        if name in space:
+            _check_space(name, space[name], gpus, node)
+    tps, pps = _degrees(gpus, node, shape, space, rejected)
+    shardings = [s for s in space.get("sharding", LAYOUT_SHARDING)]
+    out: list[Parallel] = []
+    for tp in tps:
+        if not _tp_takes(tp, shape, space, rejected):
+            continue
+        for pp in pps:
+            out += _layouts_of(tp, pp, gpus=gpus, gpus_per_node=gpus_per_node,
+                               global_batch=global_batch, shape=shape, space=space,
+                               shardings=shardings, rejected=rejected)
+    if not out:
+        raise MemfitError(f"no layout of {gpus} GPUs fits the search's limits (global batch "
+                          f"{global_batch}, space {space}); pick a global batch that "
+                          "divides over the data-parallel ranks")
+    return out
+
+
+def _degrees(gpus: int, node: int, shape: ModelShape | None, space: dict[str, list[Any]],
+             rejected: list[Rejected]) -> tuple[list[int], list[int]]:
+    """The tp and pp degrees searched: ``space``'s, else every divisor of ``gpus`` (tp up to a
+    node); only 1 where the model cannot be split so (recorded in ``rejected``)."""
+    tps = space.get("tp") or [t for t in range(1, node + 1) if gpus % t == 0]
+    pps = space.get("pp") or [p for p in range(1, gpus + 1) if gpus % p == 0]
+    if shape is None or not shape.tp_splittable:
+        if any(t > 1 for t in tps):
+            rejected.append(Rejected(what="tensor parallelism", reason=(
+                "the model's blocks have no projections apply_tp splits "
+                f"({', '.join(TP_SPLIT)})" if shape is not None else
+                "the model has no repeated blocks to split")))
+        tps = [1]
+    if shape is None:
+        pps = [1]
+    elif not shape.pipeline_splittable and any(p > 1 for p in pps):
+        if "pp" in space and any(p > 1 for p in space["pp"]):
+            raise MemfitError("space pp > 1 splits memfit's builtin decoders (memfit.models."
+                              "build_model) with an untied head; use pp=1 for this model")
+        rejected.append(Rejected(what="pipeline parallelism", reason=(
+            "memfit.parallel.pipeline splits memfit's builtin decoders with an untied head")))
+        pps = [1]
+    return tps, pps
+
+
+def _tp_takes(tp: int, shape: ModelShape | None, space: dict[str, list[Any]],
+              rejected: list[Rejected]) -> bool:
+    """Whether the model's heads and layers take ``tp`` (``Parallel.check_model``); a tp the
+    space asks for that they do not take raises, another is recorded in ``rejected``."""
+    if shape is not None and tp > 1:
+        try:
+            Parallel(gpus=tp, tp=tp).check_model(heads=shape.heads, kv_heads=shape.kv_heads,
+                                                 layers=shape.layers)
+        except MemfitError as exc:
+            if "tp" in space:
+                raise
+            rejected.append(Rejected(what=f"tp {tp}", reason=str(exc)))
+            return False
+    return True
+
+
+def _layouts_of(tp: int, pp: int, *, gpus: int, gpus_per_node: int | None, global_batch: int,
+                shape: ModelShape | None, space: dict[str, list[Any]], shardings: list[str],
+                rejected: list[Rejected]) -> list[Parallel]:
+    """The layouts of ``tp`` x ``pp`` and the ``gpus / (tp pp)`` data-parallel ranks beside
+    them: each sharding, each pipeline schedule, the sequence / loss parallel variants and,
+    without tp or pp, the expert-parallel ones (see :func:`layouts`)."""
+    out: list[Parallel] = []
+    if gpus % (tp * pp):
+        if "tp" in space and "pp" in space:
+            raise MemfitError(f"tp*pp = {tp}*{pp} = {tp * pp} does not divide gpus="
+                              f"{gpus}; choose degrees whose product divides it")
+        return []
+    if shape is not None and pp > shape.layers:
+        if "pp" in space:
+            raise MemfitError(f"space pp={pp} is more stages than the model's "
+                              f"{shape.layers} blocks; use pp <= {shape.layers}")
+        return []
+    dp = gpus // (tp * pp)
+    if global_batch % dp:
+        rejected.append(Rejected(what=f"tp {tp} x pp {pp} (dp {dp})", reason=(
+            f"the global batch {global_batch} does not split over {dp} data-parallel "
+            "ranks")))
+        return []
+    if tp > 1 and dp > 1 and any(z in shardings for z in ("none", "zero1")):
+        # memfit/parallel/apply.py: _check_tp_dp (torchtitan's parallelize_llama: "DDP
+        # has not supported > 1D parallelism").
+        rejected.append(Rejected(what=f"tp {tp} x pp {pp} with ddp / zero1 over {dp}",
+                                 reason="DDP beside tensor parallelism is refused by "
+                                 "torchtitan and apply_model; FSDP / HSDP are searched"))
+    if pp > 1 and dp > 1 and "hsdp" in shardings:
+        # fitting/apply.py: _pipeline_parallel (Plan.apply runs pp beside DDP, ZeRO-1
+        # and FSDP2: tests/fitting/test_fit_pipeline.py; HSDP under a pipeline is traced but
+        # not applied yet)
+        rejected.append(Rejected(what=f"tp {tp} x pp {pp} with hsdp over {dp}",
+                                 reason="Plan.apply runs a pipeline beside DDP, ZeRO-1 "
+                                 "and FSDP2, not HSDP yet; FSDP is searched"))
+    refused = (("none", "zero1") if tp > 1 else ()) + (("hsdp",) if pp > 1 else ())
+    found = _shardings(gpus, gpus_per_node, tp, pp, dp,
+                       [z for z in shardings if z not in refused])
+    if pp > 1:
+        # Note: [pipeline schedules] Each pipeline layout with each schedule of
+        # PIPELINE_SCHEDULES, the interleaved one where the blocks fill two stages a
+        # rank; which accumulation each is searched at: schedule_searched. Costed by
+        # their bubble (memfit/fitting/cost.py: step_cost).
+        found += [dataclasses.replace(par, pp_schedule=sched) for par in found
+                  for sched in PIPELINE_SCHEDULES[1:]
+                  if sched != "interleaved-1f1b" or shape is None
+                  or 2 * pp <= shape.layers]
+    out += found
+    if tp > 1 and shape is not None and shape.sp_splittable:
+        # Note: [sequence and loss parallelism are tp variants] Every tp layout also
+        # runs with sequence parallelism, and with sequence and loss parallelism
+        # (torchtitan's default: its apply_tp keeps the logits split unless
+        # disable_loss_parallel); loss parallelism not under a pipeline
+        # (fitting/apply.py: _pipeline_parallel refuses it on the last stage).
+        for par in found:
+            out.append(dataclasses.replace(par, sp=True))
+            if pp == 1:
+                out.append(dataclasses.replace(par, sp=True, loss_parallel=True))
+    if tp == 1 and pp == 1 and shape is not None and shape.experts:
+        out += _expert_layouts(gpus, gpus_per_node, dp, shape, shardings, rejected)
+    return out
+
+
+def _expert_layouts(gpus: int, gpus_per_node: int | None, dp: int, shape: ModelShape,
+                    shardings: list[str], rejected: list[Rejected]) -> list[Parallel]:
+    """The expert-parallel layouts of ``dp`` data-parallel ranks (no tp, no pp) that
+    :func:`memfit.parallel.expert.check_experts` takes: each ``ep`` of
+    :meth:`ModelShape.ep_degrees` with FSDP2 over every data-parallel rank (zero2 / zero3; the
+    ``dp / ep`` ranks holding the same experts shard them), and DDP when ``ep`` is every
+    data-parallel rank."""
+    degrees = shape.ep_degrees(dp)
+    if not degrees:
+        if dp > 1:
+            rejected.append(Rejected(what="expert parallelism", reason=(
+                f"no ep > 1 divides both the {dp} data-parallel ranks and the experts "
+                f"({', '.join(map(str, sorted(set(shape.experts))))}) with each rank's experts "
+                "split evenly over the ranks that hold the same ones")))
+        return []
+    if any(z in shardings for z in ("zero1", "hsdp")):
+        rejected.append(Rejected(what="ep with zero1 / hsdp, or beside tp / pp", reason=(
+            "memfit.parallel.expert runs expert parallelism with DDP (ep = dp) or FSDP2 over "
+            "every data-parallel rank, without tp or pp")))
+    out = []
+    for ep in degrees:
+        if ep == dp and "none" in shardings:
+            out.append(Parallel(gpus=gpus, gpus_per_node=gpus_per_node, ep=ep))
+        out += [Parallel(gpus=gpus, gpus_per_node=gpus_per_node, ep=ep, zero=z)
+                for z in (2, 3) if f"zero{z}" in shardings]
+    return out
+
+
+def _shardings(gpus: int, gpus_per_node: int | None, tp: int, pp: int, dp: int,
+               shardings: list[str]) -> list[Parallel]:
+    if dp == 1:
+        return [Parallel(gpus=gpus, gpus_per_node=gpus_per_node, tp=tp, pp=pp)]
+    zero = {"none": None, "zero1": 1, "zero2": 2, "zero3": 3}
+    out = [Parallel(gpus=gpus, gpus_per_node=gpus_per_node, tp=tp, pp=pp, zero=zero[s])
+           for s in shardings if s in zero]
+    if "hsdp" in shardings and gpus_per_node and gpus_per_node % (tp * pp) == 0:
+        shard = gpus_per_node // (tp * pp)
+        if 1 < shard < dp and dp % shard == 0:
+            out.append(Parallel(gpus=gpus, gpus_per_node=gpus_per_node, tp=tp, pp=pp,
+                                fsdp=shard))
+    return out
