@@ -158,9 +158,9 @@ class Recipe:
                                    or budget < 1):
             raise MemfitError(f"{self.where}: checkpoint_budget_bytes must be a positive "
                               f"integer, got {budget!r}")
-        if self.checkpointing == "budget" and budget is None:
+        if self.checkpointing == "budget" and budget is None and self.checkpoint_modes is None:
             raise MemfitError(f"{self.where}: checkpointing='budget' needs a positive "
-                              "checkpoint_budget_bytes")
+                              "checkpoint_budget_bytes (or the checkpoint_modes it resolved to)")
         modes = self.checkpoint_modes
         if modes is not None and (not isinstance(modes, tuple)
                                   or any(m not in CHECKPOINT_MODES for m in modes)):

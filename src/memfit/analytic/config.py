@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args
 from memfit import vocab
 from memfit.errors import MemfitError, suggest
 from memfit.parallel.config import Parallel
+from memfit.recipe import Recipe
 
 Mode = Literal["train", "lora", "qlora", "inference"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16", "fp8"]
@@ -203,6 +204,22 @@ class RunConfig:
             if offload:
                 raise MemfitError("--engine megatron: optimizer/parameter offload is not "
                                   "planned; use --engine deepspeed or fsdp2 to offload")
+
+    @property
+    def recipe(self) -> Recipe:
+        """This run's model-independent :class:`memfit.Recipe` (what :func:`memfit.trace_recipe`
+        traces): the micro-batch is ``batch``, the accumulation ``grad_accum``, the optimizer's
+        offload ``offload_optimizer``; LoRA only in lora/qlora mode."""
+        lora = self.mode in ("lora", "qlora")
+        return Recipe(precision=self.precision, optimizer=self.optimizer,
+                      checkpointing=self.checkpointing, micro_batch=self.batch,
+                      accumulation=self.grad_accum, offload_states=self.offload_optimizer,
+                      offload_params=self.offload_params, offload_to=self.offload_to,
+                      attention=self.attention, weight_quant=self.weight_quant,
+                      lora_rank=self.lora_rank if lora else None,
+                      lora_targets=self.lora_targets, qlora=self.mode == "qlora",
+                      kv_cache_dtype=self.kv_cache_dtype, engine=self.engine,
+                      parallel=self.parallel)
 
     @property
     def layout(self) -> str:

@@ -32,6 +32,7 @@ from torch._C._profiler import _EventType
 
 from memfit.parallel.config import Parallel
 from memfit.parallel.gloo import spawn
+from memfit.recipe import Recipe
 
 STEP_MARKER = "memfit::parallel_step"
 """The profiler range around each measured step."""
@@ -58,6 +59,13 @@ class Case:
     """The builder of :func:`memfit.models.build.build_model`: ``"builtin"`` or
     ``"transformers"`` (Hugging Face's module of the same spec)."""
 
+    @property
+    def recipe(self) -> Recipe:
+        """The case's step as a :class:`memfit.Recipe` (validated: one-line errors): what
+        :func:`build` applies to the model and the ranks run."""
+        return Recipe(optimizer=self.optimizer, checkpointing=self.checkpointing or "none",
+                      micro_batch=self.batch, parallel=self.parallel)
+
 
 def tiny_spec(layers: int = 2) -> Any:
     """A tiny Llama-like decoder (hidden 64, 4 heads, vocab 256): a few MB per step."""
@@ -83,10 +91,9 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     model = build_model(case.spec, backend=getattr(case, "backend", "builtin"), device="cpu")
     inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
-    if getattr(case, "checkpointing", None):
-        from memfit.techniques.checkpointing import apply_activation_checkpointing
+    from memfit.techniques.recipe import apply_techniques
 
-        apply_activation_checkpointing(model, policy=case.checkpointing)
+    apply_techniques(model, case.recipe)
     return model, inputs
 
 
