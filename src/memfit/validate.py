@@ -185,14 +185,20 @@ class Result:
         return out
 
 
+OFFLOAD_MIN_BYTES = 2**16
+"""The smallest activation an ``offload="activations"`` config moves, in the real run and the
+trace alike."""
+
+
 def _techniques(model: nn.Module, config: Config) -> Callable[[Any], torch.optim.Optimizer]:
-    """Apply the config's recipe to ``model`` (checkpointing, then activation offload of tensors
-    >= 64 KiB: :func:`memfit.techniques.recipe.apply_techniques`) and return its optimizer
-    factory (the real run's and the trace's: the same torch optimizer, its states on the host
-    with ``offload="states"``)."""
+    """Apply the config's recipe to ``model`` for the real run (checkpointing, then activation
+    offload of tensors >= :data:`OFFLOAD_MIN_BYTES`:
+    :func:`memfit.techniques.recipe.apply_techniques`, as :func:`memfit.trace_recipe` applies
+    it to the meta copy) and return its optimizer factory: built as a user builds it (torch
+    picks its implementation), its states on the host with ``offload="states"``."""
     from memfit.techniques.recipe import apply_techniques
 
-    apply_techniques(model, config.recipe, offload_min_bytes=2**16)
+    apply_techniques(model, config.recipe, offload_min_bytes=OFFLOAD_MIN_BYTES)
     factory = OPTIMIZERS[config.optimizer]
     if config.recipe.offload_states:
         from memfit.techniques.optim import CPUOffloadOptimizer
@@ -253,8 +259,8 @@ def _measure(config: Config, factory: Factory, device: str,
 def run_config(config: Config, *, size: str, device: str, gpu: str | None,
                steps: int = 2) -> Result:
     """Measure one config on ``device`` for real, then trace it on a meta copy."""
+    from memfit.parallel.recipe import trace_recipe
     from memfit.progress import phase
-    from memfit.trace import estimate
 
     factory = zoo(size)[config.family](config.batch)
     with warnings.catch_warnings():
@@ -267,11 +273,14 @@ def run_config(config: Config, *, size: str, device: str, gpu: str | None,
         phase(f"{config.name}: trace")
         torch.manual_seed(0)
         meta_model, meta_inputs, meta_loss = factory("meta")
-        est = estimate(meta_model, meta_inputs, optimizer=_techniques(meta_model, config),
-                       precision=config.precision, loss_fn=lambda m, b: meta_loss(m(*b)),
-                       device=device,
-                       gpu=gpu if device == "cuda" else None, steps=steps,
-                       keep_output=True)  # _steps keeps ``out`` alive through backward
+        # The recipe traced as memfit.trace_recipe traces any recipe: its optimizer by name
+        # (states on the host when offloaded), which on the traced device is the
+        # implementation torch picks for the real run's user-built optimizer (Note: [torch's
+        # default optimizer implementation on CUDA] in memfit.trace.optim); lr does not count.
+        est = trace_recipe(meta_model, meta_inputs, config.recipe,
+                           loss_fn=lambda m, b: meta_loss(m(*b)), device=device, gpu=gpu,
+                           steps=steps, offload_min_bytes=OFFLOAD_MIN_BYTES,
+                           keep_output=True)  # _steps keeps ``out`` alive through backward
     return Result(config=config.name, device=device, measured_allocated=measured_alloc,
                   measured_reserved=measured_res, predicted_allocated=est.peak_bytes,
                   predicted_reserved=est.peak_reserved_bytes, seconds_real=real_seconds,

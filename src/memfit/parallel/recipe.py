@@ -44,11 +44,14 @@ def untraced(recipe: Recipe) -> str | None:
 def trace_recipe(model: nn.Module, batch: Any, recipe: Recipe, *, loss_fn: LossFn | None = None,
                  device: str = "cuda", gpu: str | GpuSpec | None = None, steps: int = 2,
                  num_gpus: int = 1, keep_output: bool = False, train: bool = True,
-                 expandable_segments: bool = False) -> Estimate:
+                 expandable_segments: bool = False,
+                 offload_min_bytes: int = 1024) -> Estimate:
     """Trace ``steps`` steps of ``recipe`` on ``model`` (meta or fake; changed in place: the
     recipe's techniques are applied to it) with ``batch`` as one micro-batch: what
     :func:`memfit.estimate` predicts for the recipe, its layout (``recipe.parallel``) traced per
     rank. ``train=False``: a forward in eval mode, no optimizer (inference).
+    ``offload_min_bytes``: the smallest activation an ``offload_activations`` recipe moves
+    (:func:`memfit.techniques.recipe.apply_techniques`).
 
     A ``budget`` checkpointing without resolved modes is resolved on ``batch``; the modes
     applied are in the estimate's ``checkpoint_modes``-free model (read them from
@@ -67,7 +70,7 @@ def trace_recipe(model: nn.Module, batch: Any, recipe: Recipe, *, loss_fn: LossF
     if why:
         raise MemfitError(f"trace_recipe does not model {why} yet; use memfit plan's analytic "
                           "method for it")
-    apply_techniques(model, recipe, inputs=batch)
+    apply_techniques(model, recipe, inputs=batch, offload_min_bytes=offload_min_bytes)
     optimizer: Any = None
     if train:
         optimizer = offloaded(recipe.optimizer) if recipe.offload_states else recipe.optimizer
