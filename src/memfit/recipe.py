@@ -57,6 +57,18 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 CHECKPOINT_MODES = ("full", "selective", None)
 
 
+_NAMED = (("precision", "precision"), ("optimizer", "optimizer"),
+          ("checkpointing", "checkpointing policy"))
+"""The recipe's fields named in :mod:`memfit.vocab`, and how errors call them."""
+
+
+def _check_names(layer: str, fields: dict[str, Any]) -> None:
+    for kind, label in _NAMED:
+        value = fields.get(kind)
+        if isinstance(value, str):
+            vocab.check(kind, value, layer, what=label)
+
+
 def _choice(where: str, what: str, value: Any, valid: tuple[str, ...]) -> None:
     if value not in valid:
         raise MemfitError(f"{where}: unknown {what} {value!r}{suggest(str(value), valid)}; "
@@ -122,8 +134,7 @@ class Recipe:
 
     def __post_init__(self) -> None:
         where = self.where
-        for kind, label in (("precision", "precision"), ("optimizer", "optimizer"),
-                            ("checkpointing", "checkpointing policy")):
+        for kind, label in _NAMED:
             value = getattr(self, kind)
             if not isinstance(value, str):
                 raise MemfitError(f"{where}: {kind} must be a name, got {value!r}")
@@ -184,9 +195,15 @@ class Recipe:
     def check_layer(self, layer: str) -> None:
         """Raise MemfitError unless ``layer`` (:data:`memfit.vocab.LAYERS`: plan, trace, fit,
         apply) takes this recipe's precision, optimizer and checkpointing policy."""
-        for kind, label in (("precision", "precision"), ("optimizer", "optimizer"),
-                            ("checkpointing", "checkpointing policy")):
-            vocab.check(kind, getattr(self, kind), layer, what=label)
+        _check_names(layer, {kind: getattr(self, kind) for kind, _ in _NAMED})
+
+    @classmethod
+    def for_layer(cls, layer: str, **fields: Any) -> Recipe:
+        """``cls(**fields)``, its precision, optimizer and checkpointing policy checked first
+        against what ``layer`` takes (:meth:`check_layer`), so that a name only another layer
+        takes says where it works, and an unknown one lists this layer's names."""
+        _check_names(layer, fields)
+        return cls(**fields)
 
     @property
     def global_batch_per_rank(self) -> int:
