@@ -4,7 +4,9 @@ trace_recipe exactly as the techniques applied by hand."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import pickle
 
 import pytest
 import torch
@@ -80,10 +82,17 @@ def test_run_config_and_validate_and_case_read_one_recipe() -> None:
 
     from memfit.parallel.measure import Case, tiny_spec
 
-    case = Case(spec=tiny_spec(), batch=2, seq=8, parallel=Parallel(gpus=2, fsdp=2),
-                checkpointing="full")
-    assert case.recipe == Recipe(checkpointing="full", micro_batch=2,
-                                 parallel=Parallel(gpus=2, fsdp=2))
+    recipe = Recipe(checkpointing="full", parallel=Parallel(gpus=2, fsdp=2))
+    case = Case(spec=tiny_spec(), batch=2, seq=8, recipe=recipe)
+    assert case.recipe is recipe and case.parallel == Parallel(gpus=2, fsdp=2)
+    assert pickle.loads(pickle.dumps(case)) == case  # it travels to the gloo ranks
+    for unmeasured in ({"precision": "bf16-mixed"}, {"offload_states": True},
+                       {"accumulation": 2}):
+        with pytest.raises(ValueError, match=f"do not run the recipe's {next(iter(unmeasured))}"):
+            Case(spec=tiny_spec(), batch=2, seq=8,
+                 recipe=dataclasses.replace(recipe, **unmeasured))
+    with pytest.raises(ValueError, match="with a layout"):
+        Case(spec=tiny_spec(), batch=2, seq=8, recipe=Recipe())
 
 
 def _wrapped_blocks(model: nn.Module) -> list[str]:
@@ -180,3 +189,16 @@ def test_a_plan_file_keeps_its_recipe_and_the_cli_exit_2(tmp_path, capsys) -> No
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and "unknown precision 'bf17'" in err, err
+
+
+def test_run_config_names_are_checked_by_its_recipe_for_the_plan_layer() -> None:
+    """RunConfig restates no check of the recipe's names: its Recipe checks them, for the
+    plan layer, so a policy only fit applies says where it works (it was 'unknown')."""
+    with pytest.raises(MemfitError, match=r"'budget' is not available here \(plan\); it works "
+                                          r"in: fit, apply"):
+        memfit.RunConfig(checkpointing="budget")
+    with pytest.raises(MemfitError, match=r"^unknown precision 'bf17'.*valid: fp32, "):
+        memfit.RunConfig(precision="bf17")
+    with pytest.raises(MemfitError, match=r"^unknown LoRA target\(s\) qkv"):
+        memfit.RunConfig(mode="lora", lora_targets=("q", "qkv"))
+    assert memfit.RunConfig(mode="lora", lora_rank=8).recipe.lora_rank == 8
