@@ -14,11 +14,11 @@ trace runs it (fp32 parameters and gradients). Agreement is within 5% or the row
 
 8 GPUs with FSDP: the plan is ``engine="fsdp2", zero=3`` (PyTorch FSDP2 with a bf16
 ``MixedPrecisionPolicy``), the trace is the per-rank trace of that layout, as ``memfit plan
---gpus 8 --fsdp`` runs it (``memfit.cli.parallel_plan.parallel_layout``: ``fully_shard`` per
+--gpus 8 --fsdp`` runs it (``memfit.analytic.traced.parallel_layout``: ``fully_shard`` per
 block then the root, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), and the
 number compared is its most loaded rank's; the reason string is the one the plan prints
-(``parallel_plan.disagreement_reason``). The formulas model FSDP2's buffers moment by moment
-(Note: [FSDP2 buffers by moment] in memfit/analytic/engine_buffers.py).
+(``memfit.analytic.traced.disagreement_reason``). The formulas model FSDP2's buffers moment by
+moment (Note: [FSDP2 buffers by moment] in memfit/analytic/engine_buffers.py).
 
 ``--reuse-trace OLD.json`` takes the trace's numbers from an earlier results file instead of
 tracing again: the trace does not depend on ``memfit.analytic``, so a change to the formulas is
@@ -91,14 +91,14 @@ def _with_builtin_fallback(trace: Callable[[str], Any]) -> Any:
 
 
 def _single_gpu(spec: Any, run: RunConfig, gpu: GpuSpec) -> Any:
-    from memfit.cli.trace_plan import traced_estimate
+    from memfit.analytic.traced import traced_estimate
 
     return _with_builtin_fallback(lambda backend: traced_estimate(spec, run, gpu,
                                                                   backend=backend))
 
 
 def _fsdp(spec: Any, run: RunConfig, gpu: GpuSpec) -> Any:
-    from memfit.cli.parallel_plan import parallel_layout, trace_parallel
+    from memfit.analytic.traced import parallel_layout, trace_parallel
 
     return _with_builtin_fallback(lambda backend: trace_parallel(
         spec, run, gpu, parallel_layout(run), backend=backend))
@@ -200,7 +200,7 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
     if not agrees and gpus > 1 and hasattr(est, "stored_seconds"):
         why = "; ".join(planned.notes)
     elif not agrees and gpus > 1:
-        from memfit.cli.parallel_plan import disagreement_reason
+        from memfit.analytic.traced import disagreement_reason
 
         why = disagreement_reason(planned, est)
     elif not agrees:

@@ -38,6 +38,7 @@ import torch
 import memfit
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, measure, tiny_moe_spec, tiny_spec
+from memfit.recipe import Recipe
 
 P = Parallel
 LAYOUTS: dict[str, tuple[int, Parallel]] = {  # name -> (world, layout)
@@ -121,12 +122,14 @@ def main() -> None:
     ap.add_argument("--gpt2", action="store_true", help="add GPT-2 FSDP x 8 (no measurement)")
     args = ap.parse_args()
     spec = dataclasses.replace(tiny_spec(), vocab_size=250)
-    cases = {name: Case(spec=spec, batch=2, seq=64, parallel=p) for name, (_, p) in LAYOUTS.items()}
+    cases = {name: Case(spec=spec, batch=2, seq=64,
+                        recipe=Recipe(parallel=p)) for name, (_, p) in LAYOUTS.items()}
     moe_spec = dataclasses.replace(tiny_moe_spec(), vocab_size=250)
-    cases.update({name: Case(spec=moe_spec, batch=2, seq=64, parallel=p)
+    cases.update({name: Case(spec=moe_spec, batch=2, seq=64, recipe=Recipe(parallel=p))
                   for name, (_, p) in MOE_LAYOUTS.items()})
     cases.update({name: Case(spec=dataclasses.replace(spec, num_layers=4), batch=8, seq=64,
-                             parallel=p) for name, (_, p) in PIPELINE_LAYOUTS.items()})
+                             recipe=Recipe(parallel=p))
+                  for name, (_, p) in PIPELINE_LAYOUTS.items()})
     worlds = {**LAYOUTS, **MOE_LAYOUTS, **PIPELINE_LAYOUTS}
     measured: dict[str, list[dict[str, int]]] = {}
     if not args.skip_measured:

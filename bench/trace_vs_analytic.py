@@ -20,8 +20,8 @@ import torch
 
 from memfit.analytic.config import RunConfig
 from memfit.analytic.planner import plan
+from memfit.analytic.traced import per_gpu_breakdown, traced_estimate
 from memfit.categories import MemoryCategory
-from memfit.cli.trace_plan import per_gpu_breakdown, traced_estimate
 from memfit.gpus import get_gpu
 from memfit.models import get_preset
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import memfit
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, tiny_spec
+from memfit.recipe import Recipe
 
 SEQ = 64
 
 
 def pp_case(parallel: Parallel) -> Case:
     """``tiny_spec(4)`` (4 blocks: two per stage at pp 2), batch 8 x 64 tokens."""
-    return Case(spec=tiny_spec(4), batch=8, seq=SEQ, parallel=parallel)
+    return Case(spec=tiny_spec(4), batch=8, seq=SEQ, recipe=Recipe(parallel=parallel))
 
 
 def per_rank(case: Case) -> tuple[memfit.Estimate, ...]:

@@ -369,8 +369,8 @@ def test_phase_hooks_do_not_change_the_trace(monkeypatch, checkpointing) -> None
     outputs, an optimizer step pre-hook) is op for op and byte for byte the trace without them,
     with and without a checkpoint's recompute."""
     from memfit.models.build import build_model, example_inputs
+    from memfit.models.zoo import small_llama as _small_llama
     from memfit.trace import estimate
-    from memfit.validate import _small_llama
 
     spec = _small_llama(2, 128)
 

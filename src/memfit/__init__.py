@@ -29,8 +29,10 @@ _SOURCES: dict[str, str] = {
     "Parallel": "memfit.parallel",
     "ParamCountSpec": "memfit.models",
     "Plan": "memfit.fitting",
+    "Recipe": "memfit.recipe",
     "RunConfig": "memfit.analytic.config",
     "TransformerSpec": "memfit.models",
+    "apply_recipe": "memfit.fitting.apply",
     "build_model": "memfit.models.build",
     "estimate": "memfit.parallel.trace",  # the engine, or each rank of a layout
     "example_inputs": "memfit.models.build",
@@ -43,6 +45,7 @@ _SOURCES: dict[str, str] = {
     "plan": "memfit.analytic.planner",
     "profile": "memfit.profiling.session",
     "resolve_model": "memfit.models",
+    "trace_recipe": "memfit.parallel.recipe",  # the recipe's techniques, then memfit.estimate
     "watch": "memfit.monitor",
 }
 
@@ -57,9 +60,11 @@ __all__ = [
     "Parallel",
     "ParamCountSpec",
     "Plan",
+    "Recipe",
     "RunConfig",
     "TransformerSpec",
     "__version__",
+    "apply_recipe",
     "build_model",
     "estimate",
     "example_inputs",
@@ -72,6 +77,7 @@ __all__ = [
     "plan",
     "profile",
     "resolve_model",
+    "trace_recipe",
     "watch",
 ]
 
@@ -96,12 +102,15 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.categories import MemoryCategory
     from memfit.errors import MemfitError
     from memfit.fitting import Plan, fit
+    from memfit.fitting.apply import apply_recipe
     from memfit.gpus import GpuSpec, get_gpu, list_gpus
     from memfit.models import ParamCountSpec, TransformerSpec, list_presets, resolve_model
     from memfit.models.build import build_model, example_inputs
     from memfit.monitor import watch
     from memfit.oom_guard import GuardedStep, guard
     from memfit.parallel import Parallel
+    from memfit.parallel.recipe import trace_recipe
     from memfit.parallel.trace import estimate
     from memfit.profiling.session import profile
+    from memfit.recipe import Recipe
     from memfit.trace import Estimate

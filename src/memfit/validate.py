@@ -44,223 +44,64 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memfit import vocab
 from memfit._compat import torch_internals
 from memfit.dtypes import torch_dtype
-from memfit.errors import MemfitError
+from memfit.models.zoo import SIZES, Factory, zoo
+from memfit.recipe import Recipe
 
-Factory = Callable[[str], tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.Tensor]]]
-
-
-# -- the zoo: small, scalable versions of each model family ---------------------------------------
-
-class ResNetBN(nn.Module):
-    """A CNN with batch norm and residual blocks (ResNet-style)."""
-
-    def __init__(self, width: int, blocks: int, classes: int = 100) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(width), nn.ReLU())
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False),
-                          nn.BatchNorm2d(width), nn.ReLU(),
-                          nn.Conv2d(width, width, 3, padding=1, bias=False),
-                          nn.BatchNorm2d(width)) for _ in range(blocks))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = F.relu(x + block(x))
-        return self.head(x.mean((2, 3)))
-
-
-class UNetGN(nn.Module):
-    """A two-level UNet with group norm and a skip connection."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-
-        def conv(cin: int, cout: int) -> nn.Module:
-            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(8, cout),
-                                 nn.SiLU())
-
-        self.down1, self.down2 = conv(3, width), conv(width, 2 * width)
-        self.pool = nn.MaxPool2d(2)
-        self.up = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
-        self.out = nn.Sequential(conv(2 * width, width), nn.Conv2d(width, 3, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.down1(x)
-        b = self.down2(self.pool(a))
-        return self.out(torch.cat([a, self.up(b)], dim=1))
-
-
-class LSTMNet(nn.Module):
-    def __init__(self, hidden: int, layers: int) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(hidden, hidden, num_layers=layers, batch_first=True)
-        self.head = nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.lstm(x)[0])
-
-
-def _mse(out: Any) -> torch.Tensor:
-    return out.float().pow(2).mean()
-
-
-def _ce(out: Any) -> torch.Tensor:
-    logits = out.float()
-    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long,
-                                               device=logits.device))
-
-
-def _transformer(name: str, batch: int, seq: int | None) -> Factory:
-    from memfit.models.build import build_model, example_inputs
-    from memfit.models.presets import get_preset
-
-    def make(device: str) -> tuple[nn.Module, tuple[Any, ...], Callable[[Any], torch.Tensor]]:
-        spec = _SCALED[name]() if name in _SCALED else get_preset(name)
-        model = build_model(spec, backend="builtin", device=device)
-        inputs = example_inputs(spec, batch=batch, seq=seq, device=device)
-        if "input_ids" in inputs:
-            inputs["input_ids"].random_(0, spec.vocab_size)
-            if "labels" in inputs:
-                inputs["labels"].copy_(inputs["input_ids"])
-        else:
-            inputs["pixel_values"].normal_()
-            inputs["labels"].zero_()
-        keys = list(inputs)
-        return (_KwargsModel(model, keys), tuple(inputs[k] for k in keys),
-                lambda out: out if out.dim() == 0 else _mse(out))
-
-    return make
-
-
-class _KwargsModel(nn.Module):
-    """Positional inputs -> keyword inputs, so every zoo model takes a tuple."""
-
-    def __init__(self, model: nn.Module, keys: list[str]) -> None:
-        super().__init__()
-        self.model, self.keys = model, keys
-
-    def forward(self, *args: torch.Tensor) -> Any:
-        return self.model(**dict(zip(self.keys, args, strict=True)))
-
-
-def _small_llama(layers: int, hidden: int, experts: int = 0, vocab: int = 32000) -> Any:
-    from memfit.models.spec import TransformerSpec
-
-    heads = hidden // 64
-    return TransformerSpec(
-        name=f"llama-{layers}x{hidden}" + (f"-moe{experts}" if experts else ""),
-        family="mixtral" if experts else "llama", arch="decoder", hidden_size=hidden,
-        num_layers=layers, num_heads=heads, num_kv_heads=max(heads // 4, 1), head_dim=64,
-        intermediate_size=int(hidden * 8 / 3) // 64 * 64, vocab_size=vocab,
-        max_position_embeddings=4096, num_experts=experts, experts_per_token=2 if experts else 0)
-
-
-def _small_gpt2(layers: int, hidden: int, vocab: int = 50257) -> Any:
-    from memfit.models.spec import TransformerSpec
-
-    return TransformerSpec(
-        name=f"gpt2-{layers}x{hidden}", family="gpt2", arch="decoder", hidden_size=hidden,
-        num_layers=layers, num_heads=hidden // 64, num_kv_heads=hidden // 64, head_dim=64,
-        intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=2048,
-        mlp="gelu", norm="layernorm", qkv_bias=True, attn_out_bias=True, mlp_bias=True,
-        position="learned", tie_embeddings=True)
-
-
-def _small_vit(layers: int = 2, hidden: int = 128, image: int = 32, patch: int = 8,
-               labels: int = 10) -> Any:
-    from memfit.models.spec import TransformerSpec
-
-    heads = hidden // 64
-    return TransformerSpec(
-        name=f"vit-{layers}x{hidden}", family="vit", arch="vision", hidden_size=hidden,
-        num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=64,
-        intermediate_size=4 * hidden, mlp="gelu", norm="layernorm", qkv_bias=True,
-        attn_out_bias=True, mlp_bias=True, position="learned", image_size=image,
-        patch_size=patch, num_labels=labels)
-
-
-_SCALED: dict[str, Callable[[], Any]] = {
-    # tiny: two blocks and a 2,048-token vocabulary (the logits of a 50,257-token vocabulary
-    # dominated a small CPU config's time)
-    "vit-tiny": _small_vit,
-    "gpt2-tiny": lambda: _small_gpt2(2, 128, vocab=2048),
-    "llama-tiny": lambda: _small_llama(2, 128, vocab=2048),
-    "moe-tiny": lambda: _small_llama(2, 128, experts=4, vocab=2048),
-    "vit-small": _small_vit,
-    "gpt2-small": lambda: _small_gpt2(4, 256),
-    "gpt2-medium": lambda: _small_gpt2(12, 768),
-    "vit-medium": lambda: _small_vit(12, 768, image=224, patch=16, labels=1000),  # ViT-B/16
-    "llama-small": lambda: _small_llama(4, 256),
-    "llama-medium": lambda: _small_llama(16, 2048),
-    "moe-small": lambda: _small_llama(2, 256, experts=4),
-    "moe-medium": lambda: _small_llama(8, 1024, experts=8),
-}
-
-
-SIZES = ("tiny", "small", "medium")
-
-
-def zoo(size: str) -> dict[str, Callable[[int], Factory]]:
-    """Model families by name -> ``batch -> factory``; ``size`` is "tiny" (the CPU default:
-    seconds a config), "small" (CPU, tens of seconds) or "medium" (GPU: hundreds of MB to GBs,
-    so the runtime constants are a small share)."""
-    if size not in SIZES:
-        raise MemfitError(f"unknown zoo size {size!r}; valid: {', '.join(SIZES)}")
-    small = size != "medium"
-    tiny = size == "tiny"
-    seq = 64 if tiny else 128 if small else 1024
-    img = 16 if tiny else 32 if small else 128
-    width = 8 if tiny else 16 if small else 128
-
-    def vision(make: Callable[[], nn.Module], shape: tuple[int, ...],
-               loss: Callable[[Any], torch.Tensor]) -> Callable[[int], Factory]:
-        def with_batch(batch: int) -> Factory:
-            def factory(device: str) -> tuple[nn.Module, tuple[Any, ...],
-                                              Callable[[Any], torch.Tensor]]:
-                with torch.device(device):
-                    return make(), (torch.randn(batch, *shape),), loss
-            return factory
-        return with_batch
-
-    hidden = 32 if tiny else 64 if small else 1024
-    return {
-        "gpt2": lambda b: _transformer(f"gpt2-{size}", b, seq),
-        "llama": lambda b: _transformer(f"llama-{size}", b, seq),
-        "moe": lambda b: _transformer(f"moe-{size}", b, seq),
-        "vit": lambda b: _transformer(f"vit-{size}", b, None),
-        "resnet-bn": vision(lambda: ResNetBN(width, 2 if small else 6), (3, img, img), _ce),
-        "unet-gn": vision(lambda: UNetGN(width), (3, img, img), _mse),
-        "lstm": vision(lambda: LSTMNet(hidden, 2), (seq // 2, hidden), _mse),
-    }
+__all__ = ["SIZES", "Config", "Result", "Skipped", "bf16_lstm_refused", "matrix", "run_config",
+           "run_matrix", "summarize", "why_not_here", "zoo"]
 
 
 # -- the matrix --------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
+    """One point of the matrix: a zoo family run with a :class:`memfit.Recipe` (its precision,
+    optimizer, checkpointing, micro-batch and offload; the other fields at their defaults)."""
+
     family: str
-    precision: str
-    optimizer: str
-    checkpointing: str
-    batch: int
-    offload: str = "none"
-    """``"activations"`` (``apply_activation_offload``, tensors >= 64 KiB) or ``"states"``
-    (the optimizer's states and step on the host: ``CPUOffloadOptimizer``)."""
+    recipe: Recipe
+
+    @property
+    def precision(self) -> str:
+        return self.recipe.precision
+
+    @property
+    def optimizer(self) -> str:
+        return self.recipe.optimizer
+
+    @property
+    def checkpointing(self) -> str:
+        return self.recipe.checkpointing
+
+    @property
+    def batch(self) -> int:
+        return self.recipe.micro_batch
+
+    @property
+    def offload(self) -> str:
+        """``"activations"`` (``apply_activation_offload``, tensors >= 64 KiB), ``"states"``
+        (the optimizer's states and step on the host: ``CPUOffloadOptimizer``) or ``"none"``."""
+        return ("activations" if self.recipe.offload_activations
+                else "states" if self.recipe.offload_states else "none")
 
     @property
     def name(self) -> str:
         return (f"{self.family}/{self.precision}/{self.optimizer}/ckpt-{self.checkpointing}"
                 f"/b{self.batch}" + (f"/offload-{self.offload}" if self.offload != "none"
                                      else ""))
+
+
+def _config(family: str, precision: str, optimizer: str, checkpointing: str, batch: int,
+            offload: str = "none") -> Config:
+    return Config(family=family, recipe=Recipe(
+        precision=precision, optimizer=optimizer, checkpointing=checkpointing,
+        micro_batch=batch, offload_activations=offload == "activations",
+        offload_states=offload == "states"))
 
 
 def matrix(size: str, *, families: list[str] | None = None, quick: bool = False
@@ -295,15 +136,13 @@ def matrix(size: str, *, families: list[str] | None = None, quick: bool = False
             (("adamw", batches[0]), ("sgd-momentum", batches[1]))):
         if ckpt == "full" and family in ("lstm", "unet-gn"):
             continue  # no repeated blocks to checkpoint
-        configs.append(Config(family=family, precision=precision, optimizer=opt,
-                              checkpointing=ckpt, batch=batch))
+        configs.append(_config(family, precision, opt, ckpt, batch))
     # Offload (predicted with host memory kept out of the device's peak): the decoder families,
     # bf16-mixed AdamW, with and without checkpointing.
     for family, ckpt, offload in itertools.product(("llama", "gpt2"), ("none", "full"),
                                                    ("activations", "states")):
         if family in names:
-            configs.append(Config(family=family, precision="bf16-mixed", optimizer="adamw",
-                                  checkpointing=ckpt, batch=batches[0], offload=offload))
+            configs.append(_config(family, "bf16-mixed", "adamw", ckpt, batches[0], offload))
     return configs
 
 
@@ -346,19 +185,22 @@ class Result:
         return out
 
 
+OFFLOAD_MIN_BYTES = 2**16
+"""The smallest activation an ``offload="activations"`` config moves, in the real run and the
+trace alike."""
+
+
 def _techniques(model: nn.Module, config: Config) -> Callable[[Any], torch.optim.Optimizer]:
-    """Apply the config's checkpointing and activation offload to ``model`` (in that order, as
-    documented) and return its optimizer factory."""
-    if config.checkpointing != "none":
-        from memfit.techniques.checkpointing import apply_activation_checkpointing
+    """Apply the config's recipe to ``model`` for the real run (checkpointing, then activation
+    offload of tensors >= :data:`OFFLOAD_MIN_BYTES`:
+    :func:`memfit.techniques.recipe.apply_techniques`, as :func:`memfit.trace_recipe` applies
+    it to the meta copy) and return its optimizer factory: built as a user builds it (torch
+    picks its implementation), its states on the host with ``offload="states"``."""
+    from memfit.techniques.recipe import apply_techniques
 
-        apply_activation_checkpointing(model, policy=config.checkpointing)
-    if config.offload == "activations":
-        from memfit.techniques.offload import apply_activation_offload
-
-        apply_activation_offload(model, min_bytes=2**16)
+    apply_techniques(model, config.recipe, offload_min_bytes=OFFLOAD_MIN_BYTES)
     factory = OPTIMIZERS[config.optimizer]
-    if config.offload == "states":
+    if config.recipe.offload_states:
         from memfit.techniques.optim import CPUOffloadOptimizer
 
         return lambda ps: CPUOffloadOptimizer(ps, factory)
@@ -417,8 +259,8 @@ def _measure(config: Config, factory: Factory, device: str,
 def run_config(config: Config, *, size: str, device: str, gpu: str | None,
                steps: int = 2) -> Result:
     """Measure one config on ``device`` for real, then trace it on a meta copy."""
+    from memfit.parallel.recipe import trace_recipe
     from memfit.progress import phase
-    from memfit.trace import estimate
 
     factory = zoo(size)[config.family](config.batch)
     with warnings.catch_warnings():
@@ -431,11 +273,14 @@ def run_config(config: Config, *, size: str, device: str, gpu: str | None,
         phase(f"{config.name}: trace")
         torch.manual_seed(0)
         meta_model, meta_inputs, meta_loss = factory("meta")
-        est = estimate(meta_model, meta_inputs, optimizer=_techniques(meta_model, config),
-                       precision=config.precision, loss_fn=lambda m, b: meta_loss(m(*b)),
-                       device=device,
-                       gpu=gpu if device == "cuda" else None, steps=steps,
-                       keep_output=True)  # _steps keeps ``out`` alive through backward
+        # The recipe traced as memfit.trace_recipe traces any recipe: its optimizer by name
+        # (states on the host when offloaded), which on the traced device is the
+        # implementation torch picks for the real run's user-built optimizer (Note: [torch's
+        # default optimizer implementation on CUDA] in memfit.trace.optim); lr does not count.
+        est = trace_recipe(meta_model, meta_inputs, config.recipe,
+                           loss_fn=lambda m, b: meta_loss(m(*b)), device=device, gpu=gpu,
+                           steps=steps, offload_min_bytes=OFFLOAD_MIN_BYTES,
+                           keep_output=True)  # _steps keeps ``out`` alive through backward
     return Result(config=config.name, device=device, measured_allocated=measured_alloc,
                   measured_reserved=measured_res, predicted_allocated=est.peak_bytes,
                   predicted_reserved=est.peak_reserved_bytes, seconds_real=real_seconds,

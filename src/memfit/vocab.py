@@ -153,21 +153,22 @@ _KINDS: dict[str, dict[str, frozenset[str]]] = {
 }
 
 
-def names(kind: str, layer: str) -> tuple[str, ...]:
+def names(kind: str, layer: str | None) -> tuple[str, ...]:
     """The names of ``kind`` (precision, optimizer, checkpointing) that ``layer`` takes, in
-    order: ``names("precision", "fit") == ("fp32", "bf16-mixed", "fp16-mixed", "bf16")``."""
-    return tuple(n for n, layers in _KINDS[kind].items() if layer in layers)
+    order: ``names("precision", "fit") == ("fp32", "bf16-mixed", "fp16-mixed", "bf16")``;
+    ``layer=None``: every name of ``kind`` (what a :class:`memfit.Recipe` may hold)."""
+    return tuple(n for n, layers in _KINDS[kind].items() if layer is None or layer in layers)
 
 
-def check(kind: str, name: str, layer: str, *, what: str | None = None) -> None:
-    """Raise MemfitError unless ``layer`` takes ``name``: an unknown name gets the closest
-    ones; a known one names the layers that take it."""
+def check(kind: str, name: str, layer: str | None, *, what: str | None = None) -> None:
+    """Raise MemfitError unless ``layer`` takes ``name`` (``None``: unless some layer does):
+    an unknown name gets the closest ones; a known one names the layers that take it."""
     table = _KINDS[kind]
     valid = names(kind, layer)
     if name in valid:
         return
     label = what or kind
-    if name in table:
+    if name in table and layer is not None:
         where = ", ".join(sorted(table[name], key=LAYERS.index))
         raise MemfitError(f"{label} {name!r} is not available here ({layer}); it works in: "
                           f"{where}. Valid here: {', '.join(valid)}")

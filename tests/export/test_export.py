@@ -18,6 +18,7 @@ from memfit.fitting.config import FitConfig
 from memfit.fitting.cost import StepCost
 from memfit.fitting.plan import Candidate, Plan
 from memfit.parallel import Parallel
+from memfit.recipe import Recipe
 
 
 def fit_plan(*, num_gpus: int = 1, global_batch: int | None = None, device: str = "cuda",
@@ -59,11 +60,47 @@ def test_fit_plan_settings_round_trip_through_its_file(tmp_path):
     plan.save(tmp_path / "plan.json")
     s = read_plan(tmp_path / "plan.json")
     # 4 micro x 4 accumulation x 4 GPUs = 64, the plan's global batch.
-    assert (s.source, s.precision, s.checkpointing, s.micro_batch, s.accumulation) == (
+    r = s.recipe
+    assert (s.source, r.precision, r.checkpointing, r.micro_batch, r.accumulation) == (
         "fit", "bf16-mixed", "full", 4, 4)
-    assert (s.parallel.gpus, s.parallel.dp, s.zero, s.offload_optimizer, s.optimizer) == (
+    assert (s.parallel.gpus, s.parallel.dp, s.zero, r.offload_states, r.optimizer) == (
         4, 4, 2, True, "adamw-8bit")
     assert s.global_batch == 64
+
+
+def test_settings_hold_the_plans_recipe_and_restate_none_of_its_fields(tmp_path):
+    """PlanSettings is the plan's Recipe plus what only a plan has; a fit plan's recipe is the
+    one its config chose, and an analytic run's is its RunConfig's, field for field."""
+    import dataclasses
+
+    own = {f.name for f in dataclasses.fields(PlanSettings)}
+    # engine: the name a plan file gives (fsdp, hsdp, ...), reported as given, not the
+    # recipe's vocabulary.
+    assert own & {f.name for f in dataclasses.fields(Recipe)} == {"engine"}
+    plan = fit_plan(num_gpus=2, precision="bf16-mixed", checkpointing="full", micro_batch=2,
+                    accumulation=3, sharding="zero2", offload_states=True, optimizer="sgd",
+                    chunked_loss=True)
+    plan.save(tmp_path / "plan.json")
+    assert read_plan(tmp_path / "plan.json").recipe == dataclasses.replace(
+        plan.config.as_recipe(), parallel=plan.parallel)
+    run = analytic_plan(precision="fp16-mixed", checkpointing="selective", batch=4,
+                        grad_accum=2, optimizer="adamw-8bit", offload_optimizer=True)
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert read_plan(tmp_path / "run.json").recipe == Recipe(
+        precision="fp16-mixed", checkpointing="selective", micro_batch=4, accumulation=2,
+        optimizer="adamw-8bit", offload_states=True, attention="sdpa",
+        parallel=Parallel(gpus=1))
+
+
+def test_a_fit_plans_nvme_offload_is_exported_as_nvme(tmp_path):
+    """A fit plan names its offload target offload_to (the recipe's name); it was read as
+    offload_device, so an NVMe plan exported as CPU offload with offload_to 'not carried'."""
+    plan = fit_plan(num_gpus=2, sharding="zero3", offload_states=True, offload_to="nvme")
+    plan.save(tmp_path / "plan.json")
+    s = read_plan(tmp_path / "plan.json")
+    assert (s.recipe.offload_to, s.unknown) == ("nvme", {})
+    ds = json.loads(export_plan(s, "deepspeed").text)
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
 
 
 def test_analytic_plan_from_the_plan_command(tmp_path, capsys):
@@ -74,9 +111,9 @@ def test_analytic_plan_from_the_plan_command(tmp_path, capsys):
     assert code == 0
     (tmp_path / "a.json").write_text(out)
     s = read_plan(tmp_path / "a.json")
-    assert (s.source, s.parallel.gpus, s.parallel.dp, s.zero, s.micro_batch, s.accumulation) == (
-        "plan", 8, 8, 3, 2, 4)
-    assert s.offload_optimizer and s.offload_params and s.checkpointing == "full"
+    assert (s.source, s.parallel.gpus, s.parallel.dp, s.zero, s.recipe.micro_batch,
+            s.recipe.accumulation) == ("plan", 8, 8, 3, 2, 4)
+    assert s.recipe.offload_states and s.recipe.offload_params and s.recipe.checkpointing == "full"
     assert s.global_batch == 2 * 4 * 8
 
 
@@ -95,7 +132,7 @@ def test_plan_command_json_exports_without_unknown_fields(tmp_path, capsys):
     assert code == 0
     (tmp_path / "nvme.json").write_text(out)
     s = read_plan(tmp_path / "nvme.json")
-    assert (s.offload_optimizer, s.offload_device, s.unknown) == (True, "nvme", {})
+    assert (s.recipe.offload_states, s.recipe.offload_to, s.unknown) == (True, "nvme", {})
     ds = json.loads(export_plan(s, "deepspeed").text)
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
 
@@ -128,7 +165,8 @@ def test_torchtitan_checkpointing_line_is_its_subcommand_under_a_comment():
     import re
 
     for ckpt in ("none", "full", "selective"):
-        text = export_plan(PlanSettings(source="plan", checkpointing=ckpt), "torchtitan").text
+        settings = PlanSettings(source="plan", recipe=Recipe(checkpointing=ckpt))
+        text = export_plan(settings, "torchtitan").text
         lines = text.splitlines()
         assert lines[-1] == f"activation-checkpoint:{ckpt}"
         assert lines[-2].startswith("# activation checkpointing: a subcommand")
@@ -295,4 +333,5 @@ def test_target_names_take_case_and_underscores():
 
 def test_settings_validate_directly():
     with pytest.raises(MemfitError, match="HSDP replicas need sharded"):
-        PlanSettings(source="plan", parallel=Parallel(gpus=8, zero=2, fsdp=4))  # 2 replicas
+        PlanSettings(source="plan",  # 2 replicas
+                     recipe=Recipe(parallel=Parallel(gpus=8, zero=2, fsdp=4)))

@@ -19,18 +19,19 @@ import pytest
 
 from memfit.export import PlanSettings, export_plan
 from memfit.parallel import Parallel
+from memfit.recipe import Recipe
 
 
-def plan(**kw) -> PlanSettings:
-    return PlanSettings(source="plan", **kw)
+def plan(engine: str | None = None, **recipe) -> PlanSettings:
+    return PlanSettings(source="plan", engine=engine, recipe=Recipe(**recipe))
 
 
 FSDP8 = plan(precision="bf16-mixed", checkpointing="full", micro_batch=2, accumulation=4,
              parallel=Parallel(gpus=8, zero=3))
 ZERO2_OFFLOAD = plan(precision="bf16-mixed", micro_batch=2, accumulation=4,
-                     parallel=Parallel(gpus=8, zero=2), offload_optimizer=True)
+                     parallel=Parallel(gpus=8, zero=2), offload_states=True)
 ZERO3_OFFLOAD = plan(precision="fp16-mixed", micro_batch=1, accumulation=16,
-                     parallel=Parallel(gpus=16, zero=3), offload_optimizer=True,
+                     parallel=Parallel(gpus=16, zero=3), offload_states=True,
                      offload_params=True, engine="deepspeed")
 HSDP16 = plan(precision="bf16-mixed", micro_batch=1, accumulation=2,
               parallel=Parallel(gpus=16, zero=3, fsdp=8))  # 2 replicas of 8
@@ -102,7 +103,7 @@ def test_deepspeed_tp_pp_and_checkpointing():
 
 @needs("deepspeed", "export")
 def test_deepspeed_single_gpu_offload_runs_zero1():
-    s = plan(precision="bf16-mixed", micro_batch=8, offload_optimizer=True)
+    s = plan(precision="bf16-mixed", micro_batch=8, offload_states=True)
     cfg = ds_config(export_plan(s, "deepspeed").data, 1)
     assert cfg.zero_optimization_stage == 1
     assert cfg.zero_config.offload_optimizer.device == "cpu"
@@ -362,8 +363,7 @@ def test_torchtitan_overrides_parse_with_its_tyro_rules(tmp_path):
     cfg, _ = parse(TP)
     assert (cfg.parallelism.tensor_parallel_degree, cfg.parallelism.enable_sequence_parallel,
             cfg.parallelism.data_parallel_shard_degree) == (2, True, 4)
-    cfg, _ = parse(PlanSettings(source="plan", parallel=Parallel(gpus=8, tp=2,
-                                                                 zero=3)))  # TP without SP
+    cfg, _ = parse(plan(parallel=Parallel(gpus=8, tp=2, zero=3)))  # TP without SP
     assert cfg.parallelism.enable_sequence_parallel is False
 
     cfg, out = parse(ZERO3_OFFLOAD)  # fp16-mixed: torchtitan has no fp16
@@ -413,8 +413,8 @@ def test_torchtune_keys_are_what_its_recipes_read(tmp_path):
         unread = set(ours) - recipe_keys(recipe)
         assert not unread, f"{recipe} does not read {unread}"
         merged = OmegaConf.merge(base, ours)
-        assert merged.batch_size == settings.micro_batch
-        assert merged.gradient_accumulation_steps == settings.accumulation
+        assert merged.batch_size == settings.recipe.micro_batch
+        assert merged.gradient_accumulation_steps == settings.recipe.accumulation
         assert merged.optimizer._component_ == "torch.optim.AdamW"
     merged = OmegaConf.merge(base, OmegaConf.load(tmp_path / "t.yaml"))
     assert (merged.dtype, merged.enable_activation_checkpointing) == ("fp32", False)

@@ -180,7 +180,7 @@ def test_pipeline_layouts_are_the_ones_apply_runs() -> None:
     """fit offers a pipeline beside DDP, ZeRO-1 and FSDP (zero2 / zero3), the layouts
     apply_pipeline runs (test_pipeline_plan_trains_like_one_process); pp x HSDP is left out
     with why, and with tp only FSDP stays beside the pipeline (DDP beside tp is refused)."""
-    from memfit.fitting.apply import _pipeline_parallel
+    from memfit.fitting.apply_pipeline import _pipeline_parallel
     from memfit.fitting.layout_space import layouts
     from memfit.fitting.layouts import model_shape
     from memfit.fitting.search import per_rank_traced

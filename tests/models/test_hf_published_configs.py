@@ -85,8 +85,8 @@ def test_published_config_is_traced_in_the_precision_asked(path: Path, tmp_path:
     2 under pure bf16, whatever ``torch_dtype`` the file names (bfloat16, float16 or float32).
     Counted tensor by tensor from the built model's shapes: its parameters and buffers."""
     from memfit.analytic.config import RunConfig
+    from memfit.analytic.traced import traced_estimate
     from memfit.categories import MemoryCategory
-    from memfit.cli.trace_plan import traced_estimate
     from memfit.models.hf_auto import HFModelSpec
     from memfit.models.hf_config import load_hf_config
 

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from memfit import Parallel, RunConfig
+from memfit import Parallel, Recipe, RunConfig
 from memfit.analytic.config import relayout
 from memfit.cli import build_parser, main
 from memfit.cli.layout import parallel_from_args
@@ -40,9 +40,9 @@ def fit_plan(config: FitConfig, num_gpus: int, global_batch: int) -> Plan:
 
 
 def test_run_settings_and_plan_hold_a_parallel_and_no_layout_fields_of_their_own():
-    for cls in (RunConfig, PlanSettings):
+    for cls in (RunConfig, PlanSettings, Recipe):
         names = {f.name for f in dataclasses.fields(cls)}
-        assert "parallel" in names
+        assert "parallel" in names or "recipe" in names  # PlanSettings: its recipe's
         assert not names & OLD_LAYOUT_FIELDS, cls.__name__
     assert RunConfig().parallel == Parallel(gpus=1)
     assert PlanSettings(source="plan").parallel == Parallel(gpus=1)

@@ -29,6 +29,7 @@ from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.parallel.rank import zero1_partition
 from memfit.parallel.trace import rank_roles
+from memfit.recipe import Recipe
 
 # -- the layout ---------------------------------------------------------------------------------
 
@@ -148,7 +149,7 @@ TWO_RANKS = {
 def _tiny() -> tuple[nn.Module, dict]:
     from memfit.parallel.measure import Case, build, tiny_spec
 
-    return build(Case(spec=tiny_spec(), batch=2, seq=64, parallel=P(gpus=1)))
+    return build(Case(spec=tiny_spec(), batch=2, seq=64, recipe=Recipe(parallel=P(gpus=1))))
 
 
 def _roles(case: object) -> tuple[memfit.Estimate, ...]:
@@ -167,13 +168,14 @@ def measured_two_ranks() -> dict[str, tuple[object, list[dict[str, int]]]]:
     from memfit.parallel.measure import Case, measure, tiny_spec
 
     spec = dataclasses.replace(tiny_spec(), vocab_size=250)  # uneven shards of the embedding
-    cases = [Case(spec=spec, batch=2, seq=64, parallel=p) for p in TWO_RANKS.values()]
+    cases = [Case(spec=spec, batch=2, seq=64,
+                  recipe=Recipe(parallel=p)) for p in TWO_RANKS.values()]
     # The optimizer's first step near the peak: a wide embedding and head, one token per row.
     # DTensor's metadata propagation made phantom full-size tensors there in the trace
     # (memfit/_compat/torch_dtensor.py: dtensor_meta_propagation_within).
     wide = dataclasses.replace(tiny_spec(), hidden_size=256, intermediate_size=512, head_dim=64,
                                vocab_size=2048)
-    cases.append(Case(spec=wide, batch=1, seq=4, parallel=P(gpus=2, fsdp=2)))
+    cases.append(Case(spec=wide, batch=1, seq=4, recipe=Recipe(parallel=P(gpus=2, fsdp=2))))
     names = [*TWO_RANKS, "fsdp2-reshard-optimizer-bound"]
     peaks = measure(cases, world=2)
     return {name: (case, peak) for name, case, peak in zip(names, cases, peaks, strict=True)}
@@ -249,7 +251,7 @@ def test_hsdp_on_four_ranks_matches_real_gloo_runs_within_1_percent() -> None:
     """HSDP: fully_shard on a 2-D (replicate 2, shard 2) DeviceMesh over 4 gloo processes."""
     from memfit.parallel.measure import Case, measure, tiny_spec
 
-    case = Case(spec=tiny_spec(), batch=2, seq=64, parallel=P(gpus=4, fsdp=2))
+    case = Case(spec=tiny_spec(), batch=2, seq=64, recipe=Recipe(parallel=P(gpus=4, fsdp=2)))
     measured = measure([case], world=4, repeats=2)[0]
     for est in _roles(case):
         real = min(measured[r]["peak"] for r in est.ranks)

@@ -30,6 +30,7 @@ from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, tiny_moe_spec, tiny_spec
+from memfit.recipe import Recipe
 
 H, F, V, HEAD_DIM = 64, 128, 256, 16  # tiny_spec's hidden, MLP, vocabulary, head sizes
 BLOCK = 4 * H * H + 3 * H * F + 2 * H  # q, k, v, o; gate, up, down; two RMS norms
@@ -121,7 +122,8 @@ def test_loss_parallel_beside_pp_keeps_the_last_stages_logits_split() -> None:
 ])
 def test_layouts_beside_pp_that_are_not_traced_get_one_line_errors(
         layout: dict, match: str) -> None:
-    model, inputs = build(Case(spec=tiny_spec(2), batch=4, seq=16, parallel=Parallel(gpus=1)))
+    model, inputs = build(Case(spec=tiny_spec(2), batch=4, seq=16,
+                               recipe=Recipe(parallel=Parallel(gpus=1))))
     with pytest.raises(MemfitError, match=match) as info:
         memfit.estimate(model, inputs, device="cpu", parallel=Parallel(**layout))
     assert "\n" not in str(info.value)
@@ -141,7 +143,7 @@ def test_ep_beside_tp_and_the_ep_layouts_not_traced_get_one_line_errors(
     parallelism as without it is traced (DDP with ep = every data-parallel rank of a stage, or
     FSDP2)."""
     model, inputs = build(Case(spec=tiny_moe_spec(2), batch=4, seq=16,
-                               parallel=Parallel(gpus=1)))
+                               recipe=Recipe(parallel=Parallel(gpus=1))))
     with pytest.raises(MemfitError, match=match) as info:
         memfit.estimate(model, inputs, device="cpu", parallel=Parallel(**layout))
     assert "\n" not in str(info.value)
@@ -156,7 +158,7 @@ def test_experts_left_out_of_fsdp2_on_a_cuda_target_get_a_one_line_error(layout:
     DTensor": ``torch/distributed/tensor/_dispatch.py``). The CPU target's for-loop AdamW
     runs it (the gloo tests)."""
     model, inputs = build(Case(spec=tiny_moe_spec(2), batch=4, seq=16,
-                               parallel=Parallel(gpus=1)))
+                               recipe=Recipe(parallel=Parallel(gpus=1))))
     with pytest.raises(MemfitError, match="refuses DTensor and plain parameters") as info:
         memfit.estimate(model, inputs, device="cuda", gpu="h100-80gb",
                         parallel=Parallel(**layout))
@@ -171,10 +173,12 @@ def test_ep_beside_pp_keeps_each_stages_share_of_the_experts() -> None:
     over the same ranks), a rank holds 2 of 4 experts' weights less per MoE layer: 2 x 3 h f
     x 4 bytes each, 2 MoE layers per stage (blocks 0-1, blocks 2-3)."""
     spec = tiny_moe_spec(4)
-    ep = _per_rank(Case(spec=spec, batch=8, seq=SEQ, parallel=Parallel(gpus=4, pp=2, ep=2,
-                                                                         microbatches=4)))
-    dense = _per_rank(Case(spec=spec, batch=8, seq=SEQ, parallel=Parallel(gpus=4, pp=2,
-                                                                           microbatches=4)))
+    ep = _per_rank(Case(spec=spec, batch=8, seq=SEQ,
+                        recipe=Recipe(parallel=Parallel(gpus=4, pp=2, ep=2,
+                                                                         microbatches=4))))
+    dense = _per_rank(Case(spec=spec, batch=8, seq=SEQ,
+                           recipe=Recipe(parallel=Parallel(gpus=4, pp=2,
+                                                                           microbatches=4))))
     assert [e.ranks for e in ep] == [(0, 1), (2, 3)]
     per_layer = 2 * 3 * H * F * 4
     for with_ep, without in zip(ep, dense, strict=True):
@@ -206,8 +210,9 @@ def _off(case: Case, measured: list) -> list[str]:
 GLOO_FOUR = [
     _case(Parallel(gpus=4, pp=2, zero=1, microbatches=4, pp_schedule="gpipe")),
     _case(Parallel(gpus=4, pp=2, tp=2, sp=True, loss_parallel=True, microbatches=4)),
-    Case(spec=tiny_moe_spec(4), batch=8, seq=SEQ, parallel=Parallel(gpus=4, pp=2, ep=2,
-                                                                     microbatches=4)),
+    Case(spec=tiny_moe_spec(4), batch=8, seq=SEQ,
+         recipe=Recipe(parallel=Parallel(gpus=4, pp=2, ep=2,
+                                                                     microbatches=4))),
     _case(Parallel(gpus=4, fsdp=4, cpu_offload=True)),
 ]
 
@@ -246,7 +251,7 @@ def test_pp_beside_hsdp_and_sharded_experts_matches_eight_gloo_ranks_within_1_pe
 
     cases = [_case(Parallel(gpus=8, pp=2, fsdp=2, microbatches=4)),
              Case(spec=tiny_moe_spec(4), batch=8, seq=SEQ,
-                  parallel=Parallel(gpus=8, pp=2, fsdp=4, ep=2, microbatches=4))]
+                  recipe=Recipe(parallel=Parallel(gpus=8, pp=2, fsdp=4, ep=2, microbatches=4)))]
     failures = []
     runs = measure_until(cases, 8, lambda case, got: bool(_off(case, got)))
     for case, measured in zip(cases, runs, strict=True):
@@ -261,7 +266,8 @@ SHARD = (2 * V * H + 2 * BLOCK + H) // 2  # tiny_spec(2)'s 115,008 parameters ov
 
 def _offload(device: str, cpu_offload: bool) -> memfit.Estimate:
     parallel = Parallel(gpus=2, fsdp=2, cpu_offload=cpu_offload)
-    model, inputs = build(Case(spec=tiny_spec(2), batch=2, seq=SEQ, parallel=parallel))
+    model, inputs = build(Case(spec=tiny_spec(2), batch=2, seq=SEQ,
+                               recipe=Recipe(parallel=parallel)))
     est = memfit.estimate(model, inputs, device=device, gpu="h100-80gb" if device == "cuda"
                           else None, precision="fp32", parallel=parallel)
     assert [e.ranks for e in est.per_rank] == [(0, 1)]

@@ -23,12 +23,14 @@ import memfit
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
+from memfit.recipe import Recipe
 
 
 def _case(parallel: Parallel, **spec_kwargs: int):  # type: ignore[no-untyped-def]
     from memfit.parallel.measure import Case, tiny_moe_spec
 
-    return Case(spec=tiny_moe_spec(**spec_kwargs), batch=2, seq=32, parallel=parallel)
+    return Case(spec=tiny_moe_spec(**spec_kwargs), batch=2, seq=32,
+                recipe=Recipe(parallel=parallel))
 
 
 def _estimate(case) -> memfit.Estimate:  # type: ignore[no-untyped-def]
@@ -48,7 +50,8 @@ def test_ep_must_divide_the_experts_and_needs_a_moe_model() -> None:
     with pytest.raises(MemfitError, match=r"ep=4\) does not divide the 6 experts") as info:
         memfit.estimate(moe, inputs, device="cpu", parallel=Parallel(gpus=4, ep=4))
     assert "\n" not in str(info.value)
-    dense, inputs = build(Case(spec=tiny_spec(), batch=2, seq=32, parallel=Parallel(gpus=1)))
+    dense, inputs = build(Case(spec=tiny_spec(), batch=2, seq=32,
+                               recipe=Recipe(parallel=Parallel(gpus=1))))
     with pytest.raises(MemfitError, match=r"ep=2\) needs a mixture-of-experts model") as info:
         memfit.estimate(dense, inputs, device="cpu", parallel=Parallel(gpus=2, ep=2))
     assert "\n" not in str(info.value)

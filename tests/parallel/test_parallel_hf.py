@@ -26,15 +26,17 @@ from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, tiny_spec
 from memfit.parallel.pipeline import stage_loss, stage_modules
+from memfit.recipe import Recipe
 
 transformers = pytest.importorskip("transformers")
 
 SEQ = 64
 
 
-def _hf_case(parallel: Parallel, batch: int = 8, layers: int = 4, spec: object = None) -> Case:
-    return Case(spec=spec or tiny_spec(layers), batch=batch, seq=SEQ, parallel=parallel,
-                backend="transformers")
+def _hf_case(parallel: Parallel, batch: int = 8, layers: int = 4, spec: object = None,
+             checkpointing: str = "none") -> Case:
+    return Case(spec=spec or tiny_spec(layers), batch=batch, seq=SEQ, backend="transformers",
+                recipe=Recipe(parallel=parallel, checkpointing=checkpointing))
 
 
 def tiny_qwen3_spec(layers: int = 2) -> object:
@@ -220,8 +222,7 @@ def test_hf_sp_step_computes_what_one_process_computes(loss_parallel: bool, qwen
 
 GLOO_CASES = {
     "pp2-1f1b": _hf_case(Parallel(gpus=2, pp=2, microbatches=4)),
-    "pp2-1f1b-full-ac": dataclasses.replace(_hf_case(Parallel(gpus=2, pp=2, microbatches=4)),
-                                            checkpointing="full"),
+    "pp2-1f1b-full-ac": _hf_case(Parallel(gpus=2, pp=2, microbatches=4), checkpointing="full"),
     "tp2-sp": _hf_case(Parallel(gpus=2, tp=2, sp=True), batch=2, layers=2),
     "tp2-sp-loss-parallel": _hf_case(Parallel(gpus=2, tp=2, sp=True, loss_parallel=True),
                                      batch=2, layers=2),

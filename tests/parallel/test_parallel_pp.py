@@ -28,6 +28,7 @@ from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, tiny_spec
 from memfit.parallel.pipeline import stage_layers, stage_modules
+from memfit.recipe import Recipe
 
 SEQ = 64
 HIDDEN = 64  # tiny_spec's hidden size
@@ -35,8 +36,14 @@ HIDDEN = 64  # tiny_spec's hidden size
 
 def _case(microbatches: int, schedule: str, micro: int = 2, layers: int = 4) -> Case:
     return Case(spec=tiny_spec(layers), batch=micro * microbatches, seq=SEQ,
-                parallel=Parallel(gpus=2, pp=2, pp_schedule=schedule,
-                                  microbatches=microbatches))
+                recipe=Recipe(parallel=Parallel(gpus=2, pp=2, pp_schedule=schedule,
+                                                microbatches=microbatches)))
+
+
+def _checkpointed(case: Case, checkpointing: str) -> Case:
+    """``case`` with its recipe's checkpointing policy ``checkpointing``."""
+    recipe = dataclasses.replace(case.recipe, checkpointing=checkpointing)
+    return dataclasses.replace(case, recipe=recipe)
 
 
 def _per_rank(case: Case) -> tuple[memfit.Estimate, ...]:
@@ -69,7 +76,8 @@ def test_bad_pipeline_layouts_get_one_line_errors(kwargs: dict, match: str) -> N
 ])
 def test_pipeline_the_model_or_batch_cannot_take_gets_one_line_errors(
         layout: dict, batch: int, match: str) -> None:
-    model, inputs = build(Case(spec=tiny_spec(2), batch=batch, seq=16, parallel=Parallel(gpus=1)))
+    model, inputs = build(Case(spec=tiny_spec(2), batch=batch, seq=16,
+                               recipe=Recipe(parallel=Parallel(gpus=1))))
     parallel = Parallel(**{"gpus": layout.get("pp", 1), **layout})
     with pytest.raises(MemfitError, match=match) as info:
         memfit.estimate(model, inputs, device="cpu", parallel=parallel)
@@ -223,7 +231,7 @@ def test_four_stages_match_real_gloo_runs_within_1_percent() -> None:
     from memfit.parallel.measure import measure
 
     case = Case(spec=tiny_spec(4), batch=8, seq=SEQ,
-                parallel=Parallel(gpus=4, pp=4, microbatches=4))
+                recipe=Recipe(parallel=Parallel(gpus=4, pp=4, microbatches=4)))
     measured = measure([case], world=4, repeats=1)[0]
     for est in _per_rank(case):
         real = measured[est.ranks[0]]["peak"]
@@ -240,8 +248,9 @@ def test_pipeline_with_fsdp_matches_real_gloo_runs_within_1_percent() -> None:
     from memfit.parallel.measure import measure
 
     cases = [Case(spec=tiny_spec(4), batch=8, seq=SEQ,
-                  parallel=Parallel(gpus=4, pp=2, fsdp=2, microbatches=4, pp_schedule=schedule,
-                                    reshard_after_forward=reshard))
+                  recipe=Recipe(parallel=Parallel(gpus=4, pp=2, fsdp=2, microbatches=4,
+                                                  pp_schedule=schedule,
+                                                  reshard_after_forward=reshard)))
              for schedule, reshard in (("1f1b", False), ("gpipe", True))]
     for case, measured in zip(cases, measure(cases, world=4, repeats=1), strict=True):
         roles = _per_rank(case)
@@ -256,9 +265,8 @@ def test_pipeline_with_fsdp_matches_real_gloo_runs_within_1_percent() -> None:
 def test_interleaved_1f1b_traces_two_stages_per_rank() -> None:
     """ScheduleInterleaved1F1B: each rank holds stages rank and rank + pp (torchtitan's loop
     placement); rank 0 has the embedding, rank 1 the head."""
-    case = dataclasses.replace(_case(2, "interleaved-1f1b"),
-                               parallel=Parallel(gpus=2, pp=2, pp_schedule="interleaved-1f1b",
-                                                 microbatches=2))
+    case = dataclasses.replace(_case(2, "interleaved-1f1b"), recipe=Recipe(
+        parallel=Parallel(gpus=2, pp=2, pp_schedule="interleaved-1f1b", microbatches=2)))
     first, second = _per_rank(case)
     assert first.peak_bytes > 0 and second.peak_bytes > 0
     assert first.breakdown[memfit.MemoryCategory.WEIGHTS] > 0
@@ -272,7 +280,7 @@ def _gpipe_steps(checkpointing: str | None) -> list[int]:
     from 3 to 5 micro-batches, with the model's blocks checkpointed as given."""
     peaks = []
     for m in (3, 4, 5):
-        case = dataclasses.replace(_case(m, "gpipe"), checkpointing=checkpointing)
+        case = _checkpointed(_case(m, "gpipe"), checkpointing or "none")
         model, inputs = build(case)
         est = memfit.estimate(model, inputs, device="cuda", gpu="h100-80gb",
                               parallel=case.parallel)
@@ -327,8 +335,8 @@ def test_the_first_pipeline_trace_of_a_process_equals_the_later_ones() -> None:
         "from torch._subclasses.fake_tensor import FakeTensor\n"
         "from memfit.parallel import Parallel\n"
         "from memfit.parallel.measure import Case, build, tiny_spec\n"
-        "case = Case(spec=tiny_spec(4), batch=6, seq=64,\n"
-        "            parallel=Parallel(gpus=2, pp=2, pp_schedule='gpipe', microbatches=3))\n"
+        "layout = Parallel(gpus=2, pp=2, pp_schedule='gpipe', microbatches=3)\n"
+        "case = Case(spec=tiny_spec(4), batch=6, seq=64, recipe=memfit.Recipe(parallel=layout))\n"
         "for _ in range(2):\n"
         "    model, inputs = build(case)\n"
         "    est = memfit.estimate(model, inputs, device='cuda', gpu='h100-80gb',\n"
@@ -342,8 +350,8 @@ def test_the_first_pipeline_trace_of_a_process_equals_the_later_ones() -> None:
     assert out[2] == "False"
 
 
-GLOO_CHECKPOINTED = [dataclasses.replace(_case(4, "1f1b"), checkpointing="full"),
-                     dataclasses.replace(_case(4, "gpipe"), checkpointing="selective")]
+GLOO_CHECKPOINTED = [_checkpointed(_case(4, "1f1b"), "full"),
+                     _checkpointed(_case(4, "gpipe"), "selective")]
 
 
 @pytest.mark.slow
@@ -359,5 +367,5 @@ def test_checkpointed_stages_match_a_real_gloo_run_within_1_percent() -> None:
         for est in _per_rank(case):
             real = measured[est.ranks[0]]["peak"]
             assert abs(est.peak_bytes - real) <= 0.01 * real, (
-                f"{case.checkpointing} {case.parallel.pp_schedule} stage {est.ranks}: predicted "
-                f"{est.peak_bytes:,}, measured {real:,}")
+                f"{case.recipe.checkpointing} {case.parallel.pp_schedule} stage {est.ranks}: "
+                f"predicted {est.peak_bytes:,}, measured {real:,}")

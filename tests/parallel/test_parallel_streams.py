@@ -27,6 +27,7 @@ import memfit
 from memfit.parallel.config import Parallel
 from memfit.parallel.measure import Case, build, tiny_spec
 from memfit.parallel.streams import FIRST_STREAM
+from memfit.recipe import Recipe
 from memfit.trace import allocator as allocator_mod
 
 MIB = 2**20
@@ -49,7 +50,8 @@ def _trace(monkeypatch: pytest.MonkeyPatch, *, streams: bool) -> tuple[Any, list
             import memfit.parallel.streams as streams_mod
 
             m.setattr(streams_mod, "fsdp_streams", lambda tracker: contextlib.nullcontext())
-        case = Case(spec=tiny_spec(), batch=2, seq=32, parallel=Parallel(gpus=2, fsdp=2))
+        case = Case(spec=tiny_spec(), batch=2, seq=32,
+                    recipe=Recipe(parallel=Parallel(gpus=2, fsdp=2)))
         model, inputs = build(case)
         est = memfit.estimate(model, inputs, device="cuda", gpu="h100-80gb",
                               parallel=case.parallel)

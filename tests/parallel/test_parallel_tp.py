@@ -26,6 +26,7 @@ from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.parallel.trace import rank_roles
+from memfit.recipe import Recipe
 
 P = Parallel
 BATCH, SEQ = 2, 64
@@ -35,7 +36,7 @@ def _case(parallel: Parallel, **spec_changes: object) -> object:
     from memfit.parallel.measure import Case, tiny_spec
 
     spec = dataclasses.replace(tiny_spec(), **spec_changes)
-    return Case(spec=spec, batch=BATCH, seq=SEQ, parallel=parallel)
+    return Case(spec=spec, batch=BATCH, seq=SEQ, recipe=Recipe(parallel=parallel))
 
 
 def _estimate(case: object) -> memfit.Estimate:
@@ -76,7 +77,7 @@ def test_layouts_the_trace_refuses_get_one_line_errors() -> None:
         from memfit.parallel.measure import Case, build
 
         case = Case(spec=_case(P(gpus=1)).spec, batch=BATCH, seq=63,  # type: ignore[attr-defined]
-                    parallel=P(gpus=2, tp=2, sp=True))
+                    recipe=Recipe(parallel=P(gpus=2, tp=2, sp=True)))
         model, inputs = build(case)
         memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)
     with pytest.raises(MemfitError, match="not sandwich / post-sub-layer norms or MoE"):

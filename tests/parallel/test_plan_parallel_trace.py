@@ -224,7 +224,7 @@ def test_disagreement_reason_names_the_gap_and_the_categories(tmp_path) -> None:
     from types import SimpleNamespace
 
     import memfit
-    from memfit.cli.parallel_plan import disagreement_reason
+    from memfit.analytic.traced import disagreement_reason
     from memfit.units import format_bytes
 
     spec = memfit.resolve_model(tiny_llama(tmp_path))
@@ -260,7 +260,7 @@ def test_disagreement_reason_names_an_untied_root(tmp_path) -> None:
 
     import memfit
     from memfit.analytic.engine_buffers import fsdp_root_params, fsdp_unit_params
-    from memfit.cli.parallel_plan import disagreement_reason
+    from memfit.analytic.traced import disagreement_reason
 
     cfg = json.loads(open(tiny_llama(tmp_path)).read()) | {"vocab_size": 4096}
     path = tmp_path / "big_vocab.json"

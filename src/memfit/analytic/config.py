@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args
 from memfit import vocab
 from memfit.errors import MemfitError, suggest
 from memfit.parallel.config import Parallel
+from memfit.recipe import Recipe
 
 Mode = Literal["train", "lora", "qlora", "inference"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16", "fp8"]
@@ -41,9 +42,16 @@ def _check_choice(what: str, value: str, valid: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """One training or inference step, per the user's options.
+    """One training or inference step, per the user's options: the formulas' input.
 
-    Validation happens here, once, so every estimator can trust the values.
+    The recipe is a derived view (:attr:`recipe`), not a field: a run is its recipe (precision,
+    optimizer, checkpointing, offload, attention, LoRA, quantization, engine, layout) plus what
+    only a step of one model has (``mode``, ``batch``, ``seq``, ``new_tokens``), kept flat so
+    that the CLI and the ~100 places that build a run keep one constructor. What the recipe's
+    fields may be is checked by the :class:`memfit.Recipe` this run builds (one place, then the
+    plan layer's subset, :meth:`memfit.Recipe.check_layer`); what is checked here is only what
+    a run adds (its mode, the kernels the formulas price, the flags' combinations, each engine's
+    layouts), so every estimator can trust the values.
     """
 
     mode: Mode = "train"
@@ -102,15 +110,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
-        _check_choice("precision", self.precision, PRECISIONS)
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice("checkpointing policy", self.checkpointing, CHECKPOINTING)
+        # The formulas price a kernel: the Recipe's "model" (keep the model's own) is not one.
         _check_choice("attention implementation", self.attention, ATTENTIONS)
-        _check_choice("engine", self.engine, ENGINES)
-        _check_choice("offload target", self.offload_to, OFFLOAD_TARGETS)
-        _check_choice("weight quantization", self.weight_quant, WEIGHT_QUANTS)
-        if self.kv_cache_dtype is not None:
-            _check_choice("KV cache dtype", self.kv_cache_dtype, KV_DTYPES)
         if not isinstance(self.parallel, Parallel):
             raise MemfitError(f"RunConfig(parallel={self.parallel!r}): give a memfit.Parallel, "
                               "e.g. parallel=Parallel(gpus=8, zero=3)")
@@ -123,6 +124,10 @@ class RunConfig:
             raise MemfitError(f"--seq must be a positive integer, got {self.seq!r}")
         if self.new_tokens < 0:
             raise MemfitError(f"--new-tokens must be >= 0, got {self.new_tokens}")
+        try:  # the recipe's names (precision, optimizer, ..., LoRA targets), checked there
+            Recipe.for_layer("plan", **self._recipe_fields())
+        except MemfitError as exc:
+            raise MemfitError(str(exc).removeprefix(f"{Recipe.where}: ")) from None
         if self.engine == "fsdp2" and self.zero == 0 and self.training:
             # fully_shard is ZeRO-3 (frozen dataclass)
             object.__setattr__(self, "parallel", relayout(self.parallel, zero=3))
@@ -159,10 +164,6 @@ class RunConfig:
         if self.mode not in ("lora", "qlora") and self.lora_rank != 16:
             raise MemfitError(f"--lora-rank {self.lora_rank} is for --mode lora or qlora, not "
                               f"--mode {self.mode}")
-        bad = [t for t in self.lora_targets if t not in ("q", "k", "v", "o", "gate", "up", "down")]
-        if bad:
-            raise MemfitError(f"unknown LoRA target(s) {', '.join(bad)}; valid: q, k, v, o, "
-                              "gate, up, down (or 'all')")
 
     def _check_engine(self) -> None:
         """What each engine can run (one line each, with the fix)."""
@@ -203,6 +204,25 @@ class RunConfig:
             if offload:
                 raise MemfitError("--engine megatron: optimizer/parameter offload is not "
                                   "planned; use --engine deepspeed or fsdp2 to offload")
+
+    @property
+    def recipe(self) -> Recipe:
+        """This run's model-independent :class:`memfit.Recipe` (what :func:`memfit.trace_recipe`
+        traces): the micro-batch is ``batch``, the accumulation ``grad_accum``, the optimizer's
+        offload ``offload_optimizer``; LoRA only in lora/qlora mode."""
+        return Recipe(**self._recipe_fields())
+
+    def _recipe_fields(self) -> dict[str, Any]:
+        lora = self.mode in ("lora", "qlora")
+        return {"precision": self.precision, "optimizer": self.optimizer,
+                "checkpointing": self.checkpointing, "micro_batch": self.batch,
+                "accumulation": self.grad_accum, "offload_states": self.offload_optimizer,
+                "offload_params": self.offload_params, "offload_to": self.offload_to,
+                "attention": self.attention, "weight_quant": self.weight_quant,
+                "lora_rank": self.lora_rank if lora else None,
+                "lora_targets": self.lora_targets, "qlora": self.mode == "qlora",
+                "kv_cache_dtype": self.kv_cache_dtype, "engine": self.engine,
+                "parallel": self.parallel}
 
     @property
     def layout(self) -> str:

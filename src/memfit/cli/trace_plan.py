@@ -23,6 +23,7 @@ from memfit.analytic.table import (
     format_params,
     reserve_not_modelled_note,
 )
+from memfit.analytic.traced import allocator_reserve, traced_estimate
 from memfit.categories import MemoryCategory
 from memfit.cli._common import (
     console,
@@ -58,122 +59,6 @@ def _check_traceable(model: ModelSpec, run: RunConfig) -> TransformerSpec | HFMo
         raise MemfitError(f"--method trace does not model {', '.join(unsupported)} yet; use the "
                           "default analytic method for these")
     return model
-
-
-def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
-                    gpu: GpuSpec | None, parallel: Any = None,
-                    precision: str | None = None, backend: str = "auto") -> Any:
-    """Build ``spec`` on meta (transformers when installed, else memfit's builtin modules; any
-    other model type through transformers' Auto classes), apply the run's checkpointing, and
-    trace one step on the CUDA target (each rank role of ``parallel``, a
-    :class:`memfit.Parallel`, when given; ``precision`` overrides the run's for the trace, e.g.
-    fp32 parameters without autocast under FSDP2's MixedPrecisionPolicy; ``backend``: the
-    :func:`memfit.models.build_model` backend of a preset or config.json, ``"builtin"`` for
-    the layouts only memfit's decoders take: pipeline, sequence and expert parallelism)."""
-    from memfit.models.build import build_model, example_inputs
-    from memfit.parallel.trace import estimate
-
-    attn = "eager" if run.attention == "eager" else "sdpa"
-    phase("building the model on meta")
-    if isinstance(spec, HFModelSpec):
-        model = spec.build(device="meta", attn_implementation=None if attn == "sdpa" else attn)
-    else:
-        model = build_model(spec, device="meta", attn_implementation=attn, backend=backend)
-    if run.mode in ("lora", "qlora"):
-        _apply_adapters(model, run, covered=not isinstance(spec, HFModelSpec))
-    if run.checkpointing != "none":
-        from memfit.techniques.checkpointing import apply_activation_checkpointing
-
-        apply_activation_checkpointing(model, policy=run.checkpointing)
-    training = run.mode in ("train", "lora", "qlora")
-    if isinstance(spec, HFModelSpec):
-        inputs = spec.example_inputs(run.batch, run.seq, device="meta", training=training)
-    else:
-        seq = None if spec.arch == "vision" else (run.seq or spec.default_seq_len)
-        inputs = example_inputs(spec, batch=run.batch, seq=seq, device="meta")
-    if not training:
-        model.eval()
-        inputs.pop("labels", None)
-    optimizer: Any = run.optimizer if training else None
-    if training and run.offload_optimizer:
-        from memfit.techniques.optim import offloaded
-
-        optimizer = offloaded(run.optimizer)
-    phase("tracing one step" if not training else "tracing two steps")
-    return estimate(model, inputs, optimizer=optimizer, precision=precision or run.precision,
-                    device="cuda", gpu=gpu, steps=2 if training else 1, parallel=parallel)
-
-
-_NF4_WEIGHTS_PER_BLOCK = 64 * 256
-"""torchao's ``to_nf4`` (block_size 64, scaler_block_size 256) asserts that a weight's size
-divides into blocks of 64 and their count into blocks of 256."""
-
-
-def _apply_adapters(model: Any, run: RunConfig, *, covered: bool = True) -> None:
-    """``--mode lora``: the base frozen in bf16 (as the analytic plan counts it: 16-bit), fp32
-    adapters of rank ``--lora-rank`` on the ``*_proj`` layers ``--lora-targets`` names (by
-    name, as PEFT's ``target_modules`` matches them: in a model type the formulas do not
-    cover, every such layer, a vision tower's included).
-    ``--mode qlora``: those layers' weights in NF4 (torchao's ``NF4Tensor``, which quantizes
-    meta tensors: bitsandbytes needs real weights; both store 4.1 bits per weight) and fp32
-    adapters; the rest of the base in bf16."""
-    import torch
-
-    from memfit.techniques.peft import apply_lora, apply_qlora
-
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    targets = [f"{t}_proj" for t in run.lora_targets]
-    missing = [t for t in targets if t not in names]
-    if missing:
-        fix = ("use the default analytic method" if covered else
-               "the trace adapts layers named <target>_proj only; use --mode train")
-        raise MemfitError(f"--method trace --mode {run.mode}: this model has no "
-                          f"{', '.join(missing)} layers (it names its projections differently); "
-                          f"{fix}")
-    from torch import nn
-
-    if run.mode == "qlora":
-        # As a 4-bit load does (transformers' load_in_4bit): every linear layer but the head is
-        # NF4, with or without an adapter; torchao's NF4 takes only whole blocks of weights.
-        odd = [(name, tuple(mod.weight.shape)) for name, mod in model.named_modules()
-               if type(mod) is nn.Linear and not name.endswith("lm_head")
-               and mod.weight.numel() % _NF4_WEIGHTS_PER_BLOCK]
-        if odd:
-            more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
-            raise MemfitError(
-                f"--method trace --mode qlora: torchao's NF4 quantizes a weight whose size is a "
-                f"multiple of {_NF4_WEIGHTS_PER_BLOCK} (blocks of 64 weights, their scales in "
-                f"blocks of 256); {odd[0][0]} {'x'.join(map(str, odd[0][1]))}{more} is not: "
-                "use --mode lora")
-    model.to(torch.bfloat16)
-    if run.mode == "qlora":
-        from memfit.models.anatomy import replace_module
-        from memfit.techniques.peft import NF4Linear
-
-        for name, mod in list(model.named_modules()):
-            if (type(mod) is nn.Linear and name.rsplit(".", 1)[-1] not in targets
-                    and not name.endswith("lm_head")):
-                replace_module(model, name, NF4Linear(mod))
-        apply_qlora(model, rank=run.lora_rank, targets=targets, quant_backend="torchao")
-    else:
-        apply_lora(model, rank=run.lora_rank, targets=targets, backend="builtin")
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()  # adapters train in fp32 under autocast
-
-
-def per_gpu_breakdown(est: Any) -> dict[MemoryCategory, int]:
-    """The estimate's breakdown at the peak with the caching allocator's reserve beyond live
-    bytes (peak reserved - peak allocated) added to ``runtime``: it sums to ``total_bytes``.
-    (The table shows the reserve on its own row: :func:`trace_column`.)"""
-    breakdown = {c: int(est.breakdown.get(c, 0)) for c in MemoryCategory}
-    breakdown[MemoryCategory.RUNTIME] += allocator_reserve(est)
-    return breakdown
-
-
-def allocator_reserve(est: Any) -> int:
-    """Bytes the caching allocator holds beyond live tensors at the peak."""
-    return int(est.peak_reserved_bytes - est.peak_bytes)
 
 
 def trace_column(est: Any) -> Column:

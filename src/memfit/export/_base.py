@@ -84,17 +84,18 @@ class Builder:
         """Settings that live in the model or training code, never in a launcher's config."""
         s = self.settings
         if s.mode in ("lora", "qlora"):
-            self.gap("mode", s.mode, f"LoRA adapters (rank {s.lora_rank}) are added in code: "
-                     "peft.get_peft_model(model, LoraConfig(r=...))")
-        if s.weight_quant != "none":
-            self.gap("weight_quant", s.weight_quant, "weights are quantized when the model is "
-                     "loaded (e.g. BitsAndBytesConfig), not by this config")
-        if s.chunked_loss:
+            self.gap("mode", s.mode, f"LoRA adapters (rank {s.recipe.lora_rank}) are added in "
+                     "code: peft.get_peft_model(model, LoraConfig(r=...))")
+        if s.recipe.weight_quant != "none":
+            self.gap("weight_quant", s.recipe.weight_quant, "weights are quantized when the "
+                     "model is loaded (e.g. BitsAndBytesConfig), not by this config")
+        if s.recipe.chunked_loss:
             self.gap("chunked_loss", True, "the chunked cross-entropy is in the loss code: "
                      "memfit.techniques.apply_chunked_loss")
         # fit: "model" keeps the model's attention; plan: the kernel the formulas assumed.
-        if s.attention not in ("model", "sdpa") or (s.source == "fit" and s.attention != "model"):
-            self.gap("attention", s.attention, "the attention kernel is chosen in model code "
+        attention = s.recipe.attention
+        if attention not in ("model", "sdpa") or (s.source == "fit" and attention != "model"):
+            self.gap("attention", attention, "the attention kernel is chosen in model code "
                      "(Hugging Face: from_pretrained(attn_implementation=...))")
         for key, value in sorted(s.unknown.items()):
             self.gap(key, value, "this memfit version's exporter does not know this plan "
@@ -104,9 +105,9 @@ class Builder:
         """Report ``checkpointing=budget`` (a per-block mix no tool's config names); True if
         it was reported."""
         s = self.settings
-        if s.checkpointing != "budget":
+        if s.recipe.checkpointing != "budget":
             return False
-        modes = s.checkpoint_modes or ()
+        modes = s.recipe.checkpoint_modes or ()
         mix = ", ".join(f"{modes.count(m)} {m or 'none'}" for m in ("full", "selective", None)
                         if m in modes) or "per block"
         self.gap("checkpointing", "budget", f"a per-block mix ({mix}); apply it with "
@@ -130,16 +131,16 @@ def sharding_engine(s: PlanSettings, b: Builder) -> str:
     if s.engine == "deepspeed":
         return "deepspeed"
     if s.engine in ("fsdp", "fsdp2", "hsdp"):
-        if s.zero in (1, 2) or (s.offload_optimizer and not s.offload_params):
+        if s.zero in (1, 2) or (s.recipe.offload_states and not s.recipe.offload_params):
             b.note(f"the plan names engine {s.engine!r} with ZeRO-{s.zero}"
-                   f"{' and optimizer offload' if s.offload_optimizer else ''}: FSDP cannot "
+                   f"{' and optimizer offload' if s.recipe.offload_states else ''}: FSDP cannot "
                    "do that; exported for DeepSpeed")
             return "deepspeed"
         return "fsdp" if s.zero == 3 else ("ddp" if s.parallel.dp > 1 else "none")
     if s.engine not in (None, "ddp"):
         b.note(f"the plan names engine {s.engine!r}, which this tool does not run; exported "
                "with the closest engine (memory layouts differ)")
-    if s.zero in (1, 2) or (s.offload_optimizer and not s.offload_params):
+    if s.zero in (1, 2) or (s.recipe.offload_states and not s.recipe.offload_params):
         if s.zero:
             b.note(f"ZeRO-{s.zero}: exported for DeepSpeed (FSDP has no stage {s.zero})")
         return "deepspeed"

@@ -26,10 +26,11 @@ def export(s: PlanSettings) -> Export:
     _device_and_precision(s, b, engine)
     if engine == "deepspeed":
         out["deepspeed_config"] = _deepspeed_config(s, b)
-    elif s.accumulation > 1:
-        b.gap("accumulation", s.accumulation, "Accelerate's config file has no accumulation "
-              f"outside DeepSpeed: Accelerator(gradient_accumulation_steps={s.accumulation}) or "
-              f"accelerate launch --gradient_accumulation_steps {s.accumulation}")
+    elif s.recipe.accumulation > 1:
+        steps = s.recipe.accumulation
+        b.gap("accumulation", steps, "Accelerate's config file has no accumulation "
+              f"outside DeepSpeed: Accelerator(gradient_accumulation_steps={steps}) or "
+              f"accelerate launch --gradient_accumulation_steps {s.recipe.accumulation}")
     if engine == "fsdp":
         _fsdp_config(s, b, out)
     _in_code(s, b, out, engine)
@@ -63,7 +64,7 @@ def _launch_settings(s: PlanSettings, engine: str) -> dict[str, Any]:
         "downcast_bf16": "no",
         "machine_rank": 0,
         "main_training_function": "main",
-        "mixed_precision": _MIXED.get(s.precision, "no"),
+        "mixed_precision": _MIXED.get(s.recipe.precision, "no"),
         "num_machines": s.nodes,
         "num_processes": s.parallel.gpus,
         "rdzv_backend": "static",
@@ -78,25 +79,25 @@ def _device_and_precision(s: PlanSettings, b: Builder, engine: str) -> None:
     if s.device == "cpu" and engine in ("fsdp", "deepspeed"):
         b.gap("device", "cpu", f"Accelerate runs {engine} on GPUs; on the CPU it runs plain "
               "or data-parallel (MULTI_CPU) training")
-    if s.precision == "bf16":
+    if s.recipe.precision == "bf16":
         b.gap("precision", "bf16", "Accelerate's mixed_precision is autocast over fp32 "
               "weights; for pure bf16 load the model in bf16 (model.to(torch.bfloat16))")
-    elif s.precision not in _MIXED:
-        b.gap("precision", s.precision, "not an Accelerate mixed_precision (no, fp16, bf16, "
+    elif s.recipe.precision not in _MIXED:
+        b.gap("precision", s.recipe.precision, "not an Accelerate mixed_precision (no, fp16, bf16, "
               "fp8)")
 
 
 def _deepspeed_config(s: PlanSettings, b: Builder) -> dict[str, Any]:
     """``deepspeed_config``: the ZeRO stage, offload devices and accumulation."""
     ds: dict[str, Any] = {
-        "gradient_accumulation_steps": s.accumulation,
-        "offload_optimizer_device": s.offload_device if s.offload_optimizer else "none",
-        "offload_param_device": s.offload_device if s.offload_params else "none",
+        "gradient_accumulation_steps": s.recipe.accumulation,
+        "offload_optimizer_device": s.recipe.offload_to if s.recipe.offload_states else "none",
+        "offload_param_device": s.recipe.offload_to if s.recipe.offload_params else "none",
         "zero_stage": zero_stage(s, b),
     }
     if ds["zero_stage"] == 3:
         ds["zero3_init_flag"] = True
-    if s.offload_device == "nvme":
+    if s.recipe.offload_to == "nvme":
         b.gap("offload_device", "nvme", "the NVMe path is not in the plan: add "
               "offload_optimizer_nvme_path / offload_param_nvme_path")
     if s.replicate > 1:
@@ -108,21 +109,21 @@ def _deepspeed_config(s: PlanSettings, b: Builder) -> dict[str, Any]:
 def _fsdp_config(s: PlanSettings, b: Builder, out: dict[str, Any]) -> None:
     """``fsdp_config`` (FSDP2), and the ``parallelism_config`` of replicas and tensor
     parallelism."""
-    full = s.checkpointing == "full"
+    full = s.recipe.checkpointing == "full"
     fsdp: dict[str, Any] = {
         "fsdp_activation_checkpointing": full,
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
         "fsdp_cpu_ram_efficient_loading": True,
-        "fsdp_offload_params": s.offload_params,
+        "fsdp_offload_params": s.recipe.offload_params,
         "fsdp_reshard_after_forward": True,
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         "fsdp_version": 2,
     }
-    if s.offload_activations and full:
+    if s.recipe.offload_activations and full:
         fsdp["fsdp_activation_checkpointing_offload"] = True
-    if s.offload_params and not s.offload_optimizer:
+    if s.recipe.offload_params and not s.recipe.offload_states:
         b.note("FSDP's CPU offload (fsdp_offload_params) moves optimizer states too")
-    if s.offload_device == "nvme":
+    if s.recipe.offload_to == "nvme":
         b.gap("offload_device", "nvme", "FSDP offloads to CPU memory only")
     out["fsdp_config"] = fsdp
     if s.parallel.tp > 1 or s.replicate > 1 or s.zero < 3:
@@ -141,20 +142,21 @@ def _in_code(s: PlanSettings, b: Builder, out: dict[str, Any], engine: str) -> N
     """Gaps of what Accelerate's config file cannot say and the training script does:
     checkpointing and activation offload outside FSDP2, the batch, the optimizer, pipeline,
     expert and sequence parallelism."""
-    if s.checkpointing != "none" and not (engine == "fsdp" and s.checkpointing == "full"):
+    checkpointing = s.recipe.checkpointing
+    if checkpointing != "none" and not (engine == "fsdp" and checkpointing == "full"):
         if not b.budget_checkpointing():
-            b.gap("checkpointing", s.checkpointing, "Accelerate's config turns on full "
+            b.gap("checkpointing", s.recipe.checkpointing, "Accelerate's config turns on full "
                   "checkpointing only under FSDP (fsdp_activation_checkpointing); do it in code "
                   "(model.gradient_checkpointing_enable() or torch.utils.checkpoint)")
-    if s.offload_activations and "fsdp_activation_checkpointing_offload" not in out.get(
+    if s.recipe.offload_activations and "fsdp_activation_checkpointing_offload" not in out.get(
             "fsdp_config", {}):
         b.gap("offload_activations", True, "Accelerate offloads activations only with FSDP2 "
               "and full checkpointing; use torch.autograd.graph.save_on_cpu in code")
-    if s.offload_gradients and engine != "deepspeed":
+    if s.recipe.offload_gradients and engine != "deepspeed":
         b.gap("offload_gradients", True, "only DeepSpeed's ZeRO-Offload moves gradients alone")
-    b.gap("micro_batch", s.micro_batch, "Accelerate's config has no batch size: "
-          f"DataLoader(batch_size={s.micro_batch})")
-    b.gap("optimizer", s.optimizer, "the optimizer is built in code (Accelerate prepares "
+    b.gap("micro_batch", s.recipe.micro_batch, "Accelerate's config has no batch size: "
+          f"DataLoader(batch_size={s.recipe.micro_batch})")
+    b.gap("optimizer", s.recipe.optimizer, "the optimizer is built in code (Accelerate prepares "
           "the one you pass)")
     if s.parallel.pp > 1:
         b.gap("pp", s.parallel.pp, "Accelerate's config has no pipeline parallelism "

@@ -22,7 +22,7 @@ _OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "sgd-momentum": "
 def zero_stage(s: PlanSettings, b: Builder) -> int:
     """The ZeRO stage DeepSpeed runs: the plan's, or 1 where the plan offloads optimizer states
     without sharding (DeepSpeed offloads only through ZeRO; on one GPU ZeRO-1 shards nothing)."""
-    if s.offload_optimizer and s.zero == 0:
+    if s.recipe.offload_states and s.zero == 0:
         b.note("offload_optimizer without sharding: exported as ZeRO stage 1 with "
                "offload_optimizer (DeepSpeed offloads only through ZeRO)"
                + ("; with one data-parallel rank stage 1 shards nothing" if s.parallel.dp == 1 else
@@ -37,18 +37,18 @@ def config(s: PlanSettings, b: Builder, *, standalone: bool = True) -> dict[str,
     itself."""
     out: dict[str, Any] = {
         "train_batch_size": s.global_batch,
-        "train_micro_batch_size_per_gpu": s.micro_batch,
-        "gradient_accumulation_steps": s.accumulation,
+        "train_micro_batch_size_per_gpu": s.recipe.micro_batch,
+        "gradient_accumulation_steps": s.recipe.accumulation,
     }
     stage = zero_stage(s, b)
-    if s.precision == "bf16-mixed":
+    if s.recipe.precision == "bf16-mixed":
         out["bf16"] = {"enabled": True}
         if s.source == "fit":
             b.note("bf16-mixed: DeepSpeed's bf16 mode keeps 16-bit weights with fp32 masters "
                    "in the optimizer; the fit plan traced torch.autocast over fp32 weights")
-    elif s.precision == "fp16-mixed":
+    elif s.recipe.precision == "fp16-mixed":
         out["fp16"] = {"enabled": True, "loss_scale": 0}  # 0: dynamic loss scaling
-    elif s.precision == "bf16":
+    elif s.recipe.precision == "bf16":
         if stage >= 1:
             out["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True,
                            "bf16_optimizer_states": True}
@@ -57,21 +57,21 @@ def config(s: PlanSettings, b: Builder, *, standalone: bool = True) -> dict[str,
             b.gap("precision", "bf16", "DeepSpeed keeps fp32 master weights unless ZeRO (stage "
                   ">= 1) runs bf16_master_weights_and_grads; exported as bf16 with fp32 "
                   "masters")
-    elif s.precision != "fp32":
-        b.gap("precision", s.precision, "DeepSpeed's config has no switch for it (fp8: "
+    elif s.recipe.precision != "fp32":
+        b.gap("precision", s.recipe.precision, "DeepSpeed's config has no switch for it (fp8: "
               "apply torchao's float8 in code); exported without mixed precision")
     zero: dict[str, Any] = {"stage": stage}
-    if s.offload_optimizer:
-        zero["offload_optimizer"] = {"device": s.offload_device, "pin_memory": True}
-    if s.offload_params:
-        zero["offload_param"] = {"device": s.offload_device, "pin_memory": True}
-    if s.offload_device == "nvme" and (s.offload_optimizer or s.offload_params):
+    if s.recipe.offload_states:
+        zero["offload_optimizer"] = {"device": s.recipe.offload_to, "pin_memory": True}
+    if s.recipe.offload_params:
+        zero["offload_param"] = {"device": s.recipe.offload_to, "pin_memory": True}
+    if s.recipe.offload_to == "nvme" and (s.recipe.offload_states or s.recipe.offload_params):
         for key in ("offload_optimizer", "offload_param"):
             if key in zero:
                 zero[key]["nvme_path"] = "/local_nvme"
         b.gap("offload_device", "nvme", "the NVMe path is not in the plan; exported as "
               "/local_nvme: set nvme_path to your NVMe mount")
-    if s.offload_gradients and not s.offload_optimizer:
+    if s.recipe.offload_gradients and not s.recipe.offload_states:
         b.gap("offload_gradients", True, "DeepSpeed moves gradients to the host only with "
               "offload_optimizer (ZeRO-Offload)")
     if s.replicate > 1:
@@ -79,14 +79,14 @@ def config(s: PlanSettings, b: Builder, *, standalone: bool = True) -> dict[str,
         b.note(f"HSDP ({s.replicate} replicas x {s.shard}): exported as ZeRO++ hierarchical "
                "partitioning (zero_hpz_partition_size), which keeps a secondary copy of the "
                "parameters within each group")
-    if stage or s.offload_optimizer:
+    if stage or s.recipe.offload_states:
         out["zero_optimization"] = zero
-    name = _OPTIMIZERS.get(s.optimizer)
+    name = _OPTIMIZERS.get(s.recipe.optimizer)
     if not standalone:
         pass
     elif name is not None:
         opt: dict[str, Any] = {"type": name, "params": {}}
-        if s.optimizer == "sgd-momentum":
+        if s.recipe.optimizer == "sgd-momentum":
             opt["params"]["momentum"] = 0.9
             b.note("sgd-momentum: exported as SGD with momentum 0.9 (memfit counts one "
                    "momentum buffer; its value is yours)")
@@ -95,7 +95,7 @@ def config(s: PlanSettings, b: Builder, *, standalone: bool = True) -> dict[str,
                "them under optimizer.params")
     else:
         out["zero_allow_untested_optimizer"] = True
-        b.gap("optimizer", s.optimizer, "not a DeepSpeed optimizer: pass it to "
+        b.gap("optimizer", s.recipe.optimizer, "not a DeepSpeed optimizer: pass it to "
               "deepspeed.initialize(optimizer=...) (zero_allow_untested_optimizer is set)")
     if s.parallel.tp > 1:
         out["tensor_parallel"] = {"autotp_size": s.parallel.tp}
@@ -115,11 +115,11 @@ def config(s: PlanSettings, b: Builder, *, standalone: bool = True) -> dict[str,
                "(re-plan with --engine deepspeed to predict it)")
     if not standalone:
         return out
-    if not b.budget_checkpointing() and s.checkpointing != "none":
-        b.gap("checkpointing", s.checkpointing, "DeepSpeed's config cannot turn activation "
+    if not b.budget_checkpointing() and s.recipe.checkpointing != "none":
+        b.gap("checkpointing", s.recipe.checkpointing, "DeepSpeed's config cannot turn activation "
               "checkpointing on; do it in code (model.gradient_checkpointing_enable() or "
               "deepspeed.checkpointing.checkpoint)")
-    if s.offload_activations:
+    if s.recipe.offload_activations:
         b.gap("offload_activations", True, "DeepSpeed offloads activations only for its own "
               "deepspeed.checkpointing (activation_checkpointing.cpu_checkpointing); use "
               "torch.autograd.graph.save_on_cpu in code")

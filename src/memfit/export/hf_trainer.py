@@ -24,35 +24,35 @@ def export(s: PlanSettings) -> Export:
     b = Builder(s, "hf-trainer")
     engine = sharding_engine(s, b)
     out: dict[str, Any] = {
-        "per_device_train_batch_size": s.micro_batch,
-        "gradient_accumulation_steps": s.accumulation,
+        "per_device_train_batch_size": s.recipe.micro_batch,
+        "gradient_accumulation_steps": s.recipe.accumulation,
     }
     if s.device == "cpu":
         out["use_cpu"] = True
-    if s.precision == "bf16-mixed":
+    if s.recipe.precision == "bf16-mixed":
         out["bf16"] = True
-    elif s.precision == "fp16-mixed":
+    elif s.recipe.precision == "fp16-mixed":
         out["fp16"] = True
-    elif s.precision == "bf16":
+    elif s.recipe.precision == "bf16":
         b.gap("precision", "bf16", "TrainingArguments' bf16 is autocast over fp32 weights; for "
               "pure bf16 load the model with from_pretrained(dtype=torch.bfloat16)")
-    elif s.precision != "fp32":
-        b.gap("precision", s.precision, "TrainingArguments has no switch for it (fp8: "
+    elif s.recipe.precision != "fp32":
+        b.gap("precision", s.recipe.precision, "TrainingArguments has no switch for it (fp8: "
               "Accelerate's fp8 recipe or torchao in code)")
-    optim = _OPTIM.get(s.optimizer)
+    optim = _OPTIM.get(s.recipe.optimizer)
     if optim is None:
-        b.gap("optimizer", s.optimizer, "not a TrainingArguments optim name; pass "
+        b.gap("optimizer", s.recipe.optimizer, "not a TrainingArguments optim name; pass "
               "Trainer(optimizers=(optimizer, scheduler))")
     else:
         out["optim"] = optim
-        if s.optimizer == "adam":
+        if s.recipe.optimizer == "adam":
             out["weight_decay"] = 0.0
             b.note("adam: exported as adamw_torch with weight_decay 0.0, which is Adam")
-        if s.optimizer == "sgd-momentum":
+        if s.recipe.optimizer == "sgd-momentum":
             out["optim_args"] = "momentum=0.9"
             b.note("sgd-momentum: exported as sgd with optim_args momentum=0.9 (the value is "
                    "yours)")
-    full = s.checkpointing == "full"
+    full = s.recipe.checkpointing == "full"
     if engine == "deepspeed":
         out["deepspeed"] = deepspeed.config(s, b, standalone=False)
     elif engine == "fsdp":
@@ -60,23 +60,23 @@ def export(s: PlanSettings) -> Export:
         # deprecated: training_args.py _apply_legacy_fsdp_to_config).
         out["fsdp"] = True
         out["fsdp_config"] = {"version": 2, "reshard_after_forward": True,
-                              "cpu_offload": s.offload_params,
+                              "cpu_offload": s.recipe.offload_params,
                               "activation_checkpointing": full}
         if s.replicate > 1:
             b.gap("replicate", s.replicate, "HSDP with FSDP2 needs TrainingArguments("
                   "parallelism_config=accelerate.ParallelismConfig(dp_replicate_size="
                   f"{s.replicate}, dp_shard_size={s.shard})), an object a JSON file cannot hold")
-        if s.offload_device == "nvme":
+        if s.recipe.offload_to == "nvme":
             b.gap("offload_device", "nvme", "FSDP offloads to CPU memory only")
-        if s.offload_gradients and not s.offload_params:
+        if s.recipe.offload_gradients and not s.recipe.offload_params:
             b.gap("offload_gradients", True, "FSDP offloads gradients only with parameters")
     if full and engine != "fsdp":
         out["gradient_checkpointing"] = True
-    if s.offload_activations:
+    if s.recipe.offload_activations:
         b.gap("offload_activations", True, "TrainingArguments has no activation offload in "
               "every transformers version; use torch.autograd.graph.save_on_cpu in code")
-    if s.checkpointing not in ("none", "full") and not b.budget_checkpointing():
-        b.gap("checkpointing", s.checkpointing, "TrainingArguments checkpoints whole layers "
+    if s.recipe.checkpointing not in ("none", "full") and not b.budget_checkpointing():
+        b.gap("checkpointing", s.recipe.checkpointing, "TrainingArguments checkpoints whole layers "
               "only (gradient_checkpointing); apply selective checkpointing with "
               "memfit.techniques")
     if s.parallel.tp > 1:

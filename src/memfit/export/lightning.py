@@ -24,7 +24,7 @@ def strategy(s: PlanSettings, b: Builder) -> str | dict[str, Any]:
     """The Trainer's ``strategy`` argument, as LightningCLI writes it."""
     engine = sharding_engine(s, b)
     if s.parallel.tp > 1:
-        if engine == "deepspeed" or s.offload_params:
+        if engine == "deepspeed" or s.recipe.offload_params:
             b.gap("tp", s.parallel.tp, "Lightning's tensor parallelism (ModelParallelStrategy) "
                   "runs on FSDP2 without offload; this plan needs DeepSpeed or offload")
         else:
@@ -38,11 +38,11 @@ def strategy(s: PlanSettings, b: Builder) -> str | dict[str, Any]:
                                   "tensor_parallel_size": s.parallel.tp}}
     if engine == "deepspeed":
         args: dict[str, Any] = {"stage": zero_stage(s, b)}
-        if s.offload_optimizer:
-            args.update(offload_optimizer=True, offload_optimizer_device=s.offload_device)
-        if s.offload_params:
-            args.update(offload_parameters=True, offload_params_device=s.offload_device)
-        if s.offload_device == "nvme":
+        if s.recipe.offload_states:
+            args.update(offload_optimizer=True, offload_optimizer_device=s.recipe.offload_to)
+        if s.recipe.offload_params:
+            args.update(offload_parameters=True, offload_params_device=s.recipe.offload_to)
+        if s.recipe.offload_to == "nvme":
             b.gap("offload_device", "nvme", "the NVMe path is not in the plan; set nvme_path "
                   "(default /local_nvme)")
         if s.replicate > 1:
@@ -51,12 +51,12 @@ def strategy(s: PlanSettings, b: Builder) -> str | dict[str, Any]:
         return {"class_path": _STRATEGIES + "DeepSpeedStrategy", "init_args": args}
     if engine == "fsdp":
         args = {"sharding_strategy": "HYBRID_SHARD" if s.replicate > 1 else "FULL_SHARD",
-                "cpu_offload": s.offload_params}
+                "cpu_offload": s.recipe.offload_params}
         if s.replicate > 1:
             args["device_mesh"] = [s.replicate, s.shard]
-        if s.offload_device == "nvme":
+        if s.recipe.offload_to == "nvme":
             b.gap("offload_device", "nvme", "FSDP offloads to CPU memory only")
-        if s.offload_params and not s.offload_optimizer:
+        if s.recipe.offload_params and not s.recipe.offload_states:
             b.note("FSDP's cpu_offload moves optimizer states too")
         return {"class_path": _STRATEGIES + "FSDPStrategy", "init_args": args}
     return "ddp" if engine == "ddp" else "auto"
@@ -68,30 +68,30 @@ def export(s: PlanSettings) -> Export:
         "accelerator": "cpu" if s.device == "cpu" else "gpu",
         "devices": s.parallel.gpus if s.nodes == 1 else s.gpus_per_node,
         "num_nodes": s.nodes,
-        "precision": _PRECISION.get(s.precision, "32-true"),
-        "accumulate_grad_batches": s.accumulation,
+        "precision": _PRECISION.get(s.recipe.precision, "32-true"),
+        "accumulate_grad_batches": s.recipe.accumulation,
         "strategy": strategy(s, b),
     }
     if s.parallel.gpus % s.gpus_per_node and s.nodes > 1:
         b.gap("gpus", s.parallel.gpus, f"Lightning runs the same number of devices on every node; "
               f"{s.parallel.gpus} GPUs are not whole nodes of {s.gpus_per_node}")
-    if s.precision not in _PRECISION:
-        b.gap("precision", s.precision, "not a Lightning precision here (fp8: "
+    if s.recipe.precision not in _PRECISION:
+        b.gap("precision", s.recipe.precision, "not a Lightning precision here (fp8: "
               "precision='transformer-engine' or torchao in configure_model)")
-    if s.checkpointing != "none" and not b.budget_checkpointing():
-        b.gap("checkpointing", s.checkpointing, "Lightning checkpoints the module classes you "
-              "name (FSDPStrategy(activation_checkpointing_policy={Block})) or in "
+    if s.recipe.checkpointing != "none" and not b.budget_checkpointing():
+        b.gap("checkpointing", s.recipe.checkpointing, "Lightning checkpoints the module "
+              "classes you name (FSDPStrategy(activation_checkpointing_policy={Block})) or in "
               "configure_model(); the plan does not know your block class")
-    if s.offload_activations:
+    if s.recipe.offload_activations:
         b.gap("offload_activations", True, "Lightning has no activation offload setting; use "
               "torch.autograd.graph.save_on_cpu in training_step")
     st = trainer["strategy"]
     on_deepspeed = isinstance(st, dict) and st["class_path"].endswith("DeepSpeedStrategy")
-    if s.offload_gradients and not (s.offload_optimizer and on_deepspeed):
+    if s.recipe.offload_gradients and not (s.recipe.offload_states and on_deepspeed):
         b.gap("offload_gradients", True, "only DeepSpeed's ZeRO-Offload moves gradients alone")
-    b.gap("micro_batch", s.micro_batch, "the batch size is your DataLoader's "
-          f"(batch_size={s.micro_batch}), not the Trainer's")
-    b.gap("optimizer", s.optimizer, "the optimizer is built in "
+    b.gap("micro_batch", s.recipe.micro_batch, "the batch size is your DataLoader's "
+          f"(batch_size={s.recipe.micro_batch}), not the Trainer's")
+    b.gap("optimizer", s.recipe.optimizer, "the optimizer is built in "
           "LightningModule.configure_optimizers()")
     if s.parallel.pp > 1:
         b.gap("pp", s.parallel.pp, "Lightning has no pipeline-parallel strategy")

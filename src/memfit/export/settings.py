@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.parallel.config import Parallel
+from memfit.layout import Parallel
+from memfit.recipe import Recipe
 
 __all__ = ["PlanSettings", "settings_from_dict", "settings_from_plan"]
 
@@ -39,7 +40,10 @@ _BOOKKEEPING = {"checkpoint_budget_bytes", "checkpoint_modes", "seq", "lora_targ
 
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings:
-    """Everything an exporter needs from a plan. Sizes are per run; ``dp * tp * pp == gpus``.
+    """Everything an exporter needs from a plan: the :class:`memfit.Recipe` it chose
+    (:attr:`recipe`, which the exporters read) and what is the plan's own (where it came from,
+    its mode, the engine it names, the device, the fields nobody reads). Sizes are per run;
+    ``dp * tp * pp == gpus``.
 
     Known limitations: a plan names no learning rate, scheduler, model or dataset; the exports
     carry only what the plan chose.
@@ -47,36 +51,28 @@ class PlanSettings:
 
     source: str
     """``fit`` (memfit fit) or ``plan`` (memfit plan --json, analytic or traced)."""
+    recipe: Recipe = field(default_factory=Recipe)
+    """What the plan chose (precision, optimizer, checkpointing, micro-batch and accumulation,
+    offload and its target, attention, chunked loss, LoRA, weight quantization) and its
+    layout (``recipe.parallel``; None: one GPU). Validated there (one place)."""
     mode: str = "train"
     """train, lora or qlora."""
-    precision: str = "fp32"
-    checkpointing: str = "none"
-    checkpoint_modes: tuple[str | None, ...] | None = None
-    micro_batch: int = 1
-    accumulation: int = 1
-    optimizer: str = "adamw"
-    parallel: Parallel = field(default_factory=lambda: Parallel(gpus=1))
-    """The layout (:class:`memfit.Parallel`, the house's one layout type): the exporters read
-    its ``gpus``, ``dp``, ``tp``, ``pp``, ``ep``, ``sp`` and, through :attr:`zero`,
-    :attr:`replicate`, :attr:`shard`, :attr:`nodes`, its sharding and nodes."""
     engine: str | None = None
-    """The engine the plan names (fsdp2, deepspeed, megatron, ddp), or None (not named)."""
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    offload_gradients: bool = False
-    offload_device: str = "cpu"
-    """cpu, or nvme (ZeRO-Infinity); ``memfit plan --json`` names it ``offload_to``."""
-    offload_activations: bool = False
-    chunked_loss: bool = False
-    attention: str = "model"
-    """model (keep the model's attention), sdpa, or another kernel the plan switched to."""
-    lora_rank: int | None = None
-    weight_quant: str = "none"
+    """The engine the plan names (fsdp2, deepspeed, megatron, ddp, or another name a plan file
+    carries: reported, not refused), or None (not named)."""
     device: str = "cuda"
     """Where the plan trains: ``cuda`` (GPUs), or ``cpu`` (``memfit fit --device cpu``): the
     exports then target the CPU (Lightning ``accelerator: cpu``, Accelerate ``use_cpu``, ...)."""
     unknown: dict[str, Any] = field(default_factory=dict)
     """Plan fields this exporter does not understand (reported by every export)."""
+
+    @property
+    def parallel(self) -> Parallel:
+        """The layout (:class:`memfit.Parallel`, the house's one layout type):
+        ``recipe.parallel``, or one GPU when the recipe names none. The exporters read its
+        ``gpus``, ``dp``, ``tp``, ``pp``, ``ep``, ``sp`` and, through :attr:`zero`,
+        :attr:`replicate`, :attr:`shard`, :attr:`nodes`, its sharding and nodes."""
+        return self.recipe.parallel or _ONE_GPU
 
     @property
     def zero(self) -> int:
@@ -102,34 +98,38 @@ class PlanSettings:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.accumulation * self.parallel.dp
+        return self.recipe.global_batch_per_rank * self.parallel.dp
 
     @property
     def nodes(self) -> int:
         return math.ceil(self.parallel.gpus / self.gpus_per_node)
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "accumulation"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise MemfitError(f"plan: {name} must be a positive integer, got {value!r}")
-        if not isinstance(self.parallel, Parallel):
-            raise MemfitError(f"plan: parallel must be a memfit.Parallel, got "
-                              f"{type(self.parallel).__name__}")
-        if self.offload_params and self.zero != 3:
+        if not isinstance(self.recipe, Recipe):
+            raise MemfitError(f"plan: recipe must be a memfit.Recipe, got "
+                              f"{type(self.recipe).__name__}")
+        if self.recipe.offload_params and self.zero != 3:
             raise MemfitError(f"plan: parameter offload needs ZeRO-3/FSDP, but the plan has "
                               f"ZeRO-{self.zero}; re-plan with --zero 3 or without "
                               "--offload-params")
         if self.replicate > 1 and self.zero != 3:
             raise MemfitError("plan: HSDP replicas need sharded parameters (ZeRO-3/FSDP)")
-        if self.offload_device not in ("cpu", "nvme"):
-            raise MemfitError(f"plan: offload device must be cpu or nvme, got "
-                              f"{self.offload_device!r}")
         if self.device not in ("cuda", "cpu"):
             raise MemfitError(f"plan: device must be cuda or cpu, got {self.device!r}")
         if self.mode not in ("train", "lora", "qlora"):
             raise MemfitError(f"plan: mode {self.mode!r} trains nothing; export takes a "
                               "training plan (memfit plan --mode train|lora|qlora, or memfit fit)")
+
+
+_ONE_GPU = Parallel(gpus=1)
+
+
+def plan_recipe(where: str, **fields: Any) -> Recipe:
+    """A :class:`memfit.Recipe` of a plan's fields, its one-line errors naming ``where``."""
+    try:
+        return Recipe(**fields)
+    except MemfitError as exc:
+        raise MemfitError(f"{where}: {str(exc).removeprefix(Recipe.where + ': ')}") from None
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -284,27 +284,28 @@ def _from_fit(data: dict[str, Any], source: str) -> PlanSettings:
         config.pop(key, None)
     config.pop("sharding")
     config.pop("parallel", None)  # plan.parallel is the layout, sharding and all
-    common = {
-        "source": "fit", "precision": config.pop("precision"),
-        "checkpointing": config.pop("checkpointing"),
+    chosen = {
+        "precision": config.pop("precision"), "checkpointing": config.pop("checkpointing"),
         "checkpoint_modes": plan.config.checkpoint_modes,
         "micro_batch": config.pop("micro_batch"), "accumulation": config.pop("accumulation"),
-        "optimizer": config.pop("optimizer"),
-        "offload_optimizer": config.pop("offload_states"),
+        "optimizer": config.pop("optimizer"), "offload_states": config.pop("offload_states"),
         "offload_activations": config.pop("offload_activations"),
         "chunked_loss": config.pop("chunked_loss"), "attention": config.pop("attention"),
         "offload_params": _bool(config, "offload_params", where),
         "offload_gradients": _bool(config, "offload_gradients", where),
-        "offload_device": config.pop("offload_device", None) or "cpu",
+        "offload_to": config.pop("offload_to", None) or "cpu",
     }
     # "cuda:0" trains on GPUs as "cuda" does; anything else that is not the CPU (a plan made
     # for another accelerator) is exported for GPUs too.
     device = "cpu" if plan.device.split(":")[0] == "cpu" else "cuda"
-    settings = PlanSettings(**common, parallel=plan.parallel, device=device,
+    settings = PlanSettings(source="fit", recipe=plan_recipe(where, **chosen,
+                                                             parallel=plan.parallel),
+                            device=device,
                             unknown={k: v for k, v in config.items() if v not in (None, False)})
     if settings.global_batch != plan.global_batch:
-        raise MemfitError(f"{source}: micro-batch {settings.micro_batch} x accumulation "
-                          f"{settings.accumulation} x {settings.parallel.dp} data-parallel ranks = "
+        raise MemfitError(f"{source}: micro-batch {settings.recipe.micro_batch} x accumulation "
+                          f"{settings.recipe.accumulation} x {settings.parallel.dp} data-parallel "
+                          f"ranks = "
                           f"{settings.global_batch}, but the plan's global batch is "
                           f"{plan.global_batch}; re-create it with memfit fit --save")
     return settings
@@ -318,18 +319,18 @@ def _from_run(data: dict[str, Any], source: str) -> PlanSettings:
     layout, engine = _layout(run, where)
     offload_to = run.pop("offload_to", None)  # RunConfig's name for the offload device
     try:
-        common = {
-            "source": "plan", "mode": run.pop("mode", "train"),
+        mode = run.pop("mode", "train")
+        chosen = {
             "precision": run.pop("precision"), "checkpointing": run.pop("checkpointing"),
             "micro_batch": _int(run, "batch", 1, where),
             "accumulation": _int(run, "grad_accum", 1, where),
             "optimizer": run.pop("optimizer", "adamw"),
             "attention": run.pop("attention", "sdpa"),
-            "offload_optimizer": _bool(run, "offload_optimizer", where),
+            "offload_states": _bool(run, "offload_optimizer", where),
             "offload_params": _bool(run, "offload_params", where),
             "offload_gradients": _bool(run, "offload_gradients", where),
             "offload_activations": _bool(run, "offload_activations", where),
-            "offload_device": run.pop("offload_device", None) or offload_to or "cpu",
+            "offload_to": run.pop("offload_device", None) or offload_to or "cpu",
             "chunked_loss": _bool(run, "chunked_loss", where),
             "weight_quant": run.pop("weight_quant", "none") or "none",
         }
@@ -337,10 +338,14 @@ def _from_run(data: dict[str, Any], source: str) -> PlanSettings:
         raise MemfitError(f"{where}: missing {exc.args[0]!r}; re-create the plan with memfit "
                           "plan ... --json") from None
     rank = run.pop("lora_rank", None)
-    if common["mode"] in ("lora", "qlora"):
-        common["lora_rank"] = rank
-    for name in ("precision", "checkpointing", "optimizer", "attention", "mode"):
-        if not isinstance(common[name], str):
-            raise MemfitError(f"{where}: {name} must be a name, got {common[name]!r}")
-    return PlanSettings(**common, parallel=layout, engine=engine,
+    if not isinstance(mode, str):
+        raise MemfitError(f"{where}: mode must be a name, got {mode!r}")
+    if mode in ("lora", "qlora"):
+        chosen["lora_rank"] = rank
+        chosen["qlora"] = mode == "qlora" and rank is not None
+    for name in ("precision", "checkpointing", "optimizer", "attention"):
+        if not isinstance(chosen[name], str):
+            raise MemfitError(f"{where}: {name} must be a name, got {chosen[name]!r}")
+    return PlanSettings(source="plan", mode=mode,
+                        recipe=plan_recipe(where, **chosen, parallel=layout), engine=engine,
                         unknown={k: v for k, v in run.items() if v not in (None, False)})

@@ -28,19 +28,20 @@ def overrides(s: PlanSettings, b: Builder) -> dict[str, dict[str, Any]]:
     if s.parallel.pp > 1:
         # With pipelining the local batch is split into pipeline micro-batches: memfit's
         # micro-batches in flight are torchtitan's pipeline_parallel_microbatch_size.
-        training["local_batch_size"] = s.micro_batch * s.accumulation
-        par["pipeline_parallel_microbatch_size"] = s.micro_batch
+        training["local_batch_size"] = s.recipe.micro_batch * s.recipe.accumulation
+        par["pipeline_parallel_microbatch_size"] = s.recipe.micro_batch
     else:
-        training["local_batch_size"] = s.micro_batch
-    if s.precision == "bf16":
+        training["local_batch_size"] = s.recipe.micro_batch
+    if s.recipe.precision == "bf16":
         training["dtype"] = "bfloat16"
-    elif s.precision in ("fp32", "bf16-mixed"):
+    elif s.recipe.precision in ("fp32", "bf16-mixed"):
         training["dtype"] = "float32"
-        training["mixed_precision_param"] = "bfloat16" if s.precision == "bf16-mixed" \
+        training["mixed_precision_param"] = "bfloat16" if s.recipe.precision == "bf16-mixed" \
             else "float32"
     else:
-        b.gap("precision", s.precision, "torchtitan trains in float32, bfloat16 or bf16 mixed "
-              "precision (fp8: a float8 model converter in the config_registry function)")
+        b.gap("precision", s.recipe.precision, "torchtitan trains in float32, bfloat16 or "
+              "bf16 mixed precision (fp8: a float8 model converter in the config_registry "
+              "function)")
     if s.zero == 3:
         par["data_parallel_shard_degree"] = s.shard
         par["data_parallel_replicate_degree"] = s.replicate
@@ -54,17 +55,17 @@ def overrides(s: PlanSettings, b: Builder) -> dict[str, dict[str, Any]]:
     else:
         par["data_parallel_shard_degree"] = 1
         par["data_parallel_replicate_degree"] = s.parallel.dp
-    if s.offload_optimizer or s.offload_params:
+    if s.recipe.offload_states or s.recipe.offload_params:
         if par["data_parallel_shard_degree"] > 1:
             training["enable_cpu_offload"] = True
-            if not (s.offload_optimizer and s.offload_params):
+            if not (s.recipe.offload_states and s.recipe.offload_params):
                 b.note("enable_cpu_offload (FSDP2 CPUOffloadPolicy) moves parameters, "
                        "gradients and optimizer states to the host")
         else:
-            b.gap("offload", "optimizer" if s.offload_optimizer else "params",
+            b.gap("offload", "optimizer" if s.recipe.offload_states else "params",
                   "torchtitan offloads only through FSDP (enable_cpu_offload needs "
                   "data_parallel_shard_degree > 1)")
-    if s.offload_device == "nvme":
+    if s.recipe.offload_to == "nvme":
         b.gap("offload_device", "nvme", "torchtitan offloads to CPU memory only")
     par["tensor_parallel_degree"] = s.parallel.tp
     if s.parallel.tp > 1:
@@ -76,16 +77,16 @@ def overrides(s: PlanSettings, b: Builder) -> dict[str, dict[str, Any]]:
         par["pipeline_parallel_schedule"] = "1F1B"
     par["expert_parallel_degree"] = s.parallel.ep
     out: dict[str, dict[str, Any]] = {"training": training, "parallelism": par}
-    if s.checkpointing in _AC:
-        out["activation_checkpoint"] = {"mode": _AC[s.checkpointing]}
+    if s.recipe.checkpointing in _AC:
+        out["activation_checkpoint"] = {"mode": _AC[s.recipe.checkpointing]}
     else:
         b.budget_checkpointing()
-    if s.offload_activations:
+    if s.recipe.offload_activations:
         b.gap("offload_activations", True, "torchtitan has no activation offload setting")
     if s.device == "cpu":
         b.gap("device", "cpu", "torchtitan trains on accelerators (CUDA, ROCm, XPU); it has "
               "no CPU setting")
-    b.gap("optimizer", s.optimizer, "torchtitan's optimizer is set by the config_registry "
+    b.gap("optimizer", s.recipe.optimizer, "torchtitan's optimizer is set by the config_registry "
           "function (optimizer.param_groups: Adam, AdamW or DistMuon)")
     if s.engine not in (None, "fsdp", "fsdp2", "hsdp", "ddp"):
         b.note(f"the plan names engine {s.engine!r}; torchtitan runs FSDP2/DDP (memory "

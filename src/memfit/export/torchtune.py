@@ -22,33 +22,33 @@ _OPTIMIZERS = {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam",
 
 
 def config(s: PlanSettings, b: Builder) -> dict[str, Any]:
-    out: dict[str, Any] = {"batch_size": s.micro_batch,
-                           "gradient_accumulation_steps": s.accumulation, "device": s.device}
-    if s.precision in ("fp32", "bf16"):
-        out["dtype"] = "fp32" if s.precision == "fp32" else "bf16"
+    out: dict[str, Any] = {"batch_size": s.recipe.micro_batch,
+                           "gradient_accumulation_steps": s.recipe.accumulation, "device": s.device}
+    if s.recipe.precision in ("fp32", "bf16"):
+        out["dtype"] = "fp32" if s.recipe.precision == "fp32" else "bf16"
     else:
         out["dtype"] = "fp32"
-        b.gap("precision", s.precision, "torchtune trains in one dtype (fp32 or bf16, no "
+        b.gap("precision", s.recipe.precision, "torchtune trains in one dtype (fp32 or bf16, no "
               "autocast); exported as dtype fp32, the planned weights (dtype bf16 would halve "
               "the model states instead)")
-    full = s.checkpointing == "full"
+    full = s.recipe.checkpointing == "full"
     out["enable_activation_checkpointing"] = full
-    if s.checkpointing == "selective":
+    if s.recipe.checkpointing == "selective":
         b.gap("checkpointing", "selective", "torchtune's selective mode (ac_mode/ac_option) "
               "checkpoints every n-th layer, not op-level; exported without checkpointing")
     else:
         b.budget_checkpointing()
-    out["enable_activation_offloading"] = s.offload_activations and full
-    if s.offload_activations and not full:
+    out["enable_activation_offloading"] = s.recipe.offload_activations and full
+    if s.recipe.offload_activations and not full:
         b.gap("offload_activations", True, "torchtune offloads activations only with "
               "enable_activation_checkpointing")
-    name = _OPTIMIZERS.get(s.optimizer)
+    name = _OPTIMIZERS.get(s.recipe.optimizer)
     if name is None:
-        b.gap("optimizer", s.optimizer, "no torchtune component for it; set "
+        b.gap("optimizer", s.recipe.optimizer, "no torchtune component for it; set "
               "optimizer._component_ yourself")
     else:
         opt: dict[str, Any] = {"_component_": name}
-        if s.optimizer == "sgd-momentum":
+        if s.recipe.optimizer == "sgd-momentum":
             opt["momentum"] = 0.9
         out["optimizer"] = opt
         b.note("optimizer: lr and the other hyperparameters are not in the plan; keep the "
@@ -58,9 +58,9 @@ def config(s: PlanSettings, b: Builder) -> dict[str, Any]:
         b.note(f"recipe: a distributed one (tune run --nproc_per_node {per_node}"
                + (f" --nnodes {s.nodes}" if s.nodes > 1 else "")
                + " full_finetune_distributed)")
-        offload = s.offload_params or s.offload_optimizer
+        offload = s.recipe.offload_params or s.recipe.offload_states
         out["fsdp_cpu_offload"] = offload
-        if offload and not (s.offload_params and s.offload_optimizer):
+        if offload and not (s.recipe.offload_params and s.recipe.offload_states):
             b.note("fsdp_cpu_offload (FSDP2 CPUOffloadPolicy) moves parameters, gradients "
                    "and optimizer states to the host")
         out["fsdp_reshard_after_forward"] = s.zero == 3
@@ -74,12 +74,12 @@ def config(s: PlanSettings, b: Builder) -> dict[str, Any]:
         if s.parallel.tp > 1:
             out["tensor_parallel_dim"] = s.parallel.tp
             b.note("tensor_parallel_dim needs a tensor_parallel_plan component for your model")
-    elif s.offload_optimizer:
+    elif s.recipe.offload_states:
         b.gap("offload_optimizer", True, "torchtune's single-device recipe has no optimizer "
               "offload (torchao.optim.CPUOffloadOptimizer as the optimizer component does it)")
-    if s.offload_device == "nvme":
+    if s.recipe.offload_to == "nvme":
         b.gap("offload_device", "nvme", "torchtune offloads to CPU memory only")
-    if s.offload_gradients and s.parallel.gpus == 1:
+    if s.recipe.offload_gradients and s.parallel.gpus == 1:
         b.gap("offload_gradients", True, "torchtune offloads gradients only with FSDP")
     if s.parallel.sp:
         b.gap("sequence_parallel", True, "sequence parallelism comes with the "

@@ -5,10 +5,11 @@
 >>> model, optimizer, step = plan.apply(model)
 """
 
+from memfit.fitting.apply import apply_recipe
 from memfit.fitting.config import FitConfig
 from memfit.fitting.cost import Rates, StepCost
 from memfit.fitting.plan import Candidate, Plan, Rejected
 from memfit.fitting.search import SearchOptions, fit
 
 __all__ = ["Candidate", "FitConfig", "Plan", "Rates", "Rejected", "SearchOptions", "StepCost",
-           "fit"]
+           "apply_recipe", "fit"]

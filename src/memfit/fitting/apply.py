@@ -1,75 +1,35 @@
-"""Apply a fit configuration to a real model: techniques in the documented order, then a guarded
-step (see Note: [composition order] in :mod:`memfit.techniques`)."""
+"""Apply a :class:`memfit.Recipe` (a fit plan's config is one) to a real model: the techniques in
+the documented order, the layout, the optimizer, then a guarded step (see Note: [composition
+order] in :mod:`memfit.techniques`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from memfit import vocab
 from memfit._loss import LossFn, check_loss_fn, check_reduction, model_loss
 from memfit._tensors import call_model
 from memfit.errors import MemfitError
-from memfit.fitting.config import FitConfig
-from memfit.techniques.block_profile import BlockProfile, Mode
-from memfit.techniques.checkpointing import Policy
+from memfit.fitting.apply_pipeline import (
+    PipelineStep,
+    apply_pipeline,
+    check_world,
+    pipeline_refusal,
+)
+from memfit.fitting.config import FitConfig, sharding_of
+from memfit.recipe import Recipe
+from memfit.techniques.recipe import FixedModes, apply_techniques
 
 __all__ = ["FixedModes", "LossParallelStep", "PipelineStep", "apply_config", "apply_pipeline",
-           "call_model"]
+           "apply_recipe", "as_fit_config", "call_model", "unapplied"]
 
 log = logging.getLogger("memfit")
 
-
-
-@dataclass(frozen=True)
-class FixedModes(Policy):
-    """Checkpoint exactly the modes the search chose (a ``Budget`` policy resolved once)."""
-
-    modes: tuple[Mode | None, ...]
-
-    def choose(self, blocks: Sequence[str], profile: Callable[[], list[BlockProfile]]
-               ) -> list[Mode | None]:
-        if len(blocks) != len(self.modes):
-            raise MemfitError(f"the plan checkpoints {len(self.modes)} blocks but this model has "
-                              f"{len(blocks)}; apply the plan to the model it was made for")
-        return list(self.modes)
-
-
-def checkpoint_policy(config: FitConfig) -> Policy | str | None:
-    if config.checkpointing == "none":
-        return None
-    if config.checkpoint_modes is not None:
-        return FixedModes(tuple(config.checkpoint_modes))  # type: ignore[arg-type]
-    if config.checkpointing == "budget":
-        raise MemfitError("plan config: checkpointing='budget' needs checkpoint_modes (the "
-                          "per-block choice the search made); re-run memfit fit")
-    return config.checkpointing
-
-
-def apply_techniques(model: nn.Module, config: FitConfig) -> None:
-    """The model-side techniques, in place, in the documented order: attention, chunked loss,
-    checkpointing, activation offload."""
-    from memfit.techniques import (
-        apply_activation_checkpointing,
-        apply_activation_offload,
-        apply_chunked_loss,
-        use_sdpa,
-    )
-
-    if config.attention == "sdpa":
-        use_sdpa(model)
-    if config.chunked_loss:
-        apply_chunked_loss(model)
-    policy = checkpoint_policy(config)
-    if policy is not None:
-        apply_activation_checkpointing(model, policy)
-    if config.offload_activations:
-        apply_activation_offload(model)
 
 
 # Optimizers that ZeRO can shard: torch's own (ZeroRedundancyOptimizer and FSDP2 run them on
@@ -89,7 +49,7 @@ def check_shardable(config: FitConfig) -> str | None:
         return (f"tensor/pipeline parallelism runs torch's optimizers on DTensor shards "
                 f"({', '.join(SHARDABLE_OPTIMIZERS)}); {config.optimizer} needs whole parameters")
     if par is not None and par.pp > 1:
-        why = _pipeline_refusal(config)
+        why = pipeline_refusal(config)
         if why:
             return why
     if config.sharding == "none":
@@ -98,25 +58,6 @@ def check_shardable(config: FitConfig) -> str | None:
         what = config.optimizer + ("+offload" if config.offload_states else "")
         return (f"{config.sharding} shards torch's optimizers ({', '.join(SHARDABLE_OPTIMIZERS)})"
                 f"; {what} needs whole parameters on one device")
-    return None
-
-
-def _pipeline_refusal(config: FitConfig) -> str | None:
-    """Why Plan.apply's pipeline (:func:`apply_pipeline`) cannot run ``config``'s step, or
-    None: the schedule's micro-batches are the plan's ``accumulation``."""
-    par = config.parallel
-    assert par is not None
-    n = config.accumulation
-    if vocab.precision(config.precision).grad_scaler:
-        return (f"{config.precision} under a pipeline: GradScaler's skipped steps would differ "
-                "between stages; use bf16-mixed")
-    if config.chunked_loss:
-        return "the chunked loss under a pipeline: the last stage computes the decoder's loss"
-    if par.pp_schedule != "gpipe" and n < par.pp:
-        return (f"{par.pp_schedule} needs at least pp={par.pp} micro-batches, the plan has "
-                f"accumulation={n}")
-    if par.pp_schedule == "interleaved-1f1b" and n % par.pp:
-        return f"interleaved-1f1b needs accumulation ({n}) divisible by pp={par.pp}"
     return None
 
 
@@ -158,23 +99,6 @@ def shard(model: nn.Module, config: FitConfig, num_gpus: int) -> nn.Module:
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model
 
-
-def _check_world(config: FitConfig) -> None:
-    par = config.parallel
-    assert par is not None
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        raise MemfitError(
-            f"the plan runs {par.describe()}: start one process per GPU (torchrun "
-            f"--nproc-per-node {par.gpus if par.gpus_per_node is None else par.gpus_per_node}"
-            " train.py), call torch.distributed.init_process_group() and then "
-            "plan.apply(model) in every rank")
-    world = dist.get_world_size()
-    if world != par.gpus:
-        raise MemfitError(f"the plan was searched for {par.gpus} GPUs but torch.distributed "
-                          f"has {world} ranks; re-run memfit fit with --gpus {world}")
-
-
 def apply_layout(model: nn.Module, config: FitConfig) -> nn.Module:
     """This rank's model under ``config.parallel`` without tensor parallelism (Note: [sharded
     plans]), with the function the per-rank trace runs
@@ -184,7 +108,7 @@ def apply_layout(model: nn.Module, config: FitConfig) -> nn.Module:
 
     par = config.parallel
     assert par is not None
-    _check_world(config)
+    check_world(config)
     device = next(model.parameters()).device
     try:
         return apply_model(model, par, device.type)
@@ -243,7 +167,7 @@ def apply_tensor_parallel(model: nn.Module, config: FitConfig) -> Any:
 
     par = config.parallel
     assert par is not None
-    _check_world(config)
+    check_world(config)
     if par.pp > 1 or par.ep > 1:
         return apply_layout(model, config)  # raises: not applied yet
     if par.dp > 1 and par.strategy not in ("fsdp", "hsdp"):
@@ -286,239 +210,35 @@ def _optimizer(model: nn.Module, config: FitConfig) -> torch.optim.Optimizer:
     return ZeroRedundancyOptimizer(  # type: ignore[return-value]
         params, optimizer_class=type(optimizer), **constructor_settings(optimizer))
 
-
-# -- pipeline parallelism -------------------------------------------------------------------
-
-class _WeightedStageLoss:
-    """The last stage's loss of a micro-batch, weighted as :mod:`memfit.oom_guard` weighs one
-    (Note: [mean weights] there): the builtin decoder's mean cross-entropy over the
-    micro-batch's labelled tokens times their count, times ``scale`` (``dp / N``, ``N`` the
-    labelled tokens of the global batch), so the micro-batches' backwards add up to the global
-    batch's mean-loss gradient once FSDP2 averages it over the ``dp`` ranks."""
-
-    def __init__(self) -> None:
-        self.scale = 1.0
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from memfit.oom_guard import causal_lm_count
-        from memfit.parallel.pipeline import stage_loss
-
-        items = causal_lm_count({"labels": labels})
-        if items == 0:  # a mean over no tokens is NaN; it weighs nothing
-            return logits.float().sum() * 0.0
-        return stage_loss(logits, labels) * (items * self.scale)
-
-
-class PipelineStep:
-    """One optimizer step of a pipeline plan on this rank's batch, run by the plan's schedule
-    (``torch.distributed.pipelining``: GPipe, 1F1B or interleaved 1F1B).
-
-    ``step(batch)`` takes the batch of this rank's data-parallel index, a dict with
-    ``input_ids`` and ``labels`` (batch, seq), on every rank of that index: every pipeline
-    stage and tensor-parallel rank (the first stage reads the ids, the last the labels, every
-    rank counts the labelled tokens). The batch is split into the plan's
-    ``accumulation`` micro-batches of ``micro_batch`` rows (the schedule's ``n_microbatches``:
-    gradient accumulation under a pipeline is the schedule's micro-batches). The loss is the
-    builtin decoder's own (next-token cross-entropy, ``-100`` ignored), a mean over the global
-    batch's labelled tokens.
-
-    Returns this rank's share of the global batch's mean loss, as the other layouts' steps do
-    (:func:`memfit.oom_guard.guard` under torch.distributed), so that an all-reduce SUM of the
-    returned values over every rank gives the mean loss: a rank of the last stage returns its
-    data-parallel rows' part divided by ``tp``; the other stages hold no loss and return
-    ``0.0``. To log the loss, read it on a last-stage rank, or sum the shares.
-
-    Known limitations: no OOM guard (a pipeline's ranks cannot retry one micro-batch alone),
-    no GradScaler (fp16-mixed), no custom ``loss_fn``."""
-
-    def __init__(self, modules: list[nn.Module], optimizer: torch.optim.Optimizer,
-                 parallel: Any, group: Any, device: torch.device, autocast: Any,
-                 submods: list[nn.Module] | None = None) -> None:
-        self.modules, self.optimizer, self.parallel = modules, optimizer, parallel
-        self.submods = submods  # the stages' DDP wrappers (pp beside DDP / ZeRO-1), or None
-        self.group, self.device, self.autocast = group, device, autocast
-        self.loss = _WeightedStageLoss()
-        self._pipelines: dict[tuple[int, int], Any] = {}
-        self.steps = 0
-        self.recoveries: list[Any] = []  # as GuardedStep's: a pipeline step never retries
-
-    def _pipeline(self, rows: int, seq: int) -> Any:
-        from memfit.parallel.pipeline import build_pipeline
-
-        key = (rows, seq)
-        if key not in self._pipelines:  # the stages are given static shapes: one per shape
-            self._pipelines[key] = build_pipeline(
-                self.modules, self.parallel, rows, seq, device=str(self.device),
-                group=self.group, loss_fn=self.loss, scale_grads=False,
-                submods=self.submods)
-        return self._pipelines[key]
-
-    def __call__(self, batch: Any) -> float:
-        from memfit._guard_dist import global_item_count
-        from memfit.oom_guard import causal_lm_count
-
-        ids = batch.get("input_ids") if isinstance(batch, dict) else None
-        if ids is None or ids.dim() != 2 or not isinstance(batch.get("labels"), torch.Tensor):
-            raise MemfitError("a pipeline plan's step takes the batch as a dict with input_ids "
-                              "and labels (batch, seq), on every rank of the data-parallel "
-                              "index (every stage)")
-        par = self.parallel
-        rows, seq = int(ids.shape[0]), int(ids.shape[1])
-        n = par.microbatches
-        if rows % n:
-            raise MemfitError(f"the step's batch of {rows} rows does not split into the plan's "
-                              f"{n} micro-batches; feed plan.per_rank_batch rows per rank")
-        # Every rank counts its data-parallel index's batch: pp * tp copies of each.
-        total, _ = global_item_count(causal_lm_count(batch))
-        tokens = total // (par.pp * par.tp)
-        if tokens <= 0:
-            raise MemfitError("the batch contains no labelled tokens to average over (all "
-                              "labels -100?); check the labels")
-        self.loss.scale = par.dp / tokens
-        pipeline = self._pipeline(rows, seq)
-        losses: list[torch.Tensor] = []
-        self.optimizer.zero_grad(set_to_none=True)
-        try:
-            # Note: [autocast around the schedule] The schedule runs each stage's forward
-            # inside step(), so autocast wraps the whole step; CUDA's backward runs on
-            # autograd's device threads, where the (thread-local) autocast state is off.
-            with self.autocast():
-                pipeline.step({"input_ids": ids.to(self.device),
-                               "labels": batch["labels"].to(self.device)}, losses=losses)
-            self.optimizer.step()
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        if not pipeline.last:
-            return 0.0
-        # The weighted losses add up to (this dp rank's token-loss sum) * dp / N; the tp ranks
-        # of the stage hold the same value.
-        return float(sum(float(x.detach()) for x in losses)) / (par.dp * par.tp)
-
-
-def _pipeline_parallel(config: FitConfig, loss_fn: Any, count_fn: Any, reduction: str) -> Any:
-    """``config.parallel`` with the schedule's micro-batches = ``config.accumulation``, or a
-    one-line error for what Plan.apply does not run under a pipeline."""
-    import dataclasses
-
-    from memfit.oom_guard import causal_lm_count
-
-    par = config.parallel
-    assert par is not None
-    if par.microbatches is not None and par.microbatches != config.accumulation:
-        raise MemfitError(f"the plan's Parallel(microbatches={par.microbatches}) differs from "
-                          f"its accumulation={config.accumulation}: under a pipeline they are "
-                          "the same micro-batches; make them equal")
-    why = None
-    if par.ep > 1 or par.strategy == "hsdp" or (par.tp > 1 and par.strategy != "fsdp"
-                                                 and par.dp > 1):
-        why = (f"{par.describe()}: a pipeline runs alone, with tp (and FSDP2 over the other "
-               "ranks: torchtitan's (pp, dp, tp) mesh) and with DDP, ZeRO-1 or FSDP2 without "
-               "tp; use fsdp = gpus / (pp * tp)")
-    elif par.tp > 1 and par.loss_parallel:
-        why = "loss parallelism on the last stage; use loss_parallel=False"
-    elif loss_fn is not None:
-        why = ("a custom loss_fn: the last stage computes the model's own loss (cross-entropy "
-               "on the batch's labels); drop loss_fn")
-    elif reduction != "mean" or count_fn not in (None, causal_lm_count):
-        why = ("reduction='sum' or another count_fn: the last stage's loss is a mean over the "
-               "labelled tokens (causal_lm_count); drop them")
-    else:
-        why = _pipeline_refusal(config)
-    if why:
-        raise MemfitError(f"Plan.apply cannot run this pipeline plan: {why}")
-    return dataclasses.replace(par, microbatches=config.accumulation)
-
-
-def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
-                   reduction: str = "mean", count_fn: Any = None
-                   ) -> tuple[nn.Module, torch.optim.Optimizer, PipelineStep]:
-    """Run ``config``'s pipeline layout (``parallel.pp > 1``) on this rank: the techniques and
-    precision on the whole model, then this rank's stages of it
-    (:func:`memfit.parallel.pipeline.stage_modules`, torchtitan's manual split, the one the
-    per-rank trace and the gloo measurement run), tensor parallelism on each stage and FSDP2
-    over the data-parallel ranks (:func:`~memfit.parallel.pipeline.apply_tp_stages`,
-    :func:`~memfit.parallel.pipeline.shard_stages`: torchtitan's order), or without tp the
-    layout's data parallelism on each stage (:func:`~memfit.parallel.pipeline.apply_dp_stages`,
-    the trace's and the measurement's: FSDP2 / HSDP in place, or a DDP wrapper per stage over
-    the stage's data-parallel group, which the schedule runs; torch's pipelining drives its
-    ``no_sync``: ``torch/distributed/pipelining/stage.py:
-    _PipelineStageBase.backward_maybe_with_nosync`` skips the all-reduce for every micro-batch
-    but the last), the optimizer over the stages' parameters (ZeRO-1: a
-    ``ZeroRedundancyOptimizer`` over the stage's data-parallel group, as the measurement's), and
-    a :class:`PipelineStep`.
-
-    Returns ``(stage, optimizer, step)``: ``stage`` is this rank's
-    :class:`~memfit.parallel.pipeline.StageModule` (a ``ModuleList`` of two with the
-    interleaved schedule), holding ``model``'s own submodules; the parameters of the other
-    stages are freed on this rank (zero elements), as torchtitan's ``pipeline_module_split``
-    keeps only a stage's modules."""
-    from memfit.parallel.apply import apply_optimizer
-    from memfit.parallel.pipeline import check_pipeline, decoder_parts, stage_modules
-    from memfit.parallel.pipeline_parallelize import (
-        apply_dp_stages,
-        apply_tp_stages,
-        pipeline_mesh,
-    )
-    from memfit.techniques import apply_precision, make_optimizer
-
-    _check_world(config)
-    par = _pipeline_parallel(config, loss_fn, count_fn, reduction)
-    decoder, head = decoder_parts(model)
-    if head.weight is decoder.embed_tokens.weight:
-        raise MemfitError("Plan.apply cannot run this pipeline plan: the model ties its head "
-                          "to its embedding, which sit on the first and the last stage; untie "
-                          "them (tie_word_embeddings=False) or use pp=1")
-    check_pipeline(model, par, config.micro_batch * config.accumulation)
-    device = next(model.parameters()).device
-    apply_techniques(model, config)
-    mp = apply_precision(model, config.precision if config.precision != "bf16" else "bf16")
-    rank = torch.distributed.get_rank()
-    modules = stage_modules(model, par, rank)
-    held = {id(p) for m in modules for p in m.parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            if id(p) not in held:  # another stage's: freed on this rank
-                p.data = p.data.new_empty(0)
-                p.requires_grad_(False)
-    group = dp_group = submods = None
-    if par.tp > 1:
-        mesh = pipeline_mesh(par, device.type)
-        apply_tp_stages(modules, par, mesh)  # TP on each stage, then FSDP2 over dp
-        group = mesh["pp"].get_group()
-    elif par.dp > 1:  # FSDP2 / HSDP in place, or DDP wrappers (ddp, zero1) the stages run
-        mesh = pipeline_mesh(par, device.type)
-        submods = apply_dp_stages(modules, par, mesh)
-        group = mesh["pp"].get_group()
-        if "dp" in (mesh.mesh_dim_names or ()):
-            dp_group = mesh["dp"].get_group()
-    stage: nn.Module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-    params = [p for p in stage.parameters() if p.requires_grad]
-    optimizer = apply_optimizer(make_optimizer(params, config.optimizer,
-                                               offload_states=config.offload_states),
-                                par, process_group=dp_group)
-    step = PipelineStep(modules, optimizer, par, group, device, mp.autocast, submods)
-    log.info("memfit: applied plan %s (pipeline stage%s %s of rank %d)", config.label(),
-             "s" if len(modules) > 1 else "", ", ".join(str(m.index) for m in modules), rank)
-    return stage, optimizer, step
-
-
-def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: LossFn | None = None,
+def apply_recipe(model: nn.Module, recipe: Recipe, *, loss_fn: LossFn | None = None,
                  reduction: str = "mean", count_fn: Callable[[Any], Any] | None = None,
                  budget_bytes: int | None = None, log_recoveries: bool = True,
                  num_gpus: int = 1) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    """Apply ``config`` to ``model`` (in place) and return ``(model, optimizer, step)`` where
-    ``step = memfit.oom_guard.guard(...)`` runs one optimizer step on a global batch. A sharded
-    ``config`` needs torch.distributed initialised with ``num_gpus`` ranks (see :func:`shard`);
-    the returned model is then the DDP/FSDP2 one.
+    """Apply ``recipe`` (a :class:`memfit.Recipe`, or a fit plan's
+    :class:`~memfit.fitting.FitConfig`) to ``model`` (in place) and return ``(model, optimizer,
+    step)`` where ``step = memfit.oom_guard.guard(...)`` runs one optimizer step on a global
+    batch, ``recipe.micro_batch`` samples at a time. A multi-GPU ``recipe`` needs
+    torch.distributed initialised with its ranks (``num_gpus`` for a legacy ``sharding``
+    without a layout); the returned model is then the DDP/FSDP2 one.
+
+    The order (Note: [layout order] below; Note: [composition order] in
+    :mod:`memfit.techniques`): tensor parallelism, the model-side techniques
+    (:func:`memfit.techniques.recipe.apply_techniques`: attention, chunked loss, checkpointing,
+    activation offload), precision, data-parallel sharding, the optimizer, the guard.
 
     ``loss_fn(model, micro_batch)`` returns the micro-batch's mean loss (``reduction="mean"``,
     default) or the sum of its per-item losses (``reduction="sum"``); ``count_fn`` counts the
     items (see :func:`memfit.oom_guard.guard`). The default is the model's own loss
-    (:func:`memfit.trace.default_loss` of its output), a mean."""
+    (:func:`memfit.trace.default_loss` of its output), a mean.
+
+    >>> model, optimizer, step = apply_recipe(model, Recipe(precision="bf16-mixed",
+    ...                                       checkpointing="full", micro_batch=4))
+    >>> loss = step(batch)  # doctest: +SKIP
+    """
     from memfit.oom_guard import guard
     from memfit.techniques import apply_precision
 
+    config = as_fit_config(recipe)
     check_loss_fn(loss_fn)
     check_reduction(reduction)
 
@@ -561,6 +281,44 @@ def apply_config(model: nn.Module, config: FitConfig, *, loss_fn: LossFn | None 
         step = LossParallelStep(step, par)
     log.info("memfit: applied plan %s", config.label())
     return model, optimizer, step
+
+
+apply_config = apply_recipe
+"""The name :func:`apply_recipe` had while only a fit plan's config was applied."""
+
+_UNAPPLIED = (("offload_params", "parameter offload (FSDP2's CPUOffloadPolicy, ZeRO-Infinity: "
+               "export the plan)"),
+              ("offload_gradients", "gradient offload (export the plan to DeepSpeed)"),
+              ("kv_cache_dtype", "a KV-cache format (an inference deployment)"))
+
+
+def unapplied(recipe: Recipe) -> str | None:
+    """What in ``recipe`` :func:`apply_recipe` does not apply to a training step, or None."""
+    for name, what in _UNAPPLIED:
+        if getattr(recipe, name):
+            return f"{name}: {what}"
+    if recipe.weight_quant != "none":
+        return (f"weight_quant={recipe.weight_quant!r}: weight-only quantization is for "
+                "inference (memfit.techniques.quantize_weights on the eval model)")
+    if recipe.offload_to != "cpu":
+        return f"offload_to={recipe.offload_to!r}: NVMe offload is DeepSpeed's (export the plan)"
+    if recipe.engine != "auto":
+        return f"engine={recipe.engine!r}: memfit applies PyTorch's own (export the plan)"
+    return None
+
+
+def as_fit_config(recipe: Recipe) -> FitConfig:
+    """``recipe`` as the fit plan's config that the functions of this module read (itself if it
+    is one; its ``sharding`` the layout's strategy); a one-line MemfitError for what
+    :func:`apply_recipe` does not apply."""
+    why = unapplied(recipe)
+    if why:
+        raise MemfitError(f"apply_recipe cannot apply {why}")
+    if isinstance(recipe, FitConfig):
+        return recipe
+    fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(Recipe)}
+    shard = sharding_of(recipe.parallel) if recipe.parallel is not None else "none"
+    return FitConfig(**fields, sharding=shard)
 
 
 class LossParallelStep:

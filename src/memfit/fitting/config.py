@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, ClassVar
 
 from memfit import vocab
 from memfit.errors import MemfitError
 from memfit.parallel.config import Parallel
+from memfit.recipe import Recipe
 from memfit.units import format_bytes
 
 __all__ = ["CHECKPOINTING", "LAYOUT_SHARDING", "PRECISIONS", "SHARDING", "FitConfig",
@@ -70,69 +71,35 @@ def _parallel_from(data: dict[str, Any], sharding: str, gpus: int | None) -> Par
                     **kwargs)
 
 
-@dataclass(frozen=True, kw_only=True)
-class FitConfig:
-    """A training configuration the search considers; ``global_batch = micro_batch * accumulation``
-    (per GPU: ``global_batch / num_gpus``)."""
+# Recipe fields a fit plan file holds only when set: plans written before the recipe had no
+# such keys, and the exporters report any key they do not read.
+_NEW_FIELDS = ("offload_params", "offload_gradients", "offload_to", "weight_quant", "lora_rank",
+               "lora_targets", "qlora", "kv_cache_dtype", "engine")
 
-    precision: str = "fp32"
-    """fp32, bf16-mixed, fp16-mixed (autocast; fp32 weights) or bf16 (weights, grads and states in
-    bf16: half the model-state memory, less precise updates)."""
-    checkpointing: str = "none"
-    """none, selective (recompute cheap ops), full (recompute each block) or budget (the fewest
-    blocks that keep activations under ``checkpoint_budget_bytes``)."""
-    checkpoint_budget_bytes: int | None = None
-    """The activation budget of ``checkpointing="budget"``."""
-    checkpoint_modes: tuple[str | None, ...] | None = None
-    """Per block, what the search resolved ``budget`` to (``full``/``selective``/None), so that
-    applying the plan needs no profiling."""
-    micro_batch: int = 1
-    """Samples per forward/backward; smaller holds fewer activations, runs less efficiently."""
-    accumulation: int = 1
-    """Micro-batches per optimizer step."""
-    optimizer: str = "adamw"
-    """The optimizer the user asked for, or its 8-bit variant (2 bytes/param of state, not 8)."""
-    offload_states: bool = False
-    """Optimizer states and step on the host: no state memory on the device, two parameter
-    transfers per step."""
-    offload_activations: bool = False
-    """Saved activations to host memory during the forward, back for the backward."""
-    chunked_loss: bool = False
-    """Cross-entropy computed over sequence chunks (the full logits are never materialized)."""
-    attention: str = "model"
-    """``model``: the model's own attention; ``sdpa``: switched to scaled_dot_product_attention."""
+
+@dataclass(frozen=True, kw_only=True)
+class FitConfig(Recipe):
+    """A training configuration the search considers: a :class:`memfit.Recipe` (the search
+    varies its precision, checkpointing, micro-batch, optimizer, offload, chunked loss,
+    attention and layout) plus its ZeRO ``sharding``; ``global_batch = micro_batch *
+    accumulation`` (per GPU: ``global_batch / num_gpus``)."""
+
+    where: ClassVar[str] = "plan config"
+
     sharding: str = "none"
     """With several GPUs: ZeRO stage (zero1: optimizer states, zero2: + gradients, zero3/FSDP: +
-    parameters sharded across GPUs; hsdp: zero3 within a shard group, replicas across)."""
-    parallel: Parallel | None = None
-    """The multi-GPU layout (``memfit.fit(..., gpus=N)``): data-parallel sharding x tensor x
-    pipeline parallelism, as :func:`memfit.parallel.apply.apply_model` applies it; its
-    strategy is ``sharding``. None: one GPU, or a legacy ``num_gpus`` plan (ZeRO over every
-    GPU)."""
+    parameters sharded across GPUs; hsdp: zero3 within a shard group, replicas across). With a
+    ``parallel`` layout it is the layout's strategy; without one (a legacy ``num_gpus`` plan)
+    ZeRO over every GPU."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the recipe's checks; then what the search takes of it
         for name, valid in (("precision", PRECISIONS), ("checkpointing", CHECKPOINTING),
                             ("sharding", LAYOUT_SHARDING), ("attention", ("model", "sdpa"))):
             if getattr(self, name) not in valid:
                 raise MemfitError(f"plan config: {name}={getattr(self, name)!r} is not one of "
                                   f"{', '.join(valid)}")
-        for name in ("micro_batch", "accumulation"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise MemfitError(f"plan config: {name} must be a positive integer, got {value!r}")
-        if self.checkpointing == "budget" and not (isinstance(self.checkpoint_budget_bytes, int)
-                                                    and self.checkpoint_budget_bytes > 0):
-            raise MemfitError("plan config: checkpointing='budget' needs a positive "
-                              "checkpoint_budget_bytes")
-        if not isinstance(self.optimizer, str) or not self.optimizer:
-            raise MemfitError(f"plan config: optimizer must be a name, got {self.optimizer!r}")
-        for name in ("offload_states", "offload_activations", "chunked_loss"):
-            if not isinstance(getattr(self, name), bool):
-                raise MemfitError(f"plan config: {name} must be true or false")
         if self.parallel is not None:
-            if not isinstance(self.parallel, Parallel):
-                raise MemfitError(f"plan config: parallel must be a memfit.Parallel, not "
-                                  f"{type(self.parallel).__name__}")
             if sharding_of(self.parallel) != self.sharding:
                 raise MemfitError(f"plan config: sharding={self.sharding!r} but the layout "
                                   f"{self.parallel.describe()} is {sharding_of(self.parallel)!r}")
@@ -175,6 +142,11 @@ class FitConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        for name in _NEW_FIELDS:
+            if data[name] == _DEFAULTS[name]:
+                del data[name]
+        if "lora_targets" in data:
+            data["lora_targets"] = list(self.lora_targets)
         if self.checkpoint_modes is not None:
             data["checkpoint_modes"] = list(self.checkpoint_modes)
         data.pop("parallel")
@@ -199,6 +171,8 @@ class FitConfig:
                 raise MemfitError("plan config: checkpoint_modes must be a list of 'full', "
                                   "'selective' or null")
             data["checkpoint_modes"] = tuple(modes)
+        if isinstance(data.get("lora_targets"), list):
+            data["lora_targets"] = tuple(data["lora_targets"])
         par = data.get("parallel")
         if isinstance(par, dict) and "gpus" in par:
             data["parallel"] = Parallel.from_dict(par, where="plan config: parallel")
@@ -207,3 +181,6 @@ class FitConfig:
             # replicate, the GPU count from the plan and the strategy from ``sharding``.
             data["parallel"] = _parallel_from(par, data.get("sharding", "none"), gpus)
         return cls(**data)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(FitConfig) if f.default is not MISSING}

@@ -15,11 +15,13 @@ from memfit._loss import model_loss
 from memfit._tensors import fake_inputs, fake_model, meta_batch, meta_copy, tensor_leaves
 from memfit.categories import MemoryCategory
 from memfit.errors import MemfitError
-from memfit.fitting.apply import apply_techniques
 from memfit.fitting.config import FitConfig
 from memfit.fitting.layouts import pipeline_runs
 from memfit.gpus import GpuSpec
+from memfit.models.anatomy import find_blocks
 from memfit.parallel.config import Parallel
+from memfit.recipe import Recipe
+from memfit.techniques.recipe import apply_techniques
 from memfit.trace.allocator_model import round_size
 from memfit.trace.estimate import TRACKED
 
@@ -76,14 +78,14 @@ def trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optimi
               offload_activations: bool = False, offload_states: bool = False,
               device_budget: int | None = None, modes: tuple[str | None, ...] | None = None,
               parallel: Parallel | None = None) -> Traced | str:
-    """Trace one combination at micro-batch ``m``; a string is why it cannot run. With the
+    """Trace one combination at micro-batch ``m`` (its :class:`memfit.Recipe` run by
+    :func:`memfit.trace_recipe`); a string is why it cannot run. With the
     offload options, the step runs with them as ``Plan.apply`` sets them up (activation offload
     after checkpointing; the optimizer's states and step on the host). With ``modes`` (a
     checkpointing budget the search resolved) the blocks are checkpointed as they say; with
     ``parallel`` the step is traced per rank (the worst rank's, ``memfit/parallel/trace.py``).
     """
-    from memfit.parallel.trace import estimate
-    from memfit.techniques.optim import offloaded
+    from memfit.parallel.recipe import trace_recipe
 
     model = meta_copy(base)
     inputs = meta_batch(sample, m)
@@ -92,68 +94,58 @@ def trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optimi
     # step and that sum halve the search time. CUDA keeps two steps (allocator reuse matters).
     steps = 1 if device == "cpu" else 2
     try:
-        cfg = FitConfig(checkpointing="none", chunked_loss=chunked, attention=attention)
-        apply_techniques(model, cfg)
-        modes, ckpt_budget = _checkpoint(model, inputs, ckpt, modes, precision,
-                                         device_budget)
-        if offload_activations:
-            from memfit.techniques.offload import apply_activation_offload
-
-            apply_activation_offload(model)
-        traced_optimizer: Any = offloaded(optimizer) if offload_states else optimizer
+        ckpt_budget: int | None = None
+        if ckpt == "budget" and modes is None:
+            modes, ckpt_budget = _resolve_budget(base, inputs, chunked, attention, precision,
+                                                 device_budget)
+        elif ckpt in ("full", "selective") and modes is None:
+            modes = tuple(ckpt for _ in find_blocks(model))
+        recipe = Recipe(precision=precision, optimizer=optimizer, checkpointing=ckpt,
+                        checkpoint_modes=modes if ckpt != "none" else None,
+                        checkpoint_budget_bytes=ckpt_budget, micro_batch=m,
+                        chunked_loss=chunked, attention=attention,
+                        offload_activations=offload_activations, offload_states=offload_states,
+                        parallel=parallel)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            est = estimate(model, inputs, optimizer=traced_optimizer, precision=precision,
-                           loss_fn=loss_fn, device=device, gpu=gpu if device == "cuda" else None,
-                           steps=steps, num_gpus=num_gpus, parallel=parallel)
+            est = trace_recipe(model, inputs, recipe, loss_fn=loss_fn, device=device, gpu=gpu,
+                               steps=steps, num_gpus=num_gpus)
     except MemfitError as exc:
         return str(exc)
     except (RuntimeError, NotImplementedError) as exc:  # rejected with the reason, not hidden
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"{ENGINE_FAILED}: {first}"
     return _read(est, model, inputs, device=device, steps=steps, parallel=parallel,
-                 modes=modes, ckpt_budget=ckpt_budget)
+                 modes=recipe.checkpoint_modes, ckpt_budget=ckpt_budget)
 
 
-def _checkpoint(model: nn.Module, inputs: Any, ckpt: str,
-                fixed: tuple[str | None, ...] | None, precision: str,
-                device_budget: int | None) -> tuple[tuple[str | None, ...] | None, int | None]:
-    """Checkpoint ``model``'s blocks for :func:`trace_one` as ``ckpt`` says (``fixed``: the
-    per-block modes a budget resolved to, kept); returns the modes the traced model runs and
-    the activation budget chosen (``ckpt="budget"``)."""
-    from memfit.techniques.checkpointing import Budget, apply_activation_checkpointing
+def _resolve_budget(base: nn.Module, inputs: Any, chunked: bool, attention: str,
+                    precision: str, device_budget: int | None
+                    ) -> tuple[tuple[str | None, ...], int]:
+    """The activation budget a ``budget`` checkpointing is traced at, and the per-block modes it
+    resolves to, profiled on a meta copy of ``base`` with the recipe's attention and chunked
+    loss (what the traced step runs before checkpointing)."""
+    from memfit.techniques.block_profile import predict_activation_bytes, profile_blocks
+    from memfit.techniques.checkpointing import Budget
 
-    modes: tuple[str | None, ...] | None = None
-    ckpt_budget: int | None = None
-    if fixed is not None and ckpt != "none":
-        from memfit.fitting.apply import FixedModes
-
-        cp = apply_activation_checkpointing(model, FixedModes(tuple(fixed)))  # type: ignore[arg-type]
-        modes = tuple(cp.modes)
-    elif ckpt == "budget":
-        from memfit.models.anatomy import find_blocks
-        from memfit.techniques.block_profile import predict_activation_bytes, profile_blocks
-
-        names = find_blocks(model)
-        profiles = profile_blocks(model, names, inputs)
-        floor = predict_activation_bytes(profiles, ["full"] * len(names))
-        ceiling = predict_activation_bytes(profiles, [None] * len(names))
-        ckpt_budget = max(1, (floor + ceiling) // 2)  # halfway: a real trade-off point
-        if device_budget is not None:
-            # Never above what the device leaves for activations once the weights and
-            # gradients are in (a lower bound of the model states): a bigger budget is a
-            # number no step can use (issue 12: "budget(328.16 GiB)" on a 40 GB GPU; the
-            # halfway point of a large micro-batch's profile can be far above the device).
-            # Where even that is below the floor, the budget is the floor: every block
-            # checkpointed, which collapses to ckpt=full.
-            room = device_budget - _weights_and_grads(model, precision)
-            ckpt_budget = max(floor, min(ckpt_budget, room))
-        cp = apply_activation_checkpointing(model, Budget(ckpt_budget), inputs=inputs)
-        modes = tuple(cp.modes)
-    elif ckpt != "none":
-        cp = apply_activation_checkpointing(model, ckpt)
-        modes = tuple(cp.modes)
-    return modes, ckpt_budget
+    model = meta_copy(base)
+    apply_techniques(model, Recipe(attention=attention, chunked_loss=chunked))
+    names = find_blocks(model)
+    profiles = profile_blocks(model, names, inputs)
+    floor = predict_activation_bytes(profiles, ["full"] * len(names))
+    ceiling = predict_activation_bytes(profiles, [None] * len(names))
+    ckpt_budget = max(1, (floor + ceiling) // 2)  # halfway: a real trade-off point
+    if device_budget is not None:
+        # Never above what the device leaves for activations once the weights and
+        # gradients are in (a lower bound of the model states): a bigger budget is a
+        # number no step can use (issue 12: "budget(328.16 GiB)" on a 40 GB GPU; the
+        # halfway point of a large micro-batch's profile can be far above the device).
+        # Where even that is below the floor, the budget is the floor: every block
+        # checkpointed, which collapses to ckpt=full.
+        room = device_budget - _weights_and_grads(model, precision)
+        ckpt_budget = max(floor, min(ckpt_budget, room))
+    modes = Budget(ckpt_budget).choose(names, lambda: profiles)
+    return tuple(modes), ckpt_budget
 
 
 def _read(est: Any, model: nn.Module, inputs: Any, *, device: str, steps: int,

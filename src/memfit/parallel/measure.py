@@ -10,7 +10,8 @@ running sum of those events inside the steps (``memfit.profiling.cpu``: the same
 ``measure_cpu_peak``).
 
 >>> from memfit.models import TransformerSpec
->>> case = Case(spec=tiny_spec(), batch=2, seq=32, parallel=Parallel(gpus=2, fsdp=2))
+>>> case = Case(spec=tiny_spec(), batch=2, seq=32,
+...             recipe=Recipe(parallel=Parallel(gpus=2, fsdp=2)))
 >>> peaks = measure([case], world=2)        # doctest: +SKIP
 >>> peaks[0]                                  # one peak per rank  # doctest: +SKIP
 [1234567, 1234567]
@@ -32,6 +33,7 @@ from torch._C._profiler import _EventType
 
 from memfit.parallel.config import Parallel
 from memfit.parallel.gloo import spawn
+from memfit.recipe import Recipe
 
 STEP_MARKER = "memfit::parallel_step"
 """The profiler range around each measured step."""
@@ -39,24 +41,49 @@ PHASE_MARKER = "memfit::phase::"
 """The profiler ranges around each phase of a step: ``memfit::phase::<step>:<phase>``."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Case:
-    """One layout of one model to measure (picklable: it travels to the rank processes)."""
+    """One recipe on one model to measure (picklable: it travels to the rank processes): the
+    :class:`memfit.Recipe` (its layout, optimizer and model-side techniques, which :func:`build`
+    applies in the trace and the real ranks alike) plus what only a measurement has (the model,
+    its inputs' sizes, the steps, the builder).
+
+    Known limitations: the ranks run the recipe's model-side techniques, its optimizer and its
+    layout in fp32, one micro-batch per step; a recipe that names more (mixed precision,
+    offloaded states or parameters, accumulation) is refused, not measured without it."""
 
     spec: Any
     """A :class:`memfit.models.TransformerSpec`, built with the builtin backend."""
     batch: int
+    """Samples per step on each rank (a pipeline layout splits them into its micro-batches)."""
     seq: int
-    parallel: Parallel
-    optimizer: str = "adamw"
+    recipe: Recipe
+    """The step: ``recipe.parallel`` is the layout (required), ``recipe.optimizer`` the
+    optimizer, ``recipe.checkpointing`` (``"full"``, ``"selective"``) the checkpointing applied
+    to the model's blocks (``memfit.techniques.recipe.apply_techniques``)."""
     steps: int = 2
-    checkpointing: str | None = None
-    """An activation checkpointing policy (``"full"``, ``"selective"``) that :func:`build`
-    applies to the model's blocks (``memfit.techniques.checkpointing``), in the trace and in
-    the real ranks alike."""
     backend: str = "builtin"
     """The builder of :func:`memfit.models.build.build_model`: ``"builtin"`` or
     ``"transformers"`` (Hugging Face's module of the same spec)."""
+
+    def __post_init__(self) -> None:
+        r = self.recipe
+        if not isinstance(r, Recipe) or r.parallel is None:
+            raise ValueError("Case(recipe=...) takes a memfit.Recipe with a layout, e.g. "
+                             "Recipe(parallel=Parallel(gpus=2, fsdp=2))")
+        unmeasured = [name for name, off in (
+            ("precision", r.precision != "fp32"), ("accumulation", r.accumulation != 1),
+            ("offload_states", r.offload_states), ("offload_params", r.offload_params),
+            ("offload_gradients", r.offload_gradients)) if off]
+        if unmeasured:
+            raise ValueError(f"the gloo ranks do not run the recipe's {', '.join(unmeasured)}; "
+                             "measure an fp32 step of one micro-batch without offload")
+
+    @property
+    def parallel(self) -> Parallel:
+        """The layout: ``recipe.parallel``."""
+        assert self.recipe.parallel is not None  # __post_init__
+        return self.recipe.parallel
 
 
 def tiny_spec(layers: int = 2) -> Any:
@@ -81,12 +108,11 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
     from memfit.models.build import build_model, example_inputs
 
     torch.manual_seed(0)
-    model = build_model(case.spec, backend=getattr(case, "backend", "builtin"), device="cpu")
+    model = build_model(case.spec, backend=case.backend, device="cpu")
     inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
-    if getattr(case, "checkpointing", None):
-        from memfit.techniques.checkpointing import apply_activation_checkpointing
+    from memfit.techniques.recipe import apply_techniques
 
-        apply_activation_checkpointing(model, policy=case.checkpointing)
+    apply_techniques(model, case.recipe)
     return model, inputs
 
 
@@ -110,7 +136,7 @@ def _measure_case(case: Case) -> dict[str, int]:
             model, inputs = build(case)
             model = apply_model(model, case.parallel, "cpu")
             params = [p for p in model.parameters() if p.requires_grad]
-            opt = apply_optimizer(make_optimizer(case.optimizer, params, cuda_target=False),
+            opt = apply_optimizer(make_optimizer(case.recipe.optimizer, params, cuda_target=False),
                                   case.parallel)
             for step in range(case.steps):
                 with torch.profiler.record_function(STEP_MARKER):
@@ -171,7 +197,7 @@ def _measure_pipeline_case(case: Case) -> dict[str, int]:
             pipeline = build_pipeline(modules, case.parallel, case.batch, case.seq, group=group,
                                       submods=submods)
             params = [p for m in modules for p in m.parameters() if p.requires_grad]
-            opt = apply_optimizer(make_optimizer(case.optimizer, params, cuda_target=False),
+            opt = apply_optimizer(make_optimizer(case.recipe.optimizer, params, cuda_target=False),
                                   case.parallel, process_group=dp_group)
             for step in range(case.steps):
                 with torch.profiler.record_function(STEP_MARKER):
