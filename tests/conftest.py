@@ -40,6 +40,15 @@ def pytest_configure(config):
         import tempfile
 
         os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        # pytest-xdist: the cores shared out between the workers (two workers of two intra-op
+        # threads each on two cores oversubscribe OpenMP, whose spinning threads then wait on
+        # each other). Before collection: tests that size their cases by the thread count set
+        # their own (tests/trace/test_cpu_kernels_reduced.py).
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_report_header(config):

@@ -21,6 +21,19 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.trace import cpu_kernels
 
+THREADS = max(2, torch.get_num_threads())
+"""The intra-op threads every test here runs on: at least two, so that the kernels' per-thread
+blocking is exercised wherever the suite runs (pytest-xdist gives each worker one thread on a
+two-core machine: tests/conftest.py)."""
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(before)
+
 SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 CASES = [  # (batch, heads, q_len, kv_len, head_dim, causal, dtype, query as (b, s, h, d))
@@ -130,14 +143,14 @@ def _mm_cases() -> list[tuple[int, int, int, bool, bool]]:
     """(M, K, N, A column-major, B column-major) at this process's thread count: M a multiple
     of 256 x threads; K = 4096 (a power of two, where oneDNN copies A from M = 1024 on) with A
     row-major and column-major; N at its smallest (64 x threads) and not a multiple of 64."""
-    step = 256 * torch.get_num_threads()
+    step = 256 * THREADS
     big_pow2 = 2 * (-(-1024 // step) * step) + 2 * step
     return [
         (4 * step, 1536, 640, False, True),
-        (4 * step, 2048, 192 * torch.get_num_threads() + 8, False, False),
+        (4 * step, 2048, 192 * THREADS + 8, False, False),
         (big_pow2, 4096, 256, False, False),
         (4 * step, 4096, 320, True, False),
-        (5 * step, 1024, 64 * torch.get_num_threads(), True, True),
+        (5 * step, 1024, 64 * THREADS, True, True),
     ]
 
 
