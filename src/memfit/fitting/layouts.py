@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.models.anatomy import EXPERT_PARAMS, TP_PROJECTIONS, config_int
 from memfit.parallel.config import Parallel
 
 if TYPE_CHECKING:
@@ -36,8 +37,8 @@ __all__ = ["PIPELINE_SCHEDULES", "TP_SPLIT", "ModelShape", "activation_factor", 
            "model_shape", "pipeline_in_flight", "pipeline_runs", "root_split",
            "schedule_searched", "traced_step"]
 
-# The projections memfit/parallel/apply.py: apply_tp splits (Colwise / Rowwise by name).
-TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TP_SPLIT = TP_PROJECTIONS
+"""The projections memfit/parallel/apply.py: apply_tp splits (memfit.models.anatomy's)."""
 
 
 @dataclass(frozen=True)
@@ -129,15 +130,6 @@ class ModelShape:
         return block / total, root / total
 
 
-def _count(model: nn.Module, names: tuple[str, ...]) -> int | None:
-    config = getattr(model, "config", None) or getattr(model, "spec", None)
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
 def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
     """The model's shape for the layout formulas, or None when it has no repeated blocks."""
     from memfit.models.anatomy import find_blocks, model_shape
@@ -177,25 +169,21 @@ def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
             first += p.numel()
         else:
             last += p.numel()
-    hidden = _count(base, ("hidden_size", "n_embd", "d_model"))
+    hidden = config_int(base, ("hidden_size", "n_embd", "d_model"))
     from memfit.parallel.expert import moe_layers
 
     moes = moe_layers(base)
     expert_numel = sum(p.numel() for _, moe in moes for n, p in moe.named_parameters()
-                       if n.split(".")[-1] in _EXPERT_PARAMS)
+                       if n.split(".")[-1] in EXPERT_PARAMS)
     return ModelShape(heads=heads, kv_heads=kv_heads, layers=len(blocks), hidden=hidden,
                       seq=sample_seq, tp_splittable=splittable,
                       block_numels=tuple(block_numels), first_numel=first, last_numel=last,
                       pipeline_splittable=_pipeline_splittable(base),
                       sp_splittable=_sp_splittable(base),
-                      vocab=_count(base, ("vocab_size",)),
+                      vocab=config_int(base, ("vocab_size",)),
                       experts=tuple(int(moe.num_experts) for _, moe in moes),
                       top_k=max((int(moe.top_k) for _, moe in moes), default=0),
                       expert_numel=expert_numel)
-
-
-# memfit/parallel/expert.py: _EXPERT_PARAMS (the stacked expert weights ep splits on dim 0).
-_EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
 
 
 def _sp_splittable(base: nn.Module) -> bool:

@@ -14,7 +14,20 @@ from torch import nn
 
 from memfit.errors import MemfitError, suggest
 
-__all__ = ["find_blocks", "model_shape", "replace_module"]
+__all__ = ["COLWISE_PROJECTIONS", "EXPERT_PARAMS", "ROWWISE_PROJECTIONS", "TP_PROJECTIONS",
+           "config_int", "find_blocks", "model_shape", "replace_module"]
+
+COLWISE_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+"""The linear projections of a block that tensor parallelism splits by output features
+(``ColwiseParallel``): the attention's query, key and value, the MLP's gate and up."""
+ROWWISE_PROJECTIONS = ("o_proj", "down_proj")
+"""The projections split by input features (``RowwiseParallel``): attention output, MLP down."""
+TP_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every projection memfit's tensor parallelism splits (:data:`COLWISE_PROJECTIONS` and
+:data:`ROWWISE_PROJECTIONS`, in a block's order)."""
+EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
+"""The builtin MoE's stacked expert parameters (dim 0: the expert), which expert parallelism
+splits; the router stays replicated."""
 
 
 def find_blocks(model: nn.Module,
@@ -87,14 +100,23 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _count(model: nn.Module, config_names: tuple[str, ...], attr: str) -> int | None:
-    """A head count from the model's config, else from a module's own attribute (memfit's
-    builtin Attention: ``num_heads``, ``num_kv_heads``)."""
-    config = getattr(model, "config", None)
-    for name in config_names:
+def config_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` that the model's config (a transformers ``config``, or memfit's
+    builtin ``spec``) holds as an integer; None where it holds none."""
+    config = getattr(model, "config", None) or getattr(model, "spec", None)
+    for name in names:
         value = getattr(config, name, None)
         if isinstance(value, int):
             return value
+    return None
+
+
+def _count(model: nn.Module, config_names: tuple[str, ...], attr: str) -> int | None:
+    """A head count from the model's config, else from a module's own attribute (memfit's
+    builtin Attention: ``num_heads``, ``num_kv_heads``)."""
+    value = config_int(model, config_names)
+    if value is not None:
+        return value
     return next((getattr(m, attr) for m in model.modules()
                  if isinstance(getattr(m, attr, None), int)), None)
 

@@ -117,15 +117,13 @@ def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = Non
         SequenceParallel,
     )
 
-    from memfit.models.anatomy import find_blocks
+    from memfit.models.anatomy import COLWISE_PROJECTIONS, ROWWISE_PROJECTIONS, find_blocks
     from memfit.parallel.hf_pipeline import attention_input, is_hf_attention
 
     sp = parallel.sp
     row_out = {"output_layouts": Shard(1)} if sp else {}
-    plan_names = {"q_proj": ColwiseParallel, "k_proj": ColwiseParallel,
-                  "v_proj": ColwiseParallel, "o_proj": RowwiseParallel,
-                  "gate_proj": ColwiseParallel, "up_proj": ColwiseParallel,
-                  "down_proj": RowwiseParallel}
+    plan_names = ({n: ColwiseParallel for n in COLWISE_PROJECTIONS}
+                  | {n: RowwiseParallel for n in ROWWISE_PROJECTIONS})
     plan: dict[str, Any] = {}
     for name in find_blocks(model) if blocks is None else blocks:
         block = model.get_submodule(name)

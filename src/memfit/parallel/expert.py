@@ -54,11 +54,9 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.models.anatomy import EXPERT_PARAMS
 from memfit.models.builtin_layers import MoE
 from memfit.parallel.config import Parallel
-
-_EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
-"""The builtin MoE's stacked expert parameters (dim 0: the expert); the router stays replicated."""
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -138,7 +136,7 @@ class Experts(nn.Module):
     def __init__(self, act: nn.Module) -> None:
         super().__init__()
         self.act = act
-        for attr in _EXPERT_PARAMS:
+        for attr in EXPERT_PARAMS:
             setattr(self, attr, None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -161,7 +159,7 @@ def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Modul
             continue
         local = moe.num_experts // ep
         experts = Experts(moe.act)
-        for attr in _EXPERT_PARAMS:
+        for attr in EXPERT_PARAMS:
             param = getattr(moe, attr, None)
             delattr(moe, attr)
             if param is not None:  # this rank's experts, a tensor of their own
