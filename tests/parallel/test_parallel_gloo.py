@@ -54,3 +54,34 @@ def test_a_finished_rank_skips_the_teardown() -> None:
     with tempfile.TemporaryDirectory() as out:
         spawn(_aborts_at_exit, 2, out)
         assert [Path(out, str(r)).read_text() for r in range(2)] == ["done", "done"]
+
+
+def _env_and_raise(rank: int, world: int, out: str) -> None:
+    import os
+
+    Path(out, str(rank)).write_text(os.environ.get("MEMFIT_GLOO_TEST", "unset"))
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+
+
+def test_forkserver_ranks_take_the_callers_environment_and_report_their_traceback(
+        capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank forked from the fork server has the server's environment and streams: spawn gives
+    it the caller's environment at the call, and the parent prints its traceback."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_sum_ranks, 2, out, start_method="forkserver")  # the server starts here
+        monkeypatch.setenv("MEMFIT_GLOO_TEST", "set after the server started")
+        capfd.readouterr()
+        with pytest.raises(mp.ProcessExitedException, match="exit code 1"):
+            spawn(_env_and_raise, 2, out, start_method="forkserver")
+        assert [Path(out, str(r)).read_text() for r in range(2)] == [
+            "set after the server started"] * 2
+    err = capfd.readouterr().err
+    assert "[rank1] Traceback" in err and "rank 1 fails on purpose" in err
+
+
+def test_an_unknown_start_method_is_refused() -> None:
+    with pytest.raises(ValueError, match="'spawn' or 'forkserver'"):
+        spawn(_sum_ranks, 2, "/nonexistent", start_method="fork")
