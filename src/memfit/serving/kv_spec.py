@@ -220,8 +220,8 @@ def _layer_kinds(cfg: _Cfg, num_layers: int) -> list[str]:
     if mt == "gemma2":  # Gemma2Config.layer_types: even layers sliding
         return ["sliding" if (i + 1) % 2 else "full" for i in range(num_layers)]
     if mt in ("gemma3_text", "gemma3"):  # Gemma3TextConfig: sliding_window_pattern (6)
-        pattern = cfg.int_("sliding_window_pattern", 6)
-        return ["sliding" if (i + 1) % pattern else "full" for i in range(num_layers)]
+        every = cfg.int_("sliding_window_pattern", 6)
+        return ["sliding" if (i + 1) % every else "full" for i in range(num_layers)]
     if mt in _QWEN_WINDOWED:
         # Qwen2Config.layer_types: sliding_window only with use_sliding_window, from
         # max_window_layers on

@@ -24,6 +24,7 @@ from memfit.serving.vllm import (
     VLLM_VERSION,
     EngineLayerSpec,
     KVCacheGroup,
+    SpecKind,
     bytes_per_block,
     fits,
     kv_cache_groups,
@@ -116,7 +117,9 @@ def vllm_layer_specs(layers: list[LayerKV], *, block_size: int,
             spec = EngineLayerSpec(kind="mamba", block_size=max_model_len,
                                    state_bytes=layer.state_bytes)
         else:
-            spec = EngineLayerSpec(kind=layer.kind, block_size=block_size,
+            kind: SpecKind = "mla" if layer.kind == "mla" else \
+                "sliding" if layer.kind == "sliding" else "full"
+            spec = EngineLayerSpec(kind=kind, block_size=block_size,
                                    num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
                                    head_size_v=layer.head_size_v, dtype_bytes=layer.dtype_bytes,
                                    sliding_window=layer.sliding_window)
@@ -267,8 +270,7 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int, t
     groups = kv_cache_groups(indices, specs)
     blocks = num_gpu_blocks(groups, kv_cache_memory)
     in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens
-    kw = {"max_in_flight_tokens": in_flight}
-    concurrency = max_concurrency(groups, blocks, max_model_len, **kw)
+    concurrency = max_concurrency(groups, blocks, max_model_len, max_in_flight_tokens=in_flight)
     return ServePlan(
         engine="vllm", engine_version=VLLM_VERSION, model=name, tp=tp,
         kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
@@ -277,9 +279,10 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int, t
         bytes_per_block=bytes_per_block(groups) if groups else 0, num_gpu_blocks=blocks,
         kv_cache_tokens=kv_cache_tokens(concurrency, max_model_len),
         max_concurrency=concurrency,
-        request_bytes=max_memory_usage_bytes(groups, max_model_len, **kw),
-        fits=fits(groups, kv_cache_memory, max_model_len, **kw),
+        request_bytes=max_memory_usage_bytes(groups, max_model_len,
+                                             max_in_flight_tokens=in_flight),
+        fits=fits(groups, kv_cache_memory, max_model_len, max_in_flight_tokens=in_flight),
         max_model_len_that_fits=max_model_len_that_fits(
-            groups, kv_cache_memory, context or max_model_len, **kw),
+            groups, kv_cache_memory, context or max_model_len, max_in_flight_tokens=in_flight),
         model_context=context)
 

@@ -39,7 +39,8 @@ from typing import Literal
 
 from memfit.errors import MemfitError
 
-__all__ = ["VLLM_SOURCE", "VLLM_VERSION", "EngineLayerSpec", "KVCacheGroup", "bytes_per_block",
+__all__ = ["VLLM_SOURCE", "VLLM_VERSION", "EngineLayerSpec", "KVCacheGroup", "SpecKind",
+           "bytes_per_block",
            "fits", "kv_cache_groups", "kv_cache_tokens", "max_concurrency",
            "max_memory_usage_bytes", "max_model_len_that_fits", "num_gpu_blocks"]
 
