@@ -54,3 +54,15 @@ def test_bad_input_is_one_line_exit_2(capsys, argv: list[str], words: str) -> No
     assert code == 2
     assert words in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_no_async_scheduling_keeps_one_batch_in_flight(capsys) -> None:
+    argv = ["serve-plan", "mistral-7b", "--kv-cache-memory", "4GiB", "--json"]
+    _, out, _ = run(capsys, *argv)
+    _, out_sync, _ = run(capsys, *argv, "--no-async-scheduling")
+    two, one = json.loads(out), json.loads(out_sync)
+    assert (two["max_in_flight_tokens"], one["max_in_flight_tokens"]) == (16384, 8192)
+    blocks = 4 * 2**30 // (32 * 65536)
+    # a 4096-token window over 32768 tokens: cdiv(4095 + in flight, 16) + 1 blocks per layer
+    assert two["max_concurrency"] == round(blocks / (1280 + 1), 2)
+    assert one["max_concurrency"] == round(blocks / (768 + 1), 2)
