@@ -8,6 +8,7 @@ import pytest
 from memfit.errors import MemfitError
 from memfit.serving import (
     EngineLayerSpec,
+    align_hybrid_block_size,
     bytes_per_block,
     fits,
     kv_cache_groups,
@@ -243,3 +244,39 @@ def test_serve_plan_refuses_what_vllm_refuses() -> None:
             "sliding_window": 4096, "max_window_layers": 2, "max_position_embeddings": 32768}
     with pytest.raises(MemfitError, match="max_window_layers == num_hidden_layers"):
         serve_plan(qwen, kv_cache_memory=GiB)
+
+
+QWEN3_NEXT = {"model_type": "qwen3_next", "hidden_size": 2048, "num_attention_heads": 16,
+              "num_key_value_heads": 2, "head_dim": 256, "num_hidden_layers": 8,
+              "full_attention_interval": 4, "linear_num_key_heads": 16,
+              "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+              "torch_dtype": "bfloat16", "max_position_embeddings": 32768}
+
+
+def test_hybrid_attention_block_grows_to_hold_a_state() -> None:
+    # attention: 2 heads x (256 + 256) x 2 B = 2048 B per token; a GDN state is 1097728 B:
+    # 16 x cdiv(1097728, 16 x 2048) = 16 x 34 = 544 tokens per block
+    assert align_hybrid_block_size(2048, 1097728, 16) == (544, 544 * 2048)
+    # a block already large enough stays; an exact fit pads nothing
+    assert align_hybrid_block_size(2048, 1097728, 1024) == (1024, 1024 * 2048)
+    assert align_hybrid_block_size(2048, 16 * 2048, 16) == (16, None)
+
+
+def test_serve_plan_hybrid_gdn_without_prefix_caching() -> None:
+    p = serve_plan(QWEN3_NEXT, kv_cache_memory=GiB, prefix_caching=False)
+    assert p.block_size == 544
+    # 6 state layers + 2 full: group size 2, three state groups, layers[i::3]
+    assert [(g.spec.kind, g.layers) for g in p.groups] == [
+        ("mamba", (0, 4)), ("mamba", (1, 5)), ("mamba", (2, 6)), ("full", (3, 7))]
+    page = 544 * 2048  # the state padded to the attention page
+    assert {g.page_size_bytes for g in p.groups} == {page}
+    assert p.num_gpu_blocks == GiB // (2 * page) == 481
+    # one request: cdiv(32768, 544) = 61 attention blocks + one state block per state group
+    assert p.max_concurrency == 481 / (61 + 3)
+    assert p.kv_cache_tokens == int(481 / 64 * 32768)
+
+
+def test_serve_plan_hybrid_needs_no_prefix_caching_for_now() -> None:
+    with pytest.raises(MemfitError, match="--no-prefix-caching"):
+        serve_plan(QWEN3_NEXT, kv_cache_memory=GiB)

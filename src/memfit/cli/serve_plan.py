@@ -33,6 +33,9 @@ def register(sub: Any) -> None:
                    "moves sliding-window layers' per-request most only")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="one batch in flight instead of vLLM's default two")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="vLLM's --no-enable-prefix-caching (needed for hybrid Mamba models "
+                   "in this version of serve-plan)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -57,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=positive_int(args.max_model_len, "--max-model-len"),
         max_num_batched_tokens=positive_int(args.max_num_batched_tokens,
                                             "--max-num-batched-tokens") or 8192,
-        async_scheduling=not args.no_async_scheduling)
+        async_scheduling=not args.no_async_scheduling,
+        prefix_caching=not args.no_prefix_caching)
     if args.json:
         print_json(plan.to_json())
         return 0

@@ -25,6 +25,7 @@ from memfit.serving.vllm import (
     EngineLayerSpec,
     KVCacheGroup,
     SpecKind,
+    align_hybrid_block_size,
     bytes_per_block,
     fits,
     kv_cache_groups,
@@ -100,8 +101,9 @@ def load_config(model: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, A
     return spec.name, config
 
 
-def vllm_layer_specs(layers: list[LayerKV], *, block_size: int,
-                     max_model_len: int) -> tuple[list[int], list[EngineLayerSpec]]:
+def vllm_layer_specs(layers: list[LayerKV], *, block_size: int, max_model_len: int,
+                     mamba_page_padded: int | None = None,
+                     ) -> tuple[list[int], list[EngineLayerSpec]]:
     """The layers vLLM allocates cache for and their specs
     (``vllm/v1/worker/gpu_model_runner.py: GPUModelRunner.get_kv_cache_spec``): a layer with
     a ``kv_sharing_target_layer_name`` (Gemma 3n's shared layers) gets none; attention layers
@@ -114,8 +116,11 @@ def vllm_layer_specs(layers: list[LayerKV], *, block_size: int,
         if layer.kind == "shared":
             continue
         if layer.kind in ("mamba", "linear"):
+            # mamba_block_size is max_model_len without prefix caching
+            # (vllm/model_executor/models/config.py: MambaModelConfig)
             spec = EngineLayerSpec(kind="mamba", block_size=max_model_len,
-                                   state_bytes=layer.state_bytes)
+                                   state_bytes=layer.state_bytes,
+                                   page_size_padded=mamba_page_padded)
         else:
             kind: SpecKind = "mla" if layer.kind == "mla" else \
                 "sliding" if layer.kind == "sliding" else "full"
@@ -134,8 +139,7 @@ class ServePlan:
 
     Known limitations: this part takes the KV budget as given (vLLM's ``--kv-cache-memory``);
     the weights, profile-run activations, memory outside torch and CUDA graphs are a later part
-    (None here). Hybrid Mamba models' block-size alignment is not modelled yet: their plan is
-    refused.
+    (None here). Hybrid Mamba models are planned without prefix caching only.
     """
 
     engine: str
@@ -222,7 +226,7 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int, t
                kv_cache_dtype: str = "auto", block_size: int = 16,
                max_model_len: int | None = None,
                max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-               async_scheduling: bool = True) -> ServePlan:
+               async_scheduling: bool = True, prefix_caching: bool = True) -> ServePlan:
     """vLLM's KV pool for ``model`` with ``--kv-cache-memory kv_cache_memory`` on each GPU.
 
     >>> p = serve_plan("llama-3-8b", kv_cache_memory=2**30)  # 1 GiB, 2 MiB blocks
@@ -233,7 +237,11 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int, t
     as vLLM refuses it. ``async_scheduling`` (vLLM's default, ``vllm/config/vllm.py:
     VllmConfig.__post_init__``) keeps two batches in flight (``max_concurrent_batches``), so a
     sliding-window layer holds ``2 x max_num_batched_tokens`` tokens past its window
-    (``VllmConfig.max_in_flight_tokens``). Bad input raises MemfitError (one line).
+    (``VllmConfig.max_in_flight_tokens``). A hybrid Mamba / linear-attention model is planned
+    with ``prefix_caching=False`` only (``mamba_cache_mode`` ``none``): the attention block
+    grows until its page holds a Mamba state (:func:`~memfit.serving.vllm.
+    align_hybrid_block_size`), so ``block_size`` in the plan may exceed the one given. Bad
+    input raises MemfitError (one line).
     """
     if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) \
             or kv_cache_memory < 0:
@@ -254,19 +262,29 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int, t
             f"--max-model-len {max_model_len} is above {name}'s context of {context} tokens; "
             "vLLM refuses it (vllm/config/model.py: _get_and_verify_max_len) unless "
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; pass --max-model-len <= " + str(context))
-    if any(layer.kind in ("mamba", "linear") for layer in layers):
-        raise MemfitError(f"{name} has Mamba / linear-attention layers: their KV spec is "
-                          "computed (memfit.serving.kv_spec) but vLLM's hybrid block-size "
-                          "alignment (vllm/platforms/interface.py: "
-                          "Platform._align_hybrid_block_size) is not modelled yet (issue 22, "
-                          "a later part)")
+    states = [layer for layer in layers if layer.kind in ("mamba", "linear")]
+    mamba_padded = None
+    if states:
+        if prefix_caching:
+            raise MemfitError(
+                f"{name} has Mamba / linear-attention layers: with prefix caching (vLLM's "
+                "default) their mamba_cache_mode is 'align', whose prefill-checkpoint block "
+                "alignment is not modelled yet (vllm/model_executor/models/config.py: "
+                "MambaModelConfig); pass --no-prefix-caching (vLLM's --no-enable-prefix-caching)")
+        attn = [layer for layer in layers if layer.kind in ("full", "sliding", "mla")]
+        if not attn or any(layer.kind == "mla" for layer in attn):
+            raise MemfitError(f"{name}: hybrid models without attention layers, or with MLA, "
+                              "are not modelled yet")
+        block_size, mamba_padded = align_hybrid_block_size(
+            attn[0].bytes_per_token, max(layer.state_bytes for layer in states), block_size)
     kinds = {layer.kind for layer in layers}
     if str(text_config(config).get("model_type")) in _QWEN2_MODELS and \
             {"sliding", "full"} <= kinds:
         raise MemfitError(f"{name} uses sliding windows on some layers only; vLLM refuses it "
                           "(vllm/model_executor/models/qwen2.py: Qwen2Model asserts "
                           "max_window_layers == num_hidden_layers)")
-    indices, specs = vllm_layer_specs(layers, block_size=block_size, max_model_len=max_model_len)
+    indices, specs = vllm_layer_specs(layers, block_size=block_size, max_model_len=max_model_len,
+                                      mamba_page_padded=mamba_padded)
     groups = kv_cache_groups(indices, specs)
     blocks = num_gpu_blocks(groups, kv_cache_memory)
     in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens

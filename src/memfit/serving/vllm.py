@@ -40,7 +40,7 @@ from typing import Literal
 from memfit.errors import MemfitError
 
 __all__ = ["VLLM_SOURCE", "VLLM_VERSION", "EngineLayerSpec", "KVCacheGroup", "SpecKind",
-           "bytes_per_block",
+           "align_hybrid_block_size", "bytes_per_block",
            "fits", "kv_cache_groups", "kv_cache_tokens", "max_concurrency",
            "max_memory_usage_bytes", "max_model_len_that_fits", "num_gpu_blocks"]
 
@@ -242,6 +242,30 @@ def kv_cache_groups(layers: Sequence[int], specs: Sequence[EngineLayerSpec]) -> 
             part = members[i::n_groups]
             groups.append(KVCacheGroup(layers=tuple(part), specs=(spec,) * len(part)))
     return groups
+
+
+def align_hybrid_block_size(attn_bytes_per_token: int, mamba_page: int, block_size: int, *,
+                            kernel_block: int = 16) -> tuple[int, int | None]:
+    """A hybrid attention/Mamba model's attention block size and padded Mamba page
+    (``vllm/platforms/interface.py: Platform._align_hybrid_block_size``, with
+    ``mamba_cache_mode`` ``none``): the smallest multiple of the kernel alignment
+    (``max(kernel_block, block_size)``) whose attention page holds the Mamba state, rounded up
+    to a multiple of ``kernel_block``; ``--block-size`` grows to it when smaller (vllm #54458),
+    and the Mamba page is padded to the attention page.
+
+    ``kernel_block`` is the attention backend's smallest kernel block: 16 for FlashAttention
+    (``flash_attn.py: get_supported_kernel_block_sizes``, ``MultipleOf(16)``; its FA4 head-dim-
+    256 and fp8 variants on SM90+ differ).
+
+    >>> align_hybrid_block_size(2048, 1097728, 16)  # Qwen3-Next-like: 16 x cdiv(1097728, 32768)
+    (544, 1114112)
+    """
+    alignment = max(kernel_block, block_size)
+    attn_block = alignment * cdiv(mamba_page, alignment * attn_bytes_per_token)
+    attn_block = kernel_block * cdiv(attn_block, kernel_block)
+    block_size = max(block_size, attn_block)
+    attn_page = block_size * attn_bytes_per_token
+    return block_size, (None if attn_page == mamba_page else attn_page)
 
 
 def bytes_per_block(groups: Sequence[KVCacheGroup]) -> int:
