@@ -45,6 +45,7 @@ _SOURCES: dict[str, str] = {
     "plan": "memfit.analytic.planner",
     "profile": "memfit.profiling.session",
     "resolve_model": "memfit.models",
+    "serve_plan": "memfit.serving",
     "trace_recipe": "memfit.parallel.recipe",  # the recipe's techniques, then memfit.estimate
     "watch": "memfit.monitor",
 }
@@ -77,6 +78,7 @@ __all__ = [
     "plan",
     "profile",
     "resolve_model",
+    "serve_plan",
     "trace_recipe",
     "watch",
 ]
@@ -113,4 +115,5 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.parallel.trace import estimate
     from memfit.profiling.session import profile
     from memfit.recipe import Recipe
+    from memfit.serving import serve_plan
     from memfit.trace import Estimate

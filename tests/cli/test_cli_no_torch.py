@@ -93,6 +93,8 @@ def test_analytic_cli_paths_import_neither_torch_nor_transformers(tmp_path: Path
         ["plan", str(config), "--gpu", "h100-80gb"],
         ["plan", str(config), "--json"],
         ["plan", str(folder), "--gpu", "h100-80gb"],
+        ["serve-plan", "gemma-3-1b", "--kv-cache-memory", "1GiB"],
+        ["serve-plan", "deepseek-v3", "--kv-cache-memory", "8GiB", "--tp", "8", "--json"],
         ["plan", "llama-9-8b"],  # a usage error (exit 2) stays light too
     ]
     results = _run_cli(commands)

@@ -40,7 +40,17 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from memfit import __version__
-    from memfit.cli import export, fit, gpus, models, monitor, plan, profile, validate
+    from memfit.cli import (
+        export,
+        fit,
+        gpus,
+        models,
+        monitor,
+        plan,
+        profile,
+        serve_plan,
+        validate,
+    )
 
     parser = _Parser(prog="memfit", description="Predict, measure and reduce the GPU memory of "
                      "PyTorch training and inference.")
@@ -54,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     monitor.register(sub)
     validate.register(sub)
     export.register(sub)
+    serve_plan.register(sub)
     return parser
 
 

@@ -1,0 +1,59 @@
+"""Serving: size an inference engine's KV cache before launch, layer by layer (issue 22).
+
+:func:`kv_spec` reads each decoder layer's cache from a transformers config (full, sliding,
+MLA, Mamba / linear state, shared-KV; per TP rank, in the KV dtype); :mod:`memfit.serving.vllm`
+restates vLLM's paging (pages, KV cache groups, blocks, tokens, concurrency) with each rule's
+source named; :func:`serve_plan` puts them together for a KV budget in bytes (vLLM's
+``--kv-cache-memory``). Torch-free: the analytic CLI answers without importing torch.
+"""
+
+from memfit.serving.kv_spec import (
+    KV_DTYPES,
+    LayerKV,
+    kv_spec,
+    model_context_length,
+    model_dtype_bytes,
+    text_config,
+)
+from memfit.serving.plan import ServePlan, load_config, serve_plan, vllm_layer_specs
+from memfit.serving.vllm import (
+    VLLM_SOURCE,
+    VLLM_VERSION,
+    EngineLayerSpec,
+    KVCacheGroup,
+    align_hybrid_block_size,
+    bytes_per_block,
+    fits,
+    kv_cache_groups,
+    kv_cache_tokens,
+    max_concurrency,
+    max_memory_usage_bytes,
+    max_model_len_that_fits,
+    num_gpu_blocks,
+)
+
+__all__ = [
+    "KV_DTYPES",
+    "VLLM_SOURCE",
+    "VLLM_VERSION",
+    "EngineLayerSpec",
+    "KVCacheGroup",
+    "LayerKV",
+    "ServePlan",
+    "align_hybrid_block_size",
+    "bytes_per_block",
+    "fits",
+    "kv_cache_groups",
+    "kv_cache_tokens",
+    "kv_spec",
+    "load_config",
+    "max_concurrency",
+    "max_memory_usage_bytes",
+    "max_model_len_that_fits",
+    "model_context_length",
+    "model_dtype_bytes",
+    "num_gpu_blocks",
+    "serve_plan",
+    "text_config",
+    "vllm_layer_specs",
+]

@@ -1,0 +1,306 @@
+"""``serve_plan``: a model's KV cache as vLLM pages it, from a KV budget in bytes.
+
+This is the part of issue 22 that stands on its own: vLLM's ``--kv-cache-memory BYTES`` sizes the
+KV pool from the bytes given, with no profile run (``vllm/v1/worker/gpu_worker.py:
+determine_available_memory`` returns ``kv_cache_memory_bytes`` as it is), so the blocks, tokens
+and concurrency vLLM logs follow from the model's layers and the flags alone. The weights, the
+profile run's activation peak, the memory outside torch and the CUDA-graph pool (needed to
+*choose* the budget from ``--gpu-memory-utilization``) come in a later part: their ``--json``
+keys are present and null.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import MemfitError, read_json_file
+from memfit.serving.kv_spec import LayerKV, kv_spec, model_context_length, text_config
+from memfit.serving.vllm import (
+    VLLM_SOURCE,
+    VLLM_VERSION,
+    EngineLayerSpec,
+    KVCacheGroup,
+    SpecKind,
+    align_hybrid_block_size,
+    bytes_per_block,
+    fits,
+    kv_cache_groups,
+    kv_cache_tokens,
+    max_concurrency,
+    max_memory_usage_bytes,
+    max_model_len_that_fits,
+    num_gpu_blocks,
+)
+
+__all__ = ["ServePlan", "load_config", "serve_plan", "vllm_layer_specs"]
+
+_QWEN2_MODELS = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+_LATER = ("weights_bytes", "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes")
+
+# The sliding windows of the presets whose config.json has them (their TransformerSpec keeps
+# the shapes only). Values from each model's config.json on the Hub.
+_PRESET_WINDOWS: dict[str, dict[str, Any]] = {
+    "gemma-2-9b": {"sliding_window": 4096},
+    "gemma-3-1b": {"sliding_window": 512},
+    "gemma-3-4b": {"sliding_window": 1024},
+    "gemma-3-12b": {"sliding_window": 1024},
+    "gemma-3-27b": {"sliding_window": 1024},
+    "mistral-7b": {"sliding_window": 4096},
+    "phi-3-mini": {"sliding_window": 2047},
+}
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+"""``vllm serve``'s default ``max_num_batched_tokens`` on an H100 or H200 (70 GiB or more, not an
+A100: ``vllm/engine/arg_utils.py: EngineArgs.get_batch_defaults``, ``OPENAI_API_SERVER``;
+2048 on smaller GPUs and A100s, 16384 from 160 GiB). Only sliding-window layers' per-request
+most depends on it."""
+
+
+def load_config(model: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A model's name and its transformers config dict: a dict as given; a ``config.json`` (or
+    its folder); a hub id in the local cache; or a preset (its shapes written as a config)."""
+    if isinstance(model, Mapping):
+        return str(model.get("_name_or_path") or model.get("model_type") or "config"), \
+            dict(model)
+    from memfit.models import (
+        HFModelSpec,
+        TransformerSpec,
+        cached_snapshot,
+        is_preset,
+        resolve_model,
+    )
+    from memfit.models.hub import looks_like_hub_id
+
+    text = str(model).strip()
+    path = Path(text).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if not path.is_file() and looks_like_hub_id(text) and not is_preset(text):
+        path = cached_snapshot(text) / "config.json"
+    if path.is_file():
+        data = read_json_file(path, what="config file", fix="pass a Hugging Face config.json")
+        if not isinstance(data, dict):
+            raise MemfitError(f"{path}: expected a JSON object; pass a Hugging Face config.json")
+        return text, data
+    spec = resolve_model(text)  # a preset, or a MemfitError naming the closest ones
+    if isinstance(spec, HFModelSpec):
+        return spec.name, dict(spec.config)
+    assert isinstance(spec, TransformerSpec)
+    if spec.arch != "decoder":
+        raise MemfitError(f"{spec.name} is an {spec.arch} model; serve-plan sizes a decoder's "
+                          "KV cache (pass a causal LM)")
+    config = {"model_type": spec.family, "hidden_size": spec.hidden_size,
+              "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+              "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+              "max_position_embeddings": spec.max_position_embeddings or None,
+              "torch_dtype": "bfloat16", **_PRESET_WINDOWS.get(spec.name, {})}
+    return spec.name, config
+
+
+def vllm_layer_specs(layers: list[LayerKV], *, block_size: int, max_model_len: int,
+                     mamba_page_padded: int | None = None,
+                     ) -> tuple[list[int], list[EngineLayerSpec]]:
+    """The layers vLLM allocates cache for and their specs
+    (``vllm/v1/worker/gpu_model_runner.py: GPUModelRunner.get_kv_cache_spec``): a layer with
+    a ``kv_sharing_target_layer_name`` (Gemma 3n's shared layers) gets none; attention layers
+    ``Attention.get_kv_cache_spec`` (``vllm/model_executor/layers/attention/attention.py``: a
+    sliding layer's block is ``--block-size`` when the backend runs it unsplit) or
+    ``MLAAttention.get_kv_cache_spec`` (``mla_attention.py``: one head of
+    ``kv_lora_rank + qk_rope_head_dim``); a Mamba / linear layer one state page."""
+    indices, specs = [], []
+    for layer in layers:
+        if layer.kind == "shared":
+            continue
+        if layer.kind in ("mamba", "linear"):
+            # mamba_block_size is max_model_len without prefix caching
+            # (vllm/model_executor/models/config.py: MambaModelConfig)
+            spec = EngineLayerSpec(kind="mamba", block_size=max_model_len,
+                                   state_bytes=layer.state_bytes,
+                                   page_size_padded=mamba_page_padded)
+        else:
+            kind: SpecKind = "mla" if layer.kind == "mla" else \
+                "sliding" if layer.kind == "sliding" else "full"
+            spec = EngineLayerSpec(kind=kind, block_size=block_size,
+                                   num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
+                                   head_size_v=layer.head_size_v, dtype_bytes=layer.dtype_bytes,
+                                   sliding_window=layer.sliding_window)
+        indices.append(layer.index)
+        specs.append(spec)
+    return indices, specs
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServePlan:
+    """What vLLM does with a KV budget of ``kv_cache_bytes`` on each GPU of the TP group.
+
+    Known limitations: this part takes the KV budget as given (vLLM's ``--kv-cache-memory``);
+    the weights, profile-run activations, memory outside torch and CUDA graphs are a later part
+    (None here). Hybrid Mamba models are planned without prefix caching only.
+    """
+
+    engine: str
+    engine_version: str
+    model: str
+    tp: int
+    kv_cache_dtype: str
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_in_flight_tokens: int
+    kv_cache_bytes: int
+    layers: tuple[LayerKV, ...]
+    groups: tuple[KVCacheGroup, ...]
+    bytes_per_block: int
+    """One block over every layer sharing it (the pool's unit)."""
+    num_gpu_blocks: int
+    kv_cache_tokens: int
+    max_concurrency: float
+    request_bytes: int
+    """The bytes one request of ``max_model_len`` tokens needs (vLLM's startup check)."""
+    fits: bool
+    """Whether vLLM starts: one request of ``max_model_len`` fits beside the null block
+    (``kv_cache_planning.py: _check_enough_kv_cache_memory``); else it raises at startup."""
+    max_model_len_that_fits: int
+    model_context: int | None
+    source: str = VLLM_SOURCE
+
+    @property
+    def log_line(self) -> str:
+        """The line vLLM logs at startup for this budget, formatted as it formats it
+        (``vllm/v1/core/kv_cache_utils.py: update_kv_cache_capacity``)."""
+        return (f"GPU KV cache size: {self.kv_cache_tokens:,} tokens, Maximum concurrency for "
+                f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x")
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable ``--json`` keys (bytes as integers); the profile-run keys are null."""
+        out: dict[str, Any] = {
+            "engine": self.engine, "engine_version": self.engine_version, "model": self.model,
+            "tp": self.tp, "kv_cache_dtype": self.kv_cache_dtype, "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_in_flight_tokens": self.max_in_flight_tokens,
+            **{k: None for k in _LATER},
+            "kv_cache_bytes": self.kv_cache_bytes, "kv_cache_tokens": self.kv_cache_tokens,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "max_concurrency": round(self.max_concurrency, 2),
+            "max_model_len_that_fits": self.max_model_len_that_fits,
+            "bytes_per_block": self.bytes_per_block, "request_bytes": self.request_bytes,
+            "fits": self.fits, "log_line": self.log_line,
+            "kv_cache_groups": [_group_json(g) for g in self.groups],
+            "layers": [_layer_json(layer) for layer in self.layers],
+            "note": ("weights, activation peak, memory outside torch and CUDA graphs come in a "
+                     "later part: their keys are null; the KV budget is --kv-cache-memory"),
+            "source": self.source,
+        }
+        return out
+
+
+def _group_json(g: KVCacheGroup) -> dict[str, Any]:
+    s = g.spec
+    return {"kind": "uniform_type" if g.uniform_type else s.kind, "layers": list(g.layers),
+            "block_size": g.block_size, "page_size_bytes": g.page_size_bytes,
+            "num_kv_heads": s.num_kv_heads, "head_size": s.head_size,
+            "dtype_bytes": s.dtype_bytes, "sliding_window": s.sliding_window}
+
+
+def _layer_json(layer: LayerKV) -> dict[str, Any]:
+    out = {k: v for k, v in dataclasses.asdict(layer).items()
+           if v not in (None, (), 0, False) or k in ("index", "kind")}
+    out["bytes_per_token"] = layer.bytes_per_token
+    if layer.kind in ("mamba", "linear"):
+        out["state_bytes"] = layer.state_bytes
+    return out
+
+
+def _positive(value: Any, flag: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise MemfitError(f"{flag} must be a positive integer, got {value!r}")
+    return value
+
+
+def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int, tp: int = 1,
+               kv_cache_dtype: str = "auto", block_size: int = 16,
+               max_model_len: int | None = None,
+               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+               async_scheduling: bool = True, prefix_caching: bool = True) -> ServePlan:
+    """vLLM's KV pool for ``model`` with ``--kv-cache-memory kv_cache_memory`` on each GPU.
+
+    >>> p = serve_plan("llama-3-8b", kv_cache_memory=2**30)  # 1 GiB, 2 MiB blocks
+    >>> p.num_gpu_blocks, p.kv_cache_tokens
+    (512, 8192)
+
+    ``max_model_len`` defaults to the model's context (as vLLM derives it); above it is refused,
+    as vLLM refuses it. ``async_scheduling`` (vLLM's default, ``vllm/config/vllm.py:
+    VllmConfig.__post_init__``) keeps two batches in flight (``max_concurrent_batches``), so a
+    sliding-window layer holds ``2 x max_num_batched_tokens`` tokens past its window
+    (``VllmConfig.max_in_flight_tokens``). A hybrid Mamba / linear-attention model is planned
+    with ``prefix_caching=False`` only (``mamba_cache_mode`` ``none``): the attention block
+    grows until its page holds a Mamba state (:func:`~memfit.serving.vllm.
+    align_hybrid_block_size`), so ``block_size`` in the plan may exceed the one given. Bad
+    input raises MemfitError (one line).
+    """
+    if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) \
+            or kv_cache_memory < 0:
+        raise MemfitError(f"--kv-cache-memory must be a number of bytes >= 0, got "
+                          f"{kv_cache_memory!r}")
+    block_size = _positive(block_size, "--block-size")
+    max_num_batched_tokens = _positive(max_num_batched_tokens, "--max-num-batched-tokens")
+    name, config = load_config(model)
+    layers = kv_spec(config, tp=tp, kv_cache_dtype=kv_cache_dtype)
+    context = model_context_length(config)
+    if max_model_len is None:
+        if context is None:
+            raise MemfitError(f"{name}: the config gives no context length; pass --max-model-len")
+        max_model_len = context
+    max_model_len = _positive(max_model_len, "--max-model-len")
+    if context is not None and max_model_len > context:
+        raise MemfitError(
+            f"--max-model-len {max_model_len} is above {name}'s context of {context} tokens; "
+            "vLLM refuses it (vllm/config/model.py: _get_and_verify_max_len) unless "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; pass --max-model-len <= " + str(context))
+    states = [layer for layer in layers if layer.kind in ("mamba", "linear")]
+    mamba_padded = None
+    if states:
+        if prefix_caching:
+            raise MemfitError(
+                f"{name} has Mamba / linear-attention layers: with prefix caching (vLLM's "
+                "default) their mamba_cache_mode is 'align', whose prefill-checkpoint block "
+                "alignment is not modelled yet (vllm/model_executor/models/config.py: "
+                "MambaModelConfig); pass --no-prefix-caching (vLLM's --no-enable-prefix-caching)")
+        attn = [layer for layer in layers if layer.kind in ("full", "sliding", "mla")]
+        if not attn or any(layer.kind == "mla" for layer in attn):
+            raise MemfitError(f"{name}: hybrid models without attention layers, or with MLA, "
+                              "are not modelled yet")
+        block_size, mamba_padded = align_hybrid_block_size(
+            attn[0].bytes_per_token, max(layer.state_bytes for layer in states), block_size)
+    kinds = {layer.kind for layer in layers}
+    if str(text_config(config).get("model_type")) in _QWEN2_MODELS and \
+            {"sliding", "full"} <= kinds:
+        raise MemfitError(f"{name} uses sliding windows on some layers only; vLLM refuses it "
+                          "(vllm/model_executor/models/qwen2.py: Qwen2Model asserts "
+                          "max_window_layers == num_hidden_layers)")
+    indices, specs = vllm_layer_specs(layers, block_size=block_size, max_model_len=max_model_len,
+                                      mamba_page_padded=mamba_padded)
+    groups = kv_cache_groups(indices, specs)
+    blocks = num_gpu_blocks(groups, kv_cache_memory)
+    in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens
+    concurrency = max_concurrency(groups, blocks, max_model_len, max_in_flight_tokens=in_flight)
+    return ServePlan(
+        engine="vllm", engine_version=VLLM_VERSION, model=name, tp=tp,
+        kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens, max_in_flight_tokens=in_flight,
+        kv_cache_bytes=kv_cache_memory, layers=tuple(layers), groups=tuple(groups),
+        bytes_per_block=bytes_per_block(groups) if groups else 0, num_gpu_blocks=blocks,
+        kv_cache_tokens=kv_cache_tokens(concurrency, max_model_len),
+        max_concurrency=concurrency,
+        request_bytes=max_memory_usage_bytes(groups, max_model_len,
+                                             max_in_flight_tokens=in_flight),
+        fits=fits(groups, kv_cache_memory, max_model_len, max_in_flight_tokens=in_flight),
+        max_model_len_that_fits=max_model_len_that_fits(
+            groups, kv_cache_memory, context or max_model_len, max_in_flight_tokens=in_flight),
+        model_context=context)
+

@@ -1,0 +1,366 @@
+"""vLLM's KV-cache arithmetic: layer specs -> pages -> groups -> blocks -> tokens and concurrency.
+
+Each rule below restates one function of vLLM's V1 engine, named in its docstring as
+``file: function``; the version is :data:`VLLM_VERSION`, read in its PyPI source distribution
+(:data:`VLLM_SOURCE`). Everything here is plain integer arithmetic on :class:`EngineLayerSpec`
+(vLLM's ``KVCacheSpec`` subclasses, one per layer that holds cache); nothing imports vLLM or
+torch.
+
+The pipeline, as ``vllm/v1/core/kv_cache_planning.py: get_kv_cache_configs`` runs it for one
+worker (no pipeline parallelism):
+
+1. :func:`kv_cache_groups` (``get_kv_cache_groups``): one group when every layer has the same
+   spec, one group of per-layer pages when every layer is the same *type* (all full attention,
+   or all sliding with one window), else pages unified and layers split into equal-size groups;
+2. :func:`num_gpu_blocks` (``get_kv_cache_config_from_groups``): the bytes given divided by the
+   bytes of one block over all the layers that share it (:func:`bytes_per_block`);
+3. :func:`max_concurrency` and :func:`kv_cache_tokens` (``vllm/v1/core/kv_cache_utils.py:
+   get_max_concurrency_for_kv_cache_config``, ``get_kv_cache_capacity``): the line vLLM logs,
+   "GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: X.XXx";
+4. :func:`max_memory_usage_bytes`, :func:`fits` and :func:`max_model_len_that_fits`
+   (``_max_memory_usage_bytes_from_groups``, ``_check_enough_kv_cache_memory``,
+   ``_estimate_max_model_len_from_groups``): the startup check that one request of
+   ``max_model_len`` tokens fits beside the null block, and the largest that does.
+
+Known limitations: no pipeline or decode-context parallelism (one worker's layers), no
+``num_gpu_blocks_override``, no ``--disable-hybrid-kv-cache-manager``, no chunked-local
+(Llama-4) attention, no speculative-decoding draft layers, no per-token-head or nvfp4 KV, no
+hisparse host pool. Mixed page sizes follow ``unify_kv_cache_spec_page_size`` (a layer-outer KV
+layout); a block-outermost layout packs them instead (``_get_packed_kv_cache_groups``), which
+is not modelled. Kernel block-stride alignment is taken as 1 byte (the case when the backend
+runs the block size unsplit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from memfit.errors import MemfitError
+
+__all__ = ["VLLM_SOURCE", "VLLM_VERSION", "EngineLayerSpec", "KVCacheGroup", "SpecKind",
+           "align_hybrid_block_size", "bytes_per_block",
+           "fits", "kv_cache_groups", "kv_cache_tokens", "max_concurrency",
+           "max_memory_usage_bytes", "max_model_len_that_fits", "num_gpu_blocks"]
+
+VLLM_VERSION = "0.33.0"
+"""The vLLM release whose arithmetic this module restates."""
+VLLM_SOURCE = ("vllm-0.33.0.tar.gz from PyPI (sha256 f4c33c2503d52bb411146afa9618a4f48bed68912f6"
+               "17e6803ac8d76e4c74112)")
+"""Where the rules were read: file and function names in the docstrings refer to it."""
+
+SpecKind = Literal["full", "sliding", "mla", "mamba"]
+
+MambaCacheMode = Literal["none", "align"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """``vllm/utils/math_utils.py: cdiv``: ceiling division."""
+    return -(a // -b)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineLayerSpec:
+    """One cache-holding layer as vLLM's KV cache manager sees it, on one TP rank.
+
+    ``kind`` picks the ``KVCacheSpec`` subclass (``vllm/v1/kv_cache_interface.py``):
+    ``full`` is ``FullAttentionSpec``, ``sliding`` ``SlidingWindowSpec``, ``mla``
+    ``MLAAttentionSpec``, ``mamba`` ``MambaSpec``. Two layers with equal fields are one spec
+    (vLLM groups layers by spec equality: ``kv_cache_planning.py:
+    _get_kv_cache_groups_uniform_page_size``).
+    """
+
+    kind: SpecKind
+    block_size: int
+    """Tokens per block (``--block-size``); for ``mamba`` the tokens one state page stands for."""
+    num_kv_heads: int = 0
+    head_size: int = 0
+    head_size_v: int = 0
+    dtype_bytes: int = 0
+    sliding_window: int | None = None
+    state_bytes: int = 0
+    """``mamba``: the bytes of one request's state (every state tensor, all dtypes)."""
+    page_size_padded: int | None = None
+    """A page padded up to another spec's page (``unify_kv_cache_spec_page_size``), or None."""
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """``AttentionSpec.unpadded_page_size_bytes``: ``num_kv_heads x block_size x
+        (head_size + head_size_v) x dtype`` (one state per token; MLA's ``head_size_v`` is 0:
+        one latent, no separate V, ``MLAAttentionSpec``); Mamba the state's bytes
+        (``MambaSpec.page_size_bytes``)."""
+        if self.kind == "mamba":
+            return self.state_bytes
+        return (self.num_kv_heads * self.block_size * (self.head_size + self.head_size_v)
+                * self.dtype_bytes)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``AttentionSpec.page_size_bytes`` / ``MambaSpec.page_size_bytes``: the padded page
+        where one is set, else the real one."""
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int,
+                               mamba_cache_mode: MambaCacheMode = "none") -> int:
+        """The most one request can hold in this layer:
+
+        - full / MLA (``FullAttentionSpec.max_memory_usage_bytes``):
+          ``cdiv(max_model_len, block_size) x page``;
+        - sliding (``SlidingWindowSpec.max_admission_blocks_per_request``):
+          ``(cdiv(min(window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1)
+          x page`` (the window need not start at a block boundary);
+        - Mamba (``MambaSpec.max_memory_usage_bytes``): one page, two with
+          ``mamba_cache_mode`` ``align`` (no speculative blocks).
+        """
+        page = self.page_size_bytes
+        if self.kind == "sliding":
+            assert self.sliding_window is not None
+            tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+            return (cdiv(tokens, self.block_size) + 1) * page
+        if self.kind == "mamba":
+            return page * (2 if mamba_cache_mode == "align" else 1)
+        return cdiv(max_model_len, self.block_size) * page
+
+    def same_type(self, other: EngineLayerSpec) -> bool:
+        """``UniformTypeKVCacheSpecs.is_uniform_type`` for two layers: one block size, and both
+        full attention (``KVCacheSpec.is_uniform_with_collection``: the registered base class,
+        ``FullAttentionSpec`` or ``MLAAttentionSpec``), both sliding with one window
+        (``SlidingWindowSpec.is_uniform_with_collection``), or both Mamba."""
+        if self.block_size != other.block_size:
+            return False
+        if self.kind == "sliding":
+            return other.kind == "sliding" and other.sliding_window == self.sliding_window
+        return other.kind == self.kind
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheGroup:
+    """``KVCacheGroupSpec``: layers that share one block table.
+
+    ``specs`` holds one spec per layer; ``uniform_type`` marks vLLM's
+    ``UniformTypeKVCacheSpecs`` (one group whose layers differ in page size), whose page is the
+    sum of its layers' pages.
+    """
+
+    layers: tuple[int, ...]
+    specs: tuple[EngineLayerSpec, ...]
+    uniform_type: bool = False
+
+    @property
+    def spec(self) -> EngineLayerSpec:
+        return self.specs[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def page_size_bytes(self) -> int:
+        """The group spec's page: one layer's page, or (uniform type) the sum over its layers
+        (``UniformTypeKVCacheSpecs.page_size_bytes``)."""
+        if self.uniform_type:
+            return sum(s.page_size_bytes for s in self.specs)
+        return self.spec.page_size_bytes
+
+    def blocks_per_request(self, max_model_len: int, max_in_flight_tokens: int,
+                           mamba_cache_mode: MambaCacheMode = "none") -> int:
+        """Blocks of this group one request of ``max_model_len`` tokens takes:
+        ``cdiv(spec most, spec page)``, for a uniform-type group the most any of its layers
+        takes (``UniformTypeKVCacheSpecs.max_memory_usage_pages``)."""
+        return max(cdiv(s.max_memory_usage_bytes(max_model_len, max_in_flight_tokens,
+                                                 mamba_cache_mode), s.page_size_bytes)
+                   for s in (self.specs if self.uniform_type else self.specs[:1]))
+
+
+def _unify_page_size(specs: list[EngineLayerSpec]) -> list[EngineLayerSpec]:
+    """``kv_cache_planning.py: unify_kv_cache_spec_page_size``: every page grows to the largest,
+    an attention page by multiplying its block size when it divides the largest, else (non-MLA
+    attention, and Mamba whose page does not scale with the block) by padding; an MLA page that
+    does not divide is refused."""
+    largest = max(s.page_size_bytes for s in specs)
+    out = []
+    for s in specs:
+        if s.page_size_bytes == largest:
+            out.append(s)
+        elif s.kind == "mamba":
+            out.append(replace(s, page_size_padded=largest))
+        elif largest % s.page_size_bytes == 0:
+            # AttentionSpec.copy_with_new_block_size: no padded page to scale here
+            out.append(replace(s, block_size=s.block_size * (largest // s.page_size_bytes)))
+        elif s.kind != "mla":
+            out.append(replace(s, page_size_padded=largest))
+        else:
+            raise MemfitError(
+                f"vLLM cannot unify this model's KV pages (an MLA page of {s.page_size_bytes} B "
+                f"does not divide {largest} B: kv_cache_planning.py: "
+                "unify_kv_cache_spec_page_size raises NotImplementedError); try another "
+                "--block-size")
+    return out
+
+
+def kv_cache_groups(layers: Sequence[int], specs: Sequence[EngineLayerSpec]) -> list[KVCacheGroup]:
+    """``kv_cache_planning.py: get_kv_cache_groups`` (hybrid KV cache manager on).
+
+    ``layers`` are the layer indices holding cache, ``specs`` their specs (same order). Rules:
+
+    - every spec equal (``is_kv_cache_spec_uniform``): one group of all layers;
+    - every spec of one type (``UniformTypeKVCacheSpecs.from_specs``): one group whose page is
+      the sum of the layers' pages;
+    - else ``unify_kv_cache_spec_page_size`` then ``_get_kv_cache_groups_uniform_page_size``:
+      layers grouped by spec in order of first appearance; the group size is the fewest layers
+      of any spec, or the most when the most is under 1.5 x the fewest; each spec's layers are
+      split into ``cdiv(n, group_size)`` groups, group ``i`` taking ``layers[i::n_groups]``.
+
+    >>> full = EngineLayerSpec(kind="full", block_size=16, num_kv_heads=8, head_size=128,
+    ...                        head_size_v=128, dtype_bytes=2)
+    >>> [g.layers for g in kv_cache_groups([0, 1, 2], [full] * 3)]
+    [(0, 1, 2)]
+    """
+    if len(layers) != len(specs):
+        raise ValueError("one spec per layer")
+    if not specs:
+        return []
+    if all(s == specs[0] for s in specs):
+        return [KVCacheGroup(layers=tuple(layers), specs=tuple(specs))]
+    if all(specs[0].same_type(s) for s in specs):
+        return [KVCacheGroup(layers=tuple(layers), specs=tuple(specs), uniform_type=True)]
+    unified = _unify_page_size(list(specs))
+    by_spec: dict[EngineLayerSpec, list[int]] = {}
+    for layer, spec in zip(layers, unified, strict=True):
+        by_spec.setdefault(spec, []).append(layer)
+    counts = [len(v) for v in by_spec.values()]
+    group_size = min(counts)
+    if max(counts) < min(counts) * 1.5:
+        group_size = max(counts)
+    groups = []
+    for spec, members in by_spec.items():
+        n_groups = cdiv(len(members), group_size)
+        for i in range(n_groups):
+            part = members[i::n_groups]
+            groups.append(KVCacheGroup(layers=tuple(part), specs=(spec,) * len(part)))
+    return groups
+
+
+def align_hybrid_block_size(attn_bytes_per_token: int, mamba_page: int, block_size: int, *,
+                            kernel_block: int = 16) -> tuple[int, int | None]:
+    """A hybrid attention/Mamba model's attention block size and padded Mamba page
+    (``vllm/platforms/interface.py: Platform._align_hybrid_block_size``, with
+    ``mamba_cache_mode`` ``none``): the smallest multiple of the kernel alignment
+    (``max(kernel_block, block_size)``) whose attention page holds the Mamba state, rounded up
+    to a multiple of ``kernel_block``; ``--block-size`` grows to it when smaller (vllm #54458),
+    and the Mamba page is padded to the attention page.
+
+    ``kernel_block`` is the attention backend's smallest kernel block: 16 for FlashAttention
+    (``flash_attn.py: get_supported_kernel_block_sizes``, ``MultipleOf(16)``; its FA4 head-dim-
+    256 and fp8 variants on SM90+ differ).
+
+    >>> align_hybrid_block_size(2048, 1097728, 16)  # Qwen3-Next-like: 16 x cdiv(1097728, 32768)
+    (544, 1114112)
+    """
+    alignment = max(kernel_block, block_size)
+    attn_block = alignment * cdiv(mamba_page, alignment * attn_bytes_per_token)
+    attn_block = kernel_block * cdiv(attn_block, kernel_block)
+    block_size = max(block_size, attn_block)
+    attn_page = block_size * attn_bytes_per_token
+    return block_size, (None if attn_page == mamba_page else attn_page)
+
+
+def bytes_per_block(groups: Sequence[KVCacheGroup]) -> int:
+    """The bytes one block takes over every layer that shares it
+    (``kv_cache_planning.py: _get_kv_cache_bytes_per_block``): the largest group's sum of its
+    layers' pages (padding layers of a smaller group included, as the largest group sets the
+    pool's width)."""
+    return max(sum(s.page_size_bytes for s in g.specs) for g in groups)
+
+
+def num_gpu_blocks(groups: Sequence[KVCacheGroup], available_bytes: int) -> int:
+    """``kv_cache_planning.py: get_kv_cache_config_from_groups``:
+    ``available_memory // bytes_per_block``; an attention-free model gets 1 (the null block)."""
+    if not groups:
+        return 1
+    return max(available_bytes // bytes_per_block(groups), 0)
+
+
+def _blocks_per_request(groups: Sequence[KVCacheGroup], max_model_len: int,
+                        max_in_flight_tokens: int, mamba_cache_mode: MambaCacheMode) -> int:
+    return sum(g.blocks_per_request(max_model_len, max_in_flight_tokens, mamba_cache_mode)
+               for g in groups)
+
+
+def max_concurrency(groups: Sequence[KVCacheGroup], num_blocks: int, max_model_len: int, *,
+                    max_in_flight_tokens: int,
+                    mamba_cache_mode: MambaCacheMode = "none") -> float:
+    """"Maximum concurrency for L tokens per request: X.XXx"
+    (``vllm/v1/core/kv_cache_utils.py: get_max_concurrency_for_kv_cache_config``):
+    ``num_blocks / sum over groups of cdiv(group most, group page)`` (every group draws its
+    blocks from one pool)."""
+    if not groups:
+        return 0.0
+    return num_blocks / _blocks_per_request(groups, max_model_len, max_in_flight_tokens,
+                                            mamba_cache_mode)
+
+
+def kv_cache_tokens(max_concurrency_: float, max_model_len: int) -> int:
+    """"GPU KV cache size: N tokens" (``vllm/v1/core/kv_cache_utils.py:
+    get_kv_cache_capacity``): ``int(max_concurrency x max_model_len)``, the tokens of context
+    the pool holds at ``max_model_len`` per request (with sliding-window groups, more than
+    blocks x block size per group; vllm #51041)."""
+    return int(max_concurrency_ * max_model_len)
+
+
+def max_memory_usage_bytes(groups: Sequence[KVCacheGroup], max_model_len: int, *,
+                           max_in_flight_tokens: int,
+                           mamba_cache_mode: MambaCacheMode = "none") -> int:
+    """The bytes one request of ``max_model_len`` tokens needs
+    (``kv_cache_planning.py: _max_memory_usage_bytes_from_groups``):
+    ``bytes_per_block x sum over groups of the group's blocks per request``."""
+    if not groups:
+        return 0
+    return bytes_per_block(groups) * _blocks_per_request(groups, max_model_len,
+                                                         max_in_flight_tokens, mamba_cache_mode)
+
+
+def fits(groups: Sequence[KVCacheGroup], available_bytes: int, max_model_len: int, *,
+         max_in_flight_tokens: int, mamba_cache_mode: MambaCacheMode = "none") -> bool:
+    """Whether vLLM starts (``kv_cache_planning.py: get_kv_cache_configs`` then
+    ``_check_enough_kv_cache_memory``): the bytes left after the null block the block pool
+    holds back (``available - bytes_per_block``) are positive and hold one request of
+    ``max_model_len`` tokens."""
+    if not groups:
+        return True
+    check = available_bytes - bytes_per_block(groups)
+    return check > 0 and max_memory_usage_bytes(
+        groups, max_model_len, max_in_flight_tokens=max_in_flight_tokens,
+        mamba_cache_mode=mamba_cache_mode) <= check
+
+
+def max_model_len_that_fits(groups: Sequence[KVCacheGroup], available_bytes: int,
+                            upper: int, *, max_in_flight_tokens: int,
+                            mamba_cache_mode: MambaCacheMode = "none") -> int:
+    """The largest ``max_model_len`` in ``[1, upper]`` whose one request fits beside the null
+    block (``kv_cache_planning.py: _estimate_max_model_len_from_groups``, the same binary
+    search, on ``available - bytes_per_block``); 0 when not even one token fits.
+
+    Note: vLLM's search holds ``max_num_batched_tokens`` (so the in-flight tokens) fixed while
+    ``max_model_len`` moves, as here."""
+    if not groups:
+        return upper
+    check = available_bytes - bytes_per_block(groups)
+
+    def fits_len(n: int) -> bool:
+        return max_memory_usage_bytes(groups, n, max_in_flight_tokens=max_in_flight_tokens,
+                                      mamba_cache_mode=mamba_cache_mode) <= check
+
+    if not fits_len(1):
+        return 0
+    left, right, best = 1, upper, 1
+    while left <= right:
+        mid = (left + right) // 2
+        if fits_len(mid):
+            best, left = mid, mid + 1
+        else:
+            right = mid - 1
+    return best

@@ -1,0 +1,68 @@
+"""``memfit serve-plan`` in-process: its output, its JSON, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memfit.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_text_output_has_the_lines_vllm_logs(capsys) -> None:
+    code, out, err = run(capsys, "serve-plan", "llama-3-8b", "--kv-cache-memory", "1GiB")
+    assert code == 0, err
+    # 1 GiB / (32 layers x 64 KiB pages) = 512 blocks of 16 tokens
+    assert "num_gpu_blocks: 512" in out
+    assert ("GPU KV cache size: 8,192 tokens, Maximum concurrency for 8,192 tokens per "
+            "request: 1.00x") in out
+    # 511 blocks beside the null block: vLLM refuses 8192 tokens
+    assert "does NOT fit" in out and "largest --max-model-len that fits: 8,176" in out
+
+
+def test_json_from_a_config_file(capsys, tmp_path) -> None:
+    config = {"model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "num_hidden_layers": 28, "head_dim": 128,
+              "torch_dtype": "bfloat16", "max_position_embeddings": 40960}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = run(capsys, "serve-plan", str(tmp_path), "--kv-cache-memory",
+                         str(2**30), "--json", "--max-model-len", "4096")
+    assert code == 0, err
+    data = json.loads(out)
+    # 16 x 8 x 256 x 2 = 65536 B pages, 28 layers
+    assert data["num_gpu_blocks"] == 2**30 // 65536 // 28 == 585
+    assert data["max_concurrency"] == round(585 / 256, 2)
+    assert data["kv_cache_tokens"] == 585 * 16  # int(585 / 256 x 4096)
+    assert data["activation_peak_bytes"] is None
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--tp", "3"], "does not divide num_attention_heads (32)"),
+    (["--max-model-len", "9000"], "above llama-3-8b's context of 8192 tokens"),
+    (["--kv-cache-memory", "-5"], "--kv-cache-memory must be a number of bytes >= 0"),
+    (["--kv-cache-dtype", "int4"], "unknown --kv-cache-dtype 'int4'"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv: list[str], words: str) -> None:
+    base = ["serve-plan", "llama-3-8b", "--kv-cache-memory", "1GiB"]
+    code, _, err = run(capsys, *base, *argv)
+    assert code == 2
+    assert words in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_no_async_scheduling_keeps_one_batch_in_flight(capsys) -> None:
+    argv = ["serve-plan", "mistral-7b", "--kv-cache-memory", "4GiB", "--json"]
+    _, out, _ = run(capsys, *argv)
+    _, out_sync, _ = run(capsys, *argv, "--no-async-scheduling")
+    two, one = json.loads(out), json.loads(out_sync)
+    assert (two["max_in_flight_tokens"], one["max_in_flight_tokens"]) == (16384, 8192)
+    blocks = 4 * 2**30 // (32 * 65536)
+    # a 4096-token window over 32768 tokens: cdiv(4095 + in flight, 16) + 1 blocks per layer
+    assert two["max_concurrency"] == round(blocks / (1280 + 1), 2)
+    assert one["max_concurrency"] == round(blocks / (768 + 1), 2)
