@@ -61,9 +61,17 @@ def budget_between(model: nn.Module, make, b: int, *, train: bool) -> int:  # ty
     return (low + high) // 2
 
 
-def test_train_finds_the_largest_batch_within_the_budget(caplog):
+@pytest.fixture(scope="module")
+def budget40() -> int:
+    """The training budget between batch 40 and 41 of ``mlp()``: measured once for the tests
+    that search for 40 (``mlp()`` is seeded, so every test's model has the same weights and
+    the same peaks)."""
+    return budget_between(mlp(), make_batch, 40, train=True)
+
+
+def test_train_finds_the_largest_batch_within_the_budget(caplog, budget40):
     model = mlp()
-    budget = budget_between(model, make_batch, 40, train=True)
+    budget = budget40
     with caplog.at_level(logging.INFO, logger="memfit"):
         found = find_batch_size(model, make_batch, budget_bytes=budget, device="cpu")
     assert found == 40
@@ -74,16 +82,28 @@ def test_train_finds_the_largest_batch_within_the_budget(caplog):
 
 
 @pytest.mark.parametrize("start", [1, 39, 41, 120])
-def test_search_grows_and_shrinks_from_any_seed(start):
-    model = mlp()
-    budget = budget_between(model, make_batch, 40, train=True)
-    assert find_batch_size(model, make_batch, budget_bytes=budget, start=start,
+def test_search_grows_and_shrinks_from_any_seed(start, budget40, monkeypatch):
+    sizes: list[int] = []
+    real = batch_size_module._Trials.fits
+
+    def counting(self, rows):  # type: ignore[no-untyped-def]
+        if rows not in self.results:
+            sizes.append(rows)
+        return real(self, rows)
+
+    monkeypatch.setattr(batch_size_module._Trials, "fits", counting)
+    assert find_batch_size(mlp(), make_batch, budget_bytes=budget40, start=start,
                            log=False) == 40
+    # The MLP's peak is piecewise linear in the batch (128 B a sample up to 32, measured, 1,664
+    # from 39 on): the line through two batches that do not fit meets the budget at
+    # 40, and 41 closes the search. Galloping and bisecting alone take 12 trials from 1 (1, 2,
+    # 4, ..., 64, 48, 40, 44, 42, 41) and 14 from 120.
+    assert len(sizes) <= 6, sizes
 
 
-def test_eval_is_separate_and_fits_a_larger_batch():
+def test_eval_is_separate_and_fits_a_larger_batch(budget40):
     model = mlp()
-    budget = budget_between(model, make_batch, 40, train=True)
+    budget = budget40
     train = find_batch_size(model, make_batch, budget_bytes=budget, log=False)
     evaluated = find_batch_size(model, make_batch, budget_bytes=budget, mode="eval", log=False)
     assert evaluated > train == 40
@@ -175,9 +195,9 @@ def gloo_group(tmp_path):  # type: ignore[no-untyped-def]
     dist.destroy_process_group()
 
 
-def test_rank_zero_decides_and_broadcasts(gloo_group, monkeypatch):
+def test_rank_zero_decides_and_broadcasts(gloo_group, monkeypatch, budget40):
     model = mlp()
-    budget = budget_between(model, make_batch, 40, train=True)
+    budget = budget40
     sent: list[tuple[int, int]] = []
     real_broadcast = gloo_group.broadcast
 
@@ -211,9 +231,9 @@ def test_rank_zero_failure_reaches_every_rank(gloo_group, monkeypatch):
         find_batch_size(mlp(), make_batch, budget_bytes=2**30, log=False)
 
 
-def test_the_engine_seed_saves_trials(monkeypatch):
+def test_the_engine_seed_saves_trials(monkeypatch, budget40):
     model = mlp()
-    budget = budget_between(model, make_batch, 40, train=True)
+    budget = budget40
     sizes: list[int] = []
     real = batch_size_module._Trials.fits
 
@@ -276,3 +296,36 @@ def test_search_logic_on_every_threshold_and_seed():
                 # Galloping plus bisection: O(log distance) trials, each size tried once.
                 assert len(calls) == len(set(calls)) <= 2 * (abs(seed - threshold) + 1) \
                     .bit_length() + 2
+
+
+@pytest.mark.parametrize("guess", ["affine", "wrong", "none"])
+def test_search_logic_with_guesses_on_every_threshold_and_seed(guess):
+    """``_largest`` with a ``guess``: an exact one (the line through measured peaks of an affine
+    step) closes the bracket in at most two guesses; a wrong one, or none, still ends at the
+    right size, with at most ``_GUESSES`` trials and one bisection of [1, max_batch] more than
+    galloping and bisection alone."""
+    for max_batch in (1, 7, 64):
+        for threshold in range(0, 70):
+            for seed in range(1, 70):
+                calls: list[int] = []
+
+                def fits(b: int, threshold: int = threshold, calls: list[int] = calls,
+                         top: int = max_batch) -> bool:
+                    assert 1 <= b <= top
+                    calls.append(b)
+                    return b <= threshold
+
+                def propose(lo: int, hi: int, threshold: int = threshold,
+                            calls: list[int] = calls) -> int | None:
+                    if len(calls) < 2 or guess == "none":
+                        return None
+                    return threshold if guess == "affine" else (lo * 7 + hi * 3) % 97 - 10
+
+                found = batch_size_module._largest(fits, seed, max_batch, propose)
+                assert found == (min(threshold, max_batch) or None), (max_batch, threshold, seed)
+                assert len(calls) == len(set(calls)), calls
+                if guess == "affine":  # seed, one gallop step, the guess, the size above it
+                    assert len(calls) <= 4, calls
+                bound = 2 * (abs(seed - threshold) + 1).bit_length() + 2
+                assert len(calls) <= (bound + batch_size_module._GUESSES
+                                       + max_batch.bit_length()), calls

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import memfit
+from _pipeline import per_rank
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, tiny_spec
@@ -230,11 +231,7 @@ GLOO_CASES = {
 }
 
 
-def _per_rank(case: Case) -> tuple[memfit.Estimate, ...]:
-    model, inputs = build(case)
-    est = memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)
-    assert sorted(r for e in est.per_rank for r in e.ranks) == list(range(case.parallel.gpus))
-    return est.per_rank
+_per_rank = per_rank  # traced once per case (tests/_pipeline.py)
 
 
 @pytest.fixture(scope="module")
