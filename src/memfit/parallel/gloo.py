@@ -45,8 +45,8 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int,
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    # What the rank was forked with (the fork server's imports: torch, memfit, maybe
-    # transformers) is alive for the whole rank: frozen (gc.freeze), the collections that
+    # What the rank holds before ``fn`` (torch and the modules it imported; under forkserver,
+    # the server's imports) is alive for the whole rank: frozen (gc.freeze), the collections that
     # ``fn`` runs before each measured step walk only what the rank made since, not the
     # imported modules' million objects. The rank ends with os._exit: nothing to give back.
     gc.collect()
