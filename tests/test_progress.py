@@ -284,8 +284,10 @@ def test_find_batch_size_reports_each_trial_and_the_bracket(monkeypatch) -> None
     trials = [p for p in phases if p.startswith("trial: batch ")]
     assert trials[:2] == ["trial: batch 33, real training steps",
                           "trial: batch 34, real training steps"]
-    # 33, 34, 36, 40 fit (steps 1, 2, 4), 48 does not: bracket (40, 48) -> at most 3 trials.
-    assert "5 trials, 40 fits, 48 does not, ≤ 3 left" in notes
+    # 33 and 34 fit (33,000 and 34,000 B); the line through them meets the budget at 40.5
+    # rows: 40 fits, 41 (41,000 B) does not: bracket (40, 41) -> ceil(log2(1)) = 0 left.
+    assert notes == ["1 trials, 33 fits", "2 trials, 34 fits", "3 trials, 40 fits",
+                     "4 trials, 40 fits, 41 does not, ≤ 0 left"]
     assert notes[-1].endswith("≤ 0 left")  # 41 does not fit: nothing left between 40 and 41
 
 
