@@ -438,3 +438,19 @@ def test_plan_trace_prints_its_assumptions_once(capfd) -> None:
     assert "assumed: an unlimited GPU" in out
     assert "memfit: assumed" not in err
     assert [str(w.message) for w in caught if "memfit: assumed" in str(w.message)] == []
+
+
+def test_find_batch_size_reports_the_bisection_left_in_a_wide_bracket(monkeypatch) -> None:
+    """Where the measured peaks give no line to follow (flat below the answer), the finder
+    gallops: 33, 34, 36, 40 fit (steps 1, 2, 4), 48 does not: bracket (40, 48), and the note
+    says at most ceil(log2(48 - 40)) = 3 trials are left."""
+    from memfit.batch_size import find_batch_size
+
+    notes: list[str] = []
+    monkeypatch.setattr(Progress, "set_note", lambda self, text: notes.append(text))
+    monkeypatch.setattr("memfit.batch_size._Trials._measure",
+                        lambda self, rows: 40_000 if rows <= 40 else 41_000)
+    found = find_batch_size(_mlp(), lambda b: torch.randn(b, 32), budget_bytes=40_500,
+                            device="cpu", start=33, progress=True, log=False)
+    assert found == 40
+    assert "5 trials, 40 fits, 48 does not, ≤ 3 left" in notes
