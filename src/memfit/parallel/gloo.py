@@ -57,19 +57,35 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int,
         try:
             fn(rank, world, *args)
             dist.barrier()  # every rank is done before any tears its process group down
+        except BaseException:
+            # Reported before the teardown: the other ranks fail at their barrier only once this
+            # rank has let go of the group, and the parent, which stops every rank as soon as one
+            # has exited, then finds this rank's whole traceback, not a file half written.
+            _report(rank, errors)
+            code = 1
         finally:
             gc.collect()  # DDP reducers and FSDP states in reference cycles let go of the group
             dist.destroy_process_group()
     except BaseException:
-        traceback.print_exc()
-        if errors is not None:  # for the parent, whose stderr a fork server's rank may not share
-            with open(os.path.join(errors, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
-                f.write(traceback.format_exc())
+        if code == 0:
+            _report(rank, errors)
         code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _report(rank: int, errors: str | None) -> None:
+    """Print the exception being handled, and give it to the parent in ``errors/rank<r>.txt``
+    (written whole, then renamed: the parent never reads a part of it)."""
+    traceback.print_exc()
+    sys.stderr.flush()
+    if errors is not None:  # for the parent, whose stderr a fork server's rank may not share
+        path = os.path.join(errors, f"rank{rank}.txt")
+        with open(path + ".part", "w", encoding="utf-8") as f:
+            f.write(traceback.format_exc())
+        os.replace(path + ".part", path)
 
 
 PRELOAD = ("torch", "torch.distributed", "memfit.parallel.measure")
@@ -109,7 +125,7 @@ def spawn(fn: Callable[..., None], world: int, *args: Any, start_method: str = "
             mp.start_processes(_entry, args=(fn, world, free_port(), args, errors, environ),
                                nprocs=world, join=True, start_method=start_method)
         except mp.ProcessExitedException:
-            for name in sorted(os.listdir(errors)):
+            for name in sorted(n for n in os.listdir(errors) if n.endswith(".txt")):
                 with open(os.path.join(errors, name), encoding="utf-8") as f:
                     print(f"[{name[:-4]}] {f.read()}", file=sys.stderr, end="")
             raise
