@@ -157,6 +157,35 @@ def test_gpt_oss_hybrid_swa_pools() -> None:
     assert (one.pool.cell_size, one.pool.swa_tokens) == (24 * per_layer, 0)
 
 
+def test_swa_pool_too_small_for_one_window_is_refused() -> None:
+    # 0.1 GiB of KV: 2427 full tokens, 1941 SWA tokens; a 4096-token window cannot fit
+    config = {**GPT_OSS_20B, "sliding_window": 4096}
+    with pytest.raises(MemfitError, match="swa-full-tokens-ratio"):
+        sglang_plan(config, total_bytes=80 * GIB, weights_bytes=int(59.9 * GIB),
+                    mem_fraction_static=0.75)
+    # the same budget serves gpt-oss's own 128-token window
+    no_archs = {k: v for k, v in GPT_OSS_20B.items() if k != "architectures"}
+    plan = sglang_plan(no_archs, total_bytes=80 * GIB, weights_bytes=int(59.9 * GIB),
+                       mem_fraction_static=0.75)
+    assert plan.hybrid_swa and plan.pool.swa_tokens == int(plan.pool.full_tokens * 0.8)
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"weights_bytes": 80 * GIB}, "fill the GPU"),
+    ({"weights_bytes": -1}, "weights_bytes"),
+    ({"page_size": 0}, "--page-size"),
+    ({"max_model_len": 0}, "--max-model-len"),
+    ({"swa_full_tokens_ratio": 1.5}, "swa-full-tokens-ratio"),
+    ({"mem_fraction_static": 0}, "mem-fraction-static"),
+    ({"tp": 3}, "--tp 3"),
+])
+def test_sglang_plan_bad_input_is_one_line(kwargs: dict, words: str) -> None:
+    args = {"total_bytes": 80 * GIB, "weights_bytes": 16 * GIB, **kwargs}
+    with pytest.raises(MemfitError, match=words) as info:
+        sglang_plan(LLAMA_3_8B, **args)
+    assert "\n" not in str(info.value)
+
+
 def test_gemma3_sliding_layers_stay_full_size_in_sglang() -> None:
     gemma3_27b = {"model_type": "gemma3_text", "hidden_size": 5376, "num_attention_heads": 32,
                   "num_key_value_heads": 16, "head_dim": 128, "num_hidden_layers": 62,

@@ -338,7 +338,7 @@ def sglang_kv_tokens(layers: Sequence[LayerKV], *, available_bytes_after_weights
     pool holds fewer tokens than one context). Raises MemfitError where SGLang refuses to start.
     """
     fraction = _check_fraction(mem_fraction_static)
-    if page_size < 1:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise MemfitError(f"--page-size must be a positive integer, got {page_size!r}")
     pool = sglang_layers(layers, hybrid_swa=hybrid_swa)
     if not any(layer.kind in ("full", "sliding", "mla") for layer in pool):
@@ -536,6 +536,8 @@ def _is_hybrid_swa(config: Mapping[str, Any]) -> bool:
     window), or the text config sets ``is_hybrid_swa``."""
     archs = [str(a) for a in config.get("architectures") or ()]
     data = text_config(config)
+    if not archs and data.get("model_type") == "gpt_oss":  # a config without architectures
+        archs = ["GptOssForCausalLM"]
     if "LagunaForCausalLM" in archs and not data.get("sliding_window"):
         return False
     if "BeamForCausalLM" in archs:
@@ -565,8 +567,28 @@ def sglang_plan(config_or_model: str | Path | Mapping[str, Any], *, total_bytes:
 
     ``max_model_len`` is SGLang's ``--context-length`` (default: the config's context).
     """
+    # Imported here: plan.py is where the engines are put together and may import this module.
     from memfit.serving.plan import load_config
 
+    for value, flag in ((total_bytes, "total_bytes"), (weights_bytes, "weights_bytes"),
+                        (non_torch_bytes, "non_torch_bytes")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise MemfitError(f"{flag} must be a number of bytes >= 0, got {value!r}")
+    if total_bytes <= weights_bytes + non_torch_bytes:
+        raise MemfitError(f"the weights ({weights_bytes:,} B) and the memory outside torch "
+                          f"({non_torch_bytes:,} B) fill the GPU ({total_bytes:,} B); use more "
+                          "GPUs (--tp) or a smaller model")
+    for value, flag in ((max_model_len, "--max-model-len"), (page_size, "--page-size"),
+                        (max_running_requests, "--max-running-requests"),
+                        (max_total_tokens, "--max-total-tokens")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise MemfitError(f"{flag} must be a positive integer, got {value!r}")
+    if not 0 < swa_full_tokens_ratio <= 1:
+        raise MemfitError(f"--swa-full-tokens-ratio must be in (0, 1], got "
+                          f"{swa_full_tokens_ratio!r}")
+    if mem_fraction_static is not None:
+        _check_fraction(mem_fraction_static)
     name, config = load_config(config_or_model)
     kv_name = _sglang_kv_dtype(config, kv_cache_dtype)
     layers = kv_spec(config, tp=tp, kv_cache_dtype=kv_name)
