@@ -4,12 +4,16 @@ from their own figures (no downloads, no torch)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from memfit.errors import MemfitError
 from memfit.serving import (
     SGLANG_SOURCE,
     SGLANG_VERSION,
+    LayerKV,
+    SGLangKVPool,
     default_mem_fraction_static,
     gpu_memory_defaults,
     kv_spec,
@@ -40,7 +44,8 @@ QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_
                  "torch_dtype": "bfloat16"}
 
 
-def tokens(layers, *, after: int, pre: int, fraction: float, **kw):
+def tokens(layers: list[LayerKV], *, after: int, pre: int, fraction: float,
+           **kw: Any) -> SGLangKVPool:
     kw.setdefault("max_running_requests", 1)
     return sglang_kv_tokens(layers, available_bytes_after_weights=after, total_bytes=pre,
                             mem_fraction_static=fraction, **kw)
@@ -179,7 +184,7 @@ def test_swa_pool_too_small_for_one_window_is_refused() -> None:
     ({"mem_fraction_static": 0}, "mem-fraction-static"),
     ({"tp": 3}, "--tp 3"),
 ])
-def test_sglang_plan_bad_input_is_one_line(kwargs: dict, words: str) -> None:
+def test_sglang_plan_bad_input_is_one_line(kwargs: dict[str, Any], words: str) -> None:
     args = {"total_bytes": 80 * GIB, "weights_bytes": 16 * GIB, **kwargs}
     with pytest.raises(MemfitError, match=words) as info:
         sglang_plan(LLAMA_3_8B, **args)

@@ -578,12 +578,13 @@ def sglang_plan(config_or_model: str | Path | Mapping[str, Any], *, total_bytes:
         raise MemfitError(f"the weights ({weights_bytes:,} B) and the memory outside torch "
                           f"({non_torch_bytes:,} B) fill the GPU ({total_bytes:,} B); use more "
                           "GPUs (--tp) or a smaller model")
-    for value, flag in ((max_model_len, "--max-model-len"), (page_size, "--page-size"),
-                        (max_running_requests, "--max-running-requests"),
-                        (max_total_tokens, "--max-total-tokens")):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise MemfitError(f"{flag} must be a positive integer, got {value!r}")
+    optional: tuple[tuple[int | None, str], ...] = (
+        (max_model_len, "--max-model-len"), (page_size, "--page-size"),
+        (max_running_requests, "--max-running-requests"), (max_total_tokens, "--max-total-tokens"))
+    for option, flag in optional:
+        if option is not None and (isinstance(option, bool) or not isinstance(option, int)
+                                   or option < 1):
+            raise MemfitError(f"{flag} must be a positive integer, got {option!r}")
     if not 0 < swa_full_tokens_ratio <= 1:
         raise MemfitError(f"--swa-full-tokens-ratio must be in (0, 1], got "
                           f"{swa_full_tokens_ratio!r}")
