@@ -14,7 +14,10 @@ What is compared, per log (:func:`compare`):
   memfit's KV tokens and maximum concurrency (:func:`memfit.serve_plan` with
   ``kv_cache_memory`` = X GiB) against the logged "GPU KV cache size: N tokens" (V0:
   ``# GPU blocks`` x block size) and "Maximum concurrency ...: C x". Where vLLM refused to start,
-  the request's KV bytes ("(Y GiB KV cache is needed ...)") instead.
+  the request's KV bytes ("(Y GiB KV cache is needed ...)") and "the estimated maximum model
+  length is N" instead (memfit's ``request_bytes`` and ``max_model_len_that_fits``; vLLM 0.33
+  holds back the null block's bytes first, older releases did not: one block, inside the
+  budget's rounding in every such log here).
 - SGLang: from the logged "K size: a GB, V size: b GB" (SGLang's GB is 2**30 bytes,
   ``sglang/srt/mem_cache/memory_pool.py``), the tokens that memfit's bytes per token put in
   ``a + b`` against the logged ``#tokens``.
@@ -153,7 +156,8 @@ def _memfit_vllm(config: dict[str, Any], log: dict[str, Any], budget: int) -> di
         tokens = plan.num_gpu_blocks // len(plan.groups) * min(g.block_size for g in plan.groups)
     concurrency = tokens / plan.max_model_len if rule == "v0" else plan.max_concurrency
     return {"kv_tokens": tokens, "max_concurrency": concurrency,
-            "request_kv_gib": plan.request_bytes / GiB}
+            "request_kv_gib": plan.request_bytes / GiB,
+            "max_model_len_fit": plan.max_model_len_that_fits}
 
 
 def _bytes_per_token(config: dict[str, Any], tp: int, kv_cache_dtype: str) -> int:
@@ -208,7 +212,8 @@ def _err(pred: float, logged: float) -> float:
 
 
 # The logged figure's own rounding: concurrency "%.2fx", GiB "%.2f"; token counts are exact.
-_LOGGED_HALF_STEP = {"max_concurrency": 0.005, "request_kv_gib": 0.005, "kv_tokens": 0.0}
+_LOGGED_HALF_STEP = {"max_concurrency": 0.005, "request_kv_gib": 0.005, "kv_tokens": 0.0,
+                     "max_model_len_fit": 0.0}
 
 
 def _quantity(key: str, lo: float, mid: float, hi: float, logged: float) -> dict[str, Any]:
@@ -247,7 +252,7 @@ def compare(log: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
         gib = logged["available_kv_gib"]
         budgets = [round((gib + d) * GiB) for d in (-ROUND_GIB, 0.0, ROUND_GIB - 1e-12)]
         preds = [_memfit_vllm(config, log, b) for b in budgets]
-        for key in ("kv_tokens", "max_concurrency", "request_kv_gib"):
+        for key in ("kv_tokens", "max_concurrency", "request_kv_gib", "max_model_len_fit"):
             if key in logged:
                 row["quantities"][key] = _quantity(key, *(p[key] for p in preds), logged[key])
         if "kv_tokens" in row["quantities"]:
@@ -259,6 +264,11 @@ def compare(log: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
             n = s["max_model_len"]
             q["plain"] = plain_bytes_per_token(config, tp, kv_dtype) * n / GiB
             q["llm_d_planner"] = llmd_bytes_per_token(config, tp) * n / GiB
+        if "max_model_len_fit" in row["quantities"]:
+            # the peers' answer: budget / bytes per token (llm-d-planner's auto_max_model_len)
+            q = row["quantities"]["max_model_len_fit"]
+            q["plain"] = budgets[1] // plain_bytes_per_token(config, tp, kv_dtype)
+            q["llm_d_planner"] = budgets[1] // llmd_bytes_per_token(config, tp)
     row["rule"] = rule
     for q in row["quantities"].values():
         for peer in ("plain", "llm_d_planner"):
@@ -282,6 +292,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if "max_concurrency" in r["quantities"]]
     out["memfit_concurrency"] = {"logs": len(conc), "median_abs_error_pct":
                                  statistics.median(conc), "max_abs_error_pct": max(conc)}
+    for key in ("request_kv_gib", "max_model_len_fit"):
+        errs = [abs(r["quantities"][key]["error_pct"]) for r in rows if key in r["quantities"]]
+        if errs:
+            out[f"memfit_{key}"] = {"logs": len(errs), "median_abs_error_pct":
+                                    statistics.median(errs), "max_abs_error_pct": max(errs)}
     out["within_rounding"] = [r["id"] for r in tok
                               if r["quantities"]["kv_tokens"]["within_rounding"]]
     out["misses"] = {r["id"]: round(r["quantities"]["kv_tokens"]["error_pct"], 2) for r in tok
