@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import platform
 import re
 import statistics
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         out = args.out or RESULTS_DIR / f"serving-published-cpu-{dt.date.today().isoformat()}.json"
         out.write_text(json.dumps({
-            "bench": "serving_published", "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "bench": "serving_published", "date": dt.datetime.now(dt.UTC).isoformat(),
             "machine": platform.platform(), "python": platform.python_version(),
             "rounding": "vLLM logs GiB to 2 decimals: predictions at +-0.005 GiB bound it",
             "llm_d_planner_source": LLMD_SOURCE,
