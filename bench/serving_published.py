@@ -1,0 +1,368 @@
+"""memfit's vLLM / SGLang KV-cache arithmetic against public engine startup logs.
+
+    python bench/serving_published.py [--only ID_SUBSTRING] [--out PATH] [--no-write]
+
+The logs live in ``bench/published/serving_logs.json``: ``models`` holds each model's
+transformers config (the fields the KV layout needs, with the ``config.json`` it comes from;
+nothing is downloaded), ``logs`` one entry per startup log with its source (``url``, or
+``repo`` + ``path`` + ``commit``), the ``quote`` (the engine's lines, verbatim), the engine and
+its version, GPU, TP, the settings that move the numbers, and the ``logged`` figures.
+
+What is compared, per log (:func:`compare`):
+
+- vLLM: from the log's own "Available KV cache memory: X GiB" (or V0's ``kv_cache_size``),
+  memfit's KV tokens and maximum concurrency (:func:`memfit.serve_plan` with
+  ``kv_cache_memory`` = X GiB) against the logged "GPU KV cache size: N tokens" (V0:
+  ``# GPU blocks`` x block size) and "Maximum concurrency ...: C x". Where vLLM refused to start,
+  the request's KV bytes ("(Y GiB KV cache is needed ...)") and "the estimated maximum model
+  length is N" instead (memfit's ``request_bytes`` and ``max_model_len_that_fits``; vLLM 0.33
+  holds back the null block's bytes first, older releases did not: one block, inside the
+  budget's rounding in every such log here).
+- SGLang: from the logged "K size: a GB, V size: b GB" (SGLang's GB is 2**30 bytes,
+  ``sglang/srt/mem_cache/memory_pool.py``), the tokens that memfit's bytes per token put in
+  ``a + b`` against the logged ``#tokens``.
+
+Rounding: vLLM prints GiB with two decimals, so the budget is only known to +-0.005 GiB
+(+-5.4 MB). Every prediction is made at both ends of that interval; a log is *within rounding*
+when the logged figure lies in the predicted interval, and the reported error is that of the
+interval's midpoint (a figure inside the interval is as exact as the log allows).
+
+Beside memfit, two peers on the same budget:
+
+- the **plain formula** ``2 x layers x kv_heads x head_dim x dtype bytes`` per token with
+  ``head_dim = hidden_size / num_attention_heads``, ``kv_heads / tp`` per rank, every layer full
+  attention, tokens = budget / that (no blocks);
+- **llm-d-planner**'s (``llm-d-incubation/llm-d-planner``, ``src/planner/capacity_planner.py``
+  at e50305af90f0812e77e1827f3bc740fe75b76370: ``KVCacheDetail.__recalculate`` and
+  ``total_kv_blocks``): ``layers x 2 x head_dim x kv_heads x precision`` per token (``head_dim``
+  from the config when it has one; MLA ``layers x (kv_lora_rank + qk_rope_head_dim) x
+  precision``), divided by ``tp x pp`` per GPU; blocks = ``budget // (per-GPU bytes x 16)``,
+  tokens = blocks x 16. Its precision is the model's dtype (``inference_dtype_byte``): the KV
+  dtype flag is not read, sliding-window layers count as full, MLA is split by TP.
+
+vLLM's log semantics move with its version (:func:`engine_rule`, documented rule):
+
+- ``v0`` (the V0 engine, up to 0.7 and wherever it was forced): "# GPU blocks: B"; tokens =
+  B x block size; concurrency = tokens / max_model_len.
+- ``v1_groups`` (V1, 0.8 to 0.19): tokens = ``num_blocks // len(kv_cache_groups) x block
+  size`` (vllm PR #40384 quotes it), concurrency = ``num_blocks / blocks one request takes``
+  with a sliding layer holding ``window - 1 + max_num_batched_tokens`` tokens (one batch in
+  flight: the 0.10.1.1 gpt-oss log below is 284.25x with one batch, 256.0x with two).
+- ``v1_capacity`` (0.20 and later, memfit's 0.33.0 rules): tokens =
+  ``int(max_concurrency x max_model_len)`` (vllm #51041), two batches in flight under async
+  scheduling.
+For one full-attention group the three agree, up to ``max_model_len`` not being a multiple of
+the block size. A log whose version is not stated carries its rule in ``engine_rule`` with the
+reason.
+
+Targets (issue 22): KV tokens within 1 % (median |error|) and 3 % (max) over the logs that
+print tokens. The run prints the table and writes
+``bench/results/serving-published-cpu-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LOGS_FILE = HERE / "published" / "serving_logs.json"
+RESULTS_DIR = HERE / "results"
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from memfit.serving import kv_spec, serve_plan  # noqa: E402
+
+GiB = 2**30
+ROUND_GIB = 0.005  # two decimals
+TARGET_MEDIAN = 1.0  # percent
+TARGET_MAX = 3.0
+ENGINE_RULES = ("v0", "v1_groups", "v1_capacity", "v1_request_bytes")
+LLMD_SOURCE = ("llm-d-incubation/llm-d-planner src/planner/capacity_planner.py "
+               "@ e50305af90f0812e77e1827f3bc740fe75b76370")
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 2}  # vLLM runs float32 in 16 bits
+_KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+# ----------------------------------------------------------------------------- data
+def load(path: Path = LOGS_FILE) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The models and the logs of the data file, each log checked (:func:`validate`)."""
+    data = json.loads(path.read_text())
+    models, logs = data["models"], data["logs"]
+    problems = [p for log in logs for p in validate(log, models)]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return models, logs
+
+
+def validate(log: dict[str, Any], models: dict[str, Any]) -> list[str]:
+    """Problems with one log entry (empty when it is well formed)."""
+    lid = log.get("id", "<no id>")
+    problems = [f"{lid}: missing {k!r}" for k in
+                ("id", "engine", "engine_version", "source", "quote", "model", "gpu", "tp",
+                 "settings", "logged", "layouts") if k not in log]
+    if problems:
+        return problems
+    src = log["source"]
+    if "url" not in src and not ({"repo", "path", "commit"} <= src.keys()
+                                 and _SHA.match(src["commit"])):
+        problems.append(f"{lid}: source needs a url, or repo + path + a 40-hex commit")
+    if log["model"] not in models:
+        problems.append(f"{lid}: model {log['model']!r} has no config in 'models'")
+    if not log["quote"]:
+        problems.append(f"{lid}: empty quote")
+    if log["engine"] == "vllm" and engine_rule(log) not in ENGINE_RULES:
+        problems.append(f"{lid}: engine_rule must be one of {ENGINE_RULES}")
+    return problems
+
+
+def engine_rule(log: dict[str, Any]) -> str:
+    """Which vLLM log semantics the entry follows: ``engine_rule`` when the entry names it (a
+    version not stated, or a refused start), else from ``engine_version``'s major.minor:
+    below 0.8 ``v0``, 0.8 to 0.19 ``v1_groups``, from 0.20 ``v1_capacity``."""
+    if "engine_rule" in log:
+        return str(log["engine_rule"])
+    m = re.match(r"(\d+)\.(\d+)", str(log["engine_version"]))
+    if not m:
+        return "unknown"
+    version = (int(m[1]), int(m[2]))
+    if version < (0, 8):
+        return "v0"
+    return "v1_groups" if version < (0, 20) else "v1_capacity"
+
+
+# ----------------------------------------------------------------------------- predictions
+def _memfit_vllm(config: dict[str, Any], log: dict[str, Any], budget: int) -> dict[str, float]:
+    """memfit's tokens, concurrency and request bytes for a budget of ``budget`` bytes, read
+    the way the log's engine version prints them."""
+    s, rule = log["settings"], engine_rule(log)
+    plan = serve_plan(config, kv_cache_memory=budget, tp=log["tp"],
+                      kv_cache_dtype=s.get("kv_cache_dtype", "auto"),
+                      block_size=s.get("block_size", 16), max_model_len=s["max_model_len"],
+                      max_num_batched_tokens=s.get("max_num_batched_tokens", 8192),
+                      async_scheduling=rule == "v1_capacity",
+                      prefix_caching=s.get("prefix_caching", True))
+    if rule == "v1_capacity":
+        tokens = plan.kv_cache_tokens
+    else:  # v0 and v1_groups: blocks per group x block size
+        tokens = plan.num_gpu_blocks // len(plan.groups) * min(g.block_size for g in plan.groups)
+    concurrency = tokens / plan.max_model_len if rule == "v0" else plan.max_concurrency
+    return {"kv_tokens": tokens, "max_concurrency": concurrency,
+            "request_kv_gib": plan.request_bytes / GiB,
+            "max_model_len_fit": plan.max_model_len_that_fits}
+
+
+def _bytes_per_token(config: dict[str, Any], tp: int, kv_cache_dtype: str) -> int:
+    """memfit's cache bytes per token on one rank, over every layer that holds cache."""
+    return sum(layer.bytes_per_token for layer in kv_spec(config, tp=tp,
+                                                          kv_cache_dtype=kv_cache_dtype))
+
+
+def _text(config: dict[str, Any]) -> dict[str, Any]:
+    return dict(config.get("text_config") or config)
+
+
+def _dtype_bytes(config: dict[str, Any], kv_cache_dtype: str) -> int:
+    if kv_cache_dtype in _KV_DTYPE_BYTES:
+        return _KV_DTYPE_BYTES[kv_cache_dtype]
+    return _DTYPE_BYTES[str(config.get("torch_dtype", "bfloat16"))]
+
+
+def plain_bytes_per_token(config: dict[str, Any], tp: int, kv_cache_dtype: str) -> float:
+    """The plain formula: ``2 x layers x kv_heads/tp x hidden/heads x dtype`` (every layer full
+    attention, the KV heads split by TP, ``head_dim`` from the hidden size)."""
+    t = _text(config)
+    kv_heads = t.get("num_key_value_heads") or t["num_attention_heads"]
+    head_dim = t["hidden_size"] / t["num_attention_heads"]
+    return 2 * t["num_hidden_layers"] * kv_heads / tp * head_dim * _dtype_bytes(
+        config, kv_cache_dtype)
+
+
+def llmd_bytes_per_token(config: dict[str, Any], tp: int) -> float:
+    """llm-d-planner's per-GPU bytes per token (``KVCacheDetail.__recalculate`` divided by
+    ``tp x pp``, pp = 1): the model's dtype, every layer full, MLA's latent split by TP."""
+    t = _text(config)
+    precision = _DTYPE_BYTES[str(config.get("torch_dtype", "bfloat16"))]
+    if any(a in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+           for a in config.get("architectures", [])):
+        per_token = t["num_hidden_layers"] * (t["kv_lora_rank"] + t["qk_rope_head_dim"]) \
+            * precision
+    else:
+        head_dim = t.get("head_dim") or int(t["hidden_size"] / t["num_attention_heads"])
+        per_token = t["num_hidden_layers"] * 2 * head_dim * t["num_key_value_heads"] * precision
+    return per_token / tp
+
+
+def _llmd_tokens(config: dict[str, Any], tp: int, budget: float, block: int = 16) -> float:
+    """llm-d-planner's ``total_kv_blocks`` x block size."""
+    return (budget // (llmd_bytes_per_token(config, tp) * block)) * block
+
+
+# ----------------------------------------------------------------------------- comparison
+def _err(pred: float, logged: float) -> float:
+    return 100.0 * (pred - logged) / logged
+
+
+# The logged figure's own rounding: concurrency "%.2fx", GiB "%.2f"; token counts are exact.
+_LOGGED_HALF_STEP = {"max_concurrency": 0.005, "request_kv_gib": 0.005, "kv_tokens": 0.0,
+                     "max_model_len_fit": 0.0}
+
+
+def _quantity(key: str, lo: float, mid: float, hi: float, logged: float) -> dict[str, Any]:
+    """A prediction interval (the budget's rounding) against a logged figure (with its own
+    rounding): within rounding when the two intervals meet."""
+    low, high = min(lo, hi), max(lo, hi)
+    half = _LOGGED_HALF_STEP[key]
+    return {"logged": logged, "predicted": mid, "interval": [low, high],
+            "error_pct": _err(mid, logged),
+            "within_rounding": low - half <= logged <= high + half}
+
+
+def compare(log: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
+    """One log's row: each logged quantity against memfit (with the rounding interval) and the
+    two peers (at the budget's midpoint)."""
+    config = models[log["model"]]["config"]
+    logged, s, tp = log["logged"], log["settings"], log["tp"]
+    kv_dtype = s.get("kv_cache_dtype", "auto")
+    row: dict[str, Any] = {"id": log["id"], "engine": log["engine"],
+                           "engine_version": log["engine_version"], "model": log["model"],
+                           "gpu": log["gpu"], "tp": tp, "layouts": log["layouts"],
+                           "quantities": {}}
+    if log["engine"] == "sglang":
+        rule = "sglang"
+        gib = logged["k_gib"] + logged["v_gib"]
+        per_token = _bytes_per_token(config, tp, kv_dtype)
+        # two GB figures rounded to 2 decimals each: +-0.01 GiB on their sum
+        lo, mid, hi = ((gib + d) * GiB / per_token for d in (-2 * ROUND_GIB, 0.0, 2 * ROUND_GIB))
+        q = _quantity("kv_tokens", lo, mid, hi, logged["kv_tokens"])
+        budget = gib * GiB
+        q["plain"] = budget / plain_bytes_per_token(config, tp, kv_dtype)
+        q["llm_d_planner"] = budget / llmd_bytes_per_token(config, tp)
+        row["quantities"]["kv_tokens"] = q
+    else:
+        rule = engine_rule(log)
+        gib = logged["available_kv_gib"]
+        budgets = [round((gib + d) * GiB) for d in (-ROUND_GIB, 0.0, ROUND_GIB - 1e-12)]
+        preds = [_memfit_vllm(config, log, b) for b in budgets]
+        for key in ("kv_tokens", "max_concurrency", "request_kv_gib", "max_model_len_fit"):
+            if key in logged:
+                row["quantities"][key] = _quantity(key, *(p[key] for p in preds), logged[key])
+        if "kv_tokens" in row["quantities"]:
+            q = row["quantities"]["kv_tokens"]
+            q["plain"] = budgets[1] / plain_bytes_per_token(config, tp, kv_dtype)
+            q["llm_d_planner"] = _llmd_tokens(config, tp, budgets[1])
+        if "request_kv_gib" in row["quantities"]:
+            q = row["quantities"]["request_kv_gib"]
+            n = s["max_model_len"]
+            q["plain"] = plain_bytes_per_token(config, tp, kv_dtype) * n / GiB
+            q["llm_d_planner"] = llmd_bytes_per_token(config, tp) * n / GiB
+        if "max_model_len_fit" in row["quantities"]:
+            # the peers' answer: budget / bytes per token (llm-d-planner's auto_max_model_len)
+            q = row["quantities"]["max_model_len_fit"]
+            q["plain"] = budgets[1] // plain_bytes_per_token(config, tp, kv_dtype)
+            q["llm_d_planner"] = budgets[1] // llmd_bytes_per_token(config, tp)
+    row["rule"] = rule
+    for q in row["quantities"].values():
+        for peer in ("plain", "llm_d_planner"):
+            if peer in q:
+                q[f"{peer}_error_pct"] = _err(q[peer], q["logged"])
+    return row
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and max |error| of the KV tokens for memfit and the peers, the misses (memfit
+    outside 3 %), and whether the issue's targets are met."""
+    tok = [r for r in rows if "kv_tokens" in r["quantities"]]
+    out: dict[str, Any] = {"logs": len(rows), "logs_with_tokens": len(tok),
+                           "layouts": sorted({la for r in rows for la in r["layouts"]})}
+    for who, key in (("memfit", "error_pct"), ("plain", "plain_error_pct"),
+                     ("llm_d_planner", "llm_d_planner_error_pct")):
+        errs = [abs(r["quantities"]["kv_tokens"][key]) for r in tok]
+        out[who] = {"median_abs_error_pct": statistics.median(errs),
+                    "max_abs_error_pct": max(errs)}
+    conc = [abs(r["quantities"]["max_concurrency"]["error_pct"]) for r in rows
+            if "max_concurrency" in r["quantities"]]
+    out["memfit_concurrency"] = {"logs": len(conc), "median_abs_error_pct":
+                                 statistics.median(conc), "max_abs_error_pct": max(conc)}
+    for key in ("request_kv_gib", "max_model_len_fit"):
+        errs = [abs(r["quantities"][key]["error_pct"]) for r in rows if key in r["quantities"]]
+        if errs:
+            out[f"memfit_{key}"] = {"logs": len(errs), "median_abs_error_pct":
+                                    statistics.median(errs), "max_abs_error_pct": max(errs)}
+    out["within_rounding"] = [r["id"] for r in tok
+                              if r["quantities"]["kv_tokens"]["within_rounding"]]
+    out["misses"] = {r["id"]: round(r["quantities"]["kv_tokens"]["error_pct"], 2) for r in tok
+                     if abs(r["quantities"]["kv_tokens"]["error_pct"]) > TARGET_MAX}
+    m = out["memfit"]
+    out["targets"] = {"median_le_1pct": m["median_abs_error_pct"] <= TARGET_MEDIAN,
+                      "max_le_3pct": m["max_abs_error_pct"] <= TARGET_MAX}
+    return out
+
+
+def run(only: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    models, logs = load()
+    rows = [compare(log, models) for log in logs if not only or only in log["id"]]
+    return rows, summarize(rows)
+
+
+# ----------------------------------------------------------------------------- output
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'log':44} {'rule':12} {'quantity':15} {'logged':>11} {'memfit':>11} {'err%':>7} "
+            f"{'rnd':>3} {'plain%':>8} {'llm-d%':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        for key, q in r["quantities"].items():
+            lines.append(
+                f"{r['id'][:44]:44} {r['rule']:12} {key:15} {_fmt(q['logged']):>11} "
+                f"{_fmt(q['predicted']):>11} {q['error_pct']:>+7.2f} "
+                f"{'yes' if q['within_rounding'] else 'no':>3} "
+                + (f"{q['plain_error_pct']:>+8.1f} {q['llm_d_planner_error_pct']:>+8.1f}"
+                   if "plain_error_pct" in q else f"{'':>8} {'':>8}"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", help="run the logs whose id contains this")
+    parser.add_argument("--out", type=Path, help="where to write the JSON")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    rows, summary = run(args.only)
+    print(table(rows))
+    print()
+    for who in ("memfit", "plain", "llm_d_planner"):
+        s = summary[who]
+        print(f"KV tokens, {who:13}: median |err| {s['median_abs_error_pct']:.2f} %, "
+              f"max {s['max_abs_error_pct']:.2f} % over {summary['logs_with_tokens']} logs")
+    c = summary["memfit_concurrency"]
+    print(f"max concurrency, memfit: median |err| {c['median_abs_error_pct']:.2f} %, "
+          f"max {c['max_abs_error_pct']:.2f} % over {c['logs']} logs")
+    print(f"within the log's own rounding: {len(summary['within_rounding'])} of "
+          f"{summary['logs_with_tokens']}; misses (> {TARGET_MAX:g} %): {summary['misses']}")
+    print(f"targets (median <= {TARGET_MEDIAN:g} %, max <= {TARGET_MAX:g} %): "
+          f"{summary['targets']}")
+    if not args.no_write:
+        out = args.out or RESULTS_DIR / f"serving-published-cpu-{dt.date.today().isoformat()}.json"
+        out.write_text(json.dumps({
+            "bench": "serving_published", "date": dt.datetime.now(dt.UTC).isoformat(),
+            "machine": platform.platform(), "python": platform.python_version(),
+            "rounding": "vLLM logs GiB to 2 decimals: predictions at +-0.005 GiB bound it",
+            "llm_d_planner_source": LLMD_SOURCE,
+            "summary": summary, "rows": rows}, indent=1, default=float) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
