@@ -7,6 +7,7 @@ source named; :func:`serve_plan` puts them together for a KV budget in bytes (vL
 ``--kv-cache-memory``). Torch-free: the analytic CLI answers without importing torch.
 """
 
+from memfit.serving.check import CheckRow, check_plan, log_inputs
 from memfit.serving.kv_spec import (
     KV_DTYPES,
     LayerKV,
@@ -15,6 +16,7 @@ from memfit.serving.kv_spec import (
     model_dtype_bytes,
     text_config,
 )
+from memfit.serving.logs import EngineLog, parse_engine_log, read_engine_log
 from memfit.serving.plan import ServePlan, load_config, serve_plan, vllm_layer_specs
 from memfit.serving.vllm import (
     VLLM_SOURCE,
@@ -36,23 +38,29 @@ __all__ = [
     "KV_DTYPES",
     "VLLM_SOURCE",
     "VLLM_VERSION",
+    "CheckRow",
     "EngineLayerSpec",
+    "EngineLog",
     "KVCacheGroup",
     "LayerKV",
     "ServePlan",
     "align_hybrid_block_size",
     "bytes_per_block",
+    "check_plan",
     "fits",
     "kv_cache_groups",
     "kv_cache_tokens",
     "kv_spec",
     "load_config",
+    "log_inputs",
     "max_concurrency",
     "max_memory_usage_bytes",
     "max_model_len_that_fits",
     "model_context_length",
     "model_dtype_bytes",
     "num_gpu_blocks",
+    "parse_engine_log",
+    "read_engine_log",
     "serve_plan",
     "text_config",
     "vllm_layer_specs",
