@@ -45,9 +45,11 @@ Both engines print "GB" for GiB (vLLM v0: ``/ float(2**30)``; SGLang: ``GB = 102
 in ``memory_pool.py``), so every figure here is read as GiB. A printed figure carries the
 engine's rounding (2 decimals of a GiB, 10.7 MB, in current releases).
 
-Known limitations: with TP > 1 each worker prints its own lines; the first one read wins, except
-the KV budget, where the smallest wins (vLLM sizes every worker's pool by the smallest:
-``kv_cache_utils.py: get_kv_cache_configs``). Pipeline and data parallelism are not told apart.
+Known limitations: with TP > 1 each worker prints its own lines; rank 0's (``TP0``,
+``Worker_TP0``, or no prefix) win, except the KV budget, where the smallest wins (vLLM sizes
+every worker's pool by the smallest: ``vllm/v1/core/kv_cache_planning.py:
+get_kv_cache_configs``). Pipeline
+and data parallelism are not told apart.
 """
 
 from __future__ import annotations
@@ -341,7 +343,10 @@ def parse_engine_log(text: str, *, source: str = "log") -> EngineLog:
     workers = {p.split(":")[0] for p in prefixes if re.search(r"TP\d", p)}
     v0 = {p for p in prefixes if p.startswith("VllmWorkerProcess")}
     ranks = len(workers) or (len(v0) + 1 if v0 else 1)
-    body = [_RANK.sub("", line, count=1) for line in raw]
+    # rank 0's lines first (stable): a figure every worker prints is read from rank 0
+    ordered = sorted(raw, key=lambda line: bool(re.search(r"\bTP[1-9]\d*\b|_TP[1-9]",
+                                                          line.split(")")[0].split("]")[0])))
+    body = [_RANK.sub("", line, count=1) for line in ordered]
     found: dict[str, object] = {}
     lines: dict[str, str] = {}
     is_sglang = any(_SGL_MARK.search(line) for line in body if "vllm" not in line.lower())
