@@ -179,7 +179,7 @@ _VLLM: list[tuple[str, re.Pattern[str], object]] = [
                                   r"specified by kv_cache_memory_bytes"), _gib),
     ("kv_cache_tokens", re.compile(r"\b(?:GPU|XPU|NPU|CPU|TPU|HPU)(?: \+ host)? KV cache size: "
                                    + _NUM + r" tokens"), _int),
-    ("num_gpu_blocks", re.compile(r"# (?:GPU|CUDA) blocks: " + _NUM), _int),
+    ("num_gpu_blocks", re.compile(r"(?:# )?(?:GPU|CUDA) blocks: " + _NUM), _int),
     ("gpu_memory_utilization", re.compile(r"gpu_memory_utilization[ =(]+" + _NUM), float),
     ("gpu_memory_utilization", re.compile(r"Desired GPU memory utilization is \(" + _NUM), float),
     ("max_num_batched_tokens", re.compile(r"Chunked prefill is enabled with "
