@@ -56,7 +56,7 @@ def _budget(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from memfit.serving import serve_plan
 
-    given = dict(
+    given: dict[str, Any] = dict(
         kv_cache_memory=None if args.kv_cache_memory is None else _budget(args.kv_cache_memory),
         tp=positive_int(args.tp, "--tp"), kv_cache_dtype=args.kv_cache_dtype,
         block_size=positive_int(args.block_size, "--block-size"),
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if inputs["kv_cache_memory"] is None:
         raise MemfitError("serve-plan needs the KV budget: pass --kv-cache-memory BYTES (or "
                           "--check LOGFILE with the engine's \"Available KV cache memory\" line)")
-    defaults = {"tp": 1, "kv_cache_dtype": "auto", "block_size": 16,
+    defaults: dict[str, Any] = {"tp": 1, "kv_cache_dtype": "auto", "block_size": 16,
                 "max_num_batched_tokens": 8192}
     plan = serve_plan(
         args.model, **{k: defaults[k] if v is None and k in defaults else v
@@ -158,7 +158,7 @@ def render_check(log: Any, rows: list[Any], path: str) -> None:
 
     def fmt(key: str, value: float) -> str:
         if key.endswith("_bytes"):
-            return f"{value:,} B ({format_bytes(value)})"
+            return f"{value:,} B ({format_bytes(int(value))})"
         return f"{value:.2f}x" if key == "max_concurrency" else f"{value:,}"
 
     for row in rows:

@@ -48,16 +48,16 @@ engine's rounding (2 decimals of a GiB, 10.7 MB, in current releases).
 Known limitations: with TP > 1 each worker prints its own lines; rank 0's (``TP0``,
 ``Worker_TP0``, or no prefix) win, except the KV budget, where the smallest wins (vLLM sizes
 every worker's pool by the smallest: ``vllm/v1/core/kv_cache_planning.py:
-get_kv_cache_configs``). Pipeline
-and data parallelism are not told apart.
+get_kv_cache_configs``). Pipeline and data parallelism are not told apart.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from memfit.errors import MemfitError
 
@@ -148,7 +148,8 @@ def _str(text: str) -> str:
 
 # vLLM: one pattern per printed figure; (field, regex, converter). The first line that matches
 # sets the field (except kv_cache_bytes, see the module docstring).
-_VLLM: list[tuple[str, re.Pattern[str], object]] = [
+_Conv = Callable[[str], Any]
+_VLLM: list[tuple[str, re.Pattern[str], _Conv]] = [
     # 0.33 "Model loading took %s GiB memory and %.6f seconds"; 0.8-0.11 "Model loading took
     # 14.9889 GiB and 3.65 seconds"; early v1 "... GB"; v0 "Loading model weights took 14.9888 GB"
     ("weights_bytes", re.compile(r"(?:Model loading|Loading model weights) took " + _NUM
@@ -190,13 +191,13 @@ _VLLM_CONCURRENCY = re.compile(r"Maximum concurrency for " + _NUM + r" tokens pe
                                + _NUM + r"x")
 _VLLM_ENGINE = re.compile(r"Initializing an? (?:V1 )?LLM engine \(v([^)\s]+)\) with config: (.*)")
 _VLLM_VERSION = re.compile(r"vLLM API server version ([0-9][^\s,]*)")
-_VLLM_CONFIG: list[tuple[str, str, object]] = [
+_VLLM_CONFIG: list[tuple[str, str, _Conv]] = [
     ("model", r"\bmodel='([^']*)'", _str), ("max_model_len", r"\bmax_seq_len=(\d+)", _int),
     ("tp", r"\btensor_parallel_size=(\d+)", _int),
     ("enforce_eager", r"\benforce_eager=(True|False)", _bool),
     ("kv_cache_dtype", r"\bkv_cache_dtype=([\w]+)", _str)]
 _VLLM_ARGS = re.compile(r"non-default args: (\{.*)")
-_ARGS_KEYS: dict[str, tuple[str, object]] = {
+_ARGS_KEYS: dict[str, tuple[str, _Conv]] = {
     "model": ("model", _str), "model_tag": ("model", _str),
     "tensor_parallel_size": ("tp", _int), "max_model_len": ("max_model_len", _int),
     "gpu_memory_utilization": ("gpu_memory_utilization", float),
@@ -218,7 +219,7 @@ _SGL_SCHED_KEYS: dict[str, str] = {"chunked_prefill_size": "max_num_batched_toke
                                    "max_running_requests": "max_num_seqs",
                                    "context_len": "max_model_len"}
 _SGL_ARGS = re.compile(r"server_args=(.*)")
-_SGL_ARGS_KEYS: dict[str, tuple[str, object]] = {
+_SGL_ARGS_KEYS: dict[str, tuple[str, _Conv]] = {
     "model_path": ("model", _str), "tp_size": ("tp", _int),
     "mem_fraction_static": ("mem_fraction_static", float),
     "context_length": ("max_model_len", _int), "kv_cache_dtype": ("kv_cache_dtype", _str),
@@ -244,12 +245,12 @@ def _put(found: dict[str, object], lines: dict[str, str], key: str, value: objec
 
 
 def _items(found: dict[str, object], lines: dict[str, str], text: str, pattern: re.Pattern[str],
-           keys: dict[str, tuple[str, object]], line: str) -> None:
+           keys: dict[str, tuple[str, _Conv]], line: str) -> None:
     for name, raw in pattern.findall(text):
         if name in keys and raw.strip("'\"") not in ("None", ""):
             key, conv = keys[name]
             try:
-                _put(found, lines, key, conv(raw), line)  # type: ignore[operator]
+                _put(found, lines, key, conv(raw), line)
             except ValueError:
                 continue
 
@@ -260,10 +261,10 @@ def _parse_vllm(lines_in: list[str], found: dict[str, object], lines: dict[str, 
         m = _VLLM_ENGINE.search(line)
         if m:
             _put(found, lines, "engine_version", m.group(1), line)
-            for key, pattern, conv in _VLLM_CONFIG:
-                c = re.search(pattern, m.group(2))
+            for key, regex, conv in _VLLM_CONFIG:
+                c = re.search(regex, m.group(2))
                 if c:
-                    _put(found, lines, key, conv(c.group(1)), line)  # type: ignore[operator]
+                    _put(found, lines, key, conv(c.group(1)), line)
             continue
         m = _VLLM_ARGS.search(line)
         if m:
@@ -280,7 +281,7 @@ def _parse_vllm(lines_in: list[str], found: dict[str, object], lines: dict[str, 
             p = pattern.search(line)
             if not p:
                 continue
-            value = conv(p.group(1))  # type: ignore[operator]
+            value = conv(p.group(1))
             if key == "kv_cache_bytes":
                 budgets.append((value, line.strip()))
             else:
