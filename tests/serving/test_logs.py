@@ -335,3 +335,14 @@ def test_cli_check_unreadable_log_is_one_line_exit_2(capsys, tmp_path, text: str
 def test_cli_without_a_budget_is_one_line_exit_2(capsys) -> None:
     code, _, err = cli(capsys, "serve-plan", "llama-3-8b")
     assert code == 2 and "pass --kv-cache-memory" in err and err.count("\n") == 1
+
+
+def test_log_inputs_from_sglang_keep_its_page_and_chunk_out() -> None:
+    log = parse_engine_log(SGLANG_0523.replace("'fp8_e4m3'", "'bf16'"))
+    inputs = log_inputs(log, tp=None, max_model_len=None, kv_cache_dtype=None,
+                        block_size=None, max_num_batched_tokens=None, kv_cache_memory=None)
+    # SGLang's page_size 1 and chunked_prefill_size are not vLLM's block and batch budget;
+    # its "bf16" is vLLM's "bfloat16"
+    assert inputs == {"tp": 1, "max_model_len": 40960, "kv_cache_dtype": "bfloat16",
+                      "block_size": None, "max_num_batched_tokens": None,
+                      "kv_cache_memory": round(34.33 * GIB)}

@@ -4,7 +4,9 @@ With ``--kv-cache-memory BYTES`` (vLLM's own option: the KV pool is sized from t
 no profile run) it prints the KV cache groups vLLM forms, the blocks, and the lines vLLM logs at
 startup ("GPU KV cache size", "Maximum concurrency"), and the largest ``--max-model-len`` that
 fits. The weights, activation peak and CUDA graphs that choose the budget from
-``--gpu-memory-utilization`` come in a later part.
+``--gpu-memory-utilization`` come in a later part. ``--check LOGFILE`` reads a vLLM or SGLang
+startup log, takes the settings not given (and its KV budget) from it, and prints the plan
+against the engine's figures (:mod:`memfit.serving.check`).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ _ROWS = (
 )
 
 
+# SGLang's --kv-cache-dtype names (sglang/srt/arg_groups/fields/model.py) -> vLLM's
+_SGLANG_KV_DTYPES = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "bf16": "bfloat16"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckRow:
     """One figure: the plan's, the log's, and the plan's error (None where the log's is 0)."""
@@ -78,8 +82,8 @@ def log_inputs(log: EngineLog, **given: Any) -> dict[str, Any]:
     if log.engine == "sglang":
         # SGLang's page and prefill chunk are not vLLM's block and scheduler budget
         found["block_size"] = found["max_num_batched_tokens"] = None
-        if found["kv_cache_dtype"] in ("fp8_e4m3", "fp8_e5m2"):
-            found["kv_cache_dtype"] = "fp8"
+        found["kv_cache_dtype"] = _SGLANG_KV_DTYPES.get(str(log.kv_cache_dtype),
+                                                        log.kv_cache_dtype)
     out = dict(given)
     for key, value in found.items():
         if out.get(key) is None and value is not None:
