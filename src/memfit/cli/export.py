@@ -19,18 +19,25 @@ EPILOG = """examples:
   memfit export plan.json --to deepspeed --output ds_config.json
   memfit plan llama-3-8b --gpus 8 --zero 3 --checkpointing full --json > plan.json
   memfit export plan.json --to accelerate > accelerate_config.yaml
+  memfit serve-plan llama-3.1-8b --kv-cache-memory 20GiB --json > serve.json
+  memfit export serve.json --to vllm
+  memfit export serve.json --to sglang --format python
 """
 
 
 def register(sub: Any) -> None:
-    from memfit.export import TARGETS
+    from memfit.export import SERVING_TARGETS, TARGETS
 
     p = sub.add_parser("export", help="write a plan as a DeepSpeed/Accelerate/Lightning/"
                        "HF Trainer/torchtitan/torchtune config", description=__doc__,
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("plan", help="plan JSON (memfit fit --save, or memfit plan --json)")
+    p.add_argument("plan", help="plan JSON (memfit fit --save, or memfit plan --json; for "
+                   "vllm and sglang, memfit serve-plan --json)")
     p.add_argument("--to", required=True, metavar="TOOL",
-                   help=f"target tool: {', '.join(TARGETS)}")
+                   help=f"target tool: {', '.join(TARGETS + SERVING_TARGETS)}")
+    p.add_argument("--format", default="command", choices=("command", "python"),
+                   help="vllm / sglang: the launch command (default) or the Python keywords "
+                   "of vllm.LLM(...) / sglang.Engine(...)")
     p.add_argument("--output", "-o", help="write the file here (default: standard output)")
     p.add_argument("--json", action="store_true",
                    help="print a JSON report (target, file, gaps, notes; the file's text "
@@ -41,7 +48,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from memfit.export import export_plan
 
-    out = export_plan(args.plan, args.to, args.output)
+    out = export_plan(args.plan, args.to, args.output, form=args.format)
     if args.json:
         report = out.to_dict()
         report["output"] = args.output

@@ -7,6 +7,7 @@ source named; :func:`serve_plan` puts them together for a KV budget in bytes (vL
 ``--kv-cache-memory``). Torch-free: the analytic CLI answers without importing torch.
 """
 
+from memfit.serving.check import CheckRow, check_plan, log_inputs
 from memfit.serving.kv_spec import (
     KV_DTYPES,
     LayerKV,
@@ -15,6 +16,7 @@ from memfit.serving.kv_spec import (
     model_dtype_bytes,
     text_config,
 )
+from memfit.serving.logs import EngineLog, parse_engine_log, read_engine_log
 from memfit.serving.plan import ServePlan, load_config, serve_plan, vllm_layer_specs
 from memfit.serving.sglang import (
     SGLANG_HYBRID_SWA_ARCHS,
@@ -56,7 +58,9 @@ __all__ = [
     "SGLANG_VERSION",
     "VLLM_SOURCE",
     "VLLM_VERSION",
+    "CheckRow",
     "EngineLayerSpec",
+    "EngineLog",
     "KVCacheGroup",
     "LayerKV",
     "SGLangKVPool",
@@ -64,6 +68,7 @@ __all__ = [
     "ServePlan",
     "align_hybrid_block_size",
     "bytes_per_block",
+    "check_plan",
     "default_mem_fraction_static",
     "fits",
     "gpu_memory_defaults",
@@ -71,6 +76,7 @@ __all__ = [
     "kv_cache_tokens",
     "kv_spec",
     "load_config",
+    "log_inputs",
     "mamba_cache_per_req",
     "max_concurrency",
     "max_memory_usage_bytes",
@@ -78,6 +84,8 @@ __all__ = [
     "model_context_length",
     "model_dtype_bytes",
     "num_gpu_blocks",
+    "parse_engine_log",
+    "read_engine_log",
     "serve_plan",
     "sglang_cell_size",
     "sglang_kv_tokens",
