@@ -18,8 +18,8 @@ from memfit.errors import MemfitError
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("serve-plan", help="size vLLM's KV cache (blocks, tokens, concurrency)",
-                       description=__doc__)
+    p = sub.add_parser("serve-plan", help="size vLLM's startup budget and KV cache (blocks, "
+                       "tokens, concurrency)", description=__doc__)
     p.add_argument("model", help="a preset name (`memfit models`), a config.json or its folder, "
                    "or a hub id in the local cache")
     p.add_argument("--gpu", help="the GPU (`memfit gpus`): the budget from "
