@@ -24,7 +24,8 @@ from memfit.serving.budget import (
 )
 
 H100 = get_gpu("h100-sxm-80gb")
-LLAMA3_8B_BF16 = 8_030_261_248 * 2
+# 8,030,261,248 parameters in bf16, plus the RoPE cos/sin cache: 8192 positions x 128 x 2 B
+LLAMA3_8B_BF16 = 8_030_261_248 * 2 + 8192 * 128 * 2
 
 
 def test_capture_sizes_as_vllm_0_33_sets_them() -> None:
@@ -150,7 +151,7 @@ def test_cli_prints_the_budget_and_vllms_lines(capsys) -> None:
                   "Available KV cache memory:", "GPU KV cache size:",
                   "set --gpu-memory-utilization"):
         assert label in out, label
-    assert "14.96 GiB" in out  # 16,060,522,496 B of bf16 weights
+    assert "14.96 GiB" in out  # 16,062,619,648 B of bf16 weights and RoPE cache
 
 
 def test_cli_json_fills_the_budget_keys(capsys) -> None:
@@ -161,7 +162,8 @@ def test_cli_json_fills_the_budget_keys(capsys) -> None:
     data = json.loads(out)
     assert data["cuda_graph_bytes"] == 0
     assert data["baseline_parts"]["nccl"] > 0  # TP 2 initialises NCCL before the baseline
-    assert data["weights_bytes"] == 8_030_527_488  # test_weights: per rank at tp 2
+    # test_weights: 8,030,527,488 per rank at tp 2, plus the replicated 2 MiB RoPE cache
+    assert data["weights_bytes"] == 8_030_527_488 + 8192 * 128 * 2
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

@@ -14,6 +14,7 @@ from memfit.serving.weights import (
     check_quant,
     linear_bytes,
     pad_vocab_size,
+    rope_cache_bytes,
     weights_from_checkpoint,
     weights_from_config,
 )
@@ -39,6 +40,19 @@ def test_llama3_8b_bf16_per_rank_at_tp2_by_hand() -> None:
     assert w.parts["embedding"] == w.parts["lm_head"] == embedding
     # 1,050,673,152 + 32 x 218,103,808 + 532,480
     assert w.total == 2 * embedding + 32 * layer + norms == 8_030_527_488
+
+
+def test_rope_cache_is_counted_once_per_rank() -> None:
+    llama31 = {**LLAMA3_8B, "max_position_embeddings": 131072}
+    # [131072, 128] in bf16: 32 MiB, one per model (get_rope caches it), replicated under TP
+    assert rope_cache_bytes(llama31, 2) == 32 * 2**20
+    assert weights_from_config(llama31, tp=4).parts["rope_cache"] == 32 * 2**20
+    assert weights_from_config(llama31).total == 8_030_261_248 * 2 + 32 * 2**20
+    # a partial rotary factor shortens the rows (Phi-2: 0.4 of 80 = 32)
+    assert rope_cache_bytes({"hidden_size": 2560, "num_attention_heads": 32,
+                             "partial_rotary_factor": 0.4,
+                             "max_position_embeddings": 2048}, 2) == 2048 * 32 * 2
+    assert rope_cache_bytes({"model_type": "gpt2", "max_position_embeddings": 1024}, 2) == 0
 
 
 def test_vocab_padded_to_64_before_the_split() -> None:

@@ -13,6 +13,10 @@ what the loaded model occupies on the rank. Per rank:
   ``DEFAULT_VOCAB_PADDING_SIZE``), then split the padded rows by ``tp``. A model that ties
   them (``tie_word_embeddings``) holds one tensor.
 - Norms and the MoE router are replicated.
+- The rotary embedding's ``cos_sin_cache`` buffer, ``[max_position_embeddings, rotary_dim]``
+  in the model dtype, one per model (``rotary_embedding/base.py: RotaryEmbedding.__init__``;
+  ``get_rope`` caches instances in ``_ROPE_DICT``): 32 MiB for Llama-3.1's 131,072 positions.
+  It is allocated while loading, so vLLM counts it with the weights.
 - Quantized linear layers hold the tensors each method's ``create_weights`` registers (see
   :data:`QUANT_FORMATS`); embeddings, LM head, norms and the router stay in the model dtype
   (the methods quantize ``LinearBase`` layers only).
@@ -32,7 +36,8 @@ from memfit.errors import MemfitError, suggest
 from memfit.serving.kv_spec import text_config
 
 __all__ = ["QUANT_FORMATS", "QuantFormat", "WeightBytes", "check_quant", "linear_bytes",
-           "pad_vocab_size", "weights_from_checkpoint", "weights_from_config"]
+           "pad_vocab_size", "rope_cache_bytes", "weights_from_checkpoint",
+           "weights_from_config"]
 
 VOCAB_PADDING = 64
 """``vocab_parallel_embedding.py: DEFAULT_VOCAB_PADDING_SIZE``."""
@@ -161,7 +166,8 @@ class WeightBytes:
     """The weights on one rank of the TP group, by part (bytes)."""
 
     parts: dict[str, int]
-    """``embedding``, ``lm_head`` (0 when tied), ``attention``, ``mlp``, ``norms``, ``other``."""
+    """``embedding``, ``lm_head`` (0 when tied), ``attention``, ``mlp``, ``norms``,
+    ``rope_cache``, ``other``."""
     source: str
     """``config`` or the safetensors folder read."""
     quant: str | None
@@ -188,6 +194,30 @@ def _kv_per_rank(kv_heads: int, tp: int) -> int:
 
 
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text")
+_NO_ROPE_TYPES = ("gpt2", "gpt_bigcode", "opt", "bloom", "mpt", "bert", "roberta", "t5")
+
+
+def rope_cache_bytes(config: Mapping[str, Any], dtype_bytes: int) -> int:
+    """The ``cos_sin_cache`` buffer: ``max_position_embeddings x rotary_dim x dtype`` with
+    ``rotary_dim = head_dim x partial_rotary_factor`` (``rotary_embedding/__init__.py:
+    get_rope``); 0 for a model without RoPE or a config without ``max_position_embeddings``.
+    Scaled RoPE variants that extend the cache (YaRN's ``max_position x factor``) and models
+    with two RoPEs (Gemma-3's local and global) are counted as one plain cache.
+
+    >>> rope_cache_bytes({"hidden_size": 4096, "num_attention_heads": 32,
+    ...                   "max_position_embeddings": 131072}, 2) == 32 * 2**20
+    True
+    """
+    data = text_config(config)
+    positions = data.get("max_position_embeddings")
+    if str(data.get("model_type")) in _NO_ROPE_TYPES or not isinstance(positions, int):
+        return 0
+    heads = _int(data, "num_attention_heads", "n_head")
+    head_dim = _int(data, "head_dim", default=_int(data, "hidden_size") // heads)
+    params = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    factor = data.get("partial_rotary_factor") or (
+        params.get("partial_rotary_factor") if isinstance(params, Mapping) else None) or 1.0
+    return positions * int(head_dim * float(factor)) * dtype_bytes
 
 
 def weights_from_config(config: Mapping[str, Any], *, tp: int = 1, dtype_bytes: int = 2,
@@ -247,6 +277,7 @@ def weights_from_config(config: Mapping[str, Any], *, tp: int = 1, dtype_bytes: 
         "attention": layers * (qkv + o + attn_bias + qk_norm),
         "mlp": layers * (mlp + mlp_bias),
         "norms": (layers * norms_per_layer + 1) * hidden * b,
+        "rope_cache": rope_cache_bytes(data, b),
     }, source="config", quant=quant.name if quant else None)
 
 
@@ -289,7 +320,8 @@ def weights_from_checkpoint(folder: str | Path, config: Mapping[str, Any], *, tp
     entries = tensor_entries(folder)
     if entries is None:
         raise MemfitError(f"{folder}: no model.safetensors or index; pass the config instead")
-    parts = {"embedding": 0, "lm_head": 0, "attention": 0, "mlp": 0, "norms": 0, "other": 0}
+    parts = {"embedding": 0, "lm_head": 0, "attention": 0, "mlp": 0, "norms": 0,
+             "rope_cache": rope_cache_bytes(data, dtype_bytes), "other": 0}
     for name, (dtype, numel, nbytes) in entries.items():
         if dtype in _FLOATS:
             nbytes = numel * dtype_bytes
