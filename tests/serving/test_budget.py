@@ -85,10 +85,10 @@ def test_enforce_eager_has_no_graphs_and_graphs_count_per_mode() -> None:
     graphs = serve_plan("llama-3-8b", gpu="h100-sxm-80gb", activation_peak_bytes=0)
     assert eager.budget is not None and graphs.budget is not None
     assert eager.budget.cuda_graph_bytes == 0
-    # 51 PIECEWISE + 51 FULL (max_num_seqs 1024): first capture at 512 tokens x
-    # (4096 + 2 x 14336) x 2 bytes, then 50 more of each at the per-graph estimate
+    # 51 PIECEWISE + 51 FULL (max_num_seqs 1024) in one pool: the first capture at 512 tokens
+    # x (4096 + 2 x 14336) x 2 bytes, then 101 more at the per-graph estimate
     first = 512 * (4096 + 2 * 14336) * 2
-    assert graphs.budget.cuda_graph_bytes == first + 2 * 50 * CUDA_GRAPH_PER_GRAPH_BYTES
+    assert graphs.budget.cuda_graph_bytes == first + 101 * CUDA_GRAPH_PER_GRAPH_BYTES
     assert eager.kv_cache_bytes - graphs.kv_cache_bytes == graphs.budget.cuda_graph_bytes
 
 

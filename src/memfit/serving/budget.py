@@ -15,10 +15,15 @@ What vLLM does (``vllm/v1/worker/gpu_worker.py``):
    after the run) holds the weights and whatever grew outside torch meanwhile (lazily loaded
    kernels, backend workspaces), and ``transient_peak_headroom = torch_peak - torch_allocated``
    is the profile run's activation peak.
-3. ``profile_cudagraph_memory`` (``vllm/v1/worker/gpu_model_runner.py``) captures the two
-   largest graphs of each mode, measures them, and extrapolates: ``max(first capture) +
-   sum(per_graph x (n - 1))`` with ``per_graph >= 1 MiB``; subtracted since v0.21
-   (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` defaults to 1 in ``vllm/envs.py``).
+3. The CUDA-graph estimate. 0.33 runs Model Runner V2 by default (``vllm/config/vllm.py:
+   VllmConfig.use_v2_model_runner``: on unless ``VLLM_USE_V2_MODEL_RUNNER=0`` or a feature it
+   lacks), whose ``profile_cudagraph_memory`` (``vllm/v1/worker/gpu/cudagraph_utils.py``)
+   captures every PIECEWISE graph and the two largest FULL graphs into a throwaway pool,
+   measures the free-memory drop, and extrapolates the FULL ones
+   (``_extrapolate_full_graph_memory``: first capture + ``(n - 1) x`` the second, at least
+   1 MiB each). V1's runner (``gpu_model_runner.py: profile_cudagraph_memory``) samples two
+   graphs per mode. Subtracted since v0.21 (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``
+   defaults to 1 in ``vllm/envs.py``).
 4. ``available = requested - non_kv_cache_memory - cudagraph_estimate``, logged as
    ``Available KV cache memory: X GiB`` (``format_gib``: ``round(b / 2**30, 2)``).
 
@@ -128,9 +133,10 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, *,
 def cudagraph_counts(sizes: list[int], max_num_seqs: int) -> dict[str, int]:
     """Graphs per mode under 0.33's default ``FULL_AND_PIECEWISE`` (optimization level O2,
     ``vllm/config/vllm.py: OPTIMIZATION_LEVEL_02``): a PIECEWISE graph for every size, a FULL
-    graph for every size up to ``max_num_seqs`` (``vllm/v1/cudagraph_dispatcher.py:
-    CudagraphDispatcher.initialize_cudagraph_keys``). An attention backend without full-graph
-    support downgrades the mode; not modelled."""
+    graph for every size up to ``max_num_seqs`` (Model Runner V2:
+    ``vllm/v1/worker/gpu/cudagraph_utils.py: CudaGraphManager._init_candidates``; V1:
+    ``vllm/v1/cudagraph_dispatcher.py: initialize_cudagraph_keys``). An attention backend
+    without full-graph support downgrades the mode; not modelled."""
     return {"PIECEWISE": len(sizes), "FULL": len([s for s in sizes if s <= max_num_seqs])}
 
 
@@ -149,19 +155,20 @@ def _mlp_width(config: Mapping[str, Any], tp: int) -> tuple[int, int, int]:
 def cudagraph_estimate_bytes(config: Mapping[str, Any], *, sizes: list[int], max_num_seqs: int,
                              tp: int, dtype_bytes: int,
                              per_graph: int = CUDA_GRAPH_PER_GRAPH_BYTES) -> int:
-    """Estimate of what ``profile_cudagraph_memory`` returns: ``max over modes of the first
-    (largest) capture + sum over modes of per_graph x (graphs - 1)``. The first capture is
-    estimated as the largest graph's intermediates (``largest x (hidden + 2 x
-    intermediate / tp) x dtype``, the same per-token width as the placeholder activation
-    peak); ``per_graph`` is :data:`CUDA_GRAPH_PER_GRAPH_BYTES`. Not derived from first
-    principles: vLLM measures both on the GPU, and its own figure moves between versions
-    (vllm #45178, #57475, #50780). 0 with no sizes (``--enforce-eager``)."""
+    """Estimate of what ``profile_cudagraph_memory`` returns under Model Runner V2: the first
+    (largest) capture sets the throwaway pool's baseline, and every further graph, PIECEWISE
+    or FULL (they share the pool), adds ``per_graph``: ``first + per_graph x (graphs - 1)``.
+    The first capture is estimated as the largest graph's intermediates (``largest x (hidden
+    + 2 x intermediate / tp) x dtype``, the placeholder activation peak's per-token width);
+    ``per_graph`` is :data:`CUDA_GRAPH_PER_GRAPH_BYTES`. Not derived from first principles:
+    vLLM measures both on the GPU, and its own figure moves between versions (vllm #45178,
+    #57475, #50780). 0 with no sizes (``--enforce-eager``)."""
     if not sizes:
         return 0
     hidden, inter, _ = _mlp_width(config, tp)
     first = max(sizes) * (hidden + 2 * inter) * dtype_bytes
-    counts = cudagraph_counts(sizes, max_num_seqs)
-    return first + sum(per_graph * (n - 1) for n in counts.values() if n)
+    graphs = sum(cudagraph_counts(sizes, max_num_seqs).values())
+    return first + per_graph * (graphs - 1)
 
 
 def placeholder_activation_peak(config: Mapping[str, Any], *, max_num_batched_tokens: int,
@@ -170,8 +177,8 @@ def placeholder_activation_peak(config: Mapping[str, Any], *, max_num_batched_to
     ``memfit.serving.profile_run`` (the traced profile run) is installed:
     ``max_num_batched_tokens x (hidden + 2 x intermediate / tp) x dtype`` (one layer's
     residual stream and its gate/up output, live together) ``+ max_num_seqs x vocab x 4``
-    (the sampler's float32 logits over ``max_num_seqs`` dummy requests,
-    ``gpu_model_runner.py: _dummy_sampler_run``).
+    (the sampler's float32 logits over ``max_num_seqs`` dummy requests: V2's
+    ``vllm/v1/worker/gpu/model_runner.py: _dummy_sampler_run`` runs a float32 warm-up pass).
 
     >>> cfg = {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256}
     >>> placeholder_activation_peak(cfg, max_num_batched_tokens=8192, max_num_seqs=1024,
@@ -196,7 +203,8 @@ class Budget:
     Known limitations: the CUDA-graph term and the memory outside torch are estimates (see
     :func:`cudagraph_estimate_bytes`, :data:`NON_TORCH_INCREASE_BYTES`); the activation peak is
     the traced profile run when ``memfit.serving.profile_run`` is installed, else a
-    placeholder (``activation_source``). The model runner's persistent input buffers and
+    placeholder (``activation_source``). The model runner's persistent input buffers (V2's
+    ``InputBuffers``: 13 bytes per batched token, ``vllm/v1/worker/gpu/input_batch.py``) and
     vLLM's workspace manager are not counted.
     """
 
