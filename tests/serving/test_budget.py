@@ -179,3 +179,45 @@ def test_cli_bad_input_one_line_exit_2(capsys, argv: list[str], needle: str) -> 
     _, err = capsys.readouterr()
     assert code == 2
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_checkpoint_quantization_config_chooses_the_layout(tmp_path) -> None:
+    config = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+              "vocab_size": 128256, "max_position_embeddings": 8192, "torch_dtype": "float16",
+              "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 64}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    p = serve_plan(tmp_path, gpu="l4", activation_peak_bytes=0, cuda_graph_bytes=0)
+    assert p.budget is not None
+    # groups of 64 from the checkpoint's config: o_proj has 64 groups of zeros and scales
+    o = 4096 * 512 * 4 + 64 * 512 * 4 + 64 * 4096 * 2
+    qkv = 4096 * 768 * 4 + 64 * 768 * 4 + 64 * 6144 * 2
+    assert p.budget.weights_parts["attention"] == 32 * (qkv + o)
+    # the same checkpoint on a V100 (7.0): AWQ needs 7.5
+    with pytest.raises(MemfitError, match="compute capability"):
+        serve_plan(tmp_path, gpu="v100-16gb")
+
+
+def test_folder_weights_come_from_the_headers(tmp_path) -> None:
+    import struct
+
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+              "vocab_size": 100, "max_position_embeddings": 256, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shapes = {"model.embed_tokens.weight": [100, 64], "lm_head.weight": [100, 64],
+              "model.layers.0.self_attn.q_proj.weight": [64, 64]}
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        n = shape[0] * shape[1] * 2
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+    p = serve_plan(tmp_path, gpu="l4", tp=2, activation_peak_bytes=0, max_model_len=256)
+    assert p.budget is not None
+    # vocab 100 pads to 128: 64 rows per rank; q_proj halves; RoPE cache 256 x 16 x 2
+    assert p.budget.weights_parts["embedding"] == p.budget.weights_parts["lm_head"] == 64 * 64 * 2
+    assert p.budget.weights_parts["attention"] == 64 * 64 * 2 // 2
+    assert p.budget.weights_bytes == 2 * 64 * 64 * 2 + 64 * 64 + 256 * 16 * 2

@@ -103,15 +103,19 @@ def test_gptq_fp8_nvfp4_layer_bytes_by_hand() -> None:
         4096 * 2048 + 4096 * 256 + 8
 
 
-def test_awq_model_keeps_embeddings_and_norms_in_16_bits() -> None:
+def test_awq_llama3_8b_by_hand() -> None:
     awq = weights_from_config(LLAMA3_8B, quant=QUANT_FORMATS["awq"])
-    bf16 = weights_from_config(LLAMA3_8B)
-    assert awq.parts["embedding"] == bf16.parts["embedding"]
-    assert awq.parts["norms"] == bf16.parts["norms"]
-    # o_proj alone, by hand
-    o = 4096 * 512 * 4 + 32 * 512 * 4 + 32 * 4096 * 2
-    down = 14336 * 512 * 4 + 112 * 512 * 4 + 112 * 4096 * 2
-    assert awq.parts["mlp"] > 32 * down and awq.parts["attention"] > 32 * o
+    # groups of 128; qweight int32 [in, out/8], qzeros int32 [in/128, out/8], scales [in/128, out]
+    qkv = 4096 * 768 * 4 + 32 * 768 * 4 + 32 * 6144 * 2  # 13,074,432
+    o = 4096 * 512 * 4 + 32 * 512 * 4 + 32 * 4096 * 2  # 8,716,288
+    gate_up = 4096 * 3584 * 4 + 32 * 3584 * 4 + 32 * 28672 * 2  # 61,014,016
+    down = 14336 * 512 * 4 + 112 * 512 * 4 + 112 * 4096 * 2  # 30,507,008
+    assert awq.parts["attention"] == 32 * (qkv + o)
+    assert awq.parts["mlp"] == 32 * (gate_up + down)
+    # embedding, head and norms stay bf16 (AWQ quantizes LinearBase layers only)
+    assert awq.parts["embedding"] == awq.parts["lm_head"] == 128256 * 4096 * 2
+    # 5.73 GB: the size of the published AWQ checkpoints of Llama-3-8B
+    assert awq.total == 5_727_854_592
 
 
 def test_quant_refusals() -> None:
