@@ -173,3 +173,19 @@ def test_checkpoint_tied_head_stored_twice_counted_once(tmp_path: Path) -> None:
     })
     w = weights_from_checkpoint(tmp_path, cfg, tp=1, dtype_bytes=2)
     assert w.total == 128 * 64 * 2
+
+
+def test_checkpoint_expert_blocks_split_row_bias_whole(tmp_path: Path) -> None:
+    # gpt-oss names its MXFP4 experts gate_up_proj_blocks / _scales / _bias, down_proj_*
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128}
+    _write_safetensors(tmp_path / "model.safetensors", {
+        "model.layers.0.mlp.experts.gate_up_proj_blocks": ("U8", [4, 256, 2, 16], 1),
+        "model.layers.0.mlp.experts.gate_up_proj_bias": ("BF16", [4, 256], 2),
+        "model.layers.0.mlp.experts.down_proj_blocks": ("U8", [4, 64, 4, 16], 1),
+        "model.layers.0.mlp.experts.down_proj_bias": ("BF16", [4, 64], 2),
+        "model.layers.0.mlp.router.weight": ("BF16", [4, 64], 2),
+    })
+    w = weights_from_checkpoint(tmp_path, cfg, tp=2, dtype_bytes=2)
+    sharded = (4 * 256 * 2 * 16 + 4 * 256 * 2 + 4 * 64 * 4 * 16) // 2
+    whole = 4 * 64 * 2 + 4 * 64 * 2  # the row-parallel bias and the router
+    assert w.parts["mlp"] == sharded + whole

@@ -458,6 +458,25 @@ def _activation_peak(config: Mapping[str, Any], **kw: int) -> tuple[int, str]:
     return int(module.profile_activation_peak(config, **kw)), "profile_run"
 
 
+def _model_folder(model: str | Path | Mapping[str, Any]) -> Path | None:
+    """The folder a model argument names (a folder, its config.json, or a hub id's cached
+    snapshot), or None (a preset, a dict)."""
+    if isinstance(model, Mapping):
+        return None
+    from memfit.models import cached_snapshot, is_preset
+    from memfit.models.hub import looks_like_hub_id
+
+    text = str(model).strip()
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path.parent
+    if path.is_dir():
+        return path
+    if looks_like_hub_id(text) and not is_preset(text):
+        return cached_snapshot(text)
+    return None
+
+
 def startup_budget(model: str | Path | Mapping[str, Any], config: Mapping[str, Any], *,
                    gpu: Any, gpu_memory_utilization: float = 0.9, tp: int = 1,
                    quant: str | None = None, max_num_batched_tokens: int = 8192,
@@ -472,13 +491,16 @@ def startup_budget(model: str | Path | Mapping[str, Any], config: Mapping[str, A
     from memfit.runtime import compute_capability_for, cuda_runtime_bytes
 
     dtype_bytes = model_dtype_bytes(config)
-    stored = _checkpoint_quant(text_config(config)) or _checkpoint_quant(config)
+    folder = _model_folder(model)
+    headers = folder is not None and tensor_entries(folder) is not None
+    try:
+        stored = _checkpoint_quant(config)
+    except MemfitError:
+        if not headers:
+            raise
+        stored = None  # a format serve-plan has no layout for: its headers give the bytes
     fmt = check_quant(quant or stored, gpu.compute_capability)
-    folder = Path(str(model)).expanduser() if not isinstance(model, Mapping) else None
-    if folder is not None and folder.is_file():
-        folder = folder.parent
-    if folder is not None and folder.is_dir() and (quant is None or quant == stored) and \
-            tensor_entries(folder) is not None:
+    if folder is not None and headers and (quant is None or quant == stored):
         weights = weights_from_checkpoint(folder, config, tp=tp, dtype_bytes=dtype_bytes)
     else:
         qc = config.get("quantization_config")

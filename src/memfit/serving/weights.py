@@ -288,16 +288,21 @@ _VOCAB = ("embed_tokens", "lm_head", "wte", "word_embeddings")
 _FLOATS = ("F32", "F16", "BF16", "F64")
 
 
+def _named(part: str, names: tuple[str, ...]) -> bool:
+    # gpt-oss stores experts as gate_up_proj_blocks / _scales / _bias
+    return any(part == n or part.startswith(n + "_") for n in names)
+
+
 def _role(name: str) -> str:
     parts = name.split(".")
     if any(p in _VOCAB for p in parts):
         return "vocab"
-    if any(p in ("k_proj", "v_proj") for p in parts):
+    if any(_named(p, ("k_proj", "v_proj")) for p in parts):
         return "kv"
-    if any(p in _COLUMN or p in _ROW for p in parts):
-        # row-parallel biases are added after the all-reduce: replicated
-        if parts[-1] == "bias" and any(p in _ROW for p in parts):
-            return "replicated"
+    row = any(_named(p, _ROW) for p in parts)
+    if row and parts[-1].endswith("bias"):
+        return "replicated"  # a row-parallel bias is added after the all-reduce, whole
+    if row or any(_named(p, _COLUMN) for p in parts):
         return "sharded"
     return "replicated"
 
@@ -330,11 +335,7 @@ def weights_from_checkpoint(folder: str | Path, config: Mapping[str, Any], *, tp
             if tied and "lm_head" in name.split("."):
                 continue  # transformers may store a tied head; vLLM holds one tensor
             # rows are vocab entries: pad, then split (VocabParallelEmbedding)
-            per_row = nbytes // vocab if nbytes % vocab == 0 else None
-            if per_row is None:
-                raise MemfitError(f"{name}: {nbytes} bytes is not a whole number of rows of "
-                                  f"the {vocab}-token vocabulary")
-            share = pad_vocab_size(vocab) // tp * per_row
+            share = nbytes * pad_vocab_size(vocab) // vocab // tp
             parts["lm_head" if "lm_head" in name else "embedding"] += share
             continue
         if role == "kv":
