@@ -72,6 +72,10 @@ def test_kv_budget_is_requested_less_each_term() -> None:
     assert p.kv_cache_bytes == b.kv_cache_bytes == expected
     assert p.num_gpu_blocks == expected // (32 * 64 * 1024)
     assert b.log_line == f"Available KV cache memory: {round(expected / 2**30, 2)} GiB"
+    # 1 GiB of graphs on 85,017,493,504 B: 0.0126 of the GPU
+    assert b.log_lines[0] == "Estimated CUDA graph memory: 1.00 GiB total"
+    assert "equivalent to --gpu-memory-utilization=0.8874" in b.log_lines[2]
+    assert "increase --gpu-memory-utilization to 0.9126" in b.log_lines[2]
     js = p.to_json()
     for key in ("weights_bytes", "activation_peak_bytes", "non_torch_bytes",
                 "cuda_graph_bytes", "kv_cache_bytes"):

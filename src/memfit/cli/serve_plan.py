@@ -132,7 +132,8 @@ def render(plan: Any) -> None:
     out.print(f"bytes per block (all layers sharing it): {plan.bytes_per_block:,} B")
     out.print("vLLM logs:")
     if plan.budget is not None:
-        out.print(f"  {plan.budget.log_line}")
+        for line in plan.budget.log_lines:
+            out.print(f"  {line}", soft_wrap=True)
     out.print(f"  {plan.log_line}")
     need = (f"one request of {plan.max_model_len:,} tokens needs "
             f"{format_bytes(plan.request_bytes)}")

@@ -244,7 +244,30 @@ class Budget:
 
     @property
     def log_line(self) -> str:
+        """``gpu_worker.py: determine_available_memory``'s ``logger.info_once``."""
         return f"Available KV cache memory: {format_gib(self.kv_cache_bytes)} GiB"
+
+    @property
+    def log_lines(self) -> list[str]:
+        """The budget lines vLLM logs at startup, in its order: the CUDA-graph estimate
+        (``cudagraph_utils.py: profile_cudagraph_memory``, ``%.2f GiB``), the available KV
+        memory, and, with graphs, the utilization they are worth
+        (``determine_available_memory``: ``round(util -/+ estimate / total, 4)``)."""
+        lines = []
+        if self.cuda_graph_bytes:
+            lines.append(f"Estimated CUDA graph memory: {self.cuda_graph_bytes / GiB:.2f} "
+                         "GiB total")
+        lines.append(self.log_line)
+        if self.cuda_graph_bytes:
+            util = self.gpu_memory_utilization
+            delta = self.cuda_graph_bytes / self.total_bytes
+            lines.append(
+                "CUDA graph memory profiling is enabled (default since v0.21.0). The current "
+                f"--gpu-memory-utilization={util:.4f} is equivalent to "
+                f"--gpu-memory-utilization={round(util - delta, 4):.4f} without CUDA graph "
+                "memory profiling. To maintain the same effective KV cache size as before, "
+                f"increase --gpu-memory-utilization to {min(round(util + delta, 4), 1.0):.4f}.")
+        return lines
 
     def utilization_for(self, kv_bytes: int) -> float:
         """The smallest ``--gpu-memory-utilization`` (4 decimals, rounded up) that leaves

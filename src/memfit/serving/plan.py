@@ -279,7 +279,7 @@ class ServePlan:
             "non_torch_bytes": b.non_torch_bytes, "cuda_graph_bytes": b.cuda_graph_bytes,
             "cuda_graphs": dict(b.cuda_graph_counts),
             "baseline_bytes": b.baseline_bytes, "baseline_parts": dict(b.baseline_parts),
-            "available_kv_log_line": b.log_line,
+            "available_kv_log_line": b.log_line, "budget_log_lines": b.log_lines,
             "concurrency": self.concurrency,
             "kv_bytes_for_concurrency": self.kv_bytes_for_concurrency,
             "gpu_memory_utilization_for_concurrency": self.utilization_for_concurrency,
