@@ -1,12 +1,13 @@
-"""``memfit serve-plan``: vLLM's KV cache for a model and a KV budget, layer group by group.
+"""``memfit serve-plan``: vLLM's startup budget and KV cache for a model, before launch.
 
-With ``--kv-cache-memory BYTES`` (vLLM's own option: the KV pool is sized from the bytes given,
-no profile run) it prints the KV cache groups vLLM forms, the blocks, and the lines vLLM logs at
-startup ("GPU KV cache size", "Maximum concurrency"), and the largest ``--max-model-len`` that
-fits. The weights, activation peak and CUDA graphs that choose the budget from
-``--gpu-memory-utilization`` come in a later part. ``--check LOGFILE`` reads a vLLM or SGLang
-startup log, takes the settings not given (and its KV budget) from it, and prints the plan
-against the engine's figures (:mod:`memfit.serving.check`).
+With ``--gpu NAME`` the KV budget is vLLM's: ``--gpu-memory-utilization`` x the GPU's memory
+less the weights, the profile run's activation peak, memory outside torch and the CUDA-graph
+estimate (each printed). With ``--kv-cache-memory BYTES`` (vLLM's own option: no profile run)
+the budget is the bytes given. Either way it prints the KV cache groups vLLM forms, the blocks,
+the lines vLLM logs at startup ("Available KV cache memory", "GPU KV cache size", "Maximum
+concurrency"), and the largest ``--max-model-len`` that fits. ``--check LOGFILE`` reads a vLLM
+or SGLang startup log, takes the settings not given (and its KV budget) from it, and prints the
+plan against the engine's figures (:mod:`memfit.serving.check`).
 """
 
 from __future__ import annotations
@@ -19,20 +20,33 @@ from memfit.errors import MemfitError
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("serve-plan", help="size vLLM's KV cache (blocks, tokens, concurrency)",
-                       description=__doc__)
+    p = sub.add_parser("serve-plan", help="size vLLM's startup budget and KV cache (blocks, "
+                       "tokens, concurrency)", description=__doc__)
     p.add_argument("model", help="a preset name (`memfit models`), a config.json or its folder, "
                    "or a hub id in the local cache")
+    p.add_argument("--gpu", help="the GPU (`memfit gpus`): the budget from "
+                   "--gpu-memory-utilization, as vLLM profiles it")
+    p.add_argument("--gpu-memory-utilization", default="0.9",
+                   help="vLLM's fraction of the GPU's memory, in (0, 1] (default 0.9)")
     p.add_argument("--kv-cache-memory", metavar="BYTES",
-                   help="the KV budget per GPU, as vLLM's --kv-cache-memory (bytes, or 20GiB); "
-                   "with --check, the log's \"Available KV cache memory\" when not given")
+                   help="the KV budget per GPU, as vLLM's --kv-cache-memory (bytes, or 20GiB): "
+                   "no profile run; with --check, the log's \"Available KV cache memory\" when "
+                   "neither this nor --gpu is given")
+    p.add_argument("--quant", help="awq, gptq, fp8, nvfp4 or bnb-4bit (default: the "
+                   "checkpoint's quantization_config, else none)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
+    p.add_argument("--max-num-seqs", help="vLLM's scheduler limit (default as `vllm serve` "
+                   "for the GPU: 1024 from 70 GiB except A100s, else 256)")
+    p.add_argument("--concurrency", help="requests of --max-model-len wanted at once: prints "
+                   "the --gpu-memory-utilization that holds them")
     p.add_argument("--tp", help="tensor-parallel size (default 1)")
     p.add_argument("--kv-cache-dtype", help="auto (the model's dtype, default) or fp8 (1 byte)")
     p.add_argument("--block-size", help="tokens per KV block (default 16)")
     p.add_argument("--max-model-len", help="tokens per request (default: the model's context)")
     p.add_argument("--max-num-batched-tokens",
-                   help="vLLM's scheduler budget (default 8192, `vllm serve` on an H100/H200); "
-                   "moves sliding-window layers' per-request most only")
+                   help="vLLM's scheduler budget (default as `vllm serve` for the GPU: 8192 on "
+                   "an H100/H200, 2048 below 70 GiB and on A100s, 16384 from 160 GiB; 8192 "
+                   "without --gpu)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="one batch in flight instead of vLLM's default two")
     p.add_argument("--no-prefix-caching", action="store_true",
@@ -55,6 +69,17 @@ def _budget(text: str) -> int:
     return parse_bytes(text, what="--kv-cache-memory")
 
 
+def _utilization(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise MemfitError(f"--gpu-memory-utilization must be a number in (0, 1], got {text!r}; "
+                          "vLLM's default is 0.9")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     from memfit.serving import serve_plan
 
@@ -72,14 +97,20 @@ def run(args: argparse.Namespace) -> int:
 
         log = read_engine_log(args.check)
         inputs = log_inputs(log, **given)
-    if inputs["kv_cache_memory"] is None:
-        raise MemfitError("serve-plan needs the KV budget: pass --kv-cache-memory BYTES (or "
-                          "--check LOGFILE with the engine's \"Available KV cache memory\" line)")
-    defaults: dict[str, Any] = {"tp": 1, "kv_cache_dtype": "auto", "block_size": 16,
-                "max_num_batched_tokens": 8192}
+        if args.gpu is not None and given["kv_cache_memory"] is None:
+            inputs["kv_cache_memory"] = None  # --gpu: the budget is planned, not the log's
+    if inputs["kv_cache_memory"] is None and args.gpu is None:
+        raise MemfitError("serve-plan needs the KV budget: pass --gpu NAME (the budget from "
+                          "--gpu-memory-utilization), --kv-cache-memory BYTES, or --check "
+                          "LOGFILE with the engine's \"Available KV cache memory\" line")
+    defaults: dict[str, Any] = {"tp": 1, "kv_cache_dtype": "auto", "block_size": 16}
     plan = serve_plan(
         args.model, **{k: defaults[k] if v is None and k in defaults else v
                        for k, v in inputs.items()},
+        gpu=args.gpu, gpu_memory_utilization=_utilization(args.gpu_memory_utilization),
+        quant=args.quant, enforce_eager=args.enforce_eager,
+        max_num_seqs=positive_int(args.max_num_seqs, "--max-num-seqs"),
+        concurrency=positive_int(args.concurrency, "--concurrency"),
         async_scheduling=not args.no_async_scheduling,
         prefix_caching=not args.no_prefix_caching)
     if log is not None:
@@ -112,8 +143,11 @@ def render(plan: Any) -> None:
     out.print(f"vLLM {plan.engine_version} KV cache for {plan.model}: tp {plan.tp}, "
               f"--kv-cache-dtype {plan.kv_cache_dtype}, --block-size {plan.block_size}, "
               f"--max-model-len {plan.max_model_len:,}")
-    out.print(f"KV budget per GPU (--kv-cache-memory): {plan.kv_cache_bytes:,} B "
-              f"({format_bytes(plan.kv_cache_bytes)})")
+    if plan.budget is None:
+        out.print(f"KV budget per GPU (--kv-cache-memory): {plan.kv_cache_bytes:,} B "
+                  f"({format_bytes(plan.kv_cache_bytes)})")
+    else:
+        render_budget(plan)
     table = Table(title="KV cache groups (per GPU)", title_justify="left")
     for col in ("group", "kind", "layers", "block", "page", "heads x dim", "window"):
         table.add_column(col, justify="left" if col in ("kind", "layers") else "right")
@@ -132,6 +166,9 @@ def render(plan: Any) -> None:
     out.print(f"num_gpu_blocks: {plan.num_gpu_blocks:,}")
     out.print(f"bytes per block (all layers sharing it): {plan.bytes_per_block:,} B")
     out.print("vLLM logs:")
+    if plan.budget is not None:
+        for line in plan.budget.log_lines:
+            out.print(f"  {line}", soft_wrap=True)
     out.print(f"  {plan.log_line}")
     need = (f"one request of {plan.max_model_len:,} tokens needs "
             f"{format_bytes(plan.request_bytes)}")
@@ -143,6 +180,38 @@ def render(plan: Any) -> None:
     out.print(f"largest --max-model-len that fits: {plan.max_model_len_that_fits:,}"
               + (f" (the model's context is {plan.model_context:,})" if plan.model_context
                  else ""))
+    if plan.budget is not None and plan.concurrency is not None:
+        util = plan.utilization_for_concurrency
+        hold = (f"{plan.concurrency} requests of {plan.max_model_len:,} tokens need "
+                f"{format_bytes(plan.kv_bytes_for_concurrency)} of KV")
+        out.print(f"{hold}: set --gpu-memory-utilization {util:.4f}" if util <= 1 else
+                  f"{hold}: more than this GPU holds at any --gpu-memory-utilization")
+    if plan.startup_oom:
+        out.print(f"WARNING: startup would fail: {plan.startup_oom}")
+
+
+def render_budget(plan: Any) -> None:
+    from memfit.units import format_bytes
+
+    out = console()
+    b = plan.budget
+    out.print(f"GPU {b.gpu}: {b.total_bytes:,} B total; --gpu-memory-utilization "
+              f"{b.gpu_memory_utilization} requests {b.requested_bytes:,} B "
+              f"({format_bytes(b.requested_bytes)}); --max-num-seqs {plan.max_num_seqs}, "
+              f"--max-num-batched-tokens {plan.max_num_batched_tokens}")
+    act = {"placeholder": "placeholder estimate, until the traced profile run is installed",
+           "profile_run": "traced profile run", "given": "given"}[b.activation_source]
+    graphs = ", ".join(f"{k}={v}" for k, v in b.cuda_graph_counts.items() if v) or "none"
+    rows = [("weights", b.weights_bytes, ", ".join(
+                f"{k} {format_bytes(v)}" for k, v in b.weights_parts.items() if v)),
+            ("activation peak", b.activation_peak_bytes, act),
+            ("non-torch", b.non_torch_bytes, "estimate: kernels loaded after the baseline"),
+            ("CUDA graphs", b.cuda_graph_bytes, f"estimate: {graphs}"),
+            ("KV cache", b.kv_cache_bytes, "what is left")]
+    for label, value, note in rows:
+        out.print(f"  {label:<16} {format_bytes(value):>12}  ({note})")
+    out.print(f"  outside the budget (in vLLM's baseline): CUDA context, NCCL, cuBLAS "
+              f"{format_bytes(b.baseline_bytes)}")
 
 
 def render_check(log: Any, rows: list[Any], path: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 from memfit.errors import MemfitError
 
 __all__ = ["DTYPE_BITS", "CheckpointInfo", "checkpoint_for", "compare_with_config",
-           "find_checkpoint", "read_safetensors"]
+           "find_checkpoint", "read_safetensors", "tensor_entries"]
 
 # safetensors dtype names -> bits per element (the format's Dtype enum).
 DTYPE_BITS: dict[str, int] = {
@@ -191,6 +191,18 @@ def find_checkpoint(folder: str | Path) -> CheckpointInfo | None:
     for name in (INDEX_NAME, SINGLE_NAME):
         if (folder / name).is_file():
             return read_safetensors(folder / name)
+    return None
+
+
+def tensor_entries(folder: str | Path) -> dict[str, tuple[str, int, int]] | None:
+    """Each tensor of a model folder's checkpoint, ``name -> (dtype, elements, bytes)``, from
+    the headers (sharded index first, then ``model.safetensors``); None when it has neither.
+    For callers that need the tensors by name (``memfit.serving``'s per-rank sharding)."""
+    folder = Path(folder)
+    if (folder / INDEX_NAME).is_file():
+        return _sharded(folder / INDEX_NAME)[0]
+    if (folder / SINGLE_NAME).is_file():
+        return _tensors(folder / SINGLE_NAME)
     return None
 
 

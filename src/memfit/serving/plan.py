@@ -1,12 +1,11 @@
-"""``serve_plan``: a model's KV cache as vLLM pages it, from a KV budget in bytes.
+"""``serve_plan``: a model's KV cache as vLLM pages it, and the startup budget that sizes it.
 
-This is the part of issue 22 that stands on its own: vLLM's ``--kv-cache-memory BYTES`` sizes the
-KV pool from the bytes given, with no profile run (``vllm/v1/worker/gpu_worker.py:
-determine_available_memory`` returns ``kv_cache_memory_bytes`` as it is), so the blocks, tokens
-and concurrency vLLM logs follow from the model's layers and the flags alone. The weights, the
-profile run's activation peak, the memory outside torch and the CUDA-graph pool (needed to
-*choose* the budget from ``--gpu-memory-utilization``) come in a later part: their ``--json``
-keys are present and null.
+Two ways to the KV budget, as in vLLM: ``--kv-cache-memory BYTES`` sizes the KV pool from the
+bytes given, with no profile run (``vllm/v1/worker/gpu_worker.py: determine_available_memory``
+returns ``kv_cache_memory_bytes`` as it is); or ``--gpu`` with ``--gpu-memory-utilization``,
+where the budget is ``ceil(util x total) - (weights + activation peak + memory outside torch)
+- CUDA-graph estimate`` (:mod:`memfit.serving.budget`, :mod:`memfit.serving.weights`). The
+blocks, tokens and concurrency vLLM logs then follow from the model's layers and the flags.
 """
 
 from __future__ import annotations
@@ -18,7 +17,24 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError, read_json_file
-from memfit.serving.kv_spec import LayerKV, kv_spec, model_context_length, text_config
+from memfit.models.checkpoint import tensor_entries
+from memfit.serving.budget import (
+    NON_TORCH_INCREASE_BYTES,
+    Budget,
+    cudagraph_capture_sizes,
+    cudagraph_counts,
+    cudagraph_estimate_bytes,
+    default_batch_limits,
+    placeholder_activation_peak,
+    requested_memory,
+)
+from memfit.serving.kv_spec import (
+    LayerKV,
+    kv_spec,
+    model_context_length,
+    model_dtype_bytes,
+    text_config,
+)
 from memfit.serving.vllm import (
     VLLM_SOURCE,
     VLLM_VERSION,
@@ -35,11 +51,13 @@ from memfit.serving.vllm import (
     max_model_len_that_fits,
     num_gpu_blocks,
 )
+from memfit.serving.weights import check_quant, weights_from_checkpoint, weights_from_config
 
-__all__ = ["ServePlan", "load_config", "serve_plan", "vllm_layer_specs"]
+__all__ = ["ServePlan", "load_config", "serve_plan", "startup_budget", "vllm_layer_specs"]
 
 _QWEN2_MODELS = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-_LATER = ("weights_bytes", "activation_peak_bytes", "non_torch_bytes", "cuda_graph_bytes")
+_BUDGET_KEYS = ("weights_bytes", "activation_peak_bytes", "non_torch_bytes",
+                "cuda_graph_bytes")
 
 # The sliding windows of the presets whose config.json has them (their TransformerSpec keeps
 # the shapes only). Values from each model's config.json on the Hub.
@@ -97,6 +115,9 @@ def load_config(model: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, A
               "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
               "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
               "max_position_embeddings": spec.max_position_embeddings or None,
+              "intermediate_size": spec.intermediate_size, "vocab_size": spec.vocab_size,
+              "tie_word_embeddings": spec.tie_embeddings, "attention_bias": spec.qkv_bias,
+              "mlp_bias": spec.mlp_bias, "num_local_experts": spec.num_experts,
               "torch_dtype": "bfloat16", **_PRESET_WINDOWS.get(spec.name, {})}
     return spec.name, config
 
@@ -166,7 +187,52 @@ class ServePlan:
     (``kv_cache_planning.py: _check_enough_kv_cache_memory``); else it raises at startup."""
     max_model_len_that_fits: int
     model_context: int | None
+    max_num_seqs: int | None = None
+    budget: Budget | None = None
+    """The startup budget that chose ``kv_cache_bytes`` (None with ``--kv-cache-memory``)."""
+    concurrency: int | None = None
+    """Requests of ``max_model_len`` tokens wanted at once
+    (for :attr:`utilization_for_concurrency`)."""
     source: str = VLLM_SOURCE
+
+    @property
+    def kv_bytes_for_concurrency(self) -> int | None:
+        """The KV budget ``concurrency`` requests of ``max_model_len`` need: vLLM's
+        concurrency is ``num_blocks / blocks per request``, and startup needs one request
+        beside the null block."""
+        if self.concurrency is None:
+            return None
+        return max(self.concurrency * self.request_bytes,
+                   self.request_bytes + self.bytes_per_block)
+
+    @property
+    def utilization_for_concurrency(self) -> float | None:
+        """The ``--gpu-memory-utilization`` that gives :attr:`kv_bytes_for_concurrency` (above
+        1: no setting does on this GPU)."""
+        need = self.kv_bytes_for_concurrency
+        if need is None or self.budget is None:
+            return None
+        return self.budget.utilization_for(need)
+
+    @property
+    def startup_oom(self) -> str | None:
+        """Why vLLM would fail before serving, or None: the baseline (CUDA context, NCCL,
+        cuBLAS) leaves less free than requested (``request_memory``), or weights, activations,
+        memory outside torch and CUDA graphs exceed the budget ("No available memory for the
+        cache blocks")."""
+        b = self.budget
+        if b is None:
+            return None
+        if not b.baseline_fits:
+            return (f"the CUDA context, NCCL and cuBLAS ({b.baseline_bytes:,} B) leave less than "
+                    f"--gpu-memory-utilization {b.gpu_memory_utilization} x total free: vLLM "
+                    "refuses to start (vllm/v1/worker/utils.py: request_memory); lower it")
+        if b.kv_cache_bytes <= 0:
+            return (f"weights, activation peak, memory outside torch and CUDA graphs "
+                    f"({b.non_kv_bytes + b.cuda_graph_bytes:,} B) exceed the "
+                    f"{b.requested_bytes:,} B budget: vLLM raises 'No available memory for the "
+                    "cache blocks'; raise --gpu-memory-utilization, quantize, or add --tp")
+        return None
 
     @property
     def log_line(self) -> str:
@@ -183,7 +249,7 @@ class ServePlan:
             "max_model_len": self.max_model_len,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_in_flight_tokens": self.max_in_flight_tokens,
-            **{k: None for k in _LATER},
+            **self._budget_json(),
             "kv_cache_bytes": self.kv_cache_bytes, "kv_cache_tokens": self.kv_cache_tokens,
             "num_gpu_blocks": self.num_gpu_blocks,
             "max_concurrency": round(self.max_concurrency, 2),
@@ -192,11 +258,35 @@ class ServePlan:
             "fits": self.fits, "log_line": self.log_line,
             "kv_cache_groups": [_group_json(g) for g in self.groups],
             "layers": [_layer_json(layer) for layer in self.layers],
-            "note": ("weights, activation peak, memory outside torch and CUDA graphs come in a "
-                     "later part: their keys are null; the KV budget is --kv-cache-memory"),
             "source": self.source,
         }
+        if self.budget is None:
+            out["note"] = ("the KV budget is --kv-cache-memory (no profile run): weights, "
+                           "activation peak, memory outside torch and CUDA graphs are null")
         return out
+
+    def _budget_json(self) -> dict[str, Any]:
+        b = self.budget
+        if b is None:
+            return {k: None for k in _BUDGET_KEYS}
+        return {
+            "gpu": b.gpu, "gpu_total_bytes": b.total_bytes,
+            "gpu_memory_utilization": b.gpu_memory_utilization,
+            "requested_bytes": b.requested_bytes, "max_num_seqs": self.max_num_seqs,
+            "weights_bytes": b.weights_bytes, "weights_parts": dict(b.weights_parts),
+            "activation_peak_bytes": b.activation_peak_bytes,
+            "activation_source": b.activation_source,
+            "non_torch_bytes": b.non_torch_bytes, "cuda_graph_bytes": b.cuda_graph_bytes,
+            "cuda_graphs": dict(b.cuda_graph_counts),
+            "baseline_bytes": b.baseline_bytes, "baseline_parts": dict(b.baseline_parts),
+            "available_kv_log_line": b.log_line, "budget_log_lines": b.log_lines,
+            "concurrency": self.concurrency,
+            "kv_bytes_for_concurrency": self.kv_bytes_for_concurrency,
+            "gpu_memory_utilization_for_concurrency": self.utilization_for_concurrency,
+            "startup_oom": self.startup_oom,
+            "estimates": ["non_torch_bytes", "cuda_graph_bytes"] + (
+                [] if b.activation_source == "profile_run" else ["activation_peak_bytes"]),
+        }
 
 
 def _group_json(g: KVCacheGroup) -> dict[str, Any]:
@@ -222,12 +312,18 @@ def _positive(value: Any, flag: str) -> int:
     return value
 
 
-def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int, tp: int = 1,
+def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | None = None,
+               gpu: str | None = None, gpu_memory_utilization: float = 0.9, tp: int = 1,
                kv_cache_dtype: str = "auto", block_size: int = 16,
                max_model_len: int | None = None,
-               max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+               max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+               quant: str | None = None, enforce_eager: bool = False,
+               activation_peak_bytes: int | None = None, cuda_graph_bytes: int | None = None,
+               concurrency: int | None = None,
                async_scheduling: bool = True, prefix_caching: bool = True) -> ServePlan:
-    """vLLM's KV pool for ``model`` with ``--kv-cache-memory kv_cache_memory`` on each GPU.
+    """vLLM's KV pool for ``model`` on each GPU of the TP group: from ``kv_cache_memory``
+    bytes (vLLM's ``--kv-cache-memory``: no profile run), else from ``gpu``'s memory and
+    ``gpu_memory_utilization`` less the startup budget (:func:`startup_budget`).
 
     >>> p = serve_plan("llama-3-8b", kv_cache_memory=2**30)  # 1 GiB, 2 MiB blocks
     >>> p.num_gpu_blocks, p.kv_cache_tokens
@@ -243,12 +339,28 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int, t
     align_hybrid_block_size`), so ``block_size`` in the plan may exceed the one given. Bad
     input raises MemfitError (one line).
     """
-    if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) \
-            or kv_cache_memory < 0:
+    if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or not isinstance(
+            kv_cache_memory, int) or kv_cache_memory < 0):
         raise MemfitError(f"--kv-cache-memory must be a number of bytes >= 0, got "
                           f"{kv_cache_memory!r}")
+    if kv_cache_memory is None and gpu is None:
+        raise MemfitError("pass --gpu NAME (the KV budget from --gpu-memory-utilization) or "
+                          "--kv-cache-memory BYTES")
+    requested_memory(1, gpu_memory_utilization)  # (0, 1] or one line
     block_size = _positive(block_size, "--block-size")
-    max_num_batched_tokens = _positive(max_num_batched_tokens, "--max-num-batched-tokens")
+    wanted = None if concurrency is None else _positive(concurrency, "--concurrency")
+    spec_gpu = None
+    if gpu is not None:
+        from memfit.gpus import get_gpu
+
+        spec_gpu = get_gpu(gpu)
+    check_quant(quant, spec_gpu.compute_capability if spec_gpu else None)
+    seqs_default, tokens_default = default_batch_limits(
+        spec_gpu.usable_bytes, spec_gpu.name) if spec_gpu else (1024,
+                                                                DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    max_num_batched_tokens = _positive(max_num_batched_tokens or tokens_default,
+                                       "--max-num-batched-tokens")
+    max_num_seqs = _positive(max_num_seqs or seqs_default, "--max-num-seqs")
     name, config = load_config(model)
     layers = kv_spec(config, tp=tp, kv_cache_dtype=kv_cache_dtype)
     context = model_context_length(config)
@@ -286,21 +398,138 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int, t
     indices, specs = vllm_layer_specs(layers, block_size=block_size, max_model_len=max_model_len,
                                       mamba_page_padded=mamba_padded)
     groups = kv_cache_groups(indices, specs)
+    budget = None
+    if kv_cache_memory is None:
+        assert spec_gpu is not None
+        budget = startup_budget(
+            model, config, gpu=spec_gpu, gpu_memory_utilization=gpu_memory_utilization, tp=tp,
+            quant=quant, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+            activation_peak_bytes=activation_peak_bytes, cuda_graph_bytes=cuda_graph_bytes)
+        kv_cache_memory = max(budget.kv_cache_bytes, 0)
     blocks = num_gpu_blocks(groups, kv_cache_memory)
     in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens
-    concurrency = max_concurrency(groups, blocks, max_model_len, max_in_flight_tokens=in_flight)
+    most = max_concurrency(groups, blocks, max_model_len, max_in_flight_tokens=in_flight)
     return ServePlan(
         engine="vllm", engine_version=VLLM_VERSION, model=name, tp=tp,
         kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, max_in_flight_tokens=in_flight,
         kv_cache_bytes=kv_cache_memory, layers=tuple(layers), groups=tuple(groups),
         bytes_per_block=bytes_per_block(groups) if groups else 0, num_gpu_blocks=blocks,
-        kv_cache_tokens=kv_cache_tokens(concurrency, max_model_len),
-        max_concurrency=concurrency,
+        kv_cache_tokens=kv_cache_tokens(most, max_model_len),
+        max_concurrency=most,
         request_bytes=max_memory_usage_bytes(groups, max_model_len,
                                              max_in_flight_tokens=in_flight),
         fits=fits(groups, kv_cache_memory, max_model_len, max_in_flight_tokens=in_flight),
         max_model_len_that_fits=max_model_len_that_fits(
             groups, kv_cache_memory, context or max_model_len, max_in_flight_tokens=in_flight),
-        model_context=context)
+        model_context=context, max_num_seqs=max_num_seqs, budget=budget,
+        concurrency=wanted)
+
+
+_QUANT_METHODS = {"awq": "awq", "gptq": "gptq", "fp8": "fp8", "modelopt_fp4": "nvfp4",
+                  "bitsandbytes": "bnb-4bit"}
+
+
+def _checkpoint_quant(config: Mapping[str, Any]) -> str | None:
+    """The ``--quant`` a checkpoint's ``quantization_config`` names (vLLM reads it the same
+    way: ``vllm/config/model.py: ModelConfig._verify_quantization``)."""
+    qc = config.get("quantization_config")
+    if not isinstance(qc, Mapping):
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "modelopt" and "FP4" in str(qc.get("quant_algo", "")).upper():
+        method = "modelopt_fp4"
+    if method not in _QUANT_METHODS:
+        raise MemfitError(f"the checkpoint's quantization_config names {method!r}; serve-plan "
+                          f"sizes {', '.join(sorted(_QUANT_METHODS))} (pass --kv-cache-memory)")
+    return _QUANT_METHODS[method]
+
+
+def _activation_peak(config: Mapping[str, Any], **kw: int) -> tuple[int, str]:
+    """The traced profile run (``memfit.serving.profile_run``) when installed, else the
+    temporary placeholder."""
+    import importlib
+
+    try:
+        module = importlib.import_module("memfit.serving.profile_run")
+    except ImportError:
+        return placeholder_activation_peak(config, **kw), "placeholder"
+    return int(module.profile_activation_peak(config, **kw)), "profile_run"
+
+
+def _model_folder(model: str | Path | Mapping[str, Any]) -> Path | None:
+    """The folder a model argument names (a folder, its config.json, or a hub id's cached
+    snapshot), or None (a preset, a dict)."""
+    if isinstance(model, Mapping):
+        return None
+    from memfit.models import cached_snapshot, is_preset
+    from memfit.models.hub import looks_like_hub_id
+
+    text = str(model).strip()
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path.parent
+    if path.is_dir():
+        return path
+    if looks_like_hub_id(text) and not is_preset(text):
+        return cached_snapshot(text)
+    return None
+
+
+def startup_budget(model: str | Path | Mapping[str, Any], config: Mapping[str, Any], *,
+                   gpu: Any, gpu_memory_utilization: float = 0.9, tp: int = 1,
+                   quant: str | None = None, max_num_batched_tokens: int = 8192,
+                   max_num_seqs: int = 1024, enforce_eager: bool = False,
+                   activation_peak_bytes: int | None = None,
+                   cuda_graph_bytes: int | None = None) -> Budget:
+    """vLLM 0.33.0's startup budget on one GPU (a ``GpuSpec``) of the TP group: the weights
+    (:mod:`memfit.serving.weights`: a folder's safetensors headers, else the config's shapes),
+    the profile run's activation peak (``activation_peak_bytes`` if given), memory outside
+    torch, the CUDA-graph estimate (``cuda_graph_bytes`` if given; 0 with ``enforce_eager``)
+    and the baseline (CUDA context, NCCL, cuBLAS: ``memfit.runtime``)."""
+    from memfit.runtime import compute_capability_for, cuda_runtime_bytes
+
+    dtype_bytes = model_dtype_bytes(config)
+    folder = _model_folder(model)
+    headers = folder is not None and tensor_entries(folder) is not None
+    try:
+        stored = _checkpoint_quant(config)
+    except MemfitError:
+        if not headers:
+            raise
+        stored = None  # a format serve-plan has no layout for: its headers give the bytes
+    fmt = check_quant(quant or stored, gpu.compute_capability)
+    if folder is not None and headers and (quant is None or quant == stored):
+        weights = weights_from_checkpoint(folder, config, tp=tp, dtype_bytes=dtype_bytes)
+    else:
+        qc = config.get("quantization_config")
+        group = qc.get("group_size") if isinstance(qc, Mapping) else None
+        if fmt is not None and isinstance(group, int) and fmt.name in ("awq", "gptq"):
+            fmt = dataclasses.replace(fmt, group_size=group)
+        weights = weights_from_config(config, tp=tp, dtype_bytes=dtype_bytes, quant=fmt)
+    kw = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+          "tp": tp, "dtype_bytes": dtype_bytes}
+    if activation_peak_bytes is not None:
+        activation, activation_source = activation_peak_bytes, "given"
+    else:
+        activation, activation_source = _activation_peak(config, **kw)
+    arch = gpu.compute_capability or compute_capability_for(gpu.name)
+    sizes = [] if enforce_eager else cudagraph_capture_sizes(
+        max_num_seqs, max_num_batched_tokens, blackwell=arch.startswith("10."))
+    graphs = cudagraph_estimate_bytes(config, sizes=sizes, max_num_seqs=max_num_seqs, tp=tp,
+                                      dtype_bytes=dtype_bytes) \
+        if cuda_graph_bytes is None else (0 if enforce_eager else cuda_graph_bytes)
+    runtime = cuda_runtime_bytes(compute_capability=arch, num_gpus=tp, matmul_threads=1)
+    baseline = {"cuda_context": runtime["cuda_context"], "nccl": runtime["nccl"],
+                "cublas_workspace": runtime["cublas_workspace"]
+                + runtime["cublaslt_workspace"]}
+    return Budget(
+        gpu=gpu.name, total_bytes=gpu.usable_bytes,
+        gpu_memory_utilization=gpu_memory_utilization,
+        requested_bytes=requested_memory(gpu.usable_bytes, gpu_memory_utilization),
+        weights_bytes=weights.total, weights_parts=weights.parts,
+        activation_peak_bytes=activation, activation_source=activation_source,
+        non_torch_bytes=NON_TORCH_INCREASE_BYTES, cuda_graph_bytes=graphs,
+        cuda_graph_counts=cudagraph_counts(sizes, max_num_seqs), baseline_parts=baseline)
 
