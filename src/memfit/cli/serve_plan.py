@@ -52,6 +52,12 @@ def register(sub: Any) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="vLLM's --no-enable-prefix-caching (needed for hybrid Mamba models "
                    "in this version of serve-plan)")
+    p.add_argument("--engine", default="vllm", choices=("vllm", "sglang"),
+                   help="the serving engine whose rules size the KV cache (default vllm; "
+                   "sglang needs --gpu)")
+    p.add_argument("--mem-fraction-static", metavar="F",
+                   help="SGLang's share of the memory for weights and KV (default: SGLang's "
+                   "own, by the GPU's memory and --tp)")
     p.add_argument("--check", metavar="LOGFILE",
                    help="a vLLM or SGLang startup log: fill the settings not given from it and "
                    "print the plan against the engine's figures, line by line")
@@ -82,6 +88,14 @@ def _utilization(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from memfit.serving import serve_plan
+
+    if args.engine == "sglang":
+        from memfit.cli.serve_plan_sglang import run_sglang
+
+        return run_sglang(args)
+    if args.mem_fraction_static is not None:
+        raise MemfitError("--mem-fraction-static is SGLang's option; pass --engine sglang, or "
+                          "--gpu-memory-utilization for vLLM")
 
     given: dict[str, Any] = dict(
         kv_cache_memory=None if args.kv_cache_memory is None else _budget(args.kv_cache_memory),

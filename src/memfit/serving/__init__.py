@@ -24,7 +24,6 @@ from memfit.serving.sglang import (
     SGLANG_SOURCE,
     SGLANG_VERSION,
     SGLangKVPool,
-    SGLangPlan,
     default_mem_fraction_static,
     gpu_memory_defaults,
     mamba_cache_per_req,
@@ -32,8 +31,8 @@ from memfit.serving.sglang import (
     sglang_kv_tokens,
     sglang_layers,
     sglang_log_lines,
-    sglang_plan,
 )
+from memfit.serving.sglang_startup import SGLangPlan, sglang_plan, sglang_serve_plan
 from memfit.serving.vllm import (
     VLLM_SOURCE,
     VLLM_VERSION,
@@ -92,6 +91,7 @@ __all__ = [
     "sglang_layers",
     "sglang_log_lines",
     "sglang_plan",
+    "sglang_serve_plan",
     "text_config",
     "vllm_layer_specs",
 ]

@@ -1,0 +1,159 @@
+"""vLLM 0.33.0's startup budget on one GPU of the TP group: the weights as it loads them, the
+profile run's activation peak, memory outside torch, the CUDA-graph estimate and the baseline
+taken before the profile (CUDA context, NCCL, cuBLAS). :func:`serve_plan` takes the KV budget
+from it; the SGLang plan takes the weights and the baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import MemfitError
+from memfit.models.checkpoint import tensor_entries
+from memfit.serving.budget import (
+    NON_TORCH_INCREASE_BYTES,
+    Budget,
+    cudagraph_capture_sizes,
+    cudagraph_counts,
+    cudagraph_estimate_bytes,
+    placeholder_activation_peak,
+    requested_memory,
+)
+from memfit.serving.kv_spec import model_dtype_bytes
+from memfit.serving.weights import (
+    WeightBytes,
+    check_quant,
+    weights_from_checkpoint,
+    weights_from_config,
+)
+
+__all__ = ["baseline_parts", "model_folder", "startup_budget", "startup_weights"]
+
+
+_QUANT_METHODS = {"awq": "awq", "gptq": "gptq", "fp8": "fp8", "modelopt_fp4": "nvfp4",
+                  "bitsandbytes": "bnb-4bit"}
+
+
+def _checkpoint_quant(config: Mapping[str, Any]) -> str | None:
+    """The ``--quant`` a checkpoint's ``quantization_config`` names (vLLM reads it the same
+    way: ``vllm/config/model.py: ModelConfig._verify_quantization``)."""
+    qc = config.get("quantization_config")
+    if not isinstance(qc, Mapping):
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "modelopt" and "FP4" in str(qc.get("quant_algo", "")).upper():
+        method = "modelopt_fp4"
+    if method not in _QUANT_METHODS:
+        raise MemfitError(f"the checkpoint's quantization_config names {method!r}; serve-plan "
+                          f"sizes {', '.join(sorted(_QUANT_METHODS))} (pass --kv-cache-memory)")
+    return _QUANT_METHODS[method]
+
+
+def _activation_peak(config: Mapping[str, Any], **kw: int) -> tuple[int, str]:
+    """The traced profile run (``memfit.serving.profile_run``) when installed, else the
+    temporary placeholder."""
+    import importlib
+
+    try:
+        module = importlib.import_module("memfit.serving.profile_run")
+    except ImportError:
+        return placeholder_activation_peak(config, **kw), "placeholder"
+    return int(module.profile_activation_peak(config, **kw)), "profile_run"
+
+
+def model_folder(model: str | Path | Mapping[str, Any]) -> Path | None:
+    """The folder a model argument names (a folder, its config.json, or a hub id's cached
+    snapshot), or None (a preset, a dict)."""
+    if isinstance(model, Mapping):
+        return None
+    from memfit.models import cached_snapshot, is_preset
+    from memfit.models.hub import looks_like_hub_id
+
+    text = str(model).strip()
+    path = Path(text).expanduser()
+    if path.is_file():
+        return path.parent
+    if path.is_dir():
+        return path
+    if looks_like_hub_id(text) and not is_preset(text):
+        return cached_snapshot(text)
+    return None
+
+
+def startup_weights(model: str | Path | Mapping[str, Any], config: Mapping[str, Any], *,
+                    gpu: Any, tp: int = 1, quant: str | None = None) -> WeightBytes:
+    """The weights on one GPU of the TP group as the engine loads them: a folder's safetensors
+    headers when the model is one (and ``quant`` is its own), else the config's shapes in the
+    ``quant`` format (:mod:`memfit.serving.weights`). A quantization ``gpu`` cannot run is
+    refused (one line)."""
+    dtype_bytes = model_dtype_bytes(config)
+    folder = model_folder(model)
+    headers = folder is not None and tensor_entries(folder) is not None
+    try:
+        stored = _checkpoint_quant(config)
+    except MemfitError:
+        if not headers:
+            raise
+        stored = None  # a format serve-plan has no layout for: its headers give the bytes
+    fmt = check_quant(quant or stored, gpu.compute_capability)
+    if folder is not None and headers and (quant is None or quant == stored):
+        return weights_from_checkpoint(folder, config, tp=tp, dtype_bytes=dtype_bytes)
+    qc = config.get("quantization_config")
+    group = qc.get("group_size") if isinstance(qc, Mapping) else None
+    if fmt is not None and isinstance(group, int) and fmt.name in ("awq", "gptq"):
+        fmt = dataclasses.replace(fmt, group_size=group)
+    return weights_from_config(config, tp=tp, dtype_bytes=dtype_bytes, quant=fmt)
+
+
+def baseline_parts(gpu: Any, tp: int = 1) -> dict[str, int]:
+    """What a rank holds before the engine measures its baseline: the CUDA context, NCCL's
+    buffers at ``tp > 1`` and the cuBLAS workspaces (``memfit.runtime.cuda_runtime_bytes``, the
+    figures and sources there)."""
+    from memfit.runtime import compute_capability_for, cuda_runtime_bytes
+
+    arch = gpu.compute_capability or compute_capability_for(gpu.name)
+    runtime = cuda_runtime_bytes(compute_capability=arch, num_gpus=tp, matmul_threads=1)
+    return {"cuda_context": runtime["cuda_context"], "nccl": runtime["nccl"],
+            "cublas_workspace": runtime["cublas_workspace"] + runtime["cublaslt_workspace"]}
+
+
+def startup_budget(model: str | Path | Mapping[str, Any], config: Mapping[str, Any], *,
+                   gpu: Any, gpu_memory_utilization: float = 0.9, tp: int = 1,
+                   quant: str | None = None, max_num_batched_tokens: int = 8192,
+                   max_num_seqs: int = 1024, enforce_eager: bool = False,
+                   activation_peak_bytes: int | None = None,
+                   cuda_graph_bytes: int | None = None) -> Budget:
+    """vLLM 0.33.0's startup budget on one GPU (a ``GpuSpec``) of the TP group: the weights
+    (:mod:`memfit.serving.weights`: a folder's safetensors headers, else the config's shapes),
+    the profile run's activation peak (``activation_peak_bytes`` if given), memory outside
+    torch, the CUDA-graph estimate (``cuda_graph_bytes`` if given; 0 with ``enforce_eager``)
+    and the baseline (CUDA context, NCCL, cuBLAS: ``memfit.runtime``)."""
+    from memfit.runtime import compute_capability_for
+
+    dtype_bytes = model_dtype_bytes(config)
+    weights = startup_weights(model, config, gpu=gpu, tp=tp, quant=quant)
+    kw = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+          "tp": tp, "dtype_bytes": dtype_bytes}
+    if activation_peak_bytes is not None:
+        activation, activation_source = activation_peak_bytes, "given"
+    else:
+        activation, activation_source = _activation_peak(config, **kw)
+    arch = gpu.compute_capability or compute_capability_for(gpu.name)
+    sizes = [] if enforce_eager else cudagraph_capture_sizes(
+        max_num_seqs, max_num_batched_tokens, blackwell=arch.startswith("10."))
+    graphs = cudagraph_estimate_bytes(config, sizes=sizes, max_num_seqs=max_num_seqs, tp=tp,
+                                      dtype_bytes=dtype_bytes) \
+        if cuda_graph_bytes is None else (0 if enforce_eager else cuda_graph_bytes)
+    baseline = baseline_parts(gpu, tp)
+    return Budget(
+        gpu=gpu.name, total_bytes=gpu.usable_bytes,
+        gpu_memory_utilization=gpu_memory_utilization,
+        requested_bytes=requested_memory(gpu.usable_bytes, gpu_memory_utilization),
+        weights_bytes=weights.total, weights_parts=weights.parts,
+        activation_peak_bytes=activation, activation_source=activation_source,
+        non_torch_bytes=NON_TORCH_INCREASE_BYTES, cuda_graph_bytes=graphs,
+        cuda_graph_counts=cudagraph_counts(sizes, max_num_seqs), baseline_parts=baseline)
+
