@@ -39,6 +39,27 @@ def test_forward_peak_by_hand(tiny) -> None:
     assert tiny.transformers_forward_bytes > tiny.forward_peak_bytes
 
 
+def test_attention_by_hand(tiny) -> None:
+    # Q, K, V: 128 tokens x 4 heads x 16 dims, bf16 = 16 KiB each. The rotary embedding of K, at
+    # its highest point, holds k * cos, rotate_half(k) and rotate_half(k) * sin (16 KiB each)
+    # beside Q, K, V and the rotated Q: 7 x 16 KiB. The attention itself (vLLM's profile run:
+    # its output buffer, zero-filled) and o_proj come after Q and K are dropped, lower.
+    assert tiny.block_bytes["self_attn"] == 7 * N * H * 2 == 114_688
+
+
+def test_attention_is_the_profile_runs() -> None:
+    # No mask and no scores: a sliding window changes nothing, and a model transformers runs
+    # without SDPA (Gemma-2's soft-capping) traces too
+    def blocks(extra):
+        return profile_activation_peak({**TINY, **extra}, max_num_batched_tokens=N,
+                                       max_num_seqs=16).block_bytes
+    full = blocks({"model_type": "mistral", "sliding_window": None})
+    assert blocks({"model_type": "mistral", "sliding_window": 32}) == full
+    assert full["self_attn"] == 7 * N * H * 2
+    gemma2 = blocks({"model_type": "gemma2", "head_dim": 16, "attn_logit_softcapping": 50.0})
+    assert gemma2["mlp"] == 3 * N * FF * 2
+
+
 def test_sampler_by_hand(tiny) -> None:
     s = tiny.sampler
     rows = 16  # min(128 tokens, 16 seqs)

@@ -35,10 +35,16 @@ are the bytes of the fused QKV. So:
   the sampled rows) is built on the meta device from the config with, per TP rank, the heads,
   the KV heads and the MLP widths divided by ``tp`` (vLLM's ``QKVParallelLinear``,
   ``MergedColumnParallelLinear``; the hidden size and the embedding's output are whole on every
-  rank) and traced by :func:`memfit.estimate` (inference, CUDA target: SDPA's kernels, the
-  caching allocator's 512-byte blocks) on ``(1, max_num_batched_tokens)`` token ids. All
-  layers are traced (identical layers are replayed, so 32 layers of Llama-3-8B take well under
-  a second); a mixed-layer model (sliding and full, dense and MoE) gets each kind;
+  rank) and traced by :func:`memfit.estimate` (inference, CUDA target: the caching allocator's
+  512-byte blocks) on ``(1, max_num_batched_tokens)`` token ids. All layers are traced
+  (identical layers are replayed, so 32 layers of Llama-3-8B take well under a second); a
+  mixed-layer model (dense and MoE layers) gets each kind;
+- the attention function is the profile run's, registered with transformers'
+  ``AttentionInterface`` under a name of its own (:func:`_profile_attention`): the output
+  buffer, zero-filled, and no mask. Q, K, V, the rotary embedding and ``o_proj`` stay
+  transformers' own code. SDPA would not do: with a sliding window or soft-capping it takes a
+  mask or the math kernel, whose scores grow with tokens² (a Mistral layer at 8192 tokens), and
+  some models (Gemma-2, gpt-oss) have no SDPA path at all;
 - a marker op at the entry of each sub-block of each decoder layer (``self_attn``, ``mlp``, ...)
   gives the bytes alive there; the sub-block's *transient* is its highest point above them;
 - the forward peak is the largest transient of a sub-block other than a norm (vLLM's fused
@@ -56,11 +62,13 @@ activations are freed before the sampler runs, except the final hidden states).
 Known limitations: the transformers sub-blocks keep a few temporaries vLLM's compiled code fuses
 (rotary embedding's copies of Q and K; ``torch.compile`` also frees the normed input after the
 first GEMM, which the two-tensor stream keeps): an overestimate of at most ``tokens × hidden``
-bytes on the MLP, more on attention-bound layers. Mixture-of-experts layers are traced as
-transformers runs them (balanced routing), not as vLLM's ``fused_moe`` workspaces; MLA, Mamba
-and linear-attention layers are traced with their widths undivided by ``tp``; the vision
-encoder, LoRA, speculative decoding and pipeline parallelism are not modelled; nor are the cuBLAS
-workspaces, which belong with the memory outside the activations.
+bytes on the MLP, more on attention-bound layers; a transformers MLP with a fused ``gate_up``
+(Phi-3) holds it while computing the product, one ``tokens × intermediate`` more than vLLM.
+Mixture-of-experts layers are traced as transformers runs them (balanced routing), not as
+vLLM's ``fused_moe`` workspaces; MLA, Mamba and linear-attention layers are traced with their
+widths undivided by ``tp``; the vision encoder, LoRA, speculative decoding and pipeline
+parallelism are not modelled; nor are the cuBLAS workspaces, which belong with the memory
+outside the activations.
 """
 
 from __future__ import annotations
@@ -264,6 +272,7 @@ def _engine_config(config: Mapping[str, Any], tp: int) -> dict[str, Any]:
         if cfg.get(key) is not None:
             out[key] = _divide(int(cfg[key]), tp, key)
     out["use_cache"] = False
+    out["pad_token_id"] = None  # the embedding's padding row changes no byte
     for key in ("torch_dtype", "dtype", "architectures", "auto_map", "quantization_config"):
         out.pop(key, None)
     return out
@@ -282,8 +291,41 @@ def _torch_dtype(config: Mapping[str, Any], dtype_bytes: int) -> Any:
     return getattr(torch, _TORCH_DTYPES.get(name, "bfloat16"))
 
 
+_ATTENTION = "memfit_vllm_profile_run"
+"""The name under which :func:`_register_profile_attention` registers the profile run's
+attention with transformers' ``AttentionInterface`` (and its mask with
+``AttentionMaskInterface``)."""
+
+
+def _profile_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                       *args: Any, **kwargs: Any) -> tuple[Any, None]:
+    """vLLM's attention in the profile run: with no attention metadata the backend returns its
+    output buffer zero-filled (``vllm/v1/attention/backends/flash_attn.py:
+    FlashAttentionImpl.forward``, "Profiling run"), the buffer ``unified_attention_with_output``
+    allocates: ``tokens × heads × head_dim`` in the query's dtype. Returned in the layout
+    transformers' attention functions return, ``(batch, tokens, heads, head_dim)``."""
+    batch, heads, tokens, _ = query.shape
+    return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The profile run's attention takes no mask (vLLM's kernels are causal by construction)."""
+    return None
+
+
+def _register_profile_attention() -> None:
+    """Register :func:`_profile_attention` under its own name (transformers' documented way to
+    add an attention function; no existing implementation is replaced)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(_ATTENTION, _profile_attention)
+    AttentionMaskInterface.register(_ATTENTION, _no_mask)
+
+
 def _build(cfg: dict[str, Any], dtype: Any) -> Any:
-    """transformers' base model (no LM head) of ``cfg`` on the meta device, with SDPA."""
+    """transformers' base model (no LM head) of ``cfg`` on the meta device, its attention
+    function the profile run's (:func:`_profile_attention`)."""
     import torch
 
     try:
@@ -291,6 +333,7 @@ def _build(cfg: dict[str, Any], dtype: Any) -> Any:
     except ImportError:
         raise MemfitError("the profile run's activation peak traces the transformers module: "
                           "pip install 'memfit[hf]'") from None
+    _register_profile_attention()
     model_type = cfg.pop("model_type")
     try:
         hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
@@ -300,13 +343,11 @@ def _build(cfg: dict[str, Any], dtype: Any) -> Any:
                           "model it knows") from None
     try:
         with torch.device("meta"):
-            model = transformers.AutoModel.from_config(hf_config, attn_implementation="sdpa",
+            model = transformers.AutoModel.from_config(hf_config, attn_implementation=_ATTENTION,
                                                        dtype=dtype)
     except ValueError as exc:
-        # No SDPA: eager attention would materialize tokens² scores that vLLM never does.
-        raise MemfitError(f"transformers has no SDPA attention for {model_type!r} ({exc}); "
-                          "vLLM's attention allocates no score matrix, so an eager trace "
-                          "would overcount") from None
+        raise MemfitError(f"transformers' {model_type!r} model takes no attention function "
+                          f"but its own ({exc}); its profile-run peak cannot be traced") from None
     return model.eval()
 
 
