@@ -164,3 +164,25 @@ def test_a_malformed_serve_plan_is_refused() -> None:
             "gpu_memory_utilization": 1.5}
     with pytest.raises(MemfitError, match=r"must be in \(0, 1\]"):
         export_plan(data, "sglang")
+
+
+def test_an_sglang_plan_exports_with_sglangs_settings(tmp_path, capsys) -> None:
+    """``serve-plan --engine sglang --json`` names its settings SGLang's way (context_len,
+    page_size, chunked_prefill_size, mem_fraction_static): both exports read them."""
+    from memfit.cli import main
+
+    assert main(["serve-plan", "llama-3.1-8b", "--engine", "sglang", "--gpu", "h100-sxm-80gb",
+                 "--mem-fraction-static", "0.8", "--max-model-len", "32768", "--json"]) == 0
+    plan = tmp_path / "sglang.json"
+    plan.write_text(capsys.readouterr().out)
+    assert main(["export", str(plan), "--to", "sglang"]) == 0
+    out = capsys.readouterr().out
+    assert out == ("python -m sglang.launch_server \\\n    --model-path llama-3.1-8b \\\n"
+                   "    --tp-size 1 \\\n    --context-length 32768 \\\n"
+                   "    --mem-fraction-static 0.8 \\\n    --page-size 1 \\\n"
+                   "    --chunked-prefill-size 8192\n")
+    assert main(["export", str(plan), "--to", "vllm"]) == 0
+    out, err = capsys.readouterr()
+    # SGLang's page is not vLLM's block: no --block-size; its rules are named in a note
+    assert "--block-size" not in out and "--max-model-len 32768" in out
+    assert "sized by sglang's rules" in err

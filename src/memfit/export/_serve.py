@@ -67,6 +67,11 @@ def _fraction(data: dict[str, Any], key: str, source: str) -> float | None:
 def serve_settings(data: dict[str, Any], source: str = "plan file") -> ServeSettings:
     """The launch settings of a serve plan's JSON; a missing or malformed key is a one-line
     MemfitError."""
+    if data.get("engine") == "sglang":  # SGLang's names for the same settings
+        data = {**data, "max_model_len": data.get("context_len"),
+                "block_size": data.get("page_size"),
+                "max_num_batched_tokens": data.get("chunked_prefill_size"),
+                "max_in_flight_tokens": None}
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise MemfitError(f"{source}: serve plan has no \"model\"; write it with memfit "

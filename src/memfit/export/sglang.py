@@ -58,8 +58,9 @@ def engine_kwargs(s: ServeSettings, gaps: list[Gap], notes: list[str]) -> dict[s
     if s.max_num_seqs is not None:
         out["max_running_requests"] = s.max_num_seqs
     out["chunked_prefill_size"] = s.max_num_batched_tokens
-    notes.append("--chunked-prefill-size carries the plan's max_num_batched_tokens (the "
-                 "tokens one prefill step takes)")
+    if s.engine != "sglang":
+        notes.append("--chunked-prefill-size carries the plan's max_num_batched_tokens (the "
+                     "tokens one prefill step takes)")
     if s.enforce_eager:
         out["cuda_graph_backend_decode"] = "disabled"
         out["cuda_graph_backend_prefill"] = "disabled"

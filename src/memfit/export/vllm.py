@@ -36,13 +36,13 @@ def engine_kwargs(s: ServeSettings, notes: list[str]) -> dict[str, Any]:
         # the plan was sized from a KV budget in bytes: vLLM then skips the profile run
         # (vllm/v1/worker/gpu_worker.py: determine_available_memory) and ignores the utilization
         out["kv_cache_memory_bytes"] = s.kv_cache_bytes
-    if s.kv_cache_dtype != "auto":
+    if s.kv_cache_dtype not in ("auto", "bf16"):  # SGLang's bf16: the model's dtype
         out["kv_cache_dtype"] = s.kv_cache_dtype
     if s.hybrid:
         notes.append(f"no --block-size: vLLM grows the attention block to a Mamba state page "
                      f"itself (the plan's {s.block_size})")
         out["enable_prefix_caching"] = False
-    else:
+    elif s.engine == "vllm":  # an SGLang plan's page (--page-size) is not vLLM's block
         out["block_size"] = s.block_size
     out["max_num_batched_tokens"] = s.max_num_batched_tokens
     if s.max_num_seqs is not None:
