@@ -84,6 +84,7 @@ them. The run prints the table and writes ``bench/results/serving-published-cpu-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import platform
@@ -307,7 +308,8 @@ def compare(log: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
         preds = [_memfit_vllm(config, log, b) for b in budgets]
         for key in ("kv_tokens", "max_concurrency", "request_kv_gib", "max_model_len_fit"):
             if key in logged:
-                row["quantities"][key] = _quantity(key, *(p[key] for p in preds), logged[key])
+                lo, mid, hi = (p[key] for p in preds)
+                row["quantities"][key] = _quantity(key, lo, mid, hi, logged[key])
         if "kv_tokens" in row["quantities"]:
             q = row["quantities"]["kv_tokens"]
             q["plain"] = budgets[1] / plain_bytes_per_token(config, tp, kv_dtype)
@@ -358,8 +360,7 @@ def budget_quantities(log: dict[str, Any], models: dict[str, Any]) -> dict[str, 
     if "weights_gib" in logged and "weights_gib" not in not_compared(log):
         fmt = QUANT_FORMATS.get(quant) if quant else None
         if fmt is not None and s.get("quant_group_size"):
-            fmt = QUANT_FORMATS[quant].__class__(**{**QUANT_FORMATS[quant].__dict__,
-                                                    "group_size": s["quant_group_size"]})
+            fmt = dataclasses.replace(fmt, group_size=s["quant_group_size"])
         pred = weights_from_config(config, tp=tp, dtype_bytes=dtype_bytes, quant=fmt).total
         q = _exact("weights_gib", pred / GiB, logged["weights_gib"])
         q["llm_d_planner"] = llmd_weight_bytes(config, tp, quant) / GiB
@@ -402,15 +403,15 @@ def budget_quantities(log: dict[str, Any], models: dict[str, Any]) -> dict[str, 
             pre_load = round((s["avail_mem_after_weights_gib"] + logged["weights_gib"] + d)
                              * GiB)
             weights = round((logged["weights_gib"]) * GiB)
-            plan = sglang_plan(config, total_bytes=total, weights_bytes=weights,
+            sgl = sglang_plan(config, total_bytes=total, weights_bytes=weights,
                                non_torch_bytes=total - pre_load, tp=tp,
                                kv_cache_dtype=s.get("kv_cache_dtype", "auto"),
                                mem_fraction_static=s["mem_fraction_static"],
                                max_model_len=s.get("context_len"),
                                page_size=s.get("page_size", 1))
-            ends.append(plan.pool.max_total_num_tokens)
-        out["kv_tokens_sglang_plan"] = _quantity("kv_tokens_sglang_plan", *ends,
-                                                 logged["kv_tokens"])
+            ends.append(sgl.pool.max_total_num_tokens)
+        out["kv_tokens_sglang_plan"] = _quantity("kv_tokens_sglang_plan", ends[0], ends[1],
+                                                 ends[2], logged["kv_tokens"])
     return out
 
 
