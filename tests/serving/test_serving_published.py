@@ -2,9 +2,16 @@
 
 The expected figures are the engines' own logged lines (each log's quote at its source), never
 memfit's output. What the issue asks (issue 22, section 4): KV tokens within 1 % (median) and
-3 % (max). The median is met; the max is not, and the one log that misses it is named here, with
-its cause (a speculative-decoding draft layer that holds KV, which memfit does not model), so a
-change in either direction fails this test instead of hiding.
+3 % (max); weights within 1 %; the profile run's activation peak within 10 %. Each target's
+state is asserted as it stands, misses named with their cause, so a change in either direction
+fails this test instead of hiding:
+
+- KV tokens: the median is met; the max is not (a speculative-decoding draft layer that holds KV,
+  which memfit does not model).
+- weights: met on every log but two (a vision encoder that ``weights_from_config`` does not size;
+  SGLang's free-memory drop during loading, which holds more than the weights).
+- activation peak: missed on every log that prints it; memfit's figure is still the placeholder
+  (``memfit.serving.profile_run``, the traced profile run, is not in this tree).
 """
 
 from __future__ import annotations
@@ -22,6 +29,15 @@ GiB = 2**30
 
 # Logs outside 3 % and why: the entry's own "note" says it; these names must match the run.
 KNOWN_MISSES = {"vllm19996-llama31-8b-eagle-h100"}  # EAGLE draft layer's KV: not modelled
+# Weights outside 1 %, and why.
+WEIGHT_MISSES = {
+    # Mistral3ForConditionalGeneration: the checkpoint holds a Pixtral vision encoder and
+    # projector (~0.8 GiB) besides the text decoder that weights_from_config sizes
+    "llmd-planner-mistral-small-3.2-h100",
+    # SGLang's "mem usage" is the free-memory drop over loading (rank 0), which holds more than
+    # the weights' tensors; memfit sizes vLLM's layout of them
+    "llms-in-clouds-qwq-32b-tp4-l4-sglang",
+}
 # Within 3 % but outside the log's own rounding, and why.
 OUTSIDE_ROUNDING = KNOWN_MISSES | {
     # TP 4: one rank's "Available KV cache memory" is quoted; vLLM sizes every rank to the
@@ -48,8 +64,8 @@ def result(bench: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 def test_every_log_is_well_formed_and_cited(bench: Any) -> None:
     models, logs = bench.load()
     assert [p for log in logs for p in bench.validate(log, models)] == []
-    # 19 logs from 17 public sources; the issue asks for 20 (one short, said in the docs)
-    assert len(logs) >= 19
+    # 29 logs from 21 public sources (20 print KV tokens); the issue asks for 20
+    assert len(logs) >= 29
     assert len({log["id"] for log in logs}) == len(logs)
     for log in logs:
         assert all(line.strip() for line in log["quote"]), log["id"]
@@ -57,7 +73,8 @@ def test_every_log_is_well_formed_and_cited(bench: Any) -> None:
     assert engines == {"vllm", "sglang"}
     # at least five of the issue's layouts, each on a log that prints tokens or a request's bytes
     layouts = {la for log in logs for la in log["layouts"]}
-    assert {"full_gqa", "explicit_head_dim", "sliding_window", "mla", "tp"} <= layouts
+    assert {"full_gqa", "explicit_head_dim", "sliding_window", "mla", "tp",
+            "kv_head_replication"} <= layouts
 
 
 def test_the_engine_version_picks_the_log_semantics(bench: Any) -> None:
@@ -123,7 +140,7 @@ def test_the_issues_targets_as_they_stand(result: tuple[list[dict[str, Any]], di
     rows, summary = result
     tokens = {r["id"]: r["quantities"]["kv_tokens"] for r in rows
               if "kv_tokens" in r["quantities"]}
-    assert len(tokens) >= 15
+    assert len(tokens) >= 20
     # median within 1 %: met
     assert summary["memfit"]["median_abs_error_pct"] <= bench.TARGET_MEDIAN
     assert summary["targets"]["median_le_1pct"]
@@ -164,5 +181,128 @@ def test_the_run_writes_its_json(bench: Any, tmp_path: Path) -> None:
     assert bench.main(["--out", str(out)]) == 0
     import json
     data = json.loads(out.read_text())
-    assert data["summary"]["logs"] >= 19 and data["rows"]
+    assert data["summary"]["logs"] >= 29 and data["rows"]
     assert "0.005 GiB" in data["rounding"]
+    assert data["device"].startswith("cpu")
+
+
+def test_the_stored_budget_figures_are_the_quoted_lines(bench: Any) -> None:
+    """Every weights / activation / CUDA-graph figure stored in a log entry is what memfit's own
+    log reader (``parse_engine_log``) reads from that entry's quote, where it reads one; else
+    (a restated table) the figure is printed in the quote, or derived as the entry says."""
+    from memfit.errors import MemfitError
+    from memfit.serving import parse_engine_log
+
+    _, logs = bench.load()
+    parsed_checks = 0
+    for log in logs:
+        text = "\n".join(log["quote"])
+        try:
+            parsed = parse_engine_log(text)
+        except MemfitError:  # a refused start or a restated table: no startup lines to read
+            parsed = None
+        for key, attr in (("weights_gib", "weights_bytes"),
+                          ("activation_gib", "activation_peak_bytes"),
+                          ("cuda_graph_gib", "cuda_graph_bytes")):
+            if key not in log["logged"]:
+                continue
+            read = getattr(parsed, attr) if parsed is not None else None
+            if read is not None:
+                assert abs(read / GiB - log["logged"][key]) < 6e-5, (log["id"], key)
+                parsed_checks += 1
+            else:
+                assert (f"{log['logged'][key]:.2f}" in text or key in log.get(
+                    "logged_derivation", {}) or "weights line is quoted in" in log.get(
+                    "note", "")), (log["id"], key)
+    assert parsed_checks >= 19
+
+
+def test_weights_by_hand_and_the_target_as_it_stands(
+        result: tuple[list[dict[str, Any]], dict[str, Any]], bench: Any) -> None:
+    """Llama-3.1-8B in bf16 (vllm #10517, 'Loading model weights took 14.9888 GB'): 8,030,261,248
+    parameters x 2 B + the RoPE cache, 131,072 positions x 128 x 2 B = 32 MiB:
+    16,094,076,928 B = 14.98878 GiB. Qwen3-0.6B (vllm PR #24577, 1.1201 GiB), tied embeddings:
+    596,049,920 parameters x 2 B + 40,960 x 128 x 2 B."""
+    rows, summary = result
+    by_id = {r["id"]: r["quantities"] for r in rows}
+    llama = by_id["vllm10517-llama31-8b-3090-20k"]["weights_gib"]
+    assert llama["predicted"] == (8_030_261_248 * 2 + 131072 * 128 * 2) / GiB
+    assert abs(llama["error_pct"]) < 0.01
+    qwen = by_id["pr24577-qwen3-0.6b-a100-bf16"]["weights_gib"]
+    assert qwen["predicted"] == (596_049_920 * 2 + 40960 * 128 * 2) / GiB
+    # llm-d-planner's rule on the same tensors: no RoPE cache (no vocabulary padding here)
+    assert qwen["llm_d_planner"] == 596_049_920 * 2 / GiB
+    # the target: every log within 1 % but the two named
+    weights = {r["id"]: r["quantities"]["weights_gib"] for r in rows
+               if "weights_gib" in r["quantities"]}
+    assert len(weights) >= 19
+    assert {lid for lid, q in weights.items()
+            if abs(q["error_pct"]) > bench.TARGET_WEIGHTS} == WEIGHT_MISSES
+    assert set(summary["weights"]["misses"]) == WEIGHT_MISSES
+    assert summary["targets"]["weights_le_1pct"] is False
+    assert all(abs(q["error_pct"]) <= 2.0 for q in weights.values())
+    # gpt-oss's mxfp4 weights are printed but not predicted, with the reason
+    assert "mxfp4" in summary["not_compared"]["dl22-gpt-oss-120b-tp4-a100"]["weights_gib"]
+
+
+def test_the_activation_target_is_missed_by_the_placeholder(
+        result: tuple[list[dict[str, Any]], dict[str, Any]], bench: Any) -> None:
+    """The profile run's activation peak, where logs print it (V0's profiling line, vLLM 0.11's
+    'torch peak memory increase' in llm-d-planner's table): memfit's budget still carries the
+    placeholder, max_num_batched_tokens x (hidden + 2 x intermediate / tp) x dtype +
+    max_num_seqs x vocab x 4, which is 25 % to 88 % under every logged peak. By hand for
+    vllm #10517 at 20,000 batched tokens, 256 sequences: 20,000 x 32,768 x 2 + 256 x 128,256
+    x 4 B = 1.343 GiB against 17.06 - 14.9888 = 2.07 GiB logged."""
+    rows, summary = result
+    act = {r["id"]: r["quantities"]["activation_gib"] for r in rows
+           if "activation_gib" in r["quantities"]}
+    assert len(act) >= 11
+    assert {q["source"] for q in act.values()} == {"placeholder"}
+    q = act["vllm10517-llama31-8b-3090-20k"]
+    assert q["predicted"] == (20000 * (4096 + 2 * 14336) * 2 + 256 * 128256 * 4) / GiB
+    assert abs(q["logged"] - (17.06 - 14.9888)) < 1e-9
+    assert all(-90 < a["error_pct"] < -20 for a in act.values())
+    assert set(summary["activation"]["misses"]) == set(act)
+    assert summary["targets"]["activation_le_10pct"] is False
+
+
+def test_cuda_graph_memory_is_shown_with_its_version(
+        result: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
+    """vLLM 0.10.1.1 (dennislee22's logs) captures 67 PIECEWISE graphs and logs 0.50 GiB (TP 1)
+    and 0.65 GiB (TP 2). memfit's estimate is vLLM 0.33's (FULL_AND_PIECEWISE, 51 + 35 graphs
+    at 24 MiB each after the first): about 2 GiB, 3 to 4 times the logged figure; at the log's
+    own 67 PIECEWISE sizes the same per-graph constant still gives 1.59 GiB. The graphs of
+    0.10 cost 0.50 GiB / 67 = 7.6 MiB each: no target, the gap is stated."""
+    rows, _ = result
+    graphs = {r["id"]: r["quantities"]["cuda_graph_gib"] for r in rows
+              if "cuda_graph_gib" in r["quantities"]}
+    assert set(graphs) == {"dl22-qwen2-7b-a100-0.25", "dl22-qwen2-7b-a100-0.5",
+                           "dl22-qwen2-7b-tp2-a100-0.5"}
+    for q in graphs.values():
+        assert q["graphs"] == {"PIECEWISE": 51, "FULL": 35}
+        assert q["error_pct"] > 150
+        assert q["at_log_sizes_error_pct"] > 100
+    one = graphs["dl22-qwen2-7b-a100-0.25"]
+    # 512 tokens x (3584 + 2 x 18944) x 2 B for the first capture, then 66 x 24 MiB
+    assert one["at_log_sizes"] == (512 * (3584 + 2 * 18944) * 2 + 66 * 24 * 2**20) / GiB
+
+
+def test_kv_head_replication_and_sglangs_pool_rule(
+        result: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
+    """Qwen3-Coder-30B-A3B at TP 8 over 4 KV heads (vllm #22177): each rank keeps one KV head,
+    2 x 48 x 1 x 128 x 2 = 24,576 B a token; 12.22 GiB holds 33,368 blocks of 16 (533,888
+    tokens) and the logged 534,064 (33,379 blocks, 12.2237 GiB) is inside the rounding. The
+    peers split 4 heads 8 ways: llm-d-planner +100 %, the plain formula (head_dim 2048 / 32 = 64)
+    +300 %. SGLang 0.4.3 on 4 x L4 (QwQ-32B): 'avail mem=6.09 GB' after 'mem usage=15.54 GB',
+    --mem-fraction-static 0.85: (6.09 - 21.63 x 0.15) GiB / 262,144 B a token = 46,620 tokens,
+    logged 46,611 (within the printed figures' rounding)."""
+    rows, _ = result
+    by_id = {r["id"]: r["quantities"] for r in rows}
+    q = by_id["vllm22177-qwen3-coder-30b-a3b-tp8-24gb"]["kv_tokens"]
+    assert q["predicted"] == (round(12.22 * GiB) // (16 * 24576)) * 16 == 533_888
+    assert q["within_rounding"]
+    assert 99 < q["llm_d_planner_error_pct"] < 101 and 299 < q["plain_error_pct"] < 301
+    sgl = by_id["llms-in-clouds-qwq-32b-tp4-l4-sglang"]["kv_tokens_sglang_plan"]
+    cell = 2 * 64 * 2 * 128 * 2  # 64 layers, 8 KV heads / TP 4, 128, bf16
+    assert sgl["predicted"] == int(int((6.09 - 21.63 * 0.15) * GiB) // cell)
+    assert sgl["within_rounding"]
