@@ -1,4 +1,4 @@
-"""memfit's vLLM KV-cache arithmetic against vLLM 0.33.0's own code, exactly, on a CPU (issue 22, §4).
+"""memfit's vLLM KV-cache arithmetic against vLLM 0.33.0's own code, exactly, on a CPU (issue 22).
 
 vLLM sizes its KV pool in plain Python once it knows the layers' specs and the bytes it may use
 (``vllm/v1/core/kv_cache_planning.py: get_global_kv_cache_groups``, ``get_kv_cache_configs``,
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import itertools
 import json
 import os
 import subprocess
@@ -88,19 +89,22 @@ def grid(quick: bool = False, models: list[str] | None = None) -> list[dict[str,
         cfg = entry.get("text_config") or entry
         heads = cfg["num_attention_heads"]
         hybrid = cfg.get("model_type") in HYBRID
+        # only sliding-window layers read max_num_batched_tokens (the in-flight tokens)
+        batched = (MAX_NUM_BATCHED_TOKENS,) if quick or not cfg.get("sliding_window") else \
+            (MAX_NUM_BATCHED_TOKENS, 2048)
         for tp in TPS[:2] if quick else TPS:
             if heads % tp:
                 continue  # vLLM refuses it before any KV arithmetic (verify_with_parallel_config)
             for kv_dtype in KV_DTYPES:
                 for async_scheduling in ((True,) if quick else (True, False)):
-                    for max_model_len in (None, SHORT_LEN):
+                    for max_model_len, mnbt in itertools.product((None, SHORT_LEN), batched):
                         for mem in (MEMORY_GIB[:2] if quick else MEMORY_GIB):
                             cases.append({
                                 "model": name, "tp": tp, "kv_cache_dtype": kv_dtype,
                                 "kv_cache_memory": int(mem * GiB), "memory_gib": mem,
                                 "async_scheduling": async_scheduling,
                                 "max_model_len": max_model_len,
-                                "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+                                "max_num_batched_tokens": mnbt,
                                 "block_size": BLOCK_SIZE, "prefix_caching": not hybrid})
     for i, case in enumerate(cases):
         case["id"] = i
@@ -194,7 +198,7 @@ class _VllmSide:
         mc = self.model_config(case["model"], case["max_model_len"])
         import copy
         mc = copy.copy(mc)  # VllmConfig's post-init may update it per case
-        return self.VllmConfig(
+        vc = self.VllmConfig(
             model_config=mc, device_config=self.DeviceConfig(device="cuda"),
             cache_config=self.CacheConfig(block_size=case["block_size"],
                                           cache_dtype=case["kv_cache_dtype"],
@@ -204,6 +208,11 @@ class _VllmSide:
                 max_num_batched_tokens=case["max_num_batched_tokens"],
                 max_model_len=mc.max_model_len, is_encoder_decoder=False,
                 async_scheduling=case["async_scheduling"]))
+        # VllmConfig.__post_init__ turns the hybrid KV cache manager off where
+        # current_platform.support_hybrid_kv_cache() is false, as on this CPU (no platform);
+        # CudaPlatform supports it, so a GPU server keeps it on.
+        vc.scheduler_config.disable_hybrid_kv_cache_manager = False
+        return vc
 
     def layer_kinds(self, vc: Any) -> list[tuple[str, int | None]]:
         """Each decoder layer as vLLM's model file builds it: ``(kind, window)`` with kind
@@ -225,7 +234,9 @@ class _VllmSide:
         layer_types = getattr(hf, "layer_types", None)
         kinds: list[tuple[str, int | None]] = []
         for i in range(n):
-            if layer_types:  # llama.py / gemma2.py / gemma3.py / gpt_oss.py / gemma3n.py
+            if mt == "gpt_oss":  # gpt_oss.py: OAIAttention, even layers windowed
+                window = hf.sliding_window if i % 2 == 0 else None
+            elif layer_types:  # llama.py / gemma2.py / gemma3.py / gemma3n.py
                 window = hf.sliding_window if layer_types[i] == "sliding_attention" else None
             else:  # Attention.__init__: cache_config.sliding_window (arg_utils rule)
                 window = vc.model_config.get_sliding_window()
@@ -252,6 +263,11 @@ class _VllmSide:
 
         mc, pc, cc = vc.model_config, vc.parallel_config, vc.cache_config
         kinds = self.layer_kinds(vc)
+        if mc.is_hybrid and mc.hf_text_config.model_type != "nemotron_h":
+            # the layer split as ModelConfig counts it (for Nemotron-H it counts 0 attention
+            # layers under transformers 5: layers_block_type says "full_attention")
+            attention = sum(k == "attention" for k, _ in kinds)
+            assert attention == mc.get_num_layers_by_block_type(pc, "attention"), kinds
         out: dict[str, Any] = {}
         mamba_shapes = None
         if any(k == "mamba" for k, _ in kinds):
@@ -309,9 +325,13 @@ class _VllmSide:
             row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
             return row
         layouts = [[x.name for x in get_supported_kv_cache_layouts([self.backend])]]
-        resolve_kv_cache_layout(vc, layouts, specs.values())
         mem = case["kv_cache_memory"]
-        groups = kp.get_global_kv_cache_groups(vc, [specs])
+        try:
+            resolve_kv_cache_layout(vc, layouts, specs.values())
+            groups = kp.get_global_kv_cache_groups(vc, [specs])
+        except Exception as exc:  # vLLM cannot group these layers
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return row
         builder = kp.DefaultKVCacheConfigBuilder()
         fits = True
         try:
