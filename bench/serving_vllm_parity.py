@@ -81,31 +81,30 @@ def hf_config(entry: dict[str, Any]) -> dict[str, Any]:
 def grid(quick: bool = False, models: list[str] | None = None) -> list[dict[str, Any]]:
     """Every case, as plain dicts both sides read. ``max_model_len`` None is the model's own
     context (each side derives it); hybrid models run without prefix caching (memfit plans them
-    only so; vLLM's mamba_cache_mode is then ``none``)."""
+    only so; vLLM's mamba_cache_mode is then ``none``). A TP that does not divide the heads is
+    kept: both sides must refuse it."""
     cases = []
+    # (--block-size, async scheduling): the default, async off, and a larger block
+    schedules = [(BLOCK_SIZE, True)] if quick else [(BLOCK_SIZE, True), (BLOCK_SIZE, False),
+                                                    (64, True)]
     for name, entry in load_models().items():
         if models and name not in models:
             continue
         cfg = entry.get("text_config") or entry
-        heads = cfg["num_attention_heads"]
         hybrid = cfg.get("model_type") in HYBRID
         # only sliding-window layers read max_num_batched_tokens (the in-flight tokens)
         batched = (MAX_NUM_BATCHED_TOKENS,) if quick or not cfg.get("sliding_window") else \
             (MAX_NUM_BATCHED_TOKENS, 2048)
-        for tp in TPS[:2] if quick else TPS:
-            if heads % tp:
-                continue  # vLLM refuses it before any KV arithmetic (verify_with_parallel_config)
-            for kv_dtype in KV_DTYPES:
-                for async_scheduling in ((True,) if quick else (True, False)):
-                    for max_model_len, mnbt in itertools.product((None, SHORT_LEN), batched):
-                        for mem in (MEMORY_GIB[:2] if quick else MEMORY_GIB):
-                            cases.append({
-                                "model": name, "tp": tp, "kv_cache_dtype": kv_dtype,
-                                "kv_cache_memory": int(mem * GiB), "memory_gib": mem,
-                                "async_scheduling": async_scheduling,
-                                "max_model_len": max_model_len,
-                                "max_num_batched_tokens": mnbt,
-                                "block_size": BLOCK_SIZE, "prefix_caching": not hybrid})
+        for tp, kv_dtype, (block, async_scheduling), max_model_len, mnbt, mem in \
+                itertools.product(TPS[:2] if quick else TPS, KV_DTYPES, schedules,
+                                  (None, SHORT_LEN), batched,
+                                  MEMORY_GIB[:2] if quick else MEMORY_GIB):
+            cases.append({
+                "model": name, "tp": tp, "kv_cache_dtype": kv_dtype,
+                "kv_cache_memory": int(mem * GiB), "memory_gib": mem,
+                "async_scheduling": async_scheduling, "max_model_len": max_model_len,
+                "max_num_batched_tokens": mnbt, "block_size": block,
+                "prefix_caching": not hybrid})
     for i, case in enumerate(cases):
         case["id"] = i
     return cases
@@ -445,6 +444,58 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+CASE_COLUMNS = ("model", "tp", "kv_cache_dtype", "block_size", "async_scheduling",
+                "max_model_len", "max_num_batched_tokens", "memory_gib")
+RESULT_COLUMNS = ("max_model_len", "block_size", "bytes_per_block", "num_gpu_blocks",
+                  "kv_cache_tokens", "max_concurrency", "fits", "max_model_len_that_fits")
+
+
+def stored(records: list[dict[str, Any]], versions: dict[str, str], memfit_python: str,
+           date: str) -> str:
+    """The results file, one line per case: the case, vLLM's figures (memfit's are equal where
+    ``mismatch`` is empty; mismatching cases keep both sides whole under ``mismatches``) and
+    an index into the distinct KV cache group lists."""
+    group_lists: list[Any] = []
+    index: dict[str, int] = {}
+    rows = []
+    for r in records:
+        v = r["vllm"]
+        if "error" in v:
+            result: Any = v["error"]
+            gid = None
+        else:
+            result = [v[c] for c in RESULT_COLUMNS]
+            key = json.dumps(v["groups"])
+            gid = index.setdefault(key, len(group_lists))
+            if gid == len(group_lists):
+                group_lists.append([[g["kind"], g["layers"], g["block_size"], g["page_size_bytes"]]
+                                    for g in v["groups"]])
+        rows.append(json.dumps({"case": [r["case"][c] for c in CASE_COLUMNS], "vllm": result,
+                                "groups": gid, "mismatch": r["mismatch"]}))
+    exe = Path(sys.executable)
+    head = {
+        "what": "memfit.serve_plan against vLLM's own KV cache code, exactly "
+                "(bench/serving_vllm_parity.py)",
+        "date": date,
+        "command": " ".join([str(exe.relative_to(ROOT)) if exe.is_relative_to(ROOT) else
+                             str(exe), *sys.argv]),
+        "versions": versions, "memfit_python": memfit_python, "attention_backend": "FLASH_ATTN",
+        "kv_cache_layout": sorted({r["vllm"].get("kv_cache_layout") for r in records
+                                   if "error" not in r["vllm"]}),
+        "cases": len(records), "mismatching": sum(bool(r["mismatch"]) for r in records),
+        "refused_by_both": sum("error" in r["vllm"] and "error" in r["memfit"]
+                               for r in records),
+        "models": {k: v.get("_source") for k, v in load_models().items()},
+        "case_columns": CASE_COLUMNS, "result_columns": RESULT_COLUMNS,
+        "group_columns": ("kind", "layers", "block_size", "page_size_bytes"),
+        "mismatches": [r for r in records if r["mismatch"]],
+    }
+    text = json.dumps(head, indent=1)
+    groups = ",\n".join(json.dumps(g) for g in group_lists)
+    return (text[:-2] + ',\n "group_lists": [\n' + groups + '\n ],\n "rows": [\n'
+            + ",\n".join(rows) + "\n ]\n}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--side", choices=("both", "vllm", "memfit"), default="both")
@@ -481,13 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     date = _dt.date.today().isoformat()
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / \
         f"serving-vllm-parity-cpu-{date}{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps({
-        "what": "memfit.serve_plan against vLLM's own KV cache code, exactly",
-        "date": date, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "versions": versions, "memfit_python": args.memfit_python,
-        "attention_backend": "FLASH_ATTN", "cases": len(records), "mismatches": mismatches,
-        "models": {k: v.get("_source") for k, v in load_models().items()},
-        "records": records}, indent=1))
+    out.write_text(stored(records, versions, args.memfit_python, date))
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
     return 0
 
