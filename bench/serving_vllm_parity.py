@@ -321,7 +321,7 @@ class _VllmSide:
                 self.platform._align_hybrid_block_size(vc, self.backend)
             specs = self.specs(vc)
         except Exception as exc:  # vLLM refuses the configuration
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            row["error"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
             return row
         layouts = [[x.name for x in get_supported_kv_cache_layouts([self.backend])]]
         mem = case["kv_cache_memory"]
@@ -329,7 +329,7 @@ class _VllmSide:
             resolve_kv_cache_layout(vc, layouts, specs.values())
             groups = kp.get_global_kv_cache_groups(vc, [specs])
         except Exception as exc:  # vLLM cannot group these layers
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            row["error"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
             return row
         builder = kp.DefaultKVCacheConfigBuilder()
         fits = True
@@ -504,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="where to write the JSON (default: bench/results/...)")
     ap.add_argument("--memfit-python", default=os.environ.get(
         "MEMFIT_PYTHON", "/work/main/.venv/bin/python"))
+    ap.add_argument("--memfit-src", default=str(ROOT / "src"),
+                    help="the memfit sources the memfit side imports (PYTHONPATH)")
     args = ap.parse_args(argv)
     cases = grid(args.quick, args.models.split(",") if args.models else None)
     if args.side == "memfit":
@@ -519,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         mf = Path(tmp) / "memfit.json"
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        env = {**os.environ, "PYTHONPATH": args.memfit_src}
         cmd = [args.memfit_python, str(Path(__file__).resolve()), "--side", "memfit",
                "--out", str(mf)] + (["--quick"] if args.quick else []) + \
             (["--models", args.models] if args.models else [])
