@@ -280,3 +280,28 @@ def test_serve_plan_hybrid_gdn_without_prefix_caching() -> None:
 def test_serve_plan_hybrid_needs_no_prefix_caching_for_now() -> None:
     with pytest.raises(MemfitError, match="--no-prefix-caching"):
         serve_plan(QWEN3_NEXT, kv_cache_memory=GiB)
+
+
+def test_the_default_block_is_the_backends_preferred_size() -> None:
+    """vLLM 0.33 sizes the block from the attention backend it selects when --block-size is not
+    given: FlashInfer-MLA on Blackwell takes [32, 64] only, so DeepSeek-V3's MLA gets 32-token
+    blocks on a B200 and 16 on an H100; a GQA model stays at 16."""
+    import memfit
+
+    v3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+          "num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512,
+          "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+          "max_position_embeddings": 163840, "torch_dtype": "bfloat16"}
+    # MLA: one latent of 512 + 64 values a token, 2 bytes: 1,152 B a token and layer
+    b200 = memfit.serve_plan(v3, kv_cache_memory=2**30, gpu="b200", max_model_len=4096)
+    assert b200.block_size == 32
+    assert b200.groups[0].page_size_bytes == 32 * 1152
+    h100 = memfit.serve_plan(v3, kv_cache_memory=2**30, gpu="h100-sxm-80gb",
+                             max_model_len=4096)
+    assert h100.block_size == 16
+    assert memfit.serve_plan(v3, kv_cache_memory=2**30, max_model_len=4096).block_size == 16
+    given = memfit.serve_plan(v3, kv_cache_memory=2**30, gpu="b200", block_size=64,
+                              max_model_len=4096)
+    assert given.block_size == 64
+    llama = memfit.serve_plan("llama-3-8b", kv_cache_memory=2**30, gpu="b200")
+    assert llama.block_size == 16

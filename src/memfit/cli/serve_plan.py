@@ -41,7 +41,8 @@ def register(sub: Any) -> None:
                    "the --gpu-memory-utilization that holds them")
     p.add_argument("--tp", help="tensor-parallel size (default 1)")
     p.add_argument("--kv-cache-dtype", help="auto (the model's dtype, default) or fp8 (1 byte)")
-    p.add_argument("--block-size", help="tokens per KV block (default 16)")
+    p.add_argument("--block-size", help="tokens per KV block (default: vLLM's, the attention "
+                   "backend's preferred size on --gpu: 16, or 32 for MLA on Blackwell)")
     p.add_argument("--max-model-len", help="tokens per request (default: the model's context)")
     p.add_argument("--max-num-batched-tokens",
                    help="vLLM's scheduler budget (default as `vllm serve` for the GPU: 8192 on "
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         raise MemfitError("serve-plan needs the KV budget: pass --gpu NAME (the budget from "
                           "--gpu-memory-utilization), --kv-cache-memory BYTES, or --check "
                           "LOGFILE with the engine's \"Available KV cache memory\" line")
-    defaults: dict[str, Any] = {"tp": 1, "kv_cache_dtype": "auto", "block_size": 16}
+    defaults: dict[str, Any] = {"tp": 1, "kv_cache_dtype": "auto"}
     plan = serve_plan(
         args.model, **{k: defaults[k] if v is None and k in defaults else v
                        for k, v in inputs.items()},

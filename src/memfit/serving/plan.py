@@ -33,6 +33,7 @@ from memfit.serving.vllm import (
     SpecKind,
     align_hybrid_block_size,
     bytes_per_block,
+    default_block_size,
     fits,
     kv_cache_groups,
     kv_cache_tokens,
@@ -304,7 +305,7 @@ def _positive(value: Any, flag: str) -> int:
 
 def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | None = None,
                gpu: str | None = None, gpu_memory_utilization: float = 0.9, tp: int = 1,
-               kv_cache_dtype: str = "auto", block_size: int = 16,
+               kv_cache_dtype: str = "auto", block_size: int | None = None,
                max_model_len: int | None = None,
                max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                quant: str | None = None, enforce_eager: bool = False,
@@ -337,7 +338,6 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
         raise MemfitError("pass --gpu NAME (the KV budget from --gpu-memory-utilization) or "
                           "--kv-cache-memory BYTES")
     requested_memory(1, gpu_memory_utilization)  # (0, 1] or one line
-    block_size = _positive(block_size, "--block-size")
     wanted = None if concurrency is None else _positive(concurrency, "--concurrency")
     spec_gpu = None
     if gpu is not None:
@@ -353,6 +353,16 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
     max_num_seqs = _positive(max_num_seqs or seqs_default, "--max-num-seqs")
     name, config = load_config(model)
     layers = kv_spec(config, tp=tp, kv_cache_dtype=kv_cache_dtype)
+    if block_size is None:  # vLLM's: the attention backend's preferred size on this GPU
+        from memfit.runtime import compute_capability_for
+
+        nope = text_config(config).get("qk_nope_head_dim")
+        block_size = default_block_size(
+            mla=any(layer.kind == "mla" for layer in layers),
+            qk_nope_head_dim=nope if isinstance(nope, int) else None,
+            compute_capability=None if spec_gpu is None else (
+                spec_gpu.compute_capability or compute_capability_for(spec_gpu.name)))
+    block_size = _positive(block_size, "--block-size")
     context = model_context_length(config)
     if max_model_len is None:
         if context is None:

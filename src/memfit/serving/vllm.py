@@ -364,3 +364,34 @@ def max_model_len_that_fits(groups: Sequence[KVCacheGroup], available_bytes: int
         else:
             right = mid - 1
     return best
+
+
+DEFAULT_BLOCK_SIZE = 16
+"""``CacheConfig.DEFAULT_BLOCK_SIZE`` (``vllm/config/cache.py``)."""
+
+
+def default_block_size(*, mla: bool, qk_nope_head_dim: int | None,
+                       compute_capability: str | None) -> int:
+    """The block size vLLM 0.33 picks when ``--block-size`` is not given: the preferred size of
+    the attention backend it selects (``vllm/platforms/interface.py:
+    Platform.update_block_size_for_backend``; ``AttentionBackend.get_preferred_block_size``:
+    16 where the backend's kernels take it, else their smallest size).
+
+    On CUDA (``vllm/platforms/cuda.py: _get_backend_priorities``) every backend chosen first
+    takes 16 (FlashAttention and FlashAttention-MLA on sm90, FlashInfer on sm100, Triton
+    elsewhere: ``MultipleOf(16)`` or ``[16, 32, 64]``), except MLA on sm100, where FlashInfer-MLA
+    comes first when ``qk_nope_head_dim`` is 64, 128 or 192 (its ``supports_combination``) and
+    takes ``[32, 64]`` only (``mla/flashinfer_mla.py: get_supported_kernel_block_sizes``): 32.
+    Not modelled: FlashAttention-4's sm90 fp8 block for head size 512
+    (``flash_attn.py: _get_sm90_fa4_fp8_kv_block_size``), used only when FA4 is selected.
+    Without a GPU (``compute_capability`` None) the default stays 16.
+
+    >>> default_block_size(mla=True, qk_nope_head_dim=128, compute_capability="10.0")
+    32
+    >>> default_block_size(mla=True, qk_nope_head_dim=128, compute_capability="9.0")
+    16
+    """
+    major = int(str(compute_capability).split(".")[0]) if compute_capability else None
+    if mla and major == 10 and qk_nope_head_dim in (64, 128, 192):
+        return 32
+    return DEFAULT_BLOCK_SIZE
