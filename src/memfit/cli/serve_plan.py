@@ -53,6 +53,13 @@ def register(sub: Any) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="vLLM's --no-enable-prefix-caching (needed for hybrid Mamba models "
                    "in this version of serve-plan)")
+    p.add_argument("--max-images", metavar="N", help="images per prompt, vLLM's "
+                   "--limit-mm-per-prompt '{\"image\": N}' (default 999, vLLM's; 0: no image "
+                   "encoder)")
+    p.add_argument("--max-videos", metavar="N", help="videos per prompt (Qwen2-VL/2.5-VL; "
+                   "default 999, vLLM's)")
+    p.add_argument("--max-pixels", metavar="P", help="pixels of the largest image (Qwen2-VL/"
+                   "2.5-VL's mm_processor_kwargs max_pixels; default the checkpoint's)")
     p.add_argument("--engine", default="vllm", choices=("vllm", "sglang"),
                    help="the serving engine whose rules size the KV cache (default vllm; "
                    "sglang needs --gpu)")
@@ -85,6 +92,15 @@ def _utilization(text: str) -> float:
         raise MemfitError(f"--gpu-memory-utilization must be a number in (0, 1], got {text!r}; "
                           "vLLM's default is 0.9")
     return value
+
+
+def _count(text: str | None, flag: str) -> int | None:
+    if text is None:
+        return None
+    if not text.strip().isdigit():
+        raise MemfitError(f"{flag} must be an integer >= 0 (vLLM's --limit-mm-per-prompt "
+                          f"count), got {text!r}")
+    return int(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=positive_int(args.max_num_seqs, "--max-num-seqs"),
         concurrency=positive_int(args.concurrency, "--concurrency"),
         async_scheduling=not args.no_async_scheduling,
-        prefix_caching=not args.no_prefix_caching)
+        prefix_caching=not args.no_prefix_caching,
+        max_images=_count(args.max_images, "--max-images"),
+        max_videos=_count(args.max_videos, "--max-videos"),
+        max_pixels=positive_int(args.max_pixels, "--max-pixels"))
     if log is not None:
         from memfit.serving import check_plan
 
@@ -220,6 +239,7 @@ def render_budget(plan: Any) -> None:
     rows = [("weights", b.weights_bytes, ", ".join(
                 f"{k} {format_bytes(v)}" for k, v in b.weights_parts.items() if v)),
             ("activation peak", b.activation_peak_bytes, act),
+            *_vision_rows(b.multimodal),
             ("non-torch", b.non_torch_bytes, "estimate: kernels loaded after the baseline"),
             ("CUDA graphs", b.cuda_graph_bytes, f"estimate: {graphs}"),
             ("KV cache", b.kv_cache_bytes, "what is left")]
@@ -227,6 +247,20 @@ def render_budget(plan: Any) -> None:
         out.print(f"  {label:<16} {format_bytes(value):>12}  ({note})")
     out.print(f"  outside the budget (in vLLM's baseline): CUDA context, NCCL, cuBLAS "
               f"{format_bytes(b.baseline_bytes)}")
+
+
+def _vision_rows(mm: Any) -> list[tuple[str, int, str]]:
+    """The "vision encoder" line: its share of the activation peak is already in it."""
+    from memfit.units import format_bytes
+
+    if mm is None:
+        return []
+    return [("vision encoder", mm.encoder_peak_bytes,
+             f"estimate, within the activation peak: {mm.items} {mm.modality} x "
+             f"{mm.tokens_per_item:,} tokens; its outputs {format_bytes(mm.encoder_cache_bytes)} "
+             f"stay cached through the decoder's run, + embeds buffer "
+             f"{format_bytes(mm.embeds_buffer_bytes)}; the tower's "
+             f"{format_bytes(mm.weights_bytes)} are in the weights")]
 
 
 def render_check(log: Any, rows: list[Any], path: str) -> None:

@@ -222,6 +222,9 @@ class Budget:
     cuda_graph_counts: dict[str, int]
     baseline_parts: dict[str, int]
     """CUDA context, NCCL, cuBLAS workspace: in vLLM's baseline, outside the budget."""
+    multimodal: Any = None
+    """A vision-language model's encoder share (``memfit.serving.multimodal.MultimodalBudget``:
+    its weights are in ``weights_parts``, its profile in ``activation_peak_bytes``), else None."""
 
     @property
     def non_kv_bytes(self) -> int:
@@ -249,11 +252,12 @@ class Budget:
 
     @property
     def log_lines(self) -> list[str]:
-        """The budget lines vLLM logs at startup, in its order: the CUDA-graph estimate
+        """The budget lines vLLM logs at startup, in its order: the encoder cache's budget
+        (a vision-language model), the CUDA-graph estimate
         (``cudagraph_utils.py: profile_cudagraph_memory``, ``%.2f GiB``), the available KV
         memory, and, with graphs, the utilization they are worth
         (``determine_available_memory``: ``round(util -/+ estimate / total, 4)``)."""
-        lines = []
+        lines = [] if self.multimodal is None else [self.multimodal.log_line]
         if self.cuda_graph_bytes:
             lines.append(f"Estimated CUDA graph memory: {self.cuda_graph_bytes / GiB:.2f} "
                          "GiB total")

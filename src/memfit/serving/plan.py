@@ -275,8 +275,10 @@ class ServePlan:
             "kv_bytes_for_concurrency": self.kv_bytes_for_concurrency,
             "gpu_memory_utilization_for_concurrency": self.utilization_for_concurrency,
             "startup_oom": self.startup_oom,
+            "multimodal": None if b.multimodal is None else b.multimodal.to_json(),
             "estimates": ["non_torch_bytes", "cuda_graph_bytes"] + (
-                [] if b.activation_source == "profile_run" else ["activation_peak_bytes"]),
+                [] if b.activation_source == "profile_run" else ["activation_peak_bytes"]) + (
+                [] if b.multimodal is None else ["multimodal.encoder_peak_bytes"]),
         }
 
 
@@ -311,7 +313,9 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
                quant: str | None = None, enforce_eager: bool = False,
                activation_peak_bytes: int | None = None, cuda_graph_bytes: int | None = None,
                concurrency: int | None = None,
-               async_scheduling: bool = True, prefix_caching: bool = True) -> ServePlan:
+               async_scheduling: bool = True, prefix_caching: bool = True,
+               max_images: int | None = None, max_videos: int | None = None,
+               max_pixels: int | None = None) -> ServePlan:
     """vLLM's KV pool for ``model`` on each GPU of the TP group: from ``kv_cache_memory``
     bytes (vLLM's ``--kv-cache-memory``: no profile run), else from ``gpu``'s memory and
     ``gpu_memory_utilization`` less the startup budget (:func:`startup_budget`).
@@ -327,8 +331,9 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
     (``VllmConfig.max_in_flight_tokens``). A hybrid Mamba / linear-attention model is planned
     with ``prefix_caching=False`` only (``mamba_cache_mode`` ``none``): the attention block
     grows until its page holds a Mamba state (:func:`~memfit.serving.vllm.
-    align_hybrid_block_size`), so ``block_size`` in the plan may exceed the one given. Bad
-    input raises MemfitError (one line).
+    align_hybrid_block_size`), so ``block_size`` in the plan may exceed the one given.
+    ``max_images`` / ``max_videos`` / ``max_pixels`` size a vision-language model's encoder
+    (:mod:`memfit.serving.multimodal`). Bad input raises MemfitError (one line).
     """
     if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or not isinstance(
             kv_cache_memory, int) or kv_cache_memory < 0):
@@ -405,7 +410,9 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
             model, config, gpu=spec_gpu, gpu_memory_utilization=gpu_memory_utilization, tp=tp,
             quant=quant, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
-            activation_peak_bytes=activation_peak_bytes, cuda_graph_bytes=cuda_graph_bytes)
+            activation_peak_bytes=activation_peak_bytes, cuda_graph_bytes=cuda_graph_bytes,
+            max_model_len=max_model_len, max_images=max_images, max_videos=max_videos,
+            max_pixels=max_pixels)
         kv_cache_memory = max(budget.kv_cache_bytes, 0)
     blocks = num_gpu_blocks(groups, kv_cache_memory)
     in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens

@@ -23,6 +23,11 @@ from memfit.serving.budget import (
     requested_memory,
 )
 from memfit.serving.kv_spec import model_dtype_bytes
+from memfit.serving.multimodal import (
+    DYNAMIC_RESOLUTION,
+    multimodal_budget,
+    preprocessor_max_pixels,
+)
 from memfit.serving.weights import (
     WeightBytes,
     check_quant,
@@ -125,22 +130,38 @@ def startup_budget(model: str | Path | Mapping[str, Any], config: Mapping[str, A
                    quant: str | None = None, max_num_batched_tokens: int = 8192,
                    max_num_seqs: int = 1024, enforce_eager: bool = False,
                    activation_peak_bytes: int | None = None,
-                   cuda_graph_bytes: int | None = None) -> Budget:
+                   cuda_graph_bytes: int | None = None, max_model_len: int | None = None,
+                   max_images: int | None = None, max_videos: int | None = None,
+                   max_pixels: int | None = None) -> Budget:
     """vLLM 0.33.0's startup budget on one GPU (a ``GpuSpec``) of the TP group: the weights
     (:mod:`memfit.serving.weights`: a folder's safetensors headers, else the config's shapes),
     the profile run's activation peak (``activation_peak_bytes`` if given), memory outside
     torch, the CUDA-graph estimate (``cuda_graph_bytes`` if given; 0 with ``enforce_eager``)
-    and the baseline (CUDA context, NCCL, cuBLAS: ``memfit.runtime``)."""
+    and the baseline (CUDA context, NCCL, cuBLAS: ``memfit.runtime``). A vision-language
+    model adds its vision tower to the weights and its encoder to the profile run
+    (:mod:`memfit.serving.multimodal`; ``max_images``, ``max_videos``, ``max_pixels``)."""
     from memfit.runtime import compute_capability_for
 
     dtype_bytes = model_dtype_bytes(config)
     weights = startup_weights(model, config, gpu=gpu, tp=tp, quant=quant)
     kw = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
           "tp": tp, "dtype_bytes": dtype_bytes}
+    folder = model_folder(model)
+    if max_pixels is None and folder is not None and \
+            config.get("model_type") in DYNAMIC_RESOLUTION:
+        max_pixels = preprocessor_max_pixels(folder)
+    mm = multimodal_budget(config, tp=tp, max_images=max_images, max_videos=max_videos,
+                           max_pixels=max_pixels, dtype_bytes=dtype_bytes,
+                           max_num_batched_tokens=max_num_batched_tokens,
+                           max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    if mm is not None and weights.source == "config":  # a folder's headers hold the tower
+        weights = dataclasses.replace(weights, parts={**weights.parts, **mm.weights_parts})
     if activation_peak_bytes is not None:
         activation, activation_source = activation_peak_bytes, "given"
     else:
         activation, activation_source = _activation_peak(config, **kw)
+        if mm is not None:  # the encoder's outputs stay cached through the decoder's run
+            activation = mm.profile_peak(activation)
     arch = gpu.compute_capability or compute_capability_for(gpu.name)
     sizes = [] if enforce_eager else cudagraph_capture_sizes(
         max_num_seqs, max_num_batched_tokens, blackwell=arch.startswith("10."))
@@ -155,5 +176,6 @@ def startup_budget(model: str | Path | Mapping[str, Any], config: Mapping[str, A
         weights_bytes=weights.total, weights_parts=weights.parts,
         activation_peak_bytes=activation, activation_source=activation_source,
         non_torch_bytes=NON_TORCH_INCREASE_BYTES, cuda_graph_bytes=graphs,
-        cuda_graph_counts=cudagraph_counts(sizes, max_num_seqs), baseline_parts=baseline)
+        cuda_graph_counts=cudagraph_counts(sizes, max_num_seqs), baseline_parts=baseline,
+        multimodal=mm)
 
