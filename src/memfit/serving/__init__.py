@@ -17,6 +17,7 @@ from memfit.serving.kv_spec import (
     text_config,
 )
 from memfit.serving.logs import EngineLog, parse_engine_log, read_engine_log
+from memfit.serving.multimodal import MultimodalBudget, multimodal_budget
 from memfit.serving.plan import ServePlan, load_config, serve_plan, vllm_layer_specs
 from memfit.serving.sglang import (
     SGLANG_HYBRID_SWA_ARCHS,
@@ -62,6 +63,7 @@ __all__ = [
     "EngineLog",
     "KVCacheGroup",
     "LayerKV",
+    "MultimodalBudget",
     "SGLangKVPool",
     "SGLangPlan",
     "ServePlan",
@@ -82,6 +84,7 @@ __all__ = [
     "max_model_len_that_fits",
     "model_context_length",
     "model_dtype_bytes",
+    "multimodal_budget",
     "num_gpu_blocks",
     "parse_engine_log",
     "read_engine_log",

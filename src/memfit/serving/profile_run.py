@@ -8,7 +8,8 @@ vLLM sizes its KV pool after one profile run
 ``torch peak memory increase`` of ``MemoryProfilingResult.__repr__``. ``profile_run`` does:
 
 1. (a multimodal model only) the vision encoder on a dummy batch of the largest items, its
-   outputs kept in the encoder cache until the end: **not modelled here** (a note says so);
+   outputs kept in the encoder cache until the end: not traced here;
+   :mod:`memfit.serving.multimodal` adds it from vLLM's code;
 2. ``_dummy_run(max_num_tokens, is_profile=True)``: one forward of
    ``max_num_batched_tokens`` prefill tokens split over ``min(tokens, max_num_seqs)``
    requests, eager (``force_eager=is_profile``) and with no attention metadata, so each
@@ -444,7 +445,8 @@ def profile_activation_peak(config: Mapping[str, Any], *, max_num_batched_tokens
         notes.append("mixture-of-experts layers traced as transformers runs them (balanced "
                      "routing), not as vLLM's fused_moe")
     if isinstance(config.get("vision_config"), Mapping):
-        notes.append("the vision encoder's dummy batch and encoder cache are not modelled")
+        notes.append("the vision encoder's dummy batch and encoder cache are not in this "
+                     "trace (memfit.serving.multimodal adds them)")
     if tp > 1 and any(full.get(k) for k in ("kv_lora_rank", "mamba_d_state", "linear_num_key_heads",
                                             "ssm_state_size")):
         notes.append("MLA / Mamba / linear-attention widths traced undivided by tp")
