@@ -189,3 +189,29 @@ def test_checkpoint_expert_blocks_split_row_bias_whole(tmp_path: Path) -> None:
     sharded = (4 * 256 * 2 * 16 + 4 * 256 * 2 + 4 * 64 * 4 * 16) // 2
     whole = 4 * 64 * 2 + 4 * 64 * 2  # the row-parallel bias and the router
     assert w.parts["mlp"] == sharded + whole
+
+
+def test_an_untold_tie_follows_the_config_class() -> None:
+    """A config.json without ``tie_word_embeddings`` gets the config class's default: Gemma's
+    ties (one tensor), Llama's does not."""
+    from memfit.serving.weights import weights_from_config
+
+    gemma = {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+             "head_dim": 16, "vocab_size": 1024, "torch_dtype": "bfloat16"}
+    assert weights_from_config(gemma).parts["lm_head"] == 0
+    # 1024 rows (a multiple of 64) x 64 x 2 bytes
+    assert weights_from_config({**gemma, "model_type": "llama"}).parts["lm_head"] == 1024 * 64 * 2
+    assert weights_from_config({**gemma, "tie_word_embeddings": False}).parts["lm_head"] == \
+        1024 * 64 * 2
+
+
+def test_qwen25_vl_without_use_sliding_window_is_full_attention() -> None:
+    """Qwen2.5-VL's config sets ``sliding_window`` but ``use_sliding_window: false``: the text
+    config class then gives every layer full attention, as Qwen2's does."""
+    from memfit.serving import kv_spec
+
+    cfg = {"model_type": "qwen2_5_vl", "hidden_size": 3584, "num_hidden_layers": 28,
+           "num_attention_heads": 28, "num_key_value_heads": 4, "sliding_window": 32768,
+           "use_sliding_window": False, "max_window_layers": 28, "torch_dtype": "bfloat16"}
+    assert {layer.kind for layer in kv_spec(cfg)} == {"full"}

@@ -59,7 +59,10 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
                  "max_seq_length", "seq_len")
 _ROPE_PRESCALED = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
-_QWEN_WINDOWED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+# Qwen2Config's rule (``use_sliding_window``, ``max_window_layers``), which the Qwen2-VL and
+# Qwen2.5-VL text configs share (Qwen2VLTextConfig, Qwen2_5_VLTextConfig)
+_QWEN_WINDOWED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_vl_text",
+                  "qwen2_5_vl", "qwen2_5_vl_text")
 
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding",
                 "linear_attention": "linear", "mamba": "mamba", "attention": "full"}

@@ -46,7 +46,8 @@ from memfit.serving.weights import check_quant
 
 __all__ = ["ServePlan", "load_config", "serve_plan", "startup_budget", "vllm_layer_specs"]
 
-_QWEN2_MODELS = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+_QWEN2_MODELS = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_vl_text",
+                 "qwen2_5_vl", "qwen2_5_vl_text")
 _BUDGET_KEYS = ("weights_bytes", "activation_peak_bytes", "non_torch_bytes",
                 "cuda_graph_bytes")
 

@@ -220,6 +220,28 @@ def rope_cache_bytes(config: Mapping[str, Any], dtype_bytes: int) -> int:
     return positions * int(head_dim * float(factor)) * dtype_bytes
 
 
+# The text model types whose transformers config class ties the embeddings when the config.json
+# does not say (``tie_word_embeddings=True`` in the class's ``__init__``; read from the classes
+# of transformers 5.24: GemmaConfig ... Gemma3nTextConfig, GPT2Config, FalconConfig,
+# Starcoder2Config, CohereConfig, SmolLM3Config, BloomConfig, OPTConfig). Llama, Mistral,
+# Qwen2/3, Phi-3, DeepSeek, gpt-oss and the hybrids default to untied.
+_TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n",
+                              "gemma3n_text", "gpt2", "falcon", "starcoder2", "cohere",
+                              "smollm3", "bloom", "opt"})
+
+
+def tied_embeddings(config: Mapping[str, Any]) -> bool:
+    """Whether the LM head is the embedding (one tensor in vLLM): the text config's
+    ``tie_word_embeddings``, else the top level's (a multimodal config may set it there), else
+    the config class's default for the model type (:data:`_TIED_BY_DEFAULT`)."""
+    data = text_config(config)
+    for source in (data, config):
+        value = source.get("tie_word_embeddings")
+        if value is not None:
+            return bool(value)
+    return str(data.get("model_type")) in _TIED_BY_DEFAULT
+
+
 def weights_from_config(config: Mapping[str, Any], *, tp: int = 1, dtype_bytes: int = 2,
                         quant: QuantFormat | None = None) -> WeightBytes:
     """Per-rank weights of a decoder (dense, or MoE with ``num_local_experts`` /
@@ -270,7 +292,7 @@ def weights_from_config(config: Mapping[str, Any], *, tp: int = 1, dtype_bytes: 
         str(data.get("model_type")) != "gemma" else 2
     padded = pad_vocab_size(vocab)
     embedding = padded // tp * hidden * b
-    tied = bool(data.get("tie_word_embeddings", False))
+    tied = tied_embeddings(config)
     return WeightBytes(parts={
         "embedding": embedding,
         "lm_head": 0 if tied else embedding,
@@ -321,7 +343,7 @@ def weights_from_checkpoint(folder: str | Path, config: Mapping[str, Any], *, tp
     vocab = _int(data, "vocab_size")
     heads = _int(data, "num_attention_heads", default=1)
     kv_heads = _int(data, "num_key_value_heads", default=heads)
-    tied = bool(data.get("tie_word_embeddings", False))
+    tied = tied_embeddings(config)
     entries = tensor_entries(folder)
     if entries is None:
         raise MemfitError(f"{folder}: no model.safetensors or index; pass the config instead")
