@@ -52,6 +52,10 @@ def register(sub: Any) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="vLLM's --no-enable-prefix-caching (needed for hybrid Mamba models "
                    "in this version of serve-plan)")
+    p.add_argument("--engine-version",
+                   help="the vLLM release whose startup rules size the budget: 0.33.0 "
+                   "(default), 0.11.0, 0.7.3 or 0.6.4.post1 (the profile run's sampler, the "
+                   "CUDA-graph sizes; the KV arithmetic is 0.33's)")
     p.add_argument("--engine", default="vllm", choices=("vllm", "sglang"),
                    help="the serving engine whose rules size the KV cache (default vllm; "
                    "sglang needs --gpu)")
@@ -87,10 +91,14 @@ def _utilization(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.serving import serve_plan
+    from memfit.serving import VLLM_VERSION, serve_plan
 
     if args.engine == "sglang":
         from memfit.cli.serve_plan_sglang import run_sglang
+
+        if args.engine_version is not None:
+            raise MemfitError("--engine-version picks a vLLM release; serve-plan models "
+                              "SGLang's pool at one version (drop --engine-version)")
 
         return run_sglang(args)
     if args.mem_fraction_static is not None:
@@ -126,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=positive_int(args.max_num_seqs, "--max-num-seqs"),
         concurrency=positive_int(args.concurrency, "--concurrency"),
         async_scheduling=not args.no_async_scheduling,
-        prefix_caching=not args.no_prefix_caching)
+        prefix_caching=not args.no_prefix_caching,
+        engine_version=args.engine_version or VLLM_VERSION)
     if log is not None:
         from memfit.serving import check_plan
 
@@ -220,7 +229,9 @@ def render_budget(plan: Any) -> None:
                 f"{k} {format_bytes(v)}" for k, v in b.weights_parts.items() if v)),
             ("activation peak", b.activation_peak_bytes, act),
             ("non-torch", b.non_torch_bytes, "estimate: kernels loaded after the baseline"),
-            ("CUDA graphs", b.cuda_graph_bytes, f"estimate: {graphs}"),
+            ("CUDA graphs", b.cuda_graph_bytes, f"estimate: {graphs}" + (
+                "" if b.cuda_graphs_in_budget else f"; vLLM {b.engine_version} captures them "
+                "after sizing the KV cache: not subtracted, they need the headroom")),
             ("KV cache", b.kv_cache_bytes, "what is left")]
     for label, value, note in rows:
         out.print(f"  {label:<16} {format_bytes(value):>12}  ({note})")
