@@ -100,7 +100,10 @@ RESULTS_DIR = HERE / "results"
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from memfit.serving import kv_spec, serve_plan, sglang_plan  # noqa: E402
-from memfit.serving.budget import cudagraph_estimate_bytes  # noqa: E402
+from memfit.serving.budget import (  # noqa: E402
+    DEFAULT_ENGINE_VERSION,
+    cudagraph_estimate_bytes,
+)
 from memfit.serving.weights import (  # noqa: E402
     QUANT_FORMATS,
     pad_vocab_size,
@@ -119,6 +122,7 @@ LLMD_SOURCE = ("llm-d-incubation/llm-d-planner src/planner/capacity_planner.py "
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 2}  # vLLM runs float32 in 16 bits
 _KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+_MODELLED_MINOR = {(0, 6): "0.6.4.post1", (0, 7): "0.7.3", (0, 11): "0.11.0", (0, 33): "0.33.0"}
 
 
 # ----------------------------------------------------------------------------- data
@@ -166,6 +170,21 @@ def engine_rule(log: dict[str, Any]) -> str:
     if version < (0, 8):
         return "v0"
     return "v1_groups" if version < (0, 20) else "v1_capacity"
+
+
+def modelled_engine_version(log: dict[str, Any]) -> str | None:
+    """The release of ``memfit.serving.budget.ENGINE_VERSIONS`` whose startup rules the log's
+    budget figures are predicted with: the one of the log's major.minor (0.6 -> 0.6.4.post1,
+    0.7 -> 0.7.3, 0.11 -> 0.11.0, 0.33 -> 0.33.0); a V0 log whose version is not stated ->
+    0.7.3 (V0's profile run and sampler are the same in 0.6.4.post1 and 0.7.3). None for the
+    others (0.8-0.10, 0.19, V1 logs not stated): memfit's default, 0.33.0's rules, is used and
+    the row says so."""
+    if log["engine"] != "vllm":
+        return None
+    m = re.match(r"v?(\d+)\.(\d+)", str(log["engine_version"]))
+    if m:
+        return _MODELLED_MINOR.get((int(m[1]), int(m[2])))
+    return "0.7.3" if engine_rule(log) == "v0" else None
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -325,6 +344,7 @@ def compare(log: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
             q["plain"] = budgets[1] // plain_bytes_per_token(config, tp, kv_dtype)
             q["llm_d_planner"] = budgets[1] // llmd_bytes_per_token(config, tp)
     row["rule"] = rule
+    row["memfit_engine_version"] = modelled_engine_version(log)
     row["quantities"].update(budget_quantities(log, models))
     row["not_compared"] = not_compared(log)
     for q in row["quantities"].values():
@@ -372,17 +392,20 @@ def budget_quantities(log: dict[str, Any], models: dict[str, Any]) -> dict[str, 
             "gpu_memory_utilization", 0.9), tp=tp, max_model_len=s["max_model_len"],
             max_num_seqs=s.get("max_num_seqs"), max_num_batched_tokens=s.get(
                 "max_num_batched_tokens"), quant=quant,
-            prefix_caching=s.get("prefix_caching", True))
+            prefix_caching=s.get("prefix_caching", True),
+            engine_version=modelled_engine_version(log) or DEFAULT_ENGINE_VERSION)
         budget = plan.budget
         assert budget is not None
         if "activation_gib" in logged:
             q = _exact("activation_gib", budget.activation_peak_bytes / GiB,
                        logged["activation_gib"])
             q["source"] = budget.activation_source
+            q["engine_version"] = budget.engine_version
             out["activation_gib"] = q
         if "cuda_graph_gib" in logged:
             q = _exact("cuda_graph_gib", budget.cuda_graph_bytes / GiB, logged["cuda_graph_gib"])
             q["graphs"] = dict(budget.cuda_graph_counts)
+            q["engine_version"] = budget.engine_version
             sizes = s.get("cudagraph_capture_sizes")
             if sizes:
                 # the log's own sizes; FULL graphs only where the log's mode captures them
