@@ -337,6 +337,7 @@ def test_the_activation_target_as_it_stands(
 
     rows, summary = result
     assert not any("activation_gib" in r["quantities"] for r in rows)  # nothing traced live
+    assert summary["activation"]["logs"] == []
     full = stored["summary"]["activation"]
     assert len(full["logs"]) == 11 and full["sources"] == ["profile_run"]
     assert set(full["misses"]) == ACTIVATION_MISSES and full["met"] is False

@@ -41,10 +41,10 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.serving.kv_spec import text_config
 
-__all__ = ["CUDA_GRAPH_PER_GRAPH_BYTES", "NON_TORCH_INCREASE_BYTES", "Budget",
-           "baseline_bytes", "cudagraph_capture_sizes", "cudagraph_counts",
-           "DEFAULT_ENGINE_VERSION", "ENGINE_VERSIONS", "EngineVersion", "engine_version",
-           "cudagraph_estimate_bytes", "default_batch_limits", "format_gib",
+__all__ = ["CUDA_GRAPH_PER_GRAPH_BYTES", "DEFAULT_ENGINE_VERSION", "ENGINE_VERSIONS",
+           "NON_TORCH_INCREASE_BYTES", "Budget", "EngineVersion", "baseline_bytes",
+           "cudagraph_capture_sizes", "cudagraph_counts", "cudagraph_estimate_bytes",
+           "default_batch_limits", "engine_version", "format_gib",
            "placeholder_activation_peak", "requested_memory"]
 
 GiB = 1 << 30
