@@ -59,6 +59,11 @@ max_num_seqs)`` rows and the vocabulary ``V`` (padded to 64 for the LM head's ou
 The profile run's peak is the larger of the forward's and the sampler phase's (the forward's
 activations are freed before the sampler runs, except the final hidden states).
 
+Other releases (``engine_version``, :data:`memfit.serving.budget.ENGINE_VERSIONS`): vLLM 0.11.0
+and V0 (0.6.4.post1, 0.7.3) run the same forward (vLLM's fused layers, eager, attention writing
+only its output) and a sampler that sorts the vocabulary (:func:`_sort_sampler_peak`: 38 bytes
+a logit inside ``logits.sort``), which sets the peak at their default 256 or 1,024 sequences.
+
 Known limitations: the transformers sub-blocks keep a few temporaries vLLM's compiled code fuses
 (rotary embedding's copies of Q and K; ``torch.compile`` also frees the normed input after the
 first GEMM, which the two-tensor stream keeps): an overestimate of at most ``tokens × hidden``
