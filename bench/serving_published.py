@@ -1,6 +1,7 @@
 """memfit's vLLM / SGLang KV-cache arithmetic against public engine startup logs.
 
-    python bench/serving_published.py [--only ID_SUBSTRING] [--out PATH] [--no-write]
+    python bench/serving_published.py [--only ID_SUBSTRING] [--activation-in ID_SUBSTRING]
+                                      [--out PATH] [--no-write]
 
 The logs live in ``bench/published/serving_logs.json``: ``models`` holds each model's
 transformers config (the fields the KV layout needs, with the ``config.json`` it comes from;
@@ -64,9 +65,13 @@ The startup budget's other terms, where a log prints them (:func:`budget_quantit
 - the profile run's **activation peak** ("PyTorch activation peak memory takes X GiB"; V0.6's
   ``peak_torch_memory`` less the weights) against the ``activation_peak_bytes`` of
   :func:`memfit.serving.serve_plan`'s budget (its ``activation_source`` says whether that is the
-  traced profile run or the placeholder);
+  traced profile run or the placeholder), at the log's release as memfit models it
+  (:func:`modelled_engine_version`: the sampler of 0.6.4.post1, 0.7.3, 0.11.0 or 0.33.0; each
+  row's ``memfit_engine_version``, None where the release is not modelled and 0.33's rules
+  are used);
 - **CUDA-graph memory** ("Graph capturing finished in S secs, took X GiB") against the budget's
-  ``cuda_graph_bytes`` (vLLM 0.33's capture sizes and FULL_AND_PIECEWISE modes), and the same
+  ``cuda_graph_bytes`` (the modelled release's capture sizes and modes; 0.10.1.1's logs are not
+  a modelled release, so 0.33's sizes and FULL_AND_PIECEWISE), and the same
   estimate (:func:`memfit.serving.budget.cudagraph_estimate_bytes`) at the log's own capture
   sizes and mode. Graph memory depends on the version's sizes and modes: no target, shown as is.
 - SGLang: the ``#tokens`` :func:`memfit.serving.sglang_kv_tokens` derives from the log's free
@@ -100,7 +105,10 @@ RESULTS_DIR = HERE / "results"
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from memfit.serving import kv_spec, serve_plan, sglang_plan  # noqa: E402
-from memfit.serving.budget import cudagraph_estimate_bytes  # noqa: E402
+from memfit.serving.budget import (  # noqa: E402
+    DEFAULT_ENGINE_VERSION,
+    cudagraph_estimate_bytes,
+)
 from memfit.serving.weights import (  # noqa: E402
     QUANT_FORMATS,
     pad_vocab_size,
@@ -119,6 +127,7 @@ LLMD_SOURCE = ("llm-d-incubation/llm-d-planner src/planner/capacity_planner.py "
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 2}  # vLLM runs float32 in 16 bits
 _KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+_MODELLED_MINOR = {(0, 6): "0.6.4.post1", (0, 7): "0.7.3", (0, 11): "0.11.0", (0, 33): "0.33.0"}
 
 
 # ----------------------------------------------------------------------------- data
@@ -166,6 +175,21 @@ def engine_rule(log: dict[str, Any]) -> str:
     if version < (0, 8):
         return "v0"
     return "v1_groups" if version < (0, 20) else "v1_capacity"
+
+
+def modelled_engine_version(log: dict[str, Any]) -> str | None:
+    """The release of ``memfit.serving.budget.ENGINE_VERSIONS`` whose startup rules the log's
+    budget figures are predicted with: the one of the log's major.minor (0.6 -> 0.6.4.post1,
+    0.7 -> 0.7.3, 0.11 -> 0.11.0, 0.33 -> 0.33.0); a V0 log whose version is not stated ->
+    0.7.3 (V0's profile run and sampler are the same in 0.6.4.post1 and 0.7.3). None for the
+    others (0.8-0.10, 0.19, V1 logs not stated): memfit's default, 0.33.0's rules, is used and
+    the row says so."""
+    if log["engine"] != "vllm":
+        return None
+    m = re.match(r"v?(\d+)\.(\d+)", str(log["engine_version"]))
+    if m:
+        return _MODELLED_MINOR.get((int(m[1]), int(m[2])))
+    return "0.7.3" if engine_rule(log) == "v0" else None
 
 
 # ----------------------------------------------------------------------------- predictions
@@ -280,9 +304,10 @@ def _quantity(key: str, lo: float, mid: float, hi: float, logged: float) -> dict
             "within_rounding": low - half <= logged <= high + half}
 
 
-def compare(log: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
+def compare(log: dict[str, Any], models: dict[str, Any], *,
+            activation: bool = True) -> dict[str, Any]:
     """One log's row: each logged quantity against memfit (with the rounding interval) and the
-    two peers (at the budget's midpoint)."""
+    two peers (at the budget's midpoint); the activation peak only with ``activation``."""
     config = models[log["model"]]["config"]
     logged, s, tp = log["logged"], log["settings"], log["tp"]
     kv_dtype = s.get("kv_cache_dtype", "auto")
@@ -325,7 +350,8 @@ def compare(log: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
             q["plain"] = budgets[1] // plain_bytes_per_token(config, tp, kv_dtype)
             q["llm_d_planner"] = budgets[1] // llmd_bytes_per_token(config, tp)
     row["rule"] = rule
-    row["quantities"].update(budget_quantities(log, models))
+    row["memfit_engine_version"] = modelled_engine_version(log)
+    row["quantities"].update(budget_quantities(log, models, activation=activation))
     row["not_compared"] = not_compared(log)
     for q in row["quantities"].values():
         for peer in ("plain", "llm_d_planner"):
@@ -348,10 +374,12 @@ def not_compared(log: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def budget_quantities(log: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
+def budget_quantities(log: dict[str, Any], models: dict[str, Any], *,
+                      activation: bool = True) -> dict[str, Any]:
     """The logged weights, activation peak and CUDA-graph memory against memfit's budget terms
     (and llm-d-planner's weights), plus SGLang's ``#tokens`` through its memory rule; only the
-    figures the log prints. GiB throughout."""
+    figures the log prints. GiB throughout. ``activation=False`` leaves the activation peak out
+    (no trace: a quick run)."""
     config = models[log["model"]]["config"]
     logged, s, tp = log["logged"], log["settings"], log["tp"]
     quant = s.get("quant")
@@ -366,23 +394,27 @@ def budget_quantities(log: dict[str, Any], models: dict[str, Any]) -> dict[str, 
         q["llm_d_planner"] = llmd_weight_bytes(config, tp, quant) / GiB
         out["weights_gib"] = q
     gpu = s.get("memfit_gpu")
-    if gpu and log["engine"] == "vllm" and ("activation_gib" in logged
-                                             or "cuda_graph_gib" in logged):
+    traced = activation and "activation_gib" in logged
+    if gpu and log["engine"] == "vllm" and (traced or "cuda_graph_gib" in logged):
         plan = serve_plan(config, gpu=gpu, gpu_memory_utilization=s.get(
             "gpu_memory_utilization", 0.9), tp=tp, max_model_len=s["max_model_len"],
             max_num_seqs=s.get("max_num_seqs"), max_num_batched_tokens=s.get(
                 "max_num_batched_tokens"), quant=quant,
-            prefix_caching=s.get("prefix_caching", True))
+            prefix_caching=s.get("prefix_caching", True),
+            engine_version=modelled_engine_version(log) or DEFAULT_ENGINE_VERSION,
+            activation_peak_bytes=None if traced else 0)  # no trace where none is compared
         budget = plan.budget
         assert budget is not None
-        if "activation_gib" in logged:
+        if traced:
             q = _exact("activation_gib", budget.activation_peak_bytes / GiB,
                        logged["activation_gib"])
             q["source"] = budget.activation_source
+            q["engine_version"] = budget.engine_version
             out["activation_gib"] = q
         if "cuda_graph_gib" in logged:
             q = _exact("cuda_graph_gib", budget.cuda_graph_bytes / GiB, logged["cuda_graph_gib"])
             q["graphs"] = dict(budget.cuda_graph_counts)
+            q["engine_version"] = budget.engine_version
             sizes = s.get("cudagraph_capture_sizes")
             if sizes:
                 # the log's own sizes; FULL graphs only where the log's mode captures them
@@ -474,9 +506,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run(only: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run(only: str | None = None, activation_in: str | list[str] | None = None,
+        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every log (or those whose id contains ``only``); the activation peak, which traces the
+    model's forward, only on the logs whose id contains one of ``activation_in`` when given."""
     models, logs = load()
-    rows = [compare(log, models) for log in logs if not only or only in log["id"]]
+    wanted = [activation_in] if isinstance(activation_in, str) else activation_in
+    rows = [compare(log, models,
+                    activation=wanted is None or any(w in log["id"] for w in wanted))
+            for log in logs if not only or only in log["id"]]
     return rows, summarize(rows)
 
 
@@ -504,10 +542,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", help="run the logs whose id contains this")
+    parser.add_argument("--activation-in", help="trace the activation peak only on the logs "
+                        "whose id contains one of these (comma-separated; '' traces none: a "
+                        "quick run)")
     parser.add_argument("--out", type=Path, help="where to write the JSON")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    rows, summary = run(args.only)
+    rows, summary = run(args.only, None if args.activation_in is None
+                        else [w for w in args.activation_in.split(",") if w])
     print(table(rows))
     print()
     for who in ("memfit", "plain", "llm_d_planner"):

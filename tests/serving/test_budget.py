@@ -100,8 +100,8 @@ def test_profile_run_used_when_installed_else_placeholder(monkeypatch) -> None:
     calls = []
 
     def fake(config: object, *, max_num_batched_tokens: int, max_num_seqs: int, tp: int,
-             dtype_bytes: int) -> int:
-        calls.append((max_num_batched_tokens, max_num_seqs, tp, dtype_bytes))
+             dtype_bytes: int, engine_version: str) -> int:
+        calls.append((max_num_batched_tokens, max_num_seqs, tp, dtype_bytes, engine_version))
         return 123_456_789
 
     module = types.ModuleType("memfit.serving.profile_run")
@@ -110,7 +110,7 @@ def test_profile_run_used_when_installed_else_placeholder(monkeypatch) -> None:
     p = serve_plan("llama-3-8b", gpu="a100-80gb")
     assert p.budget is not None and p.budget.activation_peak_bytes == 123_456_789
     assert p.budget.activation_source == "profile_run"
-    assert calls == [(2048, 256, 1, 2)]  # A100: vllm serve's 2048 tokens, 256 seqs
+    assert calls == [(2048, 256, 1, 2, "0.33.0")]  # A100: vllm serve's 2048 tokens, 256 seqs
 
     monkeypatch.setitem(sys.modules, "memfit.serving.profile_run", None)  # not importable
     p = serve_plan("llama-3-8b", gpu="a100-80gb")

@@ -159,3 +159,92 @@ def test_mlp_transient_matches_a_real_cpu_forward(tiny) -> None:
             peaks[slot] = max(peaks.get(slot, 0), running - start[slot])
     assert len(peaks) == 2  # both layers' MLPs
     assert max(peaks.values()) == tiny.block_bytes["mlp"]
+
+
+# ----------------------------------------------------------------------------- engine versions
+# The sort-based sampler (vLLM 0.11.0's forward_native and V0's _apply_top_k_top_p, both
+# reached by their dummy sampling's top-k = V - 1 and top-p < 1), by hand on 16 rows of the
+# 1000-logit vocabulary: inside logits.sort live the 16-bit logits (16 x 1024 x 2 = 32,768 B),
+# the float32 logits (16 x 1000 x 4 = 64,000 B), the sorted values (64,000 B), the indices
+# (int64, 128,000 B), the iota of source indices (int64, 128,000 B) and CUB's alternate keys and
+# values (float32 + int64, 192,000 B): 608,768 B.
+SORT_PHASE = 32_768 + 64_000 + 64_000 + 128_000 + 128_000 + 192_000
+
+
+def test_sort_sampler_by_hand_at_0_11() -> None:
+    s = sampler_peak(vocab_size=V, hidden_size=H, max_num_batched_tokens=N, max_num_seqs=16,
+                     engine_version="0.11.0")
+    assert (s.sampler, s.engine_version) == ("sort", "0.11.0")
+    assert s.sort_bytes == 64_000 + 128_000 + 128_000 + 192_000
+    assert s.topk_buffer_bytes == s.probs_bytes == s.noise_bytes == 0
+    # V1 holds the hidden states of all tokens, the 16 last-token rows and their rand_like
+    assert s.held_bytes == N * H * 2 + 2 * 16 * H * 2 == 20_480
+    # five float32 metadata tensors, top_k int64 and the argmax ids int64: one block each
+    assert s.small_bytes == 7 * 512
+    assert s.peak_bytes == 20_480 + SORT_PHASE + 7 * 512 == 632_832
+
+
+def test_sort_sampler_by_hand_in_v0() -> None:
+    for version in ("0.7.3", "0.6.4.post1"):
+        s = sampler_peak(vocab_size=V, hidden_size=H, max_num_batched_tokens=N,
+                         max_num_seqs=16, engine_version=version)
+        # V0 holds the hidden states of all tokens only (the pruned rows die in compute_logits)
+        assert s.held_bytes == N * H * 2 == 16_384
+        # SamplingTensors: six in the model dtype and top_k int32, one block each
+        assert s.small_bytes == 7 * 512
+        assert s.peak_bytes == 16_384 + SORT_PHASE + 7 * 512 == 628_736
+
+
+def test_the_release_picks_the_sampler_and_the_forward_is_traced_once(tiny) -> None:
+    from memfit.serving.profile_run import _forward_trace
+
+    before = _forward_trace.cache_info().hits
+    at_011 = profile_activation_peak(TINY, max_num_batched_tokens=N, max_num_seqs=16,
+                                     engine_version="0.11.0")
+    assert _forward_trace.cache_info().hits == before + 1  # the tiny fixture's trace, reused
+    assert at_011.forward_peak_bytes == tiny.forward_peak_bytes == 229_376
+    assert at_011.total_bytes == 632_832 and at_011.engine_version == "0.11.0"
+    assert tiny.total_bytes == 1_328_640 and tiny.engine_version == "0.33.0"
+
+
+def test_an_unmodelled_release_is_refused() -> None:
+    for version in ("0.10.1.1", "0.19", "latest"):
+        with pytest.raises(MemfitError, match=r"0\.33\.0, 0\.11\.0, 0\.7\.3, 0\.6\.4\.post1"):
+            sampler_peak(vocab_size=V, hidden_size=H, max_num_batched_tokens=N,
+                         max_num_seqs=16, engine_version=version)
+    from memfit.serving import serve_plan
+
+    with pytest.raises(MemfitError, match="not modelled"):
+        serve_plan(TINY, kv_cache_memory=2**30, engine_version="0.10.1.1")
+
+
+def test_cli_engine_version(capsys, tmp_path) -> None:
+    """``--engine-version 0.11.0``: the sort-based sampler's peak, 0.11's capture sizes (1, 2,
+    4, 8, ..., min(2 x 16, 512, 128) = 32: 7 PIECEWISE, 5 FULL up to 16 sequences) and the
+    graphs left out of the KV budget (captured after it, before v0.21)."""
+    import json
+
+    from memfit.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    argv = ["serve-plan", str(tmp_path), "--gpu", "h100-sxm-80gb", "--max-num-seqs", "16",
+            "--max-num-batched-tokens", "128", "--max-model-len", "512", "--json"]
+    assert main([*argv, "--engine-version", "0.11.0"]) == 0
+    old = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    new = json.loads(capsys.readouterr().out)
+    assert old["engine_version"] == "0.11.0" and new["engine_version"] == "0.33.0"
+    b011, b033 = old, new  # the budget's keys are top-level
+    assert b011["activation_peak_bytes"] == 632_832
+    assert b033["activation_peak_bytes"] == 1_328_640
+    assert b011["cuda_graphs"] == {"PIECEWISE": 7, "FULL": 5}
+    assert not b011["cuda_graphs_in_budget"] and b033["cuda_graphs_in_budget"]
+    non_kv = b011["weights_bytes"] + b011["activation_peak_bytes"] + b011["non_torch_bytes"]
+    assert old["kv_cache_bytes"] == b011["requested_bytes"] - non_kv
+    non_kv = b033["weights_bytes"] + b033["activation_peak_bytes"] + b033["non_torch_bytes"]
+    assert new["kv_cache_bytes"] == b033["requested_bytes"] - non_kv - b033["cuda_graph_bytes"]
+    for bad in (["--engine-version", "0.10.1.1"], ["--engine", "sglang", "--engine-version",
+                                                    "0.11.0"]):
+        assert main([*argv[:2], "--gpu", "h100-sxm-80gb", *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--engine-version" in err

@@ -10,8 +10,12 @@ fails this test instead of hiding:
   which memfit does not model).
 - weights: met on every log but two (a vision encoder that ``weights_from_config`` does not size;
   SGLang's free-memory drop during loading, which holds more than the weights).
-- activation peak: missed on every log that prints it; memfit's figure is still the placeholder
-  (``memfit.serving.profile_run``, the traced profile run, is not in this tree).
+- activation peak: within 10 % on 10 of the 11 logs that print it (8 within 1 %), each at its
+  release's profile run (the sort-based sampler of V0 and 0.11.0); missed on one, a vLLM 0.11
+  run of Mistral-Small-3.2 whose logged peak is below what that sampler alone holds. The
+  forward's trace takes seconds a model (transformers' import first), so these tests read the
+  stored run of the whole bench (``bench/results/``) and check its rows against the
+  torch-free sampler arithmetic and by hand; the live bench here traces nothing.
 """
 
 from __future__ import annotations
@@ -56,9 +60,25 @@ def bench() -> Any:
     return module
 
 
+# Activation peaks outside 10 %, and why: the other four vLLM 0.11 logs of the same document
+# follow the sort-based sampler to 1 %; this one's 2.12 GiB is below what that sampler alone
+# holds for 1,024 rows of 131,072 logits (4.6 GiB), so its run sampled another way (FlashInfer's
+# top_k_top_p_sampling_from_logits, no sort, where FlashInfer is importable) or on fewer rows.
+ACTIVATION_MISSES = {"llmd-planner-mistral-small-3.2-h100"}
+
+
 @pytest.fixture(scope="module")
 def result(bench: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    return bench.run()
+    return bench.run(activation_in=[])  # no trace: the activation rows are the stored run's
+
+
+@pytest.fixture(scope="module")
+def stored(bench: Any) -> dict[str, Any]:
+    """The newest stored run of the whole bench (every activation row)."""
+    import json
+
+    newest = sorted(bench.RESULTS_DIR.glob("serving-published-cpu-*.json"))[-1]
+    return dict(json.loads(newest.read_text()))
 
 
 def test_every_log_is_well_formed_and_cited(bench: Any) -> None:
@@ -178,7 +198,7 @@ def test_memfit_beats_the_plain_formula_where_the_layout_differs(
 
 def test_the_run_writes_its_json(bench: Any, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    assert bench.main(["--out", str(out)]) == 0
+    assert bench.main(["--out", str(out), "--activation-in", ""]) == 0
     import json
     data = json.loads(out.read_text())
     assert data["summary"]["logs"] >= 29 and data["rows"]
@@ -245,25 +265,105 @@ def test_weights_by_hand_and_the_target_as_it_stands(
     assert "mxfp4" in summary["not_compared"]["dl22-gpt-oss-120b-tp4-a100"]["weights_gib"]
 
 
-def test_the_activation_target_is_missed_by_the_placeholder(
-        result: tuple[list[dict[str, Any]], dict[str, Any]], bench: Any) -> None:
-    """The profile run's activation peak, where logs print it (V0's profiling line, vLLM 0.11's
-    'torch peak memory increase' in llm-d-planner's table): memfit's budget still carries the
-    placeholder, max_num_batched_tokens x (hidden + 2 x intermediate / tp) x dtype +
-    max_num_seqs x vocab x 4, which is 25 % to 88 % under every logged peak. By hand for
-    vllm #10517 at 20,000 batched tokens, 256 sequences: 20,000 x 32,768 x 2 + 256 x 128,256
-    x 4 B = 1.343 GiB against 17.06 - 14.9888 = 2.07 GiB logged."""
+def test_each_log_is_predicted_at_its_release(bench: Any) -> None:
+    """The release memfit models for each log's version: V0 (0.6, or not stated with V0's
+    lines) and 0.11 exactly; 0.10.1.1 is not a modelled release (0.33's rules, said so)."""
+    _, logs = bench.load()
+    by_id = {log["id"]: log for log in logs}
+    version = bench.modelled_engine_version
+    assert version(by_id["vllm10517-llama31-8b-3090-20k"]) == "0.6.4.post1"
+    assert version(by_id["discuss2724-llama32-3b-t4-8k"]) == "0.7.3"
+    assert version(by_id["llmd-doc-llama31-8b-h100"]) == "0.11.0"
+    assert version(by_id["arm-mistral-7b-gptq-dgx-spark"]) == "0.11.0"
+    assert version(by_id["dl22-qwen2-7b-a100-0.25"]) is None
+    assert version(by_id["llms-in-clouds-qwq-32b-tp4-l4-sglang"]) is None
+
+
+def _sort_sampler_bytes(*, rows: int, vocab: int, hidden: int, tokens: int, v1: bool) -> int:
+    """The sampler phase of the sort-based path, by hand (every size here is a multiple of
+    512 B but V0's small tensors): the hidden states of every token (V1 also the rows and their
+    rand_like), the 16-bit logits, their float32 copy, and inside logits.sort the values
+    (4 B), indices (8 B), the source-index iota (8 B) and CUB's alternate keys + values
+    (12 B); small: V1's dummy metadata (5 float32, top-k int64) and argmax ids (int64); V0's
+    SamplingTensors (6 in fp16, each under 512 B here, and top-k int32)."""
+    held = tokens * hidden * 2 + (2 * rows * hidden * 2 if v1 else 0)
+    small = (5 * rows * 4 + 2 * rows * 8) if v1 else (6 * max(rows * 2, 512) + rows * 4)
+    return held + rows * vocab * (2 + 4 + 4 + 8 + 8 + 12) + small
+
+
+def test_the_activation_peak_by_hand_at_each_release(stored: dict[str, Any]) -> None:
+    """Llama-3.2-3B on a T4 (V0, NIM; 8,192 tokens, 256 sequences, 'PyTorch activation peak
+    memory takes 1.22GiB') and Qwen3-0.6B on an H100 (vLLM 0.11.0; 8,192 tokens, 1,024
+    sequences, 'torch peak memory increase' 5.56 GiB): the sort-based sampler sets the peak,
+    38 bytes a logit plus what is held; by hand, the stored run's figure, within 1 % of both
+    logs. At 0.33's rules (Triton top-k/top-p, no sort) the same runs would be 60 % lower:
+    the release matters. The 3090 log at 20,000 tokens: the forward sets the peak."""
+    from memfit.serving.profile_run import sampler_peak
+
+    rows = {r["id"]: r["quantities"] for r in stored["rows"]}
+    t4 = rows["discuss2724-llama32-3b-t4-8k"]["activation_gib"]
+    assert t4["engine_version"] == "0.7.3" and t4["source"] == "profile_run"
+    hand = _sort_sampler_bytes(rows=256, vocab=128256, hidden=3072, tokens=8192, v1=False)
+    assert hand == 1_298_010_112
+    kw = {"max_num_batched_tokens": 8192}
+    assert sampler_peak(vocab_size=128256, hidden_size=3072, max_num_seqs=256,
+                        engine_version="0.7.3", **kw).peak_bytes == hand
+    assert t4["predicted"] == hand / GiB
+    assert abs(t4["error_pct"]) < 1.0
+    qwen = rows["llmd-doc-qwen3-0.6b-h100"]["activation_gib"]
+    assert qwen["engine_version"] == "0.11.0"
+    hand = _sort_sampler_bytes(rows=1024, vocab=151936, hidden=1024, tokens=8192, v1=True)
+    assert hand == 5_933_142_016
+    assert sampler_peak(vocab_size=151936, hidden_size=1024, max_num_seqs=1024,
+                        engine_version="0.11.0", **kw).peak_bytes == hand
+    assert qwen["predicted"] == hand / GiB
+    assert abs(qwen["error_pct"]) < 1.0
+    at_033 = sampler_peak(vocab_size=151936, hidden_size=1024, max_num_seqs=1024, **kw)
+    assert at_033.peak_bytes < 0.4 * 5.56 * GiB
+    llama = rows["vllm10517-llama31-8b-3090-20k"]["activation_gib"]
+    assert llama["engine_version"] == "0.6.4.post1"
+    sampler = _sort_sampler_bytes(rows=256, vocab=128256, hidden=4096, tokens=20000, v1=False)
+    assert llama["predicted"] > 1.4 * sampler / GiB
+    assert abs(llama["error_pct"]) < 10.0
+
+
+def test_the_activation_target_as_it_stands(
+        result: tuple[list[dict[str, Any]], dict[str, Any]], stored: dict[str, Any],
+        bench: Any) -> None:
+    """Every log printing the activation peak, in the stored run of the whole bench: within
+    10 % but the named miss, 8 of 11 within 1 %; each sampler-bound row is what the current
+    sampler arithmetic gives (a stale results file fails here)."""
+    from memfit.serving.profile_run import sampler_peak
+
     rows, summary = result
-    act = {r["id"]: r["quantities"]["activation_gib"] for r in rows
+    assert not any("activation_gib" in r["quantities"] for r in rows)  # nothing traced live
+    assert summary["activation"]["logs"] == []
+    full = stored["summary"]["activation"]
+    assert len(full["logs"]) == 11 and full["sources"] == ["profile_run"]
+    assert set(full["misses"]) == ACTIVATION_MISSES and full["met"] is False
+    assert stored["summary"]["targets"]["activation_le_10pct"] is False
+    act = {r["id"]: r["quantities"]["activation_gib"] for r in stored["rows"]
            if "activation_gib" in r["quantities"]}
-    assert len(act) >= 11
-    assert {q["source"] for q in act.values()} == {"placeholder"}
-    q = act["vllm10517-llama31-8b-3090-20k"]
-    assert q["predicted"] == (20000 * (4096 + 2 * 14336) * 2 + 256 * 128256 * 4) / GiB
-    assert abs(q["logged"] - (17.06 - 14.9888)) < 1e-9
-    assert all(-90 < a["error_pct"] < -20 for a in act.values())
-    assert set(summary["activation"]["misses"]) == set(act)
-    assert summary["targets"]["activation_le_10pct"] is False
+    assert {lid for lid, q in act.items()
+            if abs(q["error_pct"]) > bench.TARGET_ACTIVATION} == ACTIVATION_MISSES
+    assert act["llmd-planner-mistral-small-3.2-h100"]["error_pct"] > 100
+    assert len({lid for lid, q in act.items() if abs(q["error_pct"]) <= 1.0}) == 8
+    models, logs = bench.load()
+    checked = 0
+    for log in logs:
+        if log["id"] not in act or log["id"].startswith("vllm10517"):  # forward-bound
+            continue
+        config = models[log["model"]]["config"]
+        text = config.get("text_config") or config
+        s = log["settings"]
+        peak = sampler_peak(vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
+                            max_num_batched_tokens=s.get("max_num_batched_tokens", 8192),
+                            max_num_seqs=s.get("max_num_seqs", 1024), tp=log["tp"],
+                            engine_version=bench.modelled_engine_version(log))
+        assert act[log["id"]]["engine_version"] == bench.modelled_engine_version(log)
+        assert act[log["id"]]["predicted"] == peak.peak_bytes / GiB, log["id"]
+        checked += 1
+    assert checked == 9
 
 
 def test_cuda_graph_memory_is_shown_with_its_version(

@@ -60,6 +60,10 @@ def register(sub: Any) -> None:
                    "default 999, vLLM's)")
     p.add_argument("--max-pixels", metavar="P", help="pixels of the largest image (Qwen2-VL/"
                    "2.5-VL's mm_processor_kwargs max_pixels; default the checkpoint's)")
+    p.add_argument("--engine-version",
+                   help="the vLLM release whose startup rules size the budget: 0.33.0 "
+                   "(default), 0.11.0, 0.7.3 or 0.6.4.post1 (the profile run's sampler, the "
+                   "CUDA-graph sizes; the KV arithmetic is 0.33's)")
     p.add_argument("--engine", default="vllm", choices=("vllm", "sglang"),
                    help="the serving engine whose rules size the KV cache (default vllm; "
                    "sglang needs --gpu)")
@@ -104,10 +108,14 @@ def _count(text: str | None, flag: str) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.serving import serve_plan
+    from memfit.serving import VLLM_VERSION, serve_plan
 
     if args.engine == "sglang":
         from memfit.cli.serve_plan_sglang import run_sglang
+
+        if args.engine_version is not None:
+            raise MemfitError("--engine-version picks a vLLM release; serve-plan models "
+                              "SGLang's pool at one version (drop --engine-version)")
 
         return run_sglang(args)
     if args.mem_fraction_static is not None:
@@ -146,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_caching,
         max_images=_count(args.max_images, "--max-images"),
         max_videos=_count(args.max_videos, "--max-videos"),
-        max_pixels=positive_int(args.max_pixels, "--max-pixels"))
+        max_pixels=positive_int(args.max_pixels, "--max-pixels"),
+        engine_version=args.engine_version or VLLM_VERSION)
     if log is not None:
         from memfit.serving import check_plan
 
@@ -241,7 +250,9 @@ def render_budget(plan: Any) -> None:
             ("activation peak", b.activation_peak_bytes, act),
             *_vision_rows(b.multimodal),
             ("non-torch", b.non_torch_bytes, "estimate: kernels loaded after the baseline"),
-            ("CUDA graphs", b.cuda_graph_bytes, f"estimate: {graphs}"),
+            ("CUDA graphs", b.cuda_graph_bytes, f"estimate: {graphs}" + (
+                "" if b.cuda_graphs_in_budget else f"; vLLM {b.engine_version} captures them "
+                "after sizing the KV cache: not subtracted, they need the headroom")),
             ("KV cache", b.kv_cache_bytes, "what is left")]
     for label, value, note in rows:
         out.print(f"  {label:<16} {format_bytes(value):>12}  ({note})")

@@ -41,9 +41,10 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.serving.kv_spec import text_config
 
-__all__ = ["CUDA_GRAPH_PER_GRAPH_BYTES", "NON_TORCH_INCREASE_BYTES", "Budget",
-           "baseline_bytes", "cudagraph_capture_sizes", "cudagraph_counts",
-           "cudagraph_estimate_bytes", "default_batch_limits", "format_gib",
+__all__ = ["CUDA_GRAPH_PER_GRAPH_BYTES", "DEFAULT_ENGINE_VERSION", "ENGINE_VERSIONS",
+           "NON_TORCH_INCREASE_BYTES", "Budget", "EngineVersion", "baseline_bytes",
+           "cudagraph_capture_sizes", "cudagraph_counts", "cudagraph_estimate_bytes",
+           "default_batch_limits", "engine_version", "format_gib",
            "placeholder_activation_peak", "requested_memory"]
 
 GiB = 1 << 30
@@ -103,8 +104,68 @@ def default_batch_limits(total_bytes: int, gpu_name: str) -> tuple[int, int]:
     return 256, 2048
 
 
+DEFAULT_ENGINE_VERSION = "0.33.0"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineVersion:
+    """What memfit models of one vLLM release, each read in that release's PyPI source
+    distribution (``--engine-version``). The KV-cache arithmetic stays 0.33's in every version.
+
+    Known limitations: only the releases in :data:`ENGINE_VERSIONS`; a release between two of
+    them is not interpolated (pass the nearest one and read its notes in docs/serving.md)."""
+
+    version: str
+    runner: str
+    """``V1`` (``vllm/v1/worker/gpu_model_runner.py``) or ``V0`` (``vllm/worker/model_runner.py``):
+    which profile run and sampler run."""
+    sampler: str
+    """The sampler code path of the profile run's dummy sampling (see
+    :func:`memfit.serving.profile_run.sampler_peak`): ``triton`` (0.33:
+    ``topk_topp_triton.py``) or ``sort`` (``apply_top_k_top_p``'s ``logits.sort``)."""
+    capture_sizes: str
+    """The default CUDA-graph capture rule: ``0.33`` (:func:`cudagraph_capture_sizes`),
+    ``0.11`` (``vllm/config/__init__.py: VllmConfig._set_cudagraph_sizes``: 1, 2, 4 and every 8
+    up to ``min(2 x max_num_seqs, 512)``, at most ``max_num_batched_tokens``) or ``v0``
+    (``vllm/config.py: VllmConfig._set_cudagraph_sizes``: 1, 2, 4 and every 8 up to the first
+    such size >= ``max_num_seqs``; whole-model decode graphs)."""
+    cuda_graphs_in_budget: bool
+    """Whether ``determine_available_memory`` subtracts a CUDA-graph estimate (from v0.21,
+    ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``). Before, graphs were captured after the KV
+    pool was allocated (``compile_or_warm_up_model``; V0's ``capture_model``) and had to fit in
+    ``(1 - util) x total``: the budget shows them but does not subtract them."""
+
+
+ENGINE_VERSIONS: dict[str, EngineVersion] = {
+    "0.33.0": EngineVersion(version="0.33.0", runner="V1", sampler="triton",
+                            capture_sizes="0.33", cuda_graphs_in_budget=True),
+    "0.11.0": EngineVersion(version="0.11.0", runner="V1", sampler="sort",
+                            capture_sizes="0.11", cuda_graphs_in_budget=False),
+    "0.7.3": EngineVersion(version="0.7.3", runner="V0", sampler="sort", capture_sizes="v0",
+                           cuda_graphs_in_budget=False),
+    "0.6.4.post1": EngineVersion(version="0.6.4.post1", runner="V0", sampler="sort",
+                                 capture_sizes="v0", cuda_graphs_in_budget=False),
+}
+"""The vLLM releases memfit models (``--engine-version``)."""
+
+
+def engine_version(version: str | EngineVersion = DEFAULT_ENGINE_VERSION) -> EngineVersion:
+    """The :class:`EngineVersion` of ``version``; any other release is refused (one line).
+
+    >>> engine_version("0.11.0").sampler
+    'sort'
+    """
+    if isinstance(version, EngineVersion):
+        return version
+    spec = ENGINE_VERSIONS.get(str(version).strip().removeprefix("v"))
+    if spec is None:
+        raise MemfitError(f"--engine-version {version!r} is not modelled; memfit models vLLM "
+                          f"{', '.join(ENGINE_VERSIONS)} (pass the nearest one)")
+    return spec
+
+
 def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, *,
-                            blackwell: bool = False) -> list[int]:
+                            blackwell: bool = False, rule: str = "0.33") -> list[int]:
     """The default ``cudagraph_capture_sizes`` (``_set_cudagraph_sizes``, no speculative
     decoding so the decode query length is 1): the ceiling is ``min(2 x max_num_seqs, 512)``
     (1024 on data-centre Blackwell, capability family 100), then at most
@@ -115,7 +176,26 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, *,
     (51, 512)
     >>> cudagraph_capture_sizes(3, 8192)
     [1, 2, 3, 4]
+
+    ``rule`` picks an older release's list (:attr:`EngineVersion.capture_sizes`): ``0.11``,
+    1, 2, 4 and every 8 up to ``min(2 x max_num_seqs, 512)``, at most
+    ``max_num_batched_tokens``; ``v0``, 1, 2, 4 and every 8 up to the first such size
+    ``>= max_num_seqs``.
+
+    >>> len(cudagraph_capture_sizes(1024, 8192, rule="0.11"))
+    67
+    >>> cudagraph_capture_sizes(256, 2048, rule="v0")[-1]
+    256
     """
+    if rule == "0.11":
+        ceiling = min(max_num_seqs * 2, 512, max_num_batched_tokens)
+        return [s for s in (1, 2, 4) if s <= ceiling] + list(range(8, ceiling + 1, 8))
+    if rule == "v0":
+        possible = [1, 2, 4] + [8 * i for i in range(1, 1025)]
+        top = next((s for s in possible if s >= max_num_seqs), possible[-1])
+        return [s for s in possible if s <= top]
+    if rule != "0.33":
+        raise MemfitError(f"unknown capture-size rule {rule!r}: 0.33, 0.11 or v0")
     ceiling = min(max_num_seqs * 2, 1024 if blackwell else 512)
     uniform_decode = [max_num_seqs] if max_num_seqs <= ceiling else []
     ceiling = min(max_num_batched_tokens, ceiling)
@@ -130,13 +210,18 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, *,
     return sorted(set(sizes))
 
 
-def cudagraph_counts(sizes: list[int], max_num_seqs: int) -> dict[str, int]:
+def cudagraph_counts(sizes: list[int], max_num_seqs: int, *,
+                     rule: str = "0.33") -> dict[str, int]:
     """Graphs per mode under 0.33's default ``FULL_AND_PIECEWISE`` (optimization level O2,
     ``vllm/config/vllm.py: OPTIMIZATION_LEVEL_02``): a PIECEWISE graph for every size, a FULL
     graph for every size up to ``max_num_seqs`` (Model Runner V2:
     ``vllm/v1/worker/gpu/cudagraph_utils.py: CudaGraphManager._init_candidates``; V1:
-    ``vllm/v1/cudagraph_dispatcher.py: initialize_cudagraph_keys``). An attention backend
-    without full-graph support downgrades the mode; not modelled."""
+    ``vllm/v1/cudagraph_dispatcher.py: initialize_cudagraph_keys``). 0.11's default mode is the
+    same (``vllm/config/__init__.py: VllmConfig.__post_init__``, the same dispatcher rule); V0
+    (``rule="v0"``) captures one whole-model decode graph per size, counted as FULL. An
+    attention backend without full-graph support downgrades the mode; not modelled."""
+    if rule == "v0":
+        return {"PIECEWISE": 0, "FULL": len(sizes)}
     return {"PIECEWISE": len(sizes), "FULL": len([s for s in sizes if s <= max_num_seqs])}
 
 
@@ -154,7 +239,8 @@ def _mlp_width(config: Mapping[str, Any], tp: int) -> tuple[int, int, int]:
 
 def cudagraph_estimate_bytes(config: Mapping[str, Any], *, sizes: list[int], max_num_seqs: int,
                              tp: int, dtype_bytes: int,
-                             per_graph: int = CUDA_GRAPH_PER_GRAPH_BYTES) -> int:
+                             per_graph: int = CUDA_GRAPH_PER_GRAPH_BYTES,
+                             rule: str = "0.33") -> int:
     """Estimate of what ``profile_cudagraph_memory`` returns under Model Runner V2: the first
     (largest) capture sets the throwaway pool's baseline, and every further graph, PIECEWISE
     or FULL (they share the pool), adds ``per_graph``: ``first + per_graph x (graphs - 1)``.
@@ -167,7 +253,7 @@ def cudagraph_estimate_bytes(config: Mapping[str, Any], *, sizes: list[int], max
         return 0
     hidden, inter, _ = _mlp_width(config, tp)
     first = max(sizes) * (hidden + 2 * inter) * dtype_bytes
-    graphs = sum(cudagraph_counts(sizes, max_num_seqs).values())
+    graphs = sum(cudagraph_counts(sizes, max_num_seqs, rule=rule).values())
     return first + per_graph * (graphs - 1)
 
 
@@ -225,6 +311,11 @@ class Budget:
     multimodal: Any = None
     """A vision-language model's encoder share (``memfit.serving.multimodal.MultimodalBudget``:
     its weights are in ``weights_parts``, its profile in ``activation_peak_bytes``), else None."""
+    engine_version: str = DEFAULT_ENGINE_VERSION
+    cuda_graphs_in_budget: bool = True
+    """Whether the engine version subtracts the CUDA-graph estimate from the KV budget (from
+    v0.21; :attr:`EngineVersion.cuda_graphs_in_budget`). When not, ``cuda_graph_bytes`` is what
+    the capture will take after the KV pool is allocated, out of ``(1 - util) x total``."""
 
     @property
     def non_kv_bytes(self) -> int:
@@ -234,7 +325,11 @@ class Budget:
     def kv_cache_bytes(self) -> int:
         """``requested - non_kv_cache_memory - cudagraph_estimate`` (may be negative: vLLM
         then raises "No available memory for the cache blocks")."""
-        return self.requested_bytes - self.non_kv_bytes - self.cuda_graph_bytes
+        return self.requested_bytes - self.non_kv_bytes - self._graphs_subtracted
+
+    @property
+    def _graphs_subtracted(self) -> int:
+        return self.cuda_graph_bytes if self.cuda_graphs_in_budget else 0
 
     @property
     def baseline_bytes(self) -> int:
@@ -258,11 +353,11 @@ class Budget:
         memory, and, with graphs, the utilization they are worth
         (``determine_available_memory``: ``round(util -/+ estimate / total, 4)``)."""
         lines = [] if self.multimodal is None else [self.multimodal.log_line]
-        if self.cuda_graph_bytes:
+        if self._graphs_subtracted:
             lines.append(f"Estimated CUDA graph memory: {self.cuda_graph_bytes / GiB:.2f} "
                          "GiB total")
         lines.append(self.log_line)
-        if self.cuda_graph_bytes:
+        if self._graphs_subtracted:
             util = self.gpu_memory_utilization
             delta = self.cuda_graph_bytes / self.total_bytes
             lines.append(
@@ -276,5 +371,5 @@ class Budget:
     def utilization_for(self, kv_bytes: int) -> float:
         """The smallest ``--gpu-memory-utilization`` (4 decimals, rounded up) that leaves
         ``kv_bytes`` for the KV cache with the same non-KV terms."""
-        need = kv_bytes + self.non_kv_bytes + self.cuda_graph_bytes
+        need = kv_bytes + self.non_kv_bytes + self._graphs_subtracted
         return math.ceil(need / self.total_bytes * 10_000) / 10_000

@@ -18,6 +18,7 @@ from typing import Any
 
 from memfit.errors import MemfitError, read_json_file
 from memfit.serving.budget import Budget, default_batch_limits, requested_memory
+from memfit.serving.budget import engine_version as engine_version_spec
 from memfit.serving.kv_spec import (
     LayerKV,
     kv_spec,
@@ -221,7 +222,7 @@ class ServePlan:
                     "refuses to start (vllm/v1/worker/utils.py: request_memory); lower it")
         if b.kv_cache_bytes <= 0:
             return (f"weights, activation peak, memory outside torch and CUDA graphs "
-                    f"({b.non_kv_bytes + b.cuda_graph_bytes:,} B) exceed the "
+                    f"({b.requested_bytes - b.kv_cache_bytes:,} B) exceed the "
                     f"{b.requested_bytes:,} B budget: vLLM raises 'No available memory for the "
                     "cache blocks'; raise --gpu-memory-utilization, quantize, or add --tp")
         return None
@@ -270,6 +271,7 @@ class ServePlan:
             "activation_source": b.activation_source,
             "non_torch_bytes": b.non_torch_bytes, "cuda_graph_bytes": b.cuda_graph_bytes,
             "cuda_graphs": dict(b.cuda_graph_counts),
+            "cuda_graphs_in_budget": b.cuda_graphs_in_budget,
             "baseline_bytes": b.baseline_bytes, "baseline_parts": dict(b.baseline_parts),
             "available_kv_log_line": b.log_line, "budget_log_lines": b.log_lines,
             "concurrency": self.concurrency,
@@ -316,7 +318,8 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
                concurrency: int | None = None,
                async_scheduling: bool = True, prefix_caching: bool = True,
                max_images: int | None = None, max_videos: int | None = None,
-               max_pixels: int | None = None) -> ServePlan:
+               max_pixels: int | None = None,
+               engine_version: str = VLLM_VERSION) -> ServePlan:
     """vLLM's KV pool for ``model`` on each GPU of the TP group: from ``kv_cache_memory``
     bytes (vLLM's ``--kv-cache-memory``: no profile run), else from ``gpu``'s memory and
     ``gpu_memory_utilization`` less the startup budget (:func:`startup_budget`).
@@ -335,7 +338,13 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
     align_hybrid_block_size`), so ``block_size`` in the plan may exceed the one given.
     ``max_images`` / ``max_videos`` / ``max_pixels`` size a vision-language model's encoder
     (:mod:`memfit.serving.multimodal`). Bad input raises MemfitError (one line).
+
+    ``engine_version`` (``--engine-version``; :data:`memfit.serving.budget.ENGINE_VERSIONS`,
+    others refused) picks the startup budget's version rules: the profile run's sampler, the
+    CUDA-graph capture sizes and whether the graphs are subtracted. The KV-cache arithmetic
+    is 0.33's in every version.
     """
+    version = engine_version_spec(engine_version).version
     if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or not isinstance(
             kv_cache_memory, int) or kv_cache_memory < 0):
         raise MemfitError(f"--kv-cache-memory must be a number of bytes >= 0, got "
@@ -413,13 +422,14 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
             max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
             activation_peak_bytes=activation_peak_bytes, cuda_graph_bytes=cuda_graph_bytes,
             max_model_len=max_model_len, max_images=max_images, max_videos=max_videos,
-            max_pixels=max_pixels)
+            max_pixels=max_pixels,
+            engine_version=version)
         kv_cache_memory = max(budget.kv_cache_bytes, 0)
     blocks = num_gpu_blocks(groups, kv_cache_memory)
     in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens
     most = max_concurrency(groups, blocks, max_model_len, max_in_flight_tokens=in_flight)
     return ServePlan(
-        engine="vllm", engine_version=VLLM_VERSION, model=name, tp=tp,
+        engine="vllm", engine_version=version, model=name, tp=tp,
         kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, max_in_flight_tokens=in_flight,
         kv_cache_bytes=kv_cache_memory, layers=tuple(layers), groups=tuple(groups),

@@ -60,6 +60,11 @@ max_num_seqs)`` rows and the vocabulary ``V`` (padded to 64 for the LM head's ou
 The profile run's peak is the larger of the forward's and the sampler phase's (the forward's
 activations are freed before the sampler runs, except the final hidden states).
 
+Other releases (``engine_version``, :data:`memfit.serving.budget.ENGINE_VERSIONS`): vLLM 0.11.0
+and V0 (0.6.4.post1, 0.7.3) run the same forward (vLLM's fused layers, eager, attention writing
+only its output) and a sampler that sorts the vocabulary (:func:`_sort_sampler_peak`: 38 bytes
+a logit inside ``logits.sort``), which sets the peak at their default 256 or 1,024 sequences.
+
 Known limitations: the transformers sub-blocks keep a few temporaries vLLM's compiled code fuses
 (rotary embedding's copies of Q and K; ``torch.compile`` also frees the normed input after the
 first GEMM, which the two-tensor stream keeps): an overestimate of at most ``tokens × hidden``
@@ -74,12 +79,16 @@ outside the activations.
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.serving.budget import DEFAULT_ENGINE_VERSION, EngineVersion
+from memfit.serving.budget import engine_version as engine_version_spec
 from memfit.serving.kv_spec import _check_tp_heads, _divide, text_config
 
 __all__ = ["DEFAULT_NUM_SMS", "ProfilePeak", "SamplerPeak", "profile_activation_peak",
@@ -142,12 +151,22 @@ class SamplerPeak:
     gather_bytes: int
     """Under TP, the all-gather of the logits at its highest point (this rank's shard, the
     gathered buffer and its reshaped copy); 0 at ``tp == 1``."""
+    sort_bytes: int = 0
+    """The sort-based path only (``sampler == "sort"``): ``logits.sort`` at its highest point,
+    inside PyTorch's ``segmented_sort_pairs`` (``aten/src/ATen/native/cuda/Sort.cu``): the sorted
+    values (float32) and indices (int64), the iota of source indices it sorts alongside (int64)
+    and CUB's ``DeviceSegmentedRadixSort::SortPairs`` temporary storage, which holds the
+    alternate keys and values buffers (float32 + int64): 4 + 8 + 8 + 12 = 32 bytes a logit."""
+    engine_version: str = "0.33.0"
+    sampler: str = "triton"
+    """The code path modelled: ``triton`` (0.33) or ``sort`` (0.11, V0)."""
 
     @property
     def sampler_bytes(self) -> int:
-        """The sampler's own tensors at its highest point (``random_sample``'s noise)."""
+        """The sampler's own tensors at its highest point (0.33: ``random_sample``'s noise; the
+        sort-based path: inside ``logits.sort``)."""
         return (self.logits_bytes + self.float32_logits_bytes + self.topk_buffer_bytes
-                + self.probs_bytes + self.noise_bytes + self.small_bytes)
+                + self.probs_bytes + self.noise_bytes + self.small_bytes + self.sort_bytes)
 
     @property
     def peak_bytes(self) -> int:
@@ -157,8 +176,12 @@ class SamplerPeak:
 
 def sampler_peak(*, vocab_size: int, hidden_size: int, max_num_batched_tokens: int,
                  max_num_seqs: int, tp: int = 1, dtype_bytes: int = 2,
-                 num_sms: int = DEFAULT_NUM_SMS) -> SamplerPeak:
-    """The sampler phase of vLLM 0.33's profile run, from its code (no torch).
+                 num_sms: int = DEFAULT_NUM_SMS,
+                 engine_version: str | EngineVersion = DEFAULT_ENGINE_VERSION) -> SamplerPeak:
+    """The sampler phase of a vLLM release's profile run, from its code (no torch);
+    ``engine_version`` picks the release (:data:`memfit.serving.budget.ENGINE_VERSIONS`).
+    0.33.0 (the default) is described here; 0.11.0 and V0 (0.6.4.post1, 0.7.3) in
+    :func:`_sort_sampler_peak`.
 
     ``_dummy_run`` makes ``R = min(tokens, max_num_seqs)`` requests and returns the hidden
     states ``(tokens, hidden)`` and their ``R`` last-token rows; ``_dummy_sampler_run`` takes
@@ -187,15 +210,20 @@ def sampler_peak(*, vocab_size: int, hidden_size: int, max_num_batched_tokens: i
                         ("dtype_bytes", dtype_bytes), ("num_sms", num_sms)):
         if value < 1:
             raise MemfitError(f"{name} must be a positive integer, got {value}")
+    version = engine_version_spec(engine_version)
     tokens = max_num_batched_tokens
     rows = min(tokens, max_num_seqs)  # gpu_model_runner.py: _dummy_run, num_reqs
     padded = -(-vocab_size // _VOCAB_PADDING) * _VOCAB_PADDING
-    held = (_blocks(tokens * hidden_size * dtype_bytes)
-            + 2 * _blocks(rows * hidden_size * dtype_bytes))
     logits = _blocks(rows * padded * dtype_bytes)
     gather = 0
     if tp > 1:
         gather = _blocks(rows * (padded // tp) * dtype_bytes) + 2 * logits
+    if version.sampler == "sort":
+        return _sort_sampler_peak(version, vocab_size=vocab_size, hidden_size=hidden_size,
+                                  tokens=tokens, rows=rows, logits=logits, gather=gather,
+                                  dtype_bytes=dtype_bytes)
+    held = (_blocks(tokens * hidden_size * dtype_bytes)
+            + 2 * _blocks(rows * hidden_size * dtype_bytes))
     fp32 = _blocks(rows * vocab_size * 4)
     programs = min(num_sms, rows)
     buffer = _blocks(min(_next_power_of_2(programs), num_sms) * vocab_size * 4)
@@ -206,7 +234,56 @@ def sampler_peak(*, vocab_size: int, hidden_size: int, max_num_batched_tokens: i
     small = 5 * _blocks(rows * 4) + _blocks(rows * 8) + _blocks(rows * 8)
     return SamplerPeak(rows=rows, held_bytes=held, logits_bytes=logits,
                        float32_logits_bytes=fp32, topk_buffer_bytes=buffer, probs_bytes=fp32,
-                       noise_bytes=fp32, small_bytes=small, gather_bytes=gather)
+                       noise_bytes=fp32, small_bytes=small, gather_bytes=gather,
+                       engine_version=version.version, sampler=version.sampler)
+
+
+def _sort_sampler_peak(version: EngineVersion, *, vocab_size: int, hidden_size: int,
+                       tokens: int, rows: int, logits: int, gather: int,
+                       dtype_bytes: int) -> SamplerPeak:
+    """The sampler phase where top-k/top-p sorts the vocabulary: vLLM 0.11.0's V1 sampler and
+    the V0 sampler (0.6.4.post1, 0.7.3). Both dummy samplings ask for top-k = V − 1 and a top-p
+    below 1 (0.11: ``gpu_model_runner.py: _dummy_sampler_run``, top-p 0.9; V0:
+    ``worker/model_runner.py: _dummy_run``, ``SamplingParams(top_p=0.99, top_k=vocab - 1)``), no
+    logprobs, no min-p, no penalties, so both reach ``apply_top_k_top_p`` (0.11:
+    ``v1/sample/ops/topk_topp_sampler.py``; V0: ``layers/sampler.py: _apply_top_k_top_p``),
+    whose first line is ``logits.sort(dim=-1)`` on the float32 logits; every later step there
+    (masks, softmax, cumsum, the scatter back) holds less than the sort, and so does what
+    follows (the softmax, V0's log-softmax, the exponential noise).
+
+    0.11 takes that path in ``TopKTopPSampler.forward_native``, which it uses when FlashInfer is
+    not importable (``pip install vllm`` does not install it: it is the ``flashinfer`` extra) or
+    ``VLLM_USE_FLASHINFER_SAMPLER=0``; with FlashInfer (``forward_cuda``:
+    ``top_k_top_p_sampling_from_logits``, no sort) the phase is lower. V0 uses FlashInfer only
+    with ``VLLM_USE_FLASHINFER_SAMPLER=1``.
+
+    Alive inside the sort, on ``R = min(tokens, max_num_seqs)`` rows:
+
+    - held by the caller: the forward's hidden states of every token (``tokens x hidden``);
+      0.11 also the ``R`` last-token rows and their ``torch.rand_like`` (``2 x R x hidden``);
+    - the logits in the model dtype over the padded vocabulary (the LM head's output; the
+      ``[..., :vocab]`` slice keeps it whole);
+    - ``logits.to(torch.float32)`` over the vocabulary (``R x V x 4``; the temperature divides
+      it in place);
+    - the sort: :attr:`SamplerPeak.sort_bytes`, ``R x V x 32``;
+    - small: 0.11's dummy ``SamplingMetadata`` (temperature, top-p and three penalties float32,
+      top-k int64) and the greedy ids (``argmax``, int64); V0's ``SamplingTensors`` (six in the
+      model dtype, top-k int32).
+    """
+    elements = rows * vocab_size
+    fp32 = _blocks(elements * 4)
+    sort = (_blocks(elements * 4) + _blocks(elements * 8) + _blocks(elements * 8)
+            + _blocks(elements * (4 + 8)))
+    held = _blocks(tokens * hidden_size * dtype_bytes)
+    if version.runner == "V1":
+        held += 2 * _blocks(rows * hidden_size * dtype_bytes)
+        small = 5 * _blocks(rows * 4) + _blocks(rows * 8) + _blocks(rows * 8)
+    else:
+        small = 6 * _blocks(rows * dtype_bytes) + _blocks(rows * 4)
+    return SamplerPeak(rows=rows, held_bytes=held, logits_bytes=logits,
+                       float32_logits_bytes=fp32, topk_buffer_bytes=0, probs_bytes=0,
+                       noise_bytes=0, small_bytes=small, gather_bytes=gather, sort_bytes=sort,
+                       engine_version=version.version, sampler=version.sampler)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +317,8 @@ class ProfilePeak:
     tp: int
     trace_seconds: float
     notes: tuple[str, ...] = field(default=())
+    engine_version: str = DEFAULT_ENGINE_VERSION
+    """The vLLM release whose profile run this is (the sampler phase's code path)."""
 
     @property
     def sampler_peak_bytes(self) -> int:
@@ -413,16 +492,73 @@ def _sub_block_transients(timeline: Any, layer_names: set[str], runtime_index: i
     return out
 
 
+@dataclass(frozen=True)
+class _ForwardTrace:
+    """What one trace of the forward gives (cached per config, tokens, tp and dtype)."""
+
+    blocks: tuple[tuple[str, int, bool], ...]
+    stream: int
+    plain: int
+    seconds: float
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_trace(config_json: str, max_num_batched_tokens: int, tp: int,
+                   dtype_bytes: int) -> _ForwardTrace:
+    """Trace the forward of ``config_json`` (a ``config.json`` dict, JSON-encoded so that it
+    hashes) once per ``(config, tokens, tp, dtype)``: the trace does not depend on the sampler,
+    the engine version or ``max_num_seqs``, and a bench of many logs of one model reuses it."""
+    import torch
+
+    from memfit.categories import MemoryCategory
+    from memfit.ledger import CATEGORIES
+    from memfit.trace import estimate
+
+    config = json.loads(config_json)
+    started = time.perf_counter()
+    cfg = _engine_config(config, tp)
+    dtype = _torch_dtype(config, dtype_bytes)
+    hidden = int(cfg["hidden_size"])
+    num_layers = int(cfg["num_hidden_layers"])
+    model = _build(cfg, dtype)
+    prefix, layers = _decoder_layers(model, num_layers)
+    _mark_sub_blocks(layers)
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    ids = torch.zeros(1, max_num_batched_tokens, dtype=torch.long, device="meta")
+    est = estimate(model, {"input_ids": ids}, optimizer=None, precision=precision,
+                   device="cuda", steps=1)
+    blocks = _sub_block_transients(est.timeline, {f"{prefix}.{i}" for i in range(num_layers)},
+                                   CATEGORIES.index(MemoryCategory.RUNTIME))
+    if not any(not norm for _, norm in blocks.values()):
+        raise MemfitError(f"{type(model).__name__}: no decoder sub-block was seen in the trace; "
+                          "its profile-run peak cannot be traced")
+    stream = 2 * _blocks(max_num_batched_tokens * hidden * dtype.itemsize)
+    in_allocator = sum(v for k, v in est.runtime.items() if k in est.runtime_in_allocator)
+    plain = est.peak_bytes - est.breakdown[MemoryCategory.WEIGHTS] - in_allocator
+    return _ForwardTrace(blocks=tuple((k, v, norm) for k, (v, norm) in blocks.items()),
+                         stream=stream, plain=plain, seconds=time.perf_counter() - started)
+
+
 def profile_activation_peak(config: Mapping[str, Any], *, max_num_batched_tokens: int,
                             max_num_seqs: int, tp: int = 1, dtype_bytes: int = 2,
-                            num_sms: int = DEFAULT_NUM_SMS) -> ProfilePeak:
-    """The activation peak of vLLM 0.33's profile run on one GPU of a ``tp`` group, traced on
-    the transformers module of ``config`` (a ``config.json`` dict) at the engine's dummy batch:
-    ``max_num_batched_tokens`` prefill tokens, the sampler over ``max_num_seqs`` rows. See the
-    module docstring for what is traced and why.
+                            num_sms: int = DEFAULT_NUM_SMS,
+                            engine_version: str | EngineVersion = DEFAULT_ENGINE_VERSION,
+                            ) -> ProfilePeak:
+    """The activation peak of a vLLM release's profile run (0.33.0 by default; see
+    ``engine_version`` below) on one GPU of a ``tp`` group, traced on the transformers module of
+    ``config`` (a ``config.json`` dict) at the engine's dummy batch: ``max_num_batched_tokens``
+    prefill tokens, the sampler over ``max_num_seqs`` rows. See the module docstring for what is
+    traced and why.
 
     ``num_sms``: the GPU's streaming multiprocessors (132 on an H100 SXM or H200, 108 on an
-    A100), the rows of the sampler's Triton buffer.
+    A100), the rows of the sampler's Triton buffer (0.33 only).
+
+    ``engine_version``: a release of :data:`memfit.serving.budget.ENGINE_VERSIONS`; it picks
+    the sampler phase (:func:`sampler_peak`). The forward is the same model in each (vLLM's
+    fused layers, eager in the profile run); others are refused (one line).
+
+    The forward's trace is cached per ``(config, tokens, tp, dtype)``; ``trace_seconds`` is the
+    first trace's.
 
     >>> cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 256,
     ...        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000}
@@ -434,11 +570,11 @@ def profile_activation_peak(config: Mapping[str, Any], *, max_num_batched_tokens
                         ("max_num_seqs", max_num_seqs), ("tp", tp)):
         if value < 1:
             raise MemfitError(f"{name} must be a positive integer, got {value}")
-    cfg = _engine_config(config, tp)
-    dtype = _torch_dtype(config, dtype_bytes)
+    version = engine_version_spec(engine_version)
+    cfg = _engine_config(config, tp)  # refuses an incomplete config before any trace
+    dtype_size = 4 if dtype_bytes == 4 else _torch_dtype(config, dtype_bytes).itemsize
     hidden = int(cfg["hidden_size"])
     vocab = int(cfg["vocab_size"])
-    num_layers = int(cfg["num_hidden_layers"])
     notes: list[str] = []
     full = text_config(config)
     if any(full.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
@@ -451,37 +587,19 @@ def profile_activation_peak(config: Mapping[str, Any], *, max_num_batched_tokens
                                             "ssm_state_size")):
         notes.append("MLA / Mamba / linear-attention widths traced undivided by tp")
 
-    import torch
-
-    from memfit.categories import MemoryCategory
-    from memfit.ledger import CATEGORIES
-    from memfit.trace import estimate
-
-    started = time.perf_counter()
-    model = _build(cfg, dtype)
-    prefix, layers = _decoder_layers(model, num_layers)
-    _mark_sub_blocks(layers)
-    precision = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    ids = torch.zeros(1, max_num_batched_tokens, dtype=torch.long, device="meta")
-    est = estimate(model, {"input_ids": ids}, optimizer=None, precision=precision,
-                   device="cuda", steps=1)
-    blocks = _sub_block_transients(est.timeline, {f"{prefix}.{i}" for i in range(num_layers)},
-                                   CATEGORIES.index(MemoryCategory.RUNTIME))
-    candidates = {k: v for k, (v, norm) in blocks.items() if not norm}
-    if not candidates:
-        raise MemfitError(f"{type(model).__name__}: no decoder sub-block was seen in the trace; "
-                          "its profile-run peak cannot be traced")
+    trace = _forward_trace(json.dumps(config, sort_keys=True, default=str),
+                           max_num_batched_tokens, tp, dtype_bytes)
+    candidates = {k: v for k, v, norm in trace.blocks if not norm}
     peak_block = max(candidates, key=lambda k: candidates[k])
-    stream = 2 * _blocks(max_num_batched_tokens * hidden * dtype.itemsize)
-    forward = stream + candidates[peak_block]
+    forward = trace.stream + candidates[peak_block]
     sampler = sampler_peak(vocab_size=vocab, hidden_size=hidden,
                            max_num_batched_tokens=max_num_batched_tokens,
-                           max_num_seqs=max_num_seqs, tp=tp, dtype_bytes=dtype.itemsize,
-                           num_sms=num_sms)
-    in_allocator = sum(v for k, v in est.runtime.items() if k in est.runtime_in_allocator)
-    plain = est.peak_bytes - est.breakdown[MemoryCategory.WEIGHTS] - in_allocator
+                           max_num_seqs=max_num_seqs, tp=tp, dtype_bytes=dtype_size,
+                           num_sms=num_sms, engine_version=version)
     return ProfilePeak(total_bytes=max(forward, sampler.peak_bytes), forward_peak_bytes=forward,
-                       stream_bytes=stream, block_bytes={k: v for k, (v, _) in blocks.items()},
-                       peak_block=peak_block, sampler=sampler, transformers_forward_bytes=plain,
+                       stream_bytes=trace.stream, block_bytes={k: v for k, v, _ in trace.blocks},
+                       peak_block=peak_block, sampler=sampler,
+                       transformers_forward_bytes=trace.plain,
                        num_tokens=max_num_batched_tokens, tp=tp,
-                       trace_seconds=time.perf_counter() - started, notes=tuple(notes))
+                       trace_seconds=trace.seconds, notes=tuple(notes),
+                       engine_version=version.version)

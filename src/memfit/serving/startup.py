@@ -14,6 +14,7 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.models.checkpoint import tensor_entries
 from memfit.serving.budget import (
+    DEFAULT_ENGINE_VERSION,
     NON_TORCH_INCREASE_BYTES,
     Budget,
     cudagraph_capture_sizes,
@@ -22,6 +23,7 @@ from memfit.serving.budget import (
     placeholder_activation_peak,
     requested_memory,
 )
+from memfit.serving.budget import engine_version as engine_version_spec
 from memfit.serving.kv_spec import model_dtype_bytes
 from memfit.serving.multimodal import (
     DYNAMIC_RESOLUTION,
@@ -57,16 +59,18 @@ def _checkpoint_quant(config: Mapping[str, Any]) -> str | None:
     return _QUANT_METHODS[method]
 
 
-def _activation_peak(config: Mapping[str, Any], **kw: int) -> tuple[int, str]:
-    """The traced profile run (``memfit.serving.profile_run``) when installed, else the
-    temporary placeholder."""
+def _activation_peak(config: Mapping[str, Any], engine_version: str, **kw: int
+                     ) -> tuple[int, str]:
+    """The traced profile run (``memfit.serving.profile_run``) of ``engine_version`` when
+    installed, else the temporary placeholder."""
     import importlib
 
     try:
         module = importlib.import_module("memfit.serving.profile_run")
     except ImportError:
         return placeholder_activation_peak(config, **kw), "placeholder"
-    return int(module.profile_activation_peak(config, **kw)), "profile_run"
+    return int(module.profile_activation_peak(config, engine_version=engine_version, **kw)), \
+        "profile_run"
 
 
 def model_folder(model: str | Path | Mapping[str, Any]) -> Path | None:
@@ -132,16 +136,21 @@ def startup_budget(model: str | Path | Mapping[str, Any], config: Mapping[str, A
                    activation_peak_bytes: int | None = None,
                    cuda_graph_bytes: int | None = None, max_model_len: int | None = None,
                    max_images: int | None = None, max_videos: int | None = None,
-                   max_pixels: int | None = None) -> Budget:
-    """vLLM 0.33.0's startup budget on one GPU (a ``GpuSpec``) of the TP group: the weights
+                   max_pixels: int | None = None,
+                   engine_version: str = DEFAULT_ENGINE_VERSION) -> Budget:
+    """vLLM's startup budget (``engine_version``, 0.33.0 by default: :data:`memfit.serving.
+    budget.ENGINE_VERSIONS`) on one GPU (a ``GpuSpec``) of the TP group: the weights
     (:mod:`memfit.serving.weights`: a folder's safetensors headers, else the config's shapes),
-    the profile run's activation peak (``activation_peak_bytes`` if given), memory outside
-    torch, the CUDA-graph estimate (``cuda_graph_bytes`` if given; 0 with ``enforce_eager``)
-    and the baseline (CUDA context, NCCL, cuBLAS: ``memfit.runtime``). A vision-language
-    model adds its vision tower to the weights and its encoder to the profile run
-    (:mod:`memfit.serving.multimodal`; ``max_images``, ``max_videos``, ``max_pixels``)."""
+    the profile run's activation peak (``activation_peak_bytes`` if given; the version's
+    sampler), memory outside torch, the CUDA-graph estimate at the version's capture sizes
+    (``cuda_graph_bytes`` if given; 0 with ``enforce_eager``; subtracted from the KV budget from
+    0.21 only) and the baseline (CUDA context, NCCL, cuBLAS: ``memfit.runtime``).
+    A vision-language model adds its vision tower to the weights and its encoder to the
+    profile run (:mod:`memfit.serving.multimodal`; ``max_images``, ``max_videos``,
+    ``max_pixels``)."""
     from memfit.runtime import compute_capability_for
 
+    version = engine_version_spec(engine_version)
     dtype_bytes = model_dtype_bytes(config)
     weights = startup_weights(model, config, gpu=gpu, tp=tp, quant=quant)
     kw = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
@@ -159,14 +168,15 @@ def startup_budget(model: str | Path | Mapping[str, Any], config: Mapping[str, A
     if activation_peak_bytes is not None:
         activation, activation_source = activation_peak_bytes, "given"
     else:
-        activation, activation_source = _activation_peak(config, **kw)
+        activation, activation_source = _activation_peak(config, version.version, **kw)
         if mm is not None:  # the encoder's outputs stay cached through the decoder's run
             activation = mm.profile_peak(activation)
     arch = gpu.compute_capability or compute_capability_for(gpu.name)
+    rule = version.capture_sizes
     sizes = [] if enforce_eager else cudagraph_capture_sizes(
-        max_num_seqs, max_num_batched_tokens, blackwell=arch.startswith("10."))
+        max_num_seqs, max_num_batched_tokens, blackwell=arch.startswith("10."), rule=rule)
     graphs = cudagraph_estimate_bytes(config, sizes=sizes, max_num_seqs=max_num_seqs, tp=tp,
-                                      dtype_bytes=dtype_bytes) \
+                                      dtype_bytes=dtype_bytes, rule=rule) \
         if cuda_graph_bytes is None else (0 if enforce_eager else cuda_graph_bytes)
     baseline = baseline_parts(gpu, tp)
     return Budget(
@@ -176,6 +186,8 @@ def startup_budget(model: str | Path | Mapping[str, Any], config: Mapping[str, A
         weights_bytes=weights.total, weights_parts=weights.parts,
         activation_peak_bytes=activation, activation_source=activation_source,
         non_torch_bytes=NON_TORCH_INCREASE_BYTES, cuda_graph_bytes=graphs,
-        cuda_graph_counts=cudagraph_counts(sizes, max_num_seqs), baseline_parts=baseline,
+        cuda_graph_counts=cudagraph_counts(sizes, max_num_seqs, rule=rule),
+        baseline_parts=baseline, engine_version=version.version,
+        cuda_graphs_in_budget=version.cuda_graphs_in_budget,
         multimodal=mm)
 
