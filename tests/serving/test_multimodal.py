@@ -137,7 +137,7 @@ def test_startup_budget_adds_the_tower_and_the_encoder(monkeypatch) -> None:
     from memfit.serving import startup
 
     decoder = 3 * 2**20
-    monkeypatch.setattr(startup, "_activation_peak", lambda config, **kw: (decoder,
+    monkeypatch.setattr(startup, "_activation_peak", lambda config, version, **kw: (decoder,
                                                                           "profile_run"))
     config = {**QWEN25, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1000}
