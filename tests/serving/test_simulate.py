@@ -8,6 +8,7 @@ the bandwidth; KV bytes 0, FLOPs negligible), so a time is a step count.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -164,7 +165,7 @@ def test_poisson_requests_seeded():
                                  lengths="lognormal", spread=0.5, seed=3)
     assert a != poisson_requests(200, 4.0, prompt_tokens=100, output_tokens=50,
                                  lengths="lognormal", spread=0.5, seed=4)
-    gaps = [b.arrival_time - x.arrival_time for x, b in zip(a, a[1:], strict=False)]
+    gaps = [b.arrival_time - x.arrival_time for x, b in itertools.pairwise(a)]
     assert 0.15 < sum(gaps) / len(gaps) < 0.35  # mean gap 1 / qps = 0.25 s
     assert 80 < sum(r.prompt_tokens for r in a) / len(a) < 120
     u = poisson_requests(50, math.inf, prompt_tokens=100, output_tokens=10, lengths="uniform",

@@ -132,7 +132,7 @@ def render(out: dict[str, Any], model: str, gpu: str) -> None:
     con = console()
     con.print(f"{model} on {gpu}: {out['num_gpu_blocks']:,} KV blocks of {out['block_size']} "
               f"tokens, max_num_seqs {out['max_num_seqs']}, max_num_batched_tokens "
-              f"{out['max_num_batched_tokens']:,} (vLLM {out['rules']}; prefix caching off)")
+              f"{out['max_num_batched_tokens']:,} (rules: {out['rules']}; prefix caching off)")
     runs = [r for r in (out["continuous"], out["static"]) if r is not None]
     table = Table(title="simulated serving (roofline step times)")
     table.add_column("")
@@ -142,19 +142,19 @@ def render(out: dict[str, Any], model: str, gpu: str) -> None:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1e3:,.1f}"
 
-    rows = [("duration (s)", lambda r: f"{r['duration_s']:,.2f}"),
-            ("requests/s", lambda r: f"{r['request_throughput']:,.2f}"),
-            ("output tokens/s", lambda r: f"{r['output_token_throughput']:,.0f}"),
-            ("total tokens/s", lambda r: f"{r['total_token_throughput']:,.0f}")]
+    rows: list[tuple[str, list[str]]] = [
+        ("duration (s)", [f"{r['duration_s']:,.2f}" for r in runs]),
+        ("requests/s", [f"{r['request_throughput']:,.2f}" for r in runs]),
+        ("output tokens/s", [f"{r['output_token_throughput']:,.0f}" for r in runs]),
+        ("total tokens/s", [f"{r['total_token_throughput']:,.0f}" for r in runs])]
     for metric in ("ttft_s", "tpot_s"):
         for q in ("p50", "p90", "p95", "p99"):
-            rows.append((f"{metric[:4].upper()} {q} (ms)",
-                         lambda r, m=metric, q=q: ms(r[m][q])))
-    rows += [("preemptions", lambda r: f"{r['preemptions']:,}"),
-             ("peak KV blocks", lambda r: f"{r['peak_kv_blocks']:,}"),
-             ("engine steps", lambda r: f"{r['steps']:,}")]
-    for label, cell in rows:
-        table.add_row(label, *(cell(r) for r in runs))
+            rows.append((f"{metric[:4].upper()} {q} (ms)", [ms(r[metric][q]) for r in runs]))
+    for label, key in (("preemptions", "preemptions"), ("peak KV blocks", "peak_kv_blocks"),
+                       ("engine steps", "steps")):
+        rows.append((label, [f"{r[key]:,}" for r in runs]))
+    for label, cells in rows:
+        table.add_row(label, *cells)
     con.print(table)
     rf = out["roofline"]
     con.print(f"roofline: compute efficiency {rf['compute_efficiency']}, bandwidth efficiency "

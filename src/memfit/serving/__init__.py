@@ -97,14 +97,14 @@ __all__ = [
 ]
 
 # The continuous-batching simulator (issue 23).
-from memfit.serving.roofline import Roofline, model_flop_params  # noqa: E402
-from memfit.serving.simulate import (  # noqa: E402
+from memfit.serving.roofline import Roofline, model_flop_params
+from memfit.serving.simulate import (
     BatchingStats,
     Simulation,
     roofline_for,
     simulate,
 )
-from memfit.serving.workload import Request, poisson_requests, read_trace  # noqa: E402
+from memfit.serving.workload import Request, poisson_requests, read_trace
 
 __all__ += ["BatchingStats", "Request", "Roofline", "Simulation", "model_flop_params",
             "poisson_requests", "read_trace", "roofline_for", "simulate"]

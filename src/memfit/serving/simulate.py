@@ -170,8 +170,18 @@ class _Req:
     """One request's state in the engine (vLLM's ``Request``: ``num_computed_tokens``,
     ``num_tokens = prompt + outputs``, its blocks)."""
 
-    __slots__ = ("i", "prompt", "max_out", "send", "computed", "out", "blocks", "first",
-                 "finish", "preempted")
+    __slots__ = (
+        "blocks",
+        "computed",
+        "finish",
+        "first",
+        "i",
+        "max_out",
+        "out",
+        "preempted",
+        "prompt",
+        "send",
+    )
 
     def __init__(self, i: int, r: Request) -> None:
         self.i = i
