@@ -221,3 +221,16 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, args, message):
                  "1GiB", "--max-model-len", "2048", *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_fp8_roofline_reads_fp8_weights_at_the_fp8_peak():
+    from memfit.gpus import get_gpu
+
+    p = serve_plan("llama-3-8b", kv_cache_memory=2**30, max_model_len=2048)
+    bf16 = roofline_for(p, gpu="h100-sxm-80gb")
+    fp8 = roofline_for(p, gpu="h100-sxm-80gb", quant="fp8")
+    assert fp8.peak_flops == get_gpu("h100-sxm-80gb").tflops["fp8"] * 1e12 > bf16.peak_flops
+    # the linear layers' weights go from 2 bytes to 1 (plus per-tensor fp32 scales); embedding
+    # and LM head stay bf16: 2 x 525,336,576 x 2 bytes
+    heads = 2 * 128256 * 4096 * 2
+    assert fp8.weights_bytes - heads == pytest.approx((bf16.weights_bytes - heads) / 2, rel=2e-3)

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             lengths=args.lengths, spread=spread, seed=seed, max_total_tokens=plan.max_model_len)
     else:
         requests = read_trace(args.trace)
-    sim = simulate(plan, requests, gpu=args.gpu, static=not args.no_static,
+    sim = simulate(plan, requests, gpu=args.gpu, quant=args.quant, static=not args.no_static,
                    max_concurrency=positive_int(args.max_concurrency, "--max-concurrency"),
                    compute_efficiency=_number(args.compute_efficiency, "--compute-efficiency"),
                    bandwidth_efficiency=_number(args.bandwidth_efficiency,

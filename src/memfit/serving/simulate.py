@@ -394,30 +394,34 @@ def _static(requests: list[Request], *, num_blocks: int, block_size: int, max_nu
 
 def roofline_for(plan: ServePlan, *, gpu: Any = None, config: Mapping[str, Any] | None = None,
                  weights_bytes: int | None = None, flops_dtype: str | None = None,
-                 compute_efficiency: float = COMPUTE_EFFICIENCY,
+                 quant: str | None = None, compute_efficiency: float = COMPUTE_EFFICIENCY,
                  bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY,
                  step_overhead_s: float = 0.0) -> Roofline:
     """The roofline for ``plan``'s model on ``gpu`` (a name or ``GpuSpec``; default the plan's
     ``--gpu``): FLOP parameters from the model's config (:func:`model_flop_params`), weights
     from the plan's budget, else ``weights_bytes``, else the config's shapes in the model's
-    dtype (:func:`memfit.serving.weights.weights_from_config`); KV bytes per token from the
-    plan's layers; the dense peak in ``flops_dtype`` (default bf16, fp16 where the GPU has no
-    bf16)."""
+    dtype or the ``quant`` format (:func:`memfit.serving.weights.weights_from_config`); KV
+    bytes per token from the plan's layers; the dense peak in ``flops_dtype`` (default: fp8
+    with ``quant="fp8"`` on a GPU with fp8, whose W8A8 matmuls run in fp8; else bf16, or fp16
+    where the GPU has no bf16; weight-only formats compute in 16 bits)."""
     from memfit.gpus import GpuSpec, get_gpu
     from memfit.serving.kv_spec import model_dtype_bytes
-    from memfit.serving.weights import weights_from_config
+    from memfit.serving.weights import check_quant, weights_from_config
 
     if gpu is None:
         if plan.budget is None:
             raise MemfitError("the roofline needs a GPU: pass gpu= (memfit simulate --gpu NAME)")
         gpu = plan.budget.gpu
     spec = gpu if isinstance(gpu, GpuSpec) else get_gpu(str(gpu))
+    fmt = check_quant(quant, spec.compute_capability)
     cfg = dict(config) if config is not None else load_config(plan.model)[1]
     params, lm_head, attn = model_flop_params(cfg, tp=plan.tp)
     if weights_bytes is None:
         weights_bytes = plan.budget.weights_bytes if plan.budget is not None else \
-            weights_from_config(cfg, tp=plan.tp, dtype_bytes=model_dtype_bytes(cfg)).total
-    key = flops_dtype or ("bf16" if spec.tflops.get("bf16") else "fp16")
+            weights_from_config(cfg, tp=plan.tp, dtype_bytes=model_dtype_bytes(cfg),
+                                quant=fmt).total
+    key = flops_dtype or ("fp8" if quant == "fp8" and spec.tflops.get("fp8") else
+                          "bf16" if spec.tflops.get("bf16") else "fp16")
     tflops = spec.tflops.get(key)
     if not tflops:
         raise MemfitError(f"{spec.name} has no {key} TFLOPS in the catalog; pass flops_dtype "
@@ -431,14 +435,15 @@ def roofline_for(plan: ServePlan, *, gpu: Any = None, config: Mapping[str, Any] 
 
 
 def simulate(plan: ServePlan, requests: Sequence[Request], *, roofline: Roofline | None = None,
-             gpu: Any = None, max_concurrency: int | None = None, static: bool = True,
-             compute_efficiency: float = COMPUTE_EFFICIENCY,
+             gpu: Any = None, quant: str | None = None, max_concurrency: int | None = None,
+             static: bool = True, compute_efficiency: float = COMPUTE_EFFICIENCY,
              bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY,
              step_overhead_s: float = 0.0) -> Simulation:
     """Serve ``requests`` under ``plan`` (its ``num_gpu_blocks``, ``block_size``,
     ``max_num_seqs`` and ``max_num_batched_tokens``) by vLLM 0.33's scheduling rules (the
     module's docstring restates them), timed by ``roofline`` (default :func:`roofline_for`
-    the plan's model on ``gpu``), with static batching beside it (``static=False``: not).
+    the plan's model on ``gpu``, its weights in ``quant``), with static batching beside it
+    (``static=False``: not).
 
     >>> from memfit.serving import serve_plan, poisson_requests
     >>> plan = serve_plan("llama-3-8b", kv_cache_memory=2**30, max_model_len=2048)
@@ -475,7 +480,7 @@ def simulate(plan: ServePlan, requests: Sequence[Request], *, roofline: Roofline
             raise MemfitError(f"request {n} needs {_cdiv(total - 1, plan.block_size)} KV blocks, "
                               f"more than the pool's {capacity}; raise the KV budget")
     if roofline is None:
-        roofline = roofline_for(plan, gpu=gpu, compute_efficiency=compute_efficiency,
+        roofline = roofline_for(plan, gpu=gpu, quant=quant, compute_efficiency=compute_efficiency,
                                 bandwidth_efficiency=bandwidth_efficiency,
                                 step_overhead_s=step_overhead_s)
     max_num_seqs = plan.max_num_seqs or 1024
