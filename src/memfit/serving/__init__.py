@@ -98,3 +98,16 @@ __all__ = [
     "text_config",
     "vllm_layer_specs",
 ]
+
+# The continuous-batching simulator (issue 23).
+from memfit.serving.roofline import Roofline, model_flop_params
+from memfit.serving.simulate import (
+    BatchingStats,
+    Simulation,
+    roofline_for,
+    simulate,
+)
+from memfit.serving.workload import Request, poisson_requests, read_trace
+
+__all__ += ["BatchingStats", "Request", "Roofline", "Simulation", "model_flop_params",
+            "poisson_requests", "read_trace", "roofline_for", "simulate"]
