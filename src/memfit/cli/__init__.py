@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         gpus,
         models,
         monitor,
+        pack,
         plan,
         profile,
         serve_plan,
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.register(sub)
     export.register(sub)
     serve_plan.register(sub)
+    pack.register(sub)
     return parser
 
 
