@@ -76,7 +76,7 @@ def test_mig_valid_combinations(names: list[str], ok: bool) -> None:
 def test_mig_profile_on_a_gpu_without_mig_is_refused() -> None:
     with pytest.raises(MemfitError, match="has no MIG"):
         mig_profile("l40s", "1g.10gb")
-    with pytest.raises(MemfitError, match="valid: 1g.10gb"):
+    with pytest.raises(MemfitError, match=r"valid: 1g\.10gb"):
         mig_profile("h100-sxm-80gb", "2g.10gb")
 
 
@@ -165,7 +165,8 @@ def _brute_force(items: list[Item], pool: list) -> tuple[int, int]:
             and bw[g] <= cap[pool[g].name].bandwidth_bytes_per_s * (1 + 1e-12)
             and valid_combination(profs[g]) for g in range(n))
         if ok:
-            cost = (sum(1 for c in choice if not c), sum(1 for g in range(n) if whole[g] or profs[g]))
+            cost = (sum(1 for c in choice if not c),
+                    sum(1 for g in range(n) if whole[g] or profs[g]))
             best = min(best, cost)
     return best
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.cli._common import console, print_json
+from memfit.cli._common import console, name_column, print_json
 
 EXIT_SOME_UNPLACED = 1
 
@@ -54,7 +54,7 @@ def render(result: Any) -> None:
            else "first-fit decreasing (too large to search exhaustively)")
     out.print(f"{result.gpus_used} of {len(result.pool)} GPUs used, {how}")
     table = Table(title="Assignment", title_justify="left")
-    for col in ("gpu", "type", "tenants", "memory used", "bandwidth used"):
+    for col in ("gpu", "type", "tenants", "memory used", "TB/s used"):
         table.add_column(col, justify="left" if col in ("type", "tenants") else "right")
     for row in result.gpu_rows():
         if not row["tenants"]:
@@ -62,27 +62,29 @@ def render(result: Any) -> None:
         names = ", ".join(t["name"] + (f" ({t['mig_profile']})" if t["mig_profile"] else "")
                           for t in row["tenants"])
         table.add_row(str(row["gpu"]), row["type"], names,
-                      f"{format_bytes(row['memory_used_bytes'])} / "
+                      f"{format_bytes(row['memory_used_bytes'])} of "
                       f"{format_bytes(row['memory_capacity_bytes'])}",
-                      f"{row['bandwidth_used_bytes_per_s'] / 1e12:.2f} / "
-                      f"{row['bandwidth_capacity_bytes_per_s'] / 1e12:.2f} TB/s")
+                      f"{row['bandwidth_used_bytes_per_s'] / 1e12:.2f} of "
+                      f"{row['bandwidth_capacity_bytes_per_s'] / 1e12:.2f}")
     out.print(table)
     tenants = Table(title="Tenants (per GPU of each one's TP group)", title_justify="left")
-    for col in ("tenant", "device", "conc.", "memory", "mem. headroom", "bandwidth",
-                "bw. headroom", "--gpu-memory-utilization"):
-        tenants.add_column(col, justify="left" if col in ("tenant", "device") else "right")
+    name_column(tenants, "tenant")
+    for col in ("device", "conc.", "memory (free)", "TB/s (free)", "util"):
+        tenants.add_column(col, justify="left" if col == "device" else "right")
     for row in result.tenant_rows():
         if not row["placed"]:
             continue
-        tenants.add_row(row["name"], row["device"], str(row["concurrency"]),
-                        format_bytes(row["memory_bytes"]),
-                        format_bytes(row["memory_headroom_bytes"]),
-                        f"{row['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s",
-                        f"{row['bandwidth_headroom_bytes_per_s'] / 1e12:.2f} TB/s",
+        device = row["device"].replace(" MIG ", "\nMIG ")
+        tenants.add_row(row["name"], device, str(row["concurrency"]),
+                        f"{format_bytes(row['memory_bytes'])} "
+                        f"({format_bytes(row['memory_headroom_bytes'])})",
+                        f"{row['bandwidth_bytes_per_s'] / 1e12:.2f} "
+                        f"({row['bandwidth_headroom_bytes_per_s'] / 1e12:.2f})",
                         f"{row['gpu_memory_utilization']:.3f}")
     out.print(tenants)
     for row in result.tenant_rows():
         if not row["placed"]:
             out.print(f"NOT PLACED: {row['name']}: {row['reason']}")
-    out.print("Estimates: concurrency by Little's law on a roofline request time (prefill "
-              "on FLOPS, decode on HBM bandwidth); see docs/pack.md")
+    out.print("util: the tenant's --gpu-memory-utilization on its device. Estimates: "
+              "concurrency by Little's law on a roofline request time (prefill on FLOPS, "
+              "decode on HBM bandwidth at 80%); see docs/pack.md")

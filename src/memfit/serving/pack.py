@@ -230,7 +230,7 @@ def load_tenants(source: str | Path | Sequence[Any] | Mapping[str, Any]) -> list
                                   "fix the file") from None
         else:
             try:
-                import yaml
+                import yaml  # type: ignore[import-untyped]
             except ImportError:
                 raise MemfitError("reading YAML needs PyYAML: pip install pyyaml (or pass the "
                                   "tenants as a .json file)") from None
@@ -351,9 +351,9 @@ def _model_key(model: str | Mapping[str, Any]) -> str:
 @cache
 def _activation(model_key: str, tp: int, mnbt: int, mns: int, num_sms: int) -> int:
     """The traced profile-run activation peak, once per (model, tp, batch limits)."""
-    from memfit.serving.profile_run import DEFAULT_NUM_SMS, profile_activation_peak
-    from memfit.serving.plan import load_config
     from memfit.serving.kv_spec import model_dtype_bytes
+    from memfit.serving.plan import load_config
+    from memfit.serving.profile_run import DEFAULT_NUM_SMS, profile_activation_peak
 
     model = json.loads(model_key) if model_key.startswith("{") else model_key
     _, config = load_config(model)
@@ -767,8 +767,9 @@ def _shortfall(tenant: Tenant, tries: Sequence[tuple[Device, Demand]]) -> str:
         return d.too_slow
     bits = []
     if d.memory_bytes > dev.memory_bytes:
+        short = _gib(d.memory_bytes - dev.memory_bytes)
         bits.append(f"{_gib(d.memory_bytes)} of memory ({dev.label} has "
-                    f"{_gib(dev.memory_bytes)}: short by {_gib(d.memory_bytes - dev.memory_bytes)})")
+                    f"{_gib(dev.memory_bytes)}: short by {short})")
     if d.bandwidth_bytes_per_s > dev.bandwidth_bytes_per_s:
         bits.append(f"{_tbs(d.bandwidth_bytes_per_s)} of HBM bandwidth for its "
                     f"{tenant.tpot_s * 1e3:g} ms TPOT ({dev.label} streams "
@@ -852,7 +853,7 @@ def _targets(tenant: Tenant, kinds: Sequence[str]) -> list[tuple[str, str | None
                           f"({', '.join(kinds)}) has MIG; use an A100 or H100, or drop mig:")
     if tenant.mig == "auto":
         return [(k, p.name) for k in with_mig for p in mig_profiles(k)]
-    out = [(k, tenant.mig) for k in with_mig
+    out: list[tuple[str, str | None]] = [(k, tenant.mig) for k in with_mig
            if any(p.name == tenant.mig for p in mig_profiles(k))]
     if not out:
         mig_profile(with_mig[0], tenant.mig)  # raises, naming the valid profiles
