@@ -286,7 +286,9 @@ def test_some_tenants_unplaced_exit_1(tmp_path, capsys) -> None:
      "1xh100-sxm-80gb", "not valid YAML"),
     ("!!python/object/apply:os.system ['echo hi']", "1xh100-sxm-80gb", "not valid YAML"),
     ("[{name: a, model: llama-3-8b, qps: 1, prompt_tokens: 10, output_tokens: 10, mig: 1g.10gb}]",
-     "2xl40s", "no GPU of the pool"),
+     "2xl40s", "no GPU of the pool (l40s) has MIG"),
+    ("[{name: a, model: llama-3-8b, qps: 1, prompt_tokens: 10, output_tokens: 10, mig: auto}]",
+     "1xh200", "no MIG profiles for h200-141gb yet"),
     ("[{name: a, model: llama-3-8b, qps: 1, prompt_tokens: 10, output_tokens: 10, qsp: 1}]",
      "1xh100-sxm-80gb", "unknown key 'qsp'"),
     ("[{name: a, model: llama-3-70b, qps: 1, prompt_tokens: 10, output_tokens: 10, "

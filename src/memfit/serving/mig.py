@@ -32,7 +32,7 @@ from functools import cache
 
 from memfit.errors import MemfitError, suggest
 
-__all__ = ["MIG_GPUS", "MIG_SOURCES", "MigProfile", "mig_profile", "mig_profiles",
+__all__ = ["MIG_GPUS", "MIG_SOURCES", "MIG_UNLISTED", "MigProfile", "mig_profile", "mig_profiles",
            "valid_combination"]
 
 GiB = 1 << 30
@@ -114,6 +114,10 @@ MIG_GPUS: dict[str, tuple[MigProfile, ...]] = {
 }
 """Catalog GPU name -> its MIG profiles, smallest first."""
 
+MIG_UNLISTED = ("h100-nvl-94gb", "h200-141gb", "b200")
+"""Catalog GPUs that have MIG (the guide's "Supported GPUs") whose profiles memfit does not list
+yet (no published ``-lgip`` memory figures found to cite)."""
+
 MIG_SOURCES = (
     "NVIDIA Multi-Instance GPU User Guide, 'Supported MIG Profiles' "
     "(docs.nvidia.com/datacenter/tesla/mig-user-guide/supported-mig-profiles.html): the "
@@ -143,6 +147,9 @@ def mig_profile(gpu_name: str, profile: str) -> MigProfile:
     """One profile of ``gpu_name`` by name; a GPU without MIG, or a name it lacks, raises one
     line naming the valid ones."""
     profiles = mig_profiles(gpu_name)
+    if not profiles and gpu_name in MIG_UNLISTED:
+        raise MemfitError(f"{gpu_name} has MIG, but memfit lists no MIG profiles for it yet "
+                          f"(it does for {', '.join(MIG_GPUS)}); drop the tenant's `mig:`")
     if not profiles:
         raise MemfitError(f"MIG profile {profile!r} asked on {gpu_name}, which has no MIG "
                           f"(memfit lists MIG for {', '.join(MIG_GPUS)}); drop the tenant's "

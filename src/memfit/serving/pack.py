@@ -49,7 +49,14 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError, suggest
-from memfit.serving.mig import MigProfile, mig_profile, mig_profiles, valid_combination
+from memfit.serving.mig import (
+    MIG_GPUS,
+    MIG_UNLISTED,
+    MigProfile,
+    mig_profile,
+    mig_profiles,
+    valid_combination,
+)
 
 __all__ = ["DEFAULT_TPOT_S", "EXACT_MAX_GPUS", "EXACT_MAX_TENANTS", "HBM_EFFICIENCY",
            "PREFILL_MFU", "Demand", "Item", "PackResult", "Packing", "Tenant", "load_tenants",
@@ -849,8 +856,14 @@ def _targets(tenant: Tenant, kinds: Sequence[str]) -> list[tuple[str, str | None
     with_mig = [k for k in kinds if mig_profiles(k)]
     if not with_mig:
         what = "a MIG profile" if tenant.mig == "auto" else f"MIG profile {tenant.mig!r}"
+        unlisted = [k for k in kinds if k in MIG_UNLISTED]
+        if unlisted:
+            raise MemfitError(f"tenant {tenant.name!r} asks for {what}, but memfit lists no MIG "
+                              f"profiles for {', '.join(unlisted)} yet (only for "
+                              f"{', '.join(MIG_GPUS)}); use one of those, or drop mig:")
         raise MemfitError(f"tenant {tenant.name!r} asks for {what} but no GPU of the pool "
-                          f"({', '.join(kinds)}) has MIG; use an A100 or H100, or drop mig:")
+                          f"({', '.join(kinds)}) has MIG; use an A100 or H100 "
+                          f"({', '.join(MIG_GPUS)}), or drop mig:")
     if tenant.mig == "auto":
         return [(k, p.name) for k in with_mig for p in mig_profiles(k)]
     out: list[tuple[str, str | None]] = [(k, tenant.mig) for k in with_mig
