@@ -295,6 +295,14 @@ def test_some_tenants_unplaced_exit_1(tmp_path, capsys) -> None:
      "activation_peak_bytes: 0, cuda_graph_bytes: 0}]", "1xh100-sxm-80gb", "short by"),
     ("[{name: a, model: llama-3-8b, qps: 1, prompt_tokens: 10, output_tokens: 10}]",
      "0xh100-sxm-80gb", "COUNTxGPU"),
+    ("[{name: a, model: llama-3-8b, qps: 1, prompt_tokens: 10, output_tokens: 10, "
+     "max_model_len: 16}]", "1xh100-sxm-80gb", "max_model_len 16 is below the 20 tokens"),
+    ("[{name: a, model: llama-3-8b, concurrency: 4, context: 100, ttft_ms: 10}]",
+     "1xh100-sxm-80gb", "go with qps"),
+    ("[{name: a, model: llama-3-8b, qps: 1, prompt_tokens: 10, output_tokens: 10}, "
+     "{name: a, model: gpt2, qps: 1, prompt_tokens: 10, output_tokens: 10}]",
+     "1xh100-sxm-80gb", "repeated: a"),
+    ("tenants: {name: a}", "1xh100-sxm-80gb", "non-empty list of tenants"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, capsys, text: str, gpus: str,
                                    message: str) -> None:
@@ -309,4 +317,8 @@ def test_json_tenants_file(tmp_path, capsys) -> None:
     path = _file(tmp_path, json.dumps(data), "t.json")
     assert main(["pack", path, "--gpus", "h100-sxm-80gb", "--mig", "auto", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["tenants"][0]["mig_profile"] == "1g.20gb"  # 16.1 GB of weights: not 1g.10gb
+    row = out["tenants"][0]
+    assert row["mig_profile"] == "1g.20gb"  # 16.1 GB of weights: not 1g.10gb
+    # vLLM's defaults for a device under 70 GiB (EngineArgs.get_batch_defaults): 256, 2048
+    assert (row["max_num_seqs"], row["max_num_batched_tokens"]) == (256, 2048)
+    assert row["memory_capacity_bytes"] == 314 * GiB // 16

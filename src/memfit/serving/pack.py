@@ -134,6 +134,18 @@ class Tenant:
                               "(with context), not both")
         elif self.context is None:
             raise MemfitError(f"{where}: concurrency needs context (tokens per request)")
+        # Note: [keys that do nothing] each traffic form refuses the other's keys
+        if self.concurrency is None and self.context is not None:
+            raise MemfitError(f"{where}: context goes with concurrency; with qps give "
+                              "prompt_tokens and output_tokens")
+        if self.concurrency is not None and (self.prompt_tokens is not None or
+                                             self.output_tokens is not None
+                                             or self.ttft_s is not None):
+            raise MemfitError(f"{where}: prompt_tokens, output_tokens and ttft_ms go with qps; "
+                              "with concurrency give context")
+        if self.max_model_len is not None and self.max_model_len < self.request_tokens:
+            raise MemfitError(f"{where}: max_model_len {self.max_model_len} is below the "
+                              f"{self.request_tokens} tokens of one request; raise it or drop it")
         for key in ("tpot_s", "ttft_s"):
             v = getattr(self, key)
             if v is not None and (not v > 0 or not math.isfinite(v)):
