@@ -42,6 +42,7 @@ _SOURCES: dict[str, str] = {
     "guard": "memfit.oom_guard",
     "list_gpus": "memfit.gpus",
     "list_presets": "memfit.models",
+    "pack": "memfit.serving.pack",
     "plan": "memfit.analytic.planner",
     "profile": "memfit.profiling.session",
     "resolve_model": "memfit.models",
@@ -75,6 +76,7 @@ __all__ = [
     "guard",
     "list_gpus",
     "list_presets",
+    "pack",
     "plan",
     "profile",
     "resolve_model",
@@ -116,4 +118,5 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.profiling.session import profile
     from memfit.recipe import Recipe
     from memfit.serving import serve_plan
+    from memfit.serving.pack import pack
     from memfit.trace import Estimate

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         gpus,
         models,
         monitor,
+        pack,
         plan,
         profile,
         serve_plan,
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.register(sub)
     serve_plan.register(sub)
     simulate.register(sub)
+    pack.register(sub)
     return parser
 
 
