@@ -242,8 +242,7 @@ def render_budget(plan: Any) -> None:
               f"{b.gpu_memory_utilization} requests {b.requested_bytes:,} B "
               f"({format_bytes(b.requested_bytes)}); --max-num-seqs {plan.max_num_seqs}, "
               f"--max-num-batched-tokens {plan.max_num_batched_tokens}")
-    act = {"placeholder": "placeholder estimate, until the traced profile run is installed",
-           "profile_run": "traced profile run", "given": "given"}[b.activation_source]
+    act = {           "profile_run": "traced profile run", "given": "given"}[b.activation_source]
     graphs = ", ".join(f"{k}={v}" for k, v in b.cuda_graph_counts.items() if v) or "none"
     rows = [("weights", b.weights_bytes, ", ".join(
                 f"{k} {format_bytes(v)}" for k, v in b.weights_parts.items() if v)),

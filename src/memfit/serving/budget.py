@@ -45,7 +45,7 @@ __all__ = ["CUDA_GRAPH_PER_GRAPH_BYTES", "DEFAULT_ENGINE_VERSION", "ENGINE_VERSI
            "NON_TORCH_INCREASE_BYTES", "Budget", "EngineVersion", "baseline_bytes",
            "cudagraph_capture_sizes", "cudagraph_counts", "cudagraph_estimate_bytes",
            "default_batch_limits", "engine_version", "format_gib",
-           "placeholder_activation_peak", "requested_memory"]
+           "requested_memory"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -245,7 +245,7 @@ def cudagraph_estimate_bytes(config: Mapping[str, Any], *, sizes: list[int], max
     (largest) capture sets the throwaway pool's baseline, and every further graph, PIECEWISE
     or FULL (they share the pool), adds ``per_graph``: ``first + per_graph x (graphs - 1)``.
     The first capture is estimated as the largest graph's intermediates (``largest x (hidden
-    + 2 x intermediate / tp) x dtype``, the placeholder activation peak's per-token width);
+    + 2 x intermediate / tp) x dtype``, one layer's residual stream and gate/up output per token);
     ``per_graph`` is :data:`CUDA_GRAPH_PER_GRAPH_BYTES`. Not derived from first principles:
     vLLM measures both on the GPU, and its own figure moves between versions (vllm #45178,
     #57475, #50780). 0 with no sizes (``--enforce-eager``)."""
@@ -255,25 +255,6 @@ def cudagraph_estimate_bytes(config: Mapping[str, Any], *, sizes: list[int], max
     first = max(sizes) * (hidden + 2 * inter) * dtype_bytes
     graphs = sum(cudagraph_counts(sizes, max_num_seqs, rule=rule).values())
     return first + per_graph * (graphs - 1)
-
-
-def placeholder_activation_peak(config: Mapping[str, Any], *, max_num_batched_tokens: int,
-                                max_num_seqs: int, tp: int, dtype_bytes: int) -> int:
-    """TEMPORARY conservative placeholder for the profile run's activation peak, used until
-    ``memfit.serving.profile_run`` (the traced profile run) is installed:
-    ``max_num_batched_tokens x (hidden + 2 x intermediate / tp) x dtype`` (one layer's
-    residual stream and its gate/up output, live together) ``+ max_num_seqs x vocab x 4``
-    (the sampler's float32 logits over ``max_num_seqs`` dummy requests: V2's
-    ``vllm/v1/worker/gpu/model_runner.py: _dummy_sampler_run`` runs a float32 warm-up pass).
-
-    >>> cfg = {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256}
-    >>> placeholder_activation_peak(cfg, max_num_batched_tokens=8192, max_num_seqs=1024,
-    ...                             tp=1, dtype_bytes=2) == 8192 * 32768 * 2 + 1024 * 128256 * 4
-    True
-    """
-    hidden, inter, vocab = _mlp_width(config, tp)
-    return (max_num_batched_tokens * (hidden + 2 * inter) * dtype_bytes
-            + max_num_seqs * vocab * 4)
 
 
 def baseline_bytes(parts: Mapping[str, int]) -> int:
@@ -288,8 +269,8 @@ class Budget:
 
     Known limitations: the CUDA-graph term and the memory outside torch are estimates (see
     :func:`cudagraph_estimate_bytes`, :data:`NON_TORCH_INCREASE_BYTES`); the activation peak is
-    the traced profile run when ``memfit.serving.profile_run`` is installed, else a
-    placeholder (``activation_source``). The model runner's persistent input buffers (V2's
+    the traced profile run (:mod:`memfit.serving.profile_run`) unless given
+    (``activation_source``). The model runner's persistent input buffers (V2's
     ``InputBuffers``: 13 bytes per batched token, ``vllm/v1/worker/gpu/input_batch.py``) and
     vLLM's workspace manager are not counted.
     """

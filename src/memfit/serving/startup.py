@@ -20,7 +20,6 @@ from memfit.serving.budget import (
     cudagraph_capture_sizes,
     cudagraph_counts,
     cudagraph_estimate_bytes,
-    placeholder_activation_peak,
     requested_memory,
 )
 from memfit.serving.budget import engine_version as engine_version_spec
@@ -61,16 +60,12 @@ def _checkpoint_quant(config: Mapping[str, Any]) -> str | None:
 
 def _activation_peak(config: Mapping[str, Any], engine_version: str, **kw: int
                      ) -> tuple[int, str]:
-    """The traced profile run (``memfit.serving.profile_run``) of ``engine_version`` when
-    installed, else the temporary placeholder."""
-    import importlib
+    """The traced profile run of ``engine_version`` (:mod:`memfit.serving.profile_run`,
+    imported here: it imports torch, which the ``--kv-cache-memory`` path never needs)."""
+    from memfit.serving import profile_run
 
-    try:
-        module = importlib.import_module("memfit.serving.profile_run")
-    except ImportError:
-        return placeholder_activation_peak(config, **kw), "placeholder"
-    return int(module.profile_activation_peak(config, engine_version=engine_version, **kw)), \
-        "profile_run"
+    return int(profile_run.profile_activation_peak(config, engine_version=engine_version,
+                                                   **kw)), "profile_run"
 
 
 def model_folder(model: str | Path | Mapping[str, Any]) -> Path | None:
