@@ -3,13 +3,13 @@
 vLLM sizes its KV pool in plain Python once it knows the layers' specs and the bytes it may use
 (``vllm/v1/core/kv_cache_planning.py: get_global_kv_cache_groups``, ``get_kv_cache_configs``,
 ``vllm/v1/core/kv_cache_utils.py: get_kv_cache_capacity``). This bench runs that code, in a
-separate venv holding ``vllm==0.33.0`` (``bench/serving_vllm/setup.sh``), over a grid of models x
-layouts x KV bytes x TP x KV dtype x async scheduling x ``max_model_len``, and compares each
-figure with :func:`memfit.serve_plan` exactly: the block size (after the hybrid alignment), the KV
-cache groups (kind, layers, block size, page bytes), bytes per block, ``num_gpu_blocks``, the
-logged "GPU KV cache size" tokens and "Maximum concurrency", whether startup passes the
-one-request check, and the largest ``max_model_len`` that fits. memfit does not import vLLM: the
-two sides run in two processes and meet in JSON.
+separate venv holding ``vllm==0.33.0`` (``bench/serving_vllm/setup.sh``), over a grid of models
+x layouts x KV bytes x TP x KV dtype x async scheduling x ``max_model_len`` x prefix caching,
+and compares each figure with :func:`memfit.serve_plan` exactly: the block size (after the
+hybrid alignment), the KV cache groups (kind, layers, block size, page bytes), bytes per block,
+``num_gpu_blocks``, the logged "GPU KV cache size" tokens and "Maximum concurrency", whether
+startup passes the one-request check, and the largest ``max_model_len`` that fits. memfit does
+not import vLLM: the two sides run in two processes and meet in JSON.
 
 Run (from the repository root)::
 
@@ -24,22 +24,25 @@ The vLLM side runs in-process; the memfit side runs in ``--memfit-python`` (defa
     bench/serving_vllm/.venv/bin/python bench/serving_vllm_parity.py --side vllm --out vllm.json
 
 What the vLLM side builds by hand, and why: there is no GPU, so no model is instantiated. A real
-``ModelConfig`` is built from each stored ``config.json`` (offline) and a real ``VllmConfig`` around
-it (``DeviceConfig("cuda")`` so nothing probes the device). Each cache-holding layer's spec comes
-from vLLM's own ``get_kv_cache_spec`` methods, called on a stand-in for the layer object carrying
-the attributes the layer's ``__init__`` would set (``Attention.get_kv_cache_spec``,
-``MLAAttention.get_kv_cache_spec``; Mamba: ``MambaSpec`` from the model class's
-``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``, as
-``MambaBase.get_kv_cache_spec`` builds it). Which layer is attention, sliding, Mamba or shared is
-read from the transformers config object vLLM loaded (its ``layer_types``, Jamba's
+``ModelConfig`` is built from each stored ``config.json`` (offline) and a real ``VllmConfig``
+around it (``DeviceConfig("cuda")`` so nothing probes the device). Each cache-holding layer's
+spec comes from vLLM's own ``get_kv_cache_spec`` methods, called on a stand-in for the layer
+object carrying the attributes the layer's ``__init__`` would set
+(``Attention.get_kv_cache_spec``, ``MLAAttention.get_kv_cache_spec``); a Mamba / gated-delta-net
+layer is a stand-in subclass of the model's own layer class, registered in
+``compilation_config.static_forward_context`` so that the platform's hybrid alignment reads its
+prefill-checkpoint alignment, and whose spec is the class's own ``get_kv_cache_spec``
+(:meth:`_VllmSide.state_layers`). Which layer is attention, sliding, Mamba or shared is read
+from the transformers config object vLLM loaded (its ``layer_types``, Jamba's
 ``layers_block_type``, Nemotron-H's ``hybrid_override_pattern``, Gemma 3n's
 ``num_kv_shared_layers``), as the vLLM model files do; a model-wide window reaches every layer
 only when the config has no ``layer_types`` or all sliding (``vllm/engine/arg_utils.py:
 EngineArgs.create_engine_config``). The attention backend is FlashAttention
 (``vllm/v1/attention/backends/flash_attn.py``); the hybrid block alignment is the platform's
-``Platform._align_hybrid_block_size`` with that backend; the KV cache layout is resolved by
-``resolve_kv_cache_layout`` from the backends' declared layouts.
-"""
+``Platform._align_hybrid_block_size`` with that backend; the gated-delta-net prefill kernel is
+the one ``_resolve_gdn_prefill_backend`` picks for the case's GPU (an H100, or an A100 where the
+case says so); the KV cache layout is resolved by ``resolve_kv_cache_layout`` from the backends'
+declared layouts."""
 
 from __future__ import annotations
 
@@ -80,9 +83,12 @@ def hf_config(entry: dict[str, Any]) -> dict[str, Any]:
 
 def grid(quick: bool = False, models: list[str] | None = None) -> list[dict[str, Any]]:
     """Every case, as plain dicts both sides read. ``max_model_len`` None is the model's own
-    context (each side derives it); hybrid models run without prefix caching (memfit plans them
-    only so; vLLM's mamba_cache_mode is then ``none``). A TP that does not divide the heads is
-    kept: both sides must refuse it."""
+    context (each side derives it). Hybrid models run with prefix caching on (vLLM's
+    ``mamba_cache_mode`` ``align``) and off (``none``); other models with it on (it changes
+    nothing there). ``gpu`` is the device the GDN prefill kernel is chosen for: None is an
+    H100 (SM90, FlashInfer's GDN kernel, memfit's default without ``--gpu``), ``a100-80gb``
+    (SM80, Triton) is added for Qwen3-Next with prefix caching, where the kernel sets the
+    block alignment. A TP that does not divide the heads is kept: both sides must refuse it."""
     cases = []
     # (--block-size, async scheduling): the default, async off, and a larger block
     schedules = [(BLOCK_SIZE, True)] if quick else [(BLOCK_SIZE, True), (BLOCK_SIZE, False),
@@ -92,19 +98,25 @@ def grid(quick: bool = False, models: list[str] | None = None) -> list[dict[str,
             continue
         cfg = entry.get("text_config") or entry
         hybrid = cfg.get("model_type") in HYBRID
+        # (prefix caching, gpu)
+        devices: list[tuple[bool, str | None]] = [(True, None)]
+        if hybrid:
+            devices.append((False, None))
+        if cfg.get("model_type") == "qwen3_next":
+            devices.append((True, "a100-80gb"))
         # only sliding-window layers read max_num_batched_tokens (the in-flight tokens)
         batched = (MAX_NUM_BATCHED_TOKENS,) if quick or not cfg.get("sliding_window") else \
             (MAX_NUM_BATCHED_TOKENS, 2048)
-        for tp, kv_dtype, (block, async_scheduling), max_model_len, mnbt, mem in \
-                itertools.product(TPS[:2] if quick else TPS, KV_DTYPES, schedules,
-                                  (None, SHORT_LEN), batched,
-                                  MEMORY_GIB[:2] if quick else MEMORY_GIB):
+        for (prefix_caching, gpu), tp, kv_dtype, (block, async_scheduling), max_model_len, \
+                mnbt, mem in itertools.product(devices, TPS[:2] if quick else TPS, KV_DTYPES,
+                                               schedules, (None, SHORT_LEN), batched,
+                                               MEMORY_GIB[:2] if quick else MEMORY_GIB):
             cases.append({
                 "model": name, "tp": tp, "kv_cache_dtype": kv_dtype,
                 "kv_cache_memory": int(mem * GiB), "memory_gib": mem,
                 "async_scheduling": async_scheduling, "max_model_len": max_model_len,
                 "max_num_batched_tokens": mnbt, "block_size": block,
-                "prefix_caching": not hybrid})
+                "prefix_caching": prefix_caching, "gpu": gpu})
     for i, case in enumerate(cases):
         case["id"] = i
     return cases
@@ -128,7 +140,7 @@ def memfit_side(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 block_size=case["block_size"], max_model_len=case["max_model_len"],
                 max_num_batched_tokens=case["max_num_batched_tokens"],
                 async_scheduling=case["async_scheduling"],
-                prefix_caching=case["prefix_caching"])
+                prefix_caching=case["prefix_caching"], gpu=case["gpu"])
         except MemfitError as exc:
             row["error"] = str(exc)
             out.append(row)
@@ -161,7 +173,7 @@ class _VllmSide:
             SchedulerConfig,
             VllmConfig,
         )
-        from vllm.platforms.interface import Platform
+        from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
         from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
         self.vllm = vllm
@@ -179,6 +191,27 @@ class _VllmSide:
                 return [FlashAttentionBackend]
 
         self.platform = _FlashAttentionPlatform
+
+        def cuda(major: int, minor: int) -> Any:
+            class _Cuda(Platform):
+                """What ``_resolve_gdn_prefill_backend`` asks of ``current_platform`` on a CUDA
+                GPU of this compute capability, with vLLM 0.33's CUDA 13 runtime (its wheels
+                pin torch 2.14.0+cu130)."""
+
+                _enum = PlatformEnum.CUDA
+
+                @classmethod
+                def get_device_capability(cls, device_id: int = 0) -> Any:
+                    return DeviceCapability(major, minor)
+
+                @classmethod
+                def get_cuda_runtime_major(cls) -> int:
+                    return 13
+
+            return _Cuda()
+
+        # the case's "gpu": None is an H100 (SM90), as FlashAttention stands for
+        self.gpus = {None: cuda(9, 0), "a100-80gb": cuda(8, 0)}
         self.workdir = workdir
         self.models = load_models()
         self._model_configs: dict[tuple[str, int | None], Any] = {}
@@ -249,16 +282,74 @@ class _VllmSide:
                     kinds[i] = ("shared", kinds[i][1])
         return kinds
 
-    def specs(self, vc: Any) -> dict[str, Any]:
+    def state_layers(self, vc: Any, gpu: str | None) -> dict[str, Any]:
+        """Stand-ins for the built Mamba / linear-attention layers, registered where vLLM
+        looks them up (``compilation_config.static_forward_context``, read by
+        ``get_layers_from_vllm_config``), so that ``Platform._align_hybrid_block_size`` reads
+        their prefill-checkpoint alignment (``mamba/abstract.py:
+        get_mamba_prefill_checkpoint_alignment``) and their specs come from the layer class's
+        own ``get_kv_cache_spec``.
+
+        Each is an instance of a subclass of the model's layer class (Jamba ``MambaMixer``,
+        Nemotron-H ``MambaMixer2``, Qwen3-Next ``QwenGatedDeltaNetAttention``) whose
+        ``__init__`` sets only what those methods read, and whose state shapes and dtypes are
+        the model class's ``get_mamba_state_shape_from_config`` /
+        ``get_mamba_state_dtype_from_config`` (what the layer's own ``get_state_shape`` and
+        ``get_state_dtype`` return). The gated-delta-net layer's ``_checkpoint_alignment`` is
+        set as its ``__init__`` sets it: ``FLASHINFER_GDN_CHECKPOINT_ALIGNMENT`` in ``align``
+        mode when ``_resolve_gdn_prefill_backend`` (run with ``current_platform`` standing for
+        the case's GPU) picks FlashInfer, else None."""
+        from unittest import mock
+
+        import torch
+        from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+        from vllm.model_executor.layers.mamba.mamba_mixer import MambaMixer
+        from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.v1.attention.backends.gdn_attn import FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
+
+        mc, cc = vc.model_config, vc.cache_config
+        names = [f"model.layers.{i}.mixer" for i, (k, _) in enumerate(self.layer_kinds(vc))
+                 if k == "mamba"]
+        if not names:
+            return {}
+        model_cls, _ = ModelRegistry.resolve_model_cls(mc.architecture, model_config=mc)
+        shapes = tuple(model_cls.get_mamba_state_shape_from_config(vc))
+        dtypes = tuple(model_cls.get_mamba_state_dtype_from_config(vc))
+        mt = mc.hf_text_config.model_type
+        base = {"jamba": MambaMixer, "nemotron_h": MambaMixer2,
+                "qwen3_next": gdn.QwenGatedDeltaNetAttention}[mt]
+        attrs: dict[str, Any] = {}
+        if mt == "qwen3_next":
+            with mock.patch.object(gdn, "current_platform", self.gpus[gpu]):
+                _, backend = gdn._resolve_gdn_prefill_backend(vc)
+            attrs = {"vllm_config": vc, "_checkpoint_alignment": (
+                FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
+                if cc.mamba_cache_mode == "align" and backend == "flashinfer" else None)}
+
+        class StandIn(base):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                torch.nn.Module.__init__(self)
+                self.__dict__.update(attrs)
+
+            def get_state_shape(self) -> Any:
+                return shapes
+
+            def get_state_dtype(self) -> Any:
+                return dtypes
+
+        layers = {name: StandIn() for name in names}
+        vc.compilation_config.static_forward_context.update(layers)
+        return layers
+
+    def specs(self, vc: Any, state_layers: dict[str, Any]) -> dict[str, Any]:
         """Every cache-holding layer's KVCacheSpec, from vLLM's own get_kv_cache_spec."""
         from types import SimpleNamespace
 
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-        from vllm.model_executor.models import ModelRegistry
         from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
         from vllm.v1.attention.backend import AttentionType
-        from vllm.v1.kv_cache_interface import MambaSpec
 
         mc, pc, cc = vc.model_config, vc.parallel_config, vc.cache_config
         kinds = self.layer_kinds(vc)
@@ -268,11 +359,6 @@ class _VllmSide:
             attention = sum(k == "attention" for k, _ in kinds)
             assert attention == mc.get_num_layers_by_block_type(pc, "attention"), kinds
         out: dict[str, Any] = {}
-        mamba_shapes = None
-        if any(k == "mamba" for k, _ in kinds):
-            model_cls, _ = ModelRegistry.resolve_model_cls(mc.architecture, model_config=mc)
-            mamba_shapes = (tuple(model_cls.get_mamba_state_shape_from_config(vc)),
-                            model_cls.get_mamba_state_dtype_from_config(vc))
         dtype = kv_cache_dtype_str_to_dtype(cc.cache_dtype, mc)
         for i, (kind, window) in enumerate(kinds):
             if kind == "attention":
@@ -292,11 +378,8 @@ class _VllmSide:
                 out[f"model.layers.{i}.self_attn.attn"] = MLAAttention.get_kv_cache_spec(
                     layer, vc)
             elif kind == "mamba":
-                assert mamba_shapes is not None
-                out[f"model.layers.{i}.mixer"] = MambaSpec(  # MambaBase.get_kv_cache_spec
-                    shapes=mamba_shapes[0], dtypes=tuple(mamba_shapes[1]),
-                    block_size=cc.mamba_block_size, page_size_padded=cc.mamba_page_size_padded,
-                    mamba_cache_mode=cc.mamba_cache_mode, num_speculative_blocks=0)
+                name = f"model.layers.{i}.mixer"
+                out[name] = state_layers[name].get_kv_cache_spec(vc)
         return out
 
     def run(self, case: dict[str, Any]) -> dict[str, Any]:
@@ -317,9 +400,10 @@ class _VllmSide:
         row: dict[str, Any] = {"id": case["id"]}
         try:
             vc = self.vllm_config(case)
+            state_layers = self.state_layers(vc, case["gpu"])
             if vc.model_config.is_hybrid:  # Platform.update_block_size_for_backend, phase 2
                 self.platform._align_hybrid_block_size(vc, self.backend)
-            specs = self.specs(vc)
+            specs = self.specs(vc, state_layers)
         except Exception as exc:  # vLLM refuses the configuration
             row["error"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
             return row
@@ -445,7 +529,8 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 CASE_COLUMNS = ("model", "tp", "kv_cache_dtype", "block_size", "async_scheduling",
-                "max_model_len", "max_num_batched_tokens", "memory_gib")
+                "max_model_len", "max_num_batched_tokens", "memory_gib", "prefix_caching",
+                "gpu")
 RESULT_COLUMNS = ("max_model_len", "block_size", "bytes_per_block", "num_gpu_blocks",
                   "kv_cache_tokens", "max_concurrency", "fits", "max_model_len_that_fits")
 

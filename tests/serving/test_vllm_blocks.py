@@ -277,9 +277,11 @@ def test_serve_plan_hybrid_gdn_without_prefix_caching() -> None:
     assert p.kv_cache_tokens == int(481 / 64 * 32768)
 
 
-def test_serve_plan_hybrid_needs_no_prefix_caching_for_now() -> None:
-    with pytest.raises(MemfitError, match="--no-prefix-caching"):
-        serve_plan(QWEN3_NEXT, kv_cache_memory=GiB)
+def test_serve_plan_hybrid_with_prefix_caching_is_planned() -> None:
+    # vLLM's default (mamba_cache_mode align) is planned, no longer refused; its arithmetic is
+    # tests/serving/test_hybrid_prefix_caching.py's
+    p = serve_plan(QWEN3_NEXT, kv_cache_memory=GiB)
+    assert p.mamba_cache_mode == "align" and p.block_size == 576
 
 
 def test_the_default_block_is_the_backends_preferred_size() -> None:

@@ -28,8 +28,12 @@ def _bench() -> ModuleType:
 def test_memfit_side_runs_without_vllm() -> None:
     bench = _bench()
     cases = bench.grid(quick=True, models=["llama-3-8b", "gemma-3-1b", "qwen3-next-80b-a3b"])
-    # 3 models x TP (1, 2) x KV dtype (auto, fp8) x 2 lengths x 2 memory figures
-    assert len(cases) == 3 * 2 * 2 * 2 * 2
+    # 3 models x TP (1, 2) x KV dtype (auto, fp8) x 2 lengths x 2 memory figures; the hybrid
+    # Qwen3-Next three times: prefix caching on (an H100 and an A100) and off
+    assert len(cases) == (1 + 1 + 3) * 2 * 2 * 2 * 2
+    assert sorted({(c["prefix_caching"], c["gpu"] or "") for c in cases
+                   if c["model"] == "qwen3-next-80b-a3b"}) == [
+        (False, ""), (True, ""), (True, "a100-80gb")]
     rows = bench.memfit_side(cases)
     assert "vllm" not in sys.modules
     assert [r["id"] for r in rows] == [c["id"] for c in cases]

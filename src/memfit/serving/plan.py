@@ -31,6 +31,7 @@ from memfit.serving.vllm import (
     VLLM_VERSION,
     EngineLayerSpec,
     KVCacheGroup,
+    MambaCacheMode,
     SpecKind,
     align_hybrid_block_size,
     bytes_per_block,
@@ -38,6 +39,7 @@ from memfit.serving.vllm import (
     fits,
     kv_cache_groups,
     kv_cache_tokens,
+    mamba_prefill_checkpoints,
     max_concurrency,
     max_memory_usage_bytes,
     max_model_len_that_fits,
@@ -117,6 +119,7 @@ def load_config(model: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, A
 
 def vllm_layer_specs(layers: list[LayerKV], *, block_size: int, max_model_len: int,
                      mamba_page_padded: int | None = None,
+                     mamba_block_size: int | None = None, checkpoint_blocks: int = 0,
                      ) -> tuple[list[int], list[EngineLayerSpec]]:
     """The layers vLLM allocates cache for and their specs
     (``vllm/v1/worker/gpu_model_runner.py: GPUModelRunner.get_kv_cache_spec``): a layer with
@@ -124,17 +127,20 @@ def vllm_layer_specs(layers: list[LayerKV], *, block_size: int, max_model_len: i
     ``Attention.get_kv_cache_spec`` (``vllm/model_executor/layers/attention/attention.py``: a
     sliding layer's block is ``--block-size`` when the backend runs it unsplit) or
     ``MLAAttention.get_kv_cache_spec`` (``mla_attention.py``: one head of
-    ``kv_lora_rank + qk_rope_head_dim``); a Mamba / linear layer one state page."""
+    ``kv_lora_rank + qk_rope_head_dim``); a Mamba / linear layer one state page
+    (``MambaBase.get_kv_cache_spec``) of ``mamba_block_size`` tokens, by default
+    ``max_model_len`` (``vllm/model_executor/models/config.py: MambaModelConfig``, without
+    prefix caching; with it, the attention block size), with ``checkpoint_blocks`` prefill
+    checkpoint pages."""
     indices, specs = [], []
     for layer in layers:
         if layer.kind == "shared":
             continue
         if layer.kind in ("mamba", "linear"):
-            # mamba_block_size is max_model_len without prefix caching
-            # (vllm/model_executor/models/config.py: MambaModelConfig)
-            spec = EngineLayerSpec(kind="mamba", block_size=max_model_len,
+            spec = EngineLayerSpec(kind="mamba", block_size=mamba_block_size or max_model_len,
                                    state_bytes=layer.state_bytes,
-                                   page_size_padded=mamba_page_padded)
+                                   page_size_padded=mamba_page_padded,
+                                   checkpoint_blocks=checkpoint_blocks)
         else:
             kind: SpecKind = "mla" if layer.kind == "mla" else \
                 "sliding" if layer.kind == "sliding" else "full"
@@ -153,7 +159,7 @@ class ServePlan:
 
     Known limitations: this part takes the KV budget as given (vLLM's ``--kv-cache-memory``);
     the weights, profile-run activations, memory outside torch and CUDA graphs are a later part
-    (None here). Hybrid Mamba models are planned without prefix caching only.
+    (None here).
     """
 
     engine: str
@@ -186,6 +192,9 @@ class ServePlan:
     concurrency: int | None = None
     """Requests of ``max_model_len`` tokens wanted at once
     (for :attr:`utilization_for_concurrency`)."""
+    mamba_cache_mode: MambaCacheMode | None = None
+    """A hybrid model's ``mamba_cache_mode``: ``align`` with prefix caching, ``none`` without
+    (None: no Mamba layers)."""
     source: str = VLLM_SOURCE
 
     @property
@@ -253,6 +262,8 @@ class ServePlan:
             "layers": [_layer_json(layer) for layer in self.layers],
             "source": self.source,
         }
+        if self.mamba_cache_mode is not None:
+            out["mamba_cache_mode"] = self.mamba_cache_mode
         if self.budget is None:
             out["note"] = ("the KV budget is --kv-cache-memory (no profile run): weights, "
                            "activation peak, memory outside torch and CUDA graphs are null")
@@ -332,10 +343,13 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
     as vLLM refuses it. ``async_scheduling`` (vLLM's default, ``vllm/config/vllm.py:
     VllmConfig.__post_init__``) keeps two batches in flight (``max_concurrent_batches``), so a
     sliding-window layer holds ``2 x max_num_batched_tokens`` tokens past its window
-    (``VllmConfig.max_in_flight_tokens``). A hybrid Mamba / linear-attention model is planned
-    with ``prefix_caching=False`` only (``mamba_cache_mode`` ``none``): the attention block
-    grows until its page holds a Mamba state (:func:`~memfit.serving.vllm.
-    align_hybrid_block_size`), so ``block_size`` in the plan may exceed the one given.
+    (``VllmConfig.max_in_flight_tokens``). In a hybrid Mamba / linear-attention model the
+    attention block grows until its page holds a Mamba state (:func:`~memfit.serving.vllm.
+    align_hybrid_block_size`), so ``block_size`` in the plan may exceed the one given; with
+    ``prefix_caching`` (``mamba_cache_mode`` ``align``) the block is also a multiple of the
+    state layers' prefill-checkpoint alignment and each request holds 2 or 3 state pages per
+    Mamba group instead of 1 (:func:`~memfit.serving.vllm.mamba_prefill_checkpoints`, read for
+    ``gpu``'s compute capability, Hopper without one).
     ``max_images`` / ``max_videos`` / ``max_pixels`` size a vision-language model's encoder
     (:mod:`memfit.serving.multimodal`). Bad input raises MemfitError (one line).
 
@@ -390,20 +404,30 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
             "vLLM refuses it (vllm/config/model.py: _get_and_verify_max_len) unless "
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; pass --max-model-len <= " + str(context))
     states = [layer for layer in layers if layer.kind in ("mamba", "linear")]
-    mamba_padded = None
+    mamba_padded = mamba_block = None
+    mamba_mode: MambaCacheMode | None = None
+    checkpoint_blocks = 0
     if states:
-        if prefix_caching:
-            raise MemfitError(
-                f"{name} has Mamba / linear-attention layers: with prefix caching (vLLM's "
-                "default) their mamba_cache_mode is 'align', whose prefill-checkpoint block "
-                "alignment is not modelled yet (vllm/model_executor/models/config.py: "
-                "MambaModelConfig); pass --no-prefix-caching (vLLM's --no-enable-prefix-caching)")
         attn = [layer for layer in layers if layer.kind in ("full", "sliding", "mla")]
         if not attn or any(layer.kind == "mla" for layer in attn):
             raise MemfitError(f"{name}: hybrid models without attention layers, or with MLA, "
                               "are not modelled yet")
+        # MambaModelConfig.verify_and_update_config: prefix caching turns 'align' on
+        mamba_mode = "align" if prefix_caching else "none"
+        from memfit.runtime import compute_capability_for
+
+        text = text_config(config)
+        key_dim = text.get("linear_key_head_dim")
+        checkpoint_alignment, checkpoint_blocks = mamba_prefill_checkpoints(
+            str(text.get("model_type")), mamba_cache_mode=mamba_mode,
+            compute_capability=None if spec_gpu is None else (
+                spec_gpu.compute_capability or compute_capability_for(spec_gpu.name)),
+            linear_key_head_dim=key_dim if isinstance(key_dim, int) else None)
         block_size, mamba_padded = align_hybrid_block_size(
-            attn[0].bytes_per_token, max(layer.state_bytes for layer in states), block_size)
+            attn[0].bytes_per_token, max(layer.state_bytes for layer in states), block_size,
+            checkpoint_alignment=checkpoint_alignment if mamba_mode == "align" else None)
+        if mamba_mode == "align":  # Platform._align_hybrid_block_size
+            mamba_block = block_size
     kinds = {layer.kind for layer in layers}
     if str(text_config(config).get("model_type")) in _QWEN2_MODELS and \
             {"sliding", "full"} <= kinds:
@@ -411,7 +435,9 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
                           "(vllm/model_executor/models/qwen2.py: Qwen2Model asserts "
                           "max_window_layers == num_hidden_layers)")
     indices, specs = vllm_layer_specs(layers, block_size=block_size, max_model_len=max_model_len,
-                                      mamba_page_padded=mamba_padded)
+                                      mamba_page_padded=mamba_padded,
+                                      mamba_block_size=mamba_block,
+                                      checkpoint_blocks=checkpoint_blocks)
     groups = kv_cache_groups(indices, specs)
     budget = None
     if kv_cache_memory is None:
@@ -427,7 +453,9 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
         kv_cache_memory = max(budget.kv_cache_bytes, 0)
     blocks = num_gpu_blocks(groups, kv_cache_memory)
     in_flight = (2 if async_scheduling else 1) * max_num_batched_tokens
-    most = max_concurrency(groups, blocks, max_model_len, max_in_flight_tokens=in_flight)
+    mode: MambaCacheMode = mamba_mode or "none"
+    most = max_concurrency(groups, blocks, max_model_len, max_in_flight_tokens=in_flight,
+                           mamba_cache_mode=mode)
     return ServePlan(
         engine="vllm", engine_version=version, model=name, tp=tp,
         kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
@@ -437,9 +465,12 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
         kv_cache_tokens=kv_cache_tokens(most, max_model_len),
         max_concurrency=most,
         request_bytes=max_memory_usage_bytes(groups, max_model_len,
-                                             max_in_flight_tokens=in_flight),
-        fits=fits(groups, kv_cache_memory, max_model_len, max_in_flight_tokens=in_flight),
+                                             max_in_flight_tokens=in_flight,
+                                             mamba_cache_mode=mode),
+        fits=fits(groups, kv_cache_memory, max_model_len, max_in_flight_tokens=in_flight,
+                  mamba_cache_mode=mode),
         max_model_len_that_fits=max_model_len_that_fits(
-            groups, kv_cache_memory, context or max_model_len, max_in_flight_tokens=in_flight),
+            groups, kv_cache_memory, context or max_model_len, max_in_flight_tokens=in_flight,
+            mamba_cache_mode=mode),
         model_context=context, max_num_seqs=max_num_seqs, budget=budget,
-        concurrency=wanted)
+        concurrency=wanted, mamba_cache_mode=mamba_mode)

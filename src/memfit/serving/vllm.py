@@ -33,16 +33,18 @@ runs the block size unsplit).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from memfit.errors import MemfitError
 
-__all__ = ["VLLM_SOURCE", "VLLM_VERSION", "EngineLayerSpec", "KVCacheGroup", "SpecKind",
-           "align_hybrid_block_size", "bytes_per_block",
-           "fits", "kv_cache_groups", "kv_cache_tokens", "max_concurrency",
-           "max_memory_usage_bytes", "max_model_len_that_fits", "num_gpu_blocks"]
+__all__ = ["VLLM_SOURCE", "VLLM_VERSION", "EngineLayerSpec", "KVCacheGroup", "MambaCacheMode",
+           "SpecKind", "align_hybrid_block_size", "bytes_per_block",
+           "fits", "kv_cache_groups", "kv_cache_tokens", "mamba_prefill_checkpoints",
+           "max_concurrency", "max_memory_usage_bytes", "max_model_len_that_fits",
+           "num_gpu_blocks"]
 
 VLLM_VERSION = "0.33.0"
 """The vLLM release whose arithmetic this module restates."""
@@ -53,6 +55,9 @@ VLLM_SOURCE = ("vllm-0.33.0.tar.gz from PyPI (sha256 f4c33c2503d52bb411146afa961
 SpecKind = Literal["full", "sliding", "mla", "mamba"]
 
 MambaCacheMode = Literal["none", "align"]
+"""``CacheConfig.mamba_cache_mode`` (``vllm/config/cache.py``: ``Literal["align", "none"]``;
+0.33 has no ``all``): ``align`` whenever prefix caching is on, ``none`` when it is off
+(``vllm/model_executor/models/config.py: MambaModelConfig.verify_and_update_config``)."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -81,6 +86,10 @@ class EngineLayerSpec:
     sliding_window: int | None = None
     state_bytes: int = 0
     """``mamba``: the bytes of one request's state (every state tensor, all dtypes)."""
+    checkpoint_blocks: int = 0
+    """``mamba``: ``MambaSpec.num_prefill_checkpoint_blocks``, the extra state page a layer that
+    exports prefill checkpoints keeps per request in ``align`` mode
+    (:func:`mamba_prefill_checkpoints`)."""
     page_size_padded: int | None = None
     """A page padded up to another spec's page (``unify_kv_cache_spec_page_size``), or None."""
 
@@ -112,8 +121,9 @@ class EngineLayerSpec:
         - sliding (``SlidingWindowSpec.max_admission_blocks_per_request``):
           ``(cdiv(min(window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1)
           x page`` (the window need not start at a block boundary);
-        - Mamba (``MambaSpec.max_memory_usage_bytes``): one page, two with
-          ``mamba_cache_mode`` ``align`` (no speculative blocks).
+        - Mamba (``MambaSpec.max_memory_usage_bytes``): one page; with ``mamba_cache_mode``
+          ``align``, ``2 + checkpoint_blocks`` pages (the running state, the last block
+          boundary's, and a prefill checkpoint's; no speculative blocks).
         """
         page = self.page_size_bytes
         if self.kind == "sliding":
@@ -121,7 +131,7 @@ class EngineLayerSpec:
             tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
             return (cdiv(tokens, self.block_size) + 1) * page
         if self.kind == "mamba":
-            return page * (2 if mamba_cache_mode == "align" else 1)
+            return page * (2 + self.checkpoint_blocks if mamba_cache_mode == "align" else 1)
         return cdiv(max_model_len, self.block_size) * page
 
     def same_type(self, other: EngineLayerSpec) -> bool:
@@ -245,13 +255,19 @@ def kv_cache_groups(layers: Sequence[int], specs: Sequence[EngineLayerSpec]) -> 
 
 
 def align_hybrid_block_size(attn_bytes_per_token: int, mamba_page: int, block_size: int, *,
-                            kernel_block: int = 16) -> tuple[int, int | None]:
+                            kernel_block: int = 16,
+                            checkpoint_alignment: int | None = None) -> tuple[int, int | None]:
     """A hybrid attention/Mamba model's attention block size and padded Mamba page
-    (``vllm/platforms/interface.py: Platform._align_hybrid_block_size``, with
-    ``mamba_cache_mode`` ``none``): the smallest multiple of the kernel alignment
-    (``max(kernel_block, block_size)``) whose attention page holds the Mamba state, rounded up
-    to a multiple of ``kernel_block``; ``--block-size`` grows to it when smaller (vllm #54458),
-    and the Mamba page is padded to the attention page.
+    (``vllm/platforms/interface.py: Platform._align_hybrid_block_size``): the smallest multiple
+    of the kernel alignment whose attention page holds the Mamba state, rounded up to a
+    multiple of ``kernel_block``; ``--block-size`` grows to it when smaller (vllm #54458), and
+    the Mamba page is padded to the attention page.
+
+    The kernel alignment is ``max(kernel_block, block_size)``; with ``mamba_cache_mode``
+    ``align`` (prefix caching) it is also a multiple of the Mamba layers' prefill-checkpoint
+    alignment, ``lcm(alignment, checkpoint_alignment or 1)`` (``checkpoint_alignment`` from
+    :func:`mamba_prefill_checkpoints`; pass None without prefix caching). In ``align`` mode the
+    Mamba block is this block size too (``cache_config.mamba_block_size = block_size``).
 
     ``kernel_block`` is the attention backend's smallest kernel block: 16 for FlashAttention
     (``flash_attn.py: get_supported_kernel_block_sizes``, ``MultipleOf(16)``; its FA4 head-dim-
@@ -259,13 +275,64 @@ def align_hybrid_block_size(attn_bytes_per_token: int, mamba_page: int, block_si
 
     >>> align_hybrid_block_size(2048, 1097728, 16)  # Qwen3-Next-like: 16 x cdiv(1097728, 32768)
     (544, 1114112)
+    >>> align_hybrid_block_size(2048, 1097728, 16, checkpoint_alignment=64)  # 64 x 9
+    (576, 1179648)
     """
     alignment = max(kernel_block, block_size)
+    alignment = math.lcm(alignment, checkpoint_alignment or 1)
     attn_block = alignment * cdiv(mamba_page, alignment * attn_bytes_per_token)
     attn_block = kernel_block * cdiv(attn_block, kernel_block)
     block_size = max(block_size, attn_block)
     attn_page = block_size * attn_bytes_per_token
     return block_size, (None if attn_page == mamba_page else attn_page)
+
+
+FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
+"""``vllm/v1/attention/backends/gdn_attn.py: FLASHINFER_GDN_CHECKPOINT_ALIGNMENT``."""
+
+
+def mamba_prefill_checkpoints(model_type: str, *, mamba_cache_mode: MambaCacheMode,
+                              compute_capability: str | None,
+                              linear_key_head_dim: int | None = None) -> tuple[int | None, int]:
+    """The Mamba layers' prefill-checkpoint alignment (tokens, or None) and
+    ``num_prefill_checkpoint_blocks``, as each model's state layer declares them:
+
+    - Jamba's ``MambaMixer`` (``mamba_mixer.py``): neither (``MambaBase``'s defaults: None, 0);
+    - Nemotron-H's ``MambaMixer2`` (``mamba_mixer2.py: MambaMixer2.get_kv_cache_spec``): one
+      checkpoint block, no alignment (``get_prefill_checkpoint_alignment`` is ``MambaBase``'s
+      None);
+    - Qwen3-Next's ``QwenGatedDeltaNetAttention`` (``gdn/qwen_gdn_linear_attn.py``): in
+      ``align`` mode with the FlashInfer GDN prefill kernel, an alignment of
+      :data:`FLASHINFER_GDN_CHECKPOINT_ALIGNMENT` (``__init__``) and one checkpoint block
+      (``get_kv_cache_spec``); else neither. ``_resolve_gdn_prefill_backend`` picks FlashInfer
+      on SM90, and on SM10x / SM12x when ``linear_key_head_dim`` is 128 and the CUDA runtime is
+      13 or newer (vLLM 0.33's wheels: torch 2.14.0+cu130, so taken as met); Triton elsewhere
+      (SM80, SM89, ROCm). Without a GPU (``compute_capability`` None) Hopper is assumed, as the
+      parity bench's FlashAttention backend is.
+
+    ``get_mamba_prefill_checkpoint_alignment`` (``mamba/abstract.py``) is the LCM over the
+    layers, None unless every layer declares one; one model has one kind of state layer here.
+
+    >>> mamba_prefill_checkpoints("qwen3_next", mamba_cache_mode="align",
+    ...                           compute_capability="9.0", linear_key_head_dim=128)
+    (64, 1)
+    >>> mamba_prefill_checkpoints("qwen3_next", mamba_cache_mode="align",
+    ...                           compute_capability="8.0", linear_key_head_dim=128)
+    (None, 0)
+    """
+    if model_type == "nemotron_h":
+        return None, 1
+    if model_type != "qwen3_next" or mamba_cache_mode != "align":
+        return None, 0
+    cc = compute_capability or "9.0"
+    major, _, minor = cc.partition(".")
+    if not (major.isdigit() and minor.isdigit()):  # a ROCm gfx target: Triton / FlyDSL
+        return None, 0
+    flashinfer = (int(major), int(minor)) == (9, 0) or (
+        int(major) in (10, 12) and linear_key_head_dim == 128)
+    if not flashinfer:
+        return None, 0
+    return FLASHINFER_GDN_CHECKPOINT_ALIGNMENT, 1
 
 
 def bytes_per_block(groups: Sequence[KVCacheGroup]) -> int:
