@@ -114,12 +114,16 @@ def test_sglang_command_and_fp8_name() -> None:
     assert python.gaps == ()
 
 
-def test_a_hybrid_plan_leaves_the_block_to_vllm_and_turns_prefix_caching_off() -> None:
+def test_a_hybrid_plan_leaves_the_block_to_vllm_and_keeps_its_prefix_caching() -> None:
     data = {**plan_json(kv_cache_memory=2**30, max_model_len=4096),
-            "kv_cache_groups": [{"kind": "mamba"}, {"kind": "full"}], "block_size": 1056}
+            "kv_cache_groups": [{"kind": "mamba"}, {"kind": "full"}], "block_size": 1056,
+            "mamba_cache_mode": "none"}
     out = export_plan(data, "vllm")
     assert "--block-size" not in out.text
     assert "--no-enable-prefix-caching" in out.text
+    # planned with prefix caching (vLLM's default, mamba_cache_mode align): no flag
+    out = export_plan({**data, "mamba_cache_mode": "align"}, "vllm")
+    assert "--block-size" not in out.text and "prefix-caching" not in out.text
 
 
 def test_cli_round_trip_through_serve_plan_json(capsys, tmp_path) -> None:

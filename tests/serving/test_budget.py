@@ -96,7 +96,7 @@ def test_enforce_eager_has_no_graphs_and_graphs_count_per_mode() -> None:
     assert eager.kv_cache_bytes - graphs.kv_cache_bytes == graphs.budget.cuda_graph_bytes
 
 
-def test_profile_run_used_when_installed_else_placeholder(monkeypatch) -> None:
+def test_the_profile_run_gives_the_activation_peak(monkeypatch) -> None:
     calls = []
 
     def fake(config: object, *, max_num_batched_tokens: int, max_num_seqs: int, tp: int,

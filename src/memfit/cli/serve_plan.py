@@ -51,8 +51,8 @@ def register(sub: Any) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="one batch in flight instead of vLLM's default two")
     p.add_argument("--no-prefix-caching", action="store_true",
-                   help="vLLM's --no-enable-prefix-caching (needed for hybrid Mamba models "
-                   "in this version of serve-plan)")
+                   help="vLLM's --no-enable-prefix-caching (a hybrid Mamba model then holds one "
+                   "state page per request, mamba_cache_mode none)")
     p.add_argument("--max-images", metavar="N", help="images per prompt, vLLM's "
                    "--limit-mm-per-prompt '{\"image\": N}' (default 999, vLLM's; 0: no image "
                    "encoder)")

@@ -43,6 +43,9 @@ class ServeSettings:
     mem_fraction_static: float | None = None
     max_num_seqs: int | None = None
     enforce_eager: bool = False
+    prefix_caching: bool = True
+    """False when the plan was made without prefix caching (a hybrid model's
+    ``mamba_cache_mode`` ``none``)."""
 
 
 def _int(data: dict[str, Any], key: str, source: str, *, required: bool = True) -> int | None:
@@ -96,7 +99,8 @@ def serve_settings(data: dict[str, Any], source: str = "plan file") -> ServeSett
         gpu_memory_utilization=_fraction(data, "gpu_memory_utilization", source),
         mem_fraction_static=_fraction(data, "mem_fraction_static", source),
         max_num_seqs=_int(data, "max_num_seqs", source, required=False),
-        enforce_eager=data.get("enforce_eager") is True)
+        enforce_eager=data.get("enforce_eager") is True,
+        prefix_caching=data.get("mamba_cache_mode") != "none")
 
 
 def looks_like_checkpoint(model: str) -> bool:

@@ -41,7 +41,8 @@ def engine_kwargs(s: ServeSettings, notes: list[str]) -> dict[str, Any]:
     if s.hybrid:
         notes.append(f"no --block-size: vLLM grows the attention block to a Mamba state page "
                      f"itself (the plan's {s.block_size})")
-        out["enable_prefix_caching"] = False
+        if not s.prefix_caching:  # planned with mamba_cache_mode none
+            out["enable_prefix_caching"] = False
     elif s.engine == "vllm":  # an SGLang plan's page (--page-size) is not vLLM's block
         out["block_size"] = s.block_size
     out["max_num_batched_tokens"] = s.max_num_batched_tokens

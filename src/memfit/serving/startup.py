@@ -62,8 +62,9 @@ def _activation_peak(config: Mapping[str, Any], engine_version: str, **kw: int
                      ) -> tuple[int, str]:
     """The traced profile run of ``engine_version`` (:mod:`memfit.serving.profile_run`,
     imported here: it imports torch, which the ``--kv-cache-memory`` path never needs)."""
-    from memfit.serving import profile_run
+    import importlib
 
+    profile_run = importlib.import_module("memfit.serving.profile_run")
     return int(profile_run.profile_activation_peak(config, engine_version=engine_version,
                                                    **kw)), "profile_run"
 
