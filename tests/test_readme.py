@@ -127,3 +127,24 @@ def test_each_quoted_run_prints_what_the_readme_says(capsys, monkeypatch, comman
     else:
         row = "total" if verb == "gives" else category
         assert re.search(rf"│ (\[bold\])?{row}\b.*?│ +{re.escape(quote)} │", out), (row, quote)
+
+
+def test_the_serving_example_is_what_serve_plan_prints(capsys, monkeypatch) -> None:
+    """The README's serve-plan example: each line it shows is a line of the real output, in
+    order ("..." stands for the lines left out)."""
+    from memfit.cli import main
+
+    text = README.read_text()
+    section = text[text.index("### Serving: before you rent the GPU"):]
+    shown = re.search(r"```\n\$ (memfit serve-plan [^\n]+)\n(.*?)```", section, re.S)
+    assert shown is not None
+    monkeypatch.setenv("COLUMNS", "100")
+    capsys.readouterr()
+    assert main(shlex.split(shown.group(1))[1:]) == 0
+    out = lines(capsys.readouterr().out)
+    expected = [line for line in lines(shown.group(2)) if line != "..."]
+    assert len(expected) > 8
+    at = 0
+    for line in expected:
+        assert line in out[at:], line
+        at = out.index(line, at) + 1
