@@ -109,6 +109,7 @@ from memfit.serving.budget import (  # noqa: E402
     DEFAULT_ENGINE_VERSION,
     cudagraph_estimate_bytes,
 )
+from memfit.serving.multimodal import multimodal_budget  # noqa: E402
 from memfit.serving.weights import (  # noqa: E402
     QUANT_FORMATS,
     pad_vocab_size,
@@ -390,6 +391,8 @@ def budget_quantities(log: dict[str, Any], models: dict[str, Any], *,
         if fmt is not None and s.get("quant_group_size"):
             fmt = dataclasses.replace(fmt, group_size=s["quant_group_size"])
         pred = weights_from_config(config, tp=tp, dtype_bytes=dtype_bytes, quant=fmt).total
+        mm = multimodal_budget(config, tp=tp, dtype_bytes=dtype_bytes)
+        pred += 0 if mm is None else mm.weights_bytes  # a VLM's vision tower and projector
         q = _exact("weights_gib", pred / GiB, logged["weights_gib"])
         q["llm_d_planner"] = llmd_weight_bytes(config, tp, quant) / GiB
         out["weights_gib"] = q
