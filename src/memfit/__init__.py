@@ -29,6 +29,7 @@ _SOURCES: dict[str, str] = {
     "Parallel": "memfit.parallel",
     "ParamCountSpec": "memfit.models",
     "Plan": "memfit.fitting",
+    "Preemptible": "memfit.preempt",
     "Recipe": "memfit.recipe",
     "RunConfig": "memfit.analytic.config",
     "TransformerSpec": "memfit.models",
@@ -43,6 +44,7 @@ _SOURCES: dict[str, str] = {
     "list_gpus": "memfit.gpus",
     "list_presets": "memfit.models",
     "plan": "memfit.analytic.planner",
+    "preemptible": "memfit.preempt",
     "profile": "memfit.profiling.session",
     "resolve_model": "memfit.models",
     "serve_plan": "memfit.serving",
@@ -61,6 +63,7 @@ __all__ = [
     "Parallel",
     "ParamCountSpec",
     "Plan",
+    "Preemptible",
     "Recipe",
     "RunConfig",
     "TransformerSpec",
@@ -76,6 +79,7 @@ __all__ = [
     "list_gpus",
     "list_presets",
     "plan",
+    "preemptible",
     "profile",
     "resolve_model",
     "serve_plan",
@@ -113,6 +117,7 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.parallel import Parallel
     from memfit.parallel.recipe import trace_recipe
     from memfit.parallel.trace import estimate
+    from memfit.preempt import Preemptible, preemptible
     from memfit.profiling.session import profile
     from memfit.recipe import Recipe
     from memfit.serving import serve_plan
