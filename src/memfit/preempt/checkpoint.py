@@ -1,7 +1,7 @@
 """Survive a preemption: on SIGTERM finish the step, save a resumable checkpoint, exit; resume.
 
 The checkpoint layout (one folder per saved step, in the spirit of torchtitan's
-``CheckpointManager``: ``step-<n>`` folders written with :func:`torch.distributed.checkpoint.save`)::
+``CheckpointManager``: ``step-<n>`` folders written by :func:`torch.distributed.checkpoint.save`)::
 
     DIR/step-000000120/            a complete checkpoint (only these are ever loaded)
         .metadata, __0_0.distcp …  model and optimizer, DCP (sharded under FSDP2: each rank
@@ -22,6 +22,7 @@ atomic rename) is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -29,7 +30,8 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -93,6 +95,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def _single_process_quiet(world: int) -> Iterator[None]:
+    """DCP warns on every single-process save and load that it assumes one process: meant."""
+    with warnings.catch_warnings():
+        if world == 1:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 class Preemptible:
     """Checkpoint a training loop on preemption (SIGTERM) and every so often; resume it.
 
@@ -143,7 +154,8 @@ class Preemptible:
         if not isinstance(model, nn.Module):
             raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         if every_steps is not None and (isinstance(every_steps, bool) or every_steps < 1):
-            raise MemfitError(f"every_steps must be a positive integer or None, got {every_steps!r}")
+            raise MemfitError(f"every_steps must be a positive integer or None, "
+                              f"got {every_steps!r}")
         if every_seconds is not None and not every_seconds > 0:
             raise MemfitError(f"every_seconds must be > 0 or None, got {every_seconds!r} (the "
                               "Young/Daly interval: memfit.spot_plan(...).interval_s)")
@@ -177,6 +189,7 @@ class Preemptible:
         self._previous: dict[int, Any] = {}
         self._last_save_time = time.monotonic()
         self._pending: tuple[Any, Path, Path, int] | None = None
+        self._group: Any = None
 
     # -- the context: signal handlers ------------------------------------------------------------
 
@@ -223,7 +236,7 @@ class Preemptible:
         ``SystemExit(exit_code)``. Returns whether it saved."""
         self.step += 1
         stop, due = self.should_stop(), self._due()
-        rank, world = _dist()
+        world = _dist()[1]
         if world > 1:  # every rank saves and stops at the same step, or none does
             import torch.distributed as dist
 
@@ -292,16 +305,29 @@ class Preemptible:
         torch.save(self._rank_state(), buffer)
         _write_synced(partial / f"rank{rank}.pt", buffer.getvalue())
         states = self._model_and_optim()
-        if self.async_save:
-            self._pending = (dcp.async_save(states, checkpoint_id=partial,
-                                             no_dist=world == 1), partial, final,
-                             self.step)
-        else:
-            dcp.save(states, checkpoint_id=partial, no_dist=world == 1)
-            self._commit(partial, final, self.step)
+        with _single_process_quiet(world):
+            if self.async_save:
+                future = dcp.async_save(states, checkpoint_id=partial, no_dist=world == 1,
+                                        process_group=self._async_group(world))
+                self._pending = (future, partial, final, self.step)
+            else:
+                dcp.save(states, checkpoint_id=partial, no_dist=world == 1)
+                self._commit(partial, final, self.step)
         self.saved_step = self.step
         self._last_save_time = time.monotonic()
         return final
+
+    def _async_group(self, world: int) -> Any:
+        # Note: [async save group] The writer thread's collectives (DCP's plan and metadata
+        # gathers) go over a gloo group of their own, as torchtitan does: on the default group
+        # they would interleave with the training loop's collectives on another thread.
+        if world == 1:
+            return None
+        if self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        return self._group
 
     def _finish_pending(self) -> None:
         if self._pending is None:
@@ -359,7 +385,8 @@ class Preemptible:
                               f"{world}: each rank's RNG state cannot be restored; resume with "
                               f"{saved_world} ranks, or start a new directory")
         states = self._model_and_optim()
-        dcp.load(states, checkpoint_id=folder, no_dist=world == 1)
+        with _single_process_quiet(world):
+            dcp.load(states, checkpoint_id=folder, no_dist=world == 1)
         set_state_dict(self.model, self.optimizer, model_state_dict=states["model"],
                        optim_state_dict=states["optimizer"])
         # our own file, written by save(): it holds NumPy's RNG tuple and user state dicts
