@@ -48,6 +48,7 @@ _SOURCES: dict[str, str] = {
     "profile": "memfit.profiling.session",
     "resolve_model": "memfit.models",
     "serve_plan": "memfit.serving",
+    "spot_plan": "memfit.preempt",
     "trace_recipe": "memfit.parallel.recipe",  # the recipe's techniques, then memfit.estimate
     "watch": "memfit.monitor",
 }
@@ -83,6 +84,7 @@ __all__ = [
     "profile",
     "resolve_model",
     "serve_plan",
+    "spot_plan",
     "trace_recipe",
     "watch",
 ]
@@ -117,7 +119,7 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.parallel import Parallel
     from memfit.parallel.recipe import trace_recipe
     from memfit.parallel.trace import estimate
-    from memfit.preempt import Preemptible, preemptible
+    from memfit.preempt import Preemptible, preemptible, spot_plan
     from memfit.profiling.session import profile
     from memfit.recipe import Recipe
     from memfit.serving import serve_plan

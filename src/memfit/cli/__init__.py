@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         plan,
         profile,
         serve_plan,
+        spot_plan,
         validate,
     )
 
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.register(sub)
     export.register(sub)
     serve_plan.register(sub)
+    spot_plan.register(sub)
     return parser
 
 

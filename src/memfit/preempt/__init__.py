@@ -18,9 +18,13 @@ _SOURCES = {
     "Preemptible": "memfit.preempt.checkpoint",
     "latest_complete": "memfit.preempt.checkpoint",
     "preemptible": "memfit.preempt.checkpoint",
+    "SpotPlan": "memfit.preempt.spot",
+    "spot_plan": "memfit.preempt.spot",
+    "checkpoint_bytes": "memfit.preempt.spot",
 }
 
-__all__ = ["EXIT_PREEMPTED", "Preemptible", "latest_complete", "preemptible"]
+__all__ = ["EXIT_PREEMPTED", "Preemptible", "SpotPlan", "checkpoint_bytes", "latest_complete",
+           "preemptible", "spot_plan"]
 
 
 def __getattr__(name: str) -> Any:
@@ -37,3 +41,4 @@ if TYPE_CHECKING:
         latest_complete,
         preemptible,
     )
+    from memfit.preempt.spot import SpotPlan, checkpoint_bytes, spot_plan
