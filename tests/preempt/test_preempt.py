@@ -25,11 +25,11 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
 
 
-def test_sigterm_mid_step_then_resume_is_bit_exact(tmp_path: Path) -> None:
+def _preempt_and_resume(tmp_path: Path, *device: str) -> None:
     ckpt = tmp_path / "ckpt"
     first = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(ckpt), str(STEPS), str(tmp_path / "never.pt"),
-         "--pause-at", str(STOP_AT)],
+         "--pause-at", str(STOP_AT), *device],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     assert first.stdout is not None
     lines = []
@@ -41,14 +41,14 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(tmp_path: Path) -> None:
     first.send_signal(signal.SIGTERM)
     out, err = first.communicate(timeout=60)
     assert first.returncode == EXIT_PREEMPTED == 143, err
-    # the step in progress finished, was saved, and nothing ran after it
-    assert f"step {STOP_AT}" not in out  # the process exited inside end_step, after saving
-    assert latest_complete(ckpt) is not None and latest_complete(ckpt)[0] == STOP_AT
+    # the step in progress finished and was saved, and the process exited inside end_step
+    assert f"step {STOP_AT}" not in out
+    assert latest_complete(ckpt) == (STOP_AT, ckpt / f"step-{STOP_AT:09d}")
     assert not (tmp_path / "never.pt").exists()
 
     second = subprocess.run(
         [sys.executable, str(SCRIPT), str(ckpt), str(STEPS), str(tmp_path / "resumed.pt"),
-         "--reference", str(tmp_path / "reference.pt")],
+         "--reference", str(tmp_path / "reference.pt"), *device],
         capture_output=True, text=True, env=_env(), timeout=60)
     assert second.returncode == 0, second.stderr
     assert second.stdout.splitlines()[0] == f"resumed {STOP_AT}"
@@ -61,6 +61,19 @@ def test_sigterm_mid_step_then_resume_is_bit_exact(tmp_path: Path) -> None:
     torch.manual_seed(0)
     fresh = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1))
     assert not torch.equal(fresh[0].weight, reference["0.weight"])
+
+
+def test_sigterm_mid_step_then_resume_is_bit_exact(tmp_path: Path) -> None:
+    _preempt_and_resume(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sigterm_then_resume_on_cuda_is_bit_exact(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA RNG (dropout on the GPU) is saved and restored too."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    _preempt_and_resume(tmp_path, "--device", "cuda")
 
 
 def _train(p: memfit.Preemptible, model: nn.Module, opt: torch.optim.Optimizer,
@@ -138,3 +151,36 @@ def test_bad_options_say_what_is_wrong(tmp_path: Path, bad: dict[str, object]) -
     model, opt = _setup()
     with pytest.raises(memfit.MemfitError):
         memfit.preemptible(tmp_path, model=model, optimizer=opt, **bad)  # type: ignore[arg-type]
+
+
+def test_the_next_save_removes_torn_saves(tmp_path: Path) -> None:
+    (tmp_path / "step-000000007.partial").mkdir()
+    model, opt = _setup()
+    with memfit.preemptible(tmp_path, model=model, optimizer=opt, every_seconds=1e-9) as p:
+        _train(p, model, opt, 2)  # every_seconds: due at every step
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["step-000000001", "step-000000002"]
+
+
+def test_scaler_and_guard_state_are_restored(tmp_path: Path) -> None:
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return (m(batch[0]) - batch[1]).pow(2).mean()
+
+    def run(resume_only: bool) -> tuple[torch.amp.GradScaler, memfit.GuardedStep]:
+        model, opt = _setup()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+        guard = memfit.guard(model, opt, loss_fn, micro_batch_size=4, scaler=scaler,
+                             log=False)
+        with memfit.preemptible(tmp_path, model=model, optimizer=opt, scaler=scaler,
+                                guard=guard, every_steps=3) as p:
+            if not resume_only:
+                guard.micro_batch_size = 2  # as if an OOM had halved it
+                for _ in range(3):
+                    guard((torch.randn(4, 4), torch.randn(4, 1)))
+                    p.end_step()
+        return scaler, guard
+
+    scaler, _ = run(resume_only=False)
+    assert scaler.get_scale() == 2.0**13  # grew once a step (growth_interval=1)
+    scaler2, guard2 = run(resume_only=True)
+    assert scaler2.get_scale() == 2.0**13
+    assert (guard2.micro_batch_size, guard2.steps, guard2.history) == (2, 3, [2, 2, 2])

@@ -118,3 +118,22 @@ def test_cli_bad_input_is_one_line_exit_2(argv: list[str],
     assert main(["spot-plan", "--params", "1e9", "--work-hours", "10", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("memfit: error:")
+
+
+def test_spot_plan_imports_no_torch() -> None:
+    """Like `memfit plan --params`, the planner answers from the formulas alone."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import memfit
+
+    code = ("import sys; from memfit.cli import main; "
+            "rc = main(['spot-plan', '--params', '7e9', '--work-hours', '10', "
+            "'--write-bandwidth', '1GB/s', '--gpu', 'h100-80gb', '--json']); "
+            "assert rc == 0 and 'torch' not in sys.modules, sorted(sys.modules)")
+    src = str(Path(memfit.__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": src}, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -14,7 +14,7 @@ Note: [atomic checkpoint] A save writes into ``step-<n>.partial``; DCP's file wr
 file it writes (``sync_files=True``), the per-rank files are fsynced here; after a barrier, rank 0
 writes ``COMPLETE``, fsyncs it and the folder, renames the folder to ``step-<n>`` (``os.replace``:
 atomic on a POSIX file system) and fsyncs the parent. A process killed at any moment leaves either
-a ``.partial`` folder (ignored, removed by the next save of that step) or a complete checkpoint.
+a ``.partial`` folder (never loaded, removed by the next save) or a complete checkpoint.
 Loading takes the highest ``step-<n>`` that holds ``COMPLETE`` (torchtitan keys on DCP's
 ``.metadata`` file the same way); a folder without it (copied by hand, a file system without
 atomic rename) is skipped.
@@ -298,7 +298,8 @@ class Preemptible:
         partial = self.directory / f"step-{self.step:09d}.partial"
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)  # a save of this step killed earlier
+            for torn in self.directory.glob("step-*.partial"):  # saves killed earlier
+                shutil.rmtree(torn, ignore_errors=True)
             partial.mkdir()
         _barrier()
         buffer = io.BytesIO()
