@@ -184,3 +184,23 @@ def test_scaler_and_guard_state_are_restored(tmp_path: Path) -> None:
     scaler2, guard2 = run(resume_only=True)
     assert scaler2.get_scale() == 2.0**13
     assert (guard2.micro_batch_size, guard2.steps, guard2.history) == (2, 3, [2, 2, 2])
+
+
+def test_outside_the_main_thread_it_says_so(tmp_path: Path) -> None:
+    import threading
+
+    model, opt = _setup()
+    errors: list[BaseException] = []
+
+    def enter() -> None:
+        try:
+            with memfit.preemptible(tmp_path, model=model, optimizer=opt):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=enter)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], memfit.MemfitError)
+    assert "main thread" in str(errors[0])

@@ -29,6 +29,7 @@ import random
 import re
 import shutil
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -197,6 +198,10 @@ class Preemptible:
         self.signal_received = signum
 
     def __enter__(self) -> Preemptible:
+        if self.signals and threading.current_thread() is not threading.main_thread():
+            raise MemfitError("memfit.preemptible installs its signal handlers from the main "
+                              "thread only (Python's rule); enter it there, or pass "
+                              "signals=() and stop the loop yourself")
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         try:
