@@ -204,3 +204,18 @@ def test_outside_the_main_thread_it_says_so(tmp_path: Path) -> None:
     thread.join()
     assert len(errors) == 1 and isinstance(errors[0], memfit.MemfitError)
     assert "main thread" in str(errors[0])
+
+
+def test_a_second_signal_goes_to_the_previous_handler(tmp_path: Path) -> None:
+    model, opt = _setup()
+    seen: list[int] = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        with memfit.preemptible(tmp_path, model=model, optimizer=opt,
+                                signals=(signal.SIGUSR1,)) as p:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert p.should_stop() and seen == []  # the first only asks to stop
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert seen == [signal.SIGUSR1]  # the second is the previous handler's
+    finally:
+        signal.signal(signal.SIGUSR1, before)

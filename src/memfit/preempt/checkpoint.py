@@ -195,7 +195,13 @@ class Preemptible:
     # -- the context: signal handlers ------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.signal_received = signum
+        if self.signal_received is None:
+            self.signal_received = signum
+            return
+        # A second signal does what it would have done without us (SIGTERM's default: end the
+        # process): a loop hung in a collective, never reaching end_step, can still be stopped.
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        signal.raise_signal(signum)
 
     def __enter__(self) -> Preemptible:
         if self.signals and threading.current_thread() is not threading.main_thread():
