@@ -29,6 +29,7 @@ _SOURCES: dict[str, str] = {
     "Parallel": "memfit.parallel",
     "ParamCountSpec": "memfit.models",
     "Plan": "memfit.fitting",
+    "Preemptible": "memfit.preempt",
     "Recipe": "memfit.recipe",
     "RunConfig": "memfit.analytic.config",
     "TransformerSpec": "memfit.models",
@@ -44,9 +45,11 @@ _SOURCES: dict[str, str] = {
     "list_presets": "memfit.models",
     "pack": "memfit.serving.pack",
     "plan": "memfit.analytic.planner",
+    "preemptible": "memfit.preempt",
     "profile": "memfit.profiling.session",
     "resolve_model": "memfit.models",
     "serve_plan": "memfit.serving",
+    "spot_plan": "memfit.preempt",
     "trace_recipe": "memfit.parallel.recipe",  # the recipe's techniques, then memfit.estimate
     "watch": "memfit.monitor",
 }
@@ -62,6 +65,7 @@ __all__ = [
     "Parallel",
     "ParamCountSpec",
     "Plan",
+    "Preemptible",
     "Recipe",
     "RunConfig",
     "TransformerSpec",
@@ -78,9 +82,11 @@ __all__ = [
     "list_presets",
     "pack",
     "plan",
+    "preemptible",
     "profile",
     "resolve_model",
     "serve_plan",
+    "spot_plan",
     "trace_recipe",
     "watch",
 ]
@@ -115,6 +121,7 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.parallel import Parallel
     from memfit.parallel.recipe import trace_recipe
     from memfit.parallel.trace import estimate
+    from memfit.preempt import Preemptible, preemptible, spot_plan
     from memfit.profiling.session import profile
     from memfit.recipe import Recipe
     from memfit.serving import serve_plan

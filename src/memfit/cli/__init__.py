@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         profile,
         serve_plan,
         simulate,
+        spot_plan,
         validate,
     )
 
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_plan.register(sub)
     simulate.register(sub)
     pack.register(sub)
+    spot_plan.register(sub)
     return parser
 
 
