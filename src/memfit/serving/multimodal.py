@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.serving.kv_spec import text_config
+from memfit.serving.vision_tower import Tower, gemma3_tower, mistral3_tower, qwen_tower
+from memfit.serving.vision_tower import config_int as _int
 
 __all__ = ["DEFAULT_MM_LIMIT", "DYNAMIC_RESOLUTION", "MULTIMODAL_FAMILIES", "QWEN_MAX_PIXELS",
            "MultimodalBudget", "encoder_peak", "multimodal_budget", "preprocessor_max_pixels",
@@ -216,54 +217,7 @@ def preprocessor_max_pixels(folder: str | Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def _int(data: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
-    for key in keys:
-        value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    if default is None:
-        raise MemfitError(f"the vision_config has no {keys[0]}; pass the checkpoint's full "
-                          "config.json")
-    return default
-
-
-def _div(n: int, tp: int, what: str) -> int:
-    if n % tp:
-        raise MemfitError(f"--tp {tp} does not divide the vision tower's {what} ({n}); vLLM's "
-                          "parallel layers require it (vllm/distributed/utils.py: divide)")
-    return n // tp
-
-
-def _column(n_in: int, n_out: int, tp: int, *, bias: bool, what: str) -> int:
-    """Elements of a ``ColumnParallelLinear`` shard: output features (and bias) / tp."""
-    out = _div(n_out, tp, what)
-    return n_in * out + (out if bias else 0)
-
-
-def _row(n_in: int, n_out: int, tp: int, *, bias: bool, what: str) -> int:
-    """Elements of a ``RowParallelLinear`` shard: input features / tp, the bias whole (added
-    after the all-reduce)."""
-    return _div(n_in, tp, what) * n_out + (n_out if bias else 0)
-
-
-@dataclass(frozen=True)
-class _Tower:
-    """A vision transformer's shapes, as the family's vLLM code builds it."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    patch_elements: int
-    """Pixel values per patch (channels x temporal patch x patch²)."""
-    mlp: str
-    """``held`` (gate_up kept while down runs: Qwen2.5-VL), ``gated`` (gate_up freed after
-    SiluAndMul: Pixtral), ``plain`` (fc1, act, fc2: Qwen2-VL, SigLIP)."""
-    rotary: bool
-    """Rotary embedding on q and k (two more ``patches x hidden/tp`` tensors)."""
-
-
-def encoder_peak(tower: _Tower, *, patches: int, out_rows: int, out_hidden: int, tp: int,
+def encoder_peak(tower: Tower, *, patches: int, out_rows: int, out_hidden: int, tp: int,
                  dtype_bytes: int) -> int:
     """The encoder call's peak on one rank, from the family's vLLM code (see the module
     docstring): pixel values (float32) + the residual stream (2 x ``patches x hidden``) + the
@@ -288,115 +242,6 @@ def encoder_peak(tower: _Tower, *, patches: int, out_rows: int, out_hidden: int,
         mlp = t(h) + max(2 * t(i), t(i) + t(h))
     outputs = _blocks(out_rows * out_hidden * b)
     return pixels + max(stream + max(attention, mlp), outputs)
-
-
-def _qwen(config: Mapping[str, Any], vc: Mapping[str, Any], tp: int,
-          ) -> tuple[_Tower, dict[str, int], int, int]:
-    """Qwen2-VL / Qwen2.5-VL: the tower, its elements per rank, merge size, LM hidden."""
-    family = str(config.get("model_type"))
-    patch = _int(vc, "patch_size", default=14)
-    merge = _int(vc, "spatial_merge_size", default=2)
-    temporal = _int(vc, "temporal_patch_size", default=2)
-    channels = _int(vc, "in_chans", "in_channels", default=3)
-    depth = _int(vc, "depth", "num_hidden_layers")
-    heads = _int(vc, "num_heads", "num_attention_heads")
-    _div(heads, tp, "attention heads")
-    pixels = channels * temporal * patch * patch  # per patch
-    if family == "qwen2_5_vl":
-        h = _int(vc, "hidden_size")
-        inter = _int(vc, "intermediate_size")
-        out = _int(vc, "out_hidden_size", default=_int(text_config(config), "hidden_size"))
-        norm = h  # RMSNorm (qwen2_5_vl.py: Qwen2_5_VisionTransformer, norm_layer)
-        block = (2 * norm
-                 + _column(h, 3 * h, tp, bias=True, what="qkv width")  # QKVParallelLinear
-                 + _row(h, h, tp, bias=True, what="hidden size")  # attn.proj
-                 + _column(h, 2 * inter, tp, bias=True, what="intermediate size")  # gate_up
-                 + _row(inter, h, tp, bias=True, what="intermediate size"))  # down_proj
-        mlp = "held"
-    else:
-        h = _int(vc, "embed_dim")
-        inter = h * _int(vc, "mlp_ratio", default=4)
-        out = _int(vc, "hidden_size", default=_int(text_config(config), "hidden_size"))
-        norm = 2 * h  # LayerNorm, weight and bias (qwen2_vl.py: Qwen2VisionBlock)
-        block = (2 * norm
-                 + _column(h, 3 * h, tp, bias=True, what="qkv width")
-                 + _row(h, h, tp, bias=True, what="hidden size")
-                 + _column(h, inter, tp, bias=True, what="intermediate size")  # fc1
-                 + _row(inter, h, tp, bias=True, what="intermediate size"))  # fc2
-        mlp = "plain"
-    wide = h * merge * merge
-    merger = (norm  # ln_q
-              + _column(wide, wide, tp, bias=True, what="merger width")  # mlp.0
-              + _row(wide, out, tp, bias=True, what="merger width"))  # mlp.2
-    tower = _Tower(hidden=h, intermediate=inter, layers=depth, heads=heads,
-                   patch_elements=pixels, mlp=mlp, rotary=True)
-    patch_embed = pixels * h  # Conv3d, bias=False, replicated
-    return tower, {"vision_tower": patch_embed + depth * block, "projector": merger}, merge, out
-
-
-def _gemma3(config: Mapping[str, Any], vc: Mapping[str, Any], tp: int,
-            ) -> tuple[_Tower, dict[str, int], int, int, int]:
-    """Gemma-3's SigLIP tower (``siglip.py``) and projector (``gemma3_mm.py:
-    Gemma3MultiModalProjector``): the tower, its elements per rank, patches and tokens per
-    image, LM hidden."""
-    h = _int(vc, "hidden_size")
-    inter = _int(vc, "intermediate_size")
-    layers = _int(vc, "num_hidden_layers")
-    heads = _int(vc, "num_attention_heads")
-    patch = _int(vc, "patch_size", default=14)
-    size = _int(vc, "image_size", default=896)
-    channels = _int(vc, "num_channels", default=3)
-    text_hidden = _int(text_config(config), "hidden_size")
-    _div(heads, tp, "attention heads")
-    patches = (size // patch) ** 2
-    embeddings = (channels * patch * patch * h + h  # patch_embedding Conv2d with bias
-                  + patches * h)  # position_embedding (nn.Embedding, replicated)
-    block = (2 * 2 * h  # layer_norm1/2 (LayerNorm)
-             + _column(h, 3 * h, tp, bias=True, what="qkv width")  # qkv_proj
-             + _row(h, h, tp, bias=True, what="hidden size")  # out_proj
-             + _column(h, inter, tp, bias=True, what="intermediate size")  # fc1
-             + _row(inter, h, tp, bias=True, what="intermediate size"))  # fc2
-    tower = embeddings + layers * block + 2 * h  # post_layernorm
-    projector = h * text_hidden + h  # mm_input_projection_weight (nn.Parameter), soft norm
-    tokens = _int(config, "mm_tokens_per_image", default=256)
-    spec = _Tower(hidden=h, intermediate=inter, layers=layers, heads=heads,
-                  patch_elements=channels * patch * patch, mlp="plain", rotary=False)
-    return spec, {"vision_tower": tower, "projector": projector}, patches, tokens, text_hidden
-
-
-def _mistral3(config: Mapping[str, Any], vc: Mapping[str, Any], tp: int,
-              ) -> tuple[_Tower, dict[str, int], int, int, int]:
-    """Mistral-3's Pixtral tower (``pixtral.py: PixtralHFVisionModel``) and projector
-    (``mistral3.py: Mistral3MultiModalProjector``)."""
-    h = _int(vc, "hidden_size")
-    inter = _int(vc, "intermediate_size")
-    layers = _int(vc, "num_hidden_layers")
-    heads = _int(vc, "num_attention_heads")
-    patch = _int(vc, "patch_size", default=14)
-    size = _int(vc, "image_size", default=1024)
-    channels = _int(vc, "num_channels", default=3)
-    merge = _int(config, "spatial_merge_size", default=1)
-    bias = bool(config.get("multimodal_projector_bias", False))
-    text_hidden = _int(text_config(config), "hidden_size")
-    _div(heads, tp, "attention heads")
-    head_dim = _int(vc, "head_dim", default=h // heads)
-    qkv_width = heads * head_dim
-    block = (2 * h  # attention_norm, ffn_norm (RMSNorm)
-             + _column(h, 3 * qkv_width, tp, bias=False, what="qkv width")
-             + _row(qkv_width, h, tp, bias=False, what="attention width")  # o_proj
-             + _column(h, 2 * inter, tp, bias=False, what="intermediate size")  # gate_up
-             + _row(inter, h, tp, bias=False, what="intermediate size"))  # down_proj
-    tower = channels * patch * patch * h + h + layers * block  # patch_conv (no bias), ln_pre
-    projector = (h  # norm (RMSNorm)
-                 + h * merge * merge * h  # patch_merger.merging_layer (nn.Linear, no bias)
-                 + _column(h, text_hidden, tp, bias=bias, what="LM hidden size")  # linear_1
-                 + _row(text_hidden, text_hidden, tp, bias=bias, what="LM hidden size"))
-    side = size // patch  # the dummy image is image_size x image_size
-    tokens = (size // (patch * merge)) ** 2  # PixtralHFEncoderInfo.get_num_image_tokens
-    spec = _Tower(hidden=h, intermediate=inter, layers=layers, heads=heads,
-                  patch_elements=channels * patch * patch, mlp="gated", rotary=True)
-    return spec, {"vision_tower": tower, "projector": projector}, side * side, tokens, \
-        text_hidden
 
 
 def _limit(value: int | None, flag: str) -> int:
@@ -461,7 +306,7 @@ def multimodal_budget(config: Mapping[str, Any], *, tp: int = 1, max_images: int
         max_model_len = model_context_length(config) or max_num_batched_tokens
     modalities: dict[str, tuple[int, int]] = {}  # modality -> (tokens, patches) per item
     if family in DYNAMIC_RESOLUTION:
-        tower, parts, merge, out_hidden = _qwen(config, vc, tp)
+        tower, parts, merge, out_hidden = qwen_tower(config, vc, tp)
         patch = _int(vc, "patch_size", default=14)
         temporal = _int(vc, "temporal_patch_size", default=2)
         pixels = QWEN_MAX_PIXELS if max_pixels is None else max_pixels
@@ -478,7 +323,7 @@ def multimodal_budget(config: Mapping[str, Any], *, tp: int = 1, max_images: int
             size = _int(vc, "image_size", default=896 if family == "gemma3" else 1024)
             raise MemfitError(f"--max-pixels applies to Qwen2-VL and Qwen2.5-VL; {family} "
                               f"resizes every image to {size}x{size} (drop --max-pixels)")
-        build = _gemma3 if family == "gemma3" else _mistral3
+        build = gemma3_tower if family == "gemma3" else mistral3_tower
         tower, parts, patches, per_image, out_hidden = build(config, vc, tp)
         if images:
             modalities["image"] = (per_image, patches)

@@ -319,6 +319,39 @@ def check_mem_fraction_static(mem_fraction_static: float) -> float:
     return float(mem_fraction_static)
 
 
+def _split_tokens(tokens: int, full_layers: list[LayerKV], swa_layers: list[LayerKV], *,
+                  page_size: int, swa_full_tokens_ratio: float) -> tuple[int, int]:
+    """The pool's (full, SWA) tokens: a hybrid model's SWA pool is ``swa_full_tokens_ratio`` of
+    the full one (paged) and must hold one request's window plus a page."""
+    if swa_layers and full_layers:
+        full_tokens = tokens
+        swa_tokens = int(full_tokens * swa_full_tokens_ratio) // page_size * page_size
+        window = max(layer.sliding_window or 0 for layer in swa_layers)
+        if window + page_size >= swa_tokens:
+            raise MemfitError(
+                f"SWA pool ({swa_tokens} tokens) cannot hold one request (sliding window "
+                f"{window} + page {page_size}); SGLang refuses to start "
+                "(MemoryPoolConfigurator.validate_swa_pool_size): raise "
+                "--swa-full-tokens-ratio or the KV budget")
+    elif swa_layers:
+        full_tokens, swa_tokens = 0, tokens
+    else:
+        full_tokens, swa_tokens = tokens, 0
+    return full_tokens, swa_tokens
+
+
+def _mamba_state_bytes(pool: Sequence[LayerKV], slots: int, *,
+                       ssm_dtype_bytes: int) -> tuple[int, int]:
+    """The Mamba / linear-attention state buffers of ``slots`` requests: (conv, ssm) bytes."""
+    conv = ssm = 0
+    for layer in pool:
+        if layer.kind in ("mamba", "linear"):
+            conv_shape, *ssm_shapes = layer.state_shapes
+            conv += slots * math.prod(conv_shape) * 2
+            ssm += slots * sum(math.prod(s) for s in ssm_shapes) * ssm_dtype_bytes
+    return conv, ssm
+
+
 def sglang_kv_tokens(layers: Sequence[LayerKV], *, available_bytes_after_weights: int,
                      total_bytes: int, mem_fraction_static: float, page_size: int = 1,
                      hybrid_swa: bool = False, swa_full_tokens_ratio: float = 0.8,
@@ -386,20 +419,8 @@ def sglang_kv_tokens(layers: Sequence[LayerKV], *, available_bytes_after_weights
                           "SGLang refuses to start: increase --mem-fraction-static")
     full_layers = [layer for layer in pool if layer.kind in ("full", "mla")]
     swa_layers = [layer for layer in pool if layer.kind == "sliding"]
-    if swa_layers and full_layers:
-        full_tokens = tokens
-        swa_tokens = int(full_tokens * swa_full_tokens_ratio) // page_size * page_size
-        window = max(layer.sliding_window or 0 for layer in swa_layers)
-        if window + page_size >= swa_tokens:
-            raise MemfitError(
-                f"SWA pool ({swa_tokens} tokens) cannot hold one request (sliding window "
-                f"{window} + page {page_size}); SGLang refuses to start "
-                "(MemoryPoolConfigurator.validate_swa_pool_size): raise "
-                "--swa-full-tokens-ratio or the KV budget")
-    elif swa_layers:
-        full_tokens, swa_tokens = 0, tokens
-    else:
-        full_tokens, swa_tokens = tokens, 0
+    full_tokens, swa_tokens = _split_tokens(tokens, full_layers, swa_layers, page_size=page_size,
+                                            swa_full_tokens_ratio=swa_full_tokens_ratio)
     if max_running_requests is not None:
         reqs = min(max_running_requests, tokens // 2)
     else:
@@ -417,13 +438,7 @@ def sglang_kv_tokens(layers: Sequence[LayerKV], *, available_bytes_after_weights
 
     full_k, full_v = k_v(rows_full, full_layers) if full_layers else (0, 0)
     swa_k, swa_v = k_v(rows_swa, swa_layers) if swa_layers else (0, 0)
-    conv = ssm = 0
-    for layer in pool:
-        if layer.kind in ("mamba", "linear"):
-            conv_shape, *ssm_shapes = layer.state_shapes
-            conv += (max_mamba + 1) * math.prod(conv_shape) * 2
-            ssm += (max_mamba + 1) * sum(math.prod(s) for s in ssm_shapes) * \
-                mamba_ssm_dtype_bytes
+    conv, ssm = _mamba_state_bytes(pool, max_mamba + 1, ssm_dtype_bytes=mamba_ssm_dtype_bytes)
     return SGLangKVPool(
         cell_size=cell, kv_budget_bytes=kv_budget, max_total_num_tokens=tokens,
         full_tokens=full_tokens, swa_tokens=swa_tokens, page_size=page_size,
