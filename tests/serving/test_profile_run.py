@@ -248,3 +248,33 @@ def test_cli_engine_version(capsys, tmp_path) -> None:
         assert main([*argv[:2], "--gpu", "h100-sxm-80gb", *bad]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "--engine-version" in err
+
+
+def test_a_module_that_does_not_run_at_a_ranks_widths_is_one_line(capsys) -> None:
+    """Qwen2.5-VL's text attention derives head_dim from hidden / heads, so one TP rank's heads
+    (the hidden size kept) do not run: one line naming --activation-peak, exit 2, and the flag
+    plans without the trace."""
+    import json
+
+    from memfit.cli import main
+
+    cfg = {"model_type": "qwen2_5_vl", "hidden_size": 256, "intermediate_size": 512,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 1024, "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+           "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+    with pytest.raises(MemfitError, match="--activation-peak"):
+        profile_activation_peak(cfg, max_num_batched_tokens=64, max_num_seqs=4, tp=2)
+    capsys.readouterr()
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "config.json").write_text(json.dumps(cfg))
+        args = ["serve-plan", d, "--gpu", "h100-sxm-80gb", "--tp", "2", "--max-images", "0",
+                "--max-model-len", "4096"]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--activation-peak" in err
+        assert main([*args, "--activation-peak", "1GiB", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["activation_peak_bytes"] == 2**30 and out["activation_source"] == "given"

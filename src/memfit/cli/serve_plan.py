@@ -34,6 +34,9 @@ def register(sub: Any) -> None:
                    "neither this nor --gpu is given")
     p.add_argument("--quant", help="awq, gptq, fp8, nvfp4 or bnb-4bit (default: the "
                    "checkpoint's quantization_config, else none)")
+    p.add_argument("--activation-peak", metavar="BYTES",
+                   help="the profile run's activation peak, given instead of traced (e.g. the "
+                   "figure a startup log prints)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
     p.add_argument("--max-num-seqs", help="vLLM's scheduler limit (default as `vllm serve` "
                    "for the GPU: 1024 from 70 GiB except A100s, else 256)")
@@ -77,14 +80,14 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _budget(text: str) -> int:
+def _budget(text: str, flag: str = "--kv-cache-memory") -> int:
     from memfit.units import parse_bytes
 
     if text.strip().startswith("-"):
-        raise MemfitError(f"--kv-cache-memory must be a number of bytes >= 0, got {text!r}")
+        raise MemfitError(f"{flag} must be a number of bytes >= 0, got {text!r}")
     if text.strip() == "0":
         return 0
-    return parse_bytes(text, what="--kv-cache-memory")
+    return parse_bytes(text, what=flag)
 
 
 def _utilization(text: str) -> float:
@@ -155,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
         max_images=_count(args.max_images, "--max-images"),
         max_videos=_count(args.max_videos, "--max-videos"),
         max_pixels=positive_int(args.max_pixels, "--max-pixels"),
+        activation_peak_bytes=None if args.activation_peak is None else _budget(
+            args.activation_peak, "--activation-peak"),
         engine_version=args.engine_version or VLLM_VERSION)
     if log is not None:
         from memfit.serving import check_plan

@@ -224,8 +224,11 @@ def _build(cfg: dict[str, Any], dtype: Any) -> Any:
     function the profile run's (:func:`_profile_attention`)."""
     import torch
 
+    from memfit._noise import quiet_imports
+
     try:
-        import transformers
+        with quiet_imports():  # torchao's and transformers' import-time log lines
+            import transformers
     except ImportError:
         raise MemfitError("the profile run's activation peak traces the transformers module: "
                           "pip install 'memfit[hf]'") from None
@@ -403,8 +406,16 @@ def profile_activation_peak(config: Mapping[str, Any], *, max_num_batched_tokens
                                             "ssm_state_size")):
         notes.append("MLA / Mamba / linear-attention widths traced undivided by tp")
 
-    trace = _forward_trace(json.dumps(config, sort_keys=True, default=str),
-                           max_num_batched_tokens, tp, dtype_bytes)
+    try:
+        trace = _forward_trace(json.dumps(config, sort_keys=True, default=str),
+                               max_num_batched_tokens, tp, dtype_bytes)
+    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        # transformers' module of this type did not run with one TP rank's widths (some
+        # classes derive head_dim from hidden / heads and ignore the config's head_dim)
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise MemfitError(f"tracing the profile run of {cfg['model_type']!r} at tp {tp} failed "
+                          f"({first}); pass --activation-peak BYTES (activation_peak_bytes=, "
+                          "e.g. the figure a startup log prints) to plan without it") from None
     candidates = {k: v for k, v, norm in trace.blocks if not norm}
     peak_block = max(candidates, key=lambda k: candidates[k])
     forward = trace.stream + candidates[peak_block]
