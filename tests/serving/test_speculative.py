@@ -145,3 +145,25 @@ def test_cli_eagle_json(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     assert (out["num_gpu_blocks"], out["kv_cache_tokens"]) == (496, 7936)
     assert out["speculative"]["draft_layers"] == 1
+
+
+def test_vllms_own_code_agrees_on_the_eagle_cases() -> None:
+    """bench/serving_vllm_parity.py's EAGLE cases, run through vLLM 0.33.0's planner with the
+    draft layer's spec marked is_draft: no mismatch, and Llama-3-8B at 1 GiB is 496 blocks."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "results" / \
+        "serving-vllm-parity-eagle-cpu-2026-11-27.json"
+    data = json.loads(path.read_text())
+    cols, res = data["case_columns"], data["result_columns"]
+    rows = [dict(zip(cols, r["case"], strict=True)) | {"vllm": dict(zip(res, r["vllm"],
+                                                                         strict=True)),
+                                                        "mismatch": r["mismatch"]}
+            for r in data["rows"]]
+    eagle = [r for r in rows if r["speculative"] == "eagle"]
+    assert len(eagle) == 16 and not any(r["mismatch"] for r in eagle)
+    llama = next(r for r in eagle if (r["model"], r["tp"], r["memory_gib"], r["max_model_len"])
+                 == ("llama-3-8b", 1, 1, None))
+    assert (llama["vllm"]["bytes_per_block"], llama["vllm"]["num_gpu_blocks"],
+            llama["vllm"]["kv_cache_tokens"]) == (33 * PAGE, 496, 7936)
