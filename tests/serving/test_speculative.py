@@ -167,3 +167,12 @@ def test_vllms_own_code_agrees_on_the_eagle_cases() -> None:
                  == ("llama-3-8b", 1, 1, None))
     assert (llama["vllm"]["bytes_per_block"], llama["vllm"]["num_gpu_blocks"],
             llama["vllm"]["kv_cache_tokens"]) == (33 * PAGE, 496, 7936)
+
+
+def test_gpu_budget_is_the_targets_and_says_the_draft_is_left_out() -> None:
+    kw = {"gpu": "h100-80gb", "activation_peak_bytes": GiB, "cuda_graph_bytes": 0}
+    base = serve_plan("llama-3-8b", **kw)
+    p = serve_plan("llama-3-8b", speculative_method="eagle", num_speculative_tokens=2, **kw)
+    assert p.kv_cache_bytes == base.kv_cache_bytes
+    assert p.num_gpu_blocks == p.kv_cache_bytes // (33 * PAGE)
+    assert "not in the startup budget" in p.to_json()["speculative"]["note"]

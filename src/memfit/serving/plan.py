@@ -277,6 +277,9 @@ class ServePlan:
         if self.speculative is not None:
             out["speculative"] = {**self.speculative.to_json(), "draft_layers": sum(
                 layer.draft for layer in self.layers)}
+            if self.budget is not None:
+                out["speculative"]["note"] = ("the draft's weights, activations and CUDA "
+                                              "graphs are not in the startup budget")
         if self.budget is None:
             out["note"] = ("the KV budget is --kv-cache-memory (no profile run): weights, "
                            "activation peak, memory outside torch and CUDA graphs are null")
