@@ -198,7 +198,14 @@ def _memfit_vllm(config: dict[str, Any], log: dict[str, Any], budget: int) -> di
     """memfit's tokens, concurrency and request bytes for a budget of ``budget`` bytes, read
     the way the log's engine version prints them."""
     s, rule = log["settings"], engine_rule(log)
+    method, k = s.get("speculative_method"), s.get("num_speculative_tokens")
+    if method is not None and k is None:
+        # The log does not state K and vLLM has no default for eagle; a full-attention model's
+        # blocks and tokens do not depend on it (tests/serving/test_speculative.py), so K = 1.
+        k = 1
     plan = serve_plan(config, kv_cache_memory=budget, tp=log["tp"],
+                      speculative_method=method, num_speculative_tokens=k,
+                      draft_layers=s.get("draft_layers"),
                       kv_cache_dtype=s.get("kv_cache_dtype", "auto"),
                       block_size=s.get("block_size", 16), max_model_len=s["max_model_len"],
                       max_num_batched_tokens=s.get("max_num_batched_tokens", 8192),

@@ -68,6 +68,10 @@ BLOCK_SIZE = 16
 MAX_NUM_BATCHED_TOKENS = 8192
 SHORT_LEN = 4096
 HYBRID = ("jamba", "nemotron_h", "qwen3_next")
+# An EAGLE head of one decoder layer on these (full grid only): the draft's layer joins the pool
+# (gpt-oss-20b + EAGLE is vLLM's own example of the 1.5x group-size rule, 12 sliding + 13 full)
+EAGLE_MODELS = ("llama-3-8b", "gpt-oss-20b")
+EAGLE_TOKENS = 3
 
 
 def load_models() -> dict[str, dict[str, Any]]:
@@ -116,7 +120,16 @@ def grid(quick: bool = False, models: list[str] | None = None) -> list[dict[str,
                 "kv_cache_memory": int(mem * GiB), "memory_gib": mem,
                 "async_scheduling": async_scheduling, "max_model_len": max_model_len,
                 "max_num_batched_tokens": mnbt, "block_size": block,
-                "prefix_caching": prefix_caching, "gpu": gpu})
+                "prefix_caching": prefix_caching, "gpu": gpu, "speculative": None})
+        if name in EAGLE_MODELS and not quick:
+            for tp, max_model_len, mem in itertools.product(TPS[:2], (None, SHORT_LEN),
+                                                            MEMORY_GIB[:2]):
+                cases.append({
+                    "model": name, "tp": tp, "kv_cache_dtype": "auto",
+                    "kv_cache_memory": int(mem * GiB), "memory_gib": mem,
+                    "async_scheduling": True, "max_model_len": max_model_len,
+                    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "block_size": BLOCK_SIZE,
+                    "prefix_caching": True, "gpu": None, "speculative": "eagle"})
     for i, case in enumerate(cases):
         case["id"] = i
     return cases
@@ -140,7 +153,9 @@ def memfit_side(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 block_size=case["block_size"], max_model_len=case["max_model_len"],
                 max_num_batched_tokens=case["max_num_batched_tokens"],
                 async_scheduling=case["async_scheduling"],
-                prefix_caching=case["prefix_caching"], gpu=case["gpu"])
+                prefix_caching=case["prefix_caching"], gpu=case["gpu"],
+                speculative_method=case.get("speculative"),
+                num_speculative_tokens=EAGLE_TOKENS if case.get("speculative") else None)
         except MemfitError as exc:
             row["error"] = str(exc)
             out.append(row)
@@ -382,6 +397,31 @@ class _VllmSide:
                 out[name] = state_layers[name].get_kv_cache_spec(vc)
         return out
 
+    def eagle_layer(self, vc: Any, specs: dict[str, Any]) -> dict[str, Any]:
+        """An EAGLE head's one decoder layer as vLLM registers it: an ``Attention`` of the
+        target's KV heads and head size, no window (the heads' configs have none), named after
+        the target's layers (``llama_eagle.py``: ``start_layer_id``), its spec marked
+        ``is_draft`` as ``GPUModelRunner.get_kv_cache_spec`` marks a draft layer's. No
+        ``SpeculativeConfig`` is built (it loads the draft checkpoint): for EAGLE on these
+        models it changes no KV figure (``num_prefill_lookahead_tokens`` 1 retains no sliding
+        token; no Mamba layers)."""
+        from dataclasses import replace
+        from types import SimpleNamespace
+
+        from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+        from vllm.v1.attention.backend import AttentionType
+
+        mc, pc, cc = vc.model_config, vc.parallel_config, vc.cache_config
+        head = mc.get_head_size()
+        layer = SimpleNamespace(
+            attn_type=AttentionType.DECODER, kv_cache_dtype=cc.cache_dtype, sliding_window=None,
+            attn_backend=self.backend, num_kv_heads=mc.get_num_kv_heads(pc), head_size=head,
+            head_size_v=head, kv_cache_torch_dtype=kv_cache_dtype_str_to_dtype(cc.cache_dtype,
+                                                                                mc))
+        spec = replace(Attention.get_kv_cache_spec(layer, vc), is_draft=True)
+        return {f"model.layers.{len(self.layer_kinds(vc))}.self_attn.attn": spec}
+
     def run(self, case: dict[str, Any]) -> dict[str, Any]:
         from vllm.v1.attention.backends.utils import (
             get_supported_kv_cache_layouts,
@@ -404,6 +444,8 @@ class _VllmSide:
             if vc.model_config.is_hybrid:  # Platform.update_block_size_for_backend, phase 2
                 self.platform._align_hybrid_block_size(vc, self.backend)
             specs = self.specs(vc, state_layers)
+            if case.get("speculative") == "eagle":
+                specs.update(self.eagle_layer(vc, specs))
         except Exception as exc:  # vLLM refuses the configuration
             row["error"] = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
             return row
@@ -530,7 +572,7 @@ def table(records: list[dict[str, Any]]) -> str:
 
 CASE_COLUMNS = ("model", "tp", "kv_cache_dtype", "block_size", "async_scheduling",
                 "max_model_len", "max_num_batched_tokens", "memory_gib", "prefix_caching",
-                "gpu")
+                "gpu", "speculative")
 RESULT_COLUMNS = ("max_model_len", "block_size", "bytes_per_block", "num_gpu_blocks",
                   "kv_cache_tokens", "max_concurrency", "fits", "max_model_len_that_fits")
 

@@ -63,6 +63,18 @@ def register(sub: Any) -> None:
                    "default 999, vLLM's)")
     p.add_argument("--max-pixels", metavar="P", help="pixels of the largest image (Qwen2-VL/"
                    "2.5-VL's mm_processor_kwargs max_pixels; default the checkpoint's)")
+    p.add_argument("--speculative-method",
+                   choices=("eagle", "eagle3", "mtp", "ngram", "draft_model"),
+                   help="vLLM's speculative_config method: the draft's layers share the KV pool "
+                   "(ngram adds none)")
+    p.add_argument("--num-speculative-tokens", metavar="K",
+                   help="draft tokens per step (required but for mtp, whose default is the "
+                   "model's num_nextn_predict_layers); K state pages more per Mamba layer")
+    p.add_argument("--draft-layers", metavar="N",
+                   help="eagle/eagle3: the head's decoder layers, of the target's attention "
+                   "shape (default 1)")
+    p.add_argument("--draft-model", metavar="MODEL",
+                   help="draft_model: the draft's config.json, hub id or preset")
     p.add_argument("--engine-version",
                    help="the vLLM release whose startup rules size the budget: 0.33.0 "
                    "(default), 0.11.0, 0.7.3 or 0.6.4.post1 (the profile run's sampler, the "
@@ -116,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "sglang":
         from memfit.cli.serve_plan_sglang import run_sglang
 
+        if args.speculative_method is not None:
+            raise MemfitError("--speculative-method is modelled for vLLM only; drop it or "
+                              "pass --engine vllm")
         if args.engine_version is not None:
             raise MemfitError("--engine-version picks a vLLM release; serve-plan models "
                               "SGLang's pool at one version (drop --engine-version)")
@@ -160,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
         max_pixels=positive_int(args.max_pixels, "--max-pixels"),
         activation_peak_bytes=None if args.activation_peak is None else _budget(
             args.activation_peak, "--activation-peak"),
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=positive_int(args.num_speculative_tokens,
+                                            "--num-speculative-tokens"),
+        draft_layers=positive_int(args.draft_layers, "--draft-layers"),
+        draft_model=args.draft_model,
         engine_version=args.engine_version or VLLM_VERSION)
     if log is not None:
         from memfit.serving import check_plan

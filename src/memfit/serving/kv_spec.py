@@ -92,6 +92,9 @@ class LayerKV:
     state_shapes: tuple[tuple[int, ...], ...] = ()
     state_dtype_bytes: tuple[int, ...] = ()
     shares_with: int | None = None
+    draft: bool = False
+    """A speculative draft's layer (vLLM's ``KVCacheSpec.is_draft``): same pool, grouped like
+    the target's layers (:mod:`memfit.serving.speculative`)."""
 
     @property
     def bytes_per_token(self) -> int:

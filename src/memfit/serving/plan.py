@@ -25,6 +25,8 @@ from memfit.serving.kv_spec import (
     model_context_length,
     text_config,
 )
+from memfit.serving.speculative import SpeculativeDecoding, speculative_decoding
+from memfit.serving.speculative import draft_layers as draft_layer_kv
 from memfit.serving.startup import startup_budget
 from memfit.serving.vllm import (
     VLLM_SOURCE,
@@ -120,6 +122,7 @@ def load_config(model: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, A
 def vllm_layer_specs(layers: list[LayerKV], *, block_size: int, max_model_len: int,
                      mamba_page_padded: int | None = None,
                      mamba_block_size: int | None = None, checkpoint_blocks: int = 0,
+                     speculative_blocks: int = 0, extra_retained_tokens: int = 0,
                      ) -> tuple[list[int], list[EngineLayerSpec]]:
     """The layers vLLM allocates cache for and their specs
     (``vllm/v1/worker/gpu_model_runner.py: GPUModelRunner.get_kv_cache_spec``): a layer with
@@ -131,7 +134,9 @@ def vllm_layer_specs(layers: list[LayerKV], *, block_size: int, max_model_len: i
     (``MambaBase.get_kv_cache_spec``) of ``mamba_block_size`` tokens, by default
     ``max_model_len`` (``vllm/model_executor/models/config.py: MambaModelConfig``, without
     prefix caching; with it, the attention block size), with ``checkpoint_blocks`` prefill
-    checkpoint pages."""
+    checkpoint pages and ``speculative_blocks`` draft-token pages; a sliding layer keeps
+    ``extra_retained_tokens`` more (multi-module MTP). A speculative draft's layers
+    (``LayerKV.draft``) get specs like the target's (:mod:`memfit.serving.speculative`)."""
     indices, specs = [], []
     for layer in layers:
         if layer.kind == "shared":
@@ -140,14 +145,17 @@ def vllm_layer_specs(layers: list[LayerKV], *, block_size: int, max_model_len: i
             spec = EngineLayerSpec(kind="mamba", block_size=mamba_block_size or max_model_len,
                                    state_bytes=layer.state_bytes,
                                    page_size_padded=mamba_page_padded,
-                                   checkpoint_blocks=checkpoint_blocks)
+                                   checkpoint_blocks=checkpoint_blocks,
+                                   speculative_blocks=speculative_blocks)
         else:
             kind: SpecKind = "mla" if layer.kind == "mla" else \
                 "sliding" if layer.kind == "sliding" else "full"
             spec = EngineLayerSpec(kind=kind, block_size=block_size,
                                    num_kv_heads=layer.num_kv_heads, head_size=layer.head_size,
                                    head_size_v=layer.head_size_v, dtype_bytes=layer.dtype_bytes,
-                                   sliding_window=layer.sliding_window)
+                                   sliding_window=layer.sliding_window,
+                                   extra_retained_tokens=extra_retained_tokens
+                                   if kind == "sliding" else 0)
         indices.append(layer.index)
         specs.append(spec)
     return indices, specs
@@ -195,6 +203,8 @@ class ServePlan:
     mamba_cache_mode: MambaCacheMode | None = None
     """A hybrid model's ``mamba_cache_mode``: ``align`` with prefix caching, ``none`` without
     (None: no Mamba layers)."""
+    speculative: SpeculativeDecoding | None = None
+    """Speculative decoding's settings (None: off); its draft layers are in ``layers``."""
     source: str = VLLM_SOURCE
 
     @property
@@ -264,6 +274,12 @@ class ServePlan:
         }
         if self.mamba_cache_mode is not None:
             out["mamba_cache_mode"] = self.mamba_cache_mode
+        if self.speculative is not None:
+            out["speculative"] = {**self.speculative.to_json(), "draft_layers": sum(
+                layer.draft for layer in self.layers)}
+            if self.budget is not None:
+                out["speculative"]["note"] = ("the draft's weights, activations and CUDA "
+                                              "graphs are not in the startup budget")
         if self.budget is None:
             out["note"] = ("the KV budget is --kv-cache-memory (no profile run): weights, "
                            "activation peak, memory outside torch and CUDA graphs are null")
@@ -330,6 +346,9 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
                async_scheduling: bool = True, prefix_caching: bool = True,
                max_images: int | None = None, max_videos: int | None = None,
                max_pixels: int | None = None,
+               speculative_method: str | None = None,
+               num_speculative_tokens: int | None = None, draft_layers: int | None = None,
+               draft_model: str | Path | Mapping[str, Any] | None = None,
                engine_version: str = VLLM_VERSION) -> ServePlan:
     """vLLM's KV pool for ``model`` on each GPU of the TP group: from ``kv_cache_memory``
     bytes (vLLM's ``--kv-cache-memory``: no profile run), else from ``gpu``'s memory and
@@ -352,6 +371,12 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
     ``gpu``'s compute capability, Hopper without one).
     ``max_images`` / ``max_videos`` / ``max_pixels`` size a vision-language model's encoder
     (:mod:`memfit.serving.multimodal`). Bad input raises MemfitError (one line).
+
+    ``speculative_method`` (``eagle`` / ``eagle3`` / ``mtp`` / ``ngram`` / ``draft_model``)
+    with ``num_speculative_tokens`` adds the draft's layers to the pool (``draft_layers``
+    EAGLE layers of the target's shape, default 1; MTP's ``num_nextn_predict_layers``; a
+    ``draft_model``'s own config) and ``K`` state pages per request to Mamba layers
+    (:mod:`memfit.serving.speculative`, where each rule's source is cited).
 
     ``engine_version`` (``--engine-version``; :data:`memfit.serving.budget.ENGINE_VERSIONS`,
     others refused) picks the startup budget's version rules: the profile run's sampler, the
@@ -382,6 +407,18 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
     max_num_seqs = _positive(max_num_seqs or seqs_default, "--max-num-seqs")
     name, config = load_config(model)
     layers = kv_spec(config, tp=tp, kv_cache_dtype=kv_cache_dtype)
+    speculative = None
+    if speculative_method is not None:
+        speculative = speculative_decoding(speculative_method, num_speculative_tokens, config,
+                                           max_num_batched_tokens)
+        layers += draft_layer_kv(
+            speculative, layers, config, num_draft_layers=draft_layers, tp=tp,
+            kv_cache_dtype=kv_cache_dtype,
+            draft_config=None if draft_model is None else load_config(draft_model)[1])
+    elif num_speculative_tokens is not None or draft_layers is not None or \
+            draft_model is not None:
+        raise MemfitError("--num-speculative-tokens, --draft-layers and --draft-model need "
+                          "--speculative-method eagle|eagle3|mtp|ngram|draft_model")
     if block_size is None:  # vLLM's: the attention backend's preferred size on this GPU
         from memfit.runtime import compute_capability_for
 
@@ -437,7 +474,11 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
     indices, specs = vllm_layer_specs(layers, block_size=block_size, max_model_len=max_model_len,
                                       mamba_page_padded=mamba_padded,
                                       mamba_block_size=mamba_block,
-                                      checkpoint_blocks=checkpoint_blocks)
+                                      checkpoint_blocks=checkpoint_blocks,
+                                      speculative_blocks=0 if speculative is None
+                                      else speculative.num_speculative_tokens,
+                                      extra_retained_tokens=0 if speculative is None
+                                      else speculative.extra_retained_tokens)
     groups = kv_cache_groups(indices, specs)
     budget = None
     if kv_cache_memory is None:
@@ -473,4 +514,4 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
             groups, kv_cache_memory, context or max_model_len, max_in_flight_tokens=in_flight,
             mamba_cache_mode=mode),
         model_context=context, max_num_seqs=max_num_seqs, budget=budget,
-        concurrency=wanted, mamba_cache_mode=mamba_mode)
+        concurrency=wanted, mamba_cache_mode=mamba_mode, speculative=speculative)

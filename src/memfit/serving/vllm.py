@@ -24,7 +24,7 @@ worker (no pipeline parallelism):
 
 Known limitations: no pipeline or decode-context parallelism (one worker's layers), no
 ``num_gpu_blocks_override``, no ``--disable-hybrid-kv-cache-manager``, no chunked-local
-(Llama-4) attention, no speculative-decoding draft layers, no per-token-head or nvfp4 KV, no
+(Llama-4) attention, no per-token-head or nvfp4 KV, no
 hisparse host pool. Mixed page sizes follow ``unify_kv_cache_spec_page_size`` (a layer-outer KV
 layout); a block-outermost layout packs them instead (``_get_packed_kv_cache_groups``), which
 is not modelled. Kernel block-stride alignment is taken as 1 byte (the case when the backend
@@ -92,6 +92,12 @@ class EngineLayerSpec:
     (:func:`mamba_prefill_checkpoints`)."""
     page_size_padded: int | None = None
     """A page padded up to another spec's page (``unify_kv_cache_spec_page_size``), or None."""
+    speculative_blocks: int = 0
+    """``mamba``: ``MambaSpec.num_speculative_blocks``, ``num_speculative_tokens`` state pages
+    more per request under speculative decoding (:mod:`memfit.serving.speculative`)."""
+    extra_retained_tokens: int = 0
+    """``sliding``: ``SlidingWindowSpec.extra_retained_tokens``, tokens kept below the window
+    for multi-module MTP's re-prefill (``K - 1``; else 0)."""
 
     @property
     def real_page_size_bytes(self) -> int:
@@ -119,19 +125,22 @@ class EngineLayerSpec:
         - full / MLA (``FullAttentionSpec.max_memory_usage_bytes``):
           ``cdiv(max_model_len, block_size) x page``;
         - sliding (``SlidingWindowSpec.max_admission_blocks_per_request``):
-          ``(cdiv(min(window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1)
-          x page`` (the window need not start at a block boundary);
-        - Mamba (``MambaSpec.max_memory_usage_bytes``): one page; with ``mamba_cache_mode``
-          ``align``, ``2 + checkpoint_blocks`` pages (the running state, the last block
-          boundary's, and a prefill checkpoint's; no speculative blocks).
+          ``(cdiv(min(window - 1 + extra_retained + max_in_flight_tokens, max_model_len),
+          block_size) + 1) x page`` (the window need not start at a block boundary);
+        - Mamba (``MambaSpec.max_memory_usage_bytes``): ``1 + speculative_blocks`` pages; with
+          ``mamba_cache_mode`` ``align``, ``2 + speculative_blocks + checkpoint_blocks`` (the
+          running state, the last block boundary's, one per draft token, and a prefill
+          checkpoint's).
         """
         page = self.page_size_bytes
         if self.kind == "sliding":
             assert self.sliding_window is not None
-            tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+            tokens = min(self.sliding_window - 1 + self.extra_retained_tokens
+                         + max_in_flight_tokens, max_model_len)
             return (cdiv(tokens, self.block_size) + 1) * page
         if self.kind == "mamba":
-            return page * (2 + self.checkpoint_blocks if mamba_cache_mode == "align" else 1)
+            base = 2 + self.checkpoint_blocks if mamba_cache_mode == "align" else 1
+            return page * (base + self.speculative_blocks)
         return cdiv(max_model_len, self.block_size) * page
 
     def same_type(self, other: EngineLayerSpec) -> bool:
