@@ -3,7 +3,7 @@
     python bench/serving_published.py [--only ID_SUBSTRING] [--activation-in ID_SUBSTRING]
                                       [--out PATH] [--no-write]
 
-The logs live in ``bench/published/serving_logs.json``: ``models`` holds each model's
+The logs live in ``bench/published/serving/logs.json``: ``models`` holds each model's
 transformers config (the fields the KV layout needs, with the ``config.json`` it comes from;
 nothing is downloaded), ``logs`` one entry per startup log with its source (``url``, or
 ``repo`` + ``path`` + ``commit``), the ``quote`` (the engine's lines, verbatim), the engine and
@@ -100,7 +100,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-LOGS_FILE = HERE / "published" / "serving_logs.json"
+LOGS_FILE = HERE / "published" / "serving" / "logs.json"
 RESULTS_DIR = HERE / "results"
 sys.path.insert(0, str(HERE.parent / "src"))
 

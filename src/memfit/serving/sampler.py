@@ -178,7 +178,7 @@ def _sort_sampler_peak(version: EngineVersion, *, vocab_size: int, hidden_size: 
     follows (the softmax, V0's log-softmax, the exponential noise).
 
     0.11 takes that path in ``TopKTopPSampler.forward_native``, which it uses when FlashInfer is
-    not importable (``pip install vllm`` does not install it: it is the ``flashinfer`` extra) or
+    not importable (installing vLLM alone does not bring it: it is the ``flashinfer`` extra) or
     ``VLLM_USE_FLASHINFER_SAMPLER=0``; with FlashInfer (``forward_cuda``:
     ``top_k_top_p_sampling_from_logits``, no sort) the phase is lower. V0 uses FlashInfer only
     with ``VLLM_USE_FLASHINFER_SAMPLER=1``.
