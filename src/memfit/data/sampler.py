@@ -102,9 +102,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         max_batch_size: an upper bound on any batch's size, whatever the budget allows.
         bucket_size: samples sorted together; larger buckets pad less but mix lengths less
             across batches. Default: ``100 x`` the capacity at the median length, at least 1.
-        num_replicas, rank: the DDP world size and this rank (default: from
-            ``torch.distributed`` when initialised, else 1 and 0).
-        shuffle, seed, drop_last: as ``torch.utils.data.DistributedSampler``.
+        num_replicas: the DDP world size (default: ``torch.distributed``'s when initialised,
+            else 1).
+        rank: this rank (default: ``torch.distributed``'s when initialised, else 0).
+        shuffle: shuffle the samples (then the batches) each epoch, as DistributedSampler.
+        seed: the epoch's generator is seeded ``seed + epoch``; the same on every rank.
+        drop_last: drop the tail of batches that does not divide by ``num_replicas`` instead of
+            padding it by repeating the first batches (as DistributedSampler, on batches).
         baseline_batch_size: the fixed batch size :meth:`stats` compares with.
 
     Known limitations: see the module docstring.
