@@ -163,6 +163,10 @@ def test_memory_budget_capacity_by_hand() -> None:
     # cost = 100 + 10 b s: under 1000 bytes, length 8 holds b <= 11.25 -> 11; length 30 -> 3
     sampler = TokenBudgetBatchSampler([8, 30], max_bytes=1000, cost=lambda b, s: 100 + 10 * b * s)
     assert sampler.capacity(8) == 11 and sampler.capacity(30) == 3 and sampler.capacity(91) == 0
+    for cap, expected in [(5, 5), (11, 11), (12, 11), (20, 11), (1, 1)]:  # max_batch_size caps
+        capped = TokenBudgetBatchSampler([8, 30], max_bytes=1000, max_batch_size=cap,
+                                         cost=lambda b, s: 100 + 10 * b * s)
+        assert capped.capacity(8) == expected, cap
 
 
 # -- the memory budget holds a real training step --------------------------------------------------

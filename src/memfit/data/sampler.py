@@ -1,7 +1,7 @@
 """Batches of variable-length samples under a token or memory budget, with DDP's semantics.
 
 >>> sampler = TokenBudgetBatchSampler([5, 3, 8, 2, 7], max_tokens=16, shuffle=False)
->>> list(sampler)  # each batch padded to its longest: 3 x 3, 2 x 7 (bucket sorted by length)
+>>> list(sampler)  # lengths 2, 3, 5 padded to 3 x 5 = 15 tokens; 7, 8 to 2 x 8 = 16
 [[3, 1, 0], [4, 2]]
 >>> loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=pad)
 
