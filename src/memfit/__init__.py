@@ -32,6 +32,7 @@ _SOURCES: dict[str, str] = {
     "Preemptible": "memfit.preempt",
     "Recipe": "memfit.recipe",
     "RunConfig": "memfit.analytic.config",
+    "TokenBudgetBatchSampler": "memfit.data",
     "TransformerSpec": "memfit.models",
     "apply_recipe": "memfit.fitting.apply",
     "build_model": "memfit.models.build",
@@ -68,6 +69,7 @@ __all__ = [
     "Preemptible",
     "Recipe",
     "RunConfig",
+    "TokenBudgetBatchSampler",
     "TransformerSpec",
     "__version__",
     "apply_recipe",
@@ -110,6 +112,7 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.analytic.planner import MemoryPlan, plan
     from memfit.batch_size import find_batch_size
     from memfit.categories import MemoryCategory
+    from memfit.data import TokenBudgetBatchSampler
     from memfit.errors import MemfitError
     from memfit.fitting import Plan, fit
     from memfit.fitting.apply import apply_recipe
