@@ -219,13 +219,17 @@ def test_a_real_training_step_stays_under_the_memory_budget() -> None:
         return measure_cpu_peak(loop, model, opt).peak_bytes
 
     peak = train_on(epoch(sampler))
-    assert peak <= budget, (peak, budget)
+    # The trace predicts a CPU step to within a few KiB whatever the CPU's kernels (fit's
+    # plans: 5-17 KB under, docs/status.md); 16 KiB of slack keeps this check off one
+    # machine's oneDNN scratch while the over-capacity batch below is 100+ KiB over.
+    slack = 16 * 1024
+    assert peak <= budget + slack, (peak, budget)
     assert peak > 0.9 * budget  # the budget is used, not merely respected
     # one sample more than the capacity at the longest length breaks it, measured
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     over = train_on([[longest] * (sampler.capacity(lengths[longest]) + 1)])
     print(f"budget {budget} measured peak {peak} one sample over capacity {over}")
-    assert over > budget
+    assert over > budget + slack
 
 
 def test_a_dataloader_yields_padded_batches_within_the_budget() -> None:
