@@ -41,6 +41,9 @@ def register(sub: Any) -> None:
                    help="quantizations to try: none, fp8, awq, gptq, ... (default none,fp8)")
     p.add_argument("--max-model-len", help="vLLM's --max-model-len (default: the model's "
                    "context)")
+    p.add_argument("--activation-peak", metavar="BYTES",
+                   help="the profile run's activation peak, given instead of traced (as "
+                   "serve-plan's; the same on every GPU)")
     p.add_argument("--prices", metavar="FILE", help="JSON or YAML prices overriding the "
                    "catalog's: {gpu: {price_per_hour, source, date}}")
     p.add_argument("--max-price-age-days", default="365",
@@ -73,6 +76,7 @@ def _list(text: str, flag: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.cli.serve_plan import _budget
     from memfit.serving.rightsize import rightsize_serving
 
     try:
@@ -94,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
         quant=[q.lower() for q in _list(args.quant, "--quant")], prices=args.prices,
         max_price_age_days=age,
         max_model_len=positive_int(args.max_model_len, "--max-model-len"),
-        num_requests=positive_int(args.num_requests, "--num-requests") or 200)
+        num_requests=positive_int(args.num_requests, "--num-requests") or 200,
+        activation_peak_bytes=None if args.activation_peak is None else _budget(
+            args.activation_peak, "--activation-peak"))
     if args.json:
         print_json(result.to_json())
         return 0
