@@ -243,9 +243,9 @@ def _check(qps: float, prompt_tokens: int, output_tokens: int, ttft: float | Non
                         ("num_requests", num_requests), ("max_replicas", max_replicas)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise MemfitError(f"{flag} must be an integer >= 1, got {value!r}")
-    for flag, value in (("--p95-ttft", ttft), ("--p95-tpot", tpot)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise MemfitError(f"{flag} must be a time > 0, got {value!r}")
+    for flag, target in (("--p95-ttft", ttft), ("--p95-tpot", tpot)):
+        if target is not None and not (math.isfinite(target) and target > 0):
+            raise MemfitError(f"{flag} must be a time > 0, got {target!r}")
 
 
 def _closest(skipped: Sequence[Skipped], ttft: float | None, tpot: float | None) -> str:
@@ -259,9 +259,10 @@ def _closest(skipped: Sequence[Skipped], ttft: float | None, tpot: float | None)
                    (s.p95_tpot_s or 0) / tpot if tpot else 0)
 
     best = min(near, key=ratio)
+    ttft_text = f"{(best.p95_ttft_s or 0) * 1e3:.1f} ms"
     tp_text = "-" if best.p95_tpot_s is None else f"{best.p95_tpot_s * 1e3:.1f} ms"
     return (f"no configuration meets the latency targets; the closest is {best.gpu} tp"
-            f"{best.tp} {best.quant} ({best.reason}): p95 TTFT {best.p95_ttft_s * 1e3:.1f} ms, "
+            f"{best.tp} {best.quant} ({best.reason}): p95 TTFT {ttft_text}, "
             f"p95 TPOT {tp_text}; relax --p95-ttft / --p95-tpot or add GPUs")
 
 
