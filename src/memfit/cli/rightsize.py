@@ -117,7 +117,7 @@ def render(out: dict[str, Any], args: argparse.Namespace, seconds: float) -> Non
                   f"{args.output_tokens} tokens, ranked by cost (* Pareto: cost vs p95 latency)")
     table.add_column("")
     name_column(table, "GPU")
-    for header in ("TP", "quant", "replicas", "$/h", "$/M out", "$/M all", "TTFT ms",
+    for header in ("TP", "quant", "reps", "$/h", "$/M out", "$/M all", "TTFT ms",
                    "TPOT ms", "KV tokens", "price date"):
         table.add_column(header, justify="left" if header in ("quant", "price date")
                          else "right")
@@ -132,8 +132,6 @@ def render(out: dict[str, Any], args: argparse.Namespace, seconds: float) -> Non
                       f"{c['usd_per_million_tokens']:,.3f}",
                       f"{c['usd_per_million_total_tokens']:,.3f}", ms(c["p95_ttft_s"]),
                       ms(c["p95_tpot_s"]), f"{c['kv_cache_tokens']:,}", date)
-    table.caption = "TTFT, TPOT: p95 of the simulated requests; $/M: per million output tokens " \
-        "(out) or prompt + output tokens (all)"
     print_table(table, drop=("price date", "KV tokens", "$/M all"), out=con)
     if out["skipped"]:
         con.print(f"skipped ({len(out['skipped'])}):")
@@ -141,6 +139,8 @@ def render(out: dict[str, Any], args: argparse.Namespace, seconds: float) -> Non
             p95 = "" if s["p95_ttft_s"] is None else \
                 f" (best p95 TTFT {ms(s['p95_ttft_s'])} ms, TPOT {ms(s['p95_tpot_s'])} ms)"
             con.print(f"  {s['gpu']} tp{s['tp']} {s['quant']}: {s['reason']}{p95}")
+    con.print("reps: replicas of TP GPUs each; TTFT, TPOT: p95 of the simulated requests; $/M: "
+              "per million output tokens (out) or prompt + output tokens (all)")
     con.print(f"{out['num_requests']} seeded Poisson requests simulated per replica count; "
               f"roofline step times (no TP all-reduce); prices: each row's date; searched in "
               f"{seconds:.1f} s")

@@ -289,6 +289,7 @@ def rightsize_serving(model: str | Path | Mapping[str, Any], *, qps: float, prom
     """
     import time
 
+    from memfit.gpus import get_gpu
     from memfit.serving.plan import load_config, serve_plan
 
     started = time.perf_counter()
@@ -318,6 +319,9 @@ def rightsize_serving(model: str | Path | Mapping[str, Any], *, qps: float, prom
                     skip("no price (pass --prices FILE)")
                     continue
                 fmt = None if q == "none" else q
+                if get_gpu(name, gpu_file).vendor not in ("nvidia", "custom"):
+                    skip("serve_plan models vLLM on CUDA GPUs only")
+                    continue
                 try:
                     plan = serve_plan(model, gpu=name, tp=size, quant=fmt,
                                       max_model_len=max_model_len,
