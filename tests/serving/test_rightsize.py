@@ -210,3 +210,16 @@ def test_cli_unknown_gpu_in_the_prices_file(capsys: pytest.CaptureFixture[str],
     code, _, err = _cli(capsys, toy_config, "--serve", "--qps", "5", "--prompt-tokens", "16",
                         "--output-tokens", "4", "--prices", str(prices))
     assert code == 2 and "unknown GPU 'h999'" in err and err.count("\n") == 1, err
+
+
+def test_a_gpu_without_a_price_is_skipped_with_the_reason() -> None:
+    result = _size(gpus=["toy-gpu-8gb", "v100-sxm2-16gb"])  # the catalog has no V100 price
+    assert [c.gpu for c in result.candidates] == ["toy-gpu-8gb"]
+    (s,) = result.skipped
+    assert (s.gpu, s.reason) == ("v100-sxm2-16gb", "no price (pass --prices FILE)")
+
+
+def test_the_search_stops_at_max_replicas() -> None:
+    # 0.5 s needs more than 5 replicas (the Lindley recursion above): at most 4 it misses
+    with pytest.raises(MemfitError, match=r"misses the latency target at 4 replicas"):
+        _size(p95_ttft_s=0.5, max_replicas=4)
