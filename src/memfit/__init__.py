@@ -49,6 +49,7 @@ _SOURCES: dict[str, str] = {
     "preemptible": "memfit.preempt",
     "profile": "memfit.profiling.session",
     "resolve_model": "memfit.models",
+    "rightsize_serving": "memfit.serving.rightsize",
     "serve_plan": "memfit.serving",
     "spot_plan": "memfit.preempt",
     "trace_recipe": "memfit.parallel.recipe",  # the recipe's techniques, then memfit.estimate
@@ -87,6 +88,7 @@ __all__ = [
     "preemptible",
     "profile",
     "resolve_model",
+    "rightsize_serving",
     "serve_plan",
     "spot_plan",
     "trace_recipe",
@@ -129,4 +131,5 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.recipe import Recipe
     from memfit.serving import serve_plan
     from memfit.serving.pack import pack
+    from memfit.serving.rightsize import rightsize_serving
     from memfit.trace import Estimate

@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         pack,
         plan,
         profile,
+        rightsize,
         serve_plan,
         simulate,
         spot_plan,
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.register(sub)
     pack.register(sub)
     spot_plan.register(sub)
+    rightsize.register(sub)
     return parser
 
 
