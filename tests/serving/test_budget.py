@@ -220,3 +220,13 @@ def test_folder_weights_come_from_the_headers(tmp_path) -> None:
     assert p.budget.weights_parts["embedding"] == p.budget.weights_parts["lm_head"] == 64 * 64 * 2
     assert p.budget.weights_parts["attention"] == 64 * 64 * 2 // 2
     assert p.budget.weights_bytes == 2 * 64 * 64 * 2 + 64 * 64 + 256 * 16 * 2
+
+
+def test_an_amd_gpu_is_one_line(capsys) -> None:
+    """vLLM on ROCm picks other attention backends (block 64 for AITER's unified attention):
+    not modelled, refused in one line rather than a traceback on the gfx architecture name."""
+    from memfit.cli import main
+
+    assert main(["serve-plan", "llama-3-8b", "--gpu", "mi300x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ROCm" in err and "--kv-cache-memory" in err
