@@ -215,10 +215,64 @@ GLOO_FOUR = [
                                                                      microbatches=4))),
     _case(Parallel(gpus=4, fsdp=4, cpu_offload=True)),
 ]
+GLOO_FOUR_TP = [_case(Parallel(gpus=4, pp=2, tp=2, microbatches=4, sp=sp))
+                for sp in (False, True)]  # test_parallel_tppp.py's layouts
+GLOO_EIGHT = [_case(Parallel(gpus=8, pp=2, fsdp=2, microbatches=4)),
+              Case(spec=tiny_moe_spec(4), batch=8, seq=SEQ,
+                   recipe=Recipe(parallel=Parallel(gpus=8, pp=2, fsdp=4, ep=2, microbatches=4)))]
+GLOO_EIGHT_TP = _case(Parallel(gpus=8, pp=2, tp=2, fsdp=2, sp=True, microbatches=4))
+
+
+def _settled(cases: list[Case], world: int, tries: list[int],
+             twice: tuple[Case, ...] = ()) -> list[list]:
+    """Every case measured once in one set of ``world`` gloo processes (a spawn costs each rank
+    a fresh interpreter importing torch, and its first case the imports and warm-up of the
+    wrappers: about 5 CPU-seconds a rank on a 2-core Xeon), the cases in ``twice`` twice in it
+    (each rank's lowest kept: what ``measure(..., repeats=2)`` keeps); then each case that
+    :func:`_off` finds off measured again, up to its own number of ``tries`` runs, each rank's
+    lowest kept: ``measure_until`` with a number of runs per case (Note: [gloo's timing] in
+    memfit/parallel/measure.py). A case still off after its runs fails."""
+    from memfit.parallel.measure import lowest, measure
+
+    runs = measure([*cases, *twice], world, repeats=1)
+    results = runs[:len(cases)]
+    for case, again in zip(twice, runs[len(cases):], strict=True):
+        i = cases.index(case)
+        results[i] = lowest(results[i], again)
+    for attempt in range(1, max(tries)):
+        bad = [i for i, case in enumerate(cases)
+               if attempt < tries[i] and _off(case, results[i])]
+        if not bad:
+            break
+        again = measure([cases[i] for i in bad], world, repeats=1)
+        for i, got in zip(bad, again, strict=True):
+            results[i] = lowest(results[i], got)
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_four() -> list[list]:
+    """GLOO_FOUR (up to 3 runs each), then GLOO_FOUR_TP (the lowest of 2 runs, as
+    test_parallel_tppp.py's ``measure(repeats=2)`` had), in one set of 4 ranks."""
+    return _settled([*GLOO_FOUR, *GLOO_FOUR_TP], 4, [3] * len(GLOO_FOUR) + [1, 1],
+                    twice=tuple(GLOO_FOUR_TP))
+
+
+@pytest.fixture(scope="module")
+def gloo_eight() -> list[list]:
+    """GLOO_EIGHT (up to 3 runs each), then GLOO_EIGHT_TP (one run, as before), in one set of 8
+    ranks."""
+    return _settled([*GLOO_EIGHT, GLOO_EIGHT_TP], 8, [3] * len(GLOO_EIGHT) + [1])
+
+
+def _failures(cases: list[Case], runs: list[list]) -> str:
+    return "; ".join(line for case, measured in zip(cases, runs, strict=True)
+                     for line in _off(case, measured))
 
 
 @pytest.mark.slow
-def test_pp_beside_zero1_loss_parallel_and_ep_matches_four_gloo_ranks_within_1_percent() -> None:
+def test_pp_beside_zero1_loss_parallel_and_ep_matches_four_gloo_ranks_within_1_percent(
+        gloo_four: list) -> None:
     """On 4 gloo processes, 4 layers, batch 8 in 4 micro-batches of 2 x 64, AdamW, 2 steps:
     pp 2 x ZeRO-1 2 (GPipe; each stage DDP-wrapped, stage.py's backward_maybe_with_nosync
     runs the last micro-batch's backward with the reducer prepared and the others under
@@ -229,17 +283,26 @@ def test_pp_beside_zero1_loss_parallel_and_ep_matches_four_gloo_ranks_within_1_p
     all-to-alls inside each stage's forward and backward); and FSDP2 4 with CPUOffloadPolicy
     on a CPU target (one memory: the offload copies are the identity). Each role's peak and
     phase high points within 1% of its ranks' lowest measurement."""
-    from memfit.parallel.measure import measure_until
-
-    failures = []
-    runs = measure_until(GLOO_FOUR, 4, lambda case, got: bool(_off(case, got)))
-    for case, measured in zip(GLOO_FOUR, runs, strict=True):
-        failures += _off(case, measured)
-    assert not failures, "; ".join(failures)
+    failures = _failures(GLOO_FOUR, gloo_four[:len(GLOO_FOUR)])
+    assert not failures, failures
 
 
 @pytest.mark.slow
-def test_pp_beside_hsdp_and_sharded_experts_matches_eight_gloo_ranks_within_1_percent() -> None:
+def test_pp_times_tp_matches_four_gloo_ranks_within_1_percent(gloo_four: list) -> None:
+    """(Moved from test_parallel_tppp.py, to share this module's 4 ranks.) pp 2 x tp 2 on 4 gloo
+    processes, without and with sequence parallelism (the stages exchange seq / tp rows): 4
+    layers, batch 8 in 4 micro-batches of 2 x 64, 1F1B, AdamW, 2 steps; each rank applies the
+    same TP plan to its stage (apply_tp_stages) and runs PipelineStage / Schedule1F1B
+    (torch/distributed/pipelining/schedules.py: Schedule1F1B._step_microbatches) over the pp
+    group of the (pp, tp) mesh. Each role's peak and each phase's high point (the schedule's
+    range; the optimizer's) within 1% of its ranks' lowest of 2 runs."""
+    failures = _failures(GLOO_FOUR_TP, gloo_four[len(GLOO_FOUR):])
+    assert not failures, failures
+
+
+@pytest.mark.slow
+def test_pp_beside_hsdp_and_sharded_experts_matches_eight_gloo_ranks_within_1_percent(
+        gloo_eight: list) -> None:
     """On 8 gloo processes, the smallest layouts of each: pp 2 x HSDP (2 replicas of 2 shards):
     a (pp, replicate, shard) mesh, fully_shard on each stage's blocks and the stage with the
     (replicate, shard) sub-mesh (torchtitan's apply_fsdp with ["dp_replicate", "fsdp"]); and
@@ -247,16 +310,20 @@ def test_pp_beside_hsdp_and_sharded_experts_matches_eight_gloo_ranks_within_1_pe
     sharded over the 2 ranks holding the same ones ("efsdp" of a (pp, efsdp, ep) mesh,
     torchtitan's sparse mesh), the rest over all 4. 1F1B, 4 micro-batches. Each role's peak and
     phase high points within 1% of its ranks' lowest measurement."""
-    from memfit.parallel.measure import measure_until
+    failures = _failures(GLOO_EIGHT, gloo_eight[:len(GLOO_EIGHT)])
+    assert not failures, failures
 
-    cases = [_case(Parallel(gpus=8, pp=2, fsdp=2, microbatches=4)),
-             Case(spec=tiny_moe_spec(4), batch=8, seq=SEQ,
-                  recipe=Recipe(parallel=Parallel(gpus=8, pp=2, fsdp=4, ep=2, microbatches=4)))]
-    failures = []
-    runs = measure_until(cases, 8, lambda case, got: bool(_off(case, got)))
-    for case, measured in zip(cases, runs, strict=True):
-        failures += _off(case, measured)
-    assert not failures, "; ".join(failures)
+
+@pytest.mark.slow
+def test_pp_tp_fsdp_matches_eight_gloo_ranks_within_1_percent(gloo_eight: list) -> None:
+    """(Moved from test_parallel_tppp.py, to share this module's 8 ranks.) pp 2 x fsdp 2 x tp 2
+    with sequence parallelism on 8 gloo processes, a (pp, dp, tp) mesh: each stage gets TP,
+    then FSDP2 over its dp ranks (torchtitan's order: parallelize_llama's apply_tp, then
+    apply_fsdp on each model part; FSDP2 shards each DTensor's local tensor on dim 0:
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py: FSDPParam._init_sharding_spec_tp). Each
+    role's peak and phase high points within 1% of its ranks' measurement (one run)."""
+    failures = _failures([GLOO_EIGHT_TP], gloo_eight[len(GLOO_EIGHT):])
+    assert not failures, failures
 
 
 # -- FSDP2's CPU offload --------------------------------------------------------------------------

@@ -220,16 +220,31 @@ def test_gpipe_keeps_more_in_flight_than_1f1b_on_real_ranks(measured_pipelines: 
     assert abs(ratio - traced) < 0.01
 
 
+GLOO_FOUR_STAGES = Case(spec=tiny_spec(4), batch=8, seq=SEQ,
+                        recipe=Recipe(parallel=Parallel(gpus=4, pp=4, microbatches=4)))
+GLOO_PP_FSDP = [Case(spec=tiny_spec(4), batch=8, seq=SEQ,
+                     recipe=Recipe(parallel=Parallel(gpus=4, pp=2, fsdp=2, microbatches=4,
+                                                     pp_schedule=schedule,
+                                                     reshard_after_forward=reshard)))
+                for schedule, reshard in (("1f1b", False), ("gpipe", True))]
+
+
+@pytest.fixture(scope="module")
+def measured_four() -> list[list[dict[str, int]]]:
+    """The 4-rank cases of this module measured in one set of 4 gloo processes (each case is
+    built, wrapped and profiled from scratch inside the rank, as in its own spawn: a spawn
+    costs each rank a fresh interpreter importing torch, about 2.7 CPU-seconds)."""
+    from memfit.parallel.measure import measure
+
+    return measure([GLOO_FOUR_STAGES, *GLOO_PP_FSDP], world=4, repeats=1)
+
+
 @pytest.mark.slow
-def test_four_stages_match_real_gloo_runs_within_1_percent() -> None:
+def test_four_stages_match_real_gloo_runs_within_1_percent(measured_four: list) -> None:
     """pp = 4 over 4 gloo processes, 1F1B with 4 micro-batches: the middle stages receive
     activations and send gradients both ways (stage 1: blocks 1-2, stage 2: block 3), the last
     holds only the final norm and head (torchtitan's split of 4 blocks + 2 on 4 stages)."""
-    from memfit.parallel.measure import measure
-
-    case = Case(spec=tiny_spec(4), batch=8, seq=SEQ,
-                recipe=Recipe(parallel=Parallel(gpus=4, pp=4, microbatches=4)))
-    measured = measure([case], world=4, repeats=1)[0]
+    case, measured = GLOO_FOUR_STAGES, measured_four[0]
     for est in _per_rank(case):
         real = measured[est.ranks[0]]["peak"]
         assert abs(est.peak_bytes - real) <= 0.01 * real, (
@@ -237,19 +252,12 @@ def test_four_stages_match_real_gloo_runs_within_1_percent() -> None:
 
 
 @pytest.mark.slow
-def test_pipeline_with_fsdp_matches_real_gloo_runs_within_1_percent() -> None:
+def test_pipeline_with_fsdp_matches_real_gloo_runs_within_1_percent(measured_four: list) -> None:
     """pp 2 x FSDP2 2 on 4 gloo processes (torchtitan's 2-D layout: a (pp, dp) mesh, each stage
     fully_shard-ed over its dp ranks; PipelineStage's backward_maybe_with_nosync and
     perform_reduce_grad drive FSDP's gradient reduction): 1F1B without resharding after forward
     and GPipe with it. The ranks of a stage hold equal shards, so they share a role."""
-    from memfit.parallel.measure import measure
-
-    cases = [Case(spec=tiny_spec(4), batch=8, seq=SEQ,
-                  recipe=Recipe(parallel=Parallel(gpus=4, pp=2, fsdp=2, microbatches=4,
-                                                  pp_schedule=schedule,
-                                                  reshard_after_forward=reshard)))
-             for schedule, reshard in (("1f1b", False), ("gpipe", True))]
-    for case, measured in zip(cases, measure(cases, world=4, repeats=1), strict=True):
+    for case, measured in zip(GLOO_PP_FSDP, measured_four[1:], strict=True):
         roles = _per_rank(case)
         assert [e.ranks for e in roles] == [(0, 1), (2, 3)]
         for est in roles:

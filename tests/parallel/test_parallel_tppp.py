@@ -12,17 +12,17 @@ applies TP, then FSDP, to each model part): each stage's blocks get the Megatron
 Expected values come from first principles (the parameters a rank holds: the stage's blocks
 with their projections halved, the replicated embedding / norms / head whole, hand-counted)
 or from real runs: one gloo process per rank running the same stage, TP plan and schedule under
-the profiler (memfit/parallel/measure.py).
+the profiler (memfit/parallel/measure.py); those run in tests/parallel/test_parallel_combos.py
+(test_pp_times_tp_matches_four_gloo_ranks_within_1_percent,
+test_pp_tp_fsdp_matches_eight_gloo_ranks_within_1_percent), in the same sets of 4 and 8 gloo
+processes as that module's cases.
 """
 
 from __future__ import annotations
 
-import pytest
-
 from _pipeline import per_rank, pp_case
 from memfit.categories import MemoryCategory
 from memfit.parallel import Parallel
-from memfit.parallel.measure import Case
 
 _case, _per_rank = pp_case, per_rank
 
@@ -73,54 +73,3 @@ def test_sequence_parallel_stages_split_the_embedding_and_head() -> None:
                            strict=True):
         weights = est.timeline[0].by_category()[MemoryCategory.WEIGHTS]
         assert weights == 4 * params + 4 * (head_dim // 2)
-
-
-@pytest.mark.slow
-def test_pp_times_tp_matches_four_gloo_ranks_within_1_percent() -> None:
-    """pp 2 x tp 2 on 4 gloo processes, without and with sequence parallelism (the stages
-    exchange seq / tp rows): 4 layers, batch 8 in 4 micro-batches of 2 x 64, 1F1B,
-    AdamW, 2 steps; each rank applies the same TP plan to its stage (apply_tp_stages) and runs
-    PipelineStage / Schedule1F1B (torch/distributed/pipelining/schedules.py:
-    Schedule1F1B._step_microbatches) over the pp group of the (pp, tp) mesh. Each role's peak
-    and each phase's high point (the schedule's range; the optimizer's) within 1% of its ranks'
-    lowest measurement."""
-    from memfit.parallel.measure import measure
-
-    cases = [_case(Parallel(gpus=4, pp=2, tp=2, microbatches=4, sp=sp)) for sp in (False, True)]
-    failures = []
-    for case, measured in zip(cases, measure(cases, world=4, repeats=2), strict=True):
-        failures += _off(case, measured)
-    assert not failures, "; ".join(failures)
-
-
-def _off(case: Case, measured: list) -> list[str]:
-    """Each role's peak and phase high points more than 1% from its ranks' lowest."""
-    failures = []
-    for est in _per_rank(case):
-        real = min(measured[r]["peak"] for r in est.ranks)
-        if abs(est.peak_bytes - real) > 0.01 * real:
-            failures.append(f"{case.parallel.describe()} ranks {est.ranks}: predicted "
-                            f"{est.peak_bytes:,}, measured {real:,}")
-        for step in range(2):
-            pred = max(est.phase_peaks[(step, "forward")], est.phase_peaks[(step, "backward")])
-            for key, value in ((f"{step}:pipeline", pred),
-                               (f"{step}:optimizer", est.phase_peaks[(step, "optimizer")])):
-                real = min(measured[r]["phases"][key] for r in est.ranks)
-                if abs(value - real) > 0.01 * real:
-                    failures.append(f"{case.parallel.describe()} ranks {est.ranks} {key}: "
-                                    f"predicted {value:,}, measured {real:,}")
-    return failures
-
-
-@pytest.mark.slow
-def test_pp_tp_fsdp_matches_eight_gloo_ranks_within_1_percent() -> None:
-    """pp 2 x fsdp 2 x tp 2 with sequence parallelism on 8 gloo processes, a (pp, dp, tp) mesh:
-    each stage gets TP, then FSDP2 over its dp ranks (torchtitan's order: parallelize_llama's
-    apply_tp, then apply_fsdp on each model part; FSDP2 shards each DTensor's local tensor on
-    dim 0: torch/distributed/fsdp/_fully_shard/_fsdp_param.py: FSDPParam._init_sharding_spec_tp).
-    Each role's peak and phase high points within 1% of its ranks' lowest measurement."""
-    from memfit.parallel.measure import measure
-
-    case = _case(Parallel(gpus=8, pp=2, tp=2, fsdp=2, sp=True, microbatches=4))
-    failures = _off(case, measure([case], world=8, repeats=1)[0])
-    assert not failures, "; ".join(failures)
