@@ -136,6 +136,19 @@ class _Cfg:
         return value
 
 
+def config_int(data: Mapping[str, Any], *keys: str, default: int | None = None,
+               fix: str = "pass a full config.json") -> int:
+    """The first of ``keys`` that ``data`` (a config dict) holds as an integer, else
+    ``default``; with no default, one line naming the first key and ``fix``."""
+    for key in keys:
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    if default is None:
+        raise MemfitError(f"the config has no {keys[0]}; {fix}")
+    return default
+
+
 def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The language model's config: ``text_config`` of a multimodal config (Gemma-3, Gemma 3n),
     else the config itself; the top level's dtype fills a missing one."""

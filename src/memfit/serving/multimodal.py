@@ -54,7 +54,7 @@ from typing import Any
 
 from memfit.errors import MemfitError
 from memfit.serving.vision_tower import Tower, gemma3_tower, mistral3_tower, qwen_tower
-from memfit.serving.vision_tower import config_int as _int
+from memfit.serving.vision_tower import vision_config_int as _int
 
 __all__ = ["DEFAULT_MM_LIMIT", "DYNAMIC_RESOLUTION", "MULTIMODAL_FAMILIES", "QWEN_MAX_PIXELS",
            "MultimodalBudget", "encoder_peak", "multimodal_budget", "preprocessor_max_pixels",

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.serving.kv_spec import config_int
 from memfit.serving.weights import pad_vocab_size
 
 __all__ = ["BANDWIDTH_EFFICIENCY", "COMPUTE_EFFICIENCY", "Roofline", "model_flop_params"]
@@ -110,14 +111,8 @@ class Roofline:
 
 
 def _int(data: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
-    for key in keys:
-        value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    if default is None:
-        raise MemfitError(f"the config has no {keys[0]}; the roofline needs the model's shapes "
-                          "(pass a full config.json)")
-    return default
+    return config_int(data, *keys, default=default,
+                      fix="the roofline needs the model's shapes (pass a full config.json)")
 
 
 def model_flop_params(config: Mapping[str, Any], *, tp: int = 1) -> tuple[int, int, int]:

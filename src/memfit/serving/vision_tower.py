@@ -11,23 +11,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.serving.kv_spec import text_config
+from memfit.serving.kv_spec import config_int, text_config
 
-__all__ = ["Tower", "config_int", "gemma3_tower", "mistral3_tower", "qwen_tower"]
+__all__ = ["Tower", "gemma3_tower", "mistral3_tower", "qwen_tower"]
 
 
 def _int(data: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
-    for key in keys:
-        value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    if default is None:
-        raise MemfitError(f"the vision_config has no {keys[0]}; pass the checkpoint's full "
-                          "config.json")
-    return default
+    return config_int(data, *keys, default=default,
+                      fix="pass the checkpoint's full config.json (its vision_config)")
 
 
-config_int = _int
+vision_config_int = _int
 """The first of ``keys`` that ``data`` holds as an integer, else ``default`` (none: the
 vision_config is incomplete, a MemfitError)."""
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError, suggest
-from memfit.serving.kv_spec import text_config
+from memfit.serving.kv_spec import config_int, text_config
 
 __all__ = ["QUANT_FORMATS", "QuantFormat", "WeightBytes", "check_quant", "linear_bytes",
            "pad_vocab_size", "rope_cache_bytes", "weights_from_checkpoint",
@@ -178,14 +178,8 @@ class WeightBytes:
 
 
 def _int(data: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
-    for key in keys:
-        value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    if default is None:
-        raise MemfitError(f"the config has no {keys[0]}; pass a full config.json or the "
-                          "checkpoint folder")
-    return default
+    return config_int(data, *keys, default=default,
+                      fix="pass a full config.json or the checkpoint folder")
 
 
 def _kv_per_rank(kv_heads: int, tp: int) -> int:
