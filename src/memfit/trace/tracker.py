@@ -36,7 +36,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit._compat import torch_internals
 from memfit.categories import MemoryCategory
+from memfit.errors import MemfitError
 from memfit.ledger import Ledger, ModuleStack, Storage
+from memfit.trace import sparse
 from memfit.trace.cpu_kernels import is_opaque, rnn_workspace_bytes, transient_peak
 from memfit.trace.datadep import ASSUMPTION, DATA_DEPENDENT, DataDependentSizes
 from memfit.trace.fastkey import (
@@ -122,6 +124,8 @@ class Tracker(Ledger):
                 if isinstance(inner, torch.Tensor):  # DTensor also names its device_mesh
                     uid = self.track(inner, role, module)
             return uid
+        if t.layout is not torch.strided:
+            return self._track_sparse(t, role, module)
         # A FakeTensor's ``.device`` is a dispatched op (prim.device); its attribute is not.
         device = getattr(t, "fake_device", None) or t.device
         st = t.untyped_storage()
@@ -140,6 +144,21 @@ class Tracker(Ledger):
         if role is not None:
             self.assign(uid, role, module)
         return uid
+
+    def _track_sparse(self, t: torch.Tensor, role: MemoryCategory | None,
+                      module: str | None) -> int | None:
+        """A sparse COO tensor is its indices and values (see sparse.py); the indices of an
+        embedding's gradient are the ids the forward looked up, which keep the role they have."""
+        if t.layout is not torch.sparse_coo:
+            raise MemfitError(f"the trace does not know the {t.layout} layout's storages; only "
+                              f"sparse COO tensors (nn.Embedding(sparse=True)) are traced")
+        indices, values = sparse.parts(t)
+        uid = self.live.get(indices.untyped_storage()._cdata)
+        if uid is None or self.infos[uid].role is None:
+            self.track(indices, role, module)
+        else:
+            self.track(indices)
+        return self.track(values, role, module)
 
     def freed(self, uid: int) -> None:
         info = self.infos[uid]
@@ -307,6 +326,8 @@ def _dense(t: torch.Tensor) -> bool:
 def _accumulates_in_place(t: Any, other: Any) -> bool:
     if not isinstance(t, torch.Tensor) or not isinstance(other, torch.Tensor):
         return False
+    if t.layout is not torch.strided or other.layout is not torch.strided:
+        return False  # a sparse gradient is summed out of place (input_buffer.cpp)
     if t.shape != torch.broadcast_shapes(t.shape, other.shape) or t.dtype != torch.promote_types(
             t.dtype, other.dtype) or not _dense(t):
         return False
@@ -382,6 +403,7 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
         self.matmul_workspaces: dict[str, list[int]] = {}
         self._oom_noted: Any = None
         self.fast_keys = fast_keys_enabled()  # see Note: [fast cache key] in fastkey.py
+        self.sparse_ids = sparse.SparseIds(datadep)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -448,7 +470,15 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
                 tracker.add_pseudo(nbytes, MemoryCategory.RUNTIME)
         data_dependent = func in DATA_DEPENDENT  # (an OpOverload's hash is a Python call)
         known = self.datadep.known_answer(func, args) if data_dependent else None
-        if known is not None:
+        sparse_out = (sparse.run(func, args, kwargs, self, self.sparse_ids,
+                                 engine_call=func is sparse.CLONE and _called_by_autograd_engine(),
+                                 cpu_kernels=self.measure_cpu_kernels)
+                      if sparse.handles(func, args) else None)
+        if sparse_out is not None:
+            out = sparse_out
+            if self.sparse_ids.assumed:
+                self.warn(sparse.ASSUMPTION)
+        elif known is not None:
             out = known
         elif (func is _ITEM and type(args[0]) is FakeTensor and args[0].constant is not None
               and args[0].fake_mode is self and self.shape_env is None):
@@ -489,6 +519,8 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
         if tracker.oom is not None and tracker.oom is not self._oom_noted:
             self._oom_noted = tracker.oom
             self.warn(f"an unlimited GPU from {func} on: the step does not fit ({tracker.oom})")
+        if func is sparse.CREATE:
+            self.sparse_ids.created(func, args, out)
         tracker.ops.append((func, tracker.phase, tracker.step, tracker.module,
                             len(tracker.events)))
         self.datadep.observe(func, args, kwargs, out)
