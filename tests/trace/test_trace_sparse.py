@@ -18,39 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.profiling import measure_cpu_peak
+from memfit.techniques import SparseAdamWithDense
 from memfit.trace import estimate
 from memfit.trace.sparse import ASSUMPTION
 
 TOLERANCE = 0.01
 
 
-class SparseAdamAndAdam(torch.optim.Optimizer):
-    """What a model with sparse embeddings trains with under Adam: ``torch.optim.SparseAdam``
-    for the parameters whose gradients are sparse, ``torch.optim.Adam`` for the rest, each
-    stepped in turn (the split is made at the first step, from the gradients' layouts)."""
-
-    def __init__(self, params: Any) -> None:
-        super().__init__(list(params), {})
-        self.parts: list[torch.optim.Optimizer] = []
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        if not self.parts:
-            ps = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            self.parts = [torch.optim.SparseAdam([p for p in ps if p.grad.is_sparse]),
-                          torch.optim.Adam([p for p in ps if not p.grad.is_sparse])]
-        for opt in self.parts:
-            opt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
-    "sparse-adam": SparseAdamAndAdam,
+    "sparse-adam": SparseAdamWithDense,
 }
 
 

@@ -9,7 +9,8 @@ Note: [composition order] Apply them in this order (each step's docstring says w
    the recompute closure, not as saved tensors).
 5. ``offload_activations`` (moves what checkpointing still saves).
 6. ``torch.compile``, then sharding (FSDP2) — as torchtitan: AC before compile before FSDP.
-7. ``make_optimizer`` over the trainable parameters; ``apply_precision`` around the loop;
+7. ``apply_sparse_embeddings`` before the optimizer is built (it must take sparse gradients);
+   ``make_optimizer`` over the trainable parameters; ``apply_precision`` around the loop;
    ``accumulate`` inside it.
 8. Inference: ``quantize_weights`` on the eval model.
 
@@ -47,6 +48,7 @@ from memfit.techniques.optim import CPUOffloadOptimizer, make_optimizer
 from memfit.techniques.peft import LoRALinear, apply_lora, apply_qlora, trainable_parameters
 from memfit.techniques.precision import MasterWeights, MixedPrecision, apply_precision
 from memfit.techniques.quant import convert_qat, prepare_qat, quantize_weights, weight_bytes
+from memfit.techniques.sparse import SparseAdamWithDense, apply_sparse_embeddings
 
 __all__ = [
     "AccumulatedStep",
@@ -63,6 +65,7 @@ __all__ = [
     "OffloadActivations",
     "Policy",
     "Selective",
+    "SparseAdamWithDense",
     "accumulate",
     "apply_activation_checkpointing",
     "apply_activation_offload",
@@ -70,6 +73,7 @@ __all__ = [
     "apply_lora",
     "apply_precision",
     "apply_qlora",
+    "apply_sparse_embeddings",
     "chunked_cross_entropy",
     "configure_allocator",
     "convert_qat",
