@@ -77,3 +77,21 @@ def test_sparse_adam_moves_only_touched_rows() -> None:
     table(torch.tensor([0])).sum().backward()
     opt.step()
     assert torch.equal(table.weight[1], row1)
+
+
+def test_sparse_gradient_hint_only_where_tables_dominate() -> None:
+    from memfit.techniques.sparse import sparse_gradient_hint
+
+    # 100k x 16 = 1.6M table parameters against a 129-parameter head: 100% (rounded); dense
+    # gradients of the table: 1.6M x 4 bytes = 6.10 MiB.
+    rec = nn.Sequential(nn.Embedding(100_000, 16), nn.Flatten(), nn.Linear(128, 1))
+    hint = sparse_gradient_hint(rec)
+    assert hint is not None and "100%" in hint and "6.10 MiB" in hint
+    assert "apply_sparse_embeddings" in hint
+    # 1000 x 16 = 16k table parameters against 64 x 1024 + 1024 = 66.6k: 19%, no hint.
+    small = nn.Sequential(nn.Embedding(1000, 16), nn.Linear(16, 64), nn.Linear(64, 1024))
+    assert sparse_gradient_hint(small) is None
+    # Already sparse, or tied to a head: nothing to offer.
+    apply_sparse_embeddings(rec)
+    assert sparse_gradient_hint(rec) is None
+    assert sparse_gradient_hint(Tables()) is not None  # items and bag qualify, words does not

@@ -186,6 +186,9 @@ class Plan:
     """The rates the step times were costed at (``rates_source`` says where they came from);
     ``memfit fit --rates plan.json`` and ``fit(..., rates=...)`` pin them for another search.
     None in a plan saved before memfit recorded them."""
+    suggestions: tuple[str, ...] = ()
+    """Changes outside the searched space that would save memory (one line each): sparse
+    gradients where embedding tables dominate the model."""
 
     @property
     def config(self) -> FitConfig:
@@ -316,6 +319,8 @@ class Plan:
                    "derived with the formulas (the per-rank trace does not run this layout yet)")
             console.print(f"layout: {par.describe()}; peak: {how}")
         console.print(f"rates: {self.rates_source}")
+        for line in self.suggestions:
+            console.print(f"suggestion: {line}")
         if self.rejected:
             rej = Table(title=f"rejected ({len(self.rejected)}; first 12)")
             rej.add_column("configuration")
@@ -338,7 +343,8 @@ class Plan:
                 "headroom": self.headroom,
                 "oom_trials": self.oom_trials,
                 "search_seconds": self.search_seconds,
-                "traces": self.traces, "candidates_considered": self.candidates_considered}
+                "traces": self.traces, "candidates_considered": self.candidates_considered,
+                "suggestions": list(self.suggestions)}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -365,7 +371,8 @@ class Plan:
                        oom_trials=int(data.get("oom_trials", 0)),
                        search_seconds=float(data.get("search_seconds", 0.0)),
                        traces=int(data.get("traces", 0)),
-                       candidates_considered=int(data.get("candidates_considered", 0)))
+                       candidates_considered=int(data.get("candidates_considered", 0)),
+                       suggestions=tuple(str(x) for x in data.get("suggestions", [])))
         except MemfitError as exc:
             raise MemfitError(f"{source}: {exc}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -52,6 +52,7 @@ from memfit.fitting.search_verify import Verification, over
 from memfit.fitting.traced import ENGINE_FAILED, Traced, per_rank_traced, trace_one
 from memfit.gpus import GpuSpec
 from memfit.progress import Progress
+from memfit.techniques.sparse import sparse_gradient_hint
 
 __all__ = ["ENGINE_FAILED", "SPACE_KEYS", "Search", "SearchOptions", "Traced", "fit",
            "per_rank_traced", "trace_one"]
@@ -169,7 +170,8 @@ class Search(Pruning, Verification):
                     rates_source=self.rates.source, rates=self.rates,
                     search_seconds=time.perf_counter() - self.started,
                     traces=sum(1 for v in self.runs.values() if not isinstance(v, str)),
-                    candidates_considered=len(cands) + len(self.rejected))
+                    candidates_considered=len(cands) + len(self.rejected),
+                    suggestions=tuple(h for h in (sparse_gradient_hint(self.model),) if h))
 
     def explore(self, combo: Combo) -> None:
         """Find the combination's largest fitting micro-batch and cost every micro-batch and

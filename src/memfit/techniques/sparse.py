@@ -24,6 +24,56 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
+DOMINANT_SHARE = 0.5
+"""Embedding tables that could take sparse gradients hold at least this share of a model's
+trainable parameters: their dense gradients are then most of the gradient memory."""
+
+
+def _eligible(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, str]]]:
+    """The dense embedding tables of ``model`` that can take sparse gradients, and those that
+    cannot, with why (see :func:`apply_sparse_embeddings`)."""
+    owners: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    ok: list[tuple[str, nn.Module]] = []
+    kept: list[tuple[str, str]] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Embedding | nn.EmbeddingBag) or mod.sparse:
+            continue
+        if isinstance(mod, nn.EmbeddingBag) and mod.mode == "max":
+            kept.append((name, "EmbeddingBag(mode='max') has no sparse gradient"))
+        elif owners.get(id(mod.weight), 0) > 1:
+            kept.append((name, "its weight is shared (tied) with another module"))
+        else:
+            ok.append((name, mod))
+    return ok, kept
+
+
+def sparse_gradient_hint(model: nn.Module) -> str | None:
+    """One line suggesting sparse gradients when the embedding tables that could take them
+    hold at least :data:`DOMINANT_SHARE` of ``model``'s trainable parameters, else None.
+
+    >>> print(sparse_gradient_hint(nn.Sequential(nn.Embedding(10**6, 16), nn.Linear(16, 1))))
+    embedding tables hold 100% of the trainable parameters (0): sparse gradients ...
+    """
+    from memfit.units import format_bytes
+
+    tables, _ = _eligible(model)
+    table_params = {id(m.weight): m.weight for _, m in tables if m.weight.requires_grad}
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    size = sum(p.numel() for p in table_params.values())
+    if not total or size < DOMINANT_SHARE * total:
+        return None
+    grad_bytes = sum(p.numel() * p.element_size() for p in table_params.values())
+    names = ", ".join(name for name, _ in tables[:3]) + (", ..." if len(tables) > 3 else "")
+    return (f"embedding tables hold {size / total:.0%} of the trainable parameters ({names}): "
+            f"sparse gradients keep only the rows a batch looks up instead of "
+            f"{format_bytes(grad_bytes)} of dense gradients: "
+            f"memfit.techniques.apply_sparse_embeddings(model) with SGD, Adagrad or "
+            f"SparseAdamWithDense (docs/sparse.md)")
+
+
 def apply_sparse_embeddings(model: nn.Module, *, min_rows: int = 0) -> list[str]:
     """Make the embedding tables of ``model`` (with at least ``min_rows`` rows) return sparse
     gradients; return their names. In place; the math of the forward and backward is unchanged.
@@ -36,26 +86,14 @@ def apply_sparse_embeddings(model: nn.Module, *, min_rows: int = 0) -> list[str]
     >>> apply_sparse_embeddings(model)
     ['0']
     """
-    owners: dict[int, int] = {}
-    for mod in model.modules():
-        for p in mod.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
+    tables, kept = _eligible(model)
+    for name, why in kept:
+        log.info("memfit: %s kept dense: %s", name, why)
     changed: list[str] = []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Embedding | nn.EmbeddingBag) or mod.sparse:
-            continue
-        if mod.num_embeddings < min_rows:
-            continue
-        if isinstance(mod, nn.EmbeddingBag) and mod.mode == "max":
-            log.info("memfit: %s kept dense: EmbeddingBag(mode='max') has no sparse gradient",
-                     name)
-            continue
-        if owners.get(id(mod.weight), 0) > 1:
-            log.info("memfit: %s kept dense: its weight is shared (tied) with another module",
-                     name)
-            continue
-        mod.sparse = True
-        changed.append(name)
+    for name, mod in tables:
+        if mod.num_embeddings >= min_rows:  # type: ignore[operator]
+            mod.sparse = True
+            changed.append(name)
     log.info("memfit: sparse gradients for %d embedding table(s): %s", len(changed),
              ", ".join(changed) or "none")
     return changed
