@@ -58,6 +58,9 @@ def _storages(obj: object, seen: dict[int, int]) -> None:
         for t in tensors:
             if t.device.type != "cpu":
                 continue
+            if t.layout is torch.sparse_coo:  # a sparse gradient: its indices and values
+                _storages((t._indices(), t._values()), seen)
+                continue
             st = t.untyped_storage()
             if st.nbytes() > 0:
                 seen[st.data_ptr()] = st.nbytes()

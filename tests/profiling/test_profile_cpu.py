@@ -91,3 +91,14 @@ def test_cycle_collection_does_not_move_the_peak() -> None:
         gc.set_threshold(*threshold)
     assert peak.peak_delta_bytes == 2 * (1 << 20)
     assert gc.isenabled()
+
+
+def test_live_bytes_counts_a_sparse_gradient_by_its_indices_and_values() -> None:
+    # 5 ids looked up in a 100 x 4 table: the gradient is 5 int64 indices (40 bytes) and 5 rows
+    # of 4 fp32 values (80 bytes) next to the 1600-byte table. sum()'s gradient is an expanded
+    # view, so AccumulateGrad copied both (accumulate_grad.h): the ids are not the indices.
+    table = torch.nn.Embedding(100, 4, sparse=True)
+    ids = torch.tensor([1, 2, 2, 7, 9])
+    table(ids).sum().backward()
+    assert live_bytes(table) == 1600 + 40 + 80
+    assert live_bytes(table, ids) == 1600 + 40 + 80 + 40

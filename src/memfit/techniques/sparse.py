@@ -29,14 +29,17 @@ DOMINANT_SHARE = 0.5
 trainable parameters: their dense gradients are then most of the gradient memory."""
 
 
-def _eligible(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, str]]]:
+Table = nn.Embedding | nn.EmbeddingBag
+
+
+def _eligible(model: nn.Module) -> tuple[list[tuple[str, Table]], list[tuple[str, str]]]:
     """The dense embedding tables of ``model`` that can take sparse gradients, and those that
     cannot, with why (see :func:`apply_sparse_embeddings`)."""
     owners: dict[int, int] = {}
     for mod in model.modules():
         for p in mod.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    ok: list[tuple[str, nn.Module]] = []
+    ok: list[tuple[str, Table]] = []
     kept: list[tuple[str, str]] = []
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Embedding | nn.EmbeddingBag) or mod.sparse:
@@ -60,7 +63,8 @@ def sparse_gradient_hint(model: nn.Module) -> str | None:
     from memfit.units import format_bytes
 
     tables, _ = _eligible(model)
-    table_params = {id(m.weight): m.weight for _, m in tables if m.weight.requires_grad}
+    table_params: dict[int, torch.Tensor] = {id(m.weight): m.weight for _, m in tables
+                                             if m.weight.requires_grad}
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     size = sum(p.numel() for p in table_params.values())
     if not total or size < DOMINANT_SHARE * total:
@@ -91,7 +95,7 @@ def apply_sparse_embeddings(model: nn.Module, *, min_rows: int = 0) -> list[str]
         log.info("memfit: %s kept dense: %s", name, why)
     changed: list[str] = []
     for name, mod in tables:
-        if mod.num_embeddings >= min_rows:  # type: ignore[operator]
+        if mod.num_embeddings >= min_rows:
             mod.sparse = True
             changed.append(name)
     log.info("memfit: sparse gradients for %d embedding table(s): %s", len(changed),
