@@ -48,6 +48,8 @@ CLONE = aten.clone.default
 _ADD = aten.add.Tensor
 _MASK = aten.sparse_mask.default
 _BAG_BACKWARD = aten._embedding_bag_backward.default
+OPS = (CREATE, _COALESCE, CLONE, _ADD, _MASK, _BAG_BACKWARD)
+"""The ops :func:`handles` looks at (:data:`CREATE` only to remember known ids)."""
 _SORT_TEMPORARIES = 3  # int64 [nnz] each, inside _coalesce_sparse_cpu's sort (see the module)
 
 

@@ -124,7 +124,7 @@ class Tracker(Ledger):
                 if isinstance(inner, torch.Tensor):  # DTensor also names its device_mesh
                     uid = self.track(inner, role, module)
             return uid
-        if t.layout is not torch.strided:
+        if t.layout in _SPARSE_LAYOUTS:
             return self._track_sparse(t, role, module)
         # A FakeTensor's ``.device`` is a dispatched op (prim.device); its attribute is not.
         device = getattr(t, "fake_device", None) or t.device
@@ -303,6 +303,9 @@ class Tracker(Ledger):
 
 
 _ADD = aten.add.Tensor
+_SPARSE_OPS = frozenset(map(id, sparse.OPS))  # (an int's hash is cheaper than an op's)
+_SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc,
+                             torch.sparse_bsr, torch.sparse_bsc})
 
 
 def _called_by_autograd_engine() -> bool:
@@ -473,7 +476,7 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
         sparse_out = (sparse.run(func, args, kwargs, self, self.sparse_ids,
                                  engine_call=func is sparse.CLONE and _called_by_autograd_engine(),
                                  cpu_kernels=self.measure_cpu_kernels)
-                      if sparse.handles(func, args) else None)
+                      if id(func) in _SPARSE_OPS and sparse.handles(func, args) else None)
         if sparse_out is not None:
             out = sparse_out
             if self.sparse_ids.assumed:
