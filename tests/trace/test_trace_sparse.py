@@ -204,3 +204,31 @@ def test_sgd_sparse_and_dense_updates_with_repeated_ids() -> None:
     _train(sparse, batches)
     for a, b in zip(dense.parameters(), sparse.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_gradient_accumulated_into_grad_within_1_percent() -> None:
+    # Two backwards before the step (gradient accumulation): AccumulateGrad sums the second
+    # sparse gradient into .grad in place (``+=``: new indices and values of both, the old ones
+    # freed after). Without this the trace saw the old gradient freed first: SGD -15%.
+    torch.manual_seed(0)
+    model = Lookup("embedding")
+    g = torch.Generator().manual_seed(1)
+    inputs = (skewed_ids(64, 8, 1000, g), skewed_ids(64, 8, 1000, g))
+
+    def two_micro_batches(m: nn.Module, batch: Any) -> torch.Tensor:
+        m(batch[0]).backward()
+        return m(batch[1])  # type: ignore[no-any-return]
+
+    class TwoBatches(nn.Module):  # real_peak's loop calls model(*inputs)
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return two_micro_batches(self.inner, (a, b))
+
+    wrapped = TwoBatches()
+    for optimizer in ("sgd", "adagrad"):
+        est = traced(wrapped, inputs, optimizer)
+        real = real_peak(wrapped, inputs, OPTIMIZERS[optimizer](wrapped.parameters()))
+        assert abs(est.peak_bytes - real) <= TOLERANCE * real, (optimizer, est.peak_bytes, real)

@@ -26,7 +26,8 @@ prints the same comparison):
   assumption the estimate's notes state.
 - Two sparse gradients of one weight (a table looked up twice) are summed by concatenation:
   ``nnz1 + nnz2`` entries (``SparseTensorMath.cpp: add_out_sparse_cpu``); fake tensors again give
-  none (:func:`add`).
+  none (:func:`add`). Accumulating over micro-batches sums into ``.grad`` in place the same way:
+  new indices and values, then the old ones freed (:func:`add_`).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ CREATE = aten._sparse_coo_tensor_with_dims_and_tensors.default
 _COALESCE = aten._coalesce.default
 CLONE = aten.clone.default
 _ADD = aten.add.Tensor
+_ADD_ = aten.add_.Tensor
 _MASK = aten.sparse_mask.default
 _BAG_BACKWARD = aten._embedding_bag_backward.default
-OPS = (CREATE, _COALESCE, CLONE, _ADD, _MASK, _BAG_BACKWARD)
+OPS = (CREATE, _COALESCE, CLONE, _ADD, _ADD_, _MASK, _BAG_BACKWARD)
 """The ops :func:`handles` looks at (:data:`CREATE` only to remember known ids)."""
 _SORT_TEMPORARIES = 3  # int64 [nnz] each, inside _coalesce_sparse_cpu's sort (see the module)
 
@@ -114,7 +116,7 @@ def handles(func: Any, args: Any) -> bool:
         return len(args) > 9 and bool(args[9])
     if func is _MASK:
         return len(args) > 1 and is_sparse(args[1]) and not is_sparse(args[0])
-    if func is CLONE or func is _ADD:
+    if func is CLONE or func is _ADD or func is _ADD_:
         return bool(args) and is_sparse(args[0])
     return False
 
@@ -135,6 +137,8 @@ def run(func: Any, args: Any, kwargs: dict[str, Any], mode: Any, ids: SparseIds,
         return sparse_mask(args[0], args[1], mode, cpu_kernels=cpu_kernels)
     if func is _ADD and len(args) > 1 and is_sparse(args[1]):
         return add(args[0], args[1], kwargs.get("alpha", 1), mode, ids)
+    if func is _ADD_ and len(args) > 1 and is_sparse(args[1]):
+        return add_(args[0], args[1], kwargs.get("alpha", 1), mode, ids)
     return None
 
 
@@ -246,6 +250,24 @@ def add(a: torch.Tensor, b: torch.Tensor, alpha: Any, mode: Any,
     if read_a is not None and read_b is not None:
         ids.ids[out] = lambda: _cat(read_a(), read_b())
     return out
+
+
+def add_(a: torch.Tensor, b: torch.Tensor, alpha: Any, mode: Any,
+         ids: SparseIds) -> torch.Tensor:
+    """Sparse ``+=`` sparse (AccumulateGrad summing a micro-batch's gradient into ``.grad``):
+    ``a`` gets new indices and values holding both (``add_out_sparse_cpu`` with ``r`` = ``a``,
+    then ``alias_into_sparse``); its old ones are freed unless something else holds them."""
+    total = add(a, b, alpha, mode, ids)
+    old = parts(a)
+    with mode:
+        aten.copy_sparse_to_sparse_(a, total)  # a's parts: copies of total's, which then die
+    mode.tracker.track(a)  # the new parts first, then the old ones go (with ``old``)
+    del old
+    if total in ids.ids:
+        ids.ids[a] = ids.ids[total]
+    else:
+        ids.ids.pop(a, None)
+    return a
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
