@@ -49,8 +49,8 @@ from typing import Any
 
 from memfit.errors import MemfitError
 
-__all__ = ["DEFAULT_WRITE_BANDWIDTH", "TrainingCandidate", "TrainingRightsize", "job_steps",
-           "rightsize_training"]
+__all__ = ["DEFAULT_WRITE_BANDWIDTH", "TrainingCandidate", "TrainingRightsize",
+           "cost_time_front", "job_steps", "rightsize_training"]
 
 DEFAULT_WRITE_BANDWIDTH = 1e9
 """Bytes/s the checkpoint is written at on spot (1 GB/s: one NVMe-backed cloud volume's order;
@@ -101,6 +101,14 @@ class TrainingRightsize:
                 "pareto": list(self.pareto)}
 
 
+def cost_time_front(candidates: Sequence[TrainingCandidate]) -> tuple[int, ...]:
+    """Indices of the candidates no other matches or beats on both ``cost_usd`` and
+    ``job_hours`` while beating it on one (equal ones all kept)."""
+    from memfit.serving.rightsize import pareto_front
+
+    return pareto_front([(c.cost_usd, c.job_hours) for c in candidates])
+
+
 def job_steps(train_tokens: float, global_batch: int, seq: int) -> int:
     """Optimizer steps to see ``train_tokens``: ``ceil(tokens / (global_batch x seq))``."""
     return math.ceil(train_tokens / (global_batch * seq))
@@ -149,27 +157,35 @@ def _count(spec: Any, run: Any, seq: int) -> _Counted:
     return _Counted(flops=float(counter.get_total_flops()), ops=ops.n)
 
 
+_COUNTS: dict[tuple[Any, ...], _Counted] = {}
+"""The counts of every search in this process, by model, LoRA, attention, seq and policy."""
+
+
 class _Counter:
     """FLOPs and ops per checkpointing policy, counted on one and two blocks and extended to
     every block (the blocks are identical: ``total(L) = c(1) + (L - 1) (c(2) - c(1))``)."""
 
     def __init__(self, spec: Any, run: Any, seq: int) -> None:
         self.spec, self.run, self.seq = spec, run, seq
-        self.cache: dict[str, _Counted] = {}
+        # What the counts depend on (not the precision, optimizer, batch or layout), so that
+        # later searches in the process reuse them.
+        self.key = (spec, run.mode, run.lora_rank, run.lora_targets, run.attention, seq)
+        self.cache = _COUNTS
 
     def __call__(self, ckpt: str) -> _Counted:
-        if ckpt not in self.cache:
+        key = (*self.key, ckpt)
+        if key not in self.cache:
             run = dataclasses.replace(self.run, checkpointing=ckpt)
             layers = self.spec.num_layers
             one = _count(dataclasses.replace(self.spec, num_layers=1), run, self.seq)
             if layers == 1:
-                self.cache[ckpt] = one
+                self.cache[key] = one
             else:
                 two = _count(dataclasses.replace(self.spec, num_layers=2), run, self.seq)
-                self.cache[ckpt] = _Counted(
+                self.cache[key] = _Counted(
                     flops=one.flops + (layers - 1) * (two.flops - one.flops),
                     ops=one.ops + (layers - 1) * (two.ops - one.ops))
-        return self.cache[ckpt]
+        return self.cache[key]
 
 
 def _powers_dividing(n: int) -> list[int]:
@@ -243,7 +259,7 @@ def _search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_
                     break
                 if m == 1 and p.capacity_bytes:
                     closest.append((p.total_bytes / p.capacity_bytes,
-                                    f"{count} x {gpu.name} ({par.describe()}, ckpt={ckpt}, "
+                                    f"{count} x {gpu.name} ({layout_label(par)}, ckpt={ckpt}, "
                                     f"micro-batch 1): {p.total_bytes / 2**30:,.1f} GiB of "
                                     f"{p.capacity_bytes / 2**30:,.1f} GiB"))
             if fits_at is None:
@@ -320,8 +336,6 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
         load_prices,
         price_is_stale,
     )
-    from memfit.serving.rightsize import pareto_front
-
     started = time.perf_counter()
     if isinstance(train_tokens, bool) or not isinstance(train_tokens, (int, float)) \
             or not (math.isfinite(train_tokens) and train_tokens > 0):
@@ -441,7 +455,7 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
         raise MemfitError("no GPU to size: " + ("; ".join(skipped[:3]) or "none priced")
                           + "; pass --prices FILE or --gpus")
     found.sort(key=lambda c: (c.cost_usd, c.job_hours))
-    front = pareto_front([(c.cost_usd, c.job_hours) for c in found])
+    front = cost_time_front(found)
     return TrainingRightsize(candidates=tuple(found), pareto=front, skipped=tuple(skipped),
                              steps=steps, spot=spot_info,
                              seconds=time.perf_counter() - started)
