@@ -322,6 +322,7 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     from memfit.analytic.config import RunConfig
     from memfit.gpus import get_gpu
     from memfit.models import resolve_model
+    from memfit.models.spec import TransformerSpec
     from memfit.preempt.spot import (
         DEFAULT_BAND,
         DEFAULT_SPOT_DISCOUNT,
@@ -368,7 +369,7 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     names = list(table) if gpus is None else \
         list(dict.fromkeys(get_gpu(g, gpu_file).name for g in gpus))
     spec = resolve_model(model)
-    if not hasattr(spec, "num_layers") or getattr(spec, "arch", "decoder") == "vision":
+    if not isinstance(spec, TransformerSpec) or spec.arch == "vision":
         raise MemfitError(f"{model}: rightsize sizes decoder language models (a preset or a "
                           "config.json); see `memfit models`")
     base_run = RunConfig(mode=mode, optimizer=optimizer, seq=seq)  # type: ignore[arg-type]
