@@ -128,6 +128,7 @@ def test_spot_rows_follow_youngs_formulas(toy: str) -> None:
         assert s.job_hours == pytest.approx(wall / 3600)
         assert s.cost_usd == pytest.approx(wall / 3600 * s.count * 1.0 * (1 - discount))
         assert s.step_seconds == od.step_seconds and s.config["label"] == od.config["label"]
+        assert s.config["preemption_rate"] == "2.0 h per instance (given)"
 
 
 def test_flops_from_one_and_two_blocks_equal_the_whole_models(toy: str) -> None:
@@ -146,6 +147,21 @@ def test_an_unpriced_gpu_is_skipped_and_said(toy: str) -> None:
     r = _size(toy, gpus=["toy-a100-cheap", "toy-a100-unpriced"])
     assert {c.gpu for c in r.candidates} == {"toy-a100-cheap"}
     assert any("toy-a100-unpriced: no price" in s for s in r.skipped)
+
+
+def test_prices_override_and_a_stale_one_is_flagged(toy: str) -> None:
+    import datetime as dt
+
+    prices = {"toy-a100-cheap": {"price_per_hour": 3.0, "source": "quote",
+                                 "date": "2026-01-01"}}
+    fresh = _size(toy, gpus=["toy-a100-cheap"], gpus_max=1, prices=prices,
+                  today=dt.date(2026, 6, 1))
+    stale = _size(toy, gpus=["toy-a100-cheap"], gpus_max=1, prices=prices,
+                  today=dt.date(2027, 6, 1))
+    for r, flagged in ((fresh, False), (stale, True)):
+        (c,) = r.candidates
+        assert c.price_per_gpu_hour == 3.0 and c.stale_price is flagged
+        assert c.cost_usd == pytest.approx(c.job_hours * 3.0)
 
 
 def test_no_fit_anywhere_names_the_closest(toy: str) -> None:
