@@ -226,7 +226,7 @@ def _search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_
     """The fastest fitting configuration of ``count`` x ``gpu`` (None: none fits)."""
     from memfit.analytic.planner import plan
     from memfit.categories import MemoryCategory as Cat
-    from memfit.fitting.config import layout_label
+    from memfit.fitting.config import layout_label, sharding_of
     from memfit.fitting.cost import step_cost
     from memfit.fitting.rates import gpu_rates
     from memfit.layout import Parallel
@@ -267,26 +267,32 @@ def _search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_
             m, p = fits_at
             counted = counter(ckpt)
             plain = counter("none")
-            # The activation bytes one micro-batch writes: the plan's saved activations without
-            # checkpointing, scaled by the recompute (fit's activation_traffic).
-            no_ckpt = plan(spec, dataclasses.replace(p.run, checkpointing="none"), gpu)
-            saved = no_ckpt.breakdown.get(Cat.ACTIVATIONS, 0)
+            # What fit gives the cost model (search_state.cost): the rank's model states before
+            # data-parallel sharding (its tensor-parallel share), and the activation bytes one
+            # micro-batch writes, the saved ones without checkpointing scaled by the recompute
+            # (fit's activation_traffic): one plan of the tp group alone, without checkpointing.
+            rank = plan(spec, dataclasses.replace(p.run, checkpointing="none",
+                                                  parallel=Parallel(gpus=tp, tp=tp)), gpu)
+            saved = rank.breakdown.get(Cat.ACTIVATIONS, 0)
             traffic = int(saved * counted.flops / max(plain.flops, 1.0))
+            tokens = m * seq
             cost = step_cost(
                 rates, precision=precision, micro_flops=counted.flops * m,
                 accumulation=per_rank // m, activation_traffic_bytes=traffic,
                 offloaded_bytes=0, ops_per_micro=counted.ops,
-                param_bytes=p.breakdown.get(Cat.WEIGHTS, 0),
-                grad_bytes=p.breakdown.get(Cat.GRADIENTS, 0),
-                state_bytes=p.breakdown.get(Cat.OPTIMIZER_STATES, 0),
+                param_bytes=rank.breakdown.get(Cat.WEIGHTS, 0),
+                grad_bytes=rank.breakdown.get(Cat.GRADIENTS, 0),
+                state_bytes=rank.breakdown.get(Cat.OPTIMIZER_STATES, 0),
                 offload_activations=False, offload_states=False,
-                sharding="zero3" if sharding == "zero3" else sharding, num_gpus=count,
-                parallel=par, boundary_bytes=m * seq * spec.hidden_size * element,
-                layers=spec.num_layers)
+                sharding=sharding_of(par), num_gpus=count,
+                parallel=par, boundary_bytes=tokens * spec.hidden_size * element,
+                layers=spec.num_layers,
+                layout_bytes={"logits_bytes": tokens * spec.vocab_size * element,
+                              "tokens": tokens})
             label = f"{precision}, ckpt={ckpt}, mb={m}x{per_rank // m}, {layout_label(par)}"
             if best is None or cost.total_s < best.step_s * (1 - 1e-9):
                 best = _Best(step_s=cost.total_s, run=p.run, peak=p.total_bytes, label=label,
-                             sharding=sharding)
+                             sharding=sharding_of(par))
     return best
 
 
