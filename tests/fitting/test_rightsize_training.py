@@ -168,6 +168,13 @@ def test_step_times_match_fits_traced_search_for_the_same_configuration(toy: str
         assert c.step_seconds == pytest.approx(plan.chosen.cost.total_s, rel=1e-3)
 
 
+def test_pruning_changes_nothing(toy: str) -> None:
+    pruned = _size(toy, gpus_max=4)
+    full = _size(toy, gpus_max=4, prune=False)
+    assert pruned.candidates == full.candidates and pruned.pareto == full.pareto
+    assert pruned.plans < full.plans  # the bound skipped some plans
+
+
 def test_an_unpriced_gpu_is_skipped_and_said(toy: str) -> None:
     r = _size(toy, gpus=["toy-a100-cheap", "toy-a100-unpriced"])
     assert {c.gpu for c in r.candidates} == {"toy-a100-cheap"}

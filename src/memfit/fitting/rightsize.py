@@ -93,6 +93,8 @@ class TrainingRightsize:
     skipped: tuple[str, ...]
     steps: int
     spot: dict[str, Any] | None = None
+    plans: int = 0
+    """Memory plans made (the search's unit of work besides the FLOP counts)."""
     seconds: float = 0.0
     notes: tuple[str, ...] = field(default=())
 
@@ -222,8 +224,16 @@ def _layouts(count: int, heads: int, kv_heads: int, global_batch: int,
 
 def _search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_batch: int,
                       seq: int, counter: _Counter, gpus_per_node: int,
-                      closest: list[tuple[float, str]]) -> _Best | None:
-    """The fastest fitting configuration of ``count`` x ``gpu`` (None: none fits)."""
+                      closest: list[tuple[float, str]], prune: bool = True,
+                      tally: list[int] | None = None) -> _Best | None:
+    """The fastest fitting configuration of ``count`` x ``gpu`` (None: none fits).
+
+    With ``prune``, a checkpointing policy is not planned once a configuration already found
+    is faster than its compute alone: ``global_batch / count`` samples of its FLOPs at the
+    GPU's rate, a lower bound on any layout's step (each rank computes ``1 / tp`` of its
+    ``global_batch / dp`` samples; the cost model only adds to that). The answer is the
+    same (tested against ``prune=False``). ``tally[0]`` counts the plans made."""
+    tally = [0] if tally is None else tally
     from memfit.analytic.planner import plan
     from memfit.categories import MemoryCategory as Cat
     from memfit.fitting.config import layout_label, sharding_of
@@ -246,10 +256,15 @@ def _search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_
         par = Parallel(gpus=count, gpus_per_node=node, tp=tp, zero=_ZERO.get(sharding))
         per_rank = global_batch // dp
         for ckpt in _CKPTS:
+            if prune and best is not None and \
+                    counter(ckpt).flops * global_batch / count / rates.flops[precision] \
+                    >= best.step_s:
+                continue
             fits_at: tuple[int, Any] | None = None
             for m in reversed(_powers_dividing(per_rank)):  # largest first
                 run = dataclasses.replace(base_run, precision=precision, checkpointing=ckpt,
                                           batch=m, grad_accum=per_rank // m, parallel=par)
+                tally[0] += 1
                 try:
                     p = plan(spec, run, gpu)
                 except MemfitError:
@@ -271,6 +286,7 @@ def _search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_
             # data-parallel sharding (its tensor-parallel share), and the activation bytes one
             # micro-batch writes, the saved ones without checkpointing scaled by the recompute
             # (fit's activation_traffic): one plan of the tp group alone, without checkpointing.
+            tally[0] += 1
             rank = plan(spec, dataclasses.replace(p.run, checkpointing="none",
                                                   parallel=Parallel(gpus=tp, tp=tp)), gpu)
             saved = rank.breakdown.get(Cat.ACTIVATIONS, 0)
@@ -313,7 +329,8 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
                        spot_discount: float | None = None, gpus_per_node: int = 8,
                        prices: str | Path | Mapping[str, Any] | None = None,
                        max_price_age_days: int | None = None, today: dt.date | None = None,
-                       gpu_file: str | Path | None = None) -> TrainingRightsize:
+                       gpu_file: str | Path | None = None,
+                       prune: bool = True) -> TrainingRightsize:
     """Size a training job of ``train_tokens`` tokens (``mode``: train, lora or qlora) at
     ``seq`` tokens a sample and ``global_batch`` samples a step: every GPU (``gpus``, default
     the priced catalog's) x count (powers of two up to ``gpus_max``) x pricing, as the module
@@ -321,6 +338,7 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     a price older than ``max_price_age_days`` is flagged. With ``spot``, each configuration is
     priced on spot too at ``interruption`` (a :data:`memfit.preempt.INTERRUPTION_BANDS` name,
     default :data:`memfit.preempt.spot.DEFAULT_BAND`) or ``mtbf_hours`` per instance.
+    ``prune=False`` plans every policy (the same answer, slower).
 
     >>> r = rightsize_training("llama-3-8b", train_tokens=2e9, seq=4096, global_batch=64)
     >>> r.candidates[0].gpu, r.candidates[0].cost_usd
@@ -388,6 +406,7 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     found: list[TrainingCandidate] = []
     skipped: list[str] = []
     closest: list[tuple[float, str]] = []
+    tally = [0]
     spot_info: dict[str, Any] | None = None
     if spot:
         spot_info = {"band": None if mtbf_hours is not None else band,
@@ -411,7 +430,7 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
         for count in _counts(gpus_max):
             best = _search_gpu_count(spec, base_run, gpu, count, global_batch=global_batch,
                                      seq=seq, counter=counter, gpus_per_node=gpus_per_node,
-                                     closest=closest)
+                                     closest=closest, prune=prune, tally=tally)
             if best is None:
                 continue
             config = {"label": best.label, "precision": best.run.precision,
@@ -464,5 +483,5 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     found.sort(key=lambda c: (c.cost_usd, c.job_hours))
     front = cost_time_front(found)
     return TrainingRightsize(candidates=tuple(found), pareto=front, skipped=tuple(skipped),
-                             steps=steps, spot=spot_info,
+                             steps=steps, spot=spot_info, plans=tally[0],
                              seconds=time.perf_counter() - started)
