@@ -28,9 +28,9 @@ _UNITS = {"ms": 1e-3, "s": 1.0, "": 1.0}
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("rightsize", help="the cheapest GPUs, TP size, quantization and "
-                       "replicas that serve a load within p95 latency targets",
-                       description=__doc__)
+    p = sub.add_parser("rightsize", help="the cheapest GPUs and counts for a training job "
+                       "(--train-tokens), or GPUs, TP size, quantization and replicas that serve "
+                       "a load within p95 latency targets (--serve)", description=__doc__)
     p.add_argument("model", help="a preset name (`memfit models`), a config.json or its folder, "
                    "or a hub id in the local cache")
     p.add_argument("--serve", action="store_true",

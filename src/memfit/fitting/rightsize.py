@@ -20,7 +20,10 @@ and, in the cost model, time never does), and keeps the fastest:
   aten ops dispatched (the launch term). The model's blocks are identical, so both are counted
   on the model cut to one and to two blocks and extended linearly to all of them (exact for a
   stack of identical blocks); the activation traffic is the plan's saved activations scaled by
-  the recompute, as ``fit`` scales its traced ones.
+  the recompute, as ``fit`` scales its traced ones; the model states are the rank's before
+  data-parallel sharding (its tensor-parallel share), as ``fit`` gives them. A checkpointing
+  policy whose compute alone is slower than a configuration already found is not planned
+  (the answer is the same).
 - **Job:** ``steps = ceil(train_tokens / (global_batch x seq))``; ``job_hours = steps x
   step_seconds / 3600``; ``cost = job_hours x count x price_per_gpu_hour``.
 - **Spot** (``spot=True``): the same configuration priced by :func:`memfit.preempt.spot_plan`:
