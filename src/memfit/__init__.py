@@ -50,6 +50,7 @@ _SOURCES: dict[str, str] = {
     "profile": "memfit.profiling.session",
     "resolve_model": "memfit.models",
     "rightsize_serving": "memfit.serving.rightsize",
+    "rightsize_training": "memfit.fitting.rightsize",
     "serve_plan": "memfit.serving",
     "spot_plan": "memfit.preempt",
     "trace_recipe": "memfit.parallel.recipe",  # the recipe's techniques, then memfit.estimate
@@ -89,6 +90,7 @@ __all__ = [
     "profile",
     "resolve_model",
     "rightsize_serving",
+    "rightsize_training",
     "serve_plan",
     "spot_plan",
     "trace_recipe",
@@ -118,6 +120,7 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befo
     from memfit.errors import MemfitError
     from memfit.fitting import Plan, fit
     from memfit.fitting.apply import apply_recipe
+    from memfit.fitting.rightsize import rightsize_training
     from memfit.gpus import GpuSpec, get_gpu, list_gpus
     from memfit.models import ParamCountSpec, TransformerSpec, list_presets, resolve_model
     from memfit.models.build import build_model, example_inputs

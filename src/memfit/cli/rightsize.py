@@ -1,4 +1,9 @@
-"""``memfit rightsize MODEL --serve``: every GPU x TP size x quantization at the cheapest replica
+"""``memfit rightsize MODEL --mode lora --train-tokens 2e9 --seq 4096 --global-batch 64``: every
+priced GPU x count (1, 2, 4, ... up to ``--gpus-max``) x pricing (on-demand, and spot with
+``--spot``) with the fastest training configuration that fits, its step time, the job's hours
+and cost, ranked by cost, with the cost-vs-time Pareto front (memfit.fitting.rightsize).
+
+``memfit rightsize MODEL --serve``: every GPU x TP size x quantization at the cheapest replica
 count that serves ``--qps`` requests of ``--prompt-tokens`` + ``--output-tokens`` within the p95
 TTFT / TPOT targets (vLLM's KV budget from ``serve-plan``, each replica count simulated by
 ``simulate``'s rules), ranked by cost with $ per million output tokens, the Pareto front of
@@ -23,32 +28,54 @@ _UNITS = {"ms": 1e-3, "s": 1.0, "": 1.0}
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("rightsize", help="the cheapest GPUs, TP size, quantization and "
-                       "replicas that serve a load within p95 latency targets",
-                       description=__doc__)
+    p = sub.add_parser("rightsize", help="the cheapest GPUs and counts for a training job "
+                       "(--train-tokens), or GPUs, TP size, quantization and replicas that serve "
+                       "a load within p95 latency targets (--serve)", description=__doc__)
     p.add_argument("model", help="a preset name (`memfit models`), a config.json or its folder, "
                    "or a hub id in the local cache")
-    p.add_argument("--serve", action="store_true", required=True,
-                   help="size a serving deployment (training sizing is not there yet)")
-    p.add_argument("--qps", required=True, help="requests per second to serve (> 0)")
-    p.add_argument("--prompt-tokens", required=True, help="prompt tokens per request")
-    p.add_argument("--output-tokens", required=True, help="output tokens per request")
-    p.add_argument("--p95-ttft", help="p95 time to first token target (2s, 500ms)")
-    p.add_argument("--p95-tpot", help="p95 time per output token target (50ms)")
+    p.add_argument("--serve", action="store_true",
+                   help="size a serving deployment (default: a training job)")
+    t = p.add_argument_group("training (without --serve)")
+    t.add_argument("--mode", default="train", help="train, lora or qlora (default train)")
+    t.add_argument("--train-tokens", help="tokens the job trains on, e.g. 2e9 or 2B")
+    t.add_argument("--seq", help="tokens per sample")
+    t.add_argument("--global-batch", help="samples per optimizer step")
+    t.add_argument("--gpus-max", default="16", help="the most GPUs tried: 1, 2, 4, ... up to "
+                   "it (default 16)")
+    t.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")
+    t.add_argument("--top", default="20", help="rows shown, cheapest first, plus every row of "
+                   "the Pareto front (default 20; --json has all)")
+    t.add_argument("--spot", action="store_true",
+                   help="price each configuration on spot too (memfit spot-plan's model)")
+    t.add_argument("--interruption", metavar="BAND", help="with --spot: a published "
+                   "preemption rate (memfit spot-plan --help lists them; default "
+                   "gcp-preemptible)")
+    t.add_argument("--mtbf-hours", help="with --spot: mean hours between preemptions of one "
+                   "instance (instead of --interruption)")
+    t.add_argument("--write-bandwidth", default="1GB/s",
+                   help="with --spot: checkpoint write bandwidth (default 1GB/s)")
+    t.add_argument("--discount", help="with --spot: spot discount off on-demand, 0-1 "
+                   "(default 0.6)")
+    s = p.add_argument_group("serving (--serve)")
+    s.add_argument("--qps", help="requests per second to serve (> 0)")
+    s.add_argument("--prompt-tokens", help="prompt tokens per request")
+    s.add_argument("--output-tokens", help="output tokens per request")
+    s.add_argument("--p95-ttft", help="p95 time to first token target (2s, 500ms)")
+    s.add_argument("--p95-tpot", help="p95 time per output token target (50ms)")
     p.add_argument("--gpus", help="comma-separated catalog GPUs (default: every priced one)")
-    p.add_argument("--tp", default="1,2,4,8", help="TP sizes to try (default 1,2,4,8)")
-    p.add_argument("--quant", default="none,fp8",
+    s.add_argument("--tp", default="1,2,4,8", help="TP sizes to try (default 1,2,4,8)")
+    s.add_argument("--quant", default="none,fp8",
                    help="quantizations to try: none, fp8, awq, gptq, ... (default none,fp8)")
-    p.add_argument("--max-model-len", help="vLLM's --max-model-len (default: the model's "
+    s.add_argument("--max-model-len", help="vLLM's --max-model-len (default: the model's "
                    "context)")
-    p.add_argument("--activation-peak", metavar="BYTES",
+    s.add_argument("--activation-peak", metavar="BYTES",
                    help="the profile run's activation peak, given instead of traced (as "
                    "serve-plan's; the same on every GPU)")
     p.add_argument("--prices", metavar="FILE", help="JSON or YAML prices overriding the "
                    "catalog's: {gpu: {price_per_hour, source, date}}")
     p.add_argument("--max-price-age-days", default="365",
                    help="flag prices older than this (default 365)")
-    p.add_argument("--num-requests", default="200",
+    s.add_argument("--num-requests", default="200",
                    help="requests simulated per replica count (default 200)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
@@ -76,6 +103,118 @@ def _list(text: str, flag: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.serve:
+        return run_training(args)
+    missing = [f for f, v in (("--qps", args.qps), ("--prompt-tokens", args.prompt_tokens),
+                              ("--output-tokens", args.output_tokens)) if v is None]
+    if missing:
+        raise MemfitError(f"--serve needs {', '.join(missing)}")
+    return run_serving(args)
+
+
+def _training_flags(args: argparse.Namespace) -> None:
+    serving = [f for f, v in (("--qps", args.qps), ("--prompt-tokens", args.prompt_tokens),
+                              ("--output-tokens", args.output_tokens),
+                              ("--p95-ttft", args.p95_ttft), ("--p95-tpot", args.p95_tpot),
+                              ("--max-model-len", args.max_model_len),
+                              ("--activation-peak", args.activation_peak)) if v is not None]
+    if serving:
+        raise MemfitError(f"{', '.join(serving)} size a serving deployment: add --serve")
+    missing = [f for f, v in (("--train-tokens", args.train_tokens), ("--seq", args.seq),
+                              ("--global-batch", args.global_batch)) if v is None]
+    if missing:
+        raise MemfitError(f"a training job needs {', '.join(missing)} (or --serve to size "
+                          "serving)")
+    if not args.spot and any(v is not None for v in (args.interruption, args.mtbf_hours,
+                                                     args.discount)):
+        raise MemfitError("--interruption, --mtbf-hours and --discount price spot: add --spot")
+
+
+def _fraction(text: str | None, flag: str) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise MemfitError(f"{flag} must be a non-negative number, got {text!r}")
+    return value
+
+
+def run_training(args: argparse.Namespace) -> int:
+    from memfit.fitting.rightsize import rightsize_training
+    from memfit.units import parse_rate
+
+    _training_flags(args)
+    try:
+        tokens = float(str(args.train_tokens).replace("_", ""))
+    except ValueError:
+        from memfit.units import parse_count
+
+        tokens = float(parse_count(args.train_tokens, what="--train-tokens"))
+    result = rightsize_training(
+        args.model, mode=args.mode, train_tokens=tokens,
+        seq=positive_int(args.seq, "--seq") or 1,
+        global_batch=positive_int(args.global_batch, "--global-batch") or 1,
+        gpus_max=positive_int(args.gpus_max, "--gpus-max") or 16,
+        gpus=None if args.gpus is None else _list(args.gpus, "--gpus"),
+        optimizer=args.optimizer, spot=args.spot, interruption=args.interruption,
+        mtbf_hours=_fraction(args.mtbf_hours, "--mtbf-hours"),
+        write_bandwidth=parse_rate(args.write_bandwidth, what="--write-bandwidth", unit="B/s"),
+        spot_discount=_fraction(args.discount, "--discount"), prices=args.prices,
+        max_price_age_days=positive_int(args.max_price_age_days, "--max-price-age-days"))
+    if args.json:
+        print_json(result.to_json())
+        return 0
+    render_training(result, args)
+    return 0
+
+
+def render_training(result: Any, args: argparse.Namespace) -> None:
+    from rich.table import Table
+
+    con = console()
+    front = set(result.pareto)
+    table = Table(title=f"{args.model} {args.mode}: {float(args.train_tokens):,.0f} tokens = "
+                  f"{result.steps:,} steps of {args.global_batch} x {args.seq}, ranked by cost "
+                  "(* Pareto: cost vs job time)")
+    table.add_column("")
+    name_column(table, "GPU")
+    for header in ("n", "pricing", "$/GPU-h", "step s", "job h", "cost $", "configuration",
+                   "price date"):
+        table.add_column(header, justify="left" if header in ("pricing", "configuration",
+                                                              "price date") else "right")
+    top = positive_int(args.top, "--top") or 20
+    hidden = 0
+    for i, c in enumerate(result.candidates):
+        if i >= top and i not in front:
+            hidden += 1
+            continue
+        date = (c.price_date or "undated") + (" (stale)" if c.stale_price else "")
+        label = c.config["label"]
+        if c.pricing == "spot":
+            label += (f"; save every {c.config['checkpoint_every_s'] / 60:,.0f} min, "
+                      f"{c.config['expected_preemptions']:.1f} preemptions")
+        table.add_row("*" if i in front else "", c.gpu, str(c.count), c.pricing,
+                      f"{c.price_per_gpu_hour:,.2f}", f"{c.step_seconds:,.2f}",
+                      f"{c.job_hours:,.1f}", f"{c.cost_usd:,.0f}", label, date)
+    print_table(table, drop=("price date", "$/GPU-h", "step s"), out=con)
+    if hidden:
+        con.print(f"{hidden} more rows off the Pareto front (--top N, or --json for all)")
+    for s in result.skipped:
+        con.print(f"skipped {s}")
+    if result.spot:
+        sp = result.spot
+        con.print(f"spot: preemptions every {sp['mtbf_hours_per_instance']:,.1f} h per "
+                  f"instance of {sp['gpus_per_instance']} GPUs ({sp['source']}), a job of n "
+                  f"instances every 1/n of it; checkpoints (weights + optimizer states) written "
+                  f"at {sp['write_bandwidth'] / 1e9:g} GB/s; {sp['discount']:.0%} off on-demand")
+    con.print("configuration: fit's cost model at the catalog's rates, memory from memfit "
+              f"plan's formulas; searched in {result.seconds:.1f} s")
+
+
+def run_serving(args: argparse.Namespace) -> int:
     from memfit.cli.serve_plan import _budget
     from memfit.serving.rightsize import rightsize_serving
 

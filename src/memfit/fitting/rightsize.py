@@ -1,0 +1,490 @@
+"""``rightsize_training``: every priced GPU x GPU count x pricing (on-demand, and spot) with
+the fastest training configuration that fits it, its step time, the job's time and its cost,
+ranked by cost, with the cost-vs-time Pareto front.
+
+For each GPU and count (1, 2, 4, ... up to ``gpus_max``) the search tries each layout (tensor
+parallel 1, 2, 4, 8 inside a node; DDP, ZeRO-1, ZeRO-2, FSDP over the data-parallel ranks; tp
+only under FSDP, as torchtitan) x activation checkpointing (none, selective, full), each at its
+largest fitting micro-batch (a power of two dividing the per-rank batch; memory grows with it
+and, in the cost model, time never does), and keeps the fastest:
+
+- **Memory:** :func:`memfit.plan`'s formulas (:mod:`memfit.analytic.planner`), which cover
+  LoRA and QLoRA, tensor parallelism and ZeRO; a configuration fits when the plan says so
+  (:data:`memfit.analytic.planner.FITS_MARGIN` kept free). ``fit`` traces instead; one traced
+  ``fit`` of llama-3-8b at seq 4096 took over ten minutes on the 2-core development machine,
+  so a traced search of every GPU and count is out of reach here.
+- **Time:** ``fit``'s cost model, :func:`memfit.fitting.cost.step_cost`, at the GPU's catalog
+  rates (:func:`memfit.fitting.rates.gpu_rates`), fed what ``fit`` feeds it: the FLOPs of
+  forward + backward (+ recompute) counted by ``FlopCounterMode`` on fake tensors with the
+  techniques applied (LoRA adapters and checkpointing, as ``fit``'s ``count_flops``), and the
+  aten ops dispatched (the launch term). The model's blocks are identical, so both are counted
+  on the model cut to one and to two blocks and extended linearly to all of them (exact for a
+  stack of identical blocks); the activation traffic is the plan's saved activations scaled by
+  the recompute, as ``fit`` scales its traced ones; the model states are the rank's before
+  data-parallel sharding (its tensor-parallel share), as ``fit`` gives them. A checkpointing
+  policy whose compute alone is slower than a configuration already found is not planned
+  (the answer is the same).
+- **Job:** ``steps = ceil(train_tokens / (global_batch x seq))``; ``job_hours = steps x
+  step_seconds / 3600``; ``cost = job_hours x count x price_per_gpu_hour``.
+- **Spot** (``spot=True``): the same configuration priced by :func:`memfit.preempt.spot_plan`:
+  Young's checkpoint interval from the checkpoint's bytes (:func:`memfit.preempt.checkpoint_bytes`
+  of the run: weights and optimizer states) at ``write_bandwidth``, the work lost per
+  preemption and the restarts, at the named preemption rate for ``ceil(count /
+  gpus_per_node)`` instances, and the spot discount.
+
+The Pareto front: the candidates that no other matches or beats on both cost and job time.
+
+Known limitations: no pipeline parallelism, offload or 8-bit optimizers searched; memory from
+the formulas, not the trace; the LoRA adapters' FLOPs are counted but QLoRA's dequantization
+is not; no data-loading, evaluation or checkpoint time in the on-demand job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import MemfitError
+
+__all__ = ["DEFAULT_WRITE_BANDWIDTH", "TrainingCandidate", "TrainingRightsize",
+           "cost_time_front", "job_steps", "rightsize_training"]
+
+DEFAULT_WRITE_BANDWIDTH = 1e9
+"""Bytes/s the checkpoint is written at on spot (1 GB/s: one NVMe-backed cloud volume's order;
+give yours)."""
+
+_CKPTS = ("none", "selective", "full")
+_TPS = (1, 2, 4, 8)
+_ZERO = {"ddp": None, "zero1": 1, "zero2": 2, "zero3": 3}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingCandidate:
+    """One GPU x count x pricing at its fastest fitting configuration."""
+
+    gpu: str
+    count: int
+    pricing: str
+    price_per_gpu_hour: float
+    """On-demand price; a spot row's cost applies the discount to it."""
+    config: dict[str, Any]
+    step_seconds: float
+    job_hours: float
+    cost_usd: float
+    stale_price: bool = False
+    price_date: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "count": self.count, "pricing": self.pricing,
+                "price_per_gpu_hour": self.price_per_gpu_hour, "config": self.config,
+                "step_seconds": self.step_seconds, "job_hours": self.job_hours,
+                "cost_usd": self.cost_usd}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingRightsize:
+    """The candidates sorted by cost, the Pareto front (indices) and what was left out."""
+
+    candidates: tuple[TrainingCandidate, ...]
+    pareto: tuple[int, ...]
+    skipped: tuple[str, ...]
+    steps: int
+    spot: dict[str, Any] | None = None
+    plans: int = 0
+    """Memory plans made (the search's unit of work besides the FLOP counts)."""
+    seconds: float = 0.0
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"candidates": [c.to_json() for c in self.candidates],
+                "pareto": list(self.pareto)}
+
+
+def cost_time_front(candidates: Sequence[TrainingCandidate]) -> tuple[int, ...]:
+    """Indices of the candidates no other matches or beats on both ``cost_usd`` and
+    ``job_hours`` while beating it on one (equal ones all kept)."""
+    from memfit.serving.rightsize import pareto_front
+
+    return pareto_front([(c.cost_usd, c.job_hours) for c in candidates])
+
+
+def job_steps(train_tokens: float, global_batch: int, seq: int) -> int:
+    """Optimizer steps to see ``train_tokens``: ``ceil(tokens / (global_batch x seq))``."""
+    return math.ceil(train_tokens / (global_batch * seq))
+
+
+@dataclass(frozen=True)
+class _Counted:
+    flops: float
+    """Forward + backward (+ recompute) FLOPs of one sample."""
+    ops: int
+    """Aten ops dispatched for one micro-batch."""
+
+
+def _count(spec: Any, run: Any, seq: int) -> _Counted:
+    """FLOPs and ops of one sample of ``spec`` run as ``run`` says, on fake tensors: the
+    techniques applied as ``fit``'s ``count_flops`` applies them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memfit._loss import model_loss
+    from memfit._tensors import fake_inputs, fake_model
+    from memfit.models.build import build_model, example_inputs
+    from memfit.techniques.recipe import apply_techniques
+
+    class _Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    recipe = dataclasses.replace(run.recipe, qlora=False, parallel=None, micro_batch=1,
+                                 accumulation=1)
+    base = build_model(spec, device="meta")
+    # The techniques go on the meta model: LoRA's adapters cast the base (``model.to``), which
+    # fake parameters refuse.
+    apply_techniques(base, recipe)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = fake_model(base, "cpu")
+        inputs = fake_inputs(example_inputs(spec, batch=1, seq=seq), "cpu")
+        ops = _Ops()
+        with FlopCounterMode(display=False) as counter, ops:
+            model_loss(model, inputs).backward()
+    return _Counted(flops=float(counter.get_total_flops()), ops=ops.n)
+
+
+_COUNTS: dict[tuple[Any, ...], _Counted] = {}
+"""The counts of every search in this process, by model, LoRA, attention, seq and policy."""
+
+
+class _Counter:
+    """FLOPs and ops per checkpointing policy, counted on one and two blocks and extended to
+    every block (the blocks are identical: ``total(L) = c(1) + (L - 1) (c(2) - c(1))``)."""
+
+    def __init__(self, spec: Any, run: Any, seq: int) -> None:
+        self.spec, self.run, self.seq = spec, run, seq
+        # What the counts depend on (not the precision, optimizer, batch or layout), so that
+        # later searches in the process reuse them.
+        self.key = (spec, run.mode, run.lora_rank, run.lora_targets, run.attention, seq)
+        self.cache = _COUNTS
+
+    def __call__(self, ckpt: str) -> _Counted:
+        key = (*self.key, ckpt)
+        if key not in self.cache:
+            run = dataclasses.replace(self.run, checkpointing=ckpt)
+            layers = self.spec.num_layers
+            one = _count(dataclasses.replace(self.spec, num_layers=1), run, self.seq)
+            if layers == 1:
+                self.cache[key] = one
+            else:
+                two = _count(dataclasses.replace(self.spec, num_layers=2), run, self.seq)
+                self.cache[key] = _Counted(
+                    flops=one.flops + (layers - 1) * (two.flops - one.flops),
+                    ops=one.ops + (layers - 1) * (two.ops - one.ops))
+        return self.cache[key]
+
+
+def _powers_dividing(n: int) -> list[int]:
+    return [m for m in (2 ** k for k in range(n.bit_length())) if n % m == 0]
+
+
+@dataclass(frozen=True)
+class _Best:
+    step_s: float
+    run: Any
+    peak: int
+    label: str
+    sharding: str
+
+
+def _layouts(count: int, heads: int, kv_heads: int, global_batch: int,
+             gpus_per_node: int) -> list[tuple[int, str]]:
+    out: list[tuple[int, str]] = []
+    for tp in _TPS:
+        if tp > min(count, gpus_per_node) or count % tp or heads % tp or kv_heads % tp:
+            continue
+        dp = count // tp
+        if global_batch % dp:
+            continue
+        if dp == 1:
+            out.append((tp, "none"))
+            continue
+        for sharding in _ZERO:
+            if tp > 1 and sharding in ("ddp", "zero1"):
+                continue  # tp beside DDP / ZeRO-1 is refused (torchtitan refuses it)
+            out.append((tp, sharding))
+    return out
+
+
+def _search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_batch: int,
+                      seq: int, counter: _Counter, gpus_per_node: int,
+                      closest: list[tuple[float, str]], prune: bool = True,
+                      tally: list[int] | None = None) -> _Best | None:
+    """The fastest fitting configuration of ``count`` x ``gpu`` (None: none fits).
+
+    With ``prune``, a checkpointing policy is not planned once a configuration already found
+    is faster than its compute alone: ``global_batch / count`` samples of its FLOPs at the
+    GPU's rate, a lower bound on any layout's step (each rank computes ``1 / tp`` of its
+    ``global_batch / dp`` samples; the cost model only adds to that). The answer is the
+    same (tested against ``prune=False``). ``tally[0]`` counts the plans made."""
+    tally = [0] if tally is None else tally
+    from memfit.analytic.planner import plan
+    from memfit.categories import MemoryCategory as Cat
+    from memfit.fitting.config import layout_label, sharding_of
+    from memfit.fitting.cost import step_cost
+    from memfit.fitting.rates import gpu_rates
+    from memfit.layout import Parallel
+    from memfit.vocab import precision as precision_info
+
+    precision = "bf16-mixed" if gpu.bf16 else "fp16-mixed"
+    rates = gpu_rates(gpu)
+    if precision not in rates.flops:
+        return None
+    element = precision_info(precision).compute_bytes
+    heads = getattr(spec, "num_heads", 1) or 1
+    kv_heads = getattr(spec, "num_kv_heads", None) or heads
+    best: _Best | None = None
+    node = min(count, gpus_per_node)
+    for tp, sharding in _layouts(count, heads, kv_heads, global_batch, gpus_per_node):
+        dp = count // tp
+        par = Parallel(gpus=count, gpus_per_node=node, tp=tp, zero=_ZERO.get(sharding))
+        per_rank = global_batch // dp
+        for ckpt in _CKPTS:
+            if prune and best is not None and \
+                    counter(ckpt).flops * global_batch / count / rates.flops[precision] \
+                    >= best.step_s:
+                continue
+            fits_at: tuple[int, Any] | None = None
+            for m in reversed(_powers_dividing(per_rank)):  # largest first
+                run = dataclasses.replace(base_run, precision=precision, checkpointing=ckpt,
+                                          batch=m, grad_accum=per_rank // m, parallel=par)
+                tally[0] += 1
+                try:
+                    p = plan(spec, run, gpu)
+                except MemfitError:
+                    break
+                if p.fits:
+                    fits_at = (m, p)
+                    break
+                if m == 1 and p.capacity_bytes:
+                    closest.append((p.total_bytes / p.capacity_bytes,
+                                    f"{count} x {gpu.name} ({layout_label(par)}, ckpt={ckpt}, "
+                                    f"micro-batch 1): {p.total_bytes / 2**30:,.1f} GiB of "
+                                    f"{p.capacity_bytes / 2**30:,.1f} GiB"))
+            if fits_at is None:
+                continue
+            m, p = fits_at
+            counted = counter(ckpt)
+            plain = counter("none")
+            # What fit gives the cost model (search_state.cost): the rank's model states before
+            # data-parallel sharding (its tensor-parallel share), and the activation bytes one
+            # micro-batch writes, the saved ones without checkpointing scaled by the recompute
+            # (fit's activation_traffic): one plan of the tp group alone, without checkpointing.
+            tally[0] += 1
+            rank = plan(spec, dataclasses.replace(p.run, checkpointing="none",
+                                                  parallel=Parallel(gpus=tp, tp=tp)), gpu)
+            saved = rank.breakdown.get(Cat.ACTIVATIONS, 0)
+            traffic = int(saved * counted.flops / max(plain.flops, 1.0))
+            tokens = m * seq
+            cost = step_cost(
+                rates, precision=precision, micro_flops=counted.flops * m,
+                accumulation=per_rank // m, activation_traffic_bytes=traffic,
+                offloaded_bytes=0, ops_per_micro=counted.ops,
+                param_bytes=rank.breakdown.get(Cat.WEIGHTS, 0),
+                grad_bytes=rank.breakdown.get(Cat.GRADIENTS, 0),
+                state_bytes=rank.breakdown.get(Cat.OPTIMIZER_STATES, 0),
+                offload_activations=False, offload_states=False,
+                sharding=sharding_of(par), num_gpus=count,
+                parallel=par, boundary_bytes=tokens * spec.hidden_size * element,
+                layers=spec.num_layers,
+                layout_bytes={"logits_bytes": tokens * spec.vocab_size * element,
+                              "tokens": tokens})
+            label = f"{precision}, ckpt={ckpt}, mb={m}x{per_rank // m}, {layout_label(par)}"
+            if best is None or cost.total_s < best.step_s * (1 - 1e-9):
+                best = _Best(step_s=cost.total_s, run=p.run, peak=p.total_bytes, label=label,
+                             sharding=sharding_of(par))
+    return best
+
+
+def _counts(gpus_max: int) -> list[int]:
+    out, n = [], 1
+    while n <= gpus_max:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: float,
+                       seq: int, global_batch: int, gpus_max: int = 16,
+                       gpus: Sequence[str] | None = None, optimizer: str = "adamw",
+                       spot: bool = False, interruption: str | None = None,
+                       mtbf_hours: float | None = None,
+                       write_bandwidth: float = DEFAULT_WRITE_BANDWIDTH,
+                       spot_discount: float | None = None, gpus_per_node: int = 8,
+                       prices: str | Path | Mapping[str, Any] | None = None,
+                       max_price_age_days: int | None = None, today: dt.date | None = None,
+                       gpu_file: str | Path | None = None,
+                       prune: bool = True) -> TrainingRightsize:
+    """Size a training job of ``train_tokens`` tokens (``mode``: train, lora or qlora) at
+    ``seq`` tokens a sample and ``global_batch`` samples a step: every GPU (``gpus``, default
+    the priced catalog's) x count (powers of two up to ``gpus_max``) x pricing, as the module
+    docstring says. ``prices`` overrides the catalog's (:func:`memfit.serving.load_prices`);
+    a price older than ``max_price_age_days`` is flagged. With ``spot``, each configuration is
+    priced on spot too at ``interruption`` (a :data:`memfit.preempt.INTERRUPTION_BANDS` name,
+    default :data:`memfit.preempt.spot.DEFAULT_BAND`) or ``mtbf_hours`` per instance.
+    ``prune=False`` plans every policy (the same answer, slower).
+
+    >>> r = rightsize_training("llama-3-8b", train_tokens=2e9, seq=4096, global_batch=64)
+    >>> r.candidates[0].gpu, r.candidates[0].cost_usd
+    """
+    from memfit.analytic.config import RunConfig
+    from memfit.gpus import get_gpu
+    from memfit.models import resolve_model
+    from memfit.models.spec import TransformerSpec
+    from memfit.preempt.spot import (
+        DEFAULT_BAND,
+        DEFAULT_SPOT_DISCOUNT,
+        INTERRUPTION_BANDS,
+        band_mtbf_s,
+        checkpoint_bytes,
+        spot_plan,
+    )
+    from memfit.serving.prices import (
+        DEFAULT_MAX_PRICE_AGE_DAYS,
+        catalog_prices,
+        load_prices,
+        price_is_stale,
+    )
+    started = time.perf_counter()
+    if isinstance(train_tokens, bool) or not isinstance(train_tokens, (int, float)) \
+            or not (math.isfinite(train_tokens) and train_tokens > 0):
+        raise MemfitError(f"--train-tokens must be a positive number of tokens such as 2e9, "
+                          f"got {train_tokens!r}")
+    for flag, value in (("--seq", seq), ("--global-batch", global_batch),
+                        ("--gpus-max", gpus_max), ("gpus_per_node", gpus_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise MemfitError(f"{flag} must be an integer >= 1, got {value!r}")
+    if mode not in ("train", "lora", "qlora"):
+        raise MemfitError(f"--mode must be train, lora or qlora for a training job, got "
+                          f"{mode!r}")
+    if interruption is not None and mtbf_hours is not None:
+        raise MemfitError("give --interruption or --mtbf-hours, not both")
+    if mtbf_hours is not None and not (math.isfinite(mtbf_hours) and mtbf_hours > 0):
+        raise MemfitError(f"--mtbf-hours must be a positive number, got {mtbf_hours!r}")
+    if not (math.isfinite(write_bandwidth) and write_bandwidth > 0):
+        raise MemfitError(f"--write-bandwidth must be a positive rate, got {write_bandwidth!r}")
+    band = interruption or DEFAULT_BAND
+    if band not in INTERRUPTION_BANDS:
+        raise MemfitError(f"unknown interruption band {band!r}; valid: "
+                          f"{', '.join(INTERRUPTION_BANDS)}")
+    discount = DEFAULT_SPOT_DISCOUNT if spot_discount is None else spot_discount
+    if not 0 <= discount < 1:
+        raise MemfitError(f"--discount must be in [0, 1), got {discount!r}")
+    age = DEFAULT_MAX_PRICE_AGE_DAYS if max_price_age_days is None else max_price_age_days
+    table = catalog_prices(gpu_file)
+    if prices is not None:
+        table.update(load_prices(prices, gpu_file))
+    names = list(table) if gpus is None else \
+        list(dict.fromkeys(get_gpu(g, gpu_file).name for g in gpus))
+    spec = resolve_model(model)
+    if not isinstance(spec, TransformerSpec) or spec.arch == "vision":
+        raise MemfitError(f"{model}: rightsize sizes decoder language models (a preset or a "
+                          "config.json); see `memfit models`")
+    base_run = RunConfig(mode=mode, optimizer=optimizer, seq=seq)  # type: ignore[arg-type]
+    from memfit.analytic.checks import check_context
+
+    check_context(spec, base_run)
+    steps = job_steps(train_tokens, global_batch, seq)
+    counter = _Counter(spec, base_run, seq)
+    today = today or dt.date.today()
+    found: list[TrainingCandidate] = []
+    skipped: list[str] = []
+    closest: list[tuple[float, str]] = []
+    tally = [0]
+    spot_info: dict[str, Any] | None = None
+    if spot:
+        spot_info = {"band": None if mtbf_hours is not None else band,
+                     "source": (f"{mtbf_hours} h per instance (given)" if mtbf_hours is not None
+                                else INTERRUPTION_BANDS[band][2]),
+                     "mtbf_hours_per_instance": mtbf_hours if mtbf_hours is not None
+                     else INTERRUPTION_BANDS[band][0],
+                     "gpus_per_instance": gpus_per_node, "write_bandwidth": write_bandwidth,
+                     "discount": discount}
+    for name in names:
+        price = table.get(name)
+        if price is None:
+            skipped.append(f"{name}: no price (pass --prices FILE)")
+            continue
+        gpu = get_gpu(name, gpu_file)
+        if gpu.vendor not in ("nvidia", "custom"):
+            skipped.append(f"{name}: fit's cost model and plans are CUDA's (vendor "
+                           f"{gpu.vendor})")
+            continue
+        stale = price_is_stale(price, today=today, max_age_days=age)
+        for count in _counts(gpus_max):
+            best = _search_gpu_count(spec, base_run, gpu, count, global_batch=global_batch,
+                                     seq=seq, counter=counter, gpus_per_node=gpus_per_node,
+                                     closest=closest, prune=prune, tally=tally)
+            if best is None:
+                continue
+            config = {"label": best.label, "precision": best.run.precision,
+                      "checkpointing": best.run.checkpointing, "micro_batch": best.run.batch,
+                      "accumulation": best.run.grad_accum, "tp": best.run.parallel.tp,
+                      "dp": best.run.parallel.dp, "sharding": best.sharding,
+                      "peak_bytes_per_gpu": best.peak}
+            hours = steps * best.step_s / 3600
+            found.append(TrainingCandidate(
+                gpu=name, count=count, pricing="on-demand",
+                price_per_gpu_hour=price.price_per_hour, config=config,
+                step_seconds=best.step_s, job_hours=hours,
+                cost_usd=hours * count * price.price_per_hour, stale_price=stale,
+                price_date=price.date))
+            if spot:
+                instances = math.ceil(count / gpus_per_node)
+                mtbf_s = (mtbf_hours * 3600 / instances if mtbf_hours is not None
+                          else band_mtbf_s(band, instances))
+                notice = None if mtbf_hours is not None else INTERRUPTION_BANDS[band][1]
+                size = checkpoint_bytes(spec, best.run)
+                try:
+                    sp = spot_plan(checkpoint_bytes=size, write_bandwidth=write_bandwidth,
+                                   mtbf_s=mtbf_s, work_s=steps * best.step_s,
+                                   price_per_hour=count * price.price_per_hour,
+                                   spot_discount=discount, notice_s=notice,
+                                   step_s=best.step_s)
+                except MemfitError as exc:
+                    skipped.append(f"{count} x {name} spot: {exc}")
+                    continue
+                spot_config = {**config, "checkpoint_bytes": sp.checkpoint_bytes,
+                               "checkpoint_every_s": sp.interval_s,
+                               "job_mtbf_hours": mtbf_s / 3600,
+                               "expected_preemptions": sp.expected_preemptions,
+                               "lost_per_preemption_s": sp.lost_per_preemption_s,
+                               "restart_s": sp.restart_s,
+                               "preemption_rate": spot_info["source"] if spot_info else ""}
+                found.append(TrainingCandidate(
+                    gpu=name, count=count, pricing="spot",
+                    price_per_gpu_hour=price.price_per_hour, config=spot_config,
+                    step_seconds=best.step_s, job_hours=sp.wall_s / 3600,
+                    cost_usd=sp.spot_cost or 0.0, stale_price=stale, price_date=price.date))
+    if not found:
+        if closest:
+            ratio, what = min(closest)
+            raise MemfitError(f"no configuration fits on any GPU up to {gpus_max} GPUs; the "
+                              f"closest is {what} ({ratio:.2f}x); raise --gpus-max, shorten "
+                              "--seq, or use --mode lora / qlora")
+        raise MemfitError("no GPU to size: " + ("; ".join(skipped[:3]) or "none priced")
+                          + "; pass --prices FILE or --gpus")
+    found.sort(key=lambda c: (c.cost_usd, c.job_hours))
+    front = cost_time_front(found)
+    return TrainingRightsize(candidates=tuple(found), pareto=front, skipped=tuple(skipped),
+                             steps=steps, spot=spot_info, plans=tally[0],
+                             seconds=time.perf_counter() - started)
