@@ -70,7 +70,8 @@ def _check(report: dict[str, Any], quick: bool) -> None:
             assert naive["config"].startswith("fp32") and "ckpt" not in naive["config"]
             assert "offload" not in naive["config"] and "8bit" not in naive["config"]
         else:
-            assert (naive["quant"], naive["batching"]) == ("fp32", "static")
+            # the checkpoint's dtype: vLLM serves a float32 checkpoint in 16 bits
+            assert (naive["quant"], naive["batching"]) == ("none (16-bit)", "static")
             assert mine["batching"] == "continuous"
             assert naive["count"] == naive["tp"] * naive["replicas"]
         steps = r.get("steps", 0.0)
@@ -78,6 +79,11 @@ def _check(report: dict[str, Any], quick: bool) -> None:
         assert naive["cost_usd"] == pytest.approx(naive_cost, rel=1e-9)
         assert mine["cost_usd"] == pytest.approx(memfit_cost, rel=1e-9)
         assert r["ratio"] == pytest.approx(naive_cost / memfit_cost, rel=1e-9)
+        if kind == "training":  # the same naive run with bf16 autocast, on as many GPUs
+            bf16 = r["naive_bf16"]
+            assert bf16["config"].startswith("bf16-mixed") and bf16["count"] == naive["count"]
+            assert r["ratio_vs_naive_bf16"] == pytest.approx(
+                _cost(bf16, kind, steps) / memfit_cost, rel=1e-9)
         lo, hi = report["claim"]
         expected = ("below 3x" if r["ratio"] < lo else
                     "within 3-5x" if r["ratio"] <= hi else "above 5x")
