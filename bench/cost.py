@@ -211,13 +211,13 @@ def _resnet(blocks: Sequence[int], base: int, res: int) -> Callable[[], tuple[nn
 
 def workloads(quick: bool) -> list[Training | Serving]:
     if quick:  # tiny versions of the same five, one GPU each, a narrowed search: seconds
-        tiny = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 4,
+        tiny = {"num_layers": 1, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 4,
                 "head_dim": 16, "intermediate_size": 128, "vocab_size": 512}
         return [
-            Training(name="finetune-llama-3-8b", what="quick: a 2-layer llama, seq 64",
+            Training(name="finetune-llama-3-8b", what="quick: a 1-layer llama, seq 64",
                      build=_preset("llama-3-8b", 64, **tiny), global_batch=8, samples=8e3,
                      memfit_gpus=(("l4", 1),), memfit_space=QUICK_SPACE),
-            Training(name="pretrain-llama-3.2-1b", what="quick: a 2-layer llama, seq 32",
+            Training(name="pretrain-llama-3.2-1b", what="quick: a 1-layer llama, seq 32",
                      build=_preset("llama-3.2-1b", 32, **tiny), global_batch=8, samples=8e3,
                      memfit_gpus=(("t4", 1),), memfit_space=QUICK_SPACE),
             Serving(name="serve-llama-3-8b", what="quick: gpt2", model="gpt2", qps=2.0,
@@ -229,8 +229,8 @@ def workloads(quick: bool) -> list[Training | Serving]:
                     p95_tpot_s=0.05, hours=24.0, memfit_gpus=("t4",), tp=(1,),
                     quant=("none",), num_requests=8, max_model_len=1024,
                     activation_peak_bytes=2**28),
-            Training(name="train-resnet-50", what="quick: a 2-block ResNet at 32x32",
-                     build=_resnet((1, 1), 8, 32), global_batch=8, samples=8e3,
+            Training(name="train-resnet-50", what="quick: a 1-block ResNet at 32x32",
+                     build=_resnet((1,), 8, 32), global_batch=8, samples=8e3,
                      memfit_gpus=(("t4", 1),), memfit_space=QUICK_SPACE),
         ]
     return [
