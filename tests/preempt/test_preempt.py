@@ -219,3 +219,81 @@ def test_a_second_signal_goes_to_the_previous_handler(tmp_path: Path) -> None:
             assert seen == [signal.SIGUSR1]  # the second is the previous handler's
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def _guarded_loop(tmp_path: Path | None, steps: range, *, micro: int | None,
+                  grow_after: int | None, oom_at: set[int]) -> tuple[nn.Module,
+                                                                   memfit.GuardedStep]:
+    """Train a dropout MLP with the OOM guard over batches of 8 drawn from the step index; the
+    first attempt of each step in ``oom_at`` raises ``torch.OutOfMemoryError`` after its forward
+    (as an allocator failing mid-micro-batch would), so the guard backs off to micro-batch 4.
+    With ``tmp_path``, inside ``memfit.preemptible`` (saving at step 3, resuming from it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fired: set[int] = set()
+    holder: list[memfit.GuardedStep] = []
+
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        loss = (m(batch[0]) - batch[1]).pow(2).mean()
+        step = holder[0].steps
+        if step in oom_at and step not in fired:
+            fired.add(step)
+            raise torch.OutOfMemoryError(f"injected in step {step}")
+        return loss
+
+    guard = memfit.guard(model, opt, loss_fn, micro_batch_size=micro, grow_after=grow_after,
+                         log=False)
+    holder.append(guard)
+    torch.manual_seed(1)  # the dropout stream
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + step)
+        return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+
+    if tmp_path is None:
+        for step in steps:
+            guard(batch(step))
+        return model, guard
+    with memfit.preemptible(tmp_path, model=model, optimizer=opt, guard=guard,
+                            every_steps=3) as p:
+        for step in range(max(p.step, steps.start), steps.stop):
+            guard(batch(step))
+            p.end_step()
+    return model, guard
+
+
+@pytest.mark.parametrize(("micro", "grow_after", "history"), [
+    (8, 3, [8, 4, 4, 4, 4, 8, 8]),      # backs off at step 1, grows back after 3 clean steps
+    (None, None, [8, 4, 4, 4, 4, 4, 4]),  # micro-batch from the first batch, never grows
+])
+def test_a_guard_that_backed_off_resumes_backed_off_and_bit_exact(
+        tmp_path: Path, micro: int | None, grow_after: int | None, history: list[int]) -> None:
+    reference, ref_guard = _guarded_loop(None, range(7), micro=micro, grow_after=grow_after,
+                                         oom_at={1})
+    assert ref_guard.history == history  # the OOM really forced a back-off
+    _guarded_loop(tmp_path, range(3), micro=micro, grow_after=grow_after, oom_at={1})
+    assert latest_complete(tmp_path) == (3, tmp_path / "step-000000003")
+    # a new process's guard: nothing injected, it only knows what the checkpoint holds
+    resumed, guard = _guarded_loop(tmp_path, range(7), micro=micro, grow_after=grow_after,
+                                   oom_at=set())
+    assert guard.history == history and guard.steps == 7
+    assert [(r.step, r.reason) for r in guard.recoveries] == \
+        [(r.step, r.reason) for r in ref_guard.recoveries]
+    for (name, p), q in zip(resumed.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_guard_state_dict_round_trips_and_rejects_other_dicts() -> None:
+    model, opt = _setup()
+    guard = memfit.guard(model, opt, lambda m, b: m(b).sum(), micro_batch_size=4, log=False)
+    state = {"micro_batch_size": 2, "initial_micro_batch_size": 4, "clean_steps": 1,
+             "steps": 5, "history": [4, 2, 2, 2, 2],
+             "recoveries": [{"step": 1, "reason": "oom", "batch_size": 4,
+                             "old_micro_batch_size": 4, "new_micro_batch_size": 2,
+                             "predicted_bytes": None}]}
+    guard.load_state_dict(state)
+    assert guard.micro_batch_size == 2 and guard.recoveries[0].new_micro_batch_size == 2
+    assert guard.state_dict() == state
+    with pytest.raises(memfit.MemfitError, match="lacks clean_steps"):
+        guard.load_state_dict({k: v for k, v in state.items() if k != "clean_steps"})

@@ -7,6 +7,7 @@ batch again at half the micro-batch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import warnings
@@ -142,6 +143,45 @@ class GuardedStep:
         self._scaler_ready = False
         self._predict_failed = False
         self._warned_over_budget = False
+
+    # -- state across steps: what a resumed run needs ------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the guard learned across steps and what changes its later steps: the current
+        micro-batch size (backed off after an OOM), the size it grows back to, the consecutive
+        clean steps counted towards ``grow_after``, the step count, the history and the
+        recoveries. Plain Python values (``torch.save``-able, no tensors).
+
+        The per-shape caps the prediction set are not in it: they depend on the budget, which
+        on CUDA is the device's free memory, so a resumed run (perhaps on another machine)
+        predicts them again; the micro-batch size already bounds them from above.
+
+        >>> resumed = memfit.guard(model, opt, loss_fn)
+        >>> resumed.load_state_dict(step.state_dict())   # memfit.preemptible(guard=) does this
+        """
+        return {"micro_batch_size": self.micro_batch_size,
+                "initial_micro_batch_size": self._initial,
+                "clean_steps": self._clean,
+                "steps": self.steps,
+                "history": list(self.history),
+                "recoveries": [dataclasses.asdict(r) for r in self.recoveries]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s state: the next step runs at the micro-batch size the
+        saved guard had backed off to, and grows back (``grow_after``) when it would have."""
+        missing = sorted({"micro_batch_size", "initial_micro_batch_size", "clean_steps",
+                          "steps", "history", "recoveries"} - set(state))
+        if missing:
+            raise MemfitError(f"not a GuardedStep state_dict: it lacks {', '.join(missing)}; "
+                              "pass what GuardedStep.state_dict() returned")
+        self.micro_batch_size = state["micro_batch_size"]
+        self._initial = state["initial_micro_batch_size"]
+        self._clean = int(state["clean_steps"])
+        self.steps = int(state["steps"])
+        self.history = list(state["history"])
+        self.recoveries = [Recovery(**r) for r in state["recoveries"]]
+        # caps predicted for the old micro-batch size would not be capped by the restored one
+        self._caps.clear()
 
     # -- budget and prediction -------------------------------------------------------------------
 

@@ -130,9 +130,11 @@ class Preemptible:
     DDP, or FSDP2 sharded states); and per rank, the CPU, CUDA (every device), Python and NumPy
     RNG states, ``scaler`` (GradScaler), ``scheduler`` (LR scheduler), ``data`` (anything with
     ``state_dict``/``load_state_dict``: a ``StatefulDataLoader``, a sampler), the OOM guard's
-    micro-batch size, step count and history (``guard``, a :class:`memfit.GuardedStep`), and the
-    step count :attr:`step`. Restoring them all makes the resumed run's weights equal an
-    uninterrupted run's bit for bit (on the same hardware and software). See Note: [atomic
+    state (``guard``, a :class:`memfit.GuardedStep`: :meth:`~memfit.GuardedStep.state_dict`,
+    the micro-batch size it backed off to, the size it grows back to and its clean-step count,
+    its steps, history and recoveries), and the step count :attr:`step`. Restoring them all
+    makes the resumed run's weights equal an uninterrupted run's bit for bit (on the same
+    hardware and software). See Note: [atomic
     checkpoint] in this module for how a torn checkpoint is never loaded.
 
     ``async_save=True`` writes with ``dcp.async_save`` (the states are staged to memory, the
@@ -162,7 +164,8 @@ class Preemptible:
                               "Young/Daly interval: memfit.spot_plan(...).interval_s)")
         if keep < 1:
             raise MemfitError(f"keep must be at least 1 (checkpoints kept), got {keep}")
-        for name, obj in (("data", data), ("scaler", scaler), ("scheduler", scheduler)):
+        for name, obj in (("data", data), ("scaler", scaler), ("scheduler", scheduler),
+                          ("guard", guard)):
             if obj is not None and not (hasattr(obj, "state_dict")
                                         and hasattr(obj, "load_state_dict")):
                 raise MemfitError(f"{name} must have state_dict() and load_state_dict(); "
@@ -292,8 +295,7 @@ class Preemptible:
             if obj is not None:
                 state[name] = obj.state_dict()
         if self.guard is not None:
-            state["guard"] = {"micro_batch_size": self.guard.micro_batch_size,
-                              "steps": self.guard.steps, "history": list(self.guard.history)}
+            state["guard"] = self.guard.state_dict()
         return state
 
     def save(self) -> Path:
@@ -417,18 +419,10 @@ class Preemptible:
             import numpy as np
 
             np.random.set_state(state["rng_numpy"])
-        for name in ("scaler", "scheduler", "data"):
+        for name in ("scaler", "scheduler", "data", "guard"):
             obj = getattr(self, name)
             if obj is not None and name in state:
                 obj.load_state_dict(state[name])
-        if self.guard is not None and "guard" in state:
-            saved = state["guard"]
-            self.guard.steps = saved["steps"]
-            self.guard.history = list(saved["history"])
-            # a guard built without a micro-batch size takes its first from the first batch;
-            # setting one here would leave it without the size it may grow back to
-            if self.guard.micro_batch_size is not None and saved["micro_batch_size"] is not None:
-                self.guard.micro_batch_size = saved["micro_batch_size"]
 
 
 def preemptible(directory: str | os.PathLike[str], *, model: nn.Module,
