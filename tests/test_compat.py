@@ -281,7 +281,7 @@ def test_storage_use_count_counts_views() -> None:
     fresh = ti.storage_use_count(x)
     assert fresh == 2, (
         f"torch {torch.__version__}: a fresh tensor's storage use count is {fresh}, not 2 (the "
-        "tensor plus its Python storage object); trace/tracker.py: _accumulates_in_place "
+        "tensor plus its Python storage object); trace/grad_accumulation.py: _accumulates_in_place "
         "assumes 2 means 'only one tensor'")
     view = x[1:]
     assert ti.storage_use_count(x) == fresh + 1, "a view must add one reference to the storage"

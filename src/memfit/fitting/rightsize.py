@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.fitting.rightsize_args import check_training_args
 
 __all__ = ["DEFAULT_WRITE_BANDWIDTH", "TrainingCandidate", "TrainingRightsize",
            "cost_time_front", "job_steps", "rightsize_training"]
@@ -323,6 +324,85 @@ def _counts(gpus_max: int) -> list[int]:
     return out
 
 
+def _on_demand_row(best: _Best, *, name: str, count: int, price: Any, stale: bool,
+                   steps: int) -> TrainingCandidate:
+    """``best`` on ``count`` x ``name`` at the on-demand price: ``steps`` of ``best.step_s``."""
+    config = {"label": best.label, "precision": best.run.precision,
+              "checkpointing": best.run.checkpointing, "micro_batch": best.run.batch,
+              "accumulation": best.run.grad_accum, "tp": best.run.parallel.tp,
+              "dp": best.run.parallel.dp, "sharding": best.sharding,
+              "peak_bytes_per_gpu": best.peak}
+    hours = steps * best.step_s / 3600
+    return TrainingCandidate(gpu=name, count=count, pricing="on-demand",
+                             price_per_gpu_hour=price.price_per_hour, config=config,
+                             step_seconds=best.step_s, job_hours=hours,
+                             cost_usd=hours * count * price.price_per_hour, stale_price=stale,
+                             price_date=price.date)
+
+
+def _spot_info(band: str, mtbf_hours: float | None, gpus_per_node: int, write_bandwidth: float,
+               discount: float) -> dict[str, Any]:
+    """The spot assumptions every spot row was priced at (:attr:`TrainingRightsize.spot`)."""
+    from memfit.preempt.spot import INTERRUPTION_BANDS
+
+    return {"band": None if mtbf_hours is not None else band,
+            "source": (f"{mtbf_hours} h per instance (given)" if mtbf_hours is not None
+                       else INTERRUPTION_BANDS[band][2]),
+            "mtbf_hours_per_instance": mtbf_hours if mtbf_hours is not None
+            else INTERRUPTION_BANDS[band][0],
+            "gpus_per_instance": gpus_per_node, "write_bandwidth": write_bandwidth,
+            "discount": discount}
+
+
+def _spot_row(spec: Any, best: _Best, *, name: str, count: int, price: Any, stale: bool,
+              config: dict[str, Any], steps: int, band: str, mtbf_hours: float | None,
+              gpus_per_node: int, write_bandwidth: float, discount: float,
+              rate: str, skipped: list[str]) -> TrainingCandidate | None:
+    """``best`` on ``count`` x ``name`` priced on spot (:func:`memfit.preempt.spot_plan`) at
+    ``mtbf_hours`` per instance or the ``band``'s rate for ``ceil(count / gpus_per_node)``
+    instances; ``None`` (the reason added to ``skipped``) where spot cannot run it."""
+    from memfit.preempt.spot import INTERRUPTION_BANDS, band_mtbf_s, checkpoint_bytes, spot_plan
+
+    instances = math.ceil(count / gpus_per_node)
+    mtbf_s = (mtbf_hours * 3600 / instances if mtbf_hours is not None
+              else band_mtbf_s(band, instances))
+    notice = None if mtbf_hours is not None else INTERRUPTION_BANDS[band][1]
+    size = checkpoint_bytes(spec, best.run)
+    try:
+        sp = spot_plan(checkpoint_bytes=size, write_bandwidth=write_bandwidth,
+                       mtbf_s=mtbf_s, work_s=steps * best.step_s,
+                       price_per_hour=count * price.price_per_hour,
+                       spot_discount=discount, notice_s=notice,
+                       step_s=best.step_s)
+    except MemfitError as exc:
+        skipped.append(f"{count} x {name} spot: {exc}")
+        return None
+    spot_config = {**config, "checkpoint_bytes": sp.checkpoint_bytes,
+                   "checkpoint_every_s": sp.interval_s,
+                   "job_mtbf_hours": mtbf_s / 3600,
+                   "expected_preemptions": sp.expected_preemptions,
+                   "lost_per_preemption_s": sp.lost_per_preemption_s,
+                   "restart_s": sp.restart_s,
+                   "preemption_rate": rate}
+    return TrainingCandidate(
+        gpu=name, count=count, pricing="spot",
+        price_per_gpu_hour=price.price_per_hour, config=spot_config,
+        step_seconds=best.step_s, job_hours=sp.wall_s / 3600,
+        cost_usd=sp.spot_cost or 0.0, stale_price=stale, price_date=price.date)
+
+
+def _nothing_found(gpus_max: int, closest: list[tuple[float, str]],
+                   skipped: list[str]) -> MemfitError:
+    """The error when no GPU x count fits: the closest miss, or why no GPU was sized."""
+    if closest:
+        ratio, what = min(closest)
+        return MemfitError(f"no configuration fits on any GPU up to {gpus_max} GPUs; the "
+                           f"closest is {what} ({ratio:.2f}x); raise --gpus-max, shorten "
+                           "--seq, or use --mode lora / qlora")
+    return MemfitError("no GPU to size: " + ("; ".join(skipped[:3]) or "none priced")
+                       + "; pass --prices FILE or --gpus")
+
+
 def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: float,
                        seq: int, global_batch: int, gpus_max: int = 16,
                        gpus: Sequence[str] | None = None, optimizer: str = "adamw",
@@ -350,14 +430,6 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     from memfit.gpus import get_gpu
     from memfit.models import resolve_model
     from memfit.models.spec import TransformerSpec
-    from memfit.preempt.spot import (
-        DEFAULT_BAND,
-        DEFAULT_SPOT_DISCOUNT,
-        INTERRUPTION_BANDS,
-        band_mtbf_s,
-        checkpoint_bytes,
-        spot_plan,
-    )
     from memfit.serving.prices import (
         DEFAULT_MAX_PRICE_AGE_DAYS,
         catalog_prices,
@@ -365,30 +437,10 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
         price_is_stale,
     )
     started = time.perf_counter()
-    if isinstance(train_tokens, bool) or not isinstance(train_tokens, (int, float)) \
-            or not (math.isfinite(train_tokens) and train_tokens > 0):
-        raise MemfitError(f"--train-tokens must be a positive number of tokens such as 2e9, "
-                          f"got {train_tokens!r}")
-    for flag, value in (("--seq", seq), ("--global-batch", global_batch),
-                        ("--gpus-max", gpus_max), ("gpus_per_node", gpus_per_node)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise MemfitError(f"{flag} must be an integer >= 1, got {value!r}")
-    if mode not in ("train", "lora", "qlora"):
-        raise MemfitError(f"--mode must be train, lora or qlora for a training job, got "
-                          f"{mode!r}")
-    if interruption is not None and mtbf_hours is not None:
-        raise MemfitError("give --interruption or --mtbf-hours, not both")
-    if mtbf_hours is not None and not (math.isfinite(mtbf_hours) and mtbf_hours > 0):
-        raise MemfitError(f"--mtbf-hours must be a positive number, got {mtbf_hours!r}")
-    if not (math.isfinite(write_bandwidth) and write_bandwidth > 0):
-        raise MemfitError(f"--write-bandwidth must be a positive rate, got {write_bandwidth!r}")
-    band = interruption or DEFAULT_BAND
-    if band not in INTERRUPTION_BANDS:
-        raise MemfitError(f"unknown interruption band {band!r}; valid: "
-                          f"{', '.join(INTERRUPTION_BANDS)}")
-    discount = DEFAULT_SPOT_DISCOUNT if spot_discount is None else spot_discount
-    if not 0 <= discount < 1:
-        raise MemfitError(f"--discount must be in [0, 1), got {discount!r}")
+    band, discount = check_training_args(
+        train_tokens=train_tokens, seq=seq, global_batch=global_batch, gpus_max=gpus_max,
+        gpus_per_node=gpus_per_node, mode=mode, interruption=interruption,
+        mtbf_hours=mtbf_hours, write_bandwidth=write_bandwidth, spot_discount=spot_discount)
     age = DEFAULT_MAX_PRICE_AGE_DAYS if max_price_age_days is None else max_price_age_days
     table = catalog_prices(gpu_file)
     if prices is not None:
@@ -410,15 +462,8 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     skipped: list[str] = []
     closest: list[tuple[float, str]] = []
     tally = [0]
-    spot_info: dict[str, Any] | None = None
-    if spot:
-        spot_info = {"band": None if mtbf_hours is not None else band,
-                     "source": (f"{mtbf_hours} h per instance (given)" if mtbf_hours is not None
-                                else INTERRUPTION_BANDS[band][2]),
-                     "mtbf_hours_per_instance": mtbf_hours if mtbf_hours is not None
-                     else INTERRUPTION_BANDS[band][0],
-                     "gpus_per_instance": gpus_per_node, "write_bandwidth": write_bandwidth,
-                     "discount": discount}
+    spot_info = _spot_info(band, mtbf_hours, gpus_per_node, write_bandwidth, discount) \
+        if spot else None
     for name in names:
         price = table.get(name)
         if price is None:
@@ -436,53 +481,18 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
                                      closest=closest, prune=prune, tally=tally)
             if best is None:
                 continue
-            config = {"label": best.label, "precision": best.run.precision,
-                      "checkpointing": best.run.checkpointing, "micro_batch": best.run.batch,
-                      "accumulation": best.run.grad_accum, "tp": best.run.parallel.tp,
-                      "dp": best.run.parallel.dp, "sharding": best.sharding,
-                      "peak_bytes_per_gpu": best.peak}
-            hours = steps * best.step_s / 3600
-            found.append(TrainingCandidate(
-                gpu=name, count=count, pricing="on-demand",
-                price_per_gpu_hour=price.price_per_hour, config=config,
-                step_seconds=best.step_s, job_hours=hours,
-                cost_usd=hours * count * price.price_per_hour, stale_price=stale,
-                price_date=price.date))
+            found.append(_on_demand_row(best, name=name, count=count, price=price, stale=stale,
+                                        steps=steps))
             if spot:
-                instances = math.ceil(count / gpus_per_node)
-                mtbf_s = (mtbf_hours * 3600 / instances if mtbf_hours is not None
-                          else band_mtbf_s(band, instances))
-                notice = None if mtbf_hours is not None else INTERRUPTION_BANDS[band][1]
-                size = checkpoint_bytes(spec, best.run)
-                try:
-                    sp = spot_plan(checkpoint_bytes=size, write_bandwidth=write_bandwidth,
-                                   mtbf_s=mtbf_s, work_s=steps * best.step_s,
-                                   price_per_hour=count * price.price_per_hour,
-                                   spot_discount=discount, notice_s=notice,
-                                   step_s=best.step_s)
-                except MemfitError as exc:
-                    skipped.append(f"{count} x {name} spot: {exc}")
-                    continue
-                spot_config = {**config, "checkpoint_bytes": sp.checkpoint_bytes,
-                               "checkpoint_every_s": sp.interval_s,
-                               "job_mtbf_hours": mtbf_s / 3600,
-                               "expected_preemptions": sp.expected_preemptions,
-                               "lost_per_preemption_s": sp.lost_per_preemption_s,
-                               "restart_s": sp.restart_s,
-                               "preemption_rate": spot_info["source"] if spot_info else ""}
-                found.append(TrainingCandidate(
-                    gpu=name, count=count, pricing="spot",
-                    price_per_gpu_hour=price.price_per_hour, config=spot_config,
-                    step_seconds=best.step_s, job_hours=sp.wall_s / 3600,
-                    cost_usd=sp.spot_cost or 0.0, stale_price=stale, price_date=price.date))
+                row = _spot_row(spec, best, name=name, count=count, price=price, stale=stale,
+                                config=found[-1].config, steps=steps, band=band,
+                                mtbf_hours=mtbf_hours, gpus_per_node=gpus_per_node,
+                                write_bandwidth=write_bandwidth, discount=discount, skipped=skipped,
+                                rate=spot_info["source"] if spot_info else "")
+                if row is not None:
+                    found.append(row)
     if not found:
-        if closest:
-            ratio, what = min(closest)
-            raise MemfitError(f"no configuration fits on any GPU up to {gpus_max} GPUs; the "
-                              f"closest is {what} ({ratio:.2f}x); raise --gpus-max, shorten "
-                              "--seq, or use --mode lora / qlora")
-        raise MemfitError("no GPU to size: " + ("; ".join(skipped[:3]) or "none priced")
-                          + "; pass --prices FILE or --gpus")
+        raise _nothing_found(gpus_max, closest, skipped)
     found.sort(key=lambda c: (c.cost_usd, c.job_hours))
     front = cost_time_front(found)
     return TrainingRightsize(candidates=tuple(found), pareto=front, skipped=tuple(skipped),

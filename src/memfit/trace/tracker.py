@@ -13,7 +13,7 @@ ledger the profiler of real runs keeps too; this module feeds it from fake tenso
 
 Where real tensors behave differently from fake ones, the real behaviour is modelled:
 - autograd sums two gradients of one input in place when it holds the only reference, but never
-  for tensor subclasses (fake tensors): see ``_gradient_accumulation``;
+  for tensor subclasses (fake tensors): see :mod:`memfit.trace.grad_accumulation`;
 - a tensor subclass that stores other tensors (quantized weights) is its inner tensors' storages.
 """
 
@@ -49,6 +49,7 @@ from memfit.trace.fastkey import (
     lifted_constant,
 )
 from memfit.trace.fastkey import enabled as fast_keys_enabled
+from memfit.trace.grad_accumulation import ADD, called_by_autograd_engine, gradient_accumulation
 
 _FORWARD = "forward"
 aten = torch.ops.aten
@@ -302,58 +303,9 @@ class Tracker(Ledger):
                 info.saved = True
 
 
-_ADD = aten.add.Tensor
 _SPARSE_OPS = frozenset(map(id, sparse.OPS))  # (an int's hash is cheaper than an op's)
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc,
                              torch.sparse_bsr, torch.sparse_bsc})
-
-
-def _called_by_autograd_engine() -> bool:
-    """Whether the op being dispatched was called by autograd's C++ engine itself (not by a
-    Python backward)."""
-    return torch_internals.called_by_autograd_engine(("tracker.py",))
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """``is_non_overlapping_and_dense``: the elements fill the storage span exactly, in some
-    order of the dimensions."""
-    expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride(), strict=True)
-                                if s != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _accumulates_in_place(t: Any, other: Any) -> bool:
-    if not isinstance(t, torch.Tensor) or not isinstance(other, torch.Tensor):
-        return False
-    if t.layout is not torch.strided or other.layout is not torch.strided:
-        return False  # a sparse gradient is summed out of place (input_buffer.cpp)
-    if t.shape != torch.broadcast_shapes(t.shape, other.shape) or t.dtype != torch.promote_types(
-            t.dtype, other.dtype) or not _dense(t):
-        return False
-    # One tensor holds the storage, plus the storage's Python object the tracker made.
-    return torch_internals.storage_use_count(t) <= 2
-
-
-def _gradient_accumulation(args: Any) -> tuple[Any, Any]:
-    """Autograd's input buffer sums two gradients for the same input in place into one of them
-    when it holds the only reference (``input_buffer.cpp``: ``accumulate``), but never for
-    tensor subclasses such as fake tensors, which always get an out-of-place ``add``. Model
-    the real tensors: run ``add_`` on the operand the real engine would reuse."""
-    if torch.is_grad_enabled() or len(args) != 2 or not _called_by_autograd_engine():
-        return _ADD, args
-    a, b = args
-    if _accumulates_in_place(a, b):
-        return _ADD_, (a, b)
-    if _accumulates_in_place(b, a):
-        return _ADD_, (b, a)
-    return _ADD, args
-
-
-_ADD_ = aten.add_.Tensor
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -465,8 +417,8 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
 
     def _tracked(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         tracker = self.tracker
-        if func is _ADD and tracker.phase == "backward" and not kwargs:
-            func, args = _gradient_accumulation(args)
+        if func is ADD and tracker.phase == "backward" and not kwargs:
+            func, args = gradient_accumulation(args)
         tracker.op_started()
         if self.matmul_workspaces and func in _MATMULS:
             for nbytes in self.matmul_workspaces.pop(tracker.phase, []):
@@ -474,7 +426,7 @@ class TrackingFakeMode(FastCacheKey, FakeTensorMode):
         data_dependent = func in DATA_DEPENDENT  # (an OpOverload's hash is a Python call)
         known = self.datadep.known_answer(func, args) if data_dependent else None
         sparse_out = (sparse.run(func, args, kwargs, self, self.sparse_ids,
-                                 engine_call=func is sparse.CLONE and _called_by_autograd_engine(),
+                                 engine_call=func is sparse.CLONE and called_by_autograd_engine(),
                                  cpu_kernels=self.measure_cpu_kernels)
                       if id(func) in _SPARSE_OPS and sparse.handles(func, args) else None)
         if sparse_out is not None:
