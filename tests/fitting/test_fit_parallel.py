@@ -222,26 +222,47 @@ def _train(model: torch.nn.Module, cfg: FitConfig, batch: dict[str, torch.Tensor
     return losses, {n: _full(p.detach()).clone() for n, p in inner.named_parameters()}
 
 
-def _worker(rank: int, world: int, layout: dict[str, Any], out: str) -> None:
-    par = Parallel(gpus=world, **layout)
-    model, batch = tiny()
-    # Each data-parallel rank takes its rows; the ranks of a tensor-parallel group the same.
-    per = BATCH // par.dp
-    dp_rank = rank // par.tp
-    mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
-    cfg = FitConfig(precision="fp32", micro_batch=max(1, per // 2),
-                    accumulation=per // max(1, per // 2), sharding=sharding_of(par),
-                    parallel=par)
-    losses, weights = _train(model, cfg, mine, world)
-    torch.save({"losses": losses, "weights": weights}, Path(out, f"rank{rank}.pt"))
+def _worker(rank: int, world: int, layouts: list[dict[str, Any]], out: str) -> None:
+    """Each layout in turn in this one set of ranks (a set costs each rank a fresh interpreter
+    importing torch): a fresh model, batch and plan per layout, so that one layout's run cannot
+    feed the next's."""
+    for i, layout in enumerate(layouts):
+        par = Parallel(gpus=world, **layout)
+        model, batch = tiny()
+        # Each data-parallel rank takes its rows; the ranks of a tensor-parallel group the same.
+        per = BATCH // par.dp
+        dp_rank = rank // par.tp
+        mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in batch.items()}
+        cfg = FitConfig(precision="fp32", micro_batch=max(1, per // 2),
+                        accumulation=per // max(1, per // 2), sharding=sharding_of(par),
+                        parallel=par)
+        losses, weights = _train(model, cfg, mine, world)
+        torch.save({"losses": losses, "weights": weights}, Path(out, f"{i}-rank{rank}.pt"))
 
 
-def _run(layout: dict[str, Any], world: int) -> list[dict[str, Any]]:
+def _run(layouts: list[dict[str, Any]], world: int) -> list[list[dict[str, Any]]]:
+    """Per layout, each rank's losses and full weights."""
     from memfit.parallel.gloo import spawn
 
     with tempfile.TemporaryDirectory() as out:
-        spawn(_worker, world, layout, out)
-        return [torch.load(Path(out, f"rank{r}.pt")) for r in range(world)]
+        spawn(_worker, world, layouts, out)
+        return [[torch.load(Path(out, f"{i}-rank{r}.pt")) for r in range(world)]
+                for i in range(len(layouts))]
+
+
+LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {
+    "fsdp2": ({"fsdp": 2}, 2), "tp2": ({"tp": 2}, 2), "ddp2": ({}, 2), "zero1": ({"zero": 1}, 2),
+    "fsdp2xtp2": ({"tp": 2, "fsdp": 2}, 4)}
+
+
+@pytest.fixture(scope="module")
+def gloo_runs() -> dict[str, list[dict[str, Any]]]:
+    """Every layout of LAYOUTS run once, in one set of ranks per world size."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for world in sorted({w for _, w in LAYOUTS.values()}):
+        names = [n for n, (_, w) in LAYOUTS.items() if w == world]
+        runs.update(zip(names, _run([LAYOUTS[n][0] for n in names], world), strict=True))
+    return runs
 
 
 def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -251,18 +272,13 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("layout", "world"), [
-    ({"fsdp": 2}, 2),
-    ({"tp": 2}, 2),
-    ({}, 2),
-    ({"zero": 1}, 2),
-    ({"tp": 2, "fsdp": 2}, 4),
-], ids=["fsdp2", "tp2", "ddp2", "zero1", "fsdp2xtp2"])
-def test_plan_apply_trains_like_one_process(layout: dict[str, Any], world: int) -> None:
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_plan_apply_trains_like_one_process(name: str, gloo_runs: dict) -> None:
     """Two AdamW steps of the plan's layout over gloo ranks give the one-process run's loss and
     weights within fp32 reordering (module docstring); every rank holds the same full weights."""
+    layout = LAYOUTS[name][0]
     want_losses, want = _reference()
-    ranks = _run(layout, world)
+    ranks = gloo_runs[name]
     for step in range(STEPS):
         # The step returns this rank's share of the batch's mean loss: memfit.oom_guard counts
         # the items over every rank (memfit/_guard_dist.py: global_item_count), the ranks of a
@@ -273,9 +289,9 @@ def test_plan_apply_trains_like_one_process(layout: dict[str, Any], world: int) 
     worst, beyond, total = 0.0, 0, 0
     for r in ranks:
         assert set(r["weights"]) == set(want)
-        for name, w in want.items():
-            torch.testing.assert_close(r["weights"][name], w, rtol=RTOL, atol=ATOL)
-            diff = (r["weights"][name] - w).abs()
+        for key, w in want.items():
+            torch.testing.assert_close(r["weights"][key], w, rtol=RTOL, atol=ATOL)
+            diff = (r["weights"][key] - w).abs()
             worst = max(worst, float(diff.max()))
             beyond += int((diff > 1e-6).sum())
             total += diff.numel()
