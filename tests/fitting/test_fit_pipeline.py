@@ -96,14 +96,32 @@ def _reference(layers: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return _train(model, cfg, batch, 1)
 
 
+GROUPS: dict[str, tuple[list[tuple[dict[str, Any], int]], int]] = {
+    "pp2-1f1b+interleaved": ([({"pp": 2}, 2),
+                              ({"pp": 2, "pp_schedule": "interleaved-1f1b"}, 4)], 2),
+    "pp2xfsdp2+pp2xtp2": ([({"pp": 2, "fsdp": 2}, 2), ({"pp": 2, "tp": 2}, 2)], 4),
+    "pp2xddp2+pp2xzero1+gpipe": ([({"pp": 2}, 2), ({"pp": 2, "zero": 1}, 2),
+                                  ({"pp": 2, "pp_schedule": "gpipe"}, 2)], 4),
+}
+"""Each test case's (layout, blocks) cases and its world size."""
+
+
+@pytest.fixture(scope="module")
+def gloo_runs() -> dict[str, list[list[dict[str, Any]]]]:
+    """Every group of GROUPS run once, all the groups of one world size in one set of ranks (a
+    fresh model, batch and plan per case: see ``_worker``); per group, per case, each rank's
+    losses and weights."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {}
+    for world in sorted({w for _, w in GROUPS.values()}):
+        names = [n for n, (_, w) in GROUPS.items() if w == world]
+        results = iter(_run([c for n in names for c in GROUPS[n][0]], world))
+        runs.update((n, [next(results) for _ in GROUPS[n][0]]) for n in names)
+    return runs
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("cases", "world"), [
-    ([({"pp": 2}, 2), ({"pp": 2, "pp_schedule": "interleaved-1f1b"}, 4)], 2),
-    ([({"pp": 2, "fsdp": 2}, 2), ({"pp": 2, "tp": 2}, 2)], 4),
-    ([({"pp": 2}, 2), ({"pp": 2, "zero": 1}, 2), ({"pp": 2, "pp_schedule": "gpipe"}, 2)], 4),
-], ids=["pp2-1f1b+interleaved", "pp2xfsdp2+pp2xtp2", "pp2xddp2+pp2xzero1+gpipe"])
-def test_pipeline_plan_trains_like_one_process(cases: list[tuple[dict[str, Any], int]],
-                                               world: int) -> None:
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_pipeline_plan_trains_like_one_process(group: str, gloo_runs: dict) -> None:
     """Two AdamW steps of a pipeline plan over gloo ranks give the one-process run's loss and
     weights within fp32 reordering (module docstring): pp 2 with 1F1B and with interleaved 1F1B
     (4 blocks, two stages per rank) on 2 ranks; pp 2 x FSDP2 2 and pp 2 x tp 2 on 4; pp 2 x DDP 2
@@ -116,7 +134,8 @@ def test_pipeline_plan_trains_like_one_process(cases: list[tuple[dict[str, Any],
     parameter is held by the ranks of exactly one stage (its tp / dp peers), full on each after
     gathering; the returned losses are each rank's share (0.0 off the last stage), which add up
     to the batch's mean loss."""
-    for (layout, layers), ranks in zip(cases, _run(cases, world), strict=True):
+    cases, world = GROUPS[group]
+    for (layout, layers), ranks in zip(cases, gloo_runs[group], strict=True):
         want_losses, want = _reference(layers)
         par = Parallel(gpus=world, **layout)
         for step in range(STEPS):
