@@ -16,6 +16,7 @@ tests/fitting/test_fit_parallel.py's (fp32 reordering, its module docstring).
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,39 +30,35 @@ from memfit.parallel import Parallel
 SP_CASES = ({"tp": 2, "sp": True}, {"tp": 2, "sp": True, "loss_parallel": True})
 
 
-def _sp_worker(rank: int, world: int, out: str) -> None:
+def _sp_case(world: int, layout: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One SP layout on this rank: a fresh tiny Llama and batch (test_fit_parallel.tiny seeds
+    both), two AdamW steps; the losses and full weights."""
     from test_fit_parallel import BATCH, _train, tiny
 
-    results = []
-    for layout in SP_CASES:  # one set of processes for both layouts
-        par = Parallel(gpus=world, **layout)
-        model, batch = tiny()
-        cfg = FitConfig(precision="fp32", micro_batch=BATCH // 2, accumulation=2,
-                        sharding=sharding_of(par), parallel=par)
-        results.append(_train(model, cfg, batch, world))
-    torch.save(results, Path(out, f"rank{rank}.pt"))
+    par = Parallel(gpus=world, **layout)
+    model, batch = tiny()
+    cfg = FitConfig(precision="fp32", micro_batch=BATCH // 2, accumulation=2,
+                    sharding=sharding_of(par), parallel=par)
+    return _train(model, cfg, batch, world)
 
 
 @pytest.mark.slow
-def test_plan_apply_runs_sequence_and_loss_parallelism_like_one_process() -> None:
+def test_plan_apply_runs_sequence_and_loss_parallelism_like_one_process(gloo_runs: Any) -> None:
     """tp 2 + sequence parallelism and tp 2 + sequence + loss parallelism over 2 gloo ranks, two
     AdamW steps of 2 micro-batches each: the ranks' loss shares add up to the one-process loss
     and every rank's full weights equal the one-process weights (test_fit_parallel.py's
     tolerances). Loss parallelism runs the model's own cross-entropy on vocabulary-split logits
     inside ``loss_parallel()`` (Plan.apply's LossParallelStep)."""
-    from memfit.parallel.gloo import spawn
     from test_fit_parallel import ATOL, RTOL, STEPS, _reference
 
     want_losses, want = _reference()
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_sp_worker, 2, out)
-        ranks = [torch.load(Path(out, f"rank{r}.pt")) for r in range(2)]
-    for case, layout in enumerate(SP_CASES):
+    for layout in SP_CASES:
+        ranks = gloo_runs(2)[("sp", _key(layout))]
         for step in range(STEPS):
-            got = sum(r[case][0][step] for r in ranks)
+            got = sum(r[0][step] for r in ranks)
             assert got == pytest.approx(want_losses[step], rel=RTOL, abs=ATOL), layout
         for r in ranks:
-            weights = r[case][1]
+            weights = r[1]
             assert set(weights) == set(want)
             for name, w in want.items():
                 torch.testing.assert_close(weights[name], w, rtol=RTOL, atol=ATOL)
@@ -111,22 +108,66 @@ def _sgd_steps(model: torch.nn.Module, cfg: FitConfig, batch: dict[str, torch.Te
     return losses, after | {f"{n}:before": w for n, w in before.items()}
 
 
-def _ep_worker(rank: int, world: int, out: str) -> None:
-    results = []
-    for layout in EP_CASES[world]:
-        par = Parallel(gpus=world, **layout)
-        model, batch = _moe()
-        per = EP_BATCH // par.dp
-        mine = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
-        cfg = FitConfig(precision="fp32", micro_batch=1, accumulation=per, optimizer="sgd",
-                        sharding=sharding_of(par), parallel=par)
-        results.append(_sgd_steps(model, cfg, mine, world))
-    torch.save(results, Path(out, f"rank{rank}.pt"))
+def _ep_case(rank: int, world: int, layout: dict[str, Any]
+             ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One EP layout on this rank: a fresh tiny MoE and batch (``_moe`` seeds both), its rows of
+    the batch, two SGD steps (``_sgd_steps``)."""
+    par = Parallel(gpus=world, **layout)
+    model, batch = _moe()
+    per = EP_BATCH // par.dp
+    mine = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+    cfg = FitConfig(precision="fp32", micro_batch=1, accumulation=per, optimizer="sgd",
+                    sharding=sharding_of(par), parallel=par)
+    return _sgd_steps(model, cfg, mine, world)
+
+
+# -- one set of gloo ranks per world size for both parity tests ----------------------------------
+
+def _key(layout: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(layout.items()))
+
+
+def _jobs(world: int) -> list[tuple[str, dict[str, Any]]]:
+    """What one set of ``world`` ranks runs: the SP layouts (2 ranks) and EP_CASES[world]."""
+    return ([("sp", layout) for layout in SP_CASES] if world == 2 else []) + [
+        ("ep", layout) for layout in EP_CASES[world]]
+
+
+def _worker(rank: int, world: int, out: str) -> None:
+    """Each job of ``_jobs(world)`` in turn in this one set of ranks (a set costs each rank a
+    fresh interpreter importing torch): a fresh model, batch and plan per job, so that one job's
+    run cannot feed the next's."""
+    for i, (kind, layout) in enumerate(_jobs(world)):
+        result = _sp_case(world, layout) if kind == "sp" else _ep_case(rank, world, layout)
+        torch.save(result, Path(out, f"{i}-rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def gloo_runs() -> Callable[[int], dict[tuple[str, str], list[Any]]]:
+    """``gloo_runs(world)``: every job of ``_jobs(world)`` run once in one set of ``world``
+    ranks (started at the first test that asks for that world); per (kind, layout key), each
+    rank's result."""
+    from memfit.parallel.gloo import spawn
+
+    runs: dict[int, dict[tuple[str, str], list[Any]]] = {}
+
+    def get(world: int) -> dict[tuple[str, str], list[Any]]:
+        if world not in runs:
+            jobs = _jobs(world)
+            with tempfile.TemporaryDirectory() as out:
+                spawn(_worker, world, out)
+                runs[world] = {(kind, _key(layout)): [torch.load(Path(out, f"{i}-rank{r}.pt"))
+                                                      for r in range(world)]
+                               for i, (kind, layout) in enumerate(jobs)}
+        return runs[world]
+
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4], ids=["ep2-over-2", "ep2-fsdp4"])
-def test_plan_apply_runs_expert_parallelism_like_one_process(world: int) -> None:
+def test_plan_apply_runs_expert_parallelism_like_one_process(world: int, gloo_runs: Any
+                                                             ) -> None:
     """ep 2 over 2 gloo ranks, with DDP and with FSDP2 for the dense parameters, and over 4
     ranks with FSDP2 (each rank's experts sharded over the 2 ranks holding them), two SGD steps
     of micro-batch 1: the ranks' loss shares add up to the one-process loss (the same
@@ -137,20 +178,16 @@ def test_plan_apply_runs_expert_parallelism_like_one_process(world: int) -> None
     torchtitan's divide factor, the data-parallel degree); the weight changes (lr 1e-2 times
     the gradient) are compared within rtol 1e-4 (fp32 reordering of sums of ~1e-3
     gradients)."""
-    from memfit.parallel.gloo import spawn
-
     model, batch = _moe()
     ref_cfg = FitConfig(precision="fp32", micro_batch=1, accumulation=EP_BATCH, optimizer="sgd")
     want_losses, want = _sgd_steps(model, ref_cfg, batch, 1)
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_ep_worker, world, out)
-        ranks = [torch.load(Path(out, f"rank{r}.pt")) for r in range(world)]
-    for case, layout in enumerate(EP_CASES[world]):
+    for layout in EP_CASES[world]:
+        ranks = gloo_runs(world)[("ep", _key(layout))]
         for step in range(2):
-            got = sum(r[case][0][step] for r in ranks)
+            got = sum(r[0][step] for r in ranks)
             assert got == pytest.approx(want_losses[step], rel=1e-5), layout
         for rank, r in enumerate(ranks):
-            weights = r[case][1]
+            weights = r[1]
             checked = 0
             for name, w in weights.items():
                 if name.endswith(":before"):
