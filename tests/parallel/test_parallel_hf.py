@@ -17,6 +17,8 @@ downloads.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,7 +185,13 @@ def test_hf_sp_refuses_tied_embeddings_in_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
-def _sp_parity_worker(rank: int, world: int, loss_parallel: bool, qwen3: bool) -> None:
+SP_CASES = {"sp": (False, False), "sp-loss-parallel": (True, False), "qwen3-sp": (False, True)}
+"""Each parity case's (loss_parallel, qwen3)."""
+
+
+def _sp_parity_case(world: int, loss_parallel: bool, qwen3: bool) -> dict[str, torch.Tensor]:
+    """One case on this rank, from a fresh seeded model (measure.build): the split model's loss
+    and its first layer's down projection's full gradient, and the unsplit model's."""
     from memfit._loss import model_loss
     from memfit.parallel.apply import apply_model, loss_context
 
@@ -196,17 +204,35 @@ def _sp_parity_worker(rank: int, world: int, loss_parallel: bool, qwen3: bool) -
         loss.backward()
     ref = model_loss(full, inputs)
     ref.backward()
-    assert torch.allclose(loss.full_tensor() if hasattr(loss, "full_tensor") else loss, ref,
-                          rtol=1e-5, atol=1e-6), (float(loss), float(ref))
-    grad = split.model.layers[0].mlp.down_proj.weight.grad.full_tensor()
-    assert torch.allclose(grad, full.model.layers[0].mlp.down_proj.weight.grad, atol=1e-6)
+    return {"loss": (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach(),
+            "ref": ref.detach(),
+            "grad": split.model.layers[0].mlp.down_proj.weight.grad.full_tensor(),
+            "ref_grad": full.model.layers[0].mlp.down_proj.weight.grad}
+
+
+def _sp_parity_worker(rank: int, world: int, out: str) -> None:
+    """Every case of SP_CASES in turn in this one set of ranks (a set costs each rank a fresh
+    interpreter importing torch and transformers), a fresh model and plan per case."""
+    for name, (loss_parallel, qwen3) in SP_CASES.items():
+        torch.save(_sp_parity_case(world, loss_parallel, qwen3),
+                   Path(out, f"{name}-rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def sp_parity_runs() -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Every case of SP_CASES run once, in one set of 2 gloo ranks; per case, each rank's
+    results."""
+    from memfit.parallel.gloo import spawn
+
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_sp_parity_worker, 2, out)
+        return {name: [torch.load(Path(out, f"{name}-rank{r}.pt")) for r in range(2)]
+                for name in SP_CASES}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("loss_parallel", "qwen3"), [(False, False), (True, False),
-                                                      (False, True)],
-                         ids=["sp", "sp-loss-parallel", "qwen3-sp"])
-def test_hf_sp_step_computes_what_one_process_computes(loss_parallel: bool, qwen3: bool) -> None:
+@pytest.mark.parametrize("name", list(SP_CASES))
+def test_hf_sp_step_computes_what_one_process_computes(name: str, sp_parity_runs: dict) -> None:
     """tp 2 with sequence parallelism (and loss parallelism) on a transformers
     LlamaForCausalLM (and a Qwen3ForCausalLM, whose per-head q_norm / k_norm sit inside the
     attention the plan all-gathers for) over 2 gloo processes: the loss and a row-wise
@@ -214,9 +240,10 @@ def test_hf_sp_step_computes_what_one_process_computes(loss_parallel: bool, qwen
     sequence's position ids (hf_pipeline.full_positions) transformers' LlamaModel.forward would
     make ``seq / tp`` rotary positions (modeling_llama.py line 377) for the all-gathered
     ``seq`` queries."""
-    from memfit.parallel.gloo import spawn
-
-    spawn(_sp_parity_worker, 2, loss_parallel, qwen3)
+    for r in sp_parity_runs[name]:
+        loss, ref = r["loss"], r["ref"]
+        assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6), (float(loss), float(ref))
+        assert torch.allclose(r["grad"], r["ref_grad"], atol=1e-6)
 
 
 # -- the truth: real gloo ranks -----------------------------------------------------------------
