@@ -5,8 +5,9 @@ For each configuration:
 
 1. :func:`~memfit.serving.serve_plan` sizes vLLM's KV pool on the GPU (one plan per
    ``(gpu, tp, quant)``; the traced activation peak is cached per ``(tp, max_num_batched_tokens)``
-   by :mod:`memfit.serving.profile_run`). A plan that raises, or whose pool does not hold one
-   request of ``max_model_len``, is skipped with the reason.
+   by :mod:`memfit.serving.profile_run`; not traced where the pool is empty at a 0 peak, and
+   traced on three layers where all are alike: :func:`_plan`). A plan that raises, or whose
+   pool does not hold one request of ``max_model_len``, is skipped with the reason.
 2. The **floors**: one request alone (:func:`~memfit.serving.simulate`) gives the lowest TTFT
    and TPOT the configuration reaches at any replica count; above a target, it is skipped.
 3. The **throughput bound**: a replica computes ``2 x params x (P + O) + 2 x lm_head x O``
