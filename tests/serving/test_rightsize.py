@@ -223,3 +223,58 @@ def test_the_search_stops_at_max_replicas() -> None:
     # 0.5 s needs more than 5 replicas (the Lindley recursion above): at most 4 it misses
     with pytest.raises(MemfitError, match=r"misses the latency target at 4 replicas"):
         _size(p95_ttft_s=0.5, max_replicas=4)
+
+
+# A llama of six alike layers, traced (no activation_peak_bytes) on the toy GPU and on one too
+# small for any KV pool (its 1 GiB, x 0.9, is below the non-torch memory and the CUDA graphs).
+DEEP = {**TOY, "num_hidden_layers": 6}
+TINY_GPU = {**TOY_GPU, "name": "toy-gpu-1gb", "memory_bytes": 2**30, "price_per_hour": 0.5}
+
+
+def test_the_pruned_search_is_the_full_one(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """prune=True (no trace where the pool is empty at a 0 peak; the peak traced on three
+    layers) gives every row, skip and the front of prune=False, and takes both shortcuts."""
+    import memfit.serving.profile_run as profile_run
+
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps({"gpus": [TOY_GPU, TINY_GPU]}))
+    monkeypatch.setenv("MEMFIT_GPU_FILE", str(path))
+    traced: list[int] = []
+    real = profile_run.profile_activation_peak
+
+    def counting(config, **kw):  # type: ignore[no-untyped-def]
+        traced.append(int(config["num_hidden_layers"]))
+        return real(config, **kw)
+
+    monkeypatch.setattr(profile_run, "profile_activation_peak", counting)
+    args = dict(qps=5.0, prompt_tokens=512, output_tokens=4, p95_ttft_s=1.0,
+                gpus=["toy-gpu-8gb", "toy-gpu-1gb"], tp=[1, 2], quant=["none"],
+                num_requests=50)
+    full = rightsize_serving(DEEP, prune=False, **args).to_json()  # type: ignore[arg-type]
+    assert traced == [6, 6, 6, 6]  # every (gpu, tp) traced on all six layers
+    traced.clear()
+    pruned = rightsize_serving(DEEP, **args).to_json()  # type: ignore[arg-type]
+    assert traced == [3, 3]  # the 8 GiB GPU's two TP sizes only, on three layers
+    assert [s["gpu"] for s in full["skipped"]] == ["toy-gpu-1gb"] * 2
+    assert "holds no request" in full["skipped"][0]["reason"]
+    assert len(full["candidates"]) == 2
+    assert pruned == full
+
+
+def test_three_layers_trace_the_peak_of_llama_3_8b() -> None:
+    """The profile run's peak of llama-3-8b's 32 layers is the one of its first three."""
+    from memfit.serving.plan import load_config
+    from memfit.serving.profile_run import profile_activation_peak
+    from memfit.serving.rightsize import _sampled_config
+
+    _, config = load_config("llama-3-8b")
+    sampled = _sampled_config(config)
+    assert sampled is not None and sampled["num_hidden_layers"] == 3
+    for tp in (1, 2):
+        kw = dict(max_num_batched_tokens=512, max_num_seqs=256, tp=tp)
+        whole = profile_activation_peak(config, **kw)  # type: ignore[arg-type]
+        cut = profile_activation_peak(sampled, **kw)  # type: ignore[arg-type]
+        assert (cut.total_bytes, cut.block_bytes) == (whole.total_bytes, whole.block_bytes)
+    assert _sampled_config({**config, "layer_types": ["full_attention"] * 32}) is None
+    assert _sampled_config({**config, "model_type": "qwen2"}) is None

@@ -5,8 +5,9 @@ For each configuration:
 
 1. :func:`~memfit.serving.serve_plan` sizes vLLM's KV pool on the GPU (one plan per
    ``(gpu, tp, quant)``; the traced activation peak is cached per ``(tp, max_num_batched_tokens)``
-   by :mod:`memfit.serving.profile_run`). A plan that raises, or whose pool does not hold one
-   request of ``max_model_len``, is skipped with the reason.
+   by :mod:`memfit.serving.profile_run`; not traced where the pool is empty at a 0 peak, and
+   traced on three layers where all are alike: :func:`_plan`). A plan that raises, or whose
+   pool does not hold one request of ``max_model_len``, is skipped with the reason.
 2. The **floors**: one request alone (:func:`~memfit.serving.simulate`) gives the lowest TTFT
    and TPOT the configuration reaches at any replica count; above a target, it is skipped.
 3. The **throughput bound**: a replica computes ``2 x params x (P + O) + 2 x lm_head x O``
@@ -221,6 +222,52 @@ def _search(plan: Any, roofline: Roofline, w: _Workload) -> _Found:
     return r, p95_at(r), r, ""
 
 
+_UNIFORM_LAYERS = frozenset({"llama", "mistral"})
+"""Model types whose decoder layers are all alike (no per-layer types, windows or experts)."""
+_SAMPLED_LAYERS = 3
+
+
+def _sampled_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``config`` cut to its first :data:`_SAMPLED_LAYERS` decoder layers when every layer is
+    alike (:data:`_UNIFORM_LAYERS`, no ``layer_types``, not multimodal), else None. The
+    profile run's peak is the residual stream plus the largest sub-block transient over the
+    layers; the first, a middle and the last layer show every transient a stack of identical
+    layers has, so the cut config's peak is the full one's (tests/serving/test_rightsize.py
+    checks it on llama-3-8b) at a fraction of the trace."""
+    if config.get("model_type") not in _UNIFORM_LAYERS or "layer_types" in config or \
+            any(k in config for k in ("text_config", "vision_config")):
+        return None
+    layers = config.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers <= _SAMPLED_LAYERS:
+        return None
+    return {**config, "num_hidden_layers": _SAMPLED_LAYERS}
+
+
+def _plan(serve_plan: Any, model: Any, config: Mapping[str, Any], *,
+          activation_peak_bytes: int | None, prune: bool, **kw: Any) -> Any:
+    """``serve_plan(model, **kw)``. With ``prune`` (and no ``activation_peak_bytes``), first at
+    an activation peak of 0 (no trace): the KV budget falls as the peak rises (``requested -
+    weights - activation - ...``), so a pool already empty at 0 is empty at the traced peak,
+    and that plan (pool 0, no block) is the traced one in every field the search reads; the
+    trace is skipped. Else the peak is traced on :func:`_sampled_config` where the layers are
+    alike, and given to ``serve_plan`` (its ``activation_source`` then reads "given")."""
+    if not prune or activation_peak_bytes is not None:
+        return serve_plan(model, activation_peak_bytes=activation_peak_bytes, **kw)
+    bound = serve_plan(model, activation_peak_bytes=0, **kw)
+    if bound.budget is None or bound.budget.kv_cache_bytes <= 0:
+        return bound
+    sampled = _sampled_config(config)
+    if sampled is None:
+        return serve_plan(model, **kw)
+    from memfit.serving.kv_spec import model_dtype_bytes
+    from memfit.serving.profile_run import profile_activation_peak
+
+    peak = profile_activation_peak(sampled, max_num_batched_tokens=bound.max_num_batched_tokens,
+                                   max_num_seqs=bound.max_num_seqs, tp=bound.tp,
+                                   dtype_bytes=model_dtype_bytes(config))
+    return serve_plan(model, activation_peak_bytes=int(peak), **kw)
+
+
 def _prices(gpus: Sequence[str] | None, prices: str | Path | Mapping[str, Any] | None,
             gpu_file: str | Path | None) -> tuple[list[str], dict[str, GpuPrice]]:
     from memfit.gpus import get_gpu
@@ -277,12 +324,17 @@ def rightsize_serving(model: str | Path | Mapping[str, Any], *, qps: float, prom
                       activation_peak_bytes: int | None = None,
                       num_requests: int = DEFAULT_NUM_REQUESTS, seed: int = 0,
                       max_replicas: int = DEFAULT_MAX_REPLICAS,
-                      gpu_file: str | Path | None = None) -> RightsizeResult:
+                      gpu_file: str | Path | None = None, prune: bool = True,
+                      ) -> RightsizeResult:
     """Every GPU (``gpus``, default the catalog's priced ones) x ``tp`` x ``quant`` (``none``:
     the checkpoint's dtype) at its cheapest replica count for ``qps`` requests/s of
     ``prompt_tokens`` + ``output_tokens`` within the p95 targets (seconds); the search is the
     module docstring's. ``prices`` (a file or mapping) overrides the catalog's; a price older
     than ``max_price_age_days`` on ``today`` (default: today) is flagged.
+
+    ``prune=False`` turns off the work savings of :func:`_plan` (no trace where the KV pool is
+    empty at any activation peak; the peak traced on three decoder layers where all are
+    alike): the same result, slower (the tests compare them).
 
     Bad input, or no configuration that meets the targets (the closest named), raises
     MemfitError (one line).
@@ -323,10 +375,10 @@ def rightsize_serving(model: str | Path | Mapping[str, Any], *, qps: float, prom
                     skip("serve_plan models vLLM on CUDA GPUs only")
                     continue
                 try:
-                    plan = serve_plan(model, gpu=name, tp=size, quant=fmt,
-                                      max_model_len=max_model_len,
-                                      gpu_memory_utilization=gpu_memory_utilization,
-                                      activation_peak_bytes=activation_peak_bytes)
+                    plan = _plan(serve_plan, model, config, gpu=name, tp=size, quant=fmt,
+                                 max_model_len=max_model_len,
+                                 gpu_memory_utilization=gpu_memory_utilization,
+                                 activation_peak_bytes=activation_peak_bytes, prune=prune)
                     if not plan.fits or plan.num_gpu_blocks < 2:
                         skip(f"the KV pool ({plan.kv_cache_bytes / 2**30:.1f} GiB) holds no "
                              f"request of max_model_len {plan.max_model_len}")

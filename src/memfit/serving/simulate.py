@@ -273,13 +273,19 @@ def _continuous(requests: list[Request], *, num_blocks: int, block_size: int, ma
         token_budget = budget
         preempted = False
         idx = 0
+        # the step's sums, kept as the requests are scheduled: new tokens, KV touched
+        # (sum(n + c)) and query-key pairs (sum(n c + n (n + 1) / 2))
+        context = pairs = 0
         while idx < len(running) and token_budget > 0:  # 1. running first
             req = running[idx]
-            new = min(req.num_tokens - req.computed, token_budget)
+            cached = req.computed
+            new = req.prompt + req.out - cached
+            if new > token_budget:
+                new = token_budget
             if new <= 0:
                 idx += 1
                 continue
-            need = _cdiv(req.computed + new, block_size) - req.blocks
+            need = -((cached + new) // -block_size) - req.blocks
             fitted = True
             while need > free:  # 3. preempt the last running request (recompute)
                 victim = running.pop()
@@ -297,7 +303,9 @@ def _continuous(requests: list[Request], *, num_blocks: int, block_size: int, ma
             free -= need
             req.blocks += need
             token_budget -= new
-            scheduled.append((req, new, req.computed))
+            scheduled.append((req, new, cached))
+            context += new + cached
+            pairs += new * cached + new * (new + 1) // 2
             idx += 1
         if not preempted:  # 4. admit waiting requests
             while token_budget > 0 and waiting and len(running) < max_num_seqs:
@@ -312,6 +320,8 @@ def _continuous(requests: list[Request], *, num_blocks: int, block_size: int, ma
                 req.blocks = need
                 token_budget -= new
                 scheduled.append((req, new, 0))
+                context += new
+                pairs += new * (new + 1) // 2
         peak = max(peak, capacity - free)
         if not scheduled:
             nxt = clients.next_time()
@@ -320,15 +330,12 @@ def _continuous(requests: list[Request], *, num_blocks: int, block_size: int, ma
                                   "this is a bug: please report the plan and the requests")
             now = max(now, nxt)
             continue
-        tokens = sum(n for _, n, _ in scheduled)
-        context = sum(n + c for _, n, c in scheduled)
-        pairs = sum(n * c + n * (n + 1) // 2 for _, n, c in scheduled)
-        now += roofline.step_seconds(tokens=tokens, rows=len(scheduled), context_tokens=context,
-                                     attention_pairs=pairs)
+        now += roofline.step_seconds(tokens=budget - token_budget, rows=len(scheduled),
+                                     context_tokens=context, attention_pairs=pairs)
         steps += 1
         for req, n, _ in scheduled:  # 5. sample, finish, free
             req.computed += n
-            if req.computed < req.num_tokens:
+            if req.computed < req.prompt + req.out:
                 continue  # a prefill chunk: no token yet
             req.out += 1
             if req.first is None:
