@@ -63,27 +63,16 @@ from memfit.serving.roofline import (
     Roofline,
     model_flop_params,
 )
-from memfit.serving.workload import Request, check_requests
+from memfit.serving.workload import Request, check_requests, percentile
 
-__all__ = ["PERCENTILES", "BatchingStats", "Simulation", "roofline_for", "simulate"]
+__all__ = ["PERCENTILES", "BatchingStats", "Simulation", "percentile", "roofline_for",
+           "simulate"]
 
 PERCENTILES = (50, 90, 95, 99)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(a // -b)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """``numpy.percentile``'s default (linear between the closest ranks), which vLLM's
-    benchmark reports."""
-    s = sorted(values)
-    if not s:
-        return math.nan
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True, kw_only=True)

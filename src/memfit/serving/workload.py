@@ -18,7 +18,8 @@ from typing import Literal
 
 from memfit.errors import MemfitError
 
-__all__ = ["LENGTHS", "Request", "check_requests", "poisson_requests", "read_trace"]
+__all__ = ["LENGTHS", "Request", "check_requests", "percentile", "poisson_requests",
+           "read_trace"]
 
 Lengths = Literal["fixed", "uniform", "lognormal"]
 LENGTHS: tuple[str, ...] = ("fixed", "uniform", "lognormal")
@@ -174,3 +175,15 @@ def check_requests(requests: Sequence[Request]) -> list[Request]:
         if not isinstance(r, Request):
             raise MemfitError(f"expected memfit.serving.Request items, got {type(r).__name__}")
     return sorted(reqs, key=lambda r: r.arrival_time)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """``numpy.percentile``'s default (linear between the closest ranks), which vLLM's
+    benchmark reports."""
+    s = sorted(values)
+    if not s:
+        return math.nan
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
