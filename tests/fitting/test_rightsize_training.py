@@ -157,7 +157,8 @@ def test_step_times_match_fits_traced_search_for_the_same_configuration(toy: str
         cfg = c.config
         space = {"precision": [cfg["precision"]], "checkpointing": [cfg["checkpointing"]],
                  "micro_batch": [cfg["micro_batch"]], "chunked_loss": [False],
-                 "attention": ["model"], "offload_states": [False],
+                 "attention": ["model"], "optimizer": [cfg["optimizer"]],
+                 "offload_states": [cfg["offload_optimizer"]],
                  "offload_activations": [False], "sharding": [cfg["sharding"]]}
         layout = {"gpus": 2, "space": {**space, "tp": [1], "pp": [1]}} if c.count == 2 \
             else {"space": space}
@@ -197,7 +198,7 @@ def test_prices_override_and_a_stale_one_is_flagged(toy: str) -> None:
 
 def test_no_fit_anywhere_names_the_closest(toy: str) -> None:
     # 1 GPU holds less runtime (no NCCL) than 2: full checkpointing at micro-batch 1 on one.
-    closest = r"closest is 1 x toy-a100-tiny \(1 GPU, ckpt=full, micro-batch 1\)"
+    closest = r"closest is 1 x toy-a100-tiny \(1 GPU, ckpt=full, adamw, offload, micro-batch 1\)"
     with pytest.raises(MemfitError, match=r"no configuration fits .*" + closest):
         _size(toy, gpus=["toy-a100-tiny"])
 
@@ -253,3 +254,68 @@ def test_cli_unknown_gpu_in_the_prices_file(capsys: pytest.CaptureFixture[str], 
     code, _, err = _cli(capsys, toy, "--train-tokens", "1e6", "--seq", "64", "--global-batch",
                         "8", "--prices", str(prices))
     assert code == 2 and "unknown GPU 'h999'" in err and err.count("\n") == 1, err
+
+
+# A model whose optimizer states decide the fit: embedding and head 8192 x 512 each, two blocks
+# of q, k, v, o 4 x 512 x 512 and a gated MLP 3 x 512 x 2048, two norms 2 x 512; final norm 512.
+STATEFUL = {**TOY, "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
+            "num_key_value_heads": 8, "intermediate_size": 2048, "vocab_size": 8192}
+STATEFUL_PARAMS = 2 * 8192 * 512 + 2 * (4 * 512 * 512 + 3 * 512 * 2048 + 2 * 512) + 512
+
+
+def _states_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory: int):  # type: ignore[no-untyped-def]
+    """``rightsize`` of :data:`STATEFUL` on one GPU of ``memory`` bytes, with the plans of
+    AdamW and 8-bit AdamW, each on the GPU and offloaded, at full checkpointing, micro-batch 1."""
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
+    from memfit.gpus import get_gpu
+    from memfit.models import resolve_model
+
+    gpus = tmp_path / "small.json"
+    gpus.write_text(json.dumps({"gpus": [_gpu("toy-a100-small", memory, 1.0)]}))
+    monkeypatch.setenv("MEMFIT_GPU_FILE", str(gpus))
+    model = tmp_path / "stateful.json"
+    model.write_text(json.dumps(STATEFUL))
+    spec, gpu = resolve_model(str(model)), get_gpu("toy-a100-small")
+    plans = {(opt, off): plan(spec, RunConfig(mode="train", optimizer=opt,  # type: ignore[arg-type]
+                                              checkpointing="full", seq=64,
+                                              offload_optimizer=off), gpu)
+             for opt in ("adamw", "adamw-8bit") for off in (False, True)}
+    r = rightsize_training(str(model), mode="train", train_tokens=1e6, seq=64, global_batch=8,
+                           gpus_max=1, gpus=["toy-a100-small"])
+    return r, plans
+
+
+def test_an_8bit_optimizer_is_found_where_only_it_fits(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from memfit.categories import MemoryCategory as Cat
+
+    # 1.3e9 bytes: the plan keeps 19% free (FITS_MARGIN), so 1.053e9 may be used.
+    r, plans = _states_bound(tmp_path, monkeypatch, 1_300_000_000)
+    p = STATEFUL_PARAMS
+    assert p == 16_779_776
+    # AdamW under bf16-mixed: fp32 master + m + v, 12 B a parameter; 8-bit AdamW: the fp32
+    # master (4 B) + m and v at 1 B each + an fp32 absmax per 256 values (bitsandbytes' blocks).
+    states = {opt: plans[(opt, False)].breakdown[Cat.OPTIMIZER_STATES] for opt in
+              ("adamw", "adamw-8bit")}
+    assert states["adamw"] == 12 * p
+    assert states["adamw-8bit"] == 4 * p + 2 * (p + 4 * p // 256)
+    # The ~100 MB saved (and the step's smaller temporaries) is what makes it fit.
+    assert not plans[("adamw", False)].fits and plans[("adamw-8bit", False)].fits
+    (row,) = r.candidates
+    cfg = row.config
+    assert (cfg["optimizer"], cfg["offload_optimizer"]) == ("adamw-8bit", False)
+    assert "adamw-8bit" in cfg["label"] and "offload" not in cfg["label"]
+
+
+def test_optimizer_offload_is_found_where_only_it_fits(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from memfit.categories import MemoryCategory as Cat
+
+    # 1.15e9 bytes (0.9315e9 usable): 8-bit AdamW's states on the GPU no longer fit; offloaded
+    # (ZeRO-Offload: the fp32 masters and the states on the host) none are on the GPU.
+    r, plans = _states_bound(tmp_path, monkeypatch, 1_150_000_000)
+    assert not plans[("adamw-8bit", False)].fits and plans[("adamw", True)].fits
+    assert plans[("adamw", True)].breakdown[Cat.OPTIMIZER_STATES] == 0
+    (row,) = r.candidates
+    assert row.config["offload_optimizer"] is True and "offload" in row.config["label"]

@@ -4,9 +4,14 @@ ranked by cost, with the cost-vs-time Pareto front.
 
 For each GPU and count (1, 2, 4, ... up to ``gpus_max``) the search tries each layout (tensor
 parallel 1, 2, 4, 8 inside a node; DDP, ZeRO-1, ZeRO-2, FSDP over the data-parallel ranks; tp
-only under FSDP, as torchtitan) x activation checkpointing (none, selective, full), each at its
-largest fitting micro-batch (a power of two dividing the per-rank batch; memory grows with it
-and, in the cost model, time never does), and keeps the fastest:
+only under FSDP, as torchtitan) x activation checkpointing (none, selective, full) x optimizer
+(the named one and its 8-bit form, AdamW's ``adamw-8bit``, as ``fit`` searches it) x optimizer
+offload (off, and DeepSpeed's ZeRO-Offload where there is no tensor parallelism and the layout
+is not plain DDP), each at its largest fitting micro-batch (a power of two dividing the
+per-rank batch; memory grows with it and, in the cost model, time never does), and keeps the
+fastest; an 8-bit optimizer or offload replaces a configuration with fewer of them only when
+more than ``fit``'s tie tolerance (:data:`memfit.fitting.plan.TIE_TOLERANCE`, 1%) faster (the
+tie goes to the simpler option, as in ``fit``):
 
 - **Memory:** :func:`memfit.plan`'s formulas (:mod:`memfit.analytic.planner`), which cover
   LoRA and QLoRA, tensor parallelism and ZeRO; a configuration fits when the plan says so
@@ -34,8 +39,9 @@ and, in the cost model, time never does), and keeps the fastest:
 
 The Pareto front: the candidates that no other matches or beats on both cost and job time.
 
-Known limitations: no pipeline parallelism, offload or 8-bit optimizers searched; memory from
-the formulas, not the trace; the LoRA adapters' FLOPs are counted but QLoRA's dequantization
+Known limitations: no pipeline parallelism, activation offload, parameter offload, chunked
+loss or fp8 searched (the plan's formulas size neither activation offload nor chunked loss; the
+cost model times no parameter fetches); memory from the formulas, not the trace; the LoRA adapters' FLOPs are counted but QLoRA's dequantization
 is not; no data-loading, evaluation or checkpoint time in the on-demand job.
 """
 
@@ -52,6 +58,9 @@ from typing import Any
 
 from memfit.errors import MemfitError
 from memfit.fitting.rightsize_args import check_training_args
+from memfit.fitting.rightsize_count import _count, _Counter
+
+_ = _count  # re-exported for the tests
 
 __all__ = ["DEFAULT_WRITE_BANDWIDTH", "TrainingCandidate", "TrainingRightsize",
            "cost_time_front", "job_steps", "rightsize_training"]
@@ -63,6 +72,9 @@ give yours)."""
 _CKPTS = ("none", "selective", "full")
 _TPS = (1, 2, 4, 8)
 _ZERO = {"ddp": None, "zero1": 1, "zero2": 2, "zero3": 3}
+_EIGHT_BIT = {"adamw": "adamw-8bit", "adam": "adamw-8bit"}
+"""The 8-bit form of an optimizer, as ``fit``'s search space names it
+(:func:`memfit.fitting.search_space.default_space`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,80 +132,6 @@ def job_steps(train_tokens: float, global_batch: int, seq: int) -> int:
     return math.ceil(train_tokens / (global_batch * seq))
 
 
-@dataclass(frozen=True)
-class _Counted:
-    flops: float
-    """Forward + backward (+ recompute) FLOPs of one sample."""
-    ops: int
-    """Aten ops dispatched for one micro-batch."""
-
-
-def _count(spec: Any, run: Any, seq: int) -> _Counted:
-    """FLOPs and ops of one sample of ``spec`` run as ``run`` says, on fake tensors: the
-    techniques applied as ``fit``'s ``count_flops`` applies them."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from memfit._loss import model_loss
-    from memfit._tensors import fake_inputs, fake_model
-    from memfit.models.build import build_model, example_inputs
-    from memfit.techniques.recipe import apply_techniques
-
-    class _Ops(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    recipe = dataclasses.replace(run.recipe, qlora=False, parallel=None, micro_batch=1,
-                                 accumulation=1)
-    base = build_model(spec, device="meta")
-    # The techniques go on the meta model: LoRA's adapters cast the base (``model.to``), which
-    # fake parameters refuse.
-    apply_techniques(base, recipe)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = fake_model(base, "cpu")
-        inputs = fake_inputs(example_inputs(spec, batch=1, seq=seq), "cpu")
-        ops = _Ops()
-        with FlopCounterMode(display=False) as counter, ops:
-            model_loss(model, inputs).backward()
-    return _Counted(flops=float(counter.get_total_flops()), ops=ops.n)
-
-
-_COUNTS: dict[tuple[Any, ...], _Counted] = {}
-"""The counts of every search in this process, by model, LoRA, attention, seq and policy."""
-
-
-class _Counter:
-    """FLOPs and ops per checkpointing policy, counted on one and two blocks and extended to
-    every block (the blocks are identical: ``total(L) = c(1) + (L - 1) (c(2) - c(1))``)."""
-
-    def __init__(self, spec: Any, run: Any, seq: int) -> None:
-        self.spec, self.run, self.seq = spec, run, seq
-        # What the counts depend on (not the precision, optimizer, batch or layout), so that
-        # later searches in the process reuse them.
-        self.key = (spec, run.mode, run.lora_rank, run.lora_targets, run.attention, seq)
-        self.cache = _COUNTS
-
-    def __call__(self, ckpt: str) -> _Counted:
-        key = (*self.key, ckpt)
-        if key not in self.cache:
-            run = dataclasses.replace(self.run, checkpointing=ckpt)
-            layers = self.spec.num_layers
-            one = _count(dataclasses.replace(self.spec, num_layers=1), run, self.seq)
-            if layers == 1:
-                self.cache[key] = one
-            else:
-                two = _count(dataclasses.replace(self.spec, num_layers=2), run, self.seq)
-                self.cache[key] = _Counted(
-                    flops=one.flops + (layers - 1) * (two.flops - one.flops),
-                    ops=one.ops + (layers - 1) * (two.ops - one.ops))
-        return self.cache[key]
-
-
 def _powers_dividing(n: int) -> list[int]:
     return [m for m in (2 ** k for k in range(n.bit_length())) if n % m == 0]
 
@@ -205,6 +143,9 @@ class _Best:
     peak: int
     label: str
     sharding: str
+    extras: int = 0
+    """The 8-bit optimizer and offload it uses (0-2): a more complex configuration replaces a
+    simpler one only when more than fit's tie tolerance faster."""
 
 
 def _layouts(count: int, heads: int, kv_heads: int, global_batch: int,
@@ -226,6 +167,78 @@ def _layouts(count: int, heads: int, kv_heads: int, global_batch: int,
     return out
 
 
+def _variants(optimizer: str, tp: int, sharding: str) -> list[tuple[str, bool]]:
+    """(optimizer, optimizer offload) pairs, simplest first: the named optimizer and its 8-bit
+    form where ``fit`` searches one (:data:`_EIGHT_BIT`), each kept on the GPU and offloaded to
+    the host (DeepSpeed's ZeRO-Offload, as the plan's ``auto`` engine lays it out: without
+    tensor parallelism, and not under plain DDP, which does not offload)."""
+    optimizers = [optimizer] + ([_EIGHT_BIT[optimizer]] if optimizer in _EIGHT_BIT else [])
+    offloads = [False, True] if tp == 1 and sharding != "ddp" else [False]
+    return [(o, off) for off in offloads for o in optimizers]
+
+
+def _largest_fitting(spec: Any, run: Any, gpu: Any, per_rank: int, *, above: int,
+                     closest: list[tuple[float, str]], what: str,
+                     tally: list[int]) -> tuple[int, Any] | None:
+    """The largest micro-batch above ``above`` (a power of two dividing ``per_rank``) at which
+    ``run`` fits on ``gpu`` by the plan, with the plan; None where none does."""
+    from memfit.analytic.planner import plan
+
+    for m in reversed(_powers_dividing(per_rank)):  # largest first
+        if m <= above:
+            return None
+        tally[0] += 1
+        try:
+            p = plan(spec, dataclasses.replace(run, batch=m, grad_accum=per_rank // m), gpu)
+        except MemfitError:
+            return None
+        if p.fits:
+            return m, p
+        if m == 1 and p.capacity_bytes:
+            closest.append((p.total_bytes / p.capacity_bytes,
+                            f"{what}, micro-batch 1): {p.total_bytes / 2**30:,.1f} GiB of "
+                            f"{p.capacity_bytes / 2**30:,.1f} GiB"))
+    return None
+
+
+def _step_seconds(spec: Any, p: Any, gpu: Any, rates: Any, *, m: int, per_rank: int, seq: int,
+                  counted: Any, plain: Any, count: int, tally: list[int]) -> float:
+    """``fit``'s cost model for the planned run ``p`` at micro-batch ``m``."""
+    from memfit.analytic.planner import plan
+    from memfit.categories import MemoryCategory as Cat
+    from memfit.fitting.config import sharding_of
+    from memfit.fitting.cost import step_cost
+    from memfit.layout import Parallel
+    from memfit.vocab import precision as precision_info
+
+    par, precision = p.run.parallel, p.run.precision
+    element = precision_info(precision).compute_bytes
+    # What fit gives the cost model (search_state.cost): the rank's model states before
+    # data-parallel sharding (its tensor-parallel share; the optimizer's whether or not they
+    # are offloaded), and the activation bytes one micro-batch writes, the saved ones without
+    # checkpointing scaled by the recompute (fit's activation_traffic): one plan of the tp
+    # group alone, without checkpointing or offload.
+    tally[0] += 1
+    rank = plan(spec, dataclasses.replace(p.run, checkpointing="none", offload_optimizer=False,
+                                          parallel=Parallel(gpus=par.tp, tp=par.tp)), gpu)
+    saved = rank.breakdown.get(Cat.ACTIVATIONS, 0)
+    traffic = int(saved * counted.flops / max(plain.flops, 1.0))
+    tokens = m * seq
+    return step_cost(
+        rates, precision=precision, micro_flops=counted.flops * m,
+        accumulation=per_rank // m, activation_traffic_bytes=traffic,
+        offloaded_bytes=0, ops_per_micro=counted.ops,
+        param_bytes=rank.breakdown.get(Cat.WEIGHTS, 0),
+        grad_bytes=rank.breakdown.get(Cat.GRADIENTS, 0),
+        state_bytes=rank.breakdown.get(Cat.OPTIMIZER_STATES, 0),
+        offload_activations=False, offload_states=p.run.offload_optimizer,
+        sharding=sharding_of(par), num_gpus=count,
+        parallel=par, boundary_bytes=tokens * spec.hidden_size * element,
+        layers=spec.num_layers,
+        layout_bytes={"logits_bytes": tokens * spec.vocab_size * element,
+                      "tokens": tokens}).total_s
+
+
 def _search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_batch: int,
                       seq: int, counter: _Counter, gpus_per_node: int,
                       closest: list[tuple[float, str]], prune: bool = True,
@@ -235,84 +248,60 @@ def _search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_
     With ``prune``, a checkpointing policy is not planned once a configuration already found
     is faster than its compute alone: ``global_batch / count`` samples of its FLOPs at the
     GPU's rate, a lower bound on any layout's step (each rank computes ``1 / tp`` of its
-    ``global_batch / dp`` samples; the cost model only adds to that). The answer is the
-    same (tested against ``prune=False``). ``tally[0]`` counts the plans made."""
+    ``global_batch / dp`` samples; the cost model only adds to that); and an offloaded
+    optimizer is planned only at micro-batches larger than the same optimizer's largest on
+    the GPU (at one micro-batch offload only adds time in the cost model: the transfers, and
+    the optimizer step at the host's bandwidth, below every GPU's). The answer is the same
+    (tested against ``prune=False``). ``tally[0]`` counts the plans made."""
     tally = [0] if tally is None else tally
-    from memfit.analytic.planner import plan
-    from memfit.categories import MemoryCategory as Cat
     from memfit.fitting.config import layout_label, sharding_of
-    from memfit.fitting.cost import step_cost
+    from memfit.fitting.cost import HOST_OPTIMIZER_BYTES_PER_S
+    from memfit.fitting.plan import TIE_TOLERANCE
     from memfit.fitting.rates import gpu_rates
     from memfit.layout import Parallel
-    from memfit.vocab import precision as precision_info
 
     precision = "bf16-mixed" if gpu.bf16 else "fp16-mixed"
     rates = gpu_rates(gpu)
     if precision not in rates.flops:
         return None
-    element = precision_info(precision).compute_bytes
+    skip_offload = prune and HOST_OPTIMIZER_BYTES_PER_S <= rates.bandwidth
     heads = getattr(spec, "num_heads", 1) or 1
     kv_heads = getattr(spec, "num_kv_heads", None) or heads
     best: _Best | None = None
-    node = min(count, gpus_per_node)
     for tp, sharding in _layouts(count, heads, kv_heads, global_batch, gpus_per_node):
-        dp = count // tp
-        par = Parallel(gpus=count, gpus_per_node=node, tp=tp, zero=_ZERO.get(sharding))
-        per_rank = global_batch // dp
+        par = Parallel(gpus=count, gpus_per_node=min(count, gpus_per_node), tp=tp,
+                       zero=_ZERO.get(sharding))
+        per_rank = global_batch // (count // tp)
         for ckpt in _CKPTS:
             if prune and best is not None and \
                     counter(ckpt).flops * global_batch / count / rates.flops[precision] \
                     >= best.step_s:
                 continue
-            fits_at: tuple[int, Any] | None = None
-            for m in reversed(_powers_dividing(per_rank)):  # largest first
+            on_gpu: dict[str, int] = {}  # each optimizer's largest micro-batch without offload
+            for optimizer, offload in _variants(base_run.optimizer, tp, sharding):
                 run = dataclasses.replace(base_run, precision=precision, checkpointing=ckpt,
-                                          batch=m, grad_accum=per_rank // m, parallel=par)
-                tally[0] += 1
-                try:
-                    p = plan(spec, run, gpu)
-                except MemfitError:
-                    break
-                if p.fits:
-                    fits_at = (m, p)
-                    break
-                if m == 1 and p.capacity_bytes:
-                    closest.append((p.total_bytes / p.capacity_bytes,
-                                    f"{count} x {gpu.name} ({layout_label(par)}, ckpt={ckpt}, "
-                                    f"micro-batch 1): {p.total_bytes / 2**30:,.1f} GiB of "
-                                    f"{p.capacity_bytes / 2**30:,.1f} GiB"))
-            if fits_at is None:
-                continue
-            m, p = fits_at
-            counted = counter(ckpt)
-            plain = counter("none")
-            # What fit gives the cost model (search_state.cost): the rank's model states before
-            # data-parallel sharding (its tensor-parallel share), and the activation bytes one
-            # micro-batch writes, the saved ones without checkpointing scaled by the recompute
-            # (fit's activation_traffic): one plan of the tp group alone, without checkpointing.
-            tally[0] += 1
-            rank = plan(spec, dataclasses.replace(p.run, checkpointing="none",
-                                                  parallel=Parallel(gpus=tp, tp=tp)), gpu)
-            saved = rank.breakdown.get(Cat.ACTIVATIONS, 0)
-            traffic = int(saved * counted.flops / max(plain.flops, 1.0))
-            tokens = m * seq
-            cost = step_cost(
-                rates, precision=precision, micro_flops=counted.flops * m,
-                accumulation=per_rank // m, activation_traffic_bytes=traffic,
-                offloaded_bytes=0, ops_per_micro=counted.ops,
-                param_bytes=rank.breakdown.get(Cat.WEIGHTS, 0),
-                grad_bytes=rank.breakdown.get(Cat.GRADIENTS, 0),
-                state_bytes=rank.breakdown.get(Cat.OPTIMIZER_STATES, 0),
-                offload_activations=False, offload_states=False,
-                sharding=sharding_of(par), num_gpus=count,
-                parallel=par, boundary_bytes=tokens * spec.hidden_size * element,
-                layers=spec.num_layers,
-                layout_bytes={"logits_bytes": tokens * spec.vocab_size * element,
-                              "tokens": tokens})
-            label = f"{precision}, ckpt={ckpt}, mb={m}x{per_rank // m}, {layout_label(par)}"
-            if best is None or cost.total_s < best.step_s * (1 - 1e-9):
-                best = _Best(step_s=cost.total_s, run=p.run, peak=p.total_bytes, label=label,
-                             sharding=sharding_of(par))
+                                          optimizer=optimizer, offload_optimizer=offload,
+                                          parallel=par)
+                tech = f"{optimizer}{', offload' if offload else ''}"
+                fits_at = _largest_fitting(
+                    spec, run, gpu, per_rank, tally=tally, closest=closest,
+                    above=on_gpu.get(optimizer, 0) if offload and skip_offload else 0,
+                    what=f"{count} x {gpu.name} ({layout_label(par)}, ckpt={ckpt}, {tech}")
+                if fits_at is None:
+                    continue
+                m, p = fits_at
+                if not offload:
+                    on_gpu[optimizer] = m
+                step_s = _step_seconds(spec, p, gpu, rates, m=m, per_rank=per_rank, seq=seq,
+                                       counted=counter(ckpt), plain=counter("none"),
+                                       count=count, tally=tally)
+                extras = int(optimizer != base_run.optimizer) + int(offload)
+                margin = TIE_TOLERANCE if best is not None and extras > best.extras else 1e-9
+                if best is None or step_s < best.step_s * (1 - margin):
+                    best = _Best(step_s=step_s, run=p.run, peak=p.total_bytes,
+                                 label=f"{precision}, ckpt={ckpt}, {tech}, mb={m}x"
+                                       f"{per_rank // m}, {layout_label(par)}",
+                                 sharding=sharding_of(par), extras=extras)
     return best
 
 
@@ -328,7 +317,8 @@ def _on_demand_row(best: _Best, *, name: str, count: int, price: Any, stale: boo
                    steps: int) -> TrainingCandidate:
     """``best`` on ``count`` x ``name`` at the on-demand price: ``steps`` of ``best.step_s``."""
     config = {"label": best.label, "precision": best.run.precision,
-              "checkpointing": best.run.checkpointing, "micro_batch": best.run.batch,
+              "checkpointing": best.run.checkpointing, "optimizer": best.run.optimizer,
+              "offload_optimizer": best.run.offload_optimizer, "micro_batch": best.run.batch,
               "accumulation": best.run.grad_accum, "tp": best.run.parallel.tp,
               "dp": best.run.parallel.dp, "sharding": best.sharding,
               "peak_bytes_per_gpu": best.peak}

@@ -1,0 +1,87 @@
+"""The FLOPs and aten ops of one training sample that
+:func:`memfit.fitting.rightsize.rightsize_training` feeds ``fit``'s cost model: counted by
+``FlopCounterMode`` on fake tensors with the techniques applied (as ``fit``'s ``count_flops``),
+on the model cut to one and to two blocks and extended linearly to all of them (exact for a
+stack of identical blocks)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class _Counted:
+    flops: float
+    """Forward + backward (+ recompute) FLOPs of one sample."""
+    ops: int
+    """Aten ops dispatched for one micro-batch."""
+
+
+def _count(spec: Any, run: Any, seq: int) -> _Counted:
+    """FLOPs and ops of one sample of ``spec`` run as ``run`` says, on fake tensors: the
+    techniques applied as ``fit``'s ``count_flops`` applies them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memfit._loss import model_loss
+    from memfit._tensors import fake_inputs, fake_model
+    from memfit.models.build import build_model, example_inputs
+    from memfit.techniques.recipe import apply_techniques
+
+    class _Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    recipe = dataclasses.replace(run.recipe, qlora=False, parallel=None, micro_batch=1,
+                                 accumulation=1)
+    base = build_model(spec, device="meta")
+    # The techniques go on the meta model: LoRA's adapters cast the base (``model.to``), which
+    # fake parameters refuse.
+    apply_techniques(base, recipe)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = fake_model(base, "cpu")
+        inputs = fake_inputs(example_inputs(spec, batch=1, seq=seq), "cpu")
+        ops = _Ops()
+        with FlopCounterMode(display=False) as counter, ops:
+            model_loss(model, inputs).backward()
+    return _Counted(flops=float(counter.get_total_flops()), ops=ops.n)
+
+
+_COUNTS: dict[tuple[Any, ...], _Counted] = {}
+"""The counts of every search in this process, by model, LoRA, attention, seq and policy."""
+
+
+class _Counter:
+    """FLOPs and ops per checkpointing policy, counted on one and two blocks and extended to
+    every block (the blocks are identical: ``total(L) = c(1) + (L - 1) (c(2) - c(1))``)."""
+
+    def __init__(self, spec: Any, run: Any, seq: int) -> None:
+        self.spec, self.run, self.seq = spec, run, seq
+        # What the counts depend on (not the precision, optimizer, batch or layout), so that
+        # later searches in the process reuse them.
+        self.key = (spec, run.mode, run.lora_rank, run.lora_targets, run.attention, seq)
+        self.cache = _COUNTS
+
+    def __call__(self, ckpt: str) -> _Counted:
+        key = (*self.key, ckpt)
+        if key not in self.cache:
+            run = dataclasses.replace(self.run, checkpointing=ckpt)
+            layers = self.spec.num_layers
+            one = _count(dataclasses.replace(self.spec, num_layers=1), run, self.seq)
+            if layers == 1:
+                self.cache[key] = one
+            else:
+                two = _count(dataclasses.replace(self.spec, num_layers=2), run, self.seq)
+                self.cache[key] = _Counted(
+                    flops=one.flops + (layers - 1) * (two.flops - one.flops),
+                    ops=one.ops + (layers - 1) * (two.ops - one.ops))
+        return self.cache[key]
