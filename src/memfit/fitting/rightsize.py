@@ -181,24 +181,31 @@ def _largest_fitting(spec: Any, run: Any, gpu: Any, per_rank: int, *, above: int
                      closest: list[tuple[float, str]], what: str,
                      tally: list[int]) -> tuple[int, Any] | None:
     """The largest micro-batch above ``above`` (a power of two dividing ``per_rank``) at which
-    ``run`` fits on ``gpu`` by the plan, with the plan; None where none does."""
+    ``run`` fits on ``gpu`` by the plan, with the plan; None where none does. Bisected: the
+    plan's bytes grow with the micro-batch, so the ones that fit are a prefix of the sorted
+    list (when none does, micro-batch 1 is the last one planned, and the closest miss)."""
     from memfit.analytic.planner import plan
 
-    for m in reversed(_powers_dividing(per_rank)):  # largest first
-        if m <= above:
-            return None
+    sizes = [m for m in _powers_dividing(per_rank) if m > above]
+    lo, hi = 0, len(sizes) - 1
+    found: tuple[int, Any] | None = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        m = sizes[mid]
         tally[0] += 1
         try:
             p = plan(spec, dataclasses.replace(run, batch=m, grad_accum=per_rank // m), gpu)
         except MemfitError:
             return None
         if p.fits:
-            return m, p
+            found, lo = (m, p), mid + 1
+            continue
+        hi = mid - 1
         if m == 1 and p.capacity_bytes:
             closest.append((p.total_bytes / p.capacity_bytes,
                             f"{what}, micro-batch 1): {p.total_bytes / 2**30:,.1f} GiB of "
                             f"{p.capacity_bytes / 2**30:,.1f} GiB"))
-    return None
+    return found
 
 
 def _step_seconds(spec: Any, p: Any, gpu: Any, rates: Any, *, m: int, per_rank: int, seq: int,
