@@ -41,8 +41,9 @@ The Pareto front: the candidates that no other matches or beats on both cost and
 
 Known limitations: no pipeline parallelism, activation offload, parameter offload, chunked
 loss or fp8 searched (the plan's formulas size neither activation offload nor chunked loss; the
-cost model times no parameter fetches); memory from the formulas, not the trace; the LoRA adapters' FLOPs are counted but QLoRA's dequantization
-is not; no data-loading, evaluation or checkpoint time in the on-demand job.
+cost model times no parameter fetches); memory from the formulas, not the trace; the LoRA
+adapters' FLOPs are counted but QLoRA's dequantization is not; no data-loading, evaluation or
+checkpoint time in the on-demand job.
 """
 
 from __future__ import annotations
