@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -141,23 +142,58 @@ def step_peak(model: nn.Module, resident: int) -> int:
 NOT_TARGETED = (DIM * OUT + OUT + LAYERS * DIM) * 4  # lm_head and the targets' biases, fp32
 ADAPTERS = adapter_params() * 4
 
+BUILDS: dict[str, Callable[[], nn.Module]] = {
+    "plain": net,
+    "lora-builtin": lambda: apply_lora(net(), rank=RANK, backend="builtin"),
+    "lora-peft": lambda: apply_lora(net(), rank=RANK, backend="peft"),
+    "qlora-bitsandbytes": lambda: apply_qlora(net(), rank=RANK, quant_backend="bitsandbytes"),
+    "qlora-torchao": lambda: apply_qlora(net(), rank=RANK, quant_backend="torchao"),
+}
 
-def test_lora_model_bytes_and_step_peak() -> None:
-    plain, base = resident_bytes(net)
-    lora, model = resident_bytes(lambda: apply_lora(net(), rank=RANK, backend="builtin"))
+
+@dataclass(frozen=True)
+class Measured:
+    resident: int
+    """Bytes the built model holds (:func:`resident_bytes`)."""
+    model: nn.Module
+    step_peak: int
+    """Peak of two AdamW steps on it (:func:`step_peak`)."""
+
+
+@pytest.fixture(scope="module")
+def measured() -> Callable[[str], Measured]:
+    """Each model of :data:`BUILDS` built and measured once, when a test first asks for it; the
+    tests only read the numbers (the estimate tests trace the model after its measurement, as
+    they did when each built its own). Every measurement collects garbage twice, and a full
+    collection walks every object the suite has made by then (seconds, late in a run)."""
+    done: dict[str, Measured] = {}
+
+    def get(name: str) -> Measured:
+        if name not in done:
+            resident, model = resident_bytes(BUILDS[name])
+            done[name] = Measured(resident, model, step_peak(model, resident))
+        return done[name]
+
+    return get
+
+
+def test_lora_model_bytes_and_step_peak(measured: Callable[[str], Measured]) -> None:
+    base, model = measured("plain"), measured("lora-builtin")
+    plain, lora = base.resident, model.resident
     assert plain == P_TARGET * 4 + NOT_TARGETED
     assert lora == plain + ADAPTERS
     # Full fine-tuning holds grads + 2 AdamW states for every weight (12 B/param on top of
     # the weights); LoRA for the adapters only.
-    full = step_peak(base, plain)
-    adapted = step_peak(model, lora)
+    full = base.step_peak
+    adapted = model.step_peak
     assert full - adapted >= 12 * P_TARGET - 16 * adapter_params()
 
 
 @pytest.mark.parametrize("backend", quant_backends)
-def test_qlora_weights_are_about_an_eighth(backend: str) -> None:
-    lora, _ = resident_bytes(lambda: apply_lora(net(), rank=RANK, backend="builtin"))
-    qlora, _ = resident_bytes(lambda: apply_qlora(net(), rank=RANK, quant_backend=backend))
+def test_qlora_weights_are_about_an_eighth(backend: str,
+                                           measured: Callable[[str], Measured]) -> None:
+    lora = measured("lora-builtin").resident
+    qlora = measured(f"qlora-{backend}").resident
     # NF4: 4 bits per weight + an 8-bit scale per 64 weights + an fp32 factor per 256 scales
     # (bitsandbytes' double quantization / torchao's quantized scalers): 0.5159 B/weight,
     # plus per-layer lookup tables (~1 KiB). Within 1%.
@@ -167,31 +203,28 @@ def test_qlora_weights_are_about_an_eighth(backend: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_BNB, reason="needs bitsandbytes")
-def test_qlora_step_peak_below_lora() -> None:
-    lora, lora_model = resident_bytes(lambda: apply_lora(net(), rank=RANK, backend="builtin"))
-    qlora, q_model = resident_bytes(lambda: apply_qlora(net(), rank=RANK,
-                                                        quant_backend="bitsandbytes"))
+def test_qlora_step_peak_below_lora(measured: Callable[[str], Measured]) -> None:
     # The targets' weights shrink by ~3.48 B/param; the step adds dequantization temporaries
     # of about one fp32 weight at a time (<= 2 x 1 MiB here).
-    saving = step_peak(lora_model, lora) - step_peak(q_model, qlora)
+    saving = measured("lora-builtin").step_peak - measured("qlora-bitsandbytes").step_peak
     assert saving >= 3.48 * P_TARGET - 2 * DIM * DIM * 4, saving
 
 
 # -- predicted effect -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", lora_backends)
-def test_estimate_predicts_lora(backend: str) -> None:
-    lora, model = resident_bytes(lambda: apply_lora(net(), rank=RANK, backend=backend))
-    real = step_peak(model, lora)
+def test_estimate_predicts_lora(backend: str, measured: Callable[[str], Measured]) -> None:
+    built = measured(f"lora-{backend}")
+    model, real = built.model, built.step_peak
     est = estimate(model, x_in(), optimizer="adamw", loss_fn=lambda m, b: loss_fn(m(b)),
                    device="cpu", steps=2)
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
 
 
 @pytest.mark.parametrize("backend", quant_backends)
-def test_estimate_predicts_qlora(backend: str) -> None:
-    qlora, model = resident_bytes(lambda: apply_qlora(net(), rank=RANK, quant_backend=backend))
-    real = step_peak(model, qlora)
+def test_estimate_predicts_qlora(backend: str, measured: Callable[[str], Measured]) -> None:
+    built = measured(f"qlora-{backend}")
+    model, real = built.model, built.step_peak
     est = estimate(model, x_in(), optimizer="adamw", loss_fn=lambda m, b: loss_fn(m(b)),
                    device="cpu", steps=2)
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
