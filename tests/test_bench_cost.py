@@ -4,9 +4,7 @@ count, the step time and the step count, or the hours served), not read from the
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -15,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from _bench import load_bench
 from memfit.gpus import get_gpu
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "cost.py"
@@ -24,11 +23,7 @@ NAMES = ["finetune-llama-3-8b", "pretrain-llama-3.2-1b", "serve-llama-3-8b",
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_cost", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
+    module = load_bench("cost")
     return module
 
 

@@ -10,23 +10,19 @@ baseline at V = 4096 and 80.01953125 MiB for its RMSNorm baseline at H = 1024.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from _bench import load_bench
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "published.py"
 
 
 @pytest.fixture(scope="module")
 def published() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_published", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_published"] = module
-    spec.loader.exec_module(module)
+    module = load_bench("published")
     return module
 
 

@@ -20,26 +20,22 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "formulas_vs_trace.py"
+from _bench import load_bench
+
 HAS_HF = importlib.util.find_spec("transformers") is not None
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[Any]:
-    spec = importlib.util.spec_from_file_location("bench_formulas_vs_trace", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve annotations through it
+    module = load_bench("formulas_vs_trace")
     try:
-        spec.loader.exec_module(module)
         yield module
     finally:
-        del sys.modules[spec.name]
+        del sys.modules["bench_formulas_vs_trace"]
 
 
 @pytest.mark.slow

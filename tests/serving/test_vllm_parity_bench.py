@@ -7,21 +7,18 @@ figures the bench reads are the ones worked out by hand.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
+from _bench import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench" / "serving_vllm_parity.py"
 GiB = 2**30
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_serving_vllm_parity", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_bench("serving_vllm_parity")
     return module
 
 

@@ -3,19 +3,15 @@ JSON it writes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
+from _bench import load_bench
 from memfit.errors import MemfitError
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "techniques.py"
 
 # Rows the issue asks for (issue 4, "A benchmark"), by the keys the script gives them.
 EXPECTED_ROWS = [
@@ -27,11 +23,7 @@ EXPECTED_ROWS = [
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_techniques", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
+    module = load_bench("techniques")
     return module
 
 

@@ -6,16 +6,14 @@ with a real CPU step as the "buildable" check) is the bench."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from _bench import load_bench
+
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "arch_sweep.py"
 ARCHITECTURES = [
     ("causal-lm", "gpt2"), ("causal-lm", "llama"), ("causal-lm", "mixtral"),
     ("causal-lm", "qwen3_moe"), ("causal-lm", "olmoe"), ("causal-lm", "deepseek_v3"),
@@ -27,11 +25,7 @@ CELLS = [("cuda", "bf16-mixed", True), ("cpu", "bf16-mixed", True)]
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_arch_sweep", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_bench("arch_sweep")
     return module
 
 
