@@ -59,9 +59,13 @@ def pytest_collection_finish(session):
     (``memfit.profiling.cpu.measure_cpu_peak``, the batch-size finder's trials, the techniques
     bench's rows), and a full collection walks every tracked object: 0.47 s each with those
     modules imported (the bench's --quick run, cProfile). Frozen objects are alive, so the
-    collections free the same garbage, faster; what the tests make is collected as before."""
+    collections free the same garbage, faster; what the tests make is collected as before.
+    ``mark_process_frozen`` spares each trace the count of those objects (``frozen_heap``)."""
+    from memfit.trace.heap import mark_process_frozen
+
     gc.collect()
     gc.freeze()
+    mark_process_frozen()
 
 
 def pytest_report_header(config):

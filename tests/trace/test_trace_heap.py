@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,8 +18,20 @@ from _hf import tiny_hf_llama
 from memfit.trace import engine, estimate, heap
 
 
-def test_nested_freezes_unfreeze_once() -> None:
+@pytest.fixture
+def unfrozen() -> Iterator[None]:
+    """The process without the session's freeze (conftest.py), given back after the test."""
+    heap.mark_process_frozen(False)
     gc.unfreeze()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.freeze()
+        heap.mark_process_frozen()
+
+
+def test_nested_freezes_unfreeze_once(unfrozen: None) -> None:
     before = gc.get_freeze_count()
     assert before == 0
     with heap.frozen_heap():
@@ -27,6 +40,33 @@ def test_nested_freezes_unfreeze_once() -> None:
         with heap.frozen_heap():
             assert gc.get_freeze_count() == frozen
         assert gc.get_freeze_count() == frozen  # the inner exit keeps the outer freeze
+    assert gc.get_freeze_count() == 0
+
+
+class _NoCount:
+    """The gc module, but counting the frozen objects fails the test."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(gc, name)
+
+    def get_freeze_count(self) -> int:
+        raise AssertionError("frozen_heap counted the frozen objects of a declared freeze")
+
+
+def test_a_declared_freeze_is_neither_counted_nor_undone(
+        unfrozen: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    gc.freeze()
+    before = gc.get_freeze_count()
+    heap.mark_process_frozen()
+    monkeypatch.setattr(heap, "gc", _NoCount())
+    with heap.frozen_heap():
+        pass
+    monkeypatch.undo()
+    assert gc.get_freeze_count() >= before - 100  # kept (a frozen object may die meanwhile)
+    heap.mark_process_frozen(False)
+    gc.unfreeze()
+    with heap.frozen_heap():  # taken back: counted, then frozen and unfrozen by the trace
+        assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
 
 
@@ -72,7 +112,7 @@ def test_estimates_equal_the_unfrozen_trace(device: str, monkeypatch: pytest.Mon
     assert frozen == plain
 
 
-def test_a_freeze_the_process_made_is_left_alone() -> None:
+def test_a_freeze_the_process_made_is_left_alone(unfrozen: None) -> None:
     """A process that called gc.freeze() itself keeps its permanent generation after a trace
     (unfreezing would move the user's objects back into collections). ``gc.unfreeze()`` empties
     the permanent generation (its count drops to 0); a frozen object that dies meanwhile (a

@@ -39,6 +39,8 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int,
     import torch
     import torch.distributed as dist
 
+    from memfit.trace.heap import mark_process_frozen
+
     if environ is not None:  # a fork server's rank has the server's environment: the caller's
         os.environ.clear()
         os.environ.update(environ)
@@ -51,6 +53,7 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int,
     # imported modules' million objects. The rank ends with os._exit: nothing to give back.
     gc.collect()
     gc.freeze()
+    mark_process_frozen()
     code = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
