@@ -672,13 +672,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # bitsandbytes imported, 0.47 s each, 46 s of a 98 s --quick run (cProfile, 2-core EPYC).
     # What is alive after a collection is moved to the collector's permanent generation
     # (gc.freeze), so the next collections walk only what the rows made since; they free the
-    # same garbage. unfreeze on the way out gives the caller's objects back to the collector.
+    # same garbage. unfreeze on the way out gives the caller's objects back to the collector,
+    # unless the caller had frozen them itself (a test session: its freeze is left as it was).
     gc.collect()
+    ours = gc.get_freeze_count() == 0
     gc.freeze()
     try:
         return _run(args, argv)
     finally:
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
         torch.set_num_threads(threads)
 
 

@@ -41,9 +41,8 @@ def fast_cpu() -> Iterator[None]:
     # A warm-up recovery imports what the dispatch mode and the guard import lazily.
     guarded_run(0, "adamw", True, make_batches(0, [8]), 8, {5})
     gc.collect()
-    gc.freeze()
+    gc.freeze()  # left frozen after the module, like the session's freeze (conftest.py)
     yield
-    gc.unfreeze()
     torch.set_num_threads(threads)
 
 
