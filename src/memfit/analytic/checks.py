@@ -5,7 +5,7 @@ LoRA rank past full rank.
 
 from __future__ import annotations
 
-from memfit import vocab
+from memfit import semi_structured, vocab
 from memfit.analytic.config import RunConfig
 from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
@@ -15,6 +15,13 @@ from memfit.parallel.config import check_degrees
 
 def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> None:
     """Conflicting options, caught up front with the way around."""
+    if run.sparsity != "none":
+        if gpu is not None:
+            semi_structured.check_gpu(gpu.label, gpu.compute_capability)
+        if not isinstance(model, TransformerSpec):
+            raise MemfitError(f"--sparsity {run.sparsity} compresses the blocks' linear weights; "
+                              "a parameter count alone does not say which they are: give a "
+                              "preset or a config.json instead of --params")
     if gpu is not None:
         if vocab.precision(run.precision).needs == "bf16" and not gpu.bf16:
             raise MemfitError(
