@@ -65,6 +65,24 @@ def test_plan_and_apply_count_the_same_bytes(tmp_path) -> None:
     assert sparse.breakdown[MemoryCategory.WEIGHTS] == report.compressed_bytes + rest
 
 
+def test_a_projection_torch_cannot_compress_is_refused(tmp_path) -> None:
+    """hidden 200: the q projection is [200, 200], not a multiple of cuSPARSELt's 16 x 16."""
+    config = {"model_type": "llama", "hidden_size": 200, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 512,
+              "vocab_size": 1000, "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = resolve_model(tmp_path / "config.json")
+    with pytest.raises(MemfitError, match=r"q projection shape \[200, 200\] is not a multiple"):
+        memfit.plan(spec, RunConfig(mode="inference", precision="bf16", sparsity="2:4"))
+    # 32 heads of 8: split 32 ways, each q shard is [8, 256], under the 16-row minimum
+    config.update(hidden_size=256, num_attention_heads=32, num_key_value_heads=32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    narrow = RunConfig(mode="inference", precision="bf16", sparsity="2:4")
+    memfit.plan(resolve_model(tmp_path / "config.json"), narrow)
+    with pytest.raises(MemfitError, match=r"q projection \(its --tp 32 shard\) shape \[8, 256\]"):
+        memfit.plan(resolve_model(tmp_path / "config.json"), narrow.relayout(gpus=32, tp=32))
+
+
 REFUSED = [
     (["--gpu", "t4", "--mode", "inference", "--sparsity", "2:4"], "compute capability 7.5"),
     (["--gpu", "v100-sxm2-16gb", "--mode", "inference", "--precision", "fp16", "--sparsity",
