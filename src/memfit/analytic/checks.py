@@ -5,7 +5,7 @@ LoRA rank past full rank.
 
 from __future__ import annotations
 
-from memfit import vocab
+from memfit import semi_structured, vocab
 from memfit.analytic.config import RunConfig
 from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
@@ -15,6 +15,13 @@ from memfit.parallel.config import check_degrees
 
 def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> None:
     """Conflicting options, caught up front with the way around."""
+    if run.sparsity != "none":
+        if gpu is not None:
+            semi_structured.check_gpu(gpu.label, gpu.compute_capability)
+        if not isinstance(model, TransformerSpec):
+            raise MemfitError(f"--sparsity {run.sparsity} compresses the blocks' linear weights; "
+                              "a parameter count alone does not say which they are: give a "
+                              "preset or a config.json instead of --params")
     if gpu is not None:
         if vocab.precision(run.precision).needs == "bf16" and not gpu.bf16:
             raise MemfitError(
@@ -34,6 +41,8 @@ def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> 
                       layers=model.num_layers, tp_name=f"--tp {tp}", pp_name=f"--pp {pp}",
                       owner=f"{model.name}'s", kv_replicated=True)
         check_model_options(model, run)
+        if run.sparsity != "none":
+            _check_sparse_shapes(model, run)
 
 
 def check_model_options(model: TransformerSpec, run: RunConfig) -> None:
@@ -83,3 +92,26 @@ def _check_lora_rank(model: TransformerSpec, run: RunConfig) -> None:
                           f"{model.name}'s {smallest.role} projection ({smallest.in_features} -> "
                           f"{smallest.out_features}); use --lora-rank {full} or less")
 
+
+
+ROW_PARALLEL = ("o", "down")
+"""Projections tensor parallelism splits along their input (Megatron's RowParallelLinear); the
+others are split along their output (ColumnParallelLinear)."""
+
+
+def _check_sparse_shapes(model: TransformerSpec, run: RunConfig) -> None:
+    """Refuse 2:4 for a projection (its tensor-parallel shard) that torch's cuSPARSELt backend
+    cannot convert: rows and columns each a multiple of its minimum (16 for fp16/bf16)."""
+    fmt = vocab.precision(run.precision).matmul
+    tp = run.parallel.tp
+    for s in model.linear_shapes():
+        rows, cols = s.out_features, s.in_features
+        if s.role in ROW_PARALLEL:
+            cols //= tp
+        else:
+            rows //= tp
+        why = semi_structured.shape_problem(rows, cols, fmt, "cusparselt")
+        if why is not None:
+            shard = f" (its --tp {tp} shard)" if tp > 1 else ""
+            raise MemfitError(f"--sparsity {run.sparsity}: {model.name}'s {s.role} projection"
+                              f"{shard} {why}, so torch cannot compress it; drop --sparsity")

@@ -10,6 +10,7 @@ from memfit import vocab
 from memfit.errors import MemfitError, suggest
 from memfit.parallel.config import Parallel
 from memfit.recipe import Recipe
+from memfit.semi_structured import PLAN_FORMATS, check_pattern
 
 Mode = Literal["train", "lora", "qlora", "inference"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16", "fp8"]
@@ -20,6 +21,7 @@ OffloadTo = Literal["cpu", "nvme"]
 Attention = Literal["sdpa", "flash", "eager"]
 WeightQuant = Literal["none", "int8", "int4"]
 KvDtype = Literal["fp32", "fp16", "bf16", "fp8", "int8"]
+Sparsity = Literal["none", "2:4"]
 
 MODES: tuple[str, ...] = get_args(Mode)
 # The names come from memfit.vocab (the Literal types above say the same, for type checkers;
@@ -107,6 +109,11 @@ class RunConfig:
     """Inference: KV cache format; None follows the compute precision."""
     new_tokens: int = 0
     """Inference: tokens generated after the prompt (KV cache holds seq + new_tokens)."""
+    sparsity: Sparsity = "none"
+    """Inference: ``2:4`` stores the blocks' linear weights as torch's 2:4 semi-structured
+    tensors (half the values plus 4-bit position codes: 9/8 bytes per fp16/bf16 weight;
+    :mod:`memfit.semi_structured`); embeddings, head and norms stay dense. Needs fp16/bf16 and
+    a GPU of compute capability 8.0 or later."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
@@ -161,9 +168,29 @@ class RunConfig:
         if self.kv_cache_dtype is not None and self.mode != "inference":
             raise MemfitError(f"--kv-cache-dtype {self.kv_cache_dtype} is for --mode inference; "
                               f"--mode {self.mode} keeps no KV cache")
+        self._check_sparsity()
         if self.mode not in ("lora", "qlora") and self.lora_rank != 16:
             raise MemfitError(f"--lora-rank {self.lora_rank} is for --mode lora or qlora, not "
                               f"--mode {self.mode}")
+
+    def _check_sparsity(self) -> None:
+        """2:4 weights: inference, in fp16/bf16, without weight quantization (the GPU is
+        checked with the model, in :func:`memfit.analytic.checks._check_compatible`)."""
+        check_pattern(self.sparsity)
+        if self.sparsity == "none":
+            return
+        if self.mode != "inference":
+            raise MemfitError(f"--sparsity {self.sparsity} is planned for --mode inference: in "
+                              "training, torchao's SemiSparseLinear keeps the dense weights, "
+                              "gradients and optimizer states and compresses the weights anew "
+                              "each step (a speed-up, not a saving); drop --sparsity")
+        if vocab.precision(self.precision).matmul not in PLAN_FORMATS:
+            raise MemfitError(f"--sparsity {self.sparsity} with --precision {self.precision}: "
+                              f"torch's 2:4 kernels take fp16 or bf16 weights (fp32 is 1:2 on "
+                              "CUTLASS only); use --precision bf16 or fp16")
+        if self.weight_quant != "none":
+            raise MemfitError(f"--sparsity {self.sparsity} with --quant {self.weight_quant}: "
+                              "memfit plans 2:4 for fp16/bf16 weights only; drop one of them")
 
     def _check_engine(self) -> None:
         """What each engine can run (one line each, with the fix)."""

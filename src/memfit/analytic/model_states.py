@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from memfit import vocab
+from memfit import semi_structured, vocab
 from memfit.analytic.config import RunConfig
 from memfit.dtypes import nbytes
 from memfit.errors import MemfitError
@@ -203,7 +203,19 @@ def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelSt
     # --- weights
     if run.mode == "inference":
         quant = {"int8": INT8_BYTES_PER_PARAM, "int4": INT4_BYTES_PER_PARAM}.get(run.weight_quant)
-        if quant is None:
+        if run.sparsity == "2:4":
+            # 2:4: the blocks' projections as torch stores them compressed (the kept half of
+            # the values + 4-bit position codes; memfit.semi_structured cites each constant).
+            per_weight = semi_structured.bytes_per_weight(run.compute_format)
+            weights = (_ceil(split.linear * per_weight)
+                       + (split.total - split.linear) * compute_bytes)
+            notes.append(
+                f"2:4 sparsity: the blocks' linear weights ({split.linear:,} parameters) stored "
+                f"compressed, {per_weight} bytes per weight (the kept half of the values and "
+                f"their 4-bit position codes, the same in torch's CUTLASS and cuSPARSELt "
+                f"layouts) instead of {compute_bytes}; embeddings, the head and norms stay "
+                "dense; needs compute capability 8.0+")
+        elif quant is None:
             weights = split.total * compute_bytes
         else:
             weights = _ceil(split.linear * quant) + (split.total - split.linear) * compute_bytes
@@ -215,7 +227,8 @@ def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelSt
         # Mixed precision: the 16-bit working copy; the fp32 master is an optimizer state.
         weights = (frozen + split.trainable) * compute_bytes
     if not run.training:
-        return ModelStates(weights=weights, gradients=0, optimizer_states=0, host_bytes=0)
+        return ModelStates(weights=weights, gradients=0, optimizer_states=0, host_bytes=0,
+                           notes=tuple(notes))
 
     # --- gradients and optimizer states of the trainable parameters
     layout = run.layout

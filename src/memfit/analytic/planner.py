@@ -224,6 +224,8 @@ def describe_run(run: RunConfig, seq: int | None) -> str:
     if r.mode == "inference":
         if r.weight_quant != "none":
             parts.append(f"weights {r.weight_quant}")
+        if r.sparsity != "none":
+            parts.append(f"{r.sparsity} sparse linear weights")
         if r.new_tokens:
             parts.append(f"+{r.new_tokens} new tokens")
     return ", ".join(parts)

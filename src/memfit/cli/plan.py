@@ -57,6 +57,7 @@ EPILOG = """examples:
   memfit plan llama-2-7b --engine deepspeed --zero 3 --offload-optimizer --offload-params \\
       --offload-to nvme
   memfit plan llama-3-8b --mode inference --batch 8 --seq 4096 --new-tokens 512 --quant int4
+  memfit plan llama-3-8b --gpu a100-40gb --mode inference --precision bf16 --sparsity 2:4
   memfit plan llama-3-8b --gpu l4 --mode qlora --checkpointing full --check && \\
       python train.py   # run only when it fits
 
@@ -129,6 +130,9 @@ def register(sub: Any) -> None:
                    "--mode lora/qlora only)")
     p.add_argument("--quant", default="none",
                    help=f"inference weight quantization: {', '.join(WEIGHT_QUANTS)}")
+    p.add_argument("--sparsity", help="inference: 2:4 stores the blocks' linear weights as "
+                   "torch's semi-structured sparse tensors (9/8 bytes per fp16/bf16 weight; "
+                   "needs compute capability 8.0+; docs/sparse.md)")
     p.add_argument("--kv-cache-dtype", help=f"inference KV cache format: {', '.join(KV_DTYPES)}")
     p.add_argument("--new-tokens", help="inference: tokens generated after the "
                    "prompt (the KV cache holds seq + new tokens; default 0)")
@@ -196,6 +200,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         lora_targets=targets,
         weight_quant=args.quant, kv_cache_dtype=args.kv_cache_dtype,
         new_tokens=nonneg_int(args.new_tokens, "--new-tokens") or 0,
+        sparsity=args.sparsity or "none",
     )
 
 
@@ -231,6 +236,12 @@ def run(args: argparse.Namespace) -> int:
                             "tracing the real transformers module on meta tensors",
                             soft_wrap=True)
         args.method = "trace"
+    if config.sparsity != "none":
+        if args.method == "trace":
+            raise MemfitError(f"--sparsity {config.sparsity} is planned by the formulas; the "
+                              "trace builds dense weights on meta tensors (torch's 2:4 tensors "
+                              "need CUDA): use --method analytic with a preset or config.json")
+        args.method = "analytic"
     asked = args.method
     args.method = args.method or "analytic"
     from memfit.models.checkpoint import checkpoint_dict, checkpoint_for, compare_with_config

@@ -316,6 +316,8 @@ def _from_run(data: dict[str, Any], source: str) -> PlanSettings:
     run = dict(data["run"])
     for key in _BOOKKEEPING:
         run.pop(key, None)
+    if run.get("sparsity") == "none":  # dense weights: nothing to carry (2:4 stays unknown)
+        run.pop("sparsity")
     layout, engine = _layout(run, where)
     offload_to = run.pop("offload_to", None)  # RunConfig's name for the offload device
     try:

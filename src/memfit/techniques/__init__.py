@@ -12,7 +12,9 @@ Note: [composition order] Apply them in this order (each step's docstring says w
 7. ``apply_sparse_embeddings`` before the optimizer is built (it must take sparse gradients);
    ``make_optimizer`` over the trainable parameters; ``apply_precision`` around the loop;
    ``accumulate`` inside it.
-8. Inference: ``quantize_weights`` on the eval model.
+8. Inference: ``quantize_weights`` on the eval model; ``apply_semi_structured_sparsity``
+   (2:4) on the eval model, after the weights are in fp16/bf16 on the GPU (it compresses the
+   weights as they are then).
 
 ``tests/techniques/test_tech_composition.py`` applies steps 3 to 7 to one model (chunked loss,
 selective checkpointing, offload, ``torch.compile``, FSDP2, AdamW) and checks the loss, gradients
@@ -48,6 +50,11 @@ from memfit.techniques.optim import CPUOffloadOptimizer, make_optimizer
 from memfit.techniques.peft import LoRALinear, apply_lora, apply_qlora, trainable_parameters
 from memfit.techniques.precision import MasterWeights, MixedPrecision, apply_precision
 from memfit.techniques.quant import convert_qat, prepare_qat, quantize_weights, weight_bytes
+from memfit.techniques.semi_structured import (
+    SemiStructuredReport,
+    apply_semi_structured_sparsity,
+    mask_2_4,
+)
 from memfit.techniques.sparse import SparseAdamWithDense, apply_sparse_embeddings
 
 __all__ = [
@@ -65,6 +72,7 @@ __all__ = [
     "OffloadActivations",
     "Policy",
     "Selective",
+    "SemiStructuredReport",
     "SparseAdamWithDense",
     "accumulate",
     "apply_activation_checkpointing",
@@ -73,12 +81,14 @@ __all__ = [
     "apply_lora",
     "apply_precision",
     "apply_qlora",
+    "apply_semi_structured_sparsity",
     "apply_sparse_embeddings",
     "chunked_cross_entropy",
     "configure_allocator",
     "convert_qat",
     "count_tokens",
     "make_optimizer",
+    "mask_2_4",
     "offload_activations",
     "prepare_qat",
     "quantize_weights",

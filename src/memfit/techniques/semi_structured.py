@@ -1,0 +1,188 @@
+"""2:4 semi-structured sparsity of the linear layers: prune, then compress where torch can.
+
+:func:`apply_semi_structured_sparsity` keeps the 2 largest-magnitude weights in every group of 4
+along each row (the input dimension: what the sparse tensor cores skip), zeroes the other 2, and
+then, where the backend runs, converts the weight:
+
+- inference: ``torch.sparse.to_sparse_semi_structured``, the compressed kept values plus their
+  4-bit position codes (9/8 bytes per fp16/bf16 weight instead of 2; the layouts and their
+  sources are in :mod:`memfit.semi_structured`);
+- training: torchao's ``SemiSparseLinear`` (torchao/sparsity/training/__init__.py), which keeps
+  the dense weight (its gradient and optimizer states too) and compresses it at run time in each
+  forward; the compressed weight and its transpose are saved for backward. It speeds the matmuls
+  up; it saves no memory.
+
+The backends need a CUDA weight in fp16 or bf16 on compute capability 8.0 or later, with
+torch's shape minimums (``_DTYPE_SHAPE_CONSTRAINTS`` of torch/sparse/semi_structured.py:
+``SparseSemiStructuredTensorCUSPARSELT`` / ``SparseSemiStructuredTensorCUTLASS``). Elsewhere,
+on CPU for one, the pruned weights stay dense (the mask applied) and the report says why: the
+compressed form needs CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.semi_structured import MIN_COMPUTE_CAPABILITY, compressed_bytes, shape_problem
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["auto", "cutlass", "cusparselt"]
+SparseMode = Literal["inference", "training"]
+
+_FORMATS: dict[torch.dtype, str] = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def mask_2_4(weight: torch.Tensor) -> torch.Tensor:
+    """The 2:4 magnitude mask of a 2-D weight: True for the 2 largest ``|w|`` in each group of 4
+    consecutive input columns (ties go to the lower column).
+
+    >>> mask_2_4(torch.tensor([[1., -4., 3., 2.]]))
+    tensor([[False,  True,  True, False]])
+    """
+    if weight.dim() != 2 or weight.shape[1] % 4:
+        raise MemfitError(f"2:4 sparsity groups the input dimension by 4; a weight of shape "
+                          f"{tuple(weight.shape)} has no such groups")
+    groups = weight.detach().abs().reshape(weight.shape[0], -1, 4)
+    # A stable descending sort keeps the lower column first among equal magnitudes.
+    order = torch.sort(groups, dim=-1, descending=True, stable=True).indices[..., :2]
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, order, True)
+    return mask.reshape(weight.shape)
+
+
+@dataclass
+class SemiStructuredReport:
+    """What :func:`apply_semi_structured_sparsity` did to each eligible linear layer."""
+
+    pruned: list[str] = field(default_factory=list)
+    """Layers whose weights now hold 2 nonzeros in every group of 4."""
+    converted: list[str] = field(default_factory=list)
+    """Of which stored compressed (inference) or run by torchao's ``SemiSparseLinear``
+    (training)."""
+    dense: dict[str, str] = field(default_factory=dict)
+    """Pruned layers kept as dense tensors, with why (no CUDA, a dtype or shape the kernels
+    lack)."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Linear layers left as they were, with why."""
+    dense_bytes: int = 0
+    """Bytes of the pruned layers' weights as dense tensors."""
+    compressed_bytes: int = 0
+    """Bytes of the same weights in the compressed layout, for the layers whose dtype and
+    shape the backend takes (:func:`memfit.semi_structured.compressed_bytes`); the layers
+    that cannot be compressed count their dense bytes."""
+
+
+def _default_targets(name: str, module: nn.Linear) -> bool:
+    return name.split(".")[-1] not in ("lm_head", "head", "classifier", "score")
+
+
+def _why_dense(weight: torch.Tensor, backend: str) -> str | None:
+    if weight.device.type != "cuda":
+        return (f"on {weight.device.type}: the compressed form needs CUDA (torch's CUTLASS and "
+                "cuSPARSELt kernels); the pruned weight stays dense")
+    if weight.dtype not in _FORMATS:
+        return f"{weight.dtype}: the 2:4 kernels memfit uses take fp16 and bf16 weights"
+    if torch.cuda.get_device_capability(weight.device) < MIN_COMPUTE_CAPABILITY:
+        return "compute capability below 8.0: no sparse tensor cores"
+    return shape_problem(weight.shape[0], weight.shape[1], _FORMATS[weight.dtype], backend)
+
+
+def _backend(backend: Backend) -> str:
+    if backend != "auto":
+        return backend
+    from torch.backends import cusparselt
+
+    return "cusparselt" if cusparselt.is_available() else "cutlass"
+
+
+def _compress(weight: torch.Tensor, backend: str) -> torch.Tensor:
+    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
+
+    # The backend's class directly, rather than flipping the global _FORCE_CUTLASS.
+    cls: Any = (SparseSemiStructuredTensorCUTLASS if backend == "cutlass"
+                else SparseSemiStructuredTensorCUSPARSELT)
+    return cls.from_dense(weight.detach().contiguous())
+
+
+def apply_semi_structured_sparsity(
+        model: nn.Module, *, mode: SparseMode = "inference", backend: Backend = "auto",
+        targets: Callable[[str, nn.Linear], bool] | None = None) -> SemiStructuredReport:
+    """Prune the linear layers of ``model`` to 2:4 by magnitude and, where torch's kernels run,
+    store them compressed (``mode="inference"``) or swap in torchao's ``SemiSparseLinear``
+    (``mode="training"``). In place; returns a :class:`SemiStructuredReport`.
+
+    ``targets(name, linear)`` chooses the layers (default: every ``nn.Linear`` but a head named
+    ``lm_head``, ``head``, ``classifier`` or ``score``); a layer whose input features are not a
+    multiple of 4, or whose weight another module shares, is skipped. ``backend="auto"`` is
+    cuSPARSELt where torch has it, else CUTLASS (what ``to_sparse_semi_structured`` picks).
+
+    >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    >>> report = apply_semi_structured_sparsity(model)   # on CPU: pruned, kept dense
+    >>> report.pruned, list(report.dense)
+    (['0', '2'], ['0', '2'])
+    """
+    if mode not in ("inference", "training"):
+        raise MemfitError(f"mode={mode!r}: give 'inference' (compressed weights) or 'training' "
+                          "(torchao's SemiSparseLinear)")
+    if backend not in ("auto", "cutlass", "cusparselt"):
+        raise MemfitError(f"backend={backend!r}: give 'auto', 'cutlass' or 'cusparselt'")
+    chosen = targets or _default_targets
+    owners: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    report = SemiStructuredReport()
+    kernel_backend = _backend(backend)
+    swaps: list[tuple[nn.Module, str, nn.Linear]] = []
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or not chosen(name, mod):
+            continue
+        if mod.in_features % 4:
+            report.skipped[name] = f"{mod.in_features} input features: not groups of 4"
+            continue
+        if owners.get(id(mod.weight), 0) > 1:
+            report.skipped[name] = "its weight is shared (tied) with another module"
+            continue
+        w = mod.weight
+        with torch.no_grad():
+            w.mul_(mask_2_4(w))
+        report.pruned.append(name)
+        size = w.numel() * w.element_size()
+        report.dense_bytes += size
+        why = _why_dense(w, kernel_backend)
+        fmt = _FORMATS.get(w.dtype)
+        fits = fmt is not None and shape_problem(w.shape[0], w.shape[1], fmt,
+                                                 kernel_backend) is None
+        report.compressed_bytes += (compressed_bytes(w.shape[0], w.shape[1], fmt,
+                                                     kernel_backend).total
+                                    if fits and fmt is not None else size)
+        if why is not None:
+            report.dense[name] = why
+            continue
+        if mode == "inference":
+            mod.weight = nn.Parameter(_compress(w, kernel_backend), requires_grad=False)
+        else:
+            parent, _, attr = name.rpartition(".")
+            swaps.append((model.get_submodule(parent) if parent else model, attr, mod))
+        report.converted.append(name)
+    if swaps:
+        try:
+            from torchao.sparsity.training import SemiSparseLinear
+        except ImportError as exc:
+            raise MemfitError("2:4 training needs torchao's SemiSparseLinear: pip install "
+                              f"torchao ({exc})") from None
+        for parent_mod, attr, linear in swaps:
+            setattr(parent_mod, attr, SemiSparseLinear.from_dense(linear))
+    log.info("memfit: 2:4 sparsity: %d linear layer(s) pruned, %d %s%s", len(report.pruned),
+             len(report.converted),
+             "compressed" if mode == "inference" else "on SemiSparseLinear",
+             f"; {len(report.dense)} kept dense ({next(iter(report.dense.values()))})"
+             if report.dense else "")
+    return report
