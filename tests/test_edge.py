@@ -15,7 +15,6 @@ import pytest
 
 from memfit.analytic.config import RunConfig
 from memfit.analytic.planner import plan
-from memfit.categories import MemoryCategory as C
 from memfit.cli import main
 from memfit.gpus import get_gpu
 from memfit.models import resolve_model
