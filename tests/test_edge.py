@@ -124,6 +124,25 @@ def test_jetson_plan_says_so_in_text(capsys) -> None:
     assert "= 5.95 GiB" in text  # 6,389,387,264 B
 
 
+def test_user_file_sets_a_jetsons_reserve_and_says_so(capsys, tmp_path) -> None:
+    path = tmp_path / "gpus.json"
+    path.write_text(json.dumps({"gpus": [{"name": "orin-nano-8gb",
+                                          "host_reserve_bytes": 512 * MiB}]}))
+    out = _json(capsys, ["plan", "llama-3.2-1b", "--gpu", "jetson-orin-nano-8gb", "--gpu-file",
+                         str(path), "--mode", "inference"])
+    assert out["gpu"]["capacity_bytes"] == 8 * 10**9 - 512 * MiB
+    assert out["gpu"]["budget"]["host_reserve_basis"] == f"user file {path}"
+    other = get_gpu("jetson-agx-orin-64gb", path)  # untouched entries keep the catalog's
+    assert other.host_reserve_source == "catalog default"
+
+
+def test_user_file_reserve_needs_unified_memory(capsys, tmp_path) -> None:
+    path = tmp_path / "gpus.json"
+    path.write_text(json.dumps({"gpus": [{"name": "rtx-4060-8gb", "host_reserve_bytes": 1}]}))
+    _refused(capsys, ["plan", "llama-3.2-1b", "--gpu", "rtx-4060-8gb", "--gpu-file", str(path)],
+             "unified_memory")
+
+
 # ---------------------------------------------------------------------------------------------
 # Apple silicon (MPS): min(ratio x recommendedMaxWorkingSetSize, RAM - host reserve)
 

@@ -422,8 +422,9 @@ def _link(raw: dict[str, Any] | None, where: str, gpu: str, fld: str) -> Link | 
                 generation=None if gen is None else int(gen))
 
 
-def _build(entry: dict[str, Any], where: str) -> GpuSpec:
-    """A GpuSpec from a validated, merged raw entry; derives the optional fields' defaults."""
+def _build(entry: dict[str, Any], where: str, *, user_reserve: bool = False) -> GpuSpec:
+    """A GpuSpec from a validated, merged raw entry; derives the optional fields' defaults
+    (``user_reserve``: the user file gave ``host_reserve_bytes``)."""
     name = _key(entry["name"])
     memory_bytes = int(entry["memory_bytes"])
     usable = entry.get("usable_bytes")
@@ -473,7 +474,7 @@ def _build(entry: dict[str, Any], where: str) -> GpuSpec:
         usable_measured=usable is not None,
         unified_memory=unified,
         host_reserve_bytes=None if reserve is None else int(reserve),
-        host_reserve_source="catalog default" if where.endswith("(built-in)") else "user file",
+        host_reserve_source=f"user file {where}" if user_reserve else "catalog default",
         recommended_working_set_bytes=None if recommended is None else int(recommended),
     )
 
@@ -522,7 +523,10 @@ def _merge(builtin: tuple[tuple[str, dict[str, Any]], ...], user: list[dict[str,
             _validate_entry(entry, where, new=True)
             merged[key] = dict(entry, name=key)
             seen.add(key)
-    specs = {name: _build(entry, where) for name, entry in merged.items()}
+    reserved = {index.get(_key(e["name"]), _key(e["name"])) for e in user
+                if "host_reserve_bytes" in e}
+    specs = {name: _build(entry, where, user_reserve=name in reserved)
+             for name, entry in merged.items()}
     _check_unique_names(specs, where)
     return specs
 
