@@ -163,14 +163,20 @@ def test_dense_not_sparse_tflops() -> None:
 
 
 def test_pcie_per_direction_from_lane_arithmetic() -> None:
-    # x16 at 8/16/32 GT/s with 128b/130b encoding; facts.md: Gen5 x16 ~63 GB/s per direction
-    expected = {g: 16 * rate * 128 / 130 / 8 for g, rate in ((3, 8), (4, 16), (5, 32))}
-    assert expected[5] == pytest.approx(63, rel=0.01)
+    # per lane at 8/16/32 GT/s with 128b/130b encoding; facts.md: Gen5 x16 ~63 GB/s per direction
+    per_lane = {g: rate * 128 / 130 / 8 for g, rate in ((3, 8), (4, 16), (5, 32))}
+    assert 16 * per_lane[5] == pytest.approx(63, rel=0.01)
     for gpu in list_gpus():
         link = gpu.host_link
-        assert link.generation in expected, gpu.name
-        assert f"PCIe {link.generation}.0 x16" in link.kind
-        assert link.gbps == pytest.approx(expected[link.generation], rel=0.001), gpu.name
+        if gpu.unified_memory:  # no host link: the GPU reads the same DRAM as the CPU
+            assert link.kind.startswith("unified memory") and link.generation is None, gpu.name
+            assert link.gbps == gpu.bandwidth_gbps, gpu.name
+            continue
+        assert link.generation in per_lane, gpu.name
+        match = re.fullmatch(rf"PCIe {link.generation}\.0 x(8|16)", link.kind)
+        assert match, (gpu.name, link.kind)  # x8: RTX 4060 and 4060 Ti
+        expected = int(match.group(1)) * per_lane[link.generation]
+        assert link.gbps == pytest.approx(expected, rel=0.001), gpu.name
 
 
 def test_gpu_links_per_direction() -> None:
@@ -215,11 +221,15 @@ def test_every_entry_has_price_source_and_date_or_explicit_null() -> None:
 def test_every_entry_cites_sources_and_flags_fallback_capacities() -> None:
     for entry in _raw_entries():
         assert entry["sources"], entry["name"]
-        assert entry["memory_basis"] in ("driver", "driver-sister-board", "marketing")
+        assert entry["memory_basis"] in ("driver", "driver-sister-board", "marketing",
+                                         "label-gib")
         if entry["memory_basis"] == "marketing":  # the fallback is said out loud
             assert "marketing" in entry["notes"], entry["name"]
             gb = float(entry["memory_label"].split()[0])
             assert entry["memory_bytes"] == gb * 1e9
+        if entry["memory_basis"] == "label-gib":  # Apple sells unified memory in GiB
+            assert entry["vendor"] == "apple" and "label-gib" in entry["notes"], entry["name"]
+            assert entry["memory_bytes"] == int(entry["memory_label"].split()[0]) * 2**30
         if entry["memory_basis"] == "driver" and entry["vendor"] == "nvidia":
             assert entry["memory_bytes"] % MiB == 0, entry["name"]  # nvidia-smi counts MiB
 

@@ -40,7 +40,9 @@ TFLOPS_KEYS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 """Formats with a dense peak TFLOPS figure in every entry (None: unsupported)."""
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 """What ``GpuSpec.supports`` answers for (``-mixed``/``-true`` suffixes are accepted)."""
-MEMORY_BASES = ("driver", "driver-sister-board", "marketing", "user")
+VENDOR_TARGETS = {"nvidia": "cuda", "amd": "rocm", "apple": "mps"}
+"""The PyTorch backend of each vendor's GPUs (a user GPU of another vendor plans as CUDA)."""
+MEMORY_BASES = ("driver", "driver-sister-board", "marketing", "label-gib", "user")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +103,33 @@ class GpuSpec:
     """Whether ``usable_bytes`` is PyTorch's ``total_memory`` (cudaDeviceProp.totalGlobalMem)
     from a published measurement; False: it is the driver total ``memory_bytes`` (nvidia-smi),
     about 1-2% more than PyTorch's total on the boards measured (A100, T4, RTX 3090)."""
+    unified_memory: bool = False
+    """Whether the GPU shares system memory with the CPU (Jetson, Apple silicon): then what a
+    run can use is ``memory_bytes`` less ``host_reserve_bytes``, not the whole memory."""
+    host_reserve_bytes: int | None = None
+    """Unified memory only: what the OS and the CPU side keep (Jetson: a documented default;
+    ``memfit plan --host-reserve`` overrides it). None on Apple silicon: Metal's recommended
+    working set decides (``memory_bytes - recommended_working_set_bytes``)."""
+    recommended_working_set_bytes: int | None = None
+    """Apple silicon only: Metal's ``recommendedMaxWorkingSetSize``
+    (``torch.mps.recommended_max_memory()`` on the machine), which PyTorch's MPS allocator
+    scales by ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` for its hard limit."""
+    host_reserve_source: str = "catalog default"
+    """Where ``host_reserve_bytes`` comes from: the catalog (its notes give the basis), a user
+    file, or the option that set it for a plan (``--host-reserve``)."""
+    mps_high_watermark_ratio: float | None = None
+    """Apple silicon only: the ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` planned for (None: PyTorch's
+    default, :data:`memfit.runtime.mps.DEFAULT_HIGH_WATERMARK_RATIO`)."""
+
+    @property
+    def target(self) -> str:
+        """The PyTorch backend this GPU runs: ``cuda`` (NVIDIA), ``rocm`` (AMD, HIP) or
+        ``mps`` (Apple); each has its own runtime constants (:mod:`memfit.runtime`).
+
+        >>> get_gpu("mi300x").target, get_gpu("h100-80gb").target
+        ('rocm', 'cuda')
+        """
+        return VENDOR_TARGETS.get(self.vendor, "cuda")
 
     def supports(self, precision: str) -> bool:
         """Whether the GPU computes in ``precision`` (fp32, tf32, fp16, bf16, fp8; a ``-mixed`` or
@@ -291,7 +320,7 @@ def _entries(data: Any, where: str) -> list[dict[str, Any]]:
 _REQUIRED_NEW = ("name", "memory_bytes", "bandwidth_gbps", "tflops", "bf16", "fp8", "host_link")
 _OPTIONAL = ("label", "vendor", "memory_label", "usable_bytes", "compute_capability", "gpu_link",
              "price_per_hour", "price_source", "price_date", "sources", "aliases", "memory_basis",
-             "notes")
+             "notes", "unified_memory", "host_reserve_bytes", "recommended_working_set_bytes")
 _FIELDS = (*_REQUIRED_NEW, *_OPTIONAL)
 
 
@@ -313,8 +342,9 @@ def _validate_entry(entry: dict[str, Any], where: str, *, new: bool) -> None:
         return MemfitError(f"{where}: GPU {gpu!r} field {fld!r} must be {what}, got "
                            f"{entry[fld]!r}; fix that value")
 
-    for fld in ("memory_bytes", "usable_bytes"):
-        if fld in entry and not (fld == "usable_bytes" and entry[fld] is None):
+    for fld in ("memory_bytes", "usable_bytes", "host_reserve_bytes",
+                "recommended_working_set_bytes"):
+        if fld in entry and not (fld != "memory_bytes" and entry[fld] is None):
             if not _is_number(entry[fld]) or entry[fld] <= 0 or not float(entry[fld]).is_integer():
                 raise bad(fld, "a positive whole number of bytes (e.g. 85520809984)")
     if "bandwidth_gbps" in entry and (not _is_number(entry["bandwidth_gbps"])
@@ -323,7 +353,7 @@ def _validate_entry(entry: dict[str, Any], where: str, *, new: bool) -> None:
     if "price_per_hour" in entry and entry["price_per_hour"] is not None and (
             not _is_number(entry["price_per_hour"]) or entry["price_per_hour"] < 0):
         raise bad("price_per_hour", "a non-negative number of US dollars, or null")
-    for fld in ("bf16", "fp8"):
+    for fld in ("bf16", "fp8", "unified_memory"):
         if fld in entry and not isinstance(entry[fld], bool):
             raise bad(fld, "true or false")
     for fld in ("label", "vendor", "memory_label", "notes"):
@@ -392,8 +422,9 @@ def _link(raw: dict[str, Any] | None, where: str, gpu: str, fld: str) -> Link | 
                 generation=None if gen is None else int(gen))
 
 
-def _build(entry: dict[str, Any], where: str) -> GpuSpec:
-    """A GpuSpec from a validated, merged raw entry; derives the optional fields' defaults."""
+def _build(entry: dict[str, Any], where: str, *, user_reserve: bool = False) -> GpuSpec:
+    """A GpuSpec from a validated, merged raw entry; derives the optional fields' defaults
+    (``user_reserve``: the user file gave ``host_reserve_bytes``)."""
     name = _key(entry["name"])
     memory_bytes = int(entry["memory_bytes"])
     usable = entry.get("usable_bytes")
@@ -402,6 +433,17 @@ def _build(entry: dict[str, Any], where: str) -> GpuSpec:
         raise MemfitError(f"{where}: GPU {name!r} usable_bytes ({usable_bytes}) exceeds "
                           f"memory_bytes ({memory_bytes}); usable memory cannot exceed the total, "
                           f"fix one of them")
+    unified = bool(entry.get("unified_memory", False))
+    reserve = entry.get("host_reserve_bytes")
+    recommended = entry.get("recommended_working_set_bytes")
+    for fld, value in (("host_reserve_bytes", reserve),
+                       ("recommended_working_set_bytes", recommended)):
+        if value is not None and not unified:
+            raise MemfitError(f"{where}: GPU {name!r} gives {fld} but not \"unified_memory\": "
+                              f"true; it applies only where the GPU shares system memory")
+        if value is not None and int(value) >= memory_bytes:
+            raise MemfitError(f"{where}: GPU {name!r} {fld} ({int(value)}) is not below "
+                              f"memory_bytes ({memory_bytes}); fix one of them")
     tflops_raw = entry["tflops"]
     tflops = {k: (None if tflops_raw.get(k) is None else float(tflops_raw[k]))
               for k in TFLOPS_KEYS}
@@ -430,6 +472,10 @@ def _build(entry: dict[str, Any], where: str) -> GpuSpec:
         memory_basis=entry.get("memory_basis", "user"),
         notes=entry.get("notes", ""),
         usable_measured=usable is not None,
+        unified_memory=unified,
+        host_reserve_bytes=None if reserve is None else int(reserve),
+        host_reserve_source=f"user file {where}" if user_reserve else "catalog default",
+        recommended_working_set_bytes=None if recommended is None else int(recommended),
     )
 
 
@@ -477,7 +523,10 @@ def _merge(builtin: tuple[tuple[str, dict[str, Any]], ...], user: list[dict[str,
             _validate_entry(entry, where, new=True)
             merged[key] = dict(entry, name=key)
             seen.add(key)
-    specs = {name: _build(entry, where) for name, entry in merged.items()}
+    reserved = {index.get(_key(e["name"]), _key(e["name"])) for e in user
+                if "host_reserve_bytes" in e}
+    specs = {name: _build(entry, where, user_reserve=name in reserved)
+             for name, entry in merged.items()}
     _check_unique_names(specs, where)
     return specs
 

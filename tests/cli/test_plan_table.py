@@ -324,8 +324,12 @@ def test_the_table_says_when_the_capacity_is_the_drivers_total(capsys) -> None:
     assert code == 0, err
     assert "usable on GPU [2]" in out and "[2] the driver's total; PyTorch's total_memory" in out
     code, out, err = run(capsys, "plan", "gpt2", "--gpu", "a100-40gb", "--json")
-    assert json.loads(out)["gpu"] == {"name": "a100-sxm-40gb", "capacity_bytes": 42_298_834_944,
-                                      "capacity_measured": True}
+    gpu_json = json.loads(out)["gpu"]
+    budget = gpu_json.pop("budget")  # how the capacity was reached (docs/edge.md)
+    assert gpu_json == {"name": "a100-sxm-40gb", "capacity_bytes": 42_298_834_944,
+                        "capacity_measured": True}
+    assert budget["target"] == "cuda" and budget["budget_bytes"] == 42_298_834_944
+    assert budget["unified_memory"] is False and budget["host_reserve_bytes"] is None
     code, out, err = run(capsys, "plan", "gpt2", "--gpu", "a100-40gb")
     assert "usable on GPU" in out and "driver's total" not in out
 

@@ -15,6 +15,7 @@ from memfit.analytic.activations import (
     inference_activations,
     training_activations,
 )
+from memfit.analytic.budget import DeviceBudget, device_budget, device_runtime_bytes
 from memfit.analytic.checks import _check_compatible
 from memfit.analytic.config import RunConfig
 from memfit.analytic.engine_buffers import (
@@ -41,7 +42,6 @@ from memfit.dtypes import nbytes
 from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, ParamCountSpec, TransformerSpec
-from memfit.runtime import cuda_runtime_bytes
 from memfit.units import format_bytes
 
 # "fits" keeps this share of the GPU free. Derived from evidence, not chosen: the analytic plan's
@@ -102,8 +102,15 @@ class MemoryPlan:
         return sum(self.breakdown.values())
 
     @property
+    def budget(self) -> DeviceBudget | None:
+        """What the plan may fill on its GPU, by target (:mod:`memfit.analytic.budget`): a
+        unified-memory device's memory less the host's share; MPS's limit on a Mac."""
+        return device_budget(self.gpu) if self.gpu else None
+
+    @property
     def capacity_bytes(self) -> int | None:
-        return self.gpu.usable_bytes if self.gpu else None
+        budget = self.budget
+        return budget.budget_bytes if budget else None
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -150,14 +157,16 @@ class MemoryPlan:
                               self.engine_buffers.items())
             after.append(f"{self.engine_label} buffers in temporaries: {parts}")
         after += [f"note: {note}" for note in self.notes]
+        budget_line = self.budget.line() if self.budget else None
         return MemoryTable(
             title="Memory per GPU" + (f" (pipeline stage {self.stage})" if self.run.parallel.pp > 1
                                       else ""),
             columns=(self.column(),), capacity=self.capacity_bytes,
-            capacity_is_driver_total=self.gpu is not None and not self.gpu.usable_measured,
+            capacity_is_driver_total=(self.gpu is not None and not self.gpu.usable_measured
+                                      and not self.gpu.unified_memory),
             footnotes=(reserve_not_modelled_note(FITS_MARGIN),),
             lines_before=(f"[bold]{self.model.name}[/bold] ({format_params(params)} params){gpu}",
-                          self.describe()),
+                          self.describe(), *([budget_line] if budget_line else [])),
             lines_after=tuple(after), suggestions=suggestion_rows(suggestions))
 
     def verdict(self) -> str:
@@ -178,9 +187,12 @@ class MemoryPlan:
         return {
             "model": {"name": self.model.name, "params": self.model.param_count()},
             "gpu": None if self.gpu is None else {
-                "name": self.gpu.name, "capacity_bytes": self.gpu.usable_bytes,
+                "name": self.gpu.name, "capacity_bytes": self.capacity_bytes,
                 # False: capacity_bytes is the driver's total, PyTorch's not measured
-                "capacity_measured": self.gpu.usable_measured},
+                "capacity_measured": self.gpu.usable_measured,
+                # how the capacity was reached: the target, a unified device's host reserve,
+                # MPS's limit (memfit.analytic.budget)
+                "budget": self.budget.to_dict() if self.budget else None},
             "per_gpu": {
                 "total_bytes": self.total_bytes,
                 "breakdown": {c.value: b for c, b in self.breakdown.items()},
@@ -405,7 +417,7 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
                      if engine_step is None else
                      "peak in the optimizer step: DeepSpeed casts the gradient partition to "
                      "fp32 for the step")
-    runtime = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=run.parallel.gpus)
+    runtime = device_runtime_bytes(gpu, num_gpus=run.parallel.gpus)
     breakdown[MemoryCategory.RUNTIME] = sum(runtime.values())
     return MemoryPlan(model=model, run=run, gpu=gpu, seq=seq, breakdown=breakdown,
                       activations_known=known,

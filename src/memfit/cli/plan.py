@@ -77,6 +77,12 @@ def register(sub: Any) -> None:
                    "(model states only)")
     p.add_argument("--gpu", help="GPU from the catalog (`memfit gpus`)")
     p.add_argument("--gpu-file", help="a JSON file adding or overriding catalog GPUs")
+    p.add_argument("--host-reserve", metavar="BYTES",
+                   help="unified memory (Jetson, Apple silicon): what the OS and the CPU side "
+                   "keep, e.g. 2GiB (default: the catalog's; docs/edge.md)")
+    p.add_argument("--mps-high-watermark", metavar="RATIO",
+                   help="Apple silicon: the PYTORCH_MPS_HIGH_WATERMARK_RATIO planned for "
+                   "(default: that variable, else PyTorch's 1.7)")
     p.add_argument("--mode", default="train", help=f"one of {', '.join(MODES)} (default train)")
     p.add_argument("--precision",
                    help=f"one of {', '.join(PRECISIONS)} (default: bf16-mixed; on a GPU without "
@@ -166,7 +172,30 @@ def resolve(args: argparse.Namespace) -> tuple[ModelSpec, Any]:
     gpu = get_gpu(args.gpu, args.gpu_file) if args.gpu else None
     if args.gpu_file and not args.gpu:
         raise MemfitError("--gpu-file adds GPUs to the catalog; also name one with --gpu")
-    return model, gpu
+    return model, edge_options(args, gpu)
+
+
+def edge_options(args: argparse.Namespace, gpu: Any) -> Any:
+    """The GPU with ``--host-reserve`` and the MPS high-watermark ratio applied (unified
+    memory, Apple silicon: memfit.analytic.budget)."""
+    import os
+
+    from memfit.analytic.budget import planned_on
+    from memfit.runtime.mps import HIGH_WATERMARK_ENV
+    from memfit.units import parse_bytes
+
+    reserve = getattr(args, "host_reserve", None)
+    ratio = getattr(args, "mps_high_watermark", None)
+    if gpu is None:
+        if reserve is not None or ratio is not None:
+            raise MemfitError("--host-reserve and --mps-high-watermark describe a GPU: name "
+                              "one with --gpu")
+        return None
+    if ratio is None and gpu.target == "mps":
+        ratio = os.environ.get(HIGH_WATERMARK_ENV) or None
+    return planned_on(gpu, host_reserve_bytes=None if reserve is None else
+                      parse_bytes(reserve, what="--host-reserve"),
+                      mps_high_watermark_ratio=ratio)
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
@@ -212,8 +241,10 @@ def choose_precision(args: argparse.Namespace, gpu: Any) -> str | None:
     args.precision = default_precision(gpu, args.mode)
     if args.precision == "bf16-mixed":
         return None
-    return (f"precision {args.precision}: the best the {gpu.label} supports (no bf16: compute "
-            f"capability {gpu.compute_capability}); give --precision to choose another")
+    why = (f"compute capability {gpu.compute_capability}" if gpu.compute_capability
+           else "not in its catalog entry")
+    return (f"precision {args.precision}: the best the {gpu.label} supports (no bf16: {why}); "
+            "give --precision to choose another")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -293,7 +324,9 @@ def run(args: argparse.Namespace) -> int:
         return run_trace(args, model, config, gpu)
     result = plan(model, config, gpu)
     suggestions = suggest_changes(result) if result.fits is False else []
-    scale = gpus_needed(result, gpus_per_node=per_node) if result.fits is False else None
+    # A unified-memory device (Jetson, Mac) is one machine: more of them is no plan step.
+    scale_out = result.fits is False and not (gpu and gpu.unified_memory)
+    scale = gpus_needed(result, gpus_per_node=per_node) if scale_out else None
     if args.json:
         out = result.to_dict()
         if args.precision_note:
@@ -310,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         print_json(out)
         return exit_status(args, result.capacity_bytes, result.total_bytes, FITS_MARGIN)
     render(result, suggestions, per_node,
-           scale_out_line(result, scale, gpus_per_node=per_node) if result.fits is False
+           scale_out_line(result, scale, gpus_per_node=per_node) if scale_out
            else None, args.precision_note, method_note)
     return exit_status(args, result.capacity_bytes, result.total_bytes, FITS_MARGIN)
 

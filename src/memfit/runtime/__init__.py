@@ -16,9 +16,10 @@ up:
   :class:`memfit.trace.allocator.CachingAllocatorSim` at the first matmul instead of adding
   them on top.
 
-The parts: ``cuda.py`` (the context, the workspaces, NCCL, the allocator's capacity) and
-``alloc_conf.py`` (the allocator's options from ``PYTORCH_ALLOC_CONF``); every name is
-imported from here.
+The parts: ``cuda.py`` (the context, the workspaces, NCCL, the allocator's capacity),
+``rocm.py`` (AMD: what HIP does differently), ``mps.py`` (Apple silicon: the MPS allocator's
+hard limit), ``targets.py`` (one entry point by backend) and ``alloc_conf.py`` (the
+allocator's options from ``PYTORCH_ALLOC_CONF``); every name is imported from here.
 """
 
 from memfit.runtime.alloc_conf import (
@@ -40,12 +41,23 @@ from memfit.runtime.cuda import (
     lazy_module_loading,
     nccl_buffer_bytes,
 )
+from memfit.runtime.mps import (
+    DEFAULT_HIGH_WATERMARK_RATIO,
+    high_watermark_ratio,
+    mps_max_allowed_bytes,
+    mps_runtime_bytes,
+)
+from memfit.runtime.rocm import HIPBLASLT_WORKSPACE_BYTES, hipblas_workspace_bytes
+from memfit.runtime.targets import TARGETS, target_runtime_bytes
 
 __all__ = [
     "ALLOCATOR_PARTS",
     "ALLOC_CONF_VARIABLES",
     "CONTEXT_MEASUREMENTS",
     "CUDA_CONTEXT_BYTES",
+    "DEFAULT_HIGH_WATERMARK_RATIO",
+    "HIPBLASLT_WORKSPACE_BYTES",
+    "TARGETS",
     "ContextMeasurement",
     "allocator_capacity",
     "allocator_options",
@@ -55,6 +67,11 @@ __all__ = [
     "cublaslt_workspace_bytes",
     "cuda_context_bytes",
     "cuda_runtime_bytes",
+    "high_watermark_ratio",
+    "hipblas_workspace_bytes",
     "lazy_module_loading",
+    "mps_max_allowed_bytes",
+    "mps_runtime_bytes",
     "nccl_buffer_bytes",
+    "target_runtime_bytes",
 ]

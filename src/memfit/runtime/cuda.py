@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError, suggest
+from memfit.runtime.rocm import HIPBLASLT_WORKSPACE_BYTES, hipblas_workspace_bytes
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -167,10 +168,7 @@ def cuda_context_bytes(cuda_version: str | None = None, *, lazy: bool | None = N
 # in torch 2.11), also Blackwell (major 10 and 12).
 _CUBLAS_DEFAULT = 4096 * KiB * 2 + 16 * KiB * 8  # 8,519,680 bytes
 _CUBLAS_32MIB = 4096 * KiB * 8  # 33,554,432 bytes
-# ROCm: 32 MiB, 128 MiB on gfx94x/gfx95x (MI300/MI350 series); hipBLASLt 76 MiB.
-_HIPBLAS_DEFAULT = 32 * MiB
-_HIPBLAS_GFX94_95 = 128 * MiB
-_HIPBLASLT = 76 * MiB
+# ROCm's workspaces (hipBLAS 32/128 MiB, hipBLASLt 76 MiB): memfit.runtime.rocm.
 # parseCUDABlasLtWorkspaceSize: CUBLASLT_WORKSPACE_SIZE default 1024 KiB ("according to #73328").
 _CUBLASLT_DEFAULT = 1024 * KiB
 
@@ -190,6 +188,7 @@ _ARCHITECTURES: tuple[tuple[str, str], ...] = (
     ("a100", "8.0"), ("a800", "8.0"), ("a30", "8.0"),
     ("a10g", "8.6"), ("a10", "8.6"), ("a40", "8.6"), ("a6000", "8.6"), ("3090", "8.6"),
     ("l40", "8.9"), ("l4", "8.9"), ("4090", "8.9"), ("6000ada", "8.9"),
+    ("4070", "8.9"), ("4060", "8.9"), ("3060", "8.6"), ("orin", "8.7"),
     ("v100", "7.0"), ("t4", "7.5"),
     ("mi300", "gfx942"), ("mi325", "gfx942"), ("mi350", "gfx950"), ("mi355", "gfx950"),
     ("mi250", "gfx90a"), ("mi210", "gfx90a"),
@@ -259,8 +258,7 @@ def cublas_workspace_bytes(compute_capability: str | None = None,
     if compute_capability is None:
         return _CUBLAS_DEFAULT
     if compute_capability.startswith("gfx"):
-        return _HIPBLAS_GFX94_95 if compute_capability[:5] in ("gfx94", "gfx95") else (
-            _HIPBLAS_DEFAULT)
+        return hipblas_workspace_bytes(compute_capability)
     major = _major(compute_capability)
     if major == 9:
         return _CUBLAS_32MIB
@@ -285,7 +283,7 @@ def cublaslt_workspace_bytes(compute_capability: str | None = None,
     ``torch_version`` None: the installed torch's version.
     """
     if compute_capability is not None and compute_capability.startswith("gfx"):
-        return _HIPBLASLT
+        return HIPBLASLT_WORKSPACE_BYTES
     version = _torch_version(torch_version)
     if version is not None and version >= (2, 11):
         return 0
