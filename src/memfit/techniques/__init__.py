@@ -12,7 +12,8 @@ Note: [composition order] Apply them in this order (each step's docstring says w
 7. ``apply_sparse_embeddings`` before the optimizer is built (it must take sparse gradients);
    ``make_optimizer`` over the trainable parameters; ``apply_precision`` around the loop;
    ``accumulate`` inside it.
-8. Inference: ``quantize_weights`` on the eval model.
+8. Inference: ``quantize_weights`` on the eval model; ``sparsify`` on a pruned one (it removes
+   the pruning first: ``weight_orig`` and the mask go).
 
 ``tests/techniques/test_tech_composition.py`` applies steps 3 to 7 to one model (chunked loss,
 selective checkpointing, offload, ``torch.compile``, FSDP2, AdamW) and checks the loss, gradients
@@ -49,6 +50,12 @@ from memfit.techniques.peft import LoRALinear, apply_lora, apply_qlora, trainabl
 from memfit.techniques.precision import MasterWeights, MixedPrecision, apply_precision
 from memfit.techniques.quant import convert_qat, prepare_qat, quantize_weights, weight_bytes
 from memfit.techniques.sparse import SparseAdamWithDense, apply_sparse_embeddings
+from memfit.techniques.sparse_weights import (
+    SparseLinear,
+    SparsifyReport,
+    break_even_density,
+    sparsify,
+)
 
 __all__ = [
     "AccumulatedStep",
@@ -66,6 +73,8 @@ __all__ = [
     "Policy",
     "Selective",
     "SparseAdamWithDense",
+    "SparseLinear",
+    "SparsifyReport",
     "accumulate",
     "apply_activation_checkpointing",
     "apply_activation_offload",
@@ -74,6 +83,7 @@ __all__ = [
     "apply_precision",
     "apply_qlora",
     "apply_sparse_embeddings",
+    "break_even_density",
     "chunked_cross_entropy",
     "configure_allocator",
     "convert_qat",
@@ -85,6 +95,7 @@ __all__ = [
     "remove_activation_checkpointing",
     "sdpa_backends",
     "set_attn_implementation",
+    "sparsify",
     "split_batch",
     "trainable_parameters",
     "use_sdpa",
