@@ -18,8 +18,9 @@ thread), in these variants:
 Bytes: the storages the Linear layers' weights hold (parameters, buffers and the pruned
 ``weight`` attribute; a sparse tensor's values and indices), read from the tensors, next to what
 memfit reports (``sparsify``'s report; for a pruned model ``memfit.trace.pruning``). Time: the
-median of ``--repeats`` no-grad forwards of a ``--batch`` x ``--features`` input, as a ratio to
-the dense model's. Writes ``bench/results/pruning-cpu-<date>.json`` (or ``--out``).
+median of ``--repeats`` no-grad forwards of a ``--batch`` x ``--features`` input; the variants
+take turns in each round, and the ratio to the dense model is the median of the rounds' ratios.
+Writes ``bench/results/pruning-cpu-<date>.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -86,15 +87,25 @@ def block_prune(model: nn.Module, density: float) -> None:
         prune.custom_from_mask(mod, "weight", mask)
 
 
-def forward_seconds(model: nn.Module, x: torch.Tensor, repeats: int) -> float:
-    times = []
+def forward_times(models: list[nn.Module], x: torch.Tensor, repeats: int
+                  ) -> tuple[list[float], list[float]]:
+    """Each model's median no-grad forward time, and the median of its per-round ratio to the
+    first model's: the models take turns in each round, so a load change on a shared machine
+    moves all of a round's times together."""
+    rounds: list[list[float]] = []
     with torch.no_grad():
-        model(x)  # warm-up
+        for model in models:
+            model(x)  # warm-up
         for _ in range(repeats):
-            start = time.perf_counter()
-            model(x)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+            times = []
+            for model in models:
+                start = time.perf_counter()
+                model(x)
+                times.append(time.perf_counter() - start)
+            rounds.append(times)
+    medians = [statistics.median(r[i] for r in rounds) for i in range(len(models))]
+    ratios = [statistics.median(r[i] / r[0] for r in rounds) for i in range(len(models))]
+    return medians, ratios
 
 
 def variants(features: int, hidden: int) -> list[tuple[str, float, nn.Module, int]]:
@@ -134,13 +145,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's "sparse CSR support is in beta"
         found = variants(args.features, args.hidden)
-        rows: list[dict[str, Any]] = []
-        for kind, density, model, reported in found:
-            rows.append({"kind": kind, "density": density, "held_bytes": held_bytes(model),
-                         "reported_bytes": reported,
-                         "layouts": [str(m.weight.layout).removeprefix("torch.")
-                                     for m in linears(model)],
-                         "forward_seconds": forward_seconds(model, x, args.repeats)})
+        seconds, ratios = forward_times([v[2] for v in found], x, args.repeats)
+    rows: list[dict[str, Any]] = []
+    for (kind, density, model, reported), sec, ratio in zip(found, seconds, ratios, strict=True):
+        rows.append({"kind": kind, "density": density, "held_bytes": held_bytes(model),
+                     "reported_bytes": reported,
+                     "layouts": [str(m.weight.layout).removeprefix("torch.")
+                                 for m in linears(model)],
+                     "forward_seconds": sec, "time_vs_dense": ratio})
     dense = rows[0]
     print(f"MLP {args.features}-{args.hidden}-{args.features} fp32, batch {args.batch}, CPU, "
           f"1 thread; weights {dense['held_bytes'] / 2**20:.2f} MiB dense")
@@ -148,7 +160,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{'reported MiB':>13} {'forward ms':>11} {'time vs dense':>14}")
     for r in rows:
         r["bytes_vs_dense"] = r["held_bytes"] / dense["held_bytes"]
-        r["time_vs_dense"] = r["forward_seconds"] / dense["forward_seconds"]
         print(f"{r['kind']:8} {r['density']:8.0%} {r['layouts'][0]:>10} "
               f"{r['held_bytes'] / 2**20:9.2f} {r['bytes_vs_dense']:8.2f}x "
               f"{r['reported_bytes'] / 2**20:13.2f} {1000 * r['forward_seconds']:11.2f} "

@@ -158,3 +158,14 @@ def test_bad_arguments() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing was changed by the refused calls
         assert pruned_names(model[0]) == ["weight"]
+
+
+def test_estimate_refuses_a_sparsified_model_in_one_line() -> None:
+    # Before the check: RuntimeError("Sparse CSR tensors do not have strides") from fake_model.
+    from memfit.errors import MemfitError
+    from memfit.trace import estimate
+
+    model = pruned_mlp(0.9)
+    sparsify(model)
+    with pytest.raises(MemfitError, match=r"0\.weight is a sparse_csr tensor.*before memfit"):
+        estimate(model, torch.randn(2, 128), optimizer=None, device="cpu")

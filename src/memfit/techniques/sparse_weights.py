@@ -36,11 +36,11 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-from memfit.trace.pruning import pruned_names
+from memfit.trace.pruning import note, pruned_names
 from memfit.units import format_bytes
 
 __all__ = ["FORMATS", "LayerSparsity", "SparseLinear", "SparsifyReport", "break_even_density",
-           "sparse_bytes", "sparsify"]
+           "pruning_hint", "sparse_bytes", "sparsify"]
 
 log = logging.getLogger("memfit")
 
@@ -296,6 +296,12 @@ def sparsify(model: nn.Module, *, format: Format = "auto", blocksize: tuple[int,
              len(report.converted), len(layers), format_bytes(report.bytes_before),
              format_bytes(report.bytes_after))
     return report
+
+
+def pruning_hint(model: nn.Module) -> str | None:
+    """One line on what ``model``'s pruned weights (``torch.nn.utils.prune``) cost in training,
+    or None if it has none (``memfit fit`` adds it to its plan's suggestions)."""
+    return note(model, training=True)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
