@@ -6,11 +6,18 @@ what the planner predicts, not a rule of thumb. (The fit search of a later issue
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from memfit.analytic.model_states import model_states
 from memfit.analytic.planner import MemoryPlan, with_changes
 from memfit.errors import MemfitError
+from memfit.models.spec import TransformerSpec
+from memfit.units import format_bytes
+
+SPARSE_EMBEDDING_SHARE = 0.5
+"""``memfit.techniques.sparse.DOMINANT_SHARE`` (that module imports torch, which the analytic
+CLI never does; tests/analytic/test_sparse_embedding_note.py keeps the two equal)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,3 +81,41 @@ def suggest_changes(p: MemoryPlan, limit: int = 6) -> list[Suggestion]:
             found.append(Suggestion(change=label, plan=alt, saved_bytes=saved))
     found.sort(key=lambda s: (not s.plan.fits, -s.saved_bytes))
     return found[:limit]
+
+
+def sparse_gradient_note(p: MemoryPlan) -> str | None:
+    """The note offering sparse embedding gradients when a fully trained model's embedding
+    tables that could take them hold at least :data:`SPARSE_EMBEDDING_SHARE` of its parameters
+    (the traced ``fit`` says the same from the module: ``sparse_gradient_hint``), else None.
+
+    Not a re-plan: the analytic plan does not model sparse gradients. A decoder's token table
+    never qualifies: tied, the LM head's dense gradient flows into it; untied, the head is as
+    large as the table, so the table is at most half. Encoders with large vocabularies do
+    (XLM-R base: 69%).
+    """
+    m, run = p.model, p.run
+    if not (isinstance(m, TransformerSpec) and run.training and run.mode == "train"
+            and m.arch != "vision"):
+        return None
+    h = m.hidden_size
+    tied = m.arch == "decoder" and m.tie_embeddings
+    tables = {"token": 0 if tied else m.vocab_size * h,
+              "position": m.max_position_embeddings * h if m.position == "learned" else 0,
+              "token-type": m.type_vocab_size * h}
+    size, total = sum(tables.values()), m.param_count()
+    if size < SPARSE_EMBEDDING_SHARE * total:
+        return None
+    dense_grads = model_states(m, run, stage=p.stage).gradients * size // total
+    names = ", ".join(name for name, n in tables.items() if n)
+    return (f"embedding tables ({names}) hold {size / total:.0%} of the trainable parameters: "
+            f"sparse gradients keep only the rows a batch looks up instead of "
+            f"{format_bytes(dense_grads)} of dense gradients per GPU: "
+            f"memfit.techniques.apply_sparse_embeddings(model) with SGD, Adagrad or "
+            f"SparseAdamWithDense, not AdamW (docs/sparse.md); not modelled here: memfit fit "
+            f"traces it")
+
+
+def with_hints(p: MemoryPlan) -> MemoryPlan:
+    """``p`` with the notes that point to a technique the plan does not model."""
+    note = sparse_gradient_note(p)
+    return p if note is None else replace(p, notes=(*p.notes, note))

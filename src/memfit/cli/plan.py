@@ -28,7 +28,7 @@ from memfit.analytic.planner import (
     plan,
 )
 from memfit.analytic.scale_out import gpus_needed, scale_out_line
-from memfit.analytic.suggestions import suggest_changes
+from memfit.analytic.suggestions import suggest_changes, with_hints
 from memfit.cli._common import (
     console,
     exit_status,
@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         args.checkpoint_json = (None if checkpoint is None
                                 else checkpoint_dict(checkpoint, model))
         return run_trace(args, model, config, gpu)
-    result = plan(model, config, gpu)
+    result = with_hints(plan(model, config, gpu))
     suggestions = suggest_changes(result) if result.fits is False else []
     # A unified-memory device (Jetson, Mac) is one machine: more of them is no plan step.
     scale_out = result.fits is False and not (gpu and gpu.unified_memory)

@@ -53,6 +53,7 @@ from memfit.fitting.traced import ENGINE_FAILED, Traced, per_rank_traced, trace_
 from memfit.gpus import GpuSpec
 from memfit.progress import Progress
 from memfit.techniques.sparse import sparse_gradient_hint
+from memfit.techniques.sparse_weights import pruning_hint
 
 __all__ = ["ENGINE_FAILED", "SPACE_KEYS", "Search", "SearchOptions", "Traced", "fit",
            "per_rank_traced", "trace_one"]
@@ -171,7 +172,8 @@ class Search(Pruning, Verification):
                     search_seconds=time.perf_counter() - self.started,
                     traces=sum(1 for v in self.runs.values() if not isinstance(v, str)),
                     candidates_considered=len(cands) + len(self.rejected),
-                    suggestions=tuple(h for h in (sparse_gradient_hint(self.model),) if h))
+                    suggestions=tuple(h for h in (sparse_gradient_hint(self.model),
+                                                      pruning_hint(self.model)) if h))
 
     def explore(self, combo: Combo) -> None:
         """Find the combination's largest fitting micro-batch and cost every micro-batch and

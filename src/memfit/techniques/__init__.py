@@ -12,7 +12,8 @@ Note: [composition order] Apply them in this order (each step's docstring says w
 7. ``apply_sparse_embeddings`` before the optimizer is built (it must take sparse gradients);
    ``make_optimizer`` over the trainable parameters; ``apply_precision`` around the loop;
    ``accumulate`` inside it.
-8. Inference: ``quantize_weights`` on the eval model; ``apply_semi_structured_sparsity``
+8. Inference: ``quantize_weights`` on the eval model; ``sparsify`` on a pruned one (it removes
+   the pruning first: ``weight_orig`` and the mask go); ``apply_semi_structured_sparsity``
    (2:4) on the eval model, after the weights are in fp16/bf16 on the GPU (it compresses the
    weights as they are then).
 
@@ -56,6 +57,12 @@ from memfit.techniques.semi_structured import (
     mask_2_4,
 )
 from memfit.techniques.sparse import SparseAdamWithDense, apply_sparse_embeddings
+from memfit.techniques.sparse_weights import (
+    SparseLinear,
+    SparsifyReport,
+    break_even_density,
+    sparsify,
+)
 
 __all__ = [
     "AccumulatedStep",
@@ -74,6 +81,8 @@ __all__ = [
     "Selective",
     "SemiStructuredReport",
     "SparseAdamWithDense",
+    "SparseLinear",
+    "SparsifyReport",
     "accumulate",
     "apply_activation_checkpointing",
     "apply_activation_offload",
@@ -83,6 +92,7 @@ __all__ = [
     "apply_qlora",
     "apply_semi_structured_sparsity",
     "apply_sparse_embeddings",
+    "break_even_density",
     "chunked_cross_entropy",
     "configure_allocator",
     "convert_qat",
@@ -95,6 +105,7 @@ __all__ = [
     "remove_activation_checkpointing",
     "sdpa_backends",
     "set_attn_implementation",
+    "sparsify",
     "split_batch",
     "trainable_parameters",
     "use_sdpa",

@@ -36,7 +36,7 @@ from memfit._tensors import call_model, fake_inputs, fake_model, tensor_leaves
 from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
 from memfit.progress import trace_progress
-from memfit.trace import foreach, host
+from memfit.trace import foreach, host, pruning
 from memfit.trace.autocast import cuda_autocast_emulation
 from memfit.trace.blocks import replaying_blocks
 from memfit.trace.datadep import DataDependentSizes
@@ -208,6 +208,8 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         stack.enter_context(foreach.grouped())  # Note: [foreach ops on fake tensors]
         fmodel, finputs = _fake_model_and_inputs(stack, model, inputs, rank, tracker, fake_mode,
                                                  datadep, fake_device, param_dtype)
+        if pruned := pruning.note(fmodel, training=optimizer is not None):
+            notes.append(pruned)
         params = [p for p in fmodel.parameters() if p.requires_grad]
         training = optimizer is not None
         # Built outside the fake mode: an optimizer's constructor may compute constants from
@@ -290,6 +292,7 @@ def _enter_step_contexts(stack: contextlib.ExitStack, fmodel: nn.Module, tracker
         stack.enter_context(replaying_blocks(fmodel, tracker, fake_mode,
                                              training=training))
     stack.enter_context(_module_hooks(fmodel, tracker))
+    stack.enter_context(pruning.mark_recomputed(fmodel, tracker))
     stack.enter_context(trace_progress(fmodel, steps=steps, training=training))
     stack.enter_context(_eager_library_paths())
     if cuda_target:

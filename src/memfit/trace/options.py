@@ -82,7 +82,16 @@ def check_request(model: Any, *, optimizer: str | OptimizerFactory | None, preci
     compute_loss = check_loss_fn(loss_fn) or model_loss
     if not isinstance(model, nn.Module):
         raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.layout in _COMPRESSED:
+            raise MemfitError(
+                f"{name} is a {str(t.layout).removeprefix('torch.')} tensor, which the trace "
+                f"does not model: estimate the model before memfit.techniques.sparsify() (its "
+                f"report gives the sparse weights' bytes)")
     return compute_loss
+
+
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
 class RankHooks(Protocol):
