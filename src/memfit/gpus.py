@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -32,17 +31,20 @@ from typing import Any
 
 from memfit import vocab
 from memfit.errors import MemfitError, read_json_file, suggest
+from memfit.gpu_entries import REQUIRED_NEW as _REQUIRED_NEW
+from memfit.gpu_entries import TFLOPS_KEYS
+from memfit.gpu_entries import entries as _entries
+from memfit.gpu_entries import key as _key
+from memfit.gpu_entries import validate_entry as _validate_entry
 
 __all__ = ["GpuSpec", "Link", "get_gpu", "list_gpus", "load_catalog", "user_gpu_file"]
 
 ENV_VAR = "MEMFIT_GPU_FILE"
-TFLOPS_KEYS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 """Formats with a dense peak TFLOPS figure in every entry (None: unsupported)."""
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 """What ``GpuSpec.supports`` answers for (``-mixed``/``-true`` suffixes are accepted)."""
 VENDOR_TARGETS = {"nvidia": "cuda", "amd": "rocm", "apple": "mps"}
 """The PyTorch backend of each vendor's GPUs (a user GPU of another vendor plans as CUDA)."""
-MEMORY_BASES = ("driver", "driver-sister-board", "marketing", "label-gib", "user")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,11 +158,6 @@ class GpuSpec:
 
 # --------------------------------------------------------------------------------------------
 # Lookup
-
-
-def _key(name: str) -> str:
-    """Lower-case kebab key: ``H100_SXM 80GB`` -> ``h100-sxm-80gb``."""
-    return re.sub(r"[\s_\-]+", "-", name.strip().lower()).strip("-")
 
 
 def user_gpu_file(extra_file: str | Path | None = None) -> Path | None:
@@ -295,119 +292,6 @@ def _read_user_file(path: Path) -> list[dict[str, Any]]:
     data = read_json_file(path, what="GPU file", fix=(
         f"pass a JSON object with a \"gpus\" list to --gpu-file (or fix ${ENV_VAR})"))
     return _entries(data, str(path))
-
-
-def _entries(data: Any, where: str) -> list[dict[str, Any]]:
-    if isinstance(data, dict):
-        unknown = set(data) - {"version", "notes", "gpus"}
-        if unknown:
-            raise MemfitError(f"{where}: unknown top-level keys {sorted(unknown)}; a GPU file is "
-                              f"{{\"gpus\": [...]}} (optionally with \"version\" and \"notes\")")
-        data = data.get("gpus")
-    if not isinstance(data, list) or not data:
-        raise MemfitError(f"{where}: expected a JSON object with a non-empty \"gpus\" list of GPU "
-                          f"entries; see `memfit gpus` for the fields")
-    for i, entry in enumerate(data):
-        if not isinstance(entry, dict):
-            raise MemfitError(f"{where}: entry {i} of \"gpus\" is {type(entry).__name__}, not an "
-                              f"object; write each GPU as {{\"name\": ..., ...}}")
-        if not isinstance(entry.get("name"), str) or not _key(entry["name"]):
-            raise MemfitError(f"{where}: entry {i} of \"gpus\" has no \"name\" string; give each "
-                              f"GPU a name such as \"my-gpu-48gb\"")
-    return [dict(e) for e in data]
-
-
-_REQUIRED_NEW = ("name", "memory_bytes", "bandwidth_gbps", "tflops", "bf16", "fp8", "host_link")
-_OPTIONAL = ("label", "vendor", "memory_label", "usable_bytes", "compute_capability", "gpu_link",
-             "price_per_hour", "price_source", "price_date", "sources", "aliases", "memory_basis",
-             "notes", "unified_memory", "host_reserve_bytes", "recommended_working_set_bytes")
-_FIELDS = (*_REQUIRED_NEW, *_OPTIONAL)
-
-
-def _validate_entry(entry: dict[str, Any], where: str, *, new: bool) -> None:
-    """Raise MemfitError for the first problem in ``entry`` (``new``: every required field)."""
-    gpu = entry["name"]
-    for key in entry:
-        if key not in _FIELDS:
-            raise MemfitError(f"{where}: GPU {gpu!r} has unknown field {key!r}"
-                              f"{suggest(key, _FIELDS)}; valid fields: {', '.join(_FIELDS)}")
-    if new:
-        missing = [k for k in _REQUIRED_NEW if k not in entry]
-        if missing:
-            raise MemfitError(f"{where}: new GPU {gpu!r} is missing required field(s) "
-                              f"{', '.join(missing)}; a new GPU needs {', '.join(_REQUIRED_NEW)} "
-                              f"(or use the name of a catalog GPU to override only some fields)")
-
-    def bad(fld: str, what: str) -> MemfitError:
-        return MemfitError(f"{where}: GPU {gpu!r} field {fld!r} must be {what}, got "
-                           f"{entry[fld]!r}; fix that value")
-
-    for fld in ("memory_bytes", "usable_bytes", "host_reserve_bytes",
-                "recommended_working_set_bytes"):
-        if fld in entry and not (fld != "memory_bytes" and entry[fld] is None):
-            if not _is_number(entry[fld]) or entry[fld] <= 0 or not float(entry[fld]).is_integer():
-                raise bad(fld, "a positive whole number of bytes (e.g. 85520809984)")
-    if "bandwidth_gbps" in entry and (not _is_number(entry["bandwidth_gbps"])
-                                      or entry["bandwidth_gbps"] <= 0):
-        raise bad("bandwidth_gbps", "a positive number of GB/s")
-    if "price_per_hour" in entry and entry["price_per_hour"] is not None and (
-            not _is_number(entry["price_per_hour"]) or entry["price_per_hour"] < 0):
-        raise bad("price_per_hour", "a non-negative number of US dollars, or null")
-    for fld in ("bf16", "fp8", "unified_memory"):
-        if fld in entry and not isinstance(entry[fld], bool):
-            raise bad(fld, "true or false")
-    for fld in ("label", "vendor", "memory_label", "notes"):
-        if fld in entry and not isinstance(entry[fld], str):
-            raise bad(fld, "a string")
-    for fld in ("compute_capability", "price_source", "price_date"):
-        if fld in entry and entry[fld] is not None and not isinstance(entry[fld], str):
-            raise bad(fld, "a string or null")
-    if entry.get("price_date") is not None and not re.fullmatch(
-            r"\d{4}-\d{2}(-\d{2})?", entry["price_date"]):
-        raise bad("price_date", "a date written YYYY-MM-DD (or YYYY-MM)")
-    for fld in ("sources", "aliases"):
-        if fld in entry and (not isinstance(entry[fld], list)
-                             or not all(isinstance(s, str) and s for s in entry[fld])):
-            raise bad(fld, "a list of non-empty strings")
-    if "memory_basis" in entry and entry["memory_basis"] not in MEMORY_BASES:
-        raise bad("memory_basis", f"one of {', '.join(MEMORY_BASES)}")
-    if "tflops" in entry:
-        tflops = entry["tflops"]
-        if not isinstance(tflops, dict):
-            raise bad("tflops", f"an object with keys {', '.join(TFLOPS_KEYS)}")
-        for k, v in tflops.items():
-            if k not in TFLOPS_KEYS:
-                raise MemfitError(f"{where}: GPU {gpu!r} tflops has unknown key {k!r}"
-                                  f"{suggest(k, TFLOPS_KEYS)}; valid: {', '.join(TFLOPS_KEYS)}")
-            if v is not None and (not _is_number(v) or v < 0):
-                raise MemfitError(f"{where}: GPU {gpu!r} tflops.{k} must be a non-negative "
-                                  f"number or null (unsupported), got {v!r}; fix that value")
-    for fld in ("host_link", "gpu_link"):
-        if fld not in entry or (fld == "gpu_link" and entry[fld] is None):
-            continue
-        link = entry[fld]
-        if not isinstance(link, dict):
-            raise bad(fld, "an object {\"kind\": str, \"gbps\": number}" +
-                      (" or null" if fld == "gpu_link" else ""))
-        for k in link:
-            if k not in ("kind", "gbps", "generation"):
-                raise MemfitError(f"{where}: GPU {gpu!r} {fld} has unknown key {k!r}; valid: "
-                                  f"kind, gbps, generation")
-        if "kind" in link and not isinstance(link["kind"], str):
-            raise MemfitError(f"{where}: GPU {gpu!r} {fld}.kind must be a string such as "
-                              f"\"PCIe 4.0 x16\", got {link['kind']!r}; fix that value")
-        if "gbps" in link and (not _is_number(link["gbps"]) or link["gbps"] <= 0):
-            raise MemfitError(f"{where}: GPU {gpu!r} {fld}.gbps must be a positive number of GB/s "
-                              f"per direction, got {link['gbps']!r}; fix that value")
-        gen = link.get("generation")
-        if gen is not None and (not _is_number(gen) or gen < 1 or not float(gen).is_integer()):
-            raise MemfitError(f"{where}: GPU {gpu!r} {fld}.generation must be a positive whole "
-                              f"number or null, got {gen!r}; fix that value")
-
-
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
 
 
 def _link(raw: dict[str, Any] | None, where: str, gpu: str, fld: str) -> Link | None:

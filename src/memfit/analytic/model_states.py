@@ -192,15 +192,9 @@ def _optimizer_states_per_param(run: RunConfig) -> Fraction:
     return Fraction(STATES_PER_PARAM[run.optimizer] * state_bytes)
 
 
-def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelStates:
-    """Weights, gradients and optimizer states on one GPU of pipeline stage ``stage``."""
-    split = split_params(model, run, stage=stage)
-    compute_bytes = nbytes(1, run.compute_format)
-    notes: list[str] = []
-    frozen = split.total - split.trainable if run.mode in ("lora", "qlora") else 0
-    frozen_linear = split.linear if run.mode in ("lora", "qlora") else 0
-
-    # --- weights
+def _weights(split: ParamSplit, run: RunConfig, compute_bytes: int, frozen: int, frozen_linear: int,
+             notes: list[str]) -> int:
+    """The weights' bytes on one GPU before sharding: quantized, 2:4-compressed or 16-bit."""
     if run.mode == "inference":
         quant = {"int8": INT8_BYTES_PER_PARAM, "int4": INT4_BYTES_PER_PARAM}.get(run.weight_quant)
         if run.sparsity == "2:4":
@@ -226,6 +220,18 @@ def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelSt
     else:
         # Mixed precision: the 16-bit working copy; the fp32 master is an optimizer state.
         weights = (frozen + split.trainable) * compute_bytes
+    return weights
+
+
+def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelStates:
+    """Weights, gradients and optimizer states on one GPU of pipeline stage ``stage``."""
+    split = split_params(model, run, stage=stage)
+    compute_bytes = nbytes(1, run.compute_format)
+    notes: list[str] = []
+    frozen = split.total - split.trainable if run.mode in ("lora", "qlora") else 0
+    frozen_linear = split.linear if run.mode in ("lora", "qlora") else 0
+
+    weights = _weights(split, run, compute_bytes, frozen, frozen_linear, notes)
     if not run.training:
         return ModelStates(weights=weights, gradients=0, optimizer_states=0, host_bytes=0,
                            notes=tuple(notes))
