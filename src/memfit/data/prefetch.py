@@ -18,8 +18,8 @@ How a batch reaches the GPU (CUDA):
    on the side stream (``Stream.wait_event``; ``wait_stream`` would also wait for the next
    batch's copy, queued behind it), so the step never reads a half-copied batch, and each
    tensor gets ``Tensor.record_stream(current_stream)``: its block was allocated on the side
-   stream, and without it the caching allocator could hand the block to the side stream's next copy while
-   the step still reads it (the ``record_stream`` documentation).
+   stream, and without it the caching allocator could hand the block to the side stream's next
+   copy while the step still reads it (the ``record_stream`` documentation).
 
 The device memory this costs: ``depth`` batches ahead of the one the step uses, each on the
 device while the step runs (``memfit.estimate(..., dataloader=...)`` counts them; so do
