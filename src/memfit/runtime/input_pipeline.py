@@ -182,8 +182,10 @@ class InputPipelineMemory:
                 "worker_bytes": self.worker_bytes}
 
 
-def input_pipeline_memory(spec: DataLoaderSpec) -> InputPipelineMemory:
-    """The memory of ``spec``'s pipeline (see the module docstring for each count's source).
+def input_pipeline_memory(spec: DataLoaderSpec, *, device: str = "cuda") -> InputPipelineMemory:
+    """The memory of ``spec``'s pipeline (see the module docstring for each count's source);
+    ``device``: the GPU's blocks are rounded up to 512 bytes; on ``"cpu"`` (the prefetcher passes
+    batches through) the device bytes are the tensors' own.
 
     >>> m = input_pipeline_memory(DataLoaderSpec(num_workers=2, prefetch_factor=2,
     ...                                          batch_bytes=1000, worker_rss=0))
@@ -193,7 +195,7 @@ def input_pipeline_memory(spec: DataLoaderSpec) -> InputPipelineMemory:
     batch = spec.batch_bytes
     tensors = spec.tensor_bytes or (batch,)
     pinned_batch = sum(_pow2(t) for t in tensors)
-    device_batch = sum(_round512(t) for t in tensors)
+    device_batch = sum(_round512(t) if device != "cpu" else t for t in tensors)
     in_flight = spec.num_workers * spec.prefetch
     shared = pinned = private = 0
     if spec.num_workers == 0:
