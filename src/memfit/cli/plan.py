@@ -20,6 +20,7 @@ from memfit.analytic.config import (
     WEIGHT_QUANTS,
     RunConfig,
 )
+from memfit.analytic.input_pipeline import default_sample_bytes, with_input_pipeline
 from memfit.analytic.planner import (
     FITS_MARGIN,
     GPUS_PER_NODE,
@@ -41,7 +42,8 @@ from memfit.cli.layout import parallel_from_args
 from memfit.errors import MemfitError
 from memfit.models.spec import ModelSpec, ParamCountSpec
 from memfit.parallel.config import PP_SCHEDULES
-from memfit.units import parse_count
+from memfit.runtime.input_pipeline import DataLoaderSpec, parse_dataloader
+from memfit.units import parse_bytes, parse_count
 
 EPILOG = """examples:
   memfit plan llama-3-8b --gpu rtx-4090 --mode lora --batch 4 --seq 2048
@@ -57,6 +59,8 @@ EPILOG = """examples:
   memfit plan llama-2-7b --engine deepspeed --zero 3 --offload-optimizer --offload-params \\
       --offload-to nvme
   memfit plan llama-3-8b --mode inference --batch 8 --seq 4096 --new-tokens 512 --quant int4
+  memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --method analytic --batch 8 --seq 8192 \\
+      --dataloader workers=8,prefetch=4,pin=1,depth=1 --host-memory 1TiB
   memfit plan llama-3-8b --gpu l4 --mode qlora --checkpointing full --check && \\
       python train.py   # run only when it fits
 
@@ -136,6 +140,15 @@ def register(sub: Any) -> None:
                    help="analytic formulas, or trace the real module on meta tensors (default: "
                    "the trace for --gpus > 1 when the model can be built, one row per rank "
                    "role, and for model types the formulas do not cover; else the formulas)")
+    p.add_argument("--dataloader", metavar="KEY=VALUE,...",
+                   help="the input pipeline per GPU: workers=N, prefetch=N (per worker; torch's "
+                   "default 2), pin=0|1, sample-bytes=SIZE (x --batch) or batch-bytes=SIZE "
+                   "(default: a language model's int64 ids and labels), worker-rss=SIZE, "
+                   "depth=N (memfit.data.DevicePrefetcher batches on the GPU); reports its host "
+                   "memory per GPU and per node (analytic plans)")
+    p.add_argument("--host-memory", metavar="SIZE",
+                   help="with --dataloader: the node's RAM, e.g. 1TiB; warns when the input "
+                   "pipeline and offloaded states pass it, with settings that fit")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--check", action="store_true",
                    help="exit 1 when the step does not fit (0 when it does), for scripts; "
@@ -199,6 +212,18 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     )
 
 
+def dataloader_from_args(args: argparse.Namespace, model: ModelSpec,
+                         config: RunConfig) -> DataLoaderSpec | None:
+    """``--dataloader`` as a spec (its batch: ``sample-bytes`` x ``--batch``), or None."""
+    if args.dataloader is None:
+        if args.host_memory is not None:
+            raise MemfitError("--host-memory checks the input pipeline's host memory: give "
+                              "--dataloader too (e.g. --dataloader workers=8,prefetch=2)")
+        return None
+    sample = default_sample_bytes(model, config.seq)
+    return parse_dataloader(args.dataloader, batch=config.batch, default_sample_bytes=sample)
+
+
 def choose_precision(args: argparse.Namespace, gpu: Any) -> str | None:
     """Without --precision: the best the GPU supports (:func:`default_precision`); returns the
     line saying so when the GPU changed the choice from the documented bf16-mixed."""
@@ -241,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
     if checkpoint is not None and not args.json:
         console().print(compare_with_config(checkpoint, model), soft_wrap=True)
     per_node = positive_int(args.gpus_per_node, "--gpus-per-node") or GPUS_PER_NODE
+    pipeline = dataloader_from_args(args, model, config)
+    if pipeline is not None and (args.method == "trace" or (config.gpus > 1 and asked is None)):
+        raise MemfitError("--dataloader is planned by the formulas only: add --method analytic "
+                          "(in Python, memfit.estimate(..., dataloader=) traces it)")
     hsdp = config.parallel.strategy == "hsdp"
     from memfit.cli.parallel_plan import trace_flags
 
@@ -281,6 +310,10 @@ def run(args: argparse.Namespace) -> int:
                                 else checkpoint_dict(checkpoint, model))
         return run_trace(args, model, config, gpu)
     result = plan(model, config, gpu)
+    if pipeline is not None:
+        result = with_input_pipeline(result, pipeline, gpus_per_node=per_node,
+                                     host_memory=None if args.host_memory is None else
+                                     parse_bytes(args.host_memory, what="--host-memory"))
     suggestions = suggest_changes(result) if result.fits is False else []
     scale = gpus_needed(result, gpus_per_node=per_node) if result.fits is False else None
     if args.json:

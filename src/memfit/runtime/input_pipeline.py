@@ -294,7 +294,8 @@ def parse_dataloader(text: str, *, batch: int = 1, default_sample_bytes: int | N
         num_workers=_int("workers", values.get("workers", "0")),
         prefetch_factor=None if prefetch is None else _int("prefetch", prefetch),
         pin_memory=pin in ("1", "true", "yes"), batch_bytes=batch_bytes,
-        worker_rss=(parse_bytes(values["worker-rss"], what="--dataloader worker-rss")
+        worker_rss=(0 if values.get("worker-rss") == "0" else
+                    parse_bytes(values["worker-rss"], what="--dataloader worker-rss")
                     if "worker-rss" in values else DEFAULT_WORKER_RSS),
         depth=_int("depth", values.get("depth", "0")), gpus_per_node=gpus_per_node)
 
