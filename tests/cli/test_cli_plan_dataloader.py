@@ -32,8 +32,8 @@ def test_json_per_gpu_and_per_node(capsys) -> None:
     data = json.loads(out)
     pipe = data["input_pipeline"]
     # batch = 4 samples x 1 MiB; 4 workers x 2 = 8 batches in flight + 1 in use, in shared
-    # memory; each worker one batch of samples (worker-rss=0)
-    assert pipe["host_bytes_per_gpu"] == 9 * 4 * MiB + 4 * 4 * MiB
+    # memory; each worker 2 batches (WORKER_BATCHES; worker-rss=0)
+    assert pipe["host_bytes_per_gpu"] == 9 * 4 * MiB + 4 * 2 * 4 * MiB
     assert pipe["host_bytes_per_node"] == 8 * pipe["host_bytes_per_gpu"]
     assert pipe["device_bytes_per_gpu"] == 2 * 4 * MiB
     assert pipe["fits_host"] is None and pipe["suggestion"] is None
@@ -45,18 +45,18 @@ def test_host_memory_warning_with_offload_and_a_setting_that_fits(capsys) -> Non
     argv = (*PLAN, "--offload-optimizer", "--dataloader",
             "workers=8,prefetch=4,pin=1,batch-bytes=1GiB,worker-rss=0", "--host-memory", "256GiB")
     data = json.loads(cli(capsys, *argv, "--json")[1])["input_pipeline"]
-    # per GPU: 33 pinned 1 GiB batches + 1 being pinned + 8 workers' samples = 42 GiB; x 8 GPUs
-    assert data["host_bytes_per_node"] == 8 * 42 * GiB
+    # per GPU: 33 pinned 1 GiB batches + 1 being pinned + 8 workers x 2 batches = 50 GiB; x 8
+    assert data["host_bytes_per_node"] == 8 * 50 * GiB
     offload = data["offload_bytes_per_node"]
-    assert offload > 0 and data["host_bytes_per_node_total"] == 8 * 42 * GiB + offload
+    assert offload > 0 and data["host_bytes_per_node_total"] == 8 * 50 * GiB + offload
     assert data["fits_host"] is False
     s = data["suggestion"]
-    # the suggestion fits: 8 x ((w p + 1) + 1 + w) GiB + offload <= 256 GiB
+    # the suggestion fits: 8 x ((w p + 1) + 1 + 2 w) GiB + offload <= 256 GiB
     w, p = s["num_workers"], s["prefetch_factor"]
-    assert 8 * (w * p + 2 + w) * GiB + offload <= 256 * GiB
+    assert 8 * (w * p + 2 + 2 * w) * GiB + offload <= 256 * GiB
     code, out, _ = cli(capsys, *argv)
     assert code == 0
-    assert "warning: host memory: input pipeline 336.00 GiB + offloaded states" in out
+    assert "warning: host memory: input pipeline 400.00 GiB + offloaded states" in out
     assert f"fits with workers={w},prefetch={p}" in out
 
 

@@ -19,15 +19,16 @@ MiB = 1 << 20
 def test_bytes_by_hand_workers_prefetch_pinned() -> None:
     # 8 workers x prefetch 4 = 32 batches in flight, pinned with the one in use: 33 pinned batches
     # of a 3 MiB tensor rounded up to 4 MiB; 1 batch (3 MiB) in shared memory being pinned; each
-    # worker 10 MiB at rest + 3 MiB of samples; depth 2 on the GPU (3 MiB is a multiple of 512).
+    # worker 10 MiB at rest + 2 batches (WORKER_BATCHES); depth 2 on the GPU (3 MiB is a multiple
+    # of 512).
     m = input_pipeline_memory(DataLoaderSpec(num_workers=8, prefetch_factor=4, pin_memory=True,
                                              batch_bytes=3 * MiB, worker_rss=10 * MiB, depth=2,
                                              gpus_per_node=8))
     assert m.in_flight_batches == 32
     assert m.pinned_bytes == 33 * 4 * MiB
     assert m.shared_bytes == 3 * MiB
-    assert m.worker_bytes == 8 * 13 * MiB
-    assert m.host_bytes == 33 * 4 * MiB + 3 * MiB + 8 * 13 * MiB
+    assert m.worker_bytes == 8 * (10 + 2 * 3) * MiB
+    assert m.host_bytes == 33 * 4 * MiB + 3 * MiB + 8 * 16 * MiB
     assert m.host_node_bytes == 8 * m.host_bytes
     assert m.device_bytes == 2 * 3 * MiB
 
@@ -48,8 +49,9 @@ def test_bytes_by_hand_no_pin_and_no_workers() -> None:
 def test_fitting_settings_fit_the_budget() -> None:
     s = DataLoaderSpec(num_workers=8, prefetch_factor=4, batch_bytes=MiB << 10, worker_rss=0)
     fit = fitting_settings(s, 20 << 30)
-    # host = (w p + 1 + w) GiB: 6 x 2 -> 19 GiB; 7 x 2 -> 22 GiB; 8 x 1 -> 17 GiB (fewer in flight)
-    assert (fit.num_workers, fit.prefetch) == (6, 2)
+    # host = (w p + 1 + 2 w) GiB: 3 x 4 -> 19 GiB (12 in flight); 4 x 3 -> 21 GiB; 6 x 1 -> 19 GiB
+    # (6 in flight); 4 x 2 -> 17 GiB (8 in flight)
+    assert (fit.num_workers, fit.prefetch) == (3, 4)
     assert input_pipeline_memory(fit).host_node_bytes <= 20 << 30
     assert fitting_settings(s, 1) is None
 

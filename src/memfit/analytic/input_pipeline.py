@@ -7,7 +7,7 @@
 >>> q = with_input_pipeline(p, DataLoaderSpec(num_workers=8, prefetch_factor=4,
 ...                                           batch_bytes=1 << 30, depth=1), host_memory=32 << 30)
 >>> q.input_pipeline.fits_host, q.input_pipeline.suggestion.num_workers
-(False, 6)
+(False, 5)
 
 The host check adds, per node, each GPU's pipeline
 (:func:`memfit.runtime.input_pipeline.input_pipeline_memory`) and the host memory the plan

@@ -14,7 +14,8 @@ What is measured, and why each number:
   quiet point.
 
 The quiet point: after the first batch, the workers fill their ``prefetch_factor`` batches
-each; the measurement waits until ``Shmem`` has not moved for ``settle_s`` seconds.
+each; the measurement waits until the workers' CPU time has not moved for ``settle_s`` seconds
+(each then waits on its index queue), which no other process on the machine can disturb.
 """
 
 from __future__ import annotations
@@ -64,15 +65,23 @@ def measure_loader_memory(loader: Iterable[Any], *, settle_s: float = 0.4,
     shm0 = psutil.virtual_memory().shared
     it = iter(loader)
     batch = next(it)
-    last, still_since, start = psutil.virtual_memory().shared, time.monotonic(), time.monotonic()
+    workers = [p for p in me.children() if p.pid not in before_children]
+
+    def busy() -> float:
+        total = 0.0
+        for w in workers:
+            t = w.cpu_times()
+            total += t.user + t.system
+        return total
+
+    last, still_since, start = busy(), time.monotonic(), time.monotonic()
     while time.monotonic() - start < timeout_s:
         time.sleep(0.05)
-        now = psutil.virtual_memory().shared
+        now = busy()
         if now != last:
             last, still_since = now, time.monotonic()
         elif time.monotonic() - still_since >= settle_s:
             break
-    workers = [p for p in me.children() if p.pid not in before_children]
     main = me.memory_full_info()
     infos = [w.memory_full_info() for w in workers]
     result = LoaderMemory(

@@ -31,7 +31,8 @@ Where each number comes from (torch 2.13, ``torch/utils/data/dataloader.py`` and
   power of two (``c10::llvm::PowerOf2Ceil(size)`` in ``ATen/core/CachingHostAllocator.h``,
   line 305 of the header shipped with torch 2.13) and caches freed blocks.
 - **Workers' own memory.** Each worker's private memory (USS) at rest, :data:`DEFAULT_WORKER_RSS`
-  unless measured, plus the samples of the batch it is collating (one batch each).
+  unless measured, plus :data:`WORKER_BATCHES` batches: the samples of the batch it is collating,
+  and the heap that the C allocator keeps after they are freed (measured, not derived).
 - **Device.** :class:`memfit.data.DevicePrefetcher` holds ``depth`` batches on the GPU ahead of
   the one the step uses (that one is the step's input, counted with it); each tensor a block of
   the caching allocator, rounded up to 512 bytes.
@@ -50,7 +51,7 @@ from typing import Any
 from memfit.errors import MemfitError, suggest
 from memfit.units import format_bytes, parse_bytes
 
-__all__ = ["DEFAULT_WORKER_RSS", "DataLoaderSpec", "InputPipelineMemory", "fitting_settings",
+__all__ = ["DEFAULT_WORKER_RSS", "WORKER_BATCHES", "DataLoaderSpec", "InputPipelineMemory", "fitting_settings",
            "input_pipeline_memory", "parse_dataloader"]
 
 DEFAULT_WORKER_RSS = 10 << 20
@@ -59,6 +60,13 @@ DEFAULT_WORKER_RSS = 10 << 20
 2.13 CPU, Linux; tests/data/test_input_pipeline.py measures it again and bench/input_pipeline.py
 prints it). A forked worker shares the parent's pages until it writes them; a ``spawn`` worker
 or a dataset of many Python objects costs far more: measure it (``worker_rss=``)."""
+
+WORKER_BATCHES = 2
+"""A worker's private memory above its at-rest USS, in batches: the samples it collates (one
+batch), and what glibc's heap keeps of the previous batch's once freed (its mmap threshold rises
+after the first large free, so later samples come from the heap, which is not returned).
+Measured 1.4-2.0 batches on forked workers (bench/input_pipeline.py, batches of 8 MiB);
+rounded up, so a host-memory check errs on the safe side."""
 
 CUDA_BLOCK_ROUND = 512
 """The CUDA caching allocator rounds each request up to a multiple of 512 bytes
@@ -147,7 +155,7 @@ class InputPipelineMemory:
     """Private memory of the process building batches: the main process's batch and its
     samples without workers; 0 with workers (they build them)."""
     worker_bytes: int
-    """The workers' own memory: each its at-rest memory and the samples of one batch."""
+    """The workers' own memory: each its at-rest memory and :data:`WORKER_BATCHES` batches."""
     device_bytes: int
     """On each GPU: the DevicePrefetcher's ``depth`` batches (512-byte blocks)."""
     parts: dict[str, int] = field(default_factory=dict)
@@ -189,8 +197,8 @@ def input_pipeline_memory(spec: DataLoaderSpec, *, device: str = "cuda") -> Inpu
 
     >>> m = input_pipeline_memory(DataLoaderSpec(num_workers=2, prefetch_factor=2,
     ...                                          batch_bytes=1000, worker_rss=0))
-    >>> m.shared_bytes, m.worker_bytes  # (2 x 2 in flight + 1 in use) batches; 1 batch each
-    (5000, 2000)
+    >>> m.shared_bytes, m.worker_bytes  # (2 x 2 in flight + 1 in use) batches; 2 batches each
+    (5000, 4000)
     """
     batch = spec.batch_bytes
     tensors = spec.tensor_bytes or (batch,)
@@ -208,7 +216,7 @@ def input_pipeline_memory(spec: DataLoaderSpec, *, device: str = "cuda") -> Inpu
         shared = batch  # the batch the pin thread is copying
     else:
         shared = (in_flight + 1) * batch
-    workers = spec.num_workers * (spec.worker_rss + batch)
+    workers = spec.num_workers * (spec.worker_rss + WORKER_BATCHES * batch)
     return InputPipelineMemory(
         spec=spec, in_flight_batches=in_flight, shared_bytes=shared, pinned_bytes=pinned,
         private_bytes=private, worker_bytes=workers, device_bytes=spec.depth * device_batch)
@@ -221,7 +229,7 @@ def fitting_settings(spec: DataLoaderSpec, budget_bytes: int) -> DataLoaderSpec 
 
     >>> s = DataLoaderSpec(num_workers=8, prefetch_factor=4, batch_bytes=1 << 30, worker_rss=0)
     >>> fitting_settings(s, 20 << 30).num_workers, fitting_settings(s, 20 << 30).prefetch
-    (6, 2)
+    (3, 4)
     """
     best: tuple[int, int, DataLoaderSpec] | None = None
     for workers in range(spec.num_workers, -1, -1):
