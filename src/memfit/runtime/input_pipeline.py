@@ -51,8 +51,8 @@ from typing import Any
 from memfit.errors import MemfitError, suggest
 from memfit.units import format_bytes, parse_bytes
 
-__all__ = ["DEFAULT_WORKER_RSS", "WORKER_BATCHES", "DataLoaderSpec", "InputPipelineMemory", "fitting_settings",
-           "input_pipeline_memory", "parse_dataloader"]
+__all__ = ["DEFAULT_WORKER_RSS", "WORKER_BATCHES", "DataLoaderSpec", "InputPipelineMemory",
+           "fitting_settings", "input_pipeline_memory", "parse_dataloader", "tokens_sample_bytes"]
 
 DEFAULT_WORKER_RSS = 10 << 20
 """Private memory (USS) of one idle DataLoader worker, 10 MiB: measured with psutil's
