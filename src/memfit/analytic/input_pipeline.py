@@ -75,16 +75,16 @@ class PipelineOnPlan:
         out = [self.memory.describe()]
         if self.fits_host is False:
             assert self.host_memory is not None
-            offload = (f" + offloaded states {format_bytes(self.offload_node_bytes)}"
-                       if self.offload_node_bytes else "")
+            offload = (f" + offloaded states {format_bytes(self.offload_node_bytes)} = "
+                       f"{format_bytes(self.node_bytes)}" if self.offload_node_bytes else "")
             fix = ("no DataLoader setting fits: lower the batch or the offload"
                    if self.suggestion is None else
                    f"fits with {_settings(self.suggestion)} "
                    f"({format_bytes(input_pipeline_memory(self.suggestion).host_node_bytes)} "
                    f"per node)")
             out.insert(0, f"warning: host memory: input pipeline "
-                       f"{format_bytes(self.memory.host_node_bytes)}{offload} = "
-                       f"{format_bytes(self.node_bytes)} per node of {self.gpus_on_node} GPUs, "
+                       f"{format_bytes(self.memory.host_node_bytes)}{offload} per node of "
+                       f"{self.gpus_on_node} GPUs, "
                        f"over the node's {format_bytes(self.host_memory)}; {fix}")
         return out
 

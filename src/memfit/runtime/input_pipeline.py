@@ -65,7 +65,7 @@ WORKER_BATCHES = 2
 """A worker's private memory above its at-rest USS, in batches: the samples it collates (one
 batch), and what glibc's heap keeps of the previous batch's once freed (its mmap threshold rises
 after the first large free, so later samples come from the heap, which is not returned).
-Measured 1.4-2.0 batches on forked workers (bench/input_pipeline.py, batches of 8 MiB);
+Measured 1.9-2.4 batches on forked workers (bench/input_pipeline.py, batches of 8 MiB);
 rounded up, so a host-memory check errs on the safe side."""
 
 CUDA_BLOCK_ROUND = 512
