@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -10,6 +11,7 @@ from _bench import load_bench
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="reads Linux's Shmem; forks workers")
 def test_bench_rows_table_and_json(tmp_path, capsys) -> None:
     pytest.importorskip("psutil")
     bench = load_bench("input_pipeline")

@@ -3,6 +3,8 @@ and the batches in flight against a real DataLoader measured with psutil."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from memfit.errors import MemfitError
@@ -79,6 +81,7 @@ def test_parse_sample_bytes_times_batch() -> None:
         8, 4, True, 16 * 64 * 1024, 1, 8)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads Linux's Shmem; forks workers")
 @pytest.mark.parametrize(("workers", "prefetch"), [(2, 2), (2, 3)])
 def test_batches_in_flight_match_psutil_measurement(workers: int, prefetch: int) -> None:
     """A real DataLoader (forked workers), batches of 4 x 2 MiB float32 samples: the growth of
