@@ -51,7 +51,9 @@ from memfit._tensors import call_model, tensor_leaves
 from memfit.errors import MemfitError, suggest
 from memfit.profiling.cpu import measure_cpu_peak
 from memfit.progress import Progress, current, phase
+from memfit.runtime.input_pipeline import DataLoaderSpec
 from memfit.trace import estimate
+from memfit.trace.dataloader import with_input_pipeline
 from memfit.trace.optim import OptimizerFactory, make_optimizer
 
 __all__ = ["MODES", "find_batch_size"]
@@ -136,8 +138,9 @@ class _Trials:
 
     def __init__(self, model: nn.Module, source: _Source, *, budget: int, train: bool,
                  optimizer: str | OptimizerFactory, loss_fn: LossFn,
-                 log_trials: bool) -> None:
+                 log_trials: bool, prefetch: int = 0) -> None:
         self.model = model
+        self.prefetch = prefetch
         self.source = source
         self.budget = budget
         self.train = train
@@ -163,8 +166,11 @@ class _Trials:
     def _measure(self, rows: int) -> int | None:
         """The trial's peak bytes, or None when it ran out of memory."""
         batch = None
+        ahead: list[Any] = []
         try:
             batch = self.source.real(rows)
+            # the DevicePrefetcher's batches, alive on the device through the step
+            ahead = [_map(batch, torch.clone) for _ in range(self.prefetch)]
             if self.cuda:
                 torch.cuda.synchronize(self.source.device)
                 torch.cuda.reset_peak_memory_stats(self.source.device)
@@ -172,11 +178,12 @@ class _Trials:
                 torch.cuda.synchronize(self.source.device)
                 return int(torch.cuda.max_memory_reserved(self.source.device))
             return measure_cpu_peak(functools.partial(self._step, batch), self.model,
-                                    batch).peak_bytes
+                                    batch, *ahead).peak_bytes
         except torch.OutOfMemoryError:
             return None
         finally:
             batch = None
+            ahead.clear()
             for p in self.model.parameters():
                 p.grad = None
             gc.collect()
@@ -282,7 +289,7 @@ def _largest(fits: Callable[[int], bool], seed: int, max_batch: int,
 
 def _predicted_seed(model: nn.Module, source: _Source, *, budget: int, train: bool,
                     optimizer: str | OptimizerFactory, loss_fn: LossFn,
-                    max_batch: int) -> int:
+                    max_batch: int, prefetch: int = 0) -> int:
     target = "cuda" if source.device.type == "cuda" else "cpu"
     cache: dict[int, bool] = {}
 
@@ -291,6 +298,8 @@ def _predicted_seed(model: nn.Module, source: _Source, *, budget: int, train: bo
             phase(f"seed: tracing batch {rows} on meta tensors")
             est = estimate(model, source.meta(rows), optimizer=optimizer if train else None,
                            loss_fn=loss_fn, device=target, steps=_TRAIN_STEPS if train else 1)
+            if prefetch:
+                est = with_input_pipeline(est, DataLoaderSpec(depth=prefetch), source.meta(rows))
             peak = est.peak_reserved_bytes if target == "cuda" else est.peak_bytes
             cache[rows] = peak <= budget
         return cache[rows]
@@ -331,7 +340,8 @@ def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterabl
                     optimizer: str | OptimizerFactory = "adamw",
                     loss_fn: LossFn | None = None, mode: str = "train",
                     start: int | None = None, max_batch: int = 4096, scan_batches: int = 64,
-                    log: bool = True, progress: bool | None = None) -> int:
+                    log: bool = True, progress: bool | None = None,
+                    prefetch_batches: int = 0) -> int:
     """The largest batch size whose step fits in ``budget_bytes`` (see :mod:`memfit.batch_size`).
 
     ``make_batch(batch_size)`` returns a batch (a tensor, or a tuple/list/dict of tensors with
@@ -343,13 +353,20 @@ def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterabl
     the model is (default: there); batches are moved to it. ``budget_bytes`` is required on CPU;
     on CUDA it defaults to the free memory plus what PyTorch already reserved. ``progress``:
     a line on stderr with the trial running and the bracket so far (default: only when stderr
-    is a terminal; see :mod:`memfit.progress`).
+    is a terminal; see :mod:`memfit.progress`). ``prefetch_batches``: batches of the same size
+    held on the device during the step, as :class:`memfit.data.DevicePrefetcher` ``depth`` does
+    (default 0: a plain DataLoader builds the next batch on the host); the trials hold that many
+    copies of the batch and the seed adds their bytes to the prediction.
 
     >>> find_batch_size(model, lambda b: torch.randn(b, 512), budget_bytes=64 * 2**20,
     ...                 device="cpu")
     37
     """
     _validate(model, mode, budget_bytes, start, max_batch, optimizer)
+    if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) \
+            or prefetch_batches < 0:
+        raise MemfitError(f"prefetch_batches must be an int >= 0 (DevicePrefetcher's depth), "
+                          f"not {prefetch_batches!r}")
     check_loss_fn(loss_fn)
     model_device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if model_device.type == "meta":
@@ -371,7 +388,8 @@ def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterabl
                 result = _search(model, make_batch, dev, budget_bytes=budget_bytes,
                                  optimizer=optimizer, loss_fn=loss_fn or model_loss,
                                  train=mode == "train", start=start, max_batch=max_batch,
-                                 scan_batches=scan_batches, log_trials=log)
+                                 scan_batches=scan_batches, log_trials=log,
+                                 prefetch=prefetch_batches)
         except BaseException as exc:  # re-raised below, after the other ranks are told
             if not distributed:
                 raise
@@ -393,7 +411,7 @@ def find_batch_size(model: nn.Module, make_batch: Callable[[int], Any] | Iterabl
 def _search(model: nn.Module, make_batch: Any, dev: torch.device, *, budget_bytes: int | None,
             optimizer: str | OptimizerFactory, loss_fn: LossFn,
             train: bool, start: int | None, max_batch: int, scan_batches: int,
-            log_trials: bool) -> int:
+            log_trials: bool, prefetch: int = 0) -> int:
     if budget_bytes is None:
         if dev.type != "cuda":
             raise MemfitError(f"budget_bytes is required on {dev.type}: there is no device "
@@ -408,9 +426,9 @@ def _search(model: nn.Module, make_batch: Any, dev: torch.device, *, budget_byte
         source = _Source(make_batch, dev, scan_batches)
         seed = start if start is not None else _predicted_seed(
             model, source, budget=budget_bytes, train=train, optimizer=optimizer,
-            loss_fn=loss_fn, max_batch=max_batch)
+            loss_fn=loss_fn, max_batch=max_batch, prefetch=prefetch)
         trials = _Trials(model, source, budget=budget_bytes, train=train, optimizer=optimizer,
-                         loss_fn=loss_fn, log_trials=log_trials)
+                         loss_fn=loss_fn, log_trials=log_trials, prefetch=prefetch)
         found = _largest(trials.fits, seed, max_batch, trials.guess)
         if found is None:
             peak = trials.peaks.get(1)

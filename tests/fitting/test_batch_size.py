@@ -329,3 +329,18 @@ def test_search_logic_with_guesses_on_every_threshold_and_seed(guess):
                 bound = 2 * (abs(seed - threshold) + 1).bit_length() + 2
                 assert len(calls) <= (bound + batch_size_module._GUESSES
                                        + max_batch.bit_length()), calls
+
+
+def test_prefetched_batches_are_counted(budget40):
+    """prefetch_batches=2 (DevicePrefetcher depth 2): the budget is put between the measured
+    peaks of batches 40 and 41 plus two more batches of their bytes each (b x IN float32s), so
+    the finder must return 40; without counting them it finds more."""
+    model = mlp()
+    extra = 2 * IN * 4  # two batches of one row
+    budget = (measured_peak(model, make_batch(40), train=True) + 40 * extra
+              + measured_peak(model, make_batch(41), train=True) + 41 * extra) // 2
+    assert find_batch_size(model, make_batch, budget_bytes=budget, device="cpu",
+                           prefetch_batches=2) == 40
+    assert find_batch_size(model, make_batch, budget_bytes=budget, device="cpu") > 40
+    with pytest.raises(MemfitError, match="prefetch_batches must be an int >= 0"):
+        find_batch_size(model, make_batch, budget_bytes=budget, device="cpu", prefetch_batches=-1)

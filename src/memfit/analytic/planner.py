@@ -91,6 +91,10 @@ class MemoryPlan:
     engine_buffers: dict[str, int] = field(default_factory=dict)
     """The engine's own GPU buffers, counted in ``temporaries`` (gathered parameters, reduce
     buckets), by name."""
+    input_pipeline: Any = None
+    """With a DataLoader (:func:`memfit.analytic.input_pipeline.with_input_pipeline`): its
+    memory and the node's host check (``PipelineOnPlan``); its device bytes are in
+    ``ACTIVATIONS``."""
 
     @property
     def engine_label(self) -> str:
@@ -156,6 +160,8 @@ class MemoryPlan:
             parts = ", ".join(f"{name} {format_bytes(b)}" for name, b in
                               self.engine_buffers.items())
             after.append(f"{self.engine_label} buffers in temporaries: {parts}")
+        if self.input_pipeline is not None:
+            after += self.input_pipeline.lines()
         after += [f"note: {note}" for note in self.notes]
         budget_line = self.budget.line() if self.budget else None
         return MemoryTable(
@@ -212,6 +218,8 @@ class MemoryPlan:
             # --seq is not given), inside "run" with the other options.
             "run": {**self.run.to_dict(), "seq": self.seq},
             "notes": list(self.notes),
+            "input_pipeline": (None if self.input_pipeline is None
+                               else self.input_pipeline.to_dict()),
         }
 
 

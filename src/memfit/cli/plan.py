@@ -20,6 +20,7 @@ from memfit.analytic.config import (
     WEIGHT_QUANTS,
     RunConfig,
 )
+from memfit.analytic.input_pipeline import default_sample_bytes, with_input_pipeline
 from memfit.analytic.planner import (
     FITS_MARGIN,
     GPUS_PER_NODE,
@@ -41,7 +42,8 @@ from memfit.cli.layout import parallel_from_args
 from memfit.errors import MemfitError
 from memfit.models.spec import ModelSpec, ParamCountSpec
 from memfit.parallel.config import PP_SCHEDULES
-from memfit.units import parse_count
+from memfit.runtime.input_pipeline import DataLoaderSpec, parse_dataloader
+from memfit.units import parse_bytes, parse_count
 
 EPILOG = """examples:
   memfit plan llama-3-8b --gpu rtx-4090 --mode lora --batch 4 --seq 2048
@@ -58,6 +60,8 @@ EPILOG = """examples:
       --offload-to nvme
   memfit plan llama-3-8b --mode inference --batch 8 --seq 4096 --new-tokens 512 --quant int4
   memfit plan llama-3-8b --gpu a100-40gb --mode inference --precision bf16 --sparsity 2:4
+  memfit plan llama-3-8b --gpu h100-80gb --gpus 8 --method analytic --batch 8 --seq 8192 \\
+      --dataloader workers=8,prefetch=4,pin=1,depth=1 --host-memory 1TiB
   memfit plan llama-3-8b --gpu l4 --mode qlora --checkpointing full --check && \\
       python train.py   # run only when it fits
 
@@ -146,6 +150,15 @@ def register(sub: Any) -> None:
                    help="analytic formulas, or trace the real module on meta tensors (default: "
                    "the trace for --gpus > 1 when the model can be built, one row per rank "
                    "role, and for model types the formulas do not cover; else the formulas)")
+    p.add_argument("--dataloader", metavar="KEY=VALUE,...",
+                   help="the input pipeline per GPU: workers=N, prefetch=N (per worker; torch's "
+                   "default 2), pin=0|1, sample-bytes=SIZE (x --batch) or batch-bytes=SIZE "
+                   "(default: a language model's int64 ids and labels), worker-rss=SIZE, "
+                   "depth=N (memfit.data.DevicePrefetcher batches on the GPU); reports its host "
+                   "memory per GPU and per node (analytic plans)")
+    p.add_argument("--host-memory", metavar="SIZE",
+                   help="with --dataloader: the node's RAM, e.g. 1TiB; warns when the input "
+                   "pipeline and offloaded states pass it, with settings that fit")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--check", action="store_true",
                    help="exit 1 when the step does not fit (0 when it does), for scripts; "
@@ -233,6 +246,18 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     )
 
 
+def dataloader_from_args(args: argparse.Namespace, model: ModelSpec,
+                         config: RunConfig) -> DataLoaderSpec | None:
+    """``--dataloader`` as a spec (its batch: ``sample-bytes`` x ``--batch``), or None."""
+    if args.dataloader is None:
+        if args.host_memory is not None:
+            raise MemfitError("--host-memory checks the input pipeline's host memory: give "
+                              "--dataloader too (e.g. --dataloader workers=8,prefetch=2)")
+        return None
+    sample = default_sample_bytes(model, config.seq)
+    return parse_dataloader(args.dataloader, batch=config.batch, default_sample_bytes=sample)
+
+
 def choose_precision(args: argparse.Namespace, gpu: Any) -> str | None:
     """Without --precision: the best the GPU supports (:func:`default_precision`); returns the
     line saying so when the GPU changed the choice from the documented bf16-mixed."""
@@ -247,16 +272,11 @@ def choose_precision(args: argparse.Namespace, gpu: Any) -> str | None:
             "give --precision to choose another")
 
 
-def run(args: argparse.Namespace) -> int:
+def choose_method(args: argparse.Namespace, model: Any, config: RunConfig) -> None:
+    """``args.method`` where the model or the options decide it (a model the formulas do not
+    cover is traced; 2:4 sparsity is planned by the formulas)."""
     from memfit.models.hf_auto import HFModelSpec
 
-    args.started = time.perf_counter()  # a traced plan's header says how long it took
-    model, gpu = resolve(args)
-    if args.check and gpu is None:
-        raise MemfitError("--check exits 1 when the step does not fit a GPU: name one with "
-                          "--gpu (`memfit gpus` lists them)")
-    args.precision_note = choose_precision(args, gpu)
-    config = run_config(args)
     if isinstance(model, HFModelSpec):
         if args.method == "analytic":
             raise MemfitError(f"--method analytic: memfit's formulas do not cover model_type "
@@ -273,6 +293,17 @@ def run(args: argparse.Namespace) -> int:
                               "trace builds dense weights on meta tensors (torch's 2:4 tensors "
                               "need CUDA): use --method analytic with a preset or config.json")
         args.method = "analytic"
+
+
+def run(args: argparse.Namespace) -> int:
+    args.started = time.perf_counter()  # a traced plan's header says how long it took
+    model, gpu = resolve(args)
+    if args.check and gpu is None:
+        raise MemfitError("--check exits 1 when the step does not fit a GPU: name one with "
+                          "--gpu (`memfit gpus` lists them)")
+    args.precision_note = choose_precision(args, gpu)
+    config = run_config(args)
+    choose_method(args, model, config)
     asked = args.method
     args.method = args.method or "analytic"
     from memfit.models.checkpoint import checkpoint_dict, checkpoint_for, compare_with_config
@@ -283,6 +314,10 @@ def run(args: argparse.Namespace) -> int:
     if checkpoint is not None and not args.json:
         console().print(compare_with_config(checkpoint, model), soft_wrap=True)
     per_node = positive_int(args.gpus_per_node, "--gpus-per-node") or GPUS_PER_NODE
+    pipeline = dataloader_from_args(args, model, config)
+    if pipeline is not None and (args.method == "trace" or (config.gpus > 1 and asked is None)):
+        raise MemfitError("--dataloader is planned by the formulas only: add --method analytic "
+                          "(in Python, memfit.estimate(..., dataloader=) traces it)")
     hsdp = config.parallel.strategy == "hsdp"
     from memfit.cli.parallel_plan import trace_flags
 
@@ -322,7 +357,21 @@ def run(args: argparse.Namespace) -> int:
         args.checkpoint_json = (None if checkpoint is None
                                 else checkpoint_dict(checkpoint, model))
         return run_trace(args, model, config, gpu)
+    return answer_analytic(args, model, config, gpu, pipeline=pipeline, per_node=per_node,
+                           checkpoint=checkpoint, method_note=method_note)
+
+
+def answer_analytic(args: argparse.Namespace, model: Any, config: RunConfig, gpu: Any, *,
+                    pipeline: Any, per_node: int, checkpoint: Any,
+                    method_note: str | None) -> int:
+    """The formulas' plan: the table (or JSON), the changes that would fit, the scale-out."""
+    from memfit.models.checkpoint import checkpoint_dict
+
     result = with_hints(plan(model, config, gpu))
+    if pipeline is not None:
+        result = with_input_pipeline(result, pipeline, gpus_per_node=per_node,
+                                     host_memory=None if args.host_memory is None else
+                                     parse_bytes(args.host_memory, what="--host-memory"))
     suggestions = suggest_changes(result) if result.fits is False else []
     # A unified-memory device (Jetson, Mac) is one machine: more of them is no plan step.
     scale_out = result.fits is False and not (gpu and gpu.unified_memory)

@@ -67,7 +67,7 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
         progress: bool | None = None, top: int = 5, headroom: float | None = None,
         gpus: int | None = None, gpus_per_node: int | None = None,
         rates: Rates | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-        options: SearchOptions | None = None) -> Plan:
+        options: SearchOptions | None = None, prefetch_batches: int = 0) -> Plan:
     """Find the fastest training configuration of ``model`` that fits.
 
     ``sample_batch``: one batch as the model takes it (tensor, tuple -> ``model(*b)``, dict ->
@@ -101,6 +101,10 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     ``options``: how the search prunes and shares traces (:class:`SearchOptions`; default: all
     on). They change the time the search takes, not its answer.
 
+    ``prefetch_batches``: micro-batches a :class:`memfit.data.DevicePrefetcher` (``depth``)
+    holds on the device through the step; each candidate's peak counts them (default 0: a
+    plain DataLoader builds the next batch on the host).
+
     >>> plan = fit(model, (x, y), global_batch=64, budget_bytes=2**30, device="cpu")
     >>> model, optimizer, step = plan.apply(model)
     """
@@ -108,7 +112,8 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                   budget_bytes=budget_bytes, device=device, loss_fn=loss_fn,
                   reduction=reduction, count_fn=count_fn, num_gpus=num_gpus, measure=measure,
                   space=space, progress=progress, top=top, headroom=headroom, gpus=gpus,
-                  gpus_per_node=gpus_per_node, rates=rates, options=options).run()
+                  gpus_per_node=gpus_per_node, rates=rates, options=options,
+                  prefetch_batches=prefetch_batches).run()
 
 
 class Search(Pruning, Verification):

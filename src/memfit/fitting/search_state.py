@@ -44,6 +44,8 @@ from memfit.fitting.traced import Traced, count_flops, trace_one
 from memfit.gpus import GpuSpec
 from memfit.parallel.config import Parallel
 from memfit.progress import phase
+from memfit.runtime.input_pipeline import DataLoaderSpec, input_pipeline_memory
+from memfit.trace.dataloader import tensor_bytes
 
 __all__ = ["Combo", "SearchOptions", "SearchState", "unverified"]
 
@@ -90,8 +92,13 @@ class SearchState:
                  progress: bool | None = None, top: int = 5, headroom: float | None = None,
                  gpus: int | None = None, gpus_per_node: int | None = None,
                  rates: Rates | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-                 options: SearchOptions | None = None) -> None:
+                 options: SearchOptions | None = None, prefetch_batches: int = 0) -> None:
         self.started = time.perf_counter()
+        if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) \
+                or prefetch_batches < 0:
+            raise MemfitError(f"prefetch_batches must be an int >= 0 (DevicePrefetcher's "
+                              f"depth), not {prefetch_batches!r}")
+        self.prefetch_batches = prefetch_batches
         self.options = options or SearchOptions()
         self.layouts: list[Parallel] | None = None
         """With ``gpus=``: the layouts searched (Note: [layouts are derived, then traced])."""
@@ -223,9 +230,28 @@ class SearchState:
         """The cached trace, None when ``m`` was not traced."""
         return self.traces.get((*combo, m))
 
+    def prefetch_bytes(self, m: int) -> int:
+        """The DevicePrefetcher's ``prefetch_batches`` batches of micro-batch ``m`` on the device
+        (memfit.runtime.input_pipeline: the sample batch's tensors scaled to ``m`` rows, each a
+        512-byte block on CUDA), alive through the step."""
+        if not self.prefetch_batches:
+            return 0
+        rows = leading(self.sample_batch)
+        per_tensor = tuple(b * m // rows for b in tensor_bytes(self.sample_batch))
+        spec = DataLoaderSpec(tensor_bytes=per_tensor, depth=self.prefetch_batches)
+        return input_pipeline_memory(spec, device="cpu" if self.device == "cpu"
+                                     else "cuda").device_bytes
+
     def derive(self, t: Traced, ref_m: int, m: int, offload_states: bool,
                offload_activations: bool, sharding: str, par: Parallel | None = None,
                per_rank: int | None = None, attention: str = "model") -> int:
+        return self.prefetch_bytes(m) + self._derive(t, ref_m, m, offload_states,
+                                                     offload_activations, sharding, par,
+                                                     per_rank, attention)
+
+    def _derive(self, t: Traced, ref_m: int, m: int, offload_states: bool,
+                offload_activations: bool, sharding: str, par: Parallel | None = None,
+                per_rank: int | None = None, attention: str = "model") -> int:
         if par is None:
             return derive_one_gpu(t, ref_m, m, offload_states, offload_activations, sharding,
                                   self.num_gpus, self.per_gpu)

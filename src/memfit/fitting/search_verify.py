@@ -93,8 +93,9 @@ class Verification(SearchState):
                           offload_states=cfg.offload_states)
             if isinstance(t, str):
                 return t
-            return t, (t.peak_accum + rest_of_batch(t, cfg.micro_batch, per_gpu)
-                       if cfg.accumulation > 1 else t.peak)
+            return t, self.prefetch_bytes(cfg.micro_batch) + (
+                t.peak_accum + rest_of_batch(t, cfg.micro_batch, per_gpu)
+                if cfg.accumulation > 1 else t.peak)
 
         self._verify("memfit fit: tracing the offload candidates", unverified, traced,
                      "traced with offload: peak", lambda t: {"host_bytes": t.host_peak},
@@ -166,8 +167,9 @@ class Verification(SearchState):
             assert cfg.parallel is not None
             per_rank = self.global_batch // cfg.parallel.dp
             # A pipeline's trace ran the whole step, every micro-batch (layouts.traced_step).
-            return t, (t.peak_accum + rest_of_batch(t, cfg.micro_batch, per_rank)
-                       if cfg.accumulation > 1 and cfg.parallel.pp == 1 else t.peak)
+            return t, self.prefetch_bytes(cfg.micro_batch) + (
+                t.peak_accum + rest_of_batch(t, cfg.micro_batch, per_rank)
+                if cfg.accumulation > 1 and cfg.parallel.pp == 1 else t.peak)
 
         self._verify("memfit fit: tracing each rank of the layouts that can win",
                      lambda c: not c.per_rank, traced, "traced per rank: worst rank's peak",

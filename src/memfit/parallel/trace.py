@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -28,6 +28,7 @@ from memfit.trace.options import check_request
 if TYPE_CHECKING:
     from memfit._loss import LossFn
     from memfit.gpus import GpuSpec
+    from memfit.runtime.input_pipeline import DataLoaderSpec
     from memfit.trace.estimate import Estimate
     from memfit.trace.optim import OptimizerFactory
 
@@ -149,14 +150,36 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
              precision: str = "fp32", loss_fn: LossFn | None = None,
              device: str = "cuda", gpu: str | GpuSpec | None = None, steps: int = 2,
              expandable_segments: bool = False, num_gpus: int = 1,
-             keep_output: bool = False, parallel: Parallel | None = None) -> Estimate:
+             keep_output: bool = False, parallel: Parallel | None = None,
+             dataloader: DataLoaderSpec | Mapping[str, Any] | None = None) -> Estimate:
     """``memfit.estimate``: :func:`memfit.trace.estimate` (see there for every argument), and
     with ``parallel``, a :class:`memfit.Parallel` layout, each distinct rank of it traced running
     PyTorch's own DDP / ZeRO-1 / FSDP2 / HSDP over a fake process group, the result being the
     rank with the highest peak and ``per_rank`` holding one estimate per rank role.
 
+    ``dataloader``: the input pipeline (a :class:`memfit.runtime.input_pipeline.DataLoaderSpec`
+    or a dict of its fields: ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``depth``, ...;
+    the batch's bytes default to ``inputs``'): ``depth`` batches of
+    :class:`memfit.data.DevicePrefetcher` are added to the peak (``ACTIVATIONS``), and the host
+    side is in ``input_pipeline`` (memfit.trace.dataloader).
+
     >>> est = memfit.estimate(model, inputs, device="cpu", parallel=Parallel(gpus=8, fsdp=8))
+    >>> est = memfit.estimate(model, inputs, dataloader={"num_workers": 4, "depth": 1})
     """
+    est = _estimate(model, inputs, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
+                    device=device, gpu=gpu, steps=steps, expandable_segments=expandable_segments,
+                    num_gpus=num_gpus, keep_output=keep_output, parallel=parallel)
+    if dataloader is None:
+        return est
+    from memfit.trace.dataloader import with_input_pipeline
+
+    return with_input_pipeline(est, dataloader, inputs)
+
+
+def _estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory | None,
+              precision: str, loss_fn: LossFn | None, device: str, gpu: str | GpuSpec | None,
+              steps: int, expandable_segments: bool, num_gpus: int, keep_output: bool,
+              parallel: Parallel | None) -> Estimate:
     kwargs: dict[str, Any] = dict(
         optimizer=optimizer, precision=precision, loss_fn=loss_fn, device=device, gpu=gpu,
         steps=steps, expandable_segments=expandable_segments, keep_output=keep_output)

@@ -91,6 +91,10 @@ class Estimate:
     per_rank: tuple[Estimate, ...] = field(default=(), repr=False)
     """With ``parallel=``: one estimate per distinct rank role (``ranks`` says which); the
     estimate itself is the role with the highest peak."""
+    input_pipeline: Any = None
+    """With ``dataloader=``: the input pipeline's memory
+    (:class:`memfit.runtime.input_pipeline.InputPipelineMemory`); its ``device_bytes`` (the
+    DevicePrefetcher's batches) are in ``peak_bytes`` and ``ACTIVATIONS``."""
 
     @property
     def runtime_bytes(self) -> int:
@@ -129,6 +133,12 @@ class Estimate:
             summary.add_row("total (reserved + runtime)", format_bytes(self.total_bytes))
         if self.host_peak_bytes:
             summary.add_row("host memory for offload (peak)", format_bytes(self.host_peak_bytes))
+        if self.input_pipeline is not None:
+            pipe = self.input_pipeline
+            if pipe.device_bytes:
+                summary.add_row(f"of which DevicePrefetcher batches (depth {pipe.spec.depth})",
+                                format_bytes(pipe.device_bytes))
+            summary.add_row("host: input pipeline per GPU", format_bytes(pipe.host_bytes))
         summary.add_row("peak at", f"{self.peak_op} ({self.peak_phase}, step {self.peak_step}"
                         + (f", module {self.peak_module}" if self.peak_module else "") + ")")
         console.print(summary)
