@@ -78,6 +78,8 @@ SHAPE_CONSTRAINTS: dict[str, dict[str, ShapeConstraint]] = {
 }
 """Which dtypes each backend converts, and the weight shapes it accepts (torch 2.13)."""
 
+# The element sizes of the dtypes the backends take (memfit.dtypes has them too, but imports
+# torch lazily, which this torch-free module may not).
 ELEMENT_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 
 # CUTLASS metadata (torch/sparse/_semi_structured_conversions.py:
