@@ -232,3 +232,41 @@ def test_sparse_gradient_accumulated_into_grad_within_1_percent() -> None:
         est = traced(wrapped, inputs, optimizer)
         real = real_peak(wrapped, inputs, OPTIMIZERS[optimizer](wrapped.parameters()))
         assert abs(est.peak_bytes - real) <= TOLERANCE * real, (optimizer, est.peak_bytes, real)
+
+
+REJECTING: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop,
+    "adamax": torch.optim.Adamax, "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam,
+    "adadelta": torch.optim.Adadelta, "asgd": torch.optim.ASGD, "rprop": torch.optim.Rprop,
+    "sgd-decay": lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.01),
+    "adagrad-decay": lambda ps: torch.optim.Adagrad(ps, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REJECTING))
+def test_an_optimizer_torch_rejects_is_refused_before_the_trace(name: str) -> None:
+    """The refusal matches torch: a real step on a sparse gradient raises (measured here, not
+    assumed), and ``estimate`` says so in one MemfitError before it traces anything."""
+    from memfit.errors import MemfitError
+
+    table = nn.Embedding(10, 4, sparse=True)
+    table(torch.tensor([1, 2, 2])).sum().backward()
+    with pytest.raises(RuntimeError):
+        REJECTING[name](table.parameters()).step()
+    model = Lookup("embedding", rows=100)
+    with pytest.raises(MemfitError, match=r"^table has sparse gradients .*SparseAdam"):
+        estimate(model, torch.zeros(4, 8, dtype=torch.long, device="meta"),
+                 optimizer=REJECTING[name], device="cpu", loss_fn=lambda m, b: m(b).sum())
+
+
+def test_the_adamw_name_is_refused_and_sparse_takers_are_not() -> None:
+    from memfit.errors import MemfitError
+
+    ids = torch.zeros(4, 8, dtype=torch.long, device="meta")
+    with pytest.raises(MemfitError, match=r"torch\.optim\.AdamW does not take sparse gradients"):
+        estimate(Lookup("embedding", rows=100), ids, optimizer="adamw", device="cpu",
+                 loss_fn=lambda m, b: m(b).sum())
+    for make in (*OPTIMIZERS.values(), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
+        est = estimate(Lookup("embedding", rows=100), ids, optimizer=make, device="cpu",
+                       loss_fn=lambda m, b: m(b).sum())
+        assert est.peak_bytes > 0

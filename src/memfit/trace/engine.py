@@ -36,7 +36,7 @@ from memfit._tensors import call_model, fake_inputs, fake_model, tensor_leaves
 from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
 from memfit.progress import trace_progress
-from memfit.trace import foreach, host, pruning
+from memfit.trace import foreach, host, pruning, sparse
 from memfit.trace.autocast import cuda_autocast_emulation
 from memfit.trace.blocks import replaying_blocks
 from memfit.trace.datadep import DataDependentSizes
@@ -218,6 +218,8 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         with unset_fake_temporarily():
             opt = (make_optimizer(optimizer, params, cuda_target=cuda_target)
                    if training and params else None)
+            if opt is not None:
+                sparse.check_optimizer(opt, fmodel)
             if rank is not None and opt is not None:
                 opt = rank.wrap_optimizer(opt)
         if training and not params:

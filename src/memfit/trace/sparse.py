@@ -35,7 +35,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.errors import MemfitError
 
 aten = torch.ops.aten
 
@@ -272,3 +275,52 @@ def add_(a: torch.Tensor, b: torch.Tensor, alpha: Any, mode: Any,
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     return None if a is None or b is None else torch.cat([a, b], 1)
+
+
+# torch's optimizers whose step raises on a sparse gradient ("... does not support sparse
+# gradients": torch/optim/adam.py, adamw.py (Adam's), rmsprop.py, adamax.py, nadam.py,
+# radam.py, adadelta.py, asgd.py, rprop.py; LBFGS flattens gradients with .view). SGD and
+# Adagrad take one, but not with weight decay (SGD: "add(sparse, dense) is not supported";
+# Adagrad: "weight_decay option is not compatible with sparse gradients"), both checked on
+# torch 2.13 by tests/trace/test_trace_sparse.py.
+_REJECTING = ("Adam", "AdamW", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD",
+              "Rprop", "LBFGS")
+_NO_DECAY = ("SGD", "Adagrad")
+
+
+def _torch_class(opt: torch.optim.Optimizer) -> str | None:
+    """The torch.optim class whose ``step`` ``opt`` runs (a subclass that keeps it counts)."""
+    for cls in type(opt).__mro__:
+        if cls.__module__.startswith("torch.optim") and "step" in vars(cls):
+            return cls.__name__
+        if "step" in vars(cls):
+            return None  # a step of its own: not torch's
+    return None
+
+
+def check_optimizer(opt: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Refuse, before the trace, an optimizer whose step torch would fail on the sparse
+    gradient of an ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``."""
+    sparse = {id(m.weight): name for name, m in model.named_modules()
+              if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
+              and m.weight.requires_grad}
+    if not sparse:
+        return
+    cls = _torch_class(opt)
+    for group in opt.param_groups:
+        names = [sparse[id(p)] for p in group["params"] if id(p) in sparse]
+        if not names or cls is None:
+            continue
+        shown = type(opt).__name__  # AdamW runs Adam's step: name the class the user chose
+        if cls in _REJECTING:
+            why = f"torch.optim.{shown} does not take sparse gradients"
+        elif cls in _NO_DECAY and group.get("weight_decay", 0):
+            why = (f"torch.optim.{shown} with weight_decay={group['weight_decay']} does not "
+                   "take sparse gradients")
+        else:
+            continue
+        raise MemfitError(
+            f"{names[0] or 'the model'} has sparse gradients (sparse=True) but {why}: use "
+            "torch.optim.SGD or Adagrad without weight decay, torch.optim.SparseAdam, or "
+            "memfit.techniques.SparseAdamWithDense (SparseAdam for the tables, Adam for the "
+            "rest), or build the table with sparse=False")
