@@ -58,12 +58,23 @@ def net(spec: object) -> nn.Module:
     return Net(4)
 
 
-def _case(points: list[str], schedule: str = "1f1b", microbatches: int = 4, **layout: int
-          ) -> Case:
-    par = Parallel(**{"gpus": 2, **layout}, pp=2, pp_schedule=schedule,
-                   microbatches=microbatches, pp_split_points=points)
+def olmo2(spec: object) -> nn.Module:
+    """A tiny transformers Olmo2 (not one of the decoders memfit's HFStageModule runs): its
+    config's ``base_model_pp_plan`` names ``layers``, which the split takes."""
+    import transformers
+
+    cfg = transformers.Olmo2Config(hidden_size=D, intermediate_size=2 * D, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=4,
+                                   vocab_size=VOCAB, tie_word_embeddings=False)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _case(points: list[str] | None, schedule: str = "1f1b", microbatches: int = 4,
+          model_fn: object = net) -> Case:
+    par = Parallel(gpus=2, pp=2, pp_schedule=schedule, microbatches=microbatches,
+                   pp_split_points=points)
     return Case(spec=tiny_spec(4), batch=2 * microbatches, seq=SEQ, recipe=Recipe(parallel=par),
-                model_fn=net)
+                model_fn=model_fn)  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -131,8 +142,25 @@ def test_stages_hold_the_modules_before_in_and_after_their_elements() -> None:
 
 # -- the truth: real ranks over gloo --------------------------------------------------------------
 
+def test_transformers_base_model_pp_plan_splits_a_model_without_split_points() -> None:
+    """An Olmo2 without split points is split at its ``base_model_pp_plan``'s ``layers``
+    (``model.layers``), evenly as memfit splits a decoder (4 blocks: 2 | 2), and the two stages
+    compose to the model's own logits."""
+    torch.manual_seed(0)
+    model = olmo2(None)
+    par = Parallel(gpus=2, pp=2)
+    first, = stage_modules(model, par, 0)
+    last, = stage_modules(model, par, 1)
+    assert (list(first.layers), list(last.layers)) == (["0", "1"], ["2", "3"])
+    assert first.block_names() == ["inner.model.layers.0", "inner.model.layers.1"]
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(ids)), model(ids).logits, rtol=0, atol=0)
+
+
 GLOO_CASES = {"1f1b at blocks.1": _case(["blocks.1"]),
-              "gpipe at blocks.3": _case(["blocks.3"], "gpipe")}
+              "gpipe at blocks.3": _case(["blocks.3"], "gpipe"),
+              "olmo2 by its base_model_pp_plan": _case(None, model_fn=olmo2)}
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +182,8 @@ def test_each_stage_of_a_custom_split_matches_a_real_gloo_run_within_1_percent(
     """Per stage (rank) of the custom module split at the named block, the trace's peak is
     within 1% of the real rank's: 2 gloo processes, 4 micro-batches of 2 rows, AdamW, 2 steps,
     1F1B split 1 | 3 blocks and GPipe split 3 | 1 (the stages hold different parameters, so the
-    two ranks' peaks differ)."""
+    two ranks' peaks differ); a transformers Olmo2 split where its ``base_model_pp_plan``
+    says."""
     estimates = _per_rank(GLOO_CASES[name])
     assert len({e.peak_bytes for e in estimates}) == 2
     for est in estimates:
