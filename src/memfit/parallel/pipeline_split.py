@@ -175,7 +175,7 @@ class _Shapes:
         self.meta = meta_copy(model)
         holder = self.meta.get_submodule(container)
         names = list(holder._modules)
-        self.points = [holder._modules[names[i]] for i in indices]
+        self.points: list[nn.Module] = [holder.get_submodule(names[i]) for i in indices]
         self.cache: dict[tuple[int, int, Any, Any], list[tuple[torch.Size, torch.dtype]]] = {}
 
     def boundaries(self, micro: int, seq: int, dtype: torch.dtype | None
