@@ -58,7 +58,13 @@ class Parallel:
     Mistral, Qwen2 and Qwen3 modules (``memfit/parallel/hf_pipeline.py``; ep: builtin only),
     with the model's own loss on the
     last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
-    (``input_ids``, ``labels``); each pipeline rank is one rank role.
+    (``input_ids``, ``labels``); each pipeline rank is one rank role. Any other module is split
+    at ``pp_split_points`` (or a transformers config's ``base_model_pp_plan``): elements of one
+    ``ModuleList`` / ``Sequential`` that its forward iterates, the modules before it on the
+    first stage and after it on the last (``nn.Identity`` elsewhere), one tensor between the
+    stages and the logits' next-token cross-entropy as the loss
+    (``memfit/parallel/pipeline_split.py``); data parallelism beside it, not tp or ep.
+    ``Plan.apply`` runs pp beside DDP, ZeRO-1, FSDP2, HSDP (without tp) and tp with FSDP2.
     """
 
     gpus: int
