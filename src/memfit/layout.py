@@ -58,7 +58,13 @@ class Parallel:
     Mistral, Qwen2 and Qwen3 modules (``memfit/parallel/hf_pipeline.py``; ep: builtin only),
     with the model's own loss on the
     last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
-    (``input_ids``, ``labels``); each pipeline rank is one rank role.
+    (``input_ids``, ``labels``); each pipeline rank is one rank role. Any other module is split
+    at ``pp_split_points`` (or a transformers config's ``base_model_pp_plan``): elements of one
+    ``ModuleList`` / ``Sequential`` that its forward iterates, the modules before it on the
+    first stage and after it on the last (``nn.Identity`` elsewhere), one tensor between the
+    stages and the logits' next-token cross-entropy as the loss
+    (``memfit/parallel/pipeline_split.py``); data parallelism beside it, not tp or ep.
+    ``Plan.apply`` runs pp beside DDP, ZeRO-1, FSDP2, HSDP (without tp) and tp with FSDP2.
     """
 
     gpus: int
@@ -111,6 +117,12 @@ class Parallel:
     ``pp - stage`` micro-batches in flight) or ``interleaved-1f1b`` (two stages per rank)."""
     microbatches: int | None = None
     """Micro-batches per step, each ``batch / microbatches`` rows (None: ``pp``)."""
+    pp_split_points: tuple[str, ...] | None = None
+    """Where the pipeline splits the model, torchtitan's ``pipeline_parallel_split_points``:
+    names of elements of one ``nn.ModuleList`` / ``nn.Sequential`` (e.g. ``("blocks.2",)``),
+    each the first module of a stage; one fewer than the stages (``pp``, or ``2 * pp``
+    interleaved). None: transformers' ``config.base_model_pp_plan`` where the model has one,
+    else memfit's even split of its decoder layers (``memfit/parallel/pipeline_split.py``)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "fsdp", "tp", "pp", "ep"):
@@ -146,6 +158,8 @@ class Parallel:
                 or self.microbatches < 1):
             raise MemfitError(f"Parallel(microbatches={self.microbatches!r}): must be a positive "
                               "integer or None (pp micro-batches)")
+        if self.pp_split_points is not None:
+            self._check_split_points()
         if self.bucket_cap_mb <= 0:
             raise MemfitError(f"Parallel(bucket_cap_mb={self.bucket_cap_mb!r}) must be > 0")
         model_parallel = self.tp * self.pp
@@ -172,6 +186,20 @@ class Parallel:
         if (self.cpu_offload or self.param_dtype or self.reduce_dtype) and self.fsdp == 1:
             raise MemfitError("Parallel: param_dtype, reduce_dtype and cpu_offload are FSDP2 "
                               "policies; set fsdp > 1 (or zero=2/3) to use them")
+
+    def _check_split_points(self) -> None:
+        """``pp_split_points`` as a tuple of names, one fewer than the stages (one line)."""
+        points = self.pp_split_points
+        if isinstance(points, str) or not isinstance(points, list | tuple) or not all(
+                isinstance(p, str) and p for p in points):
+            raise MemfitError(f"Parallel(pp_split_points={points!r}): give a list of module "
+                              "names, e.g. pp_split_points=['blocks.2']")
+        object.__setattr__(self, "pp_split_points", tuple(points))
+        stages = self.pp * (2 if self.pp_schedule == "interleaved-1f1b" else 1)
+        if len(points) != stages - 1:
+            raise MemfitError(f"Parallel(pp={self.pp}, pp_split_points={list(points)!r}) names "
+                              f"{len(points)} split point(s); {stages} stages "
+                              f"({self.pp_schedule}) need {stages - 1}")
 
     @property
     def dp(self) -> int:
@@ -204,7 +232,9 @@ class Parallel:
             parts[0] += f" {self.dp}"
         tp_notes = [n for n, on in (("sp", self.sp), ("loss parallel", self.loss_parallel)) if on]
         pp = f"pp {self.pp}" + (f" ({self.pp_schedule}, {self.microbatches or self.pp} "
-                                 "micro-batches)" if self.pp > 1 else "")
+                                 "micro-batches" + (f", split at {', '.join(self.pp_split_points)}"
+                                                    if self.pp_split_points else "") + ")"
+                                 if self.pp > 1 else "")
         parts += [f"tp {self.tp}" + (f" ({', '.join(tp_notes)})" if tp_notes else ""),
                   pp] + ([f"ep {self.ep}"] if self.ep > 1 else [])
         return " x ".join(parts) + f" on {self.gpus} GPUs"

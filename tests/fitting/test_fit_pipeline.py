@@ -196,9 +196,10 @@ def test_pipeline_candidates_peak_is_their_worst_stage_traced(gpus: int,
 
 
 def test_pipeline_layouts_are_the_ones_apply_runs() -> None:
-    """fit offers a pipeline beside DDP, ZeRO-1 and FSDP (zero2 / zero3), the layouts
-    apply_pipeline runs (test_pipeline_plan_trains_like_one_process); pp x HSDP is left out
-    with why, and with tp only FSDP stays beside the pipeline (DDP beside tp is refused)."""
+    """fit offers a pipeline beside DDP, ZeRO-1, FSDP (zero2 / zero3) and HSDP, the layouts
+    apply_pipeline runs (test_pipeline_plan_trains_like_one_process; HSDP:
+    tests/fitting/test_fit_pipeline_split.py), and with tp only FSDP stays beside the pipeline
+    (DDP beside tp is refused; pp x HSDP x tp is left out with why)."""
     from memfit.fitting.apply_pipeline import _pipeline_parallel
     from memfit.fitting.layout_space import layouts
     from memfit.fitting.layouts import model_shape
@@ -210,19 +211,20 @@ def test_pipeline_layouts_are_the_ones_apply_runs() -> None:
     found = layouts(gpus=8, gpus_per_node=4, global_batch=8, shape=shape,
                     space={"tp": [1], "pp": [2]}, rejected=rejected)
     one_f = [p for p in found if p.pp_schedule == "1f1b"]
-    assert sorted(sharding_of(p) for p in one_f) == ["none", "zero1", "zero2", "zero3"]
-    assert sorted(p.strategy for p in one_f) == ["ddp", "fsdp", "fsdp", "zero1"]
+    assert sorted(sharding_of(p) for p in one_f) == ["hsdp", "none", "zero1", "zero2", "zero3"]
+    assert sorted(p.strategy for p in one_f) == ["ddp", "fsdp", "fsdp", "hsdp", "zero1"]
     # each with GPipe too; interleaved 1F1B needs 2 pp = 4 stages of the 2 blocks: not offered
-    assert sorted(p.pp_schedule for p in found) == ["1f1b"] * 4 + ["gpipe"] * 4
-    assert any("not HSDP yet" in r.reason for r in rejected)
+    assert sorted(p.pp_schedule for p in found) == ["1f1b"] * 5 + ["gpipe"] * 5
     for par in found:  # traced per rank, and applied without a refusal
         assert per_rank_traced(par), par.describe()
         cfg = FitConfig(precision="fp32", micro_batch=1, accumulation=2,
                         sharding=sharding_of(par), parallel=par)
         assert _pipeline_parallel(cfg, None, None, "mean").pp == 2
+    rejected = []
     with_tp = layouts(gpus=8, gpus_per_node=4, global_batch=8, shape=shape,
-                      space={"tp": [2], "pp": [2]}, rejected=[])
+                      space={"tp": [2], "pp": [2]}, rejected=rejected)
     assert {p.strategy for p in with_tp} == {"fsdp"}
+    assert any("beside HSDP without tp" in r.reason for r in rejected)
     four = layouts(gpus=2, gpus_per_node=None, global_batch=8,
                    shape=model_shape(tiny(4)[0], SEQ), space={"tp": [1], "pp": [2]},
                    rejected=[])

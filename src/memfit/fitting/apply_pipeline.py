@@ -178,11 +178,10 @@ def _pipeline_parallel(config: FitConfig, loss_fn: Any, count_fn: Any, reduction
                           f"its accumulation={config.accumulation}: under a pipeline they are "
                           "the same micro-batches; make them equal")
     why = None
-    if par.ep > 1 or par.strategy == "hsdp" or (par.tp > 1 and par.strategy != "fsdp"
-                                                 and par.dp > 1):
+    if par.ep > 1 or (par.tp > 1 and par.strategy != "fsdp" and par.dp > 1):
         why = (f"{par.describe()}: a pipeline runs alone, with tp (and FSDP2 over the other "
-               "ranks: torchtitan's (pp, dp, tp) mesh) and with DDP, ZeRO-1 or FSDP2 without "
-               "tp; use fsdp = gpus / (pp * tp)")
+               "ranks: torchtitan's (pp, dp, tp) mesh) and with DDP, ZeRO-1, FSDP2 or HSDP "
+               "without tp; use fsdp = gpus / (pp * tp)")
     elif par.tp > 1 and par.loss_parallel:
         why = "loss parallelism on the last stage; use loss_parallel=False"
     elif loss_fn is not None:
@@ -224,21 +223,25 @@ def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
     stages are freed on this rank (zero elements), as torchtitan's ``pipeline_module_split``
     keeps only a stage's modules."""
     from memfit.parallel.apply import apply_optimizer
-    from memfit.parallel.pipeline import check_pipeline, decoder_parts, stage_modules
+    from memfit.parallel.pipeline import check_pipeline, decoder_parts, split_of, stage_modules
     from memfit.parallel.pipeline_parallelize import (
         apply_dp_stages,
         apply_tp_stages,
         pipeline_mesh,
     )
+    from memfit.parallel.pipeline_split import check_untied_stages
     from memfit.techniques import apply_precision, make_optimizer
 
     check_world(config)
     par = _pipeline_parallel(config, loss_fn, count_fn, reduction)
-    decoder, head = decoder_parts(model)
-    if head.weight is decoder.embed_tokens.weight:
-        raise MemfitError("Plan.apply cannot run this pipeline plan: the model ties its head "
-                          "to its embedding, which sit on the first and the last stage; untie "
-                          "them (tie_word_embeddings=False) or use pp=1")
+    if split_of(model, par) is None:
+        decoder, head = decoder_parts(model)
+        if head.weight is decoder.embed_tokens.weight:
+            raise MemfitError("Plan.apply cannot run this pipeline plan: the model ties its "
+                              "head to its embedding, which sit on the first and the last "
+                              "stage; untie them (tie_word_embeddings=False) or use pp=1")
+    else:
+        check_untied_stages(model, par)
     check_pipeline(model, par, config.micro_batch * config.accumulation)
     device = next(model.parameters()).device
     apply_techniques(model, config)

@@ -145,14 +145,13 @@ def _layouts_of(tp: int, pp: int, *, gpus: int, gpus_per_node: int | None, globa
         rejected.append(Rejected(what=f"tp {tp} x pp {pp} with ddp / zero1 over {dp}",
                                  reason="DDP beside tensor parallelism is refused by "
                                  "torchtitan and apply_model; FSDP / HSDP are searched"))
-    if pp > 1 and dp > 1 and "hsdp" in shardings:
-        # fitting/apply.py: _pipeline_parallel (Plan.apply runs pp beside DDP, ZeRO-1
-        # and FSDP2: tests/fitting/test_fit_pipeline.py; HSDP under a pipeline is traced but
-        # not applied yet)
+    if pp > 1 and tp > 1 and dp > 1 and "hsdp" in shardings:
+        # fitting/apply.py: _pipeline_parallel (Plan.apply runs pp beside HSDP without tp:
+        # tests/fitting/test_fit_pipeline_split.py; pp x HSDP x tp is traced, not applied yet)
         rejected.append(Rejected(what=f"tp {tp} x pp {pp} with hsdp over {dp}",
-                                 reason="Plan.apply runs a pipeline beside DDP, ZeRO-1 "
-                                 "and FSDP2, not HSDP yet; FSDP is searched"))
-    refused = (("none", "zero1") if tp > 1 else ()) + (("hsdp",) if pp > 1 else ())
+                                 reason="Plan.apply runs a pipeline beside HSDP without tp, "
+                                 "not beside tp yet; FSDP is searched"))
+    refused = (("none", "zero1") if tp > 1 else ()) + (("hsdp",) if pp > 1 and tp > 1 else ())
     found = _shardings(gpus, gpus_per_node, tp, pp, dp,
                        [z for z in shardings if z not in refused])
     if pp > 1:

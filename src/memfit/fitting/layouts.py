@@ -217,9 +217,10 @@ def pipeline_runs(par: Parallel) -> bool:
     """Whether ``par`` (``pp > 1``) is a pipeline that the per-rank trace and ``Plan.apply`` run
     (:func:`memfit.fitting.apply.apply_pipeline`): alone, with tp, with FSDP2 over the other
     ranks (torchtitan's ``(pp, dp, tp)`` mesh), with DDP or ZeRO-1 on each stage without tp
-    (``memfit/parallel/pipeline_parallelize.py: replicate_stages``); not with HSDP or ep."""
+    (``memfit/parallel/pipeline_parallelize.py: replicate_stages``) or HSDP on each stage
+    without tp (``shard_stages`` over the ``(pp, replicate, shard)`` mesh); not with ep."""
     return par.ep == 1 and (par.strategy in ("none", "fsdp")
-                            or (par.tp == 1 and par.strategy in ("ddp", "zero1")))
+                            or (par.tp == 1 and par.strategy in ("ddp", "zero1", "hsdp")))
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")

@@ -65,6 +65,9 @@ class Case:
     backend: str = "builtin"
     """The builder of :func:`memfit.models.build.build_model`: ``"builtin"`` or
     ``"transformers"`` (Hugging Face's module of the same spec)."""
+    model_fn: Callable[[Any], torch.nn.Module] | None = None
+    """A picklable function (module level) building the model from ``spec`` in place of
+    ``build_model``: a custom module (the inputs are still ``example_inputs(spec)``)."""
 
     def __post_init__(self) -> None:
         r = self.recipe
@@ -108,7 +111,8 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
     from memfit.models.build import build_model, example_inputs
 
     torch.manual_seed(0)
-    model = build_model(case.spec, backend=case.backend, device="cpu")
+    model = (build_model(case.spec, backend=case.backend, device="cpu") if case.model_fn is None
+             else case.model_fn(case.spec))
     inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
     from memfit.techniques.recipe import apply_techniques
 

@@ -95,8 +95,8 @@ def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
             return parts
         raise MemfitError(f"Parallel(pp>1) splits memfit's builtin decoders (memfit.models."
                           f"build_model) and Hugging Face's {', '.join(HF_DECODERS)}, not "
-                          f"{type(model).__name__}; build the model with build_model(spec, "
-                          "backend='builtin') or use memfit plan's formulas")
+                          f"{type(model).__name__}, which has no base_model_pp_plan; name where "
+                          "to split it: Parallel(pp_split_points=['blocks.2', ...])")
     return model.model, model.lm_head
 
 
@@ -150,16 +150,43 @@ def num_microbatches(parallel: Parallel) -> int:
     return parallel.microbatches or parallel.pp
 
 
+def split_of(model: nn.Module, parallel: Parallel) -> tuple[str, ...] | None:
+    """Where ``model`` is split (``memfit.parallel.pipeline_split``): the layout's
+    ``pp_split_points``, else transformers' ``config.base_model_pp_plan`` for a model that is not
+    a decoder :func:`decoder_parts` splits; None for those (torchtitan's even split)."""
+    if parallel.pp_split_points:
+        return parallel.pp_split_points
+    from memfit.models.build import DecoderLM
+    from memfit.parallel.hf_pipeline import hf_decoder_parts
+
+    if isinstance(model, DecoderLM) or hf_decoder_parts(model) is not None:
+        return None
+    from memfit.parallel.pipeline_split import pp_plan_points
+
+    return pp_plan_points(model, parallel.pp * stages_per_rank(parallel))
+
+
 def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> None:
     """One-line errors for a pipeline layout the model or batch cannot take."""
-    decoder, _ = decoder_parts(model)
+    points = split_of(model, parallel)
     check_pipeline_dp(parallel)
+    if points is not None:
+        from memfit.parallel.pipeline_split import split_points
+
+        split_points(model, points)
+        if parallel.tp > 1 or parallel.ep > 1:
+            raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}, ep={parallel.ep}) "
+                              "on a model split at pp_split_points: the split runs with data "
+                              "parallelism (FSDP2, HSDP, DDP, ZeRO-1); use tp=1 and ep=1")
+        layers = parallel.pp * stages_per_rank(parallel)
+    else:
+        decoder, _ = decoder_parts(model)
+        layers = len(decoder.layers)
     if parallel.tp > 1 and (parallel.sp or parallel.loss_parallel):
         from memfit.parallel.apply import sp_root
 
         sp_root(model, parallel)  # the model checks of sequence parallelism
     stages = parallel.pp * stages_per_rank(parallel)
-    layers = len(decoder.layers)
     if stages > layers:
         raise MemfitError(f"Parallel(pp={parallel.pp}, pp_schedule={parallel.pp_schedule!r}) "
                           f"needs {stages} stages, more than the model's {layers} layers; use "
@@ -212,11 +239,19 @@ def pp_rank(parallel: Parallel, rank: int) -> int:
 
 def stage_modules(model: nn.Module, parallel: Parallel, rank: int) -> list[StageModule]:
     """This rank's stages of ``model`` (its own submodules): stage ``pp_rank``, and for the
-    interleaved schedule also ``pp_rank + pp`` (torchtitan's "loop" placement)."""
-    decoder, _ = decoder_parts(model)
+    interleaved schedule also ``pp_rank + pp`` (torchtitan's "loop" placement). A model split
+    at named points (:func:`split_of`) gets ``pipeline_split.SplitStageModule`` stages."""
     num_stages = parallel.pp * stages_per_rank(parallel)
-    layers = stage_layers(len(decoder.layers), num_stages)
     first_index = pp_rank(parallel, rank)
+    points = split_of(model, parallel)
+    if points is not None:
+        from memfit.parallel.pipeline_split import split_stage_modules
+
+        return split_stage_modules(  # type: ignore[return-value]
+            model, points, num_stages,
+            [first_index + s * parallel.pp for s in range(stages_per_rank(parallel))])
+    decoder, _ = decoder_parts(model)
+    layers = stage_layers(len(decoder.layers), num_stages)
     cls = _stage_class(model)
     return [cls(model, layers[index], index=index, first=index == 0,
                 last=index == num_stages - 1)
@@ -293,6 +328,13 @@ def build_pipeline(modules: list[StageModule], parallel: Parallel, batch: int, s
     stages = []
     for position, module in enumerate(modules):
         index = module.index
+        if hasattr(module, "io_metas"):  # a model split at named points: its own shapes
+            inputs, outputs = module.io_metas(
+                micro, seq, torch_dtype(parallel.param_dtype) if parallel.param_dtype else None)
+            stages.append(PipelineStage(module if submods is None else submods[position], index,
+                                        num_stages, torch.device(device), input_args=inputs,
+                                        output_args=outputs, group=group))
+            continue
         # the hidden states' dtype: FSDP2's compute dtype, else the parameters' (an fp32 model
         # under autocast keeps an fp32 residual stream: embedding + residual adds)
         width = module.hidden_size

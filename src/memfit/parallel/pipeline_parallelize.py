@@ -53,7 +53,7 @@ def shard_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> N
 
     dp_mesh = mesh["replicate", "shard"] if parallel.strategy == "hsdp" else mesh["dp"]
     for module in modules:
-        apply_fsdp(module, parallel, dp_mesh, blocks=[f"layers.{k}" for k in module.layers])
+        apply_fsdp(module, parallel, dp_mesh, blocks=stage_blocks(module))
 
 
 # -- data parallelism beside the pipeline ------------------------------------------------------
@@ -180,8 +180,11 @@ def stage_root(module: StageModule) -> tuple[str | None, str | None, str | None]
 
 
 def stage_blocks(module: StageModule) -> list[str]:
-    """The names of a stage's transformer blocks inside it (``layers.<i>``)."""
-    return [f"layers.{k}" for k in module.layers]
+    """The names of a stage's transformer blocks inside it (``layers.<i>``; a model split at
+    named points: its elements of the split container,
+    ``pipeline_split.SplitStageModule.block_names``)."""
+    names = getattr(module, "block_names", None)
+    return names() if names is not None else [f"layers.{k}" for k in module.layers]
 
 
 def apply_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> None:
