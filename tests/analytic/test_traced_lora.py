@@ -58,7 +58,7 @@ def _deepseek_layers(c: dict[str, Any]) -> list[tuple[int, int]]:
     for layer in range(c["num_hidden_layers"]):
         inter = (c["intermediate_size"] if layer < c["first_k_dense_replace"]
                  else c["n_shared_experts"] * c["moe_intermediate_size"])
-        out += attention + [(h, inter), (h, inter), (inter, h)]
+        out += [*attention, (h, inter), (h, inter), (inter, h)]
     return out
 
 
@@ -162,7 +162,7 @@ def test_traced_lora_step_matches_a_real_cpu_step(name: str, tmp_path: Path) -> 
     from memfit.ledger import CATEGORIES
     from memfit.models.hf_config import load_hf_config
 
-    config, layers_of, names, _ = CASES[name]
+    config, layers_of, _, _ = CASES[name]
     spec = load_hf_config(_write(tmp_path, config))
     run = RunConfig(mode="lora", precision="bf16-mixed", lora_rank=RANK, batch=BATCH, seq=SEQ)
     run, lora = lora_for(spec, run, targets_given=False)

@@ -72,7 +72,8 @@ class LoRALinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The base layer's weight, as peft's LoRA layers expose it: model code reads it (t5's
         feed-forward casts to ``wo.weight.dtype``)."""
-        weight: torch.Tensor = self.base.weight
+        weight = self.base.weight
+        assert isinstance(weight, torch.Tensor)
         return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
