@@ -192,3 +192,40 @@ def test_a_target_the_model_lacks_is_one_line(tmp_path: Path,
     assert code == 2 and len(lines) == 1, err
     assert "'wx' names no linear layer" in lines[0] and "did you mean 'wo'" in lines[0]
     assert "wi" in lines[0] and "Traceback" not in err
+
+
+def _t5_linears(c: dict[str, Any]) -> list[tuple[int, int]]:
+    """(in, out) of every nn.Linear of t5 but lm_head: q, k, v (d_model -> inner) and o (inner
+    -> d_model) per attention (one per encoder layer, two per decoder layer), wi and wo."""
+    d, inner, ff = c["d_model"], c["num_heads"] * c["d_kv"], c["d_ff"]
+    attention = [(d, inner)] * 3 + [(inner, d)]
+    mlp = [(d, ff), (ff, d)]
+    return ((attention + mlp) * c["num_layers"]
+            + (2 * attention + mlp) * c["num_decoder_layers"])
+
+
+def test_lora_targets_all_and_qlora_on_t5(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``--lora-targets all``: every linear layer but the head (t5's feed-forward reads
+    ``wo.weight``, which the adapter layer passes through, as peft's does). ``--mode qlora``:
+    the same adapters over a base whose linear weights are NF4 (about 0.52 bytes per weight
+    instead of bf16's 2; t5 of d_model 128 so each weight is whole NF4 blocks)."""
+    config = {**T5, "d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 1,
+              "num_decoder_layers": 1}
+    path = _write(tmp_path, config)
+    layers = _t5_linears(config)
+    plans = {}
+    for mode in ("lora", "qlora"):
+        code, out, err = _cli(capsys, "plan", str(path), "--mode", mode, "--lora-targets", "all",
+                              "--lora-rank", str(RANK), "--seq", str(SEQ), "--json")
+        assert code == 0, err
+        plans[mode] = json.loads(out)
+        lora = plans[mode]["lora"]
+        assert lora["targets"] == ["q", "k", "v", "o", "wi", "wo"]
+        assert lora["trainable_params"] == sum(RANK * (i + o) for i, o in layers)
+    # Per linear weight of n = in * out: bf16 holds 2n bytes; torchao's NF4Tensor n/2 bytes of
+    # 4-bit codes, one int8 scale per 64 weights, and three small tensors (the fp32 factor of
+    # the scales, their mean and the 16-entry NF4 table), each in its own 512-byte block.
+    saved = sum(2 * i * o - (i * o // 2 + _block(i * o // 64) + 3 * BLOCK) for i, o in layers)
+    weights = {mode: plan["per_gpu"]["breakdown"]["weights"] for mode, plan in plans.items()}
+    assert weights["lora"] - weights["qlora"] == saved
