@@ -122,7 +122,11 @@ class Recipe:
     lora_rank: int | None = None
     """LoRA adapters of this rank on a frozen base; None: every weight trains."""
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
-    """The projections that get adapters (:data:`LORA_TARGETS`)."""
+    """The linear layers that get adapters: memfit's short names (:data:`LORA_TARGETS`, the
+    ``<name>_proj`` layers, all the formulas take), a model's own layer names matched as peft's
+    ``target_modules`` matches them (the full dotted name or its last components), or
+    ``("all-linear",)``: every ``nn.Linear`` but the head. Checked against the model where it
+    is applied or planned."""
     qlora: bool = False
     """The frozen base in 4-bit NF4 (QLoRA); needs ``lora_rank``."""
     kv_cache_dtype: str | None = None
@@ -185,12 +189,12 @@ class Recipe:
         if self.qlora and rank is None:
             raise MemfitError(f"{self.where}: qlora trains LoRA adapters on a 4-bit base; give "
                               "lora_rank")
-        if not isinstance(self.lora_targets, tuple):
-            raise MemfitError(f"{self.where}: lora_targets must be a tuple of names")
-        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
-        if bad:
-            raise MemfitError(f"unknown LoRA target(s) {', '.join(map(str, bad))}; valid: "
-                              f"{', '.join(LORA_TARGETS)} (or 'all')")
+        targets = self.lora_targets
+        if (not isinstance(targets, tuple) or not targets
+                or not all(isinstance(t, str) and t.strip() == t and t for t in targets)):
+            raise MemfitError(f"{self.where}: lora_targets must be a non-empty tuple of layer "
+                              f"names ({', '.join(LORA_TARGETS)}, a model's own, or "
+                              f"'all-linear'), got {targets!r}")
 
     def check_layer(self, layer: str) -> None:
         """Raise MemfitError unless ``layer`` (:data:`memfit.vocab.LAYERS`: plan, trace, fit,

@@ -177,23 +177,31 @@ def test_gemma3_checkpointing_recompute_past_the_sliding_window(
 
 def test_gemma3_lora_is_traced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """LoRA on a model type the formulas do not cover: the base frozen in bf16, fp32 adapters
-    of rank 16 on every q/k/v/o_proj layer (the text model's and SigLIP's, as PEFT's
-    target_modules matches them by name): A (r x in) and B (out x r)."""
+    of rank 16 (A: r x in, B: out x r). peft names no default target_modules for gemma3 (the
+    multimodal type), so every nn.Linear but the head gets one, the text model's and SigLIP's
+    (issue 25 §4); ``--lora-targets q,k,v,o`` puts them on the q/k/v/o_proj layers only."""
     from torch import nn
 
     from memfit.models.hf_config import load_hf_config
 
     path = _shrunk(DATA / "gemma3-4b-it.json", tmp_path)
-    code, out, err = _cli(capsys, "plan", str(path), "--mode", "lora", "--seq", "64", "--json")
-    assert code == 0, err
     model = load_hf_config(path).build()
     sizes = {id(p): 2 for p in model.parameters()}
-    adapters = [(m.in_features, m.out_features) for name, m in model.named_modules()
-                if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTIONS]
-    assert len(adapters) == 4 * 2 + 3  # the text model's 2 layers, SigLIP's 1 (no o_proj)
-    expected = _weights(model, sizes, 2) + sum(
-        _block(4 * 16 * fan_in) + _block(4 * fan_out * 16) for fan_in, fan_out in adapters)
-    assert json.loads(out)["per_gpu"]["breakdown"]["weights"] == expected
+    linears = [(name.rsplit(".", 1)[-1], m.in_features, m.out_features)
+               for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not name.endswith("lm_head")]
+    for argv, adapted in (((), linears),
+                          (("--lora-targets", "q,k,v,o"),
+                           [lin for lin in linears if lin[0] in PROJECTIONS])):
+        code, out, err = _cli(capsys, "plan", str(path), "--mode", "lora", "--seq", "64",
+                              "--json", *argv)
+        assert code == 0, err
+        expected = _weights(model, sizes, 2) + sum(
+            _block(4 * 16 * fan_in) + _block(4 * fan_out * 16) for _, fan_in, fan_out in adapted)
+        plan = json.loads(out)
+        assert plan["per_gpu"]["breakdown"]["weights"] == expected
+        assert plan["lora"]["layers"] == len(adapted)
+    assert len(adapted) == 4 * 2 + 3  # the text model's 2 layers, SigLIP's 1 (no o_proj)
 
 
 def test_gemma3_qlora_names_the_weight_nf4_cannot_hold(tmp_path: Path,

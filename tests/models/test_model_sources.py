@@ -191,8 +191,10 @@ def test_plan_method_analytic_on_such_a_config_says_use_trace(
     code, _, err = _cli(capsys, "plan", str(path), "--method", "analytic")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "--method trace" in lines[0]
-    code, _, err = _cli(capsys, "plan", str(path), "--mode", "lora")
-    assert code == 2 and "--mode lora" in err and len(err.strip().splitlines()) == 1
+    # LoRA on it is traced too, on peft's default targets for t5 (q and v; issue 25 §4).
+    code, out, err = _cli(capsys, "plan", str(path), "--mode", "lora", "--seq", "8", "--json")
+    assert code == 0, err
+    assert json.loads(out)["lora"]["targets"] == ["q", "v"]
 
 
 def test_without_transformers_the_error_names_the_extra(tmp_path: Path,

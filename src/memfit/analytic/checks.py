@@ -11,6 +11,7 @@ from memfit.errors import MemfitError
 from memfit.gpus import GpuSpec
 from memfit.models.spec import ModelSpec, TransformerSpec
 from memfit.parallel.config import check_degrees
+from memfit.recipe import LORA_TARGETS
 
 
 def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> None:
@@ -80,8 +81,15 @@ def check_context(model: TransformerSpec, run: RunConfig) -> None:
 
 
 def _check_lora_rank(model: TransformerSpec, run: RunConfig) -> None:
-    """A LoRA rank above a targeted layer's smaller dimension is past full rank: B @ A cannot
-    have rank r, and the adapter holds more parameters than the layer (Hu et al. 2021)."""
+    """LoRA targets the formulas price (memfit's projection names; another model's own layer
+    names are for a model type they do not cover, which the trace resolves). A LoRA rank above
+    a targeted layer's smaller dimension is past full rank: B @ A cannot have rank r, and the
+    adapter holds more parameters than the layer (Hu et al. 2021)."""
+    bad = [t for t in run.lora_targets if t not in LORA_TARGETS]
+    if bad:
+        raise MemfitError(f"unknown LoRA target(s) {', '.join(bad)} for {model.name}; valid: "
+                          f"{', '.join(LORA_TARGETS)} (or 'all'); a layer's own name is for a "
+                          "config.json of a model type the formulas do not cover")
     targeted = [s for s in model.linear_shapes() if s.role in run.lora_targets]
     if not targeted:
         return

@@ -167,7 +167,8 @@ def _first_line(exc: BaseException) -> str:
 
 def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
                     gpu: GpuSpec | None, parallel: Any = None,
-                    precision: str | None = None, backend: str = "auto") -> Any:
+                    precision: str | None = None, backend: str = "auto",
+                    device: str = "cuda") -> Any:
     """Build ``spec`` on meta (transformers when installed, else memfit's builtin modules; any
     other model type through transformers' Auto classes) and trace the run's recipe
     (:attr:`RunConfig.recipe`, by :func:`memfit.trace_recipe`: its LoRA, checkpointing and
@@ -176,7 +177,8 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
     fp32 parameters without autocast under FSDP2's MixedPrecisionPolicy, which
     :func:`trace_precision` gives; ``backend``: the :func:`memfit.models.build_model` backend
     of a preset or config.json, ``"builtin"`` for the layouts only memfit's decoders take:
-    pipeline, sequence and expert parallelism)."""
+    pipeline, sequence and expert parallelism; ``device="cpu"``: traced for the CPU, as the
+    tests compare it with a real CPU step)."""
     from memfit.models.build import build_model, example_inputs
     from memfit.parallel.recipe import trace_recipe
 
@@ -201,7 +203,7 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
         offload_params=bool(parallel is not None and parallel.cpu_offload), parallel=parallel,
         precision=precision or run.precision)
     phase("tracing one step" if not training else "tracing two steps")
-    return trace_recipe(model, inputs, recipe, device="cuda", gpu=gpu,
+    return trace_recipe(model, inputs, recipe, device=device, gpu=gpu,
                         steps=2 if training else 1, train=training)
 
 

@@ -137,7 +137,9 @@ def register(sub: Any) -> None:
     p.add_argument("--lora-rank", help="LoRA rank (default 16; --mode lora/qlora only)")
     p.add_argument("--lora-targets",
                    help="comma list of q,k,v,o,gate,up,down, or 'all' (default q,k,v,o; "
-                   "--mode lora/qlora only)")
+                   "--mode lora/qlora only); for a model type the formulas do not cover, its "
+                   "own linear layers' names as peft's target_modules (default: peft's for "
+                   "the type, else every linear layer but the head)")
     p.add_argument("--quant", default="none",
                    help=f"inference weight quantization: {', '.join(WEIGHT_QUANTS)}")
     p.add_argument("--sparsity", help="inference: 2:4 stores the blocks' linear weights as "

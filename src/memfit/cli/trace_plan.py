@@ -24,6 +24,7 @@ from memfit.analytic.table import (
     reserve_not_modelled_note,
 )
 from memfit.analytic.traced import allocator_reserve, traced_estimate
+from memfit.analytic.traced_lora import lora_for
 from memfit.categories import MemoryCategory
 from memfit.cli._common import (
     console,
@@ -245,7 +246,15 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     capacity = gpu.usable_bytes if gpu else None
     per_node = positive_int(getattr(args, "gpus_per_node", None),
                             "--gpus-per-node") or GPUS_PER_NODE
+    lora = None
     with Progress(f"memfit plan: tracing {spec.name}", total=None):
+        if not covered and run.mode in ("lora", "qlora"):
+            # Its own layer names, or peft's defaults for its type (analytic/traced_lora.py).
+            phase("choosing the LoRA targets")
+            given = getattr(args, "lora_targets", None)
+            if given is not None and given.strip() == "all":
+                run = dataclasses.replace(run, lora_targets=("all-linear",))
+            run, lora = lora_for(spec, run, targets_given=given is not None)
         est = _trace(spec, run, gpu)
         analytic = plan(spec, run, gpu) if covered else None
         if analytic is not None:
@@ -283,6 +292,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             "analytic_total_bytes": None if analytic is None else analytic.total_bytes,
             "trace_seconds": est.trace_seconds,
             "assumptions": list(est.assumptions),
+            **({"lora": lora.to_dict()} if lora is not None else {}),
             "notes": [args.precision_note] if getattr(args, "precision_note", None) else [],
             **({"checkpoint": args.checkpoint_json}
                if getattr(args, "checkpoint_json", None) else {}),
@@ -316,6 +326,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             f"[bold]{spec.name}[/bold] ({format_params(spec.param_count())} params) traced on meta "
             f"tensors{f' for {gpu.label}' if gpu else ' for CUDA'} {took(args, est.trace_seconds)}",
             describe_run(run, seq),
+            *([lora.describe()] if lora is not None else []),
             *([args.precision_note] if getattr(args, "precision_note", None) else []),
             f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
             f"({est.peak_phase}, step {est.peak_step})"),

@@ -35,7 +35,7 @@ from memfit.errors import MemfitError, suggest
 from memfit.models.anatomy import replace_module
 
 __all__ = ["LORA_BACKENDS", "QUANT_BACKENDS", "LoRALinear", "NF4Linear", "apply_lora",
-           "apply_qlora", "trainable_parameters"]
+           "apply_qlora", "default_targets", "trainable_parameters"]
 
 log = logging.getLogger("memfit")
 
@@ -67,6 +67,14 @@ class LoRALinear(nn.Module):
                                 dtype=adapter_dtype)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base layer's weight, as peft's LoRA layers expose it: model code reads it (t5's
+        feed-forward casts to ``wo.weight.dtype``)."""
+        weight = self.base.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
@@ -148,6 +156,29 @@ def _targets(model: nn.Module, targets: str | Iterable[str]) -> list[str]:
     if not chosen:
         raise MemfitError("the model has no nn.Linear layer to adapt")
     return chosen
+
+
+def default_targets(model_type: str) -> tuple[tuple[str, ...], str]:
+    """The LoRA targets peft would pick for ``model_type`` and the line saying where they come
+    from: its ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`` (what ``LoraConfig()``
+    without ``target_modules`` uses, e.g. ``("q", "v")`` for t5), else ``("all-linear",)``:
+    every ``nn.Linear`` but the head, where peft names none (it would refuse) or is not
+    installed.
+
+    >>> default_targets("t5")  # doctest: +SKIP
+    (('q', 'v'), "peft's default target_modules for t5")
+    """
+    try:
+        peft_utils = quiet_import("peft.utils")
+    except ImportError:
+        return ("all-linear",), "every linear layer but the head (peft is not installed)"
+    mapping = getattr(peft_utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
+    names = mapping.get(model_type)
+    if names:
+        return tuple(names), f"peft's default target_modules for {model_type}"
+    return ("all-linear",), (f"every linear layer but the head: peft "
+                             f"{getattr(quiet_import('peft'), '__version__', '')} has no default "
+                             f"target_modules for {model_type}")
 
 
 def _freeze_all_but_lora(model: nn.Module) -> None:

@@ -17,7 +17,7 @@ from memfit.recipe import Recipe
 from memfit.techniques.block_profile import BlockProfile, Mode
 from memfit.techniques.checkpointing import Budget, Policy
 
-__all__ = ["FixedModes", "apply_adapters", "apply_techniques", "checkpoint_policy"]
+__all__ = ["FixedModes", "apply_adapters", "apply_techniques", "checkpoint_policy", "lora_layers"]
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,54 @@ _NF4_WEIGHTS_PER_BLOCK = 64 * 256
 divides into blocks of 64 and their count into blocks of 256."""
 
 
+def lora_layers(model: nn.Module, targets: tuple[str, ...], *, mode: str = "lora"
+                ) -> list[str]:
+    """The dotted names of ``model``'s ``nn.Linear`` layers that ``targets`` (a recipe's
+    ``lora_targets``) adapt, in module order: ``("all-linear",)``, every linear layer but the
+    head (``lm_head``); otherwise each name matched as peft's ``target_modules`` matches it (the
+    full dotted name or its last components: ``"q"`` adapts t5's ``...SelfAttention.q``), and a
+    short name of :data:`memfit.recipe.LORA_TARGETS` that names no layer of its own adapts the
+    ``<name>_proj`` layers (memfit's ``q`` is Llama's ``q_proj``). A name that matches nothing
+    is refused in one line that lists the model's linear layers.
+
+    Known limitations: adapters go on ``nn.Linear`` only (not transformers' ``Conv1D`` of
+    GPT-2, nor the 3-D expert weights of a grouped MoE, which peft reaches through
+    ``target_parameters``)."""
+    from memfit.errors import suggest
+    from memfit.recipe import LORA_TARGETS
+    from memfit.techniques.peft import _targets
+
+    if targets == ("all-linear",):
+        return _targets(model, "all-linear")
+    linears = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
+               and name]
+    chosen: set[str] = set()
+    missing = []
+    for target in targets:
+        hits = [n for n in linears if n == target or n.endswith("." + target)]
+        if not hits and target in LORA_TARGETS:
+            hits = [n for n in linears if n.rsplit(".", 1)[-1] == f"{target}_proj"]
+        if not hits:
+            missing.append(target)
+        chosen.update(hits)
+    if missing:
+        short = sorted({n.rsplit(".", 1)[-1] for n in linears})
+        if all(t in LORA_TARGETS for t in missing):
+            raise MemfitError(
+                f"--mode {mode}: this model has no {', '.join(f'{t}_proj' for t in missing)} "
+                f"layers (it names its projections differently); name its own linear layers in "
+                f"--lora-targets (peft's target_modules): {', '.join(short) or 'none'}")
+        raise MemfitError(
+            f"--mode {mode}: --lora-targets {missing[0]!r} names no linear layer of the model"
+            f"{suggest(missing[0], short)}; its linear layers: {', '.join(short) or 'none'}")
+    return [n for n in linears if n in chosen]
+
+
 def apply_adapters(model: nn.Module, recipe: Recipe) -> None:
     """A recipe's LoRA (``lora_rank``; ``memfit plan --mode lora``): the base frozen in bf16
     (as the analytic plan counts it: 16-bit), fp32 adapters of rank ``lora_rank`` on the
-    ``*_proj`` layers ``lora_targets`` names (by name, as PEFT's ``target_modules`` matches
-    them: in a model type the formulas do not cover, every such layer, a vision tower's
+    linear layers ``lora_targets`` names (:func:`lora_layers`: by name, as PEFT's
+    ``target_modules`` matches them; memfit's ``q`` is every ``q_proj``, a vision tower's
     included).
     ``qlora`` (``--mode qlora``): those layers' weights in NF4 (torchao's ``NF4Tensor``, which
     quantizes meta tensors: bitsandbytes needs real weights; both store 4.1 bits per weight)
@@ -54,16 +97,8 @@ def apply_adapters(model: nn.Module, recipe: Recipe) -> None:
 
     assert recipe.lora_rank is not None
 
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    targets = [f"{t}_proj" for t in recipe.lora_targets]
-    missing = [t for t in targets if t not in names]
     mode = "qlora" if recipe.qlora else "lora"
-    if missing:
-        fix = ("adapters go on layers named <target>_proj only; name the model's own targets, "
-               "use memfit plan's analytic method, or --mode train")
-        raise MemfitError(f"--mode {mode}: this model has no "
-                          f"{', '.join(missing)} layers (it names its projections differently); "
-                          f"{fix}")
+    targets = lora_layers(model, recipe.lora_targets, mode=mode)
     if recipe.qlora:
         # As a 4-bit load does (transformers' load_in_4bit): every linear layer but the head is
         # NF4, with or without an adapter; torchao's NF4 takes only whole blocks of weights.
@@ -82,8 +117,9 @@ def apply_adapters(model: nn.Module, recipe: Recipe) -> None:
         from memfit.models.anatomy import replace_module
         from memfit.techniques.peft import NF4Linear
 
+        adapted = set(targets)
         for name, mod in list(model.named_modules()):
-            if (type(mod) is nn.Linear and name.rsplit(".", 1)[-1] not in targets
+            if (type(mod) is nn.Linear and name not in adapted
                     and not name.endswith("lm_head")):
                 replace_module(model, name, NF4Linear(mod))
         apply_qlora(model, rank=recipe.lora_rank, targets=targets, quant_backend="torchao")
@@ -92,7 +128,6 @@ def apply_adapters(model: nn.Module, recipe: Recipe) -> None:
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # adapters train in fp32 under autocast
-
 
 
 def checkpoint_policy(recipe: Recipe, *, resolvable: bool = False) -> Policy | str | None:
