@@ -588,6 +588,8 @@ def predict(case: dict[str, Any]) -> dict[str, Any]:
             value, note = predict_allocator(case["config"])
         elif case["method"] == "runtime":
             value, note = predict_runtime(case["config"])
+        elif case["method"] == "plan":
+            value, note = predict_plan(case), "the analytic plan (memfit plan --method analytic)"
         elif case["method"] == "trace":
             value, note, est = predict_trace(case)
             breakdown = {k.value: v for k, v in est.breakdown.items() if v}
@@ -610,7 +612,7 @@ def predict(case: dict[str, Any]) -> dict[str, Any]:
         result["predicted_breakdown"] = breakdown
     if value is not None:
         result["error_pct"] = round(100.0 * (value - published) / published, 3)
-    if "plan" in case["config"]:
+    if "plan" in case["config"] and case["method"] != "plan":
         planned = predict_plan(case)
         result["plan_predicted_bytes"] = planned
         result["plan_error_pct"] = round(100.0 * (planned - published) / published, 3)
@@ -619,19 +621,47 @@ def predict(case: dict[str, Any]) -> dict[str, Any]:
 
 def predict_plan(case: dict[str, Any]) -> int:
     """The analytic planner's answer for a model-step case (``config["plan"]``: a memfit model
-    preset and RunConfig fields), in the case's quantity: for nvidia-smi, the plan's total with
-    its assumed CUDA context replaced by the context the source measured. Reported next to the
-    trace's prediction, to size the margin ``plan``'s "fits" keeps."""
+    preset, or a config.json path relative to ``bench/published/``, and RunConfig fields), in
+    the case's quantity: for nvidia-smi, the plan's total with its assumed CUDA context
+    replaced by the context the source measured; for an allocator statistic, the plan's total
+    without what lives outside PyTorch's allocator (the CUDA context, NCCL's buffers), with the
+    cuBLAS workspaces of the run's ``CUBLAS_WORKSPACE_CONFIG`` when the case sets one
+    (``config["cublas_workspace_config"]``). Method ``plan`` cases check the planner alone;
+    for the others it is reported next to the trace's prediction, to size the margin
+    ``plan``'s "fits" keeps."""
     import memfit
 
     cfg = case["config"]
     spec = cfg["plan"]
-    plan = memfit.plan(memfit.resolve_model(spec["model"]), memfit.RunConfig.from_dict(spec["run"]),
+    model = spec["model"]
+    if (CASES_DIR / model).is_file():
+        model = str(CASES_DIR / model)
+    plan = memfit.plan(memfit.resolve_model(model), memfit.RunConfig.from_dict(spec["run"]),
                        gpu=memfit.get_gpu(cfg["gpu"]) if cfg.get("gpu") else None)
+    parts = plan.runtime_parts
     if case["quantity"] == "nvidia-smi" and "context_bytes_measured" in cfg:
-        return int(plan.total_bytes - plan.runtime_parts.get("cuda_context", 0)
+        return int(plan.total_bytes - parts.get("cuda_context", 0)
                    + cfg["context_bytes_measured"])
+    if case["quantity"] in ALLOCATOR_QUANTITIES:
+        value = plan.total_bytes - parts.get("cuda_context", 0) - parts.get("nccl", 0)
+        if cfg.get("cublas_workspace_config"):
+            # the plan counts two cuBLAS workspaces (the main thread's and autograd's device
+            # thread's handle), each of the default size; the run's setting replaces both
+            value += (2 * cublas_config_bytes(cfg["cublas_workspace_config"])
+                      - parts.get("cublas_workspace", 0) - parts.get("cublaslt_workspace", 0))
+        return int(value)
     return int(plan.total_bytes)
+
+
+def cublas_config_bytes(conf: str) -> int:
+    """Bytes of one cuBLAS workspace under ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT``
+    pairs; aten/src/ATen/cuda/CublasHandlePool.cpp: parseChosenWorkspaceSize).
+
+    >>> cublas_config_bytes(":4096:8"), cublas_config_bytes(":4096:2:16:8")
+    (33554432, 8519680)
+    """
+    fields = [int(f) for f in conf.strip().strip(":").split(":")]
+    return sum(size * 1024 * count for size, count in zip(fields[::2], fields[1::2], strict=True))
 
 
 def _short_source(src: dict[str, Any]) -> str:

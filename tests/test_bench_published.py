@@ -165,3 +165,20 @@ def test_fit_keeps_the_trace_margin_on_cuda() -> None:
     cpu = fit(model, batch, global_batch=4, budget_bytes=2**30, device="cpu", space=space,
               progress=False)
     assert (cuda.headroom, cpu.headroom) == (TRACE_FITS_MARGIN, 0.05)
+
+
+def test_megatron_cases_from_the_cli_within_5_percent(published: Any) -> None:
+    """Megatron-LM's golden mem-max-allocated-bytes (the quote's iteration-5 value) against
+    the analytic plan: the distributed optimizer run (--zero 1) and the full-recompute run."""
+    for case_id in ("megatron-gpt-12x512-distopt-local", "megatron-gpt-12x512-full-recompute-te"):
+        case = _case(published, case_id)
+        assert f'"5": {case["published"]["bytes"]}.0' in case["quote"]
+        result = published.predict(case)
+        assert result["error"] is None
+        assert abs(result["error_pct"]) <= 5.0, (case_id, result["error_pct"])
+
+
+def test_cublas_config_bytes(published: Any) -> None:
+    # CublasHandlePool.cpp: ":SIZE_KiB:COUNT" pairs; PyTorch's default ":4096:2:16:8"
+    assert published.cublas_config_bytes(":4096:8") == 8 * 4096 * 1024
+    assert published.cublas_config_bytes(":4096:2:16:8") == 2 * 4096 * 1024 + 8 * 16 * 1024

@@ -211,7 +211,7 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     terms = layer_terms(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                         trainable=frozenset(run.lora_targets) if lora else None,
                         lora_rank=run.lora_rank if lora else 0, residual_bytes=norm_input,
-                        autocast=run.autocast)
+                        autocast=run.autocast, megatron=run.layout == "megatron")
     per_layer = terms.per_gpu(run.parallel.tp, run.parallel.sp)
     layers = -(-spec.num_layers // run.parallel.pp)
 
