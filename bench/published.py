@@ -636,8 +636,12 @@ def predict_plan(case: dict[str, Any]) -> int:
     model = spec["model"]
     if (CASES_DIR / model).is_file():
         model = str(CASES_DIR / model)
-    plan = memfit.plan(memfit.resolve_model(model), memfit.RunConfig.from_dict(spec["run"]),
-                       gpu=memfit.get_gpu(cfg["gpu"]) if cfg.get("gpu") else None)
+    run = memfit.RunConfig.from_dict(spec["run"])
+    gpu = memfit.get_gpu(cfg["gpu"]) if cfg.get("gpu") else None
+    if spec.get("method") == "trace":
+        with _environment(cfg.get("env", {})):
+            return _plan_trace(memfit.resolve_model(model), run, gpu, case["quantity"])
+    plan = memfit.plan(memfit.resolve_model(model), run, gpu=gpu)
     parts = plan.runtime_parts
     if case["quantity"] == "nvidia-smi" and "context_bytes_measured" in cfg:
         return int(plan.total_bytes - parts.get("cuda_context", 0)
@@ -651,6 +655,35 @@ def predict_plan(case: dict[str, Any]) -> int:
                       - parts.get("cublas_workspace", 0) - parts.get("cublaslt_workspace", 0))
         return int(value)
     return int(plan.total_bytes)
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """The run's environment variables (``PYTORCH_CUDA_ALLOC_CONF``: the trace's allocator
+    reads it, as torch does), restored after."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _plan_trace(model: Any, run: Any, gpu: Any, quantity: str) -> int:
+    """``memfit plan --method trace`` (the default for --gpus > 1): each rank role traced on
+    meta tensors; the most loaded rank's peak allocated or reserved bytes."""
+    from memfit.analytic.traced import parallel_layout, trace_parallel
+
+    est = trace_parallel(model, run, gpu, parallel_layout(run))
+    if quantity in ("max_memory_reserved", "memory_reserved"):
+        return int(est.peak_reserved_bytes)
+    return int(est.peak_bytes)
 
 
 def cublas_config_bytes(conf: str) -> int:

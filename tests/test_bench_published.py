@@ -182,3 +182,14 @@ def test_cublas_config_bytes(published: Any) -> None:
     # CublasHandlePool.cpp: ":SIZE_KiB:COUNT" pairs; PyTorch's default ":4096:2:16:8"
     assert published.cublas_config_bytes(":4096:8") == 8 * 4096 * 1024
     assert published.cublas_config_bytes(":4096:2:16:8") == 2 * 4096 * 1024 + 8 * 16 * 1024
+
+
+def test_torchtitan_case_is_table_1(published: Any) -> None:
+    """torchtitan's Table 1 row "| FSDP | 5,762 | 82.4 |": 82.4 GiB of max reserved, planned
+    with its op-level policy (--checkpointing torchtitan) and its run script's allocator
+    setting; the trace itself takes a minute, so it runs in bench/published.py only."""
+    case = _case(published, "torchtitan-llama3.1-8b-fsdp8-selective-op")
+    assert case["quote"].split("|")[3].strip() == "82.4"
+    assert case["published"]["bytes"] == round(82.4 * 2**30)
+    assert case["config"]["plan"]["run"]["checkpointing"] == "torchtitan"
+    assert case["config"]["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
