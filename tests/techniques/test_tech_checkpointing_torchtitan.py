@@ -125,3 +125,17 @@ def test_op_policy_rejects_bad_arguments() -> None:
         OpPolicy(save=frozenset())
     with pytest.raises(MemfitError, match="a function"):
         OpPolicy(rule=3)  # type: ignore[arg-type]
+
+
+def test_recipe_and_fit_config_take_torchtitan(setup) -> None:
+    from memfit import Recipe
+    from memfit.fitting.config import FitConfig
+    from memfit.techniques.recipe import apply_techniques
+
+    model, ids = setup
+    loss, grads = _step(model, ids)
+    ckpt = copy.deepcopy(model)
+    assert apply_techniques(ckpt, Recipe(checkpointing="torchtitan")) == ("selective",) * LAYERS
+    loss2, grads2 = _step(ckpt, ids)
+    assert torch.equal(loss, loss2) and all(torch.equal(grads[n], grads2[n]) for n in grads)
+    assert FitConfig(checkpointing="torchtitan").checkpointing == "torchtitan"
