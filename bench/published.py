@@ -711,7 +711,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Error statistics over the allocator-level cases, and whether each target is met."""
     # the targets are the trace's and the simulator's; method ``plan`` cases (memfit plan from
     # the CLI, a whole training run) are reported with the other plan errors
-    errors = [r["error_pct"] for r in results if r["method"] != "plan"
+    errors = [r["error_pct"] for r in results if r.get("method") != "plan"
               and r["quantity"] in ALLOCATOR_QUANTITIES and r.get("error_pct") is not None]
     failed = [r["id"] for r in results if r["error"]]
     # nvidia-smi cases (whole steps, CUDA context included): reported, outside the targets
@@ -723,7 +723,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "nvidia_smi_worst_under_prediction_pct": round(min(min(smi), 0.0), 3),
         "nvidia_smi_worst_over_prediction_pct": round(max(max(smi), 0.0), 3)}
     plan_errors = [r["plan_error_pct"] for r in results if "plan_error_pct" in r] + [
-        r["error_pct"] for r in results if r["method"] == "plan" and r.get("error_pct") is not None]
+        r["error_pct"] for r in results
+        if r.get("method") == "plan" and r.get("error_pct") is not None]
     if plan_errors:
         smi_stats["plan_cases"] = len(plan_errors)
         smi_stats["plan_worst_under_prediction_pct"] = round(min(min(plan_errors), 0.0), 3)

@@ -103,6 +103,12 @@ def test_summary_flags_an_under_prediction(published: Any) -> None:
     targets = summary["targets"]
     assert targets["never under-predicted by more than 3.0%"] is False
     assert targets["median |error| <= 2.0%"] is False  # median of 4.0 and 0.5 is 2.25
+    # a whole run planned from the CLI (method plan) is reported beside the targets
+    plan_row = {"id": "d", "method": "plan", "quantity": "max_memory_reserved",
+                "error_pct": -11.0, "error": None}
+    summary = published.summarize([*rows, plan_row])
+    assert summary["cases"] == 2 and summary["worst_under_prediction_pct"] == -4.0
+    assert summary["plan_cases"] == 1 and summary["plan_worst_under_prediction_pct"] == -11.0
 
 
 def test_fits_margin_covers_the_latest_published_results() -> None:
