@@ -103,6 +103,12 @@ def test_summary_flags_an_under_prediction(published: Any) -> None:
     targets = summary["targets"]
     assert targets["never under-predicted by more than 3.0%"] is False
     assert targets["median |error| <= 2.0%"] is False  # median of 4.0 and 0.5 is 2.25
+    # a whole run planned from the CLI (method plan) is reported beside the targets
+    plan_row = {"id": "d", "method": "plan", "quantity": "max_memory_reserved",
+                "error_pct": -11.0, "error": None}
+    summary = published.summarize([*rows, plan_row])
+    assert summary["cases"] == 2 and summary["worst_under_prediction_pct"] == -4.0
+    assert summary["plan_cases"] == 1 and summary["plan_worst_under_prediction_pct"] == -11.0
 
 
 def test_fits_margin_covers_the_latest_published_results() -> None:
@@ -165,3 +171,31 @@ def test_fit_keeps_the_trace_margin_on_cuda() -> None:
     cpu = fit(model, batch, global_batch=4, budget_bytes=2**30, device="cpu", space=space,
               progress=False)
     assert (cuda.headroom, cpu.headroom) == (TRACE_FITS_MARGIN, 0.05)
+
+
+def test_megatron_cases_from_the_cli_within_5_percent(published: Any) -> None:
+    """Megatron-LM's golden mem-max-allocated-bytes (the quote's iteration-5 value) against
+    the analytic plan: the distributed optimizer run (--zero 1) and the full-recompute run."""
+    for case_id in ("megatron-gpt-12x512-distopt-local", "megatron-gpt-12x512-full-recompute-te"):
+        case = _case(published, case_id)
+        assert f'"5": {case["published"]["bytes"]}.0' in case["quote"]
+        result = published.predict(case)
+        assert result["error"] is None
+        assert abs(result["error_pct"]) <= 5.0, (case_id, result["error_pct"])
+
+
+def test_cublas_config_bytes(published: Any) -> None:
+    # CublasHandlePool.cpp: ":SIZE_KiB:COUNT" pairs; PyTorch's default ":4096:2:16:8"
+    assert published.cublas_config_bytes(":4096:8") == 8 * 4096 * 1024
+    assert published.cublas_config_bytes(":4096:2:16:8") == 2 * 4096 * 1024 + 8 * 16 * 1024
+
+
+def test_torchtitan_case_is_table_1(published: Any) -> None:
+    """torchtitan's Table 1 row "| FSDP | 5,762 | 82.4 |": 82.4 GiB of max reserved, planned
+    with its op-level policy (--checkpointing torchtitan) and its run script's allocator
+    setting; the trace itself takes a minute, so it runs in bench/published.py only."""
+    case = _case(published, "torchtitan-llama3.1-8b-fsdp8-selective-op")
+    assert case["quote"].split("|")[3].strip() == "82.4"
+    assert case["published"]["bytes"] == round(82.4 * 2**30)
+    assert case["config"]["plan"]["run"]["checkpointing"] == "torchtitan"
+    assert case["config"]["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

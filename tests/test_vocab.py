@@ -34,7 +34,7 @@ def test_each_layer_takes_what_its_code_handles() -> None:
                                                     & set(apply_optimizers))
     # fit's search and its tie order rely on the order
     assert fit_config.PRECISIONS == ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
-    assert fit_config.CHECKPOINTING == ("none", "selective", "full", "budget")
+    assert fit_config.CHECKPOINTING == ("none", "selective", "torchtitan", "full", "budget")
 
 
 def test_a_known_name_outside_its_layer_says_where_it_works() -> None:

@@ -89,9 +89,9 @@ class Recipe:
     optimizer: str = "adamw"
     """A name of :data:`memfit.vocab.OPTIMIZERS` (8-bit variants: 2 bytes/param of state)."""
     checkpointing: str = "none"
-    """none, selective (recompute cheap ops), selective-attn (the planner's attention-only
-    recompute), full (recompute each block) or budget (the fewest blocks that keep the
-    activations under ``checkpoint_budget_bytes``)."""
+    """none, selective (recompute cheap ops), torchtitan (also every second matmul),
+    selective-attn (the planner's attention-only recompute), full (recompute each block) or
+    budget (the fewest blocks that keep the activations under ``checkpoint_budget_bytes``)."""
     checkpoint_budget_bytes: int | None = None
     """The activation budget of ``checkpointing="budget"``."""
     checkpoint_modes: tuple[str | None, ...] | None = None

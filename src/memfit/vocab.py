@@ -139,6 +139,8 @@ the trace and ``memfit.techniques`` take)."""
 CHECKPOINTING: dict[str, frozenset[str]] = {
     "none": _ALL,
     "selective": _ALL,  # op-level SAC: keep matmul/attention outputs (memfit.techniques)
+    # torchtitan's op-level SAC: the same, but every second mm of a block is recomputed
+    "torchtitan": _ALL,
     # Korthikanti et al. 2022's selective recompute (attention scores only): a planner formula
     "selective-attn": frozenset({"plan"}),
     "full": _ALL,

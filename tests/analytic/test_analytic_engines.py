@@ -63,6 +63,46 @@ def test_selective_layer_bytes_by_hand() -> None:
     assert lora.saved - t.saved == 2 * sb * ((8 + H) + (8 + H // 2))
 
 
+def test_torchtitan_layer_bytes_by_hand() -> None:
+    """torchtitan's policy keeps the 1st, 3rd, 5th and 7th mm of a Llama block (q, v, gate,
+    down) and recomputes k, o and up (torchtitan/parallelisms/parallelize_llama.py at d4c86e3:
+    "Saves output of all compute ops, except every second mm"); the block input and the SDPA
+    output and logsumexp as memfit's selective."""
+    spec = llama_like()
+    sb = S * B
+    by_hand = (4 * sb * H  # block input, fp32 residual stream
+               + 2 * sb * H  # q (1st mm)
+               + 2 * sb * (H // 2)  # v (3rd)
+               + 2 * sb * H + 4 * 4 * sb  # SDPA output + logsumexp
+               + 2 * sb * 3 * H  # gate (5th)
+               + 2 * sb * H)  # down (7th)
+    t = selective_layer_bytes(spec, seq=S, batch=B, act_bytes=2, attention="sdpa",
+                              residual_bytes=4, per_layer=10**9, every_second_mm=True)
+    assert t.saved == by_hand
+    # the recompute brings back what backward needs beyond the cached SDPA output and gate
+    assert t.recompute == 10**9 - (2 * sb * H + 4 * 4 * sb + 2 * sb * 3 * H)
+    # with biases the projections run addmm, which torchtitan's list does not hold
+    biased = dataclasses.replace(spec, qkv_bias=True, attn_out_bias=True, mlp_bias=True)
+    t = selective_layer_bytes(biased, seq=S, batch=B, act_bytes=2, attention="sdpa",
+                              residual_bytes=4, per_layer=0, every_second_mm=True)
+    assert t.saved == 4 * sb * H + 2 * sb * H + 4 * 4 * sb
+    # eager attention: its bmm outputs are not in torchtitan's list either
+    eager = selective_layer_bytes(spec, seq=S, batch=B, act_bytes=2, attention="eager",
+                                  residual_bytes=4, per_layer=0, every_second_mm=True)
+    assert eager.saved == by_hand - (2 * sb * H + 4 * 4 * sb)
+
+
+def test_torchtitan_between_selective_and_full() -> None:
+    spec = get_preset("llama-3.1-8b")
+    acts = {c: training_activations(spec, RunConfig.from_dict(
+        {"checkpointing": c, "batch": 2, "seq": 8192, "engine": "fsdp2", "gpus": 8, "zero": 3}),
+        8192) for c in ("selective", "torchtitan", "full")}
+    # per block: k (1024 wide), o (4096) and up (14336) dropped, 2 bytes per element
+    dropped = 32 * 2 * 2 * 8192 * (1024 + 4096 + 14336)
+    assert acts["selective"].activations - acts["torchtitan"].activations == dropped
+    assert acts["full"].activations < acts["torchtitan"].activations
+
+
 def test_selective_differs_from_none_with_fused_attention() -> None:
     """Korthikanti's selective recompute drops only the attention scores, which SDPA does not
     keep: ``selective-attn`` equals ``none`` there; ``selective`` (op-level) does not."""

@@ -1,7 +1,8 @@
 """The analytic formulas against the trace (issue 14 §2), the small presets: GPT-2 (train) and
-Llama-3.2-1B (LoRA: the trace's adapters need *_proj layers) x {none, selective, full} at batch
-4 x 1024 tokens, where activations, not the model states, make the peak. The whole matrix
-(every preset x {train, lora} x 3 policies x 2 points) is bench/formulas_vs_trace.py.
+Llama-3.2-1B (LoRA: the trace's adapters need *_proj layers) x {none, selective, torchtitan,
+full} at batch 4 x 1024 tokens, where activations, not the model states, make the peak. The
+whole matrix (every preset x {train, lora} x 3 policies x 2 points) is
+bench/formulas_vs_trace.py.
 
 The trace is an independent prediction: it runs the real Hugging Face module on meta tensors
 and records what autograd and the CUDA caching allocator hold. The plan is run with
@@ -40,7 +41,7 @@ def bench() -> Iterator[Any]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_HF, reason="transformers not installed")
-@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "torchtitan", "full"])
 @pytest.mark.parametrize(("preset", "mode"), [("gpt2", "train"), ("llama-3.2-1b", "lora")])
 def test_formulas_agree_with_the_trace(bench: Any, preset: str, mode: str,
                                        checkpointing: str) -> None:

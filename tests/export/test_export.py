@@ -335,3 +335,13 @@ def test_settings_validate_directly():
     with pytest.raises(MemfitError, match="HSDP replicas need sharded"):
         PlanSettings(source="plan",  # 2 replicas
                      recipe=Recipe(parallel=Parallel(gpus=8, zero=2, fsdp=4)))
+
+
+def test_torchtitan_checkpointing_exports_as_torchtitans_selective():
+    """memfit's ``torchtitan`` policy is torchtitan's op-level ``selective`` exactly; torchtune
+    has no op-level policy and says so rather than dropping it silently."""
+    settings = PlanSettings(source="plan", recipe=Recipe(checkpointing="torchtitan"))
+    assert export_plan(settings, "torchtitan").text.splitlines()[-1] == \
+        "activation-checkpoint:selective"
+    gaps = {g.setting: g.value for g in export_plan(settings, "torchtune").gaps}
+    assert gaps["checkpointing"] == "torchtitan"

@@ -16,7 +16,8 @@ than Korthikanti's 5 bytes per element (Note: [eager scores under autocast]), an
 projections keep one 16-bit input each (Note: [projection inputs under autocast]).
 
 ``selective`` is op-level selective activation checkpointing as ``memfit.techniques`` applies
-it (Note: [op-level selective checkpointing] in ``selective_activations.py``); Korthikanti's
+it (Note: [op-level selective checkpointing] in ``selective_activations.py``), ``torchtitan``
+torchtitan's op-level policy (Note: [torchtitan's policy in the formulas]); Korthikanti's
 score-only recompute is ``selective-attn``.
 
 Known limitations: the logits/loss terms assume Hugging Face's loss (logits upcast to fp32 then
@@ -109,13 +110,14 @@ def _checkpointed_block(spec: TransformerSpec, run: RunConfig, terms: LayerTerms
         if run.parallel.sp:
             block_input = -(-block_input // run.parallel.tp)
         return block_input, per_layer, notes
-    if run.checkpointing == "selective":
+    if run.checkpointing in ("selective", "torchtitan"):
         sel = selective_layer_bytes(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                                     residual_bytes=residual, per_layer=per_layer,
                                     tp=run.parallel.tp,
                                     sequence_parallel=run.parallel.sp,
                                     lora_targets=run.lora_targets if lora else None,
-                                    lora_rank=run.lora_rank if lora else 0)
+                                    lora_rank=run.lora_rank if lora else 0,
+                                    every_second_mm=run.checkpointing == "torchtitan")
         if lora and sel.saved > per_layer:
             notes.append("op-level selective checkpointing keeps every matmul output, the frozen "
                          "base's too, which a LoRA step without checkpointing does not keep: "
@@ -211,7 +213,7 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     terms = layer_terms(spec, seq=s, batch=b, act_bytes=e, attention=run.attention,
                         trainable=frozenset(run.lora_targets) if lora else None,
                         lora_rank=run.lora_rank if lora else 0, residual_bytes=norm_input,
-                        autocast=run.autocast)
+                        autocast=run.autocast, megatron=run.layout == "megatron")
     per_layer = terms.per_gpu(run.parallel.tp, run.parallel.sp)
     layers = -(-spec.num_layers // run.parallel.pp)
 
@@ -238,7 +240,7 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     # the logits' gradient) and in the last block's backward (the head's tensors are freed by
     # then; the recomputed block and its gradients exist).
     casts_per_layer, casts_head = _weight_casts(spec, run, act_bytes=e, lora=lora, last=last)
-    checkpointed = run.checkpointing in ("selective", "full")
+    checkpointed = run.checkpointing in ("selective", "torchtitan", "full")
     casts = layers * casts_per_layer + casts_head
     # A third moment, the end of forward (the loss is computed inside the model's forward): the
     # 16-bit logits and their fp32 copy, and the weight casts still in autocast's cache, which a

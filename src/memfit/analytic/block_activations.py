@@ -44,8 +44,20 @@ CAT_ROPE_FUSED_QKV_FAMILIES = frozenset({"phi3"})
 FP32_NORM_WEIGHT_FAMILIES = frozenset({"gemma2", "gemma3_text", "olmo2"})
 # Hugging Face model types whose MLP activation is "gelu_new" (transformers/activations.py:
 # NewGELUActivation), the tanh approximation written as plain PyTorch ops; the others call a
-# fused kernel (nn.functional.gelu, silu) that keeps only its input.
+# fused kernel (nn.functional.gelu, silu) that keeps only its input. Megatron-LM builds its own
+# block whatever the config's family (Note: [Megatron's block]), so there it is never gelu_new.
 PYTHON_GELU_FAMILIES = frozenset({"gpt2"})
+
+# Note: [Megatron's block]
+# Under --engine megatron the model is Megatron-LM's GPT (megatron/core/models/gpt/, local or
+# Transformer Engine spec), not Hugging Face's module of the config's family. Its MLP runs the
+# bias and GeLU as one fused autograd function that keeps only the fc1 output and the bias
+# (megatron/core/fusions/fused_bias_gelu.py: GeLUFunction.forward, ``ctx.save_for_backward(
+# input, bias)``; --bias-gelu-fusion is on by default), Korthikanti's 8sbh for h -> 4h, where
+# Hugging Face's GPT-2 runs gelu_new op by op (Note: [gelu_new]): 3e bytes more per element
+# of the 4h-wide tensor, 24sbh in bf16, about a fifth of a block's 114sbh at s = 1024, a = 8,
+# h = 512. Its softmax is FusedScaleMaskSoftmax's 16-bit kernel (the scores' softmax output,
+# e bytes, as in Korthikanti's 5as^2b), and the model is cast to 16-bit (no autocast).
 # Hugging Face model types whose eager attention runs softmax(..., dtype=torch.float32) and
 # casts back (Llama's eager_attention_forward and its copies), in any precision; GPT-2, BERT
 # and ViT call a plain softmax.
@@ -225,7 +237,8 @@ def _attention_bytes(spec: TransformerSpec, *, s: int, b: int, e: int, attention
 
 
 def _mlp_bytes(spec: TransformerSpec, *, s: int, b: int, e: int,
-               trainable: frozenset[str] | None, autocast: bool) -> int:
+               trainable: frozenset[str] | None, autocast: bool,
+               megatron: bool = False) -> int:
     """The MLP's (or the MoE layer's) share of what tensor parallelism divides."""
     sbh = s * b * spec.hidden_size
     f = spec.intermediate_size
@@ -235,7 +248,7 @@ def _mlp_bytes(spec: TransformerSpec, *, s: int, b: int, e: int,
     if not _keeps(trainable, "down"):
         wide -= 1  # the down projection's input (GeLU output / gated product) is not kept
     mlp = wide * e * s * b * f
-    if spec.family in PYTHON_GELU_FAMILIES:
+    if spec.family in PYTHON_GELU_FAMILIES and not megatron:  # Note: [Megatron's block]
         mlp += gelu_new_bytes_per_element(act_bytes=e, autocast=autocast) * s * b * f
     if spec.is_moe:
         k = spec.experts_per_token
@@ -254,7 +267,7 @@ def _mlp_bytes(spec: TransformerSpec, *, s: int, b: int, e: int,
 def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
                 attention: str, trainable: frozenset[str] | None = None,
                 lora_rank: int = 0, residual_bytes: int | None = None,
-                autocast: bool = False) -> LayerTerms:
+                autocast: bool = False, megatron: bool = False) -> LayerTerms:
     """Bytes one block saves for backward (Korthikanti §4.1, term by term).
 
     ``trainable``: the linear roles whose weights get gradients (None: all). Autograd keeps a
@@ -269,13 +282,16 @@ def layer_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     ``autocast``: the step runs under CUDA autocast (fp16-/bf16-mixed), which keeps eager
     attention's softmax output in fp32 (Note: [eager scores under autocast]) and one 16-bit
     input per separate projection (Note: [projection inputs under autocast]).
+
+    ``megatron``: the block is Megatron-LM's own (Note: [Megatron's block]): fused bias-GeLU.
     """
     s, b, e, h = seq, batch, act_bytes, spec.hidden_size
     replicated = _replicated_bytes(spec, sbh=s * b * h, e=e, trainable=trainable,
                                    residual_bytes=residual_bytes or e, autocast=autocast)
     split, scores = _attention_bytes(spec, s=s, b=b, e=e, attention=attention,
                                      trainable=trainable, autocast=autocast)
-    split += _mlp_bytes(spec, s=s, b=b, e=e, trainable=trainable, autocast=autocast)
+    split += _mlp_bytes(spec, s=s, b=b, e=e, trainable=trainable, autocast=autocast,
+                        megatron=megatron)
     if trainable is not None and lora_rank:
         # each adapter keeps its rank-r intermediate x·A for B's gradient
         split += sum(e * s * b * lora_rank * shape.count for shape in spec.linear_shapes()

@@ -15,7 +15,7 @@ from memfit.semi_structured import PLAN_FORMATS, check_pattern
 Mode = Literal["train", "lora", "qlora", "inference"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16", "fp16", "fp8"]
 Optimizer = Literal["adam", "adamw", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion"]
-Checkpointing = Literal["none", "selective", "selective-attn", "full"]
+Checkpointing = Literal["none", "selective", "torchtitan", "selective-attn", "full"]
 Engine = Literal["auto", "fsdp2", "ddp", "deepspeed", "megatron"]
 OffloadTo = Literal["cpu", "nvme"]
 Attention = Literal["sdpa", "flash", "eager"]
@@ -67,9 +67,10 @@ class RunConfig:
     checkpointing: Checkpointing = "none"
     """none; selective (op-level selective activation checkpointing as memfit.techniques applies
     it: each block keeps its input and the outputs of its matmuls and attention kernels, the
-    rest is recomputed); selective-attn (Korthikanti et al.'s selective recompute: only the
-    attention scores are recomputed; nothing to drop with fused attention); full (keep block
-    inputs only, recompute one block at a time)."""
+    rest is recomputed); torchtitan (torchtitan's op-level policy: the same but every second
+    matmul of a block is recomputed); selective-attn (Korthikanti et al.'s selective recompute:
+    only the attention scores are recomputed; nothing to drop with fused attention); full (keep
+    block inputs only, recompute one block at a time)."""
     attention: Attention = "sdpa"
     """sdpa/flash: fused attention, no s×s score matrix kept; eager: scores and softmax kept."""
     batch: int = 1

@@ -27,7 +27,8 @@ DS_SUB_GROUP = 1_000_000_000
 DS_PARAM_SWAP_BUFFERS = 5 * 100_000_000
 DS_OPTIMIZER_SWAP_BUFFERS = 4
 
-PERSISTENT_BUFFERS = frozenset({"DDP gradient buckets", "reduce bucket"})
+PERSISTENT_BUFFERS = frozenset({"DDP gradient buckets", "reduce bucket",
+                                "attention-score buffer"})
 """Engine buffers allocated once and kept through the optimizer step (the others are freed
 after each module's backward)."""
 
@@ -171,10 +172,12 @@ def _fsdp2_backward_end(model: ModelSpec, run: RunConfig, all_gradients: int
                                                                       at_embedding)}
 
 
-def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, int]:
+def engine_buffers(model: ModelSpec, run: RunConfig, stage: int,
+                   seq: int | None = None) -> dict[str, int]:
     """GPU bytes of the engine's own buffers during backward, by name (Note: [engine layouts] in
     model_states.py for the states themselves). The ZeRO paper's layout has none here (its
-    gathered blocks are counted in planner.py: ``_zero_paper_temporaries``)."""
+    gathered blocks are counted in planner.py: ``_zero_paper_temporaries``). ``seq``: the
+    sequence length (Megatron's attention-score buffer is sized by it)."""
     if not run.training or run.layout == "zero-paper":
         return {}
     split = split_params(model, run, stage=stage)
@@ -190,6 +193,14 @@ def engine_buffers(model: ModelSpec, run: RunConfig, stage: int) -> dict[str, in
         # (torch.nn.parallel.DistributedDataParallel docs: the saving "will be equal to the total
         # gradients size")
         out["DDP gradient buckets"] = split.trainable * vocab.precision(run.precision).grad_bytes
+    elif layout == "megatron" and run.attention == "eager" and seq and isinstance(
+            model, TransformerSpec):
+        # Megatron's unfused core attention (--transformer-impl local) writes QK^T into one
+        # buffer that stays allocated: megatron/core/transformer/dot_product_attention.py,
+        # DotProductAttention.forward: parallel_state.get_global_memory_buffer().get_tensor(
+        # (b * np, sq, sk), query.dtype, "mpu"), baddbmm's input (beta=0)
+        heads = -(-model.num_heads // run.parallel.tp)
+        out["attention-score buffer"] = cb * heads * seq * seq * run.batch
     elif layout == "deepspeed":
         if run.zero >= 1:
             # stage_1_and_2.py: setup_buckets / stage3.py: _setup_for_real_optimizer allocate

@@ -369,7 +369,7 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
     breakdown[MemoryCategory.GRADIENTS] = states.gradients
     breakdown[MemoryCategory.OPTIMIZER_STATES] = states.optimizer_states
     notes = list(states.notes) + _layout_notes(run)
-    buffers = engine_buffers(model, run, stage)
+    buffers = engine_buffers(model, run, stage, seq)
     known = isinstance(model, TransformerSpec)
     acts: Activations | None = None
     if isinstance(model, TransformerSpec) and seq is not None:

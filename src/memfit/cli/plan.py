@@ -95,7 +95,8 @@ def register(sub: Any) -> None:
                    help=f"one of {', '.join(OPTIMIZERS)} (default adamw; training modes only)")
     p.add_argument("--checkpointing", default="none",
                    help=f"activation checkpointing: {', '.join(CHECKPOINTING)} (selective: "
-                   "op-level, keep matmul/attention outputs; selective-attn: Korthikanti's "
+                   "op-level, keep matmul/attention outputs; torchtitan: torchtitan's op-level "
+                   "policy, every second matmul recomputed; selective-attn: Korthikanti's "
                    "score-only recompute, analytic only)")
     p.add_argument("--attention", default="sdpa", help=f"one of {', '.join(ATTENTIONS)}")
     p.add_argument("--batch", default="1", help="micro-batch per GPU (default 1)")

@@ -18,7 +18,9 @@ from typing import Any
 from memfit.export._base import Builder, Export
 from memfit.export.settings import PlanSettings
 
-_AC = {"none": "none", "selective": "selective", "full": "full"}
+# torchtitan's "selective" (op) is its every-second-mm policy: memfit's "torchtitan" exactly;
+# memfit's "selective" (every matmul kept) is the nearest torchtitan has
+_AC = {"none": "none", "selective": "selective", "torchtitan": "selective", "full": "full"}
 
 
 def overrides(s: PlanSettings, b: Builder) -> dict[str, dict[str, Any]]:

@@ -33,9 +33,10 @@ def config(s: PlanSettings, b: Builder) -> dict[str, Any]:
               "the model states instead)")
     full = s.recipe.checkpointing == "full"
     out["enable_activation_checkpointing"] = full
-    if s.recipe.checkpointing == "selective":
-        b.gap("checkpointing", "selective", "torchtune's selective mode (ac_mode/ac_option) "
-              "checkpoints every n-th layer, not op-level; exported without checkpointing")
+    if s.recipe.checkpointing in ("selective", "torchtitan"):
+        b.gap("checkpointing", s.recipe.checkpointing, "torchtune's selective mode (ac_mode/"
+              "ac_option) checkpoints every n-th layer, not op-level; exported without "
+              "checkpointing")
     else:
         b.budget_checkpointing()
     out["enable_activation_offloading"] = s.recipe.offload_activations and full

@@ -157,7 +157,9 @@ def default_space(base: nn.Module, optimizer: str, device: str, spec: GpuSpec | 
         rejected.append(Rejected(what="precision bf16 (pure)", reason=(
             "not searched by default: bf16 weights lose updates under 2**-8 of a weight; pass "
             "space={'precision': ['bf16-mixed', 'bf16']} to include it")))
-    ckpts = list(CHECKPOINTING)
+    # torchtitan's policy sits between selective and full; searched when asked for (one more
+    # trace per combination): space={"checkpointing": [..., "torchtitan"]}
+    ckpts = [c for c in CHECKPOINTING if c != "torchtitan"]
     try:
         find_blocks(base)
     except MemfitError as exc:

@@ -2,6 +2,8 @@
 
 >>> plan = apply_activation_checkpointing(model, policy="full")          # every block
 >>> plan = apply_activation_checkpointing(model, policy="selective")     # keep matmul outputs
+>>> plan = apply_activation_checkpointing(model, policy="torchtitan")    # every second mm too
+>>> plan = apply_activation_checkpointing(model, policy=OpPolicy(save={aten.mm.default}))
 >>> plan = apply_activation_checkpointing(model, policy=EveryK(2))       # blocks 0, 2, 4, ...
 >>> plan = apply_activation_checkpointing(model, policy=Budget(2 * 2**30), inputs=batch)
 
@@ -14,6 +16,19 @@ saves nothing for backward except its inputs, and backward runs its forward agai
 ``selective`` passes a ``context_fn`` from ``create_selective_checkpoint_contexts`` whose policy
 keeps the outputs of matmuls and attention (the expensive ops) and recomputes the rest (norms,
 activations, residual adds, dropout masks are regenerated from the saved RNG state).
+``torchtitan`` is torchtitan's op-level policy (Note: [torchtitan's op-level policy]), and
+:class:`OpPolicy` any save list with a rule.
+
+Note: [torchtitan's op-level policy] torchtitan's selective checkpointing saves the outputs of
+the ops in its save list except every second ``mm`` of a block's forward, counted in the forward
+and in the recompute separately (torchtitan/parallelisms/parallelize_llama.py at d4c86e3, the
+code of its published Llama 3.1 runs: ``_save_list`` = mm, the flash and memory-efficient SDPA
+kernels, ``_c10d_functional.reduce_scatter_tensor``, abs, max; ``_get_custom_policy``: "Saves
+output of all compute ops, except every second mm"; the same rule today in
+torchtitan/distributed/activation_checkpoint.py, ``SelectiveAC._wrap_block``). In a Llama block
+the mms run q, k, v, o, gate, up, down: q, v, gate and down are kept, k, o and up recomputed.
+:data:`TORCHTITAN_SAVE_OPS` adds the cuDNN, CPU-flash and math SDPA kernels (torchtitan's list
+today has the cuDNN and math ones), so that the attention output is kept on every backend.
 
 Note: [wrapping without renaming] A block is wrapped by giving *the instance* a ``forward`` that
 calls its class's forward under checkpoint, instead of replacing it with a wrapper module
@@ -63,12 +78,15 @@ from memfit.techniques.block_profile import (
 )
 
 __all__ = [
+    "TORCHTITAN_SAVE_OPS",
     "Budget",
     "CheckpointPlan",
     "EveryK",
     "Full",
+    "OpPolicy",
     "Policy",
     "Selective",
+    "Torchtitan",
     "apply_activation_checkpointing",
     "remove_activation_checkpointing",
 ]
@@ -84,6 +102,35 @@ def _selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
+aten = torch.ops.aten
+MM_OPS: frozenset[Any] = frozenset(op for op in (aten.mm.default, aten.linear.default))
+"""The ops torchtitan's rule counts (``mm_ops``: some backends dispatch ``linear`` whole)."""
+
+TORCHTITAN_SAVE_OPS: frozenset[Any] = frozenset(
+    op for op in (
+        aten.mm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        getattr(aten, "_scaled_dot_product_cudnn_attention", None)
+        and aten._scaled_dot_product_cudnn_attention.default,
+        getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+        and aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_attention_math.default,
+        getattr(getattr(torch.ops, "_c10d_functional", None), "reduce_scatter_tensor", None)
+        and torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        aten.abs.default,
+        aten.max.default,
+    ) if op is not None
+)
+"""torchtitan's ``_save_list`` (Note: [torchtitan's op-level policy])."""
+
+
+def recompute_every_second_mm(func: Any, n: int) -> bool:
+    """torchtitan's rule: keep the 1st, 3rd, 5th, ... ``mm`` of a block's forward, recompute
+    the 2nd, 4th, ...; every other op of the save list is kept."""
+    return func not in MM_OPS or n % 2 == 1
+
+
 # -- policies ------------------------------------------------------------------------------------
 
 class Policy:
@@ -94,6 +141,10 @@ class Policy:
         """One entry per block: ``"full"``, ``"selective"`` or ``None`` (leave it alone).
         ``profile()`` measures the blocks (costly: call it only if needed)."""
         raise NotImplementedError
+
+    def context_fn(self) -> Callable[[], tuple[Any, Any]] | None:
+        """The ``context_fn`` of its ``"selective"`` blocks (None: memfit's :data:`SAVE_OPS`)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -113,6 +164,66 @@ class Selective(Policy):
     def choose(self, blocks: Sequence[str], profile: Callable[[], list[BlockProfile]]
                ) -> list[Mode | None]:
         return ["selective"] * len(blocks)
+
+
+@dataclass(frozen=True)
+class OpPolicy(Policy):
+    """Checkpoint every block, keeping the outputs of the ops in ``save`` for which ``rule``
+    says so, and recomputing every other op: your own op-level selective checkpointing.
+
+    >>> aten = torch.ops.aten
+    >>> policy = OpPolicy(save=frozenset({aten.mm.default}), rule=lambda op, n: n % 3 != 0)
+
+    Known limitations: the rule sees the op and its call count only (torchtitan's also reads
+    the weight's shape to force-recompute MoE router gates)."""
+
+    save: frozenset[Any] = SAVE_OPS
+    """The ops whose outputs may be kept (``torch.ops.aten.mm.default``, ...); each kept
+    output costs its bytes until the block's backward and saves recomputing it."""
+    rule: Callable[[Any, int], bool] | None = None
+    """``rule(op, n)``: keep this call's output, ``n`` counting the calls of ``op`` in the
+    block's forward from 1 (the recompute counts its own, so it decides the same). None: keep
+    every call of an op in ``save``."""
+
+    def __post_init__(self) -> None:
+        if not self.save:
+            raise MemfitError("OpPolicy(save=...): give at least one op to keep, e.g. "
+                              "frozenset({torch.ops.aten.mm.default}); use 'full' to keep none")
+        if self.rule is not None and not callable(self.rule):
+            raise MemfitError(f"OpPolicy(rule=...): a function (op, n) -> bool, got "
+                              f"{self.rule!r}")
+
+    def choose(self, blocks: Sequence[str], profile: Callable[[], list[BlockProfile]]
+               ) -> list[Mode | None]:
+        return ["selective"] * len(blocks)
+
+    def context_fn(self) -> Callable[[], tuple[Any, Any]]:
+        save, rule = self.save, self.rule
+
+        def contexts() -> tuple[Any, Any]:
+            counts: dict[tuple[bool, Any], int] = {}  # one count per block call
+
+            def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+                if func not in save:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+                key = (bool(ctx.is_recompute), func)
+                counts[key] = counts.get(key, 0) + 1
+                if rule is None or rule(func, counts[key]):
+                    return CheckpointPolicy.MUST_SAVE
+                return CheckpointPolicy.PREFER_RECOMPUTE
+
+            return create_selective_checkpoint_contexts(policy)
+
+        return contexts
+
+
+@dataclass(frozen=True)
+class Torchtitan(OpPolicy):
+    """torchtitan's op-level selective checkpointing: keep matmul and attention outputs except
+    every second ``mm`` of each block (Note: [torchtitan's op-level policy])."""
+
+    save: frozenset[Any] = TORCHTITAN_SAVE_OPS
+    rule: Callable[[Any, int], bool] | None = recompute_every_second_mm
 
 
 @dataclass(frozen=True)
@@ -202,7 +313,8 @@ def _rank(mode: Mode | None) -> int:
     return {None: 0, "selective": 1, "full": 2}[mode]
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {"full": Full, "selective": Selective}
+POLICIES: dict[str, Callable[[], Policy]] = {"full": Full, "selective": Selective,
+                                             "torchtitan": Torchtitan}
 
 
 def _policy(policy: str | Policy) -> Policy:
@@ -212,16 +324,21 @@ def _policy(policy: str | Policy) -> Policy:
         return POLICIES[policy]()
     name = str(policy)
     raise MemfitError(f"unknown checkpointing policy {policy!r}{suggest(name, POLICIES)}; valid: "
-                      "'full', 'selective', EveryK(k), Budget(bytes)")
+                      "'full', 'selective', 'torchtitan', EveryK(k), Budget(bytes), "
+                      "OpPolicy(save, rule)")
 
 
 # -- wrapping ------------------------------------------------------------------------------------
 
-def _checkpointed_forward(forward: Callable[..., Any], mode: Mode, *args: Any,
+def _checkpointed_forward(forward: Callable[..., Any], mode: Mode,
+                          context_fn: Callable[[], tuple[Any, Any]] | None, *args: Any,
                           **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():  # inference: nothing is saved, nothing to recompute
         return forward(*args, **kwargs)
-    context_fn = _selective_context if mode == "selective" else _noop_context
+    if mode != "selective":
+        context_fn = _noop_context
+    elif context_fn is None:
+        context_fn = _selective_context
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
@@ -229,12 +346,13 @@ def _noop_context() -> tuple[Any, Any]:
     return contextlib.nullcontext(), contextlib.nullcontext()
 
 
-def _wrap(module: nn.Module, mode: Mode) -> None:
+def _wrap(module: nn.Module, mode: Mode,
+          context_fn: Callable[[], tuple[Any, Any]] | None = None) -> None:
     # Wrap the forward the module has now (another technique may have given it one), and
     # remember it for remove_activation_checkpointing.
     previous = vars(module).get("forward")
     module.forward = functools.partial(  # type: ignore[method-assign]
-        _checkpointed_forward, module.forward, mode)
+        _checkpointed_forward, module.forward, mode, context_fn)
     module._memfit_checkpoint = (mode, previous)  # type: ignore[assignment]
 
 
@@ -290,10 +408,11 @@ def apply_activation_checkpointing(
 ) -> CheckpointPlan:
     """Checkpoint ``model``'s repeated blocks in place and return what was done.
 
-    ``policy``: ``"full"``, ``"selective"``, :class:`EveryK`, :class:`Budget` (needs ``inputs``:
-    the batch as the model takes it, a tensor, tuple or dict; real, meta or fake) or your own
-    :class:`Policy`. Applying it again replaces the previous choice. Apply it before offload,
-    ``torch.compile`` and sharding (see :mod:`memfit.techniques`).
+    ``policy``: ``"full"``, ``"selective"``, ``"torchtitan"`` (:class:`Torchtitan`),
+    :class:`OpPolicy` (a save list and a rule), :class:`EveryK`, :class:`Budget` (needs
+    ``inputs``: the batch as the model takes it, a tensor, tuple or dict; real, meta or fake)
+    or your own :class:`Policy`. Applying it again replaces the previous choice. Apply it
+    before offload, ``torch.compile`` and sharding (see :mod:`memfit.techniques`).
 
     >>> plan = apply_activation_checkpointing(model, "selective")
     >>> plan.checkpointed
@@ -313,6 +432,7 @@ def apply_activation_checkpointing(
         return profiles
 
     modes = chosen.choose(names, profile)
+    context_fn = chosen.context_fn()
     if len(modes) != len(names):
         raise MemfitError(f"{type(chosen).__name__}.choose returned {len(modes)} modes for "
                           f"{len(names)} blocks; return one per block")
@@ -322,7 +442,7 @@ def apply_activation_checkpointing(
             if mode not in ("full", "selective"):
                 raise MemfitError(f"checkpoint mode {mode!r} for block {name!r}; valid: 'full', "
                                   "'selective', None")
-            _wrap(modules[name], mode)
+            _wrap(modules[name], mode, context_fn)
     if any(mode is not None for mode in modes):
         _no_kv_cache(model)
     predicted = predict_activation_bytes(profiles, modes) if profiles else None
