@@ -201,7 +201,8 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
         offload_params=bool(parallel is not None and parallel.cpu_offload), parallel=parallel,
         precision=precision or run.precision)
     phase("tracing one step" if not training else "tracing two steps")
-    return trace_recipe(model, inputs, recipe, device="cuda", gpu=gpu,
+    device = "mps" if gpu is not None and gpu.target == "mps" else "cuda"  # ROCm: "cuda"
+    return trace_recipe(model, inputs, recipe, device=device, gpu=gpu,
                         steps=2 if training else 1, train=training)
 
 

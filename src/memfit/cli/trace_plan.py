@@ -24,6 +24,7 @@ from memfit.analytic.table import (
     reserve_not_modelled_note,
 )
 from memfit.analytic.traced import allocator_reserve, traced_estimate
+from memfit.budget import budget_bytes, device_budget
 from memfit.categories import MemoryCategory
 from memfit.cli._common import (
     console,
@@ -134,7 +135,7 @@ def retraced_suggestions(spec: TransformerSpec | HFModelSpec, run: RunConfig,
     """Each of :func:`retrace_candidates` traced again, those that fit first, biggest saving
     first; empty when the trace fits or no GPU is named. A change the trace refuses is left
     out."""
-    capacity = gpu.usable_bytes if gpu else None
+    capacity = budget_bytes(gpu)
     if capacity is None or capacity - est.total_bytes >= TRACE_FITS_MARGIN * capacity:
         return []
     rows = []
@@ -242,7 +243,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     # be model states alone, and single-change savings taken from it would mislead; its
     # suggestions are re-traced instead, and it needs no analytic plan (none for LoRA).
     covered = not isinstance(spec, HFModelSpec)
-    capacity = gpu.usable_bytes if gpu else None
+    capacity = budget_bytes(gpu)
     per_node = positive_int(getattr(args, "gpus_per_node", None),
                             "--gpus-per-node") or GPUS_PER_NODE
     with Progress(f"memfit plan: tracing {spec.name}", total=None):
@@ -270,7 +271,8 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             "method": "trace",
             "model": {"name": spec.name, "params": spec.param_count()},
             "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity,
-                                             "capacity_measured": gpu.usable_measured},
+                                             "capacity_measured": gpu.usable_measured,
+                                             "budget": device_budget(gpu).to_dict()},
             "per_gpu": {"total_bytes": est.total_bytes,
                         "breakdown": {c.value: b for c, b in trace_column(est).breakdown.items()},
                         "allocator_reserve_bytes": allocator_reserve(est)},
