@@ -310,7 +310,8 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     table = MemoryTable(
         title="Memory per GPU: trace vs analytic" if covered else "Memory per GPU (trace)",
         capacity=capacity,
-        capacity_is_driver_total=gpu is not None and not gpu.usable_measured,
+        capacity_is_driver_total=(gpu is not None and not gpu.usable_measured
+                                  and not gpu.unified_memory),
         columns=(column, analytic.column("analytic")) if analytic is not None else (column,),
         footnotes=(tuple(trace_footnotes(est, analytic, run)) if analytic is not None
                    else ()),
@@ -318,6 +319,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             f"[bold]{spec.name}[/bold] ({format_params(spec.param_count())} params) traced on meta "
             f"tensors{f' for {gpu.label}' if gpu else ' for CUDA'} {took(args, est.trace_seconds)}",
             describe_run(run, seq),
+            *([line] if gpu and (line := device_budget(gpu).line()) else []),
             *([args.precision_note] if getattr(args, "precision_note", None) else []),
             f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
             f"({est.peak_phase}, step {est.peak_step})"),

@@ -203,7 +203,7 @@ class CachingAllocatorSim(_ExpandableSegments):
         a ``PYTORCH_CUDA_ALLOC_CONF`` string (None: read from the environment, as torch does).
         ``expandable_segments=True`` turns expandable segments on whatever ``conf`` says.
         """
-        from memfit.budget import budget_bytes
+        from memfit.budget import device_budget
         from memfit.runtime import allocator_capacity, allocator_options
 
         options = allocator_options(conf)
@@ -211,7 +211,8 @@ class CachingAllocatorSim(_ExpandableSegments):
             options["expandable_segments"] = True
         capacity = None
         if gpu is not None:
-            capacity = allocator_capacity(budget_bytes(gpu), gpu.name, num_gpus=num_gpus)
+            capacity = allocator_capacity(device_budget(gpu).budget_bytes, gpu.name,
+                                          num_gpus=num_gpus)
         return cls(capacity=capacity, **options)
 
     # ----------------------------------------------------------------- malloc / free

@@ -184,14 +184,17 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
     autocast_dtype, param_dtype = PRECISIONS[precision]
     spec = _resolve_gpu(gpu) if device != "cpu" else None
     cuda_target = device == "cuda"  # NVIDIA or ROCm (HIP's allocator is hipified from CUDA's)
-    # Note: [the MPS target] device="mps" traces the ops as on the CPU (no CUDA SDPA routing or
-    # autocast lists) with no CUDA context, no BLAS workspace and no caching-allocator model:
-    # MPSAllocator sizes a buffer by Metal's heapBufferSizeAndAlignWithLength, a runtime answer
-    # not in PyTorch's source, so sizes are counted as requested (MPS_NOTE).
+    # Note: [the MPS target] device="mps" traces the ops on fake CPU tensors under MPS's
+    # autocast lists (CUDA's, less five ops), without CUDA's SDPA routing, with no CUDA context,
+    # no BLAS workspace and no caching-allocator model: MPSAllocator sizes a buffer by Metal's
+    # heapBufferSizeAndAlignWithLength, a runtime answer not in PyTorch's source, so sizes are
+    # counted as requested (MPS_NOTE).
     mps_target = device == "mps"
     fake_device = ("cuda" if cuda_target and USE_FAKE_CUDA and torch.backends.cuda.is_built()
                    else "cpu")
-    emulate_cuda = cuda_target and fake_device == "cpu"
+    # MPS's autocast (AutocastMPS) registers the ops CUDA's does, but for the RNN cells,
+    # rms_norm and vdot (the dispatcher, torch 2.13): CUDA's lists are applied to it.
+    emulate_cuda = (cuda_target and fake_device == "cpu") or device == "mps"
 
     allocator = None
     if cuda_target:
@@ -321,4 +324,6 @@ def _enter_step_contexts(stack: contextlib.ExitStack, fmodel: nn.Module, tracker
             # see Note: [autocast in the recompute] in autocast.py.
             stack.enter_context(cuda_autocast_emulation())
     else:
+        if emulate_cuda and autocast_dtype is not None:  # the MPS target: its autocast lists
+            stack.enter_context(cuda_autocast_emulation())
         stack.enter_context(_count_cpu_rng_states(tracker))
