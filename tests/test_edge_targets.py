@@ -65,6 +65,17 @@ def test_traced_plan_judges_against_the_device_budget(capsys, gpu: str, budget: 
         assert out["per_gpu"]["breakdown"]["runtime"] == 0
 
 
+def test_traced_plan_on_a_jetson_suggests_changes_not_more_gpus(capsys) -> None:
+    """gpt2, batch 4, seq 512: 5.53 GiB traced, under the module's 7.45 GiB but over the 5.95 GiB
+    budget with the trace's margin: it does not fit, and the way out is a change of options."""
+    out = _json(capsys, ["plan", "gpt2", "--method", "trace", "--gpu", "jetson-orin-nano-8gb",
+                         "--seq", "512", "--batch", "4"])
+    total = out["per_gpu"]["total_bytes"]
+    assert total < 8 * 10**9 * (1 - TRACE_FITS_MARGIN)  # the whole memory would have held it
+    assert out["fits"] is False and out["headroom_bytes"] == ORIN_BUDGET - total
+    assert out["suggestions"] and out.get("scale_out") is None
+
+
 def test_traced_plan_takes_the_host_reserve(capsys) -> None:
     out = _json(capsys, ["plan", "gpt2", "--method", "trace", "--gpu", "jetson-orin-nano-8gb",
                          "--seq", "64", "--host-reserve", "600MiB"])

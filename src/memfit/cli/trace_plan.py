@@ -259,7 +259,9 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     headroom = None if capacity is None else capacity - est.total_bytes
     fits = None if headroom is None else headroom >= TRACE_FITS_MARGIN * capacity
     scale_line, scale_json = None, None
-    if analytic is not None and suggestions and analytic.fits is False:
+    if gpu is not None and gpu.unified_memory:
+        pass  # a Jetson or a Mac is one machine: no "more GPUs" (as memfit plan)
+    elif analytic is not None and suggestions and analytic.fits is False:
         # The trace models one GPU; how many it needs comes from the analytic plan.
         scale = gpus_needed(analytic, gpus_per_node=per_node)
         scale_line = "analytic plan: " + scale_out_line(analytic, scale, gpus_per_node=per_node)
