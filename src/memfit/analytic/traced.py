@@ -203,6 +203,8 @@ def traced_estimate(spec: TransformerSpec | HFModelSpec, run: RunConfig,
         offload_params=bool(parallel is not None and parallel.cpu_offload), parallel=parallel,
         precision=precision or run.precision)
     phase("tracing one step" if not training else "tracing two steps")
+    if device == "cuda" and gpu is not None and gpu.target == "mps":
+        device = "mps"  # ROCm traces as "cuda", with its own runtime constants
     return trace_recipe(model, inputs, recipe, device=device, gpu=gpu,
                         steps=2 if training else 1, train=training)
 

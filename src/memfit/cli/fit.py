@@ -19,6 +19,7 @@ from typing import Any
 from memfit.cli._common import console, positive_int, print_json
 from memfit.cli.layout import parallel_from_args
 from memfit.errors import MemfitError
+from memfit.gpus import get_gpu
 from memfit.units import parse_bytes
 
 EPILOG = """examples:
@@ -47,8 +48,9 @@ def register(sub: Any) -> None:
                    "network's rate")
     p.add_argument("--tp", help="fix the tensor-parallel size (default: searched)")
     p.add_argument("--pp", help="fix the number of pipeline stages (default: searched)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="target device (default: cuda with --gpu, else cpu)")
+    p.add_argument("--device", choices=("cuda", "mps", "cpu"), default=None,
+                   help="target device (default: with --gpu, mps for Apple silicon, else "
+                        "cuda; cpu without --gpu)")
     p.add_argument("--measure", action="store_true",
                    help="time real steps of the top candidates and pick the fastest measured")
     p.add_argument("--rates", metavar="FILE",
@@ -143,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.budget, what="--budget") if args.budget else None
     if args.gpu is None and budget is None:
         raise MemfitError("give --gpu NAME (see `memfit gpus`) or --budget SIZE (e.g. 2GB)")
-    device = args.device or ("cuda" if args.gpu else "cpu")
+    device = args.device or ("cpu" if not args.gpu else
+                             "mps" if get_gpu(args.gpu).target == "mps" else "cuda")
     pins = _pinned_rates(args)
     if ":" in args.model and not Path(args.model).exists():
         if seq is not None:

@@ -25,6 +25,7 @@ from memfit.analytic.table import (
 )
 from memfit.analytic.traced import allocator_reserve, traced_estimate
 from memfit.analytic.traced_lora import lora_for
+from memfit.budget import budget_bytes, device_budget
 from memfit.categories import MemoryCategory
 from memfit.cli._common import (
     console,
@@ -135,7 +136,7 @@ def retraced_suggestions(spec: TransformerSpec | HFModelSpec, run: RunConfig,
     """Each of :func:`retrace_candidates` traced again, those that fit first, biggest saving
     first; empty when the trace fits or no GPU is named. A change the trace refuses is left
     out."""
-    capacity = gpu.usable_bytes if gpu else None
+    capacity = budget_bytes(gpu)
     if capacity is None or capacity - est.total_bytes >= TRACE_FITS_MARGIN * capacity:
         return []
     rows = []
@@ -243,7 +244,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     # be model states alone, and single-change savings taken from it would mislead; its
     # suggestions are re-traced instead, and it needs no analytic plan (none for LoRA).
     covered = not isinstance(spec, HFModelSpec)
-    capacity = gpu.usable_bytes if gpu else None
+    capacity = budget_bytes(gpu)
     per_node = positive_int(getattr(args, "gpus_per_node", None),
                             "--gpus-per-node") or GPUS_PER_NODE
     lora = None
@@ -267,7 +268,9 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     headroom = None if capacity is None else capacity - est.total_bytes
     fits = None if headroom is None else headroom >= TRACE_FITS_MARGIN * capacity
     scale_line, scale_json = None, None
-    if analytic is not None and suggestions and analytic.fits is False:
+    if gpu is not None and gpu.unified_memory:
+        pass  # a Jetson or a Mac is one machine: no "more GPUs" (as memfit plan)
+    elif analytic is not None and suggestions and analytic.fits is False:
         # The trace models one GPU; how many it needs comes from the analytic plan.
         scale = gpus_needed(analytic, gpus_per_node=per_node)
         scale_line = "analytic plan: " + scale_out_line(analytic, scale, gpus_per_node=per_node)
@@ -279,7 +282,8 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             "method": "trace",
             "model": {"name": spec.name, "params": spec.param_count()},
             "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity,
-                                             "capacity_measured": gpu.usable_measured},
+                                             "capacity_measured": gpu.usable_measured,
+                                             "budget": device_budget(gpu).to_dict()},
             "per_gpu": {"total_bytes": est.total_bytes,
                         "breakdown": {c.value: b for c, b in trace_column(est).breakdown.items()},
                         "allocator_reserve_bytes": allocator_reserve(est)},
@@ -318,7 +322,8 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     table = MemoryTable(
         title="Memory per GPU: trace vs analytic" if covered else "Memory per GPU (trace)",
         capacity=capacity,
-        capacity_is_driver_total=gpu is not None and not gpu.usable_measured,
+        capacity_is_driver_total=(gpu is not None and not gpu.usable_measured
+                                  and not gpu.unified_memory),
         columns=(column, analytic.column("analytic")) if analytic is not None else (column,),
         footnotes=(tuple(trace_footnotes(est, analytic, run)) if analytic is not None
                    else ()),
@@ -327,6 +332,7 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
             f"tensors{f' for {gpu.label}' if gpu else ' for CUDA'} {took(args, est.trace_seconds)}",
             describe_run(run, seq),
             *([lora.describe()] if lora is not None else []),
+            *([line] if gpu and (line := device_budget(gpu).line()) else []),
             *([args.precision_note] if getattr(args, "precision_note", None) else []),
             f"peak at {est.peak_op} in {est.peak_module or 'the model'} "
             f"({est.peak_phase}, step {est.peak_step})"),

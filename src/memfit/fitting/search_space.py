@@ -48,8 +48,8 @@ def check_request(model: nn.Module, *, global_batch: int, gpu: str | GpuSpec | N
         raise MemfitError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     check_loss_fn(loss_fn)
     check_reduction(reduction)
-    if device not in ("cuda", "cpu"):
-        raise MemfitError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if device not in ("cuda", "cpu", "mps"):
+        raise MemfitError(f"device must be 'cuda', 'mps' or 'cpu', got {device!r}")
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) \
             or global_batch < 1:
         raise MemfitError(f"global_batch must be a positive integer, got {global_batch!r}")
@@ -62,6 +62,9 @@ def check_request(model: nn.Module, *, global_batch: int, gpu: str | GpuSpec | N
     if device == "cpu" and spec is not None:
         raise MemfitError("device='cpu' takes budget_bytes, not gpu=; drop gpu or use "
                           "device='cuda'")
+    if spec is not None and (spec.target == "mps") != (device == "mps") and device != "cpu":
+        raise MemfitError(f"{spec.label} is {'' if spec.target == 'mps' else 'not '}Apple "
+                          f"silicon: use device={'mps' if spec.target == 'mps' else 'cuda'!r}")
     if budget_bytes is not None and (isinstance(budget_bytes, bool)
                                      or not isinstance(budget_bytes, int)
                                      or budget_bytes <= 0):
@@ -70,7 +73,7 @@ def check_request(model: nn.Module, *, global_batch: int, gpu: str | GpuSpec | N
         raise MemfitError("give a budget: gpu='a100-40gb' (see `memfit gpus`) or "
                           "budget_bytes=...")
     if headroom is None:
-        headroom = TRACE_FITS_MARGIN if device == "cuda" else 0.05
+        headroom = 0.05 if device == "cpu" else TRACE_FITS_MARGIN
     if isinstance(headroom, bool) or not isinstance(headroom, int | float) \
             or not 0 <= headroom < 1:
         raise MemfitError(f"headroom must be a fraction in [0, 1), got {headroom!r}")

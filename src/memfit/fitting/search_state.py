@@ -17,6 +17,7 @@ from torch import nn
 from memfit import vocab
 from memfit._loss import LossFn
 from memfit._tensors import meta_copy
+from memfit.budget import device_budget
 from memfit.errors import MemfitError
 from memfit.fitting.config import LAYOUT_SHARDING, FitConfig, sharding_of
 from memfit.fitting.cost import StepCost, step_cost
@@ -106,8 +107,9 @@ class SearchState:
             model, global_batch=global_batch, gpu=gpu, budget_bytes=budget_bytes, device=device,
             loss_fn=loss_fn, reduction=reduction, num_gpus=num_gpus, measure=measure,
             headroom=headroom, gpus=gpus, gpus_per_node=gpus_per_node)
-        self.full_budget = min(b for b in (budget_bytes, spec.usable_bytes if spec else None)
-                               if b)
+        # The device's budget by target (memfit.budget): a Jetson's or a Mac's less the host side.
+        device_bytes = device_budget(spec).budget_bytes if spec else None
+        self.full_budget = min(b for b in (budget_bytes, device_bytes) if b)
         # Note: [headroom] A candidate must fit in the budget less the headroom. On the CPU the
         # applied step measures within 0.5% of the plan (tests/fitting/test_fit.py), so 5% is ample.
         # On CUDA the default is the trace's margin, derived from its worst under-prediction of a

@@ -293,6 +293,12 @@ class Budget:
     """A vision-language model's encoder share (``memfit.serving.multimodal.MultimodalBudget``:
     its weights are in ``weights_parts``, its profile in ``activation_peak_bytes``), else None."""
     engine_version: str = DEFAULT_ENGINE_VERSION
+    free_bytes: int | None = None
+    """Unified memory (Jetson): the memory free at startup as vLLM reads it, None: ``total``.
+    vLLM's ``MemorySnapshot.measure`` (``vllm/utils/mem_utils.py``) keeps ``cudaMemGetInfo``'s
+    total (on a Jetson the whole shared RAM), so ``requested = util x total`` of the whole RAM;
+    on an integrated GPU it takes ``psutil.virtual_memory().available`` as free, which is what
+    the OS and the CPU side leave: modelled as :func:`memfit.budget.budget_bytes`."""
     cuda_graphs_in_budget: bool = True
     """Whether the engine version subtracts the CUDA-graph estimate from the KV budget (from
     v0.21; :attr:`EngineVersion.cuda_graphs_in_budget`). When not, ``cuda_graph_bytes`` is what
@@ -319,7 +325,8 @@ class Budget:
     @property
     def baseline_fits(self) -> bool:
         """``request_memory``'s check: free memory at the baseline >= requested."""
-        return self.total_bytes - self.baseline_bytes >= self.requested_bytes
+        free = self.total_bytes if self.free_bytes is None else self.free_bytes
+        return free - self.baseline_bytes >= self.requested_bytes
 
     @property
     def log_line(self) -> str:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from memfit.budget import device_budget
 from memfit.errors import MemfitError
 from memfit.serving.mig import MIG_GPUS, MIG_UNLISTED, MigProfile, mig_profile, mig_profiles
 from memfit.serving.tenants import DEFAULT_TPOT_S, Tenant
@@ -74,7 +75,7 @@ def device(gpu: Any, profile: MigProfile | None = None) -> Device:
                           "for the prefill time (add them with --gpu-file)")
     bw = HBM_EFFICIENCY * gpu.bandwidth_gbps * 1e9
     if profile is None:
-        return Device(gpu=gpu.name, profile=None, memory_bytes=gpu.usable_bytes,
+        return Device(gpu=gpu.name, profile=None, memory_bytes=device_budget(gpu).budget_bytes,
                       bandwidth_bytes_per_s=bw, flops=tf * 1e12)
     return Device(gpu=gpu.name, profile=profile, memory_bytes=profile.memory_bytes,
                   bandwidth_bytes_per_s=bw * profile.bandwidth_fraction,

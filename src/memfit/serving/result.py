@@ -91,6 +91,13 @@ class ServePlan:
         b = self.budget
         if b is None:
             return None
+        if not b.baseline_fits and b.free_bytes is not None:
+            return (f"unified memory: vLLM requests --gpu-memory-utilization "
+                    f"{b.gpu_memory_utilization} x the whole {b.total_bytes:,} B "
+                    f"({b.requested_bytes:,} B), more than the {b.free_bytes:,} B the OS and the "
+                    f"CPU side leave less the CUDA context ({b.baseline_bytes:,} B): vLLM refuses "
+                    "to start ('Free memory on device ... is less than desired GPU memory "
+                    "utilization'); lower --gpu-memory-utilization")
         if not b.baseline_fits:
             return (f"the CUDA context, NCCL and cuBLAS ({b.baseline_bytes:,} B) leave less than "
                     f"--gpu-memory-utilization {b.gpu_memory_utilization} x total free: vLLM "
@@ -146,7 +153,7 @@ class ServePlan:
         if b is None:
             return {k: None for k in _BUDGET_KEYS}
         return {
-            "gpu": b.gpu, "gpu_total_bytes": b.total_bytes,
+            "gpu": b.gpu, "gpu_total_bytes": b.total_bytes, "gpu_free_bytes": b.free_bytes,
             "gpu_memory_utilization": b.gpu_memory_utilization,
             "requested_bytes": b.requested_bytes, "max_num_seqs": self.max_num_seqs,
             "weights_bytes": b.weights_bytes, "weights_parts": dict(b.weights_parts),

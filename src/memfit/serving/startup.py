@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from memfit.budget import budget_bytes
 from memfit.errors import MemfitError
 from memfit.models.checkpoint import tensor_entries
 from memfit.serving.budget import (
@@ -179,6 +180,7 @@ def startup_budget(model: str | Path | Mapping[str, Any], config: Mapping[str, A
         gpu=gpu.name, total_bytes=gpu.usable_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
         requested_bytes=requested_memory(gpu.usable_bytes, gpu_memory_utilization),
+        free_bytes=budget_bytes(gpu) if gpu.unified_memory else None,
         weights_bytes=weights.total, weights_parts=weights.parts,
         activation_peak_bytes=activation, activation_source=activation_source,
         non_torch_bytes=NON_TORCH_INCREASE_BYTES, cuda_graph_bytes=graphs,

@@ -198,11 +198,12 @@ class CachingAllocatorSim(_ExpandableSegments):
     def for_gpu(cls, gpu: Any = None, *, num_gpus: int = 1, conf: str | None = None,
                 expandable_segments: bool = False) -> CachingAllocatorSim:
         """The simulator for a CUDA target: ``capacity`` from the GPU (``GpuSpec``; its
-        ``usable_bytes`` minus the runtime outside the allocator,
+        budget, :func:`memfit.budget.budget_bytes`, minus the runtime outside the allocator,
         :func:`memfit.runtime.allocator_capacity`; None: unlimited) and the options of ``conf``,
         a ``PYTORCH_CUDA_ALLOC_CONF`` string (None: read from the environment, as torch does).
         ``expandable_segments=True`` turns expandable segments on whatever ``conf`` says.
         """
+        from memfit.budget import device_budget
         from memfit.runtime import allocator_capacity, allocator_options
 
         options = allocator_options(conf)
@@ -210,7 +211,8 @@ class CachingAllocatorSim(_ExpandableSegments):
             options["expandable_segments"] = True
         capacity = None
         if gpu is not None:
-            capacity = allocator_capacity(gpu.usable_bytes, gpu.name, num_gpus=num_gpus)
+            capacity = allocator_capacity(device_budget(gpu).budget_bytes, gpu.name,
+                                          num_gpus=num_gpus)
         return cls(capacity=capacity, **options)
 
     # ----------------------------------------------------------------- malloc / free

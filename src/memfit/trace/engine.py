@@ -51,6 +51,7 @@ from memfit.trace.options import (
     _resolve_gpu,
     _runtime,
     check_request,
+    check_target,
 )
 from memfit.trace.real_values import RealValues, record_real_values
 from memfit.trace.replay import redo_without_replay
@@ -60,6 +61,9 @@ from memfit.trace.step import _module_hooks, _register_baseline, run_steps
 from memfit.trace.tracker import Tracker, TrackingFakeMode
 
 _CUDA_BLOCK = 512  # the CUDA caching allocator rounds every request up to 512 bytes
+MPS_NOTE = ("MPS target: sizes as requested (Metal's heap size and alignment per buffer, "
+            "MPSAllocator's 8/32 MiB and 1 GiB heaps and MPSGraph's own buffers are not "
+            "modelled); no CUDA context or BLAS workspace")
 # Fake CUDA tensors (exact CUDA autocast lists) on CUDA builds of torch. Off until validated on a
 # GPU machine: the CPU stand-in path (see the module note) is the one the test suite covers.
 USE_FAKE_CUDA = False
@@ -103,6 +107,8 @@ def estimate(model: nn.Module, inputs: Any, *, optimizer: str | OptimizerFactory
     """
     compute_loss = check_request(model, optimizer=optimizer, precision=precision,
                                  loss_fn=loss_fn, device=device, steps=steps)
+    check_target(device, gpu, precision=precision, expandable_segments=expandable_segments,
+                 num_gpus=num_gpus)
     trace = functools.partial(_trace_or_redo, model, inputs, optimizer=optimizer,
                               precision=precision, compute_loss=compute_loss, device=device,
                               gpu=gpu, steps=steps, expandable_segments=expandable_segments,
@@ -176,11 +182,19 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
     """One trace of ``steps`` steps (see :func:`estimate`); ``replay``: the data-dependent answers
     of a real forward, replayed in each forward."""
     autocast_dtype, param_dtype = PRECISIONS[precision]
-    spec = _resolve_gpu(gpu) if device == "cuda" else None
-    cuda_target = device == "cuda"
+    spec = _resolve_gpu(gpu) if device != "cpu" else None
+    cuda_target = device == "cuda"  # NVIDIA or ROCm (HIP's allocator is hipified from CUDA's)
+    # Note: [the MPS target] device="mps" traces the ops on fake CPU tensors under MPS's
+    # autocast lists (CUDA's, less five ops), without CUDA's SDPA routing, with no CUDA context,
+    # no BLAS workspace and no caching-allocator model: MPSAllocator sizes a buffer by Metal's
+    # heapBufferSizeAndAlignWithLength, a runtime answer not in PyTorch's source, so sizes are
+    # counted as requested (MPS_NOTE).
+    mps_target = device == "mps"
     fake_device = ("cuda" if cuda_target and USE_FAKE_CUDA and torch.backends.cuda.is_built()
                    else "cpu")
-    emulate_cuda = cuda_target and fake_device == "cpu"
+    # MPS's autocast (AutocastMPS) registers the ops CUDA's does, but for the RNN cells,
+    # rms_norm and vdot (the dispatcher, torch 2.13): CUDA's lists are applied to it.
+    emulate_cuda = (cuda_target and fake_device == "cpu") or device == "mps"
 
     allocator = None
     if cuda_target:
@@ -199,7 +213,10 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
 
     datadep = DataDependentSizes(replay)
     started = time.perf_counter()
-    fake_mode = TrackingFakeMode(tracker, datadep, warn, measure_cpu_kernels=not cuda_target)
+    fake_mode = TrackingFakeMode(tracker, datadep, warn,
+                                 measure_cpu_kernels=not (cuda_target or mps_target))
+    if mps_target:
+        notes.append(MPS_NOTE)
     with contextlib.ExitStack() as stack:
         stack.enter_context(fake_mode)
         stack.enter_context(torch_internals.fake_op_errors_unlogged())  # raised, not logged
@@ -235,7 +252,8 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         _enter_step_contexts(stack, fmodel, tracker, fake_mode, rank=rank, replay=replay,
                              training=training, steps=steps, spec=spec, cuda_target=cuda_target,
                              emulate_cuda=emulate_cuda, autocast_dtype=autocast_dtype)
-        run_steps(fmodel, finputs, tracker, opt, params, compute_loss=compute_loss, device=device,
+        run_steps(fmodel, finputs, tracker, opt, params, compute_loss=compute_loss,
+                  device="cpu" if mps_target else device,  # Note: [the MPS target]
                   steps=steps, training=training, autocast_dtype=autocast_dtype,
                   emulate_cuda=emulate_cuda, keep_output=keep_output, replay=replay, rank=rank)
     elapsed = time.perf_counter() - started
@@ -306,4 +324,6 @@ def _enter_step_contexts(stack: contextlib.ExitStack, fmodel: nn.Module, tracker
             # see Note: [autocast in the recompute] in autocast.py.
             stack.enter_context(cuda_autocast_emulation())
     else:
+        if emulate_cuda and autocast_dtype is not None:  # the MPS target: its autocast lists
+            stack.enter_context(cuda_autocast_emulation())
         stack.enter_context(_count_cpu_rng_states(tracker))

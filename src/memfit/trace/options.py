@@ -30,7 +30,9 @@ def _dtypes(p: vocab.Precision) -> tuple[torch.dtype | None, torch.dtype | None]
 PRECISIONS = {name: _dtypes(vocab.precision(name)) for name in vocab.names("precision", "trace")}
 """Precision name -> (autocast dtype, parameter dtype), from :class:`memfit.vocab.Precision`."""
 
-DEVICES = ("cuda", "cpu")
+DEVICES = ("cuda", "cpu", "mps")
+"""``cuda``: an NVIDIA GPU, or an AMD one (ROCm: the ``gpu``'s target, ``GpuSpec.target``);
+``mps``: Apple silicon (:func:`check_target`); ``cpu``."""
 _DEFAULT_CC = (8, 0)  # SDPA routing when no GPU is named: an A100-class GPU
 
 
@@ -51,17 +53,47 @@ def _resolve_gpu(gpu: str | GpuSpec | None) -> GpuSpec | None:
 
 def _runtime(gpu: GpuSpec | None, num_gpus: int, training: bool
              ) -> tuple[dict[str, int], frozenset[str], str | None]:
-    """Runtime parts by name and which of them the caching allocator holds."""
-    try:
-        from memfit.runtime import ALLOCATOR_PARTS, cuda_runtime_bytes
-    except ImportError:
-        return {}, frozenset(), ("CUDA runtime constants unavailable (memfit.runtime missing): "
-                                 "runtime not added")
+    """Runtime parts by name and which of them the caching allocator holds, by the GPU's
+    target: CUDA's context and cuBLAS workspaces, ROCm's HIP context and hipBLAS/hipBLASLt
+    workspaces (:mod:`memfit.runtime.rocm`), none on MPS."""
+    from memfit.runtime import ALLOCATOR_PARTS, compute_capability_for, target_runtime_bytes
+    from memfit.runtime.targets import ROCM_NAMES
+
+    target = gpu.target if gpu else "cuda"
+    arch = None
+    if gpu is not None and target != "mps":
+        arch = gpu.compute_capability or compute_capability_for(gpu.name)
     # Matmuls run on the main thread (forward) and on autograd's device thread (backward), each
-    # with its own cuBLAS handle and workspaces.
-    parts = cuda_runtime_bytes(gpu.name if gpu else None, num_gpus=num_gpus,
-                               matmul_threads=2 if training else 1)
-    return dict(parts), frozenset(ALLOCATOR_PARTS) & set(parts), None
+    # with its own cuBLAS (hipBLAS) handle and workspaces.
+    parts = target_runtime_bytes(target, arch, num_gpus=num_gpus,
+                                 matmul_threads=2 if training else 1)
+    inside = {*ALLOCATOR_PARTS, *(ROCM_NAMES[p] for p in ALLOCATOR_PARTS)}
+    return dict(parts), frozenset(inside) & set(parts), None
+
+
+def check_target(device: str, gpu: str | GpuSpec | None, *, precision: str,
+                 expandable_segments: bool, num_gpus: int) -> GpuSpec | None:
+    """The GPU a trace on ``device`` models, checked against its target: an Apple GPU only
+    with ``device="mps"``, ``device="mps"`` without CUDA's features (fp8, expandable
+    segments, NCCL over several GPUs). One MemfitError line each."""
+    if device == "cpu":
+        return None
+    spec = _resolve_gpu(gpu)
+    if device == "cuda" and spec is not None and spec.target == "mps":
+        raise MemfitError(f"{spec.label} is Apple silicon: trace it with device='mps' "
+                          "(--gpu picks it in memfit plan)")
+    if device != "mps":
+        return spec
+    if spec is not None and spec.target != "mps":
+        raise MemfitError(f"device='mps' models Apple silicon; {spec.label} is a "
+                          f"{spec.target.upper()} GPU: use device='cuda'")
+    p = vocab.precision(precision)
+    if p.needs == "fp8" or expandable_segments or num_gpus > 1:
+        what = ("fp8" if p.needs == "fp8" else "expandable_segments" if expandable_segments
+                else f"num_gpus={num_gpus} (NCCL)")
+        raise MemfitError(f"{what} is CUDA-only; PyTorch's MPS backend has no such feature: "
+                          "drop it for device='mps'")
+    return spec
 
 
 def _validate(optimizer: Any, precision: str, device: str, steps: int) -> None:
