@@ -57,11 +57,21 @@ from memfit.errors import MemfitError
 from memfit.models.anatomy import EXPERT_PARAMS
 from memfit.models.builtin_layers import MoE
 from memfit.parallel.config import Parallel
+from memfit.parallel.hf_expert import apply_hf_ep, expert_count, hf_moe_blocks
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The builtin MoE layers of ``model`` (``memfit.models.builtin_layers.MoE``), by name."""
-    return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
+    """The MoE layers of ``model`` by name: memfit's builtin ones
+    (``memfit.models.builtin_layers.MoE``) and transformers' blocks whose ``experts`` child holds
+    the experts as fused 3-D parameters (:func:`memfit.parallel.hf_expert.hf_moe_blocks`). Either
+    kind's experts are ``layer.experts`` once :func:`apply_ep` has run."""
+    builtin = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
+    return builtin or hf_moe_blocks(model)
+
+
+def _experts(layer: nn.Module) -> int:
+    """How many experts an MoE layer routes to, every rank's together."""
+    return int(layer.num_experts) if isinstance(layer, MoE) else expert_count(layer)
 
 
 def check_experts(model: nn.Module, parallel: Parallel) -> None:
@@ -72,12 +82,13 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
         return
     layers = moe_layers(model)
     if not layers:
-        raise MemfitError(f"Parallel(ep={parallel.ep}) needs a mixture-of-experts model built by "
-                          "memfit (memfit.models.build_model with num_experts > 0, builtin "
-                          "backend); this model has no such MoE layer (Hugging Face MoE modules "
-                          "are not split yet): use ep=1")
+        raise MemfitError(f"Parallel(ep={parallel.ep}) needs a mixture-of-experts model: "
+                          "memfit's builtin MoE layers (memfit.models.build_model with "
+                          "num_experts > 0) or transformers' experts modules of fused 3-D "
+                          "parameters (Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss, ...); this "
+                          "model has neither: use ep=1")
     for name, moe in layers:
-        experts = int(moe.num_experts)
+        experts = _experts(moe)
         if experts % parallel.ep:
             raise MemfitError(f"Parallel(ep={parallel.ep}) does not divide the {experts} experts "
                               f"of {name}; choose an ep that divides {experts}")
@@ -94,11 +105,11 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
                           f"zero=1); use Parallel(gpus={parallel.gpus}, fsdp={parallel.dp}, "
                           f"ep={parallel.ep}) or ep={parallel.dp}")
     for name, moe in layers:
-        local, shards = int(moe.num_experts) // parallel.ep, parallel.dp // parallel.ep
+        local, shards = _experts(moe) // parallel.ep, parallel.dp // parallel.ep
         if local % shards:
             raise MemfitError(f"Parallel(ep={parallel.ep}): the {local} experts each rank of "
                               f"{name} keeps do not split evenly over the {shards} ranks that "
-                              f"shard them (dp / ep); choose an ep with {int(moe.num_experts)} "
+                              f"shard them (dp / ep); choose an ep with {_experts(moe)} "
                               f"/ ep divisible by {parallel.dp} / ep")
     if parallel.param_dtype or parallel.reduce_dtype or parallel.cpu_offload:
         raise MemfitError(f"Parallel(ep={parallel.ep}) with FSDP2's param_dtype, reduce_dtype or "
@@ -155,6 +166,9 @@ def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Modul
     group = dist.group.WORLD if mesh is None else mesh["ep"].get_group()
     index, ep = dist.get_rank(group), parallel.ep
     for _, moe in moe_layers(model):
+        if not isinstance(moe, MoE):  # transformers' experts module (hf_expert.py)
+            apply_hf_ep(moe, group, index, ep)
+            continue
         if isinstance(moe, ExpertParallelMoE):
             continue
         local = moe.num_experts // ep
