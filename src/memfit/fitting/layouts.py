@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.models.anatomy import EXPERT_PARAMS, TP_PROJECTIONS, config_int
+from memfit.models.anatomy import TP_PROJECTIONS, config_int
 from memfit.parallel.config import Parallel
 
 if TYPE_CHECKING:
@@ -170,19 +170,16 @@ def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
         else:
             last += p.numel()
     hidden = config_int(base, ("hidden_size", "n_embd", "d_model"))
-    from memfit.parallel.expert import moe_layers
+    from memfit.parallel.expert import moe_shape
 
-    moes = moe_layers(base)
-    expert_numel = sum(p.numel() for _, moe in moes for n, p in moe.named_parameters()
-                       if n.split(".")[-1] in EXPERT_PARAMS)
+    experts, top_k, expert_numel = moe_shape(base)
     return ModelShape(heads=heads, kv_heads=kv_heads, layers=len(blocks), hidden=hidden,
                       seq=sample_seq, tp_splittable=splittable,
                       block_numels=tuple(block_numels), first_numel=first, last_numel=last,
                       pipeline_splittable=_pipeline_splittable(base),
                       sp_splittable=_sp_splittable(base),
                       vocab=config_int(base, ("vocab_size",)),
-                      experts=tuple(int(moe.num_experts) for _, moe in moes),
-                      top_k=max((int(moe.top_k) for _, moe in moes), default=0),
+                      experts=experts, top_k=top_k,
                       expert_numel=expert_numel)
 
 

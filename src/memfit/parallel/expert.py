@@ -57,7 +57,13 @@ from memfit.errors import MemfitError
 from memfit.models.anatomy import EXPERT_PARAMS
 from memfit.models.builtin_layers import MoE
 from memfit.parallel.config import Parallel
-from memfit.parallel.hf_expert import apply_hf_ep, expert_count, hf_moe_blocks
+from memfit.parallel.hf_expert import (
+    apply_hf_ep,
+    expert_count,
+    hf_expert_numel,
+    hf_moe_blocks,
+    hf_top_k,
+)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -72,6 +78,19 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _experts(layer: nn.Module) -> int:
     """How many experts an MoE layer routes to, every rank's together."""
     return int(layer.num_experts) if isinstance(layer, MoE) else expert_count(layer)
+
+
+def moe_shape(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
+    """What the layout search needs of ``model``'s MoE layers (:func:`moe_layers`): each layer's
+    experts, the experts per token (the largest), and the parameters ``ep`` splits (every
+    layer's stacked expert weights and biases)."""
+    layers = [layer for _, layer in moe_layers(model)]
+    numel = sum(sum(p.numel() for n, p in layer.named_parameters()
+                    if n.split(".")[-1] in EXPERT_PARAMS) if isinstance(layer, MoE)
+                else hf_expert_numel(layer) for layer in layers)
+    top_k = max((int(layer.top_k) if isinstance(layer, MoE) else hf_top_k(layer)
+                 for layer in layers), default=0)
+    return tuple(_experts(layer) for layer in layers), top_k, numel
 
 
 def check_experts(model: nn.Module, parallel: Parallel) -> None:

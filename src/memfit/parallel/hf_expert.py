@@ -17,12 +17,13 @@ Note: [capacity dispatch on transformers' experts] transformers' own experts pat
 drop), so the tokens per expert, and with expert parallelism the all-to-all's split sizes,
 depend on the router. The expert-parallel forward instead gives every expert a buffer of
 ``capacity = min(tokens, ceil(tokens * k * capacity_factor / num_experts))`` slots (GShard /
-Switch Transformer; the builtin ``MoE``'s dispatch, ``memfit.models.builtin_layers.dispatch_slots``),
-so the exchange has equal splits and every size is known before the step: at the default
-``capacity_factor=1.0`` the balanced load the one-rank trace assumes (``memfit/trace/datadep.py``),
-whatever the router does; assignments past an expert's capacity are dropped (the residual carries
-the token on). ``capacity_factor=None`` (capacity = tokens) drops nothing and computes exactly
-what transformers' experts compute, with ``num_experts / k`` times larger buffers.
+Switch Transformer; the builtin ``MoE``'s dispatch,
+``memfit.models.builtin_layers.dispatch_slots``), so the exchange has equal splits and every
+size is known before the step: at the default ``capacity_factor=1.0``, the balanced load the
+one-rank trace assumes (``memfit/trace/datadep.py``), whatever the router does; assignments past
+an expert's capacity are dropped (the residual carries the token on). ``capacity_factor=None``
+(capacity = tokens) drops nothing and computes exactly what transformers' experts compute, with
+``num_experts / k`` times larger buffers.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def is_hf_experts(module: Any) -> bool:
     decorated by ``transformers.integrations.moe.use_experts_implementation``, which sets
     ``_is_expert_parallel``, ``has_gate``, ``has_bias``, ``is_transposed``)."""
     return (isinstance(module, nn.Module) and hasattr(module, "_is_expert_parallel")
-            and hasattr(module, "has_gate") and isinstance(getattr(module, "num_experts", None), int)
+            and hasattr(module, "has_gate")
+            and isinstance(getattr(module, "num_experts", None), int)
             and isinstance(getattr(module, "down_proj", None), torch.Tensor)
             and module.down_proj.dim() == 3)
 
@@ -57,6 +59,25 @@ def expert_count(block: nn.Module) -> int:
     """The experts of a transformers MoE block, every rank's together."""
     experts = block.experts
     return int(getattr(experts, "ep_experts", experts.num_experts))
+
+
+def hf_expert_numel(block: nn.Module) -> int:
+    """The parameters expert parallelism splits in a transformers MoE block: its experts
+    module's tensors stacked on the experts (dim 0), every rank's together."""
+    experts = block.experts
+    total, ep = expert_count(block), int(getattr(experts, "ep_size", 1))
+    return sum(p.numel() * ep for p in experts.parameters(recurse=False)
+               if p.dim() >= 1 and p.shape[0] == total // ep)
+
+
+def hf_top_k(block: nn.Module) -> int:
+    """Experts per token of a transformers MoE block: the block's or its router's ``top_k``
+    (Mixtral, Qwen3-MoE, gpt-oss), else the config's ``num_experts_per_tok`` (DeepSeek-V3)."""
+    for owner in (block, getattr(block, "gate", None), getattr(block, "router", None)):
+        if isinstance(getattr(owner, "top_k", None), int):
+            return int(owner.top_k)  # type: ignore[union-attr]
+    config = getattr(block, "config", None) or getattr(block.experts, "config", None)
+    return int(getattr(config, "num_experts_per_tok", 0) or 0)
 
 
 class HFExpertParallel(nn.Module):
