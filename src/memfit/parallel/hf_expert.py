@@ -41,11 +41,11 @@ def is_hf_experts(module: Any) -> bool:
     """Whether ``module`` is a transformers experts module of fused 3-D parameters (its class
     decorated by ``transformers.integrations.moe.use_experts_implementation``, which sets
     ``_is_expert_parallel``, ``has_gate``, ``has_bias``, ``is_transposed``)."""
+    down = getattr(module, "down_proj", None)
     return (isinstance(module, nn.Module) and hasattr(module, "_is_expert_parallel")
             and hasattr(module, "has_gate")
             and isinstance(getattr(module, "num_experts", None), int)
-            and isinstance(getattr(module, "down_proj", None), torch.Tensor)
-            and module.down_proj.dim() == 3)
+            and isinstance(down, torch.Tensor) and down.dim() == 3)
 
 
 def hf_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -57,25 +57,26 @@ def hf_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def expert_count(block: nn.Module) -> int:
     """The experts of a transformers MoE block, every rank's together."""
-    experts = block.experts
+    experts: Any = block.experts
     return int(getattr(experts, "ep_experts", experts.num_experts))
 
 
 def hf_expert_numel(block: nn.Module) -> int:
     """The parameters expert parallelism splits in a transformers MoE block: its experts
     module's tensors stacked on the experts (dim 0), every rank's together."""
-    experts = block.experts
+    experts: Any = block.experts
     total, ep = expert_count(block), int(getattr(experts, "ep_size", 1))
-    return sum(p.numel() * ep for p in experts.parameters(recurse=False)
+    return sum(int(p.numel()) * ep for p in experts.parameters(recurse=False)
                if p.dim() >= 1 and p.shape[0] == total // ep)
 
 
 def hf_top_k(block: nn.Module) -> int:
     """Experts per token of a transformers MoE block: the block's or its router's ``top_k``
     (Mixtral, Qwen3-MoE, gpt-oss), else the config's ``num_experts_per_tok`` (DeepSeek-V3)."""
-    for owner in (block, getattr(block, "gate", None), getattr(block, "router", None)):
+    owners: tuple[Any, ...] = (block, getattr(block, "gate", None), getattr(block, "router", None))
+    for owner in owners:
         if isinstance(getattr(owner, "top_k", None), int):
-            return int(owner.top_k)  # type: ignore[union-attr]
+            return int(owner.top_k)
     config = getattr(block, "config", None) or getattr(block.experts, "config", None)
     return int(getattr(config, "num_experts_per_tok", 0) or 0)
 
@@ -89,6 +90,14 @@ class HFExpertParallel(nn.Module):
     ep_size: int
     ep_experts: int
     capacity_factor: float | None
+    # What transformers' experts class and its decorator define (use_experts_implementation).
+    has_gate: bool
+    has_bias: bool
+    is_transposed: bool
+    down_proj: torch.Tensor
+    act_fn: Any
+    _apply_gate: Any
+    post_expert_norm: Any
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -155,7 +164,7 @@ def apply_hf_ep(block: nn.Module, group: Any, index: int, ep: int,
     experts ``[index * E / ep, (index + 1) * E / ep)`` of each parameter stacked on dim 0 (the
     weights and their biases) and runs the expert-parallel forward over ``group``. Applying it
     twice changes nothing."""
-    experts = block.experts
+    experts: Any = block.experts
     if isinstance(experts, HFExpertParallel):
         return
     total = int(experts.num_experts)
