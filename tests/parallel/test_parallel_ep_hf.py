@@ -16,6 +16,7 @@ per parameter tensor (torch/optim/adam.py: _init_group).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,7 +220,8 @@ def test_each_rank_matches_a_real_gloo_run_within_1_percent(kind: str, measured:
 # -- the CLI -------------------------------------------------------------------------------------
 
 
-def test_plan_traces_ep_on_a_deepseek_v3_config(capsys, tmp_path) -> None:  # type: ignore
+def test_plan_traces_ep_on_a_deepseek_v3_config(capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
     """`memfit plan <deepseek_v3 config.json> --gpus 2 --ep 2` traces transformers' own
     DeepseekV3ForCausalLM per rank (a model_type memfit's formulas do not cover, so no builtin
     decoder could stand in; it was refused before): exit 0, the layout's ep, the backend."""

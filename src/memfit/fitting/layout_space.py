@@ -51,8 +51,9 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     - each tp > 1 layout again with sequence parallelism, and with sequence and loss
       parallelism (not under a pipeline), where ``tp_plan`` splits the model so (Note:
       [sequence and loss parallelism are tp variants]);
-    - for memfit's builtin MoE models, without tp or pp: each ``ep`` of
-      :meth:`ModelShape.ep_degrees` with FSDP2 (zero2 / zero3), and with DDP where ``ep = dp``.
+    - for MoE models (memfit's builtin ones, transformers' experts modules), without tp or
+      pp: each ``ep`` of :meth:`ModelShape.ep_degrees` with FSDP2 (zero2 / zero3), and with DDP
+      where ``ep = dp``.
     """
     node = gpus_per_node or gpus
     for name in ("tp", "pp"):

@@ -67,7 +67,7 @@ class ModelShape:
     vocab: int | None = None
     """The head's output features (the logits' last dimension)."""
     experts: tuple[int, ...] = ()
-    """The experts of each builtin MoE layer (:func:`memfit.parallel.expert.moe_layers`)."""
+    """The experts of each MoE layer (:func:`memfit.parallel.expert.moe_layers`)."""
     top_k: int = 0
     """Experts per token of the MoE layers."""
     expert_numel: int = 0
