@@ -214,9 +214,12 @@ def pipeline_runs(par: Parallel) -> bool:
     """Whether ``par`` (``pp > 1``) is a pipeline that the per-rank trace and ``Plan.apply`` run
     (:func:`memfit.fitting.apply.apply_pipeline`): alone, with tp, with FSDP2 over the other
     ranks (torchtitan's ``(pp, dp, tp)`` mesh), with DDP or ZeRO-1 on each stage without tp
-    (``memfit/parallel/pipeline_parallelize.py: replicate_stages``); not with HSDP or ep."""
-    return par.ep == 1 and (par.strategy in ("none", "fsdp")
-                            or (par.tp == 1 and par.strategy in ("ddp", "zero1")))
+    (``memfit/parallel/pipeline_parallelize.py: replicate_stages``), with ep on each stage
+    beside DDP (ep = dp) or FSDP2 without tp (``apply_ep_stages``); not with HSDP."""
+    if par.ep > 1:
+        return par.tp == 1 and (par.strategy == "fsdp"
+                                or (par.strategy == "ddp" and par.ep == par.dp))
+    return par.strategy in ("none", "fsdp") or (par.tp == 1 and par.strategy in ("ddp", "zero1"))
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
