@@ -6,9 +6,10 @@ can win (Note: [layouts are derived, then traced] in :mod:`memfit.fitting.search
 Every tp > 1 layout also comes with sequence parallelism (``sp=True``) and with sequence and
 loss parallelism (``sp=True, loss_parallel=True``; loss parallelism not under a pipeline) where
 :func:`memfit.parallel.apply.tp_plan` splits the model that way (memfit's builtin decoders with
-untied embeddings, rotary positions and dense MLPs); a mixture-of-experts model built by memfit
-also gets expert-parallel layouts (``ep`` dividing its experts and the data-parallel ranks, with
-DDP when ``ep`` is every data-parallel rank or FSDP2 over all of them, no tp or pp:
+untied embeddings, rotary positions and dense MLPs); a mixture-of-experts model (memfit's builtin
+MoE, transformers' experts modules) also gets expert-parallel layouts (``ep`` dividing its
+experts and the data-parallel ranks, with DDP when ``ep`` is every data-parallel rank or FSDP2
+over all of them, no tp; alone or on each pipeline stage:
 :func:`memfit.parallel.expert.check_experts`).
 
 Known limitations: tensor parallelism is Megatron's split of the attention and MLP projections,
