@@ -1,11 +1,13 @@
 """Expert parallelism on transformers' MoE models (memfit/parallel/hf_expert.py): Mixtral,
-Qwen3-MoE and DeepSeek-V3 as the installed transformers builds them, from tiny configs with random
-weights (no download).
+Qwen3-MoE, DeepSeek-V3 and gpt-oss as the installed transformers builds them, from tiny configs
+with random weights (no download).
 
 Sources: transformers 5 stores a layer's experts as one module of fused 3-D parameters
 (transformers/models/mixtral/modeling_mixtral.py: MixtralExperts, gate_up_proj
 [experts, 2 * intermediate, hidden] and down_proj [experts, hidden, intermediate]; the same in
-Qwen3MoeExperts and DeepseekV3Experts, whose DeepseekV3MoE adds shared experts, a plain MLP);
+Qwen3MoeExperts and DeepseekV3Experts, whose DeepseekV3MoE adds shared experts, a plain MLP;
+gpt_oss/modeling_gpt_oss.py: GptOssExperts, transposed [experts, hidden, 2 * intermediate] with
+biases, gate and up interleaved);
 expert parallelism keeps dim 0's slice of each rank (torchtitan's Shard(0)) and exchanges tokens
 with all_to_all_single, whose backward is the reverse all-to-all; DDP leaves the experts out
 (DistributedDataParallel._set_params_and_buffers_to_ignore_for_model) and keeps one flat bucket
@@ -44,6 +46,14 @@ def _spec(kind: str):  # type: ignore[no-untyped-def]
     if kind == "qwen3_moe":
         return dataclasses.replace(tiny_moe_spec(), name="tiny-qwen3-moe", family="qwen3_moe",
                                    qk_norm="head")
+    if kind == "gpt_oss":  # experts transposed, with biases, gate and up interleaved
+        return hf_model_spec({
+            "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 256,
+            "hidden_size": HIDDEN, "intermediate_size": MOE_INTERMEDIATE,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "num_local_experts": EXPERTS, "num_experts_per_tok": 2,
+            "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+            "max_position_embeddings": 512}, name="tiny-gpt-oss")
     return hf_model_spec({
         "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
         "vocab_size": 256, "hidden_size": HIDDEN, "intermediate_size": 128,
@@ -55,8 +65,17 @@ def _spec(kind: str):  # type: ignore[no-untyped-def]
         "max_position_embeddings": 512}, name="tiny-deepseek-v3")
 
 
-KINDS = ("mixtral", "qwen3_moe", "deepseek_v3")
-MOE_LAYERS = {"mixtral": 2, "qwen3_moe": 2, "deepseek_v3": 1}
+KINDS = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+MOE_LAYERS = {"mixtral": 2, "qwen3_moe": 2, "deepseek_v3": 1, "gpt_oss": 2}
+EXPERT_TENSORS = {"mixtral": 2, "qwen3_moe": 2, "deepseek_v3": 2, "gpt_oss": 4}
+"""Per MoE layer: gate_up_proj and down_proj (gpt-oss: and their biases)."""
+
+
+def _expert_numel(kind: str) -> int:
+    """Every layer's experts: E x (gate_up 2 I H + down H I), + gpt-oss's biases (2 I + H)."""
+    per_expert = 3 * HIDDEN * MOE_INTERMEDIATE + (
+        2 * MOE_INTERMEDIATE + HIDDEN if kind == "gpt_oss" else 0)
+    return MOE_LAYERS[kind] * EXPERTS * per_expert
 
 
 def _case(kind: str, parallel: Parallel):  # type: ignore[no-untyped-def]
@@ -104,14 +123,15 @@ def test_ep_that_does_not_divide_the_experts_is_refused_in_one_line() -> None:
 def test_each_rank_holds_half_the_experts(kind: str) -> None:
     """ep=2 over 2 ranks (DDP for the rest), fp32, AdamW. Each MoE layer's experts hold
     E * 3 * hidden * intermediate parameters (gate_up: 2 * intermediate * hidden, down:
-    hidden * intermediate per expert), so a rank holds dense + experts / 2: weights 4 bytes each
+    hidden * intermediate per expert; gpt-oss adds 2 * intermediate + hidden of biases), so a
+    rank holds dense + experts / 2: weights 4 bytes each
     (+ buffers), optimizer states exp_avg + exp_avg_sq of each local parameter + a 4-byte step
     per parameter tensor (high points over the step)."""
     from memfit.parallel.measure import build
 
     case = _case(kind, Parallel(gpus=2, ep=2))
     model, _ = build(case)
-    experts = MOE_LAYERS[kind] * EXPERTS * 3 * HIDDEN * MOE_INTERMEDIATE
+    experts = _expert_numel(kind)
     total = sum(p.numel() for p in model.parameters())
     local = total - experts // 2
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -158,7 +178,7 @@ def _parity_worker(rank: int, world: int) -> None:
                 assert torch.allclose(param.grad, whole[rank * local:(rank + 1) * local],
                                       atol=1e-5), (kind, name)
                 checked += 1
-        assert checked == 2 * MOE_LAYERS[kind], kind  # gate_up_proj, down_proj per layer
+        assert checked == EXPERT_TENSORS[kind] * MOE_LAYERS[kind], kind
 
 
 @pytest.mark.slow
