@@ -1,5 +1,6 @@
-"""Expert parallelism for memfit's builtin MoE layers: each rank keeps ``num_experts / ep`` of the
-experts and exchanges tokens with the other ranks by all-to-all.
+"""Expert parallelism for memfit's builtin MoE layers (and, through
+:mod:`memfit.parallel.hf_expert`, transformers' experts modules): each rank keeps
+``num_experts / ep`` of the experts and exchanges tokens with the other ranks by all-to-all.
 
 The layout follows torchtitan's ``ExpertParallel`` (``torchtitan/distributed/expert_parallel.py``
 before 0.3; ``torchtitan/models/common/token_dispatcher.py: AllToAllTokenDispatcher`` since): the
@@ -174,7 +175,8 @@ class Experts(nn.Module):
 
 
 def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Module:
-    """Expert parallelism on every builtin MoE layer of ``model`` (in place): in the expert group
+    """Expert parallelism on every MoE layer of ``model`` (in place; transformers' experts
+    modules: :func:`memfit.parallel.hf_expert.apply_hf_ep`): in the expert group
     (``mesh["ep"]``, or every rank when ``mesh`` is None), the rank of index ``i`` keeps experts
     ``[i * E / ep, (i + 1) * E / ep)`` of each layer's stacked weights, moved to an
     :class:`Experts` child, and runs them on the tokens the group sends it
