@@ -270,7 +270,7 @@ def test_fake_op_rules_are_consulted_by_fake_tensor_dispatch() -> None:
         return
     pytest.fail(f"torch {torch.__version__}: FakeTensorMode no longer consults "
                 "torch._subclasses.fake_impls.op_implementations_checks; memfit's fake rule for "
-                "aten._grouped_mm (trace/fake_rules.py: _grouped_mm_rule) would be ignored")
+                "aten._grouped_mm (trace/fake_rules.py: grouped_mm_rule) would be ignored")
 
 
 # -- calls -----------------------------------------------------------------------------------------

@@ -39,8 +39,11 @@ class Parallel:
     Face's Llama, Mistral, Qwen2 and Qwen3 modules (untied embeddings, rotary positions), as is
     loss parallelism (``loss_parallel=True``: the
     model's own cross-entropy on vocabulary-split logits).
-    Expert parallelism (``memfit/parallel/expert.py``) runs on memfit's builtin MoE layers only
-    (not Hugging Face MoE modules), with FSDP2 over every data-parallel rank for the other
+    Expert parallelism (``memfit/parallel/expert.py``) runs on memfit's builtin MoE layers and
+    on transformers' experts modules of fused 3-D parameters (Mixtral, Qwen3-MoE, DeepSeek-V3,
+    gpt-oss: ``memfit/parallel/hf_expert.py``, whose forward it replaces by the same
+    fixed-capacity exchange, dropping tokens past an expert's capacity where transformers drops
+    none), with FSDP2 over every data-parallel rank for the other
     parameters (the ``dp / ep`` ranks that hold the same experts shard them), or DDP when ``ep``
     is every data-parallel rank; HSDP, ZeRO-1, DDP with ``ep`` below the data-parallel ranks,
     FSDP2's dtype and offload policies and tp beside it are refused; beside pp the same runs on
@@ -55,7 +58,8 @@ class Parallel:
     DDP and ZeRO-1 beside ``pp x tp`` are refused as torchtitan refuses them), and with ep
     (above), on
     memfit's builtin decoders (``memfit.models.build_model``) and Hugging Face's Llama,
-    Mistral, Qwen2 and Qwen3 modules (``memfit/parallel/hf_pipeline.py``; ep: builtin only),
+    Mistral, Qwen2 and Qwen3 modules (``memfit/parallel/hf_pipeline.py``; pp with ep: builtin
+    only),
     with the model's own loss on the
     last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
     (``input_ids``, ``labels``); each pipeline rank is one rank role. Any other module is split

@@ -386,10 +386,10 @@ def tiny_moe(tmp_path) -> str:
 
 def test_ep_is_traced(capsys, tmp_path) -> None:
     """`--gpus 2 --ep 2` on a Mixtral config.json: DDP over the 2 ranks with 2 experts each
-    (memfit/parallel/expert.py), the same numbers as `Parallel(gpus=2, ep=2)` on the builtin
-    build under autocast; `--gpus 4 --ep 2 --fsdp` is FSDP2 over the 4 ranks beside it, under
-    autocast (expert parallelism refuses FSDP2's MixedPrecisionPolicy). No formulas beside
-    them: they do not model expert parallelism."""
+    of transformers' MixtralExperts (memfit/parallel/hf_expert.py), the same numbers as
+    `Parallel(gpus=2, ep=2)` on the transformers build under autocast; `--gpus 4 --ep 2 --fsdp`
+    is FSDP2 over the 4 ranks beside it, under autocast (expert parallelism refuses FSDP2's
+    MixedPrecisionPolicy). No formulas beside them: they do not model expert parallelism."""
     import memfit
 
     path = tiny_moe(tmp_path)
@@ -397,15 +397,15 @@ def test_ep_is_traced(capsys, tmp_path) -> None:
     code, out, err = run(capsys, "plan", path, "--gpus", "2", "--ep", "2", *COMMON, "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["parallel"]["ep"] == 2 and data["model"]["backend"] == "builtin"
+    assert data["parallel"]["ep"] == 2 and data["model"]["backend"] == "transformers"
     assert data["analytic"] is None
     assert_same_roles(data, builtin_estimate(spec, memfit.Parallel(gpus=2, ep=2),
-                                             batch=BATCH))
+                                             batch=BATCH, backend="transformers"))
     code, out, err = run(capsys, "plan", path, "--gpus", "4", "--ep", "2", "--fsdp", *COMMON,
                          "--json")
     assert code == 0, err
     assert_same_roles(json.loads(out), builtin_estimate(
-        spec, memfit.Parallel(gpus=4, ep=2, zero=3), batch=BATCH))
+        spec, memfit.Parallel(gpus=4, ep=2, zero=3), batch=BATCH, backend="transformers"))
 
 
 def test_tp_fsdp_sp_loss_parallel_is_the_2d_trace(capsys, tmp_path) -> None:

@@ -109,14 +109,28 @@ def builtin_needs(parallel: Any, model: Any = None) -> list[str]:
     ``model`` spec that transformers builds as one of the Hugging Face decoders the pipeline,
     sequence and loss parallel traces split themselves (Llama, Mistral, Qwen2, Qwen3:
     ``memfit/parallel/hf_pipeline.py``), only ``--ep`` (then every option, as the builtin
-    decoder runs them all)."""
+    decoder runs them all); for a mixture of experts transformers builds, ``--ep`` alone needs
+    nothing (:func:`_hf_moe`)."""
     needs = [f"--pp {parallel.pp}"] if parallel.pp > 1 else []
     needs += ["--sp"] if parallel.sp else []
     needs += ["--loss-parallel"] if parallel.loss_parallel else []
     needs += [f"--ep {parallel.ep}"] if parallel.ep > 1 else []
     if needs and parallel.ep == 1 and _hf_splits(model):
         return []
+    if needs == [f"--ep {parallel.ep}"] and _hf_moe(model):
+        return []  # transformers' experts modules: memfit/parallel/hf_expert.py
     return needs
+
+
+def _hf_moe(model: Any) -> bool:
+    """Whether transformers builds ``model`` (a spec) as a mixture of experts, whose experts
+    modules expert parallelism splits (``memfit/parallel/hf_expert.py``)."""
+    from memfit.models.build import transformers_available
+
+    if isinstance(model, HFModelSpec):
+        return model.is_moe
+    return (isinstance(model, TransformerSpec) and bool(getattr(model, "num_experts", 0))
+            and transformers_available())
 
 
 def _hf_splits(model: Any) -> bool:

@@ -119,7 +119,7 @@ def register(sub: Any) -> None:
                    help="with --pp: micro-batches of --batch rows per step (default: "
                    "--grad-accum when above 1, else --pp; traced only)")
     p.add_argument("--ep", default="1", help="expert-parallel size (memfit's builtin MoE "
-                   "layers; traced only)")
+                   "layers, transformers' MoE experts; traced only)")
     p.add_argument("--sequence-parallel", "--sp", action="store_true",
                    help="with --tp: shard norms/dropouts along the sequence (Megatron SP)")
     p.add_argument("--loss-parallel", action="store_true",

@@ -169,6 +169,7 @@ def _pipeline_parallel(config: FitConfig, loss_fn: Any, count_fn: Any, reduction
     one-line error for what Plan.apply does not run under a pipeline."""
     import dataclasses
 
+    from memfit.fitting.layouts import pipeline_runs
     from memfit.oom_guard import causal_lm_count
 
     par = config.parallel
@@ -178,10 +179,11 @@ def _pipeline_parallel(config: FitConfig, loss_fn: Any, count_fn: Any, reduction
                           f"its accumulation={config.accumulation}: under a pipeline they are "
                           "the same micro-batches; make them equal")
     why = None
-    if par.ep > 1 or (par.tp > 1 and par.strategy != "fsdp" and par.dp > 1):
+    if not pipeline_runs(par):
         why = (f"{par.describe()}: a pipeline runs alone, with tp (and FSDP2 over the other "
-               "ranks: torchtitan's (pp, dp, tp) mesh) and with DDP, ZeRO-1, FSDP2 or HSDP "
-               "without tp; use fsdp = gpus / (pp * tp)")
+               "ranks: torchtitan's (pp, dp, tp) mesh), with DDP, ZeRO-1, FSDP2 or HSDP "
+               "without tp, and with ep beside DDP (ep = dp) or FSDP2 without tp; use "
+               "fsdp = gpus / (pp * tp)")
     elif par.tp > 1 and par.loss_parallel:
         why = "loss parallelism on the last stage; use loss_parallel=False"
     elif loss_fn is not None:
@@ -270,6 +272,10 @@ def apply_pipeline(model: nn.Module, config: FitConfig, *, loss_fn: Any = None,
     optimizer = apply_optimizer(make_optimizer(params, config.optimizer,
                                                offload_states=config.offload_states),
                                 par, process_group=dp_group)
+    if par.ep > 1:  # Note: [expert gradients] in memfit/fitting/apply.py
+        from memfit.fitting.apply import expert_gradients_as_dense
+
+        expert_gradients_as_dense(stage, par, optimizer)
     step = PipelineStep(modules, optimizer, par, group, device, mp.autocast, submods)
     log.info("memfit: applied plan %s (pipeline stage%s %s of rank %d)", config.label(),
              "s" if len(modules) > 1 else "", ", ".join(str(m.index) for m in modules), rank)

@@ -51,8 +51,9 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     - each tp > 1 layout again with sequence parallelism, and with sequence and loss
       parallelism (not under a pipeline), where ``tp_plan`` splits the model so (Note:
       [sequence and loss parallelism are tp variants]);
-    - for memfit's builtin MoE models, without tp or pp: each ``ep`` of
-      :meth:`ModelShape.ep_degrees` with FSDP2 (zero2 / zero3), and with DDP where ``ep = dp``.
+    - for MoE models (memfit's builtin ones, transformers' experts modules), without tp, alone
+      and beside each pp the model takes: each ``ep`` of :meth:`ModelShape.ep_degrees` over the
+      ``dp`` ranks (of each stage) with FSDP2 (zero2 / zero3), and with DDP where ``ep = dp``.
     """
     node = gpus_per_node or gpus
     for name in ("tp", "pp"):
@@ -174,15 +175,22 @@ def _layouts_of(tp: int, pp: int, *, gpus: int, gpus_per_node: int | None, globa
             out.append(dataclasses.replace(par, sp=True))
             if pp == 1:
                 out.append(dataclasses.replace(par, sp=True, loss_parallel=True))
-    if tp == 1 and pp == 1 and shape is not None and shape.experts:
-        out += _expert_layouts(gpus, gpus_per_node, dp, shape, shardings, rejected)
+    if tp == 1 and shape is not None and shape.experts:
+        experts = _expert_layouts(gpus, gpus_per_node, dp, shape, shardings, rejected, pp)
+        if pp > 1:  # each schedule, as the pipeline layouts above (Note: [pipeline schedules])
+            experts += [dataclasses.replace(par, pp_schedule=sched) for par in experts
+                        for sched in PIPELINE_SCHEDULES[1:]
+                        if sched != "interleaved-1f1b" or 2 * pp <= shape.layers]
+        out += experts
     return out
 
 
 def _expert_layouts(gpus: int, gpus_per_node: int | None, dp: int, shape: ModelShape,
-                    shardings: list[str], rejected: list[Rejected]) -> list[Parallel]:
-    """The expert-parallel layouts of ``dp`` data-parallel ranks (no tp, no pp) that
-    :func:`memfit.parallel.expert.check_experts` takes: each ``ep`` of
+                    shardings: list[str], rejected: list[Rejected], pp: int = 1
+                    ) -> list[Parallel]:
+    """The expert-parallel layouts of ``dp`` data-parallel ranks (no tp; each of ``pp`` stages
+    over its own ``dp`` ranks, ``memfit/parallel/pipeline_parallelize.py: apply_ep_stages``)
+    that :func:`memfit.parallel.expert.check_experts` takes: each ``ep`` of
     :meth:`ModelShape.ep_degrees` with FSDP2 over every data-parallel rank (zero2 / zero3; the
     ``dp / ep`` ranks holding the same experts shard them), and DDP when ``ep`` is every
     data-parallel rank."""
@@ -195,14 +203,14 @@ def _expert_layouts(gpus: int, gpus_per_node: int | None, dp: int, shape: ModelS
                 "split evenly over the ranks that hold the same ones")))
         return []
     if any(z in shardings for z in ("zero1", "hsdp")):
-        rejected.append(Rejected(what="ep with zero1 / hsdp, or beside tp / pp", reason=(
+        rejected.append(Rejected(what="ep with zero1 / hsdp, or beside tp", reason=(
             "memfit.parallel.expert runs expert parallelism with DDP (ep = dp) or FSDP2 over "
-            "every data-parallel rank, without tp or pp")))
+            "every data-parallel rank (of each pipeline stage), without tp")))
     out = []
     for ep in degrees:
         if ep == dp and "none" in shardings:
-            out.append(Parallel(gpus=gpus, gpus_per_node=gpus_per_node, ep=ep))
-        out += [Parallel(gpus=gpus, gpus_per_node=gpus_per_node, ep=ep, zero=z)
+            out.append(Parallel(gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, ep=ep))
+        out += [Parallel(gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, ep=ep, zero=z)
                 for z in (2, 3) if f"zero{z}" in shardings]
     return out
 

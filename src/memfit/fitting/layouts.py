@@ -6,9 +6,10 @@ can win (Note: [layouts are derived, then traced] in :mod:`memfit.fitting.search
 Every tp > 1 layout also comes with sequence parallelism (``sp=True``) and with sequence and
 loss parallelism (``sp=True, loss_parallel=True``; loss parallelism not under a pipeline) where
 :func:`memfit.parallel.apply.tp_plan` splits the model that way (memfit's builtin decoders with
-untied embeddings, rotary positions and dense MLPs); a mixture-of-experts model built by memfit
-also gets expert-parallel layouts (``ep`` dividing its experts and the data-parallel ranks, with
-DDP when ``ep`` is every data-parallel rank or FSDP2 over all of them, no tp or pp:
+untied embeddings, rotary positions and dense MLPs); a mixture-of-experts model (memfit's builtin
+MoE, transformers' experts modules) also gets expert-parallel layouts (``ep`` dividing its
+experts and the data-parallel ranks, with DDP when ``ep`` is every data-parallel rank or FSDP2
+over all of them, no tp; alone or on each pipeline stage:
 :func:`memfit.parallel.expert.check_experts`).
 
 Known limitations: tensor parallelism is Megatron's split of the attention and MLP projections,
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.models.anatomy import EXPERT_PARAMS, TP_PROJECTIONS, config_int
+from memfit.models.anatomy import TP_PROJECTIONS, config_int
 from memfit.parallel.config import Parallel
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class ModelShape:
     vocab: int | None = None
     """The head's output features (the logits' last dimension)."""
     experts: tuple[int, ...] = ()
-    """The experts of each builtin MoE layer (:func:`memfit.parallel.expert.moe_layers`)."""
+    """The experts of each MoE layer (:func:`memfit.parallel.expert.moe_layers`)."""
     top_k: int = 0
     """Experts per token of the MoE layers."""
     expert_numel: int = 0
@@ -170,19 +171,16 @@ def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
         else:
             last += p.numel()
     hidden = config_int(base, ("hidden_size", "n_embd", "d_model"))
-    from memfit.parallel.expert import moe_layers
+    from memfit.parallel.expert import moe_shape
 
-    moes = moe_layers(base)
-    expert_numel = sum(p.numel() for _, moe in moes for n, p in moe.named_parameters()
-                       if n.split(".")[-1] in EXPERT_PARAMS)
+    experts, top_k, expert_numel = moe_shape(base)
     return ModelShape(heads=heads, kv_heads=kv_heads, layers=len(blocks), hidden=hidden,
                       seq=sample_seq, tp_splittable=splittable,
                       block_numels=tuple(block_numels), first_numel=first, last_numel=last,
                       pipeline_splittable=_pipeline_splittable(base),
                       sp_splittable=_sp_splittable(base),
                       vocab=config_int(base, ("vocab_size",)),
-                      experts=tuple(int(moe.num_experts) for _, moe in moes),
-                      top_k=max((int(moe.top_k) for _, moe in moes), default=0),
+                      experts=experts, top_k=top_k,
                       expert_numel=expert_numel)
 
 
@@ -218,9 +216,13 @@ def pipeline_runs(par: Parallel) -> bool:
     (:func:`memfit.fitting.apply.apply_pipeline`): alone, with tp, with FSDP2 over the other
     ranks (torchtitan's ``(pp, dp, tp)`` mesh), with DDP or ZeRO-1 on each stage without tp
     (``memfit/parallel/pipeline_parallelize.py: replicate_stages``) or HSDP on each stage
-    without tp (``shard_stages`` over the ``(pp, replicate, shard)`` mesh); not with ep."""
-    return par.ep == 1 and (par.strategy in ("none", "fsdp")
-                            or (par.tp == 1 and par.strategy in ("ddp", "zero1", "hsdp")))
+    without tp (``shard_stages`` over the ``(pp, replicate, shard)`` mesh), and with ep on each
+    stage beside DDP (ep = dp) or FSDP2 without tp (``apply_ep_stages``)."""
+    if par.ep > 1:
+        return par.tp == 1 and (par.strategy == "fsdp"
+                                or (par.strategy == "ddp" and par.ep == par.dp))
+    return par.strategy in ("none", "fsdp") or (par.tp == 1
+                                                and par.strategy in ("ddp", "zero1", "hsdp"))
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")

@@ -247,7 +247,11 @@ def count_flops(base: nn.Module, sample: Any, cfg: FitConfig, loss_fn: Any
     on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    from memfit.trace.fake_rules import grouped_mm_rule
+
+    # Note: [grouped_mm on fake tensors] (memfit/trace/fake_rules.py): transformers' MoE experts
+    # run aten._grouped_mm in fp32, which torch's meta function refuses.
+    with FakeTensorMode(allow_non_fake_inputs=True), grouped_mm_rule():
         # Fake CPU tensors, not meta: models that branch on data (``.item()`` in Hugging Face's
         # mask code) see fake tensors and take their tracing path, which meta tensors cannot.
         model = fake_model(base, "cpu")

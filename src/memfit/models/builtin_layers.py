@@ -244,16 +244,7 @@ class MoE(nn.Module):
         weights, expert = torch.topk(probs, k, dim=-1)  # [tokens, k]
         weights = weights / weights.sum(dim=-1, keepdim=True)
 
-        with torch.no_grad():
-            expert = expert.reshape(-1)  # [tokens*k], token-major
-            one_hot = torch.zeros(tokens * k, e, dtype=torch.int32, device=x.device)
-            one_hot.scatter_(1, expert[:, None], 1)
-            slot = one_hot.cumsum(0).gather(1, expert[:, None]).squeeze(1) - 1
-            # Dropped assignments go to a scratch row past the expert buffers.
-            dest = torch.where(slot < capacity, expert * capacity + slot,
-                               torch.full_like(slot, e * capacity))
-            token = torch.arange(tokens * k, device=x.device) // k
-
+        dest, token = dispatch_slots(expert.reshape(-1), k, e, capacity)
         buffers = x.new_zeros(e * capacity + 1, h).index_add(0, dest, x.index_select(0, token))
         expert_in = buffers[: e * capacity].view(e, capacity, h)
         out = self.run_experts(expert_in).reshape(e * capacity, h)
@@ -271,6 +262,25 @@ class MoE(nn.Module):
         else:
             hidden = self.act(_batched_linear(expert_in, self.gate_proj, self.gate_bias)) * hidden
         return _batched_linear(hidden, self.down_proj, self.down_bias)
+
+
+@torch.no_grad()
+def dispatch_slots(expert: torch.Tensor, k: int, experts: int,
+                   capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The capacity dispatch of :class:`MoE` (also expert parallelism's on transformers'
+    experts, ``memfit/parallel/hf_expert.py``): for the ``tokens * k`` assignments ``expert``
+    (token-major), each one's row in the ``[experts * capacity + 1, hidden]`` buffers (its
+    expert's next free slot, earlier tokens first; past ``capacity``, the scratch row
+    ``experts * capacity``) and its token. Static shapes only: a cumulative sum over a one-hot."""
+    assignments = expert.shape[0]
+    one_hot = torch.zeros(assignments, experts, dtype=torch.int32, device=expert.device)
+    one_hot.scatter_(1, expert[:, None], 1)
+    slot = one_hot.cumsum(0).gather(1, expert[:, None]).squeeze(1) - 1
+    # Dropped assignments go to a scratch row past the expert buffers.
+    dest = torch.where(slot < capacity, expert * capacity + slot,
+                       torch.full_like(slot, experts * capacity))
+    token = torch.arange(assignments, device=expert.device) // k
+    return dest, token
 
 
 def _batched_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -1,5 +1,6 @@
-"""Expert parallelism for memfit's builtin MoE layers: each rank keeps ``num_experts / ep`` of the
-experts and exchanges tokens with the other ranks by all-to-all.
+"""Expert parallelism for memfit's builtin MoE layers (and, through
+:mod:`memfit.parallel.hf_expert`, transformers' experts modules): each rank keeps
+``num_experts / ep`` of the experts and exchanges tokens with the other ranks by all-to-all.
 
 The layout follows torchtitan's ``ExpertParallel`` (``torchtitan/distributed/expert_parallel.py``
 before 0.3; ``torchtitan/models/common/token_dispatcher.py: AllToAllTokenDispatcher`` since): the
@@ -57,11 +58,40 @@ from memfit.errors import MemfitError
 from memfit.models.anatomy import EXPERT_PARAMS
 from memfit.models.builtin_layers import MoE
 from memfit.parallel.config import Parallel
+from memfit.parallel.hf_expert import (
+    apply_hf_ep,
+    expert_count,
+    hf_expert_numel,
+    hf_moe_blocks,
+    hf_top_k,
+)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The builtin MoE layers of ``model`` (``memfit.models.builtin_layers.MoE``), by name."""
-    return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
+    """The MoE layers of ``model`` by name: memfit's builtin ones
+    (``memfit.models.builtin_layers.MoE``) and transformers' blocks whose ``experts`` child holds
+    the experts as fused 3-D parameters (:func:`memfit.parallel.hf_expert.hf_moe_blocks`). Either
+    kind's experts are ``layer.experts`` once :func:`apply_ep` has run."""
+    builtin = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
+    return builtin or hf_moe_blocks(model)
+
+
+def _experts(layer: nn.Module) -> int:
+    """How many experts an MoE layer routes to, every rank's together."""
+    return int(layer.num_experts) if isinstance(layer, MoE) else expert_count(layer)
+
+
+def moe_shape(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
+    """What the layout search needs of ``model``'s MoE layers (:func:`moe_layers`): each layer's
+    experts, the experts per token (the largest), and the parameters ``ep`` splits (every
+    layer's stacked expert weights and biases)."""
+    layers = [layer for _, layer in moe_layers(model)]
+    numel = sum(sum(p.numel() for n, p in layer.named_parameters()
+                    if n.split(".")[-1] in EXPERT_PARAMS) if isinstance(layer, MoE)
+                else hf_expert_numel(layer) for layer in layers)
+    top_k = max((int(layer.top_k) if isinstance(layer, MoE) else hf_top_k(layer)
+                 for layer in layers), default=0)
+    return tuple(_experts(layer) for layer in layers), top_k, numel
 
 
 def check_experts(model: nn.Module, parallel: Parallel) -> None:
@@ -72,12 +102,13 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
         return
     layers = moe_layers(model)
     if not layers:
-        raise MemfitError(f"Parallel(ep={parallel.ep}) needs a mixture-of-experts model built by "
-                          "memfit (memfit.models.build_model with num_experts > 0, builtin "
-                          "backend); this model has no such MoE layer (Hugging Face MoE modules "
-                          "are not split yet): use ep=1")
+        raise MemfitError(f"Parallel(ep={parallel.ep}) needs a mixture-of-experts model: "
+                          "memfit's builtin MoE layers (memfit.models.build_model with "
+                          "num_experts > 0) or transformers' experts modules of fused 3-D "
+                          "parameters (Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss, ...); this "
+                          "model has neither: use ep=1")
     for name, moe in layers:
-        experts = int(moe.num_experts)
+        experts = _experts(moe)
         if experts % parallel.ep:
             raise MemfitError(f"Parallel(ep={parallel.ep}) does not divide the {experts} experts "
                               f"of {name}; choose an ep that divides {experts}")
@@ -94,11 +125,11 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
                           f"zero=1); use Parallel(gpus={parallel.gpus}, fsdp={parallel.dp}, "
                           f"ep={parallel.ep}) or ep={parallel.dp}")
     for name, moe in layers:
-        local, shards = int(moe.num_experts) // parallel.ep, parallel.dp // parallel.ep
+        local, shards = _experts(moe) // parallel.ep, parallel.dp // parallel.ep
         if local % shards:
             raise MemfitError(f"Parallel(ep={parallel.ep}): the {local} experts each rank of "
                               f"{name} keeps do not split evenly over the {shards} ranks that "
-                              f"shard them (dp / ep); choose an ep with {int(moe.num_experts)} "
+                              f"shard them (dp / ep); choose an ep with {_experts(moe)} "
                               f"/ ep divisible by {parallel.dp} / ep")
     if parallel.param_dtype or parallel.reduce_dtype or parallel.cpu_offload:
         raise MemfitError(f"Parallel(ep={parallel.ep}) with FSDP2's param_dtype, reduce_dtype or "
@@ -144,7 +175,8 @@ class Experts(nn.Module):
 
 
 def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Module:
-    """Expert parallelism on every builtin MoE layer of ``model`` (in place): in the expert group
+    """Expert parallelism on every MoE layer of ``model`` (in place; transformers' experts
+    modules: :func:`memfit.parallel.hf_expert.apply_hf_ep`): in the expert group
     (``mesh["ep"]``, or every rank when ``mesh`` is None), the rank of index ``i`` keeps experts
     ``[i * E / ep, (i + 1) * E / ep)`` of each layer's stacked weights, moved to an
     :class:`Experts` child, and runs them on the tokens the group sends it
@@ -155,6 +187,9 @@ def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Modul
     group = dist.group.WORLD if mesh is None else mesh["ep"].get_group()
     index, ep = dist.get_rank(group), parallel.ep
     for _, moe in moe_layers(model):
+        if not isinstance(moe, MoE):  # transformers' experts module (hf_expert.py)
+            apply_hf_ep(moe, group, index, ep)
+            continue
         if isinstance(moe, ExpertParallelMoE):
             continue
         local = moe.num_experts // ep

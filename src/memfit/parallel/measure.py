@@ -53,7 +53,8 @@ class Case:
     offloaded states or parameters, accumulation) is refused, not measured without it."""
 
     spec: Any
-    """A :class:`memfit.models.TransformerSpec`, built with the builtin backend."""
+    """A :class:`memfit.models.TransformerSpec` (built by ``backend``) or a
+    :class:`memfit.models.hf_auto.HFModelSpec` (transformers builds it, e.g. DeepSeek-V3)."""
     batch: int
     """Samples per step on each rank (a pipeline layout splits them into its micro-batches)."""
     seq: int
@@ -109,11 +110,18 @@ def tiny_moe_spec(layers: int = 2, experts: int = 4, top_k: int = 2) -> Any:
 def build(case: Case) -> tuple[torch.nn.Module, Any]:
     """The case's model (real, CPU, seeded) and inputs."""
     from memfit.models.build import build_model, example_inputs
+    from memfit.models.hf_auto import HFModelSpec
 
     torch.manual_seed(0)
-    model = (build_model(case.spec, backend=case.backend, device="cpu") if case.model_fn is None
-             else case.model_fn(case.spec))
-    inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
+    if case.model_fn is not None:
+        model = case.model_fn(case.spec)
+        inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
+    elif isinstance(case.spec, HFModelSpec):  # a config the formulas do not cover
+        model = case.spec.build(device="cpu")
+        inputs = case.spec.example_inputs(case.batch, case.seq, device="cpu")
+    else:
+        model = build_model(case.spec, backend=case.backend, device="cpu")
+        inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
     from memfit.techniques.recipe import apply_techniques
 
     apply_techniques(model, case.recipe)

@@ -123,7 +123,7 @@ def apply_ep_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
     from memfit.parallel.expert import apply_ep, expert_parameter_names, moe_layers
 
     with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
-        experts_mesh = ep_pipeline_mesh(parallel)
+        experts_mesh = ep_pipeline_mesh(parallel, mesh.device_type)
     for module in modules:
         if moe_layers(module):  # a stage of only the final norm and head has none
             apply_ep(module, parallel, experts_mesh)

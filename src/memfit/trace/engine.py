@@ -41,7 +41,7 @@ from memfit.trace.autocast import cuda_autocast_emulation
 from memfit.trace.blocks import replaying_blocks
 from memfit.trace.datadep import DataDependentSizes
 from memfit.trace.estimate import Estimate
-from memfit.trace.fake_rules import _count_cpu_rng_states, _eager_library_paths, _grouped_mm_rule
+from memfit.trace.fake_rules import _count_cpu_rng_states, _eager_library_paths, grouped_mm_rule
 from memfit.trace.heap import with_frozen_heap
 from memfit.trace.optim import OptimizerFactory, make_optimizer
 from memfit.trace.options import (
@@ -221,7 +221,7 @@ def _trace(model: nn.Module, inputs: Any, replay: RealValues | None, *,
         stack.enter_context(fake_mode)
         stack.enter_context(torch_internals.fake_op_errors_unlogged())  # raised, not logged
         stack.enter_context(host.tracing(tracker))
-        stack.enter_context(_grouped_mm_rule())
+        stack.enter_context(grouped_mm_rule())
         stack.enter_context(foreach.grouped())  # Note: [foreach ops on fake tensors]
         fmodel, finputs = _fake_model_and_inputs(stack, model, inputs, rank, tracker, fake_mode,
                                                  datadep, fake_device, param_dtype)

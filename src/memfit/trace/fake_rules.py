@@ -43,7 +43,7 @@ def _eager_library_paths() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _grouped_mm_rule() -> Iterator[None]:
+def grouped_mm_rule() -> Iterator[None]:
     """Fake tensors take ``aten._grouped_mm`` (the mixture-of-experts matmul) with the dtypes the
     real kernels take.
 
