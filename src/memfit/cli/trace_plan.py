@@ -236,6 +236,43 @@ def _trace(spec: TransformerSpec | HFModelSpec, run: RunConfig, gpu: GpuSpec | N
             f"{detail}; check the config (set MEMFIT_DEBUG=1 for the traceback)") from None
 
 
+def _json(args: argparse.Namespace, spec: Any, run: RunConfig, gpu: GpuSpec | None, est: Any,
+          analytic: Any, lora: Any, suggestions: list[Any], scale_json: Any, seq: int,
+          capacity: int | None, fits: bool | None, headroom: int | None) -> dict[str, Any]:
+    """The traced plan as ``--json`` prints it."""
+    covered = analytic is not None
+    return {
+        "method": "trace",
+        "model": {"name": spec.name, "params": spec.param_count()},
+        "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity,
+                                         "capacity_measured": gpu.usable_measured,
+                                         "budget": device_budget(gpu).to_dict()},
+        "per_gpu": {"total_bytes": est.total_bytes,
+                    "breakdown": {c.value: b for c, b in trace_column(est).breakdown.items()},
+                    "allocator_reserve_bytes": allocator_reserve(est)},
+        "peak_bytes": est.peak_bytes,
+        "peak_reserved_bytes": est.peak_reserved_bytes,
+        "host_peak_bytes": est.host_peak_bytes,
+        "fits": fits,
+        "headroom_bytes": headroom,
+        "peak": {"op": est.peak_op, "phase": est.peak_phase, "module": est.peak_module},
+        "analytic_total_bytes": None if analytic is None else analytic.total_bytes,
+        "trace_seconds": est.trace_seconds,
+        "assumptions": list(est.assumptions),
+        **({"lora": lora.to_dict()} if lora is not None else {}),
+        "notes": [args.precision_note] if getattr(args, "precision_note", None) else [],
+        **({"checkpoint": args.checkpoint_json}
+           if getattr(args, "checkpoint_json", None) else {}),
+        "scale_out": scale_json,
+        "suggestions": [
+            {"change": s.change, "saved_bytes": s.saved_bytes, "total_bytes": s.total_bytes,
+             "fits": s.fits, "saving_from": "analytic" if covered else "trace"}
+            for s in suggestions],
+        "run": {**{k: (list(v) if isinstance(v, tuple) else v)
+                   for k, v in dataclasses.asdict(run).items()}, "seq": seq},
+    }
+
+
 def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
               gpu: GpuSpec | None) -> int:
     spec = _check_traceable(model, run)
@@ -278,36 +315,8 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     elif analytic is None and fits is False and run.training:
         scale_line, scale_json = traced_scale_out(est, capacity, per_node)
     if args.json:
-        print_json({
-            "method": "trace",
-            "model": {"name": spec.name, "params": spec.param_count()},
-            "gpu": None if gpu is None else {"name": gpu.name, "capacity_bytes": capacity,
-                                             "capacity_measured": gpu.usable_measured,
-                                             "budget": device_budget(gpu).to_dict()},
-            "per_gpu": {"total_bytes": est.total_bytes,
-                        "breakdown": {c.value: b for c, b in trace_column(est).breakdown.items()},
-                        "allocator_reserve_bytes": allocator_reserve(est)},
-            "peak_bytes": est.peak_bytes,
-            "peak_reserved_bytes": est.peak_reserved_bytes,
-            "host_peak_bytes": est.host_peak_bytes,
-            "fits": fits,
-            "headroom_bytes": headroom,
-            "peak": {"op": est.peak_op, "phase": est.peak_phase, "module": est.peak_module},
-            "analytic_total_bytes": None if analytic is None else analytic.total_bytes,
-            "trace_seconds": est.trace_seconds,
-            "assumptions": list(est.assumptions),
-            **({"lora": lora.to_dict()} if lora is not None else {}),
-            "notes": [args.precision_note] if getattr(args, "precision_note", None) else [],
-            **({"checkpoint": args.checkpoint_json}
-               if getattr(args, "checkpoint_json", None) else {}),
-            "scale_out": scale_json,
-            "suggestions": [
-                {"change": s.change, "saved_bytes": s.saved_bytes, "total_bytes": s.total_bytes,
-                 "fits": s.fits, "saving_from": "analytic" if covered else "trace"}
-                for s in suggestions],
-            "run": {**{k: (list(v) if isinstance(v, tuple) else v)
-                       for k, v in dataclasses.asdict(run).items()}, "seq": seq},
-        })
+        print_json(_json(args, spec, run, gpu, est, analytic, lora, suggestions, scale_json,
+                         seq, capacity, fits, headroom))
         return exit_status(args, capacity, est.total_bytes, TRACE_FITS_MARGIN)
     after: list[str] = []
     closing: tuple[str, ...] = ()
