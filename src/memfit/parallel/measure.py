@@ -65,6 +65,10 @@ class Case:
     backend: str = "builtin"
     """The builder of :func:`memfit.models.build.build_model`: ``"builtin"`` or
     ``"transformers"`` (Hugging Face's module of the same spec)."""
+    make: Callable[[], tuple[torch.nn.Module, Any]] | None = None
+    """A model of your own in place of ``spec``'s: a module-level function (it travels to the
+    ranks by name) returning the model (real, CPU) and its inputs; called after
+    ``torch.manual_seed(0)``. ``batch`` and ``seq`` are then only labels."""
 
     def __post_init__(self) -> None:
         r = self.recipe
@@ -108,8 +112,11 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
     from memfit.models.build import build_model, example_inputs
 
     torch.manual_seed(0)
-    model = build_model(case.spec, backend=case.backend, device="cpu")
-    inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
+    if case.make is not None:
+        model, inputs = case.make()
+    else:
+        model = build_model(case.spec, backend=case.backend, device="cpu")
+        inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
     from memfit.techniques.recipe import apply_techniques
 
     apply_techniques(model, case.recipe)
