@@ -331,29 +331,55 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> No
             return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
         return out.to_local() if isinstance(out, DTensor) else out
 
-    def local_params(module: nn.Module, _args: tuple) -> None:
-        module._memfit_replicated = {  # type: ignore[assignment]
-            k: p for k, p in module._parameters.items() if isinstance(p, DTensor)}
-        module._parameters.update({k: p.to_local() for k, p in  # type: ignore[misc]
-                                   module._memfit_replicated.items()})  # type: ignore[union-attr]
+    def local_params(recurse: bool) -> Any:
+        def hook(module: nn.Module, _args: tuple) -> None:
+            held = [(m, k, p) for m in (module.modules() if recurse else [module])
+                    for k, p in m._parameters.items() if isinstance(p, DTensor)]
+            module.__dict__.setdefault("_memfit_replicated", []).append(held)
+            for m, k, p in held:
+                m._parameters[k] = p.to_local()  # type: ignore[assignment]
+        return hook
 
     def restore_params(module: nn.Module, _args: tuple, _out: Any) -> None:
-        module._parameters.update(module.__dict__.pop("_memfit_replicated", {}))
+        for m, k, p in module.__dict__["_memfit_replicated"].pop():
+            m._parameters[k] = p
 
-    for name, module in model.named_modules():
-        if name in plan or name.startswith(inside):
-            continue
+    def replicate_own(module: nn.Module) -> bool:
+        """The module's own plain parameters made replicated DTensors; whether it had any."""
         plain = [(key, p) for key, p in module.named_parameters(recurse=False)
                  if not isinstance(p, DTensor)]
-        if not plain:
-            continue
         for key, param in plain:
             if id(param) not in made:
                 made[id(param)] = nn.Parameter(
                     distribute_tensor(param.data, mesh, [Replicate()]),
                     requires_grad=param.requires_grad)
             setattr(module, key, made[id(param)])
-        if isinstance(module, nn.Linear | nn.Embedding) or _is_norm(module):
+        return bool(plain)
+
+    planned = [f"{name}." for name in plan]
+    whole: tuple[str, ...] = ()  # modules running every parameter below them locally
+    for name, module in model.named_modules():
+        if name in plan or name.startswith(inside):
+            continue
+        if whole and name.startswith(whole):  # made replicated; its root runs them locally
+            replicate_own(module)
+            continue
+        leaf_kind = isinstance(module, nn.Linear | nn.Embedding) or _is_norm(module)
+        if (name and not leaf_kind and next(module.children(), None) is not None
+                and not isinstance(module, nn.ModuleList | nn.ModuleDict)  # never called
+                and not any(p.startswith(f"{name}.") for p in planned)
+                and any(True for _ in module.parameters())):
+            # Note: [untouched subtrees] a module the plan touches nowhere (a Mamba mixer, a
+            # shared expert) runs every parameter below it locally, so that it can read a
+            # child's parameter directly (causal_conv1d_fn(x, self.conv1d.weight)).
+            whole += (f"{name}.",)
+            replicate_own(module)
+            module.register_forward_pre_hook(local_params(recurse=True))
+            module.register_forward_hook(restore_params)
+            continue
+        if not replicate_own(module):
+            continue
+        if leaf_kind:
             module.register_forward_pre_hook(wrap)
             module.register_forward_hook(unwrap)
         else:
@@ -362,7 +388,7 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> No
             # attention sinks, a MoE's stacked experts indexed by plain routing tensors) runs
             # with the parameters' local tensors, as transformers' LocalParamsParallel does; the
             # gradient reaches the replicated DTensor through to_local's backward.
-            module.register_forward_pre_hook(local_params)
+            module.register_forward_pre_hook(local_params(recurse=False))
             module.register_forward_hook(restore_params)
 
 
