@@ -49,7 +49,11 @@ class Parallel:
     tensor parallelism alone (``tp == gpus``) and tensor parallelism with FSDP2 over the other
     dim of a 2-D ``("dp", "tp")`` mesh (``Parallel(gpus=4, tp=2, fsdp=2)``) or HSDP on a 3-D
     ``("replicate", "shard", "tp")`` one; tp with DDP or ZeRO-1 is refused (torchtitan
-    refuses it too).
+    refuses it too). Tensor parallelism splits what ``tp_plan`` names (any module: torch's
+    ``ParallelStyle`` s on its linear layers and embeddings, each split dim a multiple of
+    ``tp``), else the model's own plan (transformers' ``tp_plan``, with transformers' styles),
+    else the projections memfit knows by name (``q_proj`` ... ``down_proj``); a ``tp_plan``
+    beside ``pp`` is refused (the stages split by memfit's names).
     Sequence parallelism (``sp=True``) is traced for memfit's builtin decoders and Hugging
     Face's Llama, Mistral, Qwen2 and Qwen3 modules (untied embeddings, rotary positions), as is
     loss parallelism (``loss_parallel=True``: the

@@ -273,3 +273,66 @@ def test_transformers_own_plan_traces_under_tp2(model_type: str) -> None:
     row = run_one(model_type)
     assert row["result"] == "ok", row["result"]
     assert all(0 < w < row["whole_weights"] for w in row["weights"]), row
+
+
+# -- the CLI: --tp-plan --------------------------------------------------------------------------
+
+
+def _cli(capsys: Any, tmp_path: Path, *extra: str, ffn: int = 96) -> tuple[int, str, str]:
+    import json
+
+    from memfit.cli import main
+
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": ffn,
+           "vocab_size": 256, "max_position_embeddings": 256, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    try:
+        code = main(["plan", str(path), "--gpus", "2", "--tp", "2", "--seq", "32", "--json",
+                     *extra])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_tp_plan_splits_what_it_names(capsys: Any, tmp_path: Path) -> None:
+    """``memfit plan --tp-plan FILE`` on a tiny Llama config: the plan splits the attention
+    only, so each rank holds the one-GPU trace's weights less half of q/k/v/o (64x64, 64x32,
+    64x32, 64x64 in each of 2 layers), 4 bytes each (fp32)."""
+    import json
+
+    from memfit.cli import main
+
+    plan = tmp_path / "tp.json"
+    plan.write_text(json.dumps({"model.layers.*.self_attn.[qkv]_proj": "colwise",
+                                "model.layers.*.self_attn.o_proj": "rowwise"}))
+    code, out, err = _cli(capsys, tmp_path, "--tp-plan", str(plan), "--precision", "fp32")
+    assert code == 0, err
+    split = json.loads(out)["per_gpu"]["breakdown"]["weights"]
+    assert main(["plan", str(tmp_path / "config.json"), "--seq", "32", "--json", "--precision",
+                 "fp32", "--method", "trace"]) == 0
+    whole = json.loads(capsys.readouterr().out)["per_gpu"]["breakdown"]["weights"]
+    attention = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64)
+    assert split == whole - 4 * attention // 2
+
+
+@pytest.mark.parametrize(("plan", "needle"), [
+    ('{"model.layers.*.attn.q_proj": "colwise"}', "matches no module of LlamaForCausalLM"),
+    ('{"model.layers.*.self_attn.q_proj": "colwize"}', "unknown style 'colwize'"),
+    ("not json", "cannot read it"),
+    ("{not json", "--tp-plan: not JSON"),
+])
+def test_cli_bad_tp_plan_is_one_line_exit_2(capsys: Any, tmp_path: Path, plan: str,
+                                            needle: str) -> None:
+    code, _, err = _cli(capsys, tmp_path, "--tp-plan", plan)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_tp_plan_on_a_dim_tp_does_not_divide_is_exit_2(capsys: Any, tmp_path: Path) -> None:
+    """An MLP of 97 features: gate_proj column-wise over 2 ranks would split it 49 / 48."""
+    code, _, err = _cli(capsys, tmp_path, "--tp-plan",
+                        '{"model.layers.*.mlp.gate_proj": "colwise"}', ffn=97)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "gate_proj (colwise) has 97 output features, which tp=2 does not divide" in err
