@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from arch_sweep import _model_class, _reason, inputs_for, tiny_config  # noqa: E402
+from arch_sweep import _model_class, _reason, inputs_for, tiny_config
 
 
 def planned_types() -> list[str]:
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "seconds": round(time.perf_counter() - started),
-        "summary": {"traced_tp2": ok, "traced_one_rank": one, "with_plan": len(rows)}, "rows": rows}, indent=1) + "\n")
+        "summary": {"traced_tp2": ok, "traced_one_rank": one, "with_plan": len(rows)},
+        "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -124,16 +124,16 @@ def test_bad_plans_are_one_line_errors(kwargs: dict, match: str) -> None:
 
 
 def test_plan_naming_a_missing_module_is_one_line() -> None:
-    with pytest.raises(MemfitError, match="'blocks.\\*.attn.qq', which matches no module of Net "
-                                          "\\(did you mean 'blocks.[01].attn.q'") as info:
+    with pytest.raises(MemfitError, match=r"'blocks\.\*\.attn\.qq', which matches no module of "
+                                          r"Net \(did you mean 'blocks\.[01]\.attn\.q'") as info:
         _estimate(Parallel(gpus=2, tp=2, tp_plan={**PLAN, "blocks.*.attn.qq": "colwise"}))
     assert "\n" not in str(info.value)
 
 
 def test_plan_on_a_dim_tp_does_not_divide_is_one_line() -> None:
     """fc1's 256 output features split 3 ways would be 86, 85, 85 (torch.chunk)."""
-    with pytest.raises(MemfitError, match="blocks.0.fc1 \\(colwise\\) has 256 output features, "
-                                          "which tp=3 does not divide") as info:
+    with pytest.raises(MemfitError, match=r"blocks\.0\.fc1 \(colwise\) has 256 output "
+                                          r"features, which tp=3 does not divide") as info:
         _estimate(Parallel(gpus=3, tp=3, tp_plan={"blocks.*.fc1": "colwise"}))
     assert "\n" not in str(info.value)
 
@@ -268,7 +268,7 @@ def test_transformers_own_plan_traces_under_tp2(model_type: str) -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
-    from tp_sweep import run_one  # noqa: E402
+    from tp_sweep import run_one
 
     row = run_one(model_type)
     assert row["result"] == "ok", row["result"]

@@ -15,7 +15,7 @@ rank's shapes for all), and pipeline stages (``pp > 1``) split memfit's names on
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +47,13 @@ def torch_style(name: str) -> Any:
     )
 
     name = TP_STYLE_ALIASES.get(name, name)
-    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-            "sequence_parallel": SequenceParallel, "replicate": lambda: None}[name]()
+    makers: dict[str, Callable[[], Any]] = {
+        "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "sequence_parallel": SequenceParallel, "replicate": lambda: None}
+    return makers[name]()
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -185,7 +187,7 @@ def apply_hf_styles(model: nn.Module, mesh: Any, plan: dict[str, HfStyle]) -> No
         if name in modules:
             module = modules[name]
             if entry.name == "mla_kv_a_proj":  # transformers gives it the config the same way
-                module.config = model.config.get_text_config()  # type: ignore[operator]
+                module.config = model.config.get_text_config()  # type: ignore[union-attr,operator]
             for param in list(module._parameters):
                 style.shard_param(module, param, mesh)
             style.install_forward(module, mesh)
