@@ -331,9 +331,9 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> No
             return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
         return out.to_local() if isinstance(out, DTensor) else out
 
-    def local_params(recurse: bool) -> Any:
+    def local_params(recurse: bool, also: tuple[nn.Module, ...] = ()) -> Any:
         def hook(module: nn.Module, _args: tuple) -> None:
-            held = [(m, k, p) for m in (module.modules() if recurse else [module])
+            held = [(m, k, p) for m in (module.modules() if recurse else (module, *also))
                     for k, p in m._parameters.items() if isinstance(p, DTensor)]
             module.__dict__.setdefault("_memfit_replicated", []).append(held)
             for m, k, p in held:
@@ -377,7 +377,17 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> No
             module.register_forward_pre_hook(local_params(recurse=True))
             module.register_forward_hook(restore_params)
             continue
-        if not replicate_own(module):
+        # children no style touches whose parameters the module may read itself
+        # (gated-delta-net's causal_conv1d_fn(x, self.conv1d.weight))
+        also: tuple[nn.Module, ...] = ()
+        if not leaf_kind:
+            prefix = f"{name}." if name else ""
+            also = tuple(c for n, c in module.named_children()
+                         if f"{prefix}{n}" not in plan
+                         and not (isinstance(c, nn.Linear | nn.Embedding) or _is_norm(c))
+                         and not any(p.startswith(f"{prefix}{n}.") for p in planned)
+                         and any(True for _ in c.parameters(recurse=False)))
+        if not replicate_own(module) and not also:
             continue
         if leaf_kind:
             module.register_forward_pre_hook(wrap)
@@ -388,7 +398,7 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> No
             # attention sinks, a MoE's stacked experts indexed by plain routing tensors) runs
             # with the parameters' local tensors, as transformers' LocalParamsParallel does; the
             # gradient reaches the replicated DTensor through to_local's backward.
-            module.register_forward_pre_hook(local_params(recurse=False))
+            module.register_forward_pre_hook(local_params(recurse=False, also=also))
             module.register_forward_hook(restore_params)
 
 
