@@ -259,12 +259,13 @@ def test_plan_apply_with_a_user_plan_trains_like_one_process(parity_runs: list) 
 # -- transformers' own plans --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mixtral", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "mixtral", "phi3", "qwen3_next"])
 def test_transformers_own_plan_traces_under_tp2(model_type: str) -> None:
     """A sample of bench/tp_sweep.py (every installed decoder with a base_model_tp_plan): the
     model's own plan applies without tp_plan= (dense, a MoE with transformers' moe_tp_experts,
-    a fused gate_up packed_colwise), and each rank holds less than the whole model's fp32
-    weights (the projections are split)."""
+    a fused gate_up packed_colwise, a gated-delta-net hybrid whose conv1d the plan leaves
+    whole), and each rank holds less than the whole model's fp32 weights; Llama's, exactly
+    what transformers' plan splits."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
@@ -273,6 +274,18 @@ def test_transformers_own_plan_traces_under_tp2(model_type: str) -> None:
     row = run_one(model_type)
     assert row["result"] == "ok", row["result"]
     assert all(0 < w < row["whole_weights"] for w in row["weights"]), row
+    if model_type == "llama":
+        # transformers' plan splits the embedding (embedding_rowwise), every projection and
+        # the head (colwise_gather_output) in half; the norms and the rotary buffers stay whole
+        from arch_sweep import tiny_config
+        from transformers import LlamaForCausalLM
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(tiny_config("llama"))
+        params = sum(p.numel() for p in model.parameters())
+        norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+        buffers = sum(b.numel() for b in model.buffers())
+        assert row["weights"] == [4 * ((params - norms) // 2 + norms + buffers)]
 
 
 # -- the CLI: --tp-plan --------------------------------------------------------------------------
