@@ -6,13 +6,28 @@ Pure data (no torch import), so the CLI can build and check one without torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from dataclasses import replace as dataclasses_replace
 from typing import Any
 
 from memfit.errors import MemfitError, suggest
 
 _DTYPES = ("fp32", "bf16", "fp16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+TP_STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise",
+                  "sequence_parallel", "replicate")
+"""The styles a :attr:`Parallel.tp_plan` may name as strings (the CLI's and plan files'),
+transformers' spellings (``transformers/distributed/tensor_parallel.py``), each one torch
+``ParallelStyle`` (``memfit.parallel.tp_plans.torch_style``): ``colwise`` =
+``ColwiseParallel()``; ``rowwise`` = ``RowwiseParallel()``; ``colwise_rep`` =
+``ColwiseParallel(output_layouts=Replicate())`` (the output all-gathered); ``rowwise_rep`` =
+``RowwiseParallel(input_layouts=Replicate())`` (a replicated input, split locally);
+``embedding_rowwise``: an ``nn.Embedding`` split by vocabulary rows, its output all-reduced;
+``sequence_parallel`` = ``SequenceParallel()``; ``replicate``: left whole on every rank."""
+TP_STYLE_ALIASES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep",
+                    "replicated_with_grad_allreduce": "replicate"}
+"""transformers' other names for the same styles."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +49,11 @@ class Parallel:
     tensor parallelism alone (``tp == gpus``) and tensor parallelism with FSDP2 over the other
     dim of a 2-D ``("dp", "tp")`` mesh (``Parallel(gpus=4, tp=2, fsdp=2)``) or HSDP on a 3-D
     ``("replicate", "shard", "tp")`` one; tp with DDP or ZeRO-1 is refused (torchtitan
-    refuses it too).
+    refuses it too). Tensor parallelism splits what ``tp_plan`` names (any module: torch's
+    ``ParallelStyle`` s on its linear layers and embeddings, each split dim a multiple of
+    ``tp``), else the model's own plan (transformers' ``tp_plan``, with transformers' styles),
+    else the projections memfit knows by name (``q_proj`` ... ``down_proj``); a ``tp_plan``
+    beside ``pp`` is refused (the stages split by memfit's names).
     Sequence parallelism (``sp=True``) is traced for memfit's builtin decoders and Hugging
     Face's Llama, Mistral, Qwen2 and Qwen3 modules (untied embeddings, rotary positions), as is
     loss parallelism (``loss_parallel=True``: the
@@ -127,6 +146,16 @@ class Parallel:
     each the first module of a stage; one fewer than the stages (``pp``, or ``2 * pp``
     interleaved). None: transformers' ``config.base_model_pp_plan`` where the model has one,
     else memfit's even split of its decoder layers (``memfit/parallel/pipeline_split.py``)."""
+    tp_plan: Mapping[str, Any] | None = field(default=None, hash=False)
+    """Tensor parallelism's plan: module-name patterns (relative to the model's root, ``fnmatch``
+    per dotted part, as ``parallelize_module`` takes them: ``"blocks.*.q"``) to torch
+    ``ParallelStyle`` objects (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
+    ``PrepareModuleInput`` / ``Output``) or the names of :data:`TP_STYLE_NAMES` (the only form
+    a plan file saves). None: the model's own (transformers' ``tp_plan``: the config's
+    ``base_model_tp_plan`` and the class's ``_tp_plan``), else memfit's projection names. The
+    plan is applied as given: with ``sp`` / ``loss_parallel`` it must hold their styles
+    itself, and the model's forward must read its head counts off the local widths (``view(b,
+    s, -1, head_dim)``)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "fsdp", "tp", "pp", "ep"):
@@ -164,6 +193,9 @@ class Parallel:
                               "integer or None (pp micro-batches)")
         if self.pp_split_points is not None:
             self._check_split_points()
+        if self.tp_plan is not None:
+            _check_tp_plan(self.tp_plan, self.tp)
+            object.__setattr__(self, "tp_plan", dict(self.tp_plan))  # the caller's stays theirs
         if self.bucket_cap_mb <= 0:
             raise MemfitError(f"Parallel(bucket_cap_mb={self.bucket_cap_mb!r}) must be > 0")
         model_parallel = self.tp * self.pp
@@ -234,7 +266,8 @@ class Parallel:
             parts[0] += ", cpu offload)" if self.cpu_offload else ")"
         elif self.dp > 1:
             parts[0] += f" {self.dp}"
-        tp_notes = [n for n, on in (("sp", self.sp), ("loss parallel", self.loss_parallel)) if on]
+        tp_notes = [n for n, on in (("sp", self.sp), ("loss parallel", self.loss_parallel),
+                                    ("user plan", self.tp_plan is not None)) if on]
         pp = f"pp {self.pp}" + (f" ({self.pp_schedule}, {self.microbatches or self.pp} "
                                  "micro-batches" + (f", split at {', '.join(self.pp_split_points)}"
                                                     if self.pp_split_points else "") + ")"
@@ -245,8 +278,18 @@ class Parallel:
 
     def to_dict(self) -> dict[str, Any]:
         """The layout as a JSON object: every field, as resolved (``fsdp`` and
-        ``reshard_after_forward`` as ZeRO-2/3 set them); :meth:`from_dict` reads it back."""
-        return asdict(self)
+        ``reshard_after_forward`` as ZeRO-2/3 set them); :meth:`from_dict` reads it back.
+        A ``tp_plan`` is saved with its styles' names (and left out when None, as files written
+        before it read); a ``ParallelStyle`` object has no name: a one-line error."""
+        plan = self.tp_plan
+        if plan is not None and any(not isinstance(v, str) for v in plan.values()):
+            raise MemfitError("Parallel(tp_plan=...) with ParallelStyle objects cannot be saved; "
+                              f"name the styles as strings ({', '.join(TP_STYLE_NAMES)})")
+        data = asdict(dataclasses_replace(self, tp_plan=None))
+        del data["tp_plan"]
+        if plan is not None:
+            data["tp_plan"] = dict(plan)
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "parallel") -> Parallel:
@@ -272,6 +315,26 @@ class Parallel:
         check_degrees(self.tp, self.pp, heads=heads, kv_heads=kv_heads, layers=layers,
                       tp_name=f"Parallel(tp={self.tp})", pp_name=f"Parallel(pp={self.pp})",
                       owner="the model's", kv_replicated=False)
+
+
+def _check_tp_plan(plan: Any, tp: int) -> None:
+    """One-line errors for a ``tp_plan`` that is not a mapping of names to styles (the style
+    objects are checked where they are applied: this module imports no torch)."""
+    if tp == 1:
+        raise MemfitError("Parallel(tp_plan=...) splits modules over the tensor-parallel ranks; "
+                          "set tp > 1, or drop tp_plan")
+    if not isinstance(plan, Mapping) or not plan:
+        raise MemfitError(f"Parallel(tp_plan={plan!r}): must be a non-empty dict of module-name "
+                          "patterns to styles, e.g. {'blocks.*.q': 'colwise'}")
+    valid = TP_STYLE_NAMES + tuple(TP_STYLE_ALIASES)
+    for name, style in plan.items():
+        if not isinstance(name, str) or not name:
+            raise MemfitError(f"Parallel(tp_plan=...): {name!r} is not a module-name pattern; "
+                              "use names like 'blocks.*.q'")
+        if isinstance(style, str) and style not in valid:
+            raise MemfitError(f"Parallel(tp_plan=...): {name!r}: unknown style {style!r}"
+                              f"{suggest(style, valid)}; valid: {', '.join(TP_STYLE_NAMES)} "
+                              "(or a torch ParallelStyle)")
 
 
 def check_degrees(tp: int, pp: int, *, heads: int | None, kv_heads: int | None,

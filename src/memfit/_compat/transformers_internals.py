@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["IMPORT_UTILS", "fake_tensors_look_eager"]
+__all__ = ["IMPORT_UTILS", "fake_tensors_look_eager", "hf_parallel_styles"]
 
 IMPORT_UTILS = "transformers.utils.import_utils"
 """The module defining ``is_fake_tensor(x)`` and ``is_tracing(tensor)``; ``is_tracing`` (used by
@@ -39,3 +39,14 @@ def fake_tensors_look_eager() -> Iterator[None]:
         yield
     finally:
         module.is_fake_tensor = original  # type: ignore[attr-defined]
+
+
+def hf_parallel_styles() -> Any:
+    """transformers' registry of tensor-parallel styles by the names its ``tp_plan`` s use
+    (``ALL_PARALLEL_STYLES``: ``transformers/distributed/tensor_parallel.py`` since 5.x;
+    ``transformers/integrations/tensor_parallel.py`` before)."""
+    try:
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+    except ImportError:
+        from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+    return ALL_PARALLEL_STYLES

@@ -68,7 +68,8 @@ def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = Non
     fsdp = fsdp or (base.fsdp if base.strategy == "hsdp" else None)
     pipeline = {"pp_schedule": pp_schedule or base.pp_schedule,
                 "microbatches": pipeline_microbatches(run, microbatches or base.microbatches)}
-    tensor = {"sp": run.sequence_parallel, "loss_parallel": loss_parallel or base.loss_parallel}
+    tensor = {"sp": run.sequence_parallel, "loss_parallel": loss_parallel or base.loss_parallel,
+              "tp_plan": base.tp_plan}
     if not run.training:
         return Parallel(gpus=run.tp * run.pp, tp=run.tp, pp=run.pp, ep=ep, **tensor, **pipeline)
     sharded = run.zero in (2, 3) and run.dp > 1

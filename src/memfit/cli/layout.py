@@ -11,6 +11,9 @@ API takes (``memfit.RunConfig(parallel=...)``, ``memfit.estimate(..., parallel=.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from typing import Any
 
 from memfit.analytic.config import check_flat_layout
 from memfit.cli._common import nonneg_int, positive_int
@@ -55,4 +58,28 @@ def parallel_from_args(args: argparse.Namespace) -> Parallel:
                     loss_parallel=bool(getattr(args, "loss_parallel", False)),
                     pp_schedule=getattr(args, "pp_schedule", None) or "1f1b",
                     microbatches=positive_int(getattr(args, "microbatches", None),
-                                              "--microbatches"))
+                                              "--microbatches"),
+                    tp_plan=tp_plan_from_arg(getattr(args, "tp_plan", None)))
+
+
+def tp_plan_from_arg(value: str | None) -> dict[str, Any] | None:
+    """``--tp-plan``: a JSON object, or the path of a file holding one (``Parallel.tp_plan``
+    checks its styles); a bad value is one line."""
+    if value is None:
+        return None
+    text = value
+    if not value.lstrip().startswith("{"):
+        try:
+            text = Path(value).read_text()
+        except OSError as exc:
+            raise MemfitError(f"--tp-plan {value}: cannot read it ({exc.strerror}); give a JSON "
+                              "object or the path of a file holding one") from None
+    try:
+        plan = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MemfitError(f"--tp-plan: not JSON ({exc.msg} at line {exc.lineno}); give an "
+                          'object such as {"blocks.*.q": "colwise"}') from None
+    if not isinstance(plan, dict):
+        raise MemfitError("--tp-plan: must be a JSON object of module-name patterns to styles, "
+                          'such as {"blocks.*.q": "colwise"}')
+    return plan

@@ -93,6 +93,8 @@ def trace_flags(args: argparse.Namespace, run: RunConfig) -> list[str]:
         flags.append(f"--ep {ep}")
     if getattr(args, "loss_parallel", False):
         flags.append("--loss-parallel")
+    if getattr(args, "tp_plan", None) is not None:
+        flags.append("--tp-plan")
     for flag, value in (("--pp-schedule", getattr(args, "pp_schedule", None)),
                         ("--microbatches", getattr(args, "microbatches", None))):
         if value is None:

@@ -125,6 +125,11 @@ def register(sub: Any) -> None:
     p.add_argument("--loss-parallel", action="store_true",
                    help="with --tp: cross-entropy on vocabulary-split logits (torch's "
                    "loss_parallel(); traced only)")
+    p.add_argument("--tp-plan", default=None, metavar="JSON|FILE",
+                   help="with --tp: the tensor-parallel plan, a JSON object (or a file holding "
+                   "one) of module-name patterns to styles (colwise, rowwise, colwise_rep, "
+                   "rowwise_rep, embedding_rowwise, sequence_parallel, replicate); default: the "
+                   "model's own tp_plan, else memfit's projection names (traced only)")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="keep optimizer states in host memory")
     p.add_argument("--offload-params", action="store_true",

@@ -108,7 +108,24 @@ def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = Non
     ``blocks``: the blocks' names (default: ``find_blocks(model)``), e.g. a pipeline stage's
     ``layers.<i>`` (``memfit.parallel.pipeline_parallelize.apply_tp_stages``); ``root``: the
     names of the token embedding, final norm and head that sequence / loss parallelism split
-    (default: ``sp_root(model)``; None for a part a pipeline stage does not hold)."""
+    (default: ``sp_root(model)``; None for a part a pipeline stage does not hold).
+
+    Note: [whose plan] ``parallel.tp_plan`` (the user's) comes first, then the model's own
+    (transformers' ``tp_plan``, without sequence or loss parallelism, which it does not
+    write), then the names above (``memfit.parallel.tp_plans``); a model none applies to is a
+    one-line error naming ``tp_plan=``."""
+    from memfit.parallel.tp_plans import hf_plan, user_plan
+
+    if parallel.tp_plan is not None:
+        if blocks is not None or root is not None:
+            raise MemfitError(f"Parallel(tp={parallel.tp}, pp={parallel.pp}, tp_plan=...): a "
+                              "plan of your own is traced without pipeline stages so far; drop "
+                              "tp_plan (memfit's projection names split each stage) or pp")
+        return user_plan(model, parallel)
+    if blocks is None and root is None and not (parallel.sp or parallel.loss_parallel):
+        own = hf_plan(model, parallel)
+        if own is not None:
+            return own
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -131,7 +148,9 @@ def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = Non
                  if sub.rsplit(".", 1)[-1] in plan_names and isinstance(mod, nn.Linear)}
         if not found:
             raise MemfitError(f"Parallel(tp={parallel.tp}): block {name} has none of the "
-                              f"projections tensor parallelism splits ({', '.join(plan_names)})")
+                              f"projections memfit's plan splits ({', '.join(plan_names)}) and "
+                              f"{type(model).__name__} has no tp_plan of its own; pass "
+                              "tp_plan={'<module pattern>': 'colwise' | 'rowwise', ...}")
         for sub, style in found.items():
             plan[f"{name}.{sub}"] = (style(**row_out) if style is RowwiseParallel else style())
         if sp:
@@ -233,6 +252,8 @@ def tp_split_dims(model: nn.Module, parallel: Parallel, blocks: list[str] | None
 
     dims: dict[int, int] = {}
     for name, style in tp_plan(model, parallel, blocks, root).items():
+        if not isinstance(style, ColwiseParallel | RowwiseParallel):
+            continue  # transformers' own styles: split evenly (tp_plans.hf_plan checks)
         mod = model.get_submodule(name)
         if isinstance(style, ColwiseParallel) and isinstance(mod, nn.Linear):
             dims.update({id(p): 0 for p in mod.parameters(recurse=False)})
@@ -250,8 +271,14 @@ def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any, blocks: list[str] 
     there)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from memfit.parallel.tp_plans import HfStyle, apply_hf_styles
+
     plan = tp_plan(model, parallel, blocks, root)
-    parallelize_module(model, mesh, plan)
+    own = {name: style for name, style in plan.items() if isinstance(style, HfStyle)}
+    if len(own) < len(plan):
+        parallelize_module(model, mesh, {n: s for n, s in plan.items() if n not in own})
+    if own:  # a transformers model's own plan, applied as transformers applies it
+        apply_hf_styles(model, mesh, own)
     _replicate_the_rest(model, mesh, plan)
     if parallel.sp:
         model.register_forward_pre_hook(_even_sequence(parallel.tp), with_kwargs=True)
@@ -289,6 +316,9 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> No
     # keeps its own submodules out of the plan: Qwen3's per-head q_norm / k_norm
     inside = tuple(f"{name}." for name, style in plan.items()
                    if not isinstance(style, PrepareModuleInput))
+    # a plan entry naming a parameter (transformers' MoE experts) hands its module to the style
+    owners = {name.rpartition(".")[0] for name in plan if "." in name}
+    plan = {**plan, **dict.fromkeys(n for n in owners if _holds_param_entry(n, plan, model))}
     made: dict[int, nn.Parameter] = {}
 
     def wrap(_module: nn.Module, args: tuple) -> tuple:
@@ -297,23 +327,86 @@ def _replicate_the_rest(model: nn.Module, mesh: Any, plan: dict[str, Any]) -> No
                      for a in args)
 
     def unwrap(_module: nn.Module, _args: tuple, out: Any) -> Any:
+        if isinstance(out, tuple):  # a router's (logits, weights, indices)
+            return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
         return out.to_local() if isinstance(out, DTensor) else out
 
-    for name, module in model.named_modules():
-        if name in plan or name.startswith(inside):
-            continue
+    def local_params(recurse: bool, also: tuple[nn.Module, ...] = ()) -> Any:
+        def hook(module: nn.Module, _args: tuple) -> None:
+            held = [(m, k, p) for m in (module.modules() if recurse else (module, *also))
+                    for k, p in m._parameters.items() if isinstance(p, DTensor)]
+            module.__dict__.setdefault("_memfit_replicated", []).append(held)
+            for m, k, p in held:
+                m._parameters[k] = p.to_local()  # type: ignore[assignment]
+        return hook
+
+    def restore_params(module: nn.Module, _args: tuple, _out: Any) -> None:
+        for m, k, p in module.__dict__["_memfit_replicated"].pop():
+            m._parameters[k] = p
+
+    def replicate_own(module: nn.Module) -> bool:
+        """The module's own plain parameters made replicated DTensors; whether it had any."""
         plain = [(key, p) for key, p in module.named_parameters(recurse=False)
                  if not isinstance(p, DTensor)]
-        if not plain:
-            continue
         for key, param in plain:
             if id(param) not in made:
                 made[id(param)] = nn.Parameter(
                     distribute_tensor(param.data, mesh, [Replicate()]),
                     requires_grad=param.requires_grad)
             setattr(module, key, made[id(param)])
-        module.register_forward_pre_hook(wrap)
-        module.register_forward_hook(unwrap)
+        return bool(plain)
+
+    planned = [f"{name}." for name in plan]
+    whole: tuple[str, ...] = ()  # modules running every parameter below them locally
+    for name, module in model.named_modules():
+        if name in plan or name.startswith(inside):
+            continue
+        if whole and name.startswith(whole):  # made replicated; its root runs them locally
+            replicate_own(module)
+            continue
+        leaf_kind = isinstance(module, nn.Linear | nn.Embedding) or _is_norm(module)
+        if (name and not leaf_kind and next(module.children(), None) is not None
+                and not isinstance(module, nn.ModuleList | nn.ModuleDict)  # never called
+                and not any(p.startswith(f"{name}.") for p in planned)
+                and any(True for _ in module.parameters())):
+            # Note: [untouched subtrees] a module the plan touches nowhere (a Mamba mixer, a
+            # shared expert) runs every parameter below it locally, so that it can read a
+            # child's parameter directly (causal_conv1d_fn(x, self.conv1d.weight)).
+            whole += (f"{name}.",)
+            replicate_own(module)
+            module.register_forward_pre_hook(local_params(recurse=True))
+            module.register_forward_hook(restore_params)
+            continue
+        # children no style touches whose parameters the module may read itself
+        # (gated-delta-net's causal_conv1d_fn(x, self.conv1d.weight))
+        also: tuple[nn.Module, ...] = ()
+        if not leaf_kind:
+            prefix = f"{name}." if name else ""
+            also = tuple(c for n, c in module.named_children()
+                         if f"{prefix}{n}" not in plan
+                         and not (isinstance(c, nn.Linear | nn.Embedding) or _is_norm(c))
+                         and not any(p.startswith(f"{prefix}{n}.") for p in planned)
+                         and any(True for _ in c.parameters(recurse=False)))
+        if not replicate_own(module) and not also:
+            continue
+        if leaf_kind:
+            module.register_forward_pre_hook(wrap)
+            module.register_forward_hook(unwrap)
+        else:
+            # Note: [other modules' own parameters] A module that computes with its own
+            # parameters beside plain tensors it makes or gets from submodules (gpt-oss's
+            # attention sinks, a MoE's stacked experts indexed by plain routing tensors) runs
+            # with the parameters' local tensors, as transformers' LocalParamsParallel does; the
+            # gradient reaches the replicated DTensor through to_local's backward.
+            module.register_forward_pre_hook(local_params(recurse=False, also=also))
+            module.register_forward_hook(restore_params)
+
+
+def _holds_param_entry(module_name: str, plan: dict[str, Any], model: nn.Module) -> bool:
+    """Whether some entry of ``plan`` names a parameter of the module ``module_name``."""
+    params = dict(model.get_submodule(module_name).named_parameters(recurse=False))
+    prefix = f"{module_name}." if module_name else ""
+    return any(name.startswith(prefix) and name[len(prefix):] in params for name in plan)
 
 
 def _even_sequence(tp: int) -> Any:

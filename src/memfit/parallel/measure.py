@@ -69,6 +69,10 @@ class Case:
     model_fn: Callable[[Any], torch.nn.Module] | None = None
     """A picklable function (module level) building the model from ``spec`` in place of
     ``build_model``: a custom module (the inputs are still ``example_inputs(spec)``)."""
+    make: Callable[[], tuple[torch.nn.Module, Any]] | None = None
+    """A model of your own in place of ``spec``'s: a module-level function (it travels to the
+    ranks by name) returning the model (real, CPU) and its inputs; called after
+    ``torch.manual_seed(0)``. ``batch`` and ``seq`` are then only labels."""
 
     def __post_init__(self) -> None:
         r = self.recipe
@@ -113,7 +117,9 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
     from memfit.models.hf_auto import HFModelSpec
 
     torch.manual_seed(0)
-    if case.model_fn is not None:
+    if case.make is not None:
+        model, inputs = case.make()
+    elif case.model_fn is not None:
         model = case.model_fn(case.spec)
         inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
     elif isinstance(case.spec, HFModelSpec):  # a config the formulas do not cover

@@ -68,6 +68,8 @@ class DataDependentSizes(KnownValues):
             self._propagate(func, args, kwargs, out)
         elif func in _FACTORIES and _knowable(out):
             self._propagate(func, args, kwargs, out)
+        if out is NotImplemented:  # a subclass (DTensor) answers first; its local op follows
+            return
         if func is aten.topk.default:
             x = args[0]
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
