@@ -102,34 +102,7 @@ def register(sub: Any) -> None:
     p.add_argument("--batch", default="1", help="micro-batch per GPU (default 1)")
     p.add_argument("--seq", help="sequence length (default: the model's, capped at 2048)")
     p.add_argument("--grad-accum", default="1", help="micro-batches per optimizer step")
-    p.add_argument("--gpus", default="1", help="total GPUs (data x tensor x pipeline)")
-    p.add_argument("--zero", default="0", help="ZeRO stage 0-3 over data-parallel ranks")
-    p.add_argument("--fsdp", nargs="?", const="all", default=None, metavar="N",
-                   help="FSDP full sharding (same as --zero 3) over every data-parallel rank, "
-                   "or over N of them: HSDP, N-way sharded and replicated across the rest "
-                   "(traced only)")
-    p.add_argument("--gpus-per-node", default=None,
-                   help="GPUs per node, for host memory per node (default 8)")
-    p.add_argument("--tp", default="1", help="tensor-parallel size")
-    p.add_argument("--pp", default="1", help="pipeline-parallel size (1F1B)")
-    p.add_argument("--pp-schedule", default=None,
-                   help=f"with --pp: torch.distributed.pipelining schedule, one of "
-                   f"{', '.join(PP_SCHEDULES)} (default 1f1b; traced only)")
-    p.add_argument("--microbatches", default=None, metavar="N",
-                   help="with --pp: micro-batches of --batch rows per step (default: "
-                   "--grad-accum when above 1, else --pp; traced only)")
-    p.add_argument("--ep", default="1", help="expert-parallel size (memfit's builtin MoE "
-                   "layers, transformers' MoE experts; traced only)")
-    p.add_argument("--sequence-parallel", "--sp", action="store_true",
-                   help="with --tp: shard norms/dropouts along the sequence (Megatron SP)")
-    p.add_argument("--loss-parallel", action="store_true",
-                   help="with --tp: cross-entropy on vocabulary-split logits (torch's "
-                   "loss_parallel(); traced only)")
-    p.add_argument("--tp-plan", default=None, metavar="JSON|FILE",
-                   help="with --tp: the tensor-parallel plan, a JSON object (or a file holding "
-                   "one) of module-name patterns to styles (colwise, rowwise, colwise_rep, "
-                   "rowwise_rep, embedding_rowwise, sequence_parallel, replicate); default: the "
-                   "model's own tp_plan, else memfit's projection names (traced only)")
+    _parallel_options(p)
     p.add_argument("--offload-optimizer", action="store_true",
                    help="keep optimizer states in host memory")
     p.add_argument("--offload-params", action="store_true",
@@ -173,6 +146,38 @@ def register(sub: Any) -> None:
                    "needs --gpu")
     p.add_argument("--quiet", action="store_true", help="no progress display (--method trace)")
     p.set_defaults(func=run)
+
+
+def _parallel_options(p: Any) -> None:
+    """How the step is split over GPUs: data, tensor, pipeline and expert parallelism."""
+    p.add_argument("--gpus", default="1", help="total GPUs (data x tensor x pipeline)")
+    p.add_argument("--zero", default="0", help="ZeRO stage 0-3 over data-parallel ranks")
+    p.add_argument("--fsdp", nargs="?", const="all", default=None, metavar="N",
+                   help="FSDP full sharding (same as --zero 3) over every data-parallel rank, "
+                   "or over N of them: HSDP, N-way sharded and replicated across the rest "
+                   "(traced only)")
+    p.add_argument("--gpus-per-node", default=None,
+                   help="GPUs per node, for host memory per node (default 8)")
+    p.add_argument("--tp", default="1", help="tensor-parallel size")
+    p.add_argument("--pp", default="1", help="pipeline-parallel size (1F1B)")
+    p.add_argument("--pp-schedule", default=None,
+                   help=f"with --pp: torch.distributed.pipelining schedule, one of "
+                   f"{', '.join(PP_SCHEDULES)} (default 1f1b; traced only)")
+    p.add_argument("--microbatches", default=None, metavar="N",
+                   help="with --pp: micro-batches of --batch rows per step (default: "
+                   "--grad-accum when above 1, else --pp; traced only)")
+    p.add_argument("--ep", default="1", help="expert-parallel size (memfit's builtin MoE "
+                   "layers, transformers' MoE experts; traced only)")
+    p.add_argument("--sequence-parallel", "--sp", action="store_true",
+                   help="with --tp: shard norms/dropouts along the sequence (Megatron SP)")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="with --tp: cross-entropy on vocabulary-split logits (torch's "
+                   "loss_parallel(); traced only)")
+    p.add_argument("--tp-plan", default=None, metavar="JSON|FILE",
+                   help="with --tp: the tensor-parallel plan, a JSON object (or a file holding "
+                   "one) of module-name patterns to styles (colwise, rowwise, colwise_rep, "
+                   "rowwise_rep, embedding_rowwise, sequence_parallel, replicate); default: the "
+                   "model's own tp_plan, else memfit's projection names (traced only)")
 
 
 def resolve(args: argparse.Namespace) -> tuple[ModelSpec, Any]:
