@@ -301,22 +301,23 @@ def test_plan_apply_trains_like_one_process(name: str, gloo_runs: dict) -> None:
 
 
 def test_apply_needs_torchrun_and_names_what_it_cannot_run_yet() -> None:
-    """Without torch.distributed: how to start the ranks. A pipeline beside HSDP, which Plan.apply
-    does not run (pipelines run alone, with tp, and with DDP, ZeRO-1 and FSDP2:
-    tests/fitting/test_fit_pipeline.py): one line saying so and the way out (over a fake 8-rank
-    process group, memfit/parallel/trace.py: fake_world)."""
+    """Without torch.distributed: how to start the ranks. A pipeline beside HSDP and tp, which
+    Plan.apply does not run (pipelines run alone, with tp and FSDP2, and with DDP, ZeRO-1, FSDP2
+    or HSDP without tp: tests/fitting/test_fit_pipeline.py, test_fit_pipeline_split.py): one
+    line saying so and the way out (over a fake 16-rank process group,
+    memfit/parallel/trace.py: fake_world)."""
     from memfit.fitting.apply import apply_config
     from memfit.parallel.trace import fake_world
 
-    par = Parallel(gpus=8, pp=2, fsdp=2)  # dp 4: 2 replicas of 2 shards, HSDP
+    par = Parallel(gpus=16, pp=2, tp=2, fsdp=2)  # dp 4: 2 replicas of 2 shards (HSDP), tp 2
     cfg = FitConfig(micro_batch=1, accumulation=2, sharding="hsdp", parallel=par)
     model, _ = tiny()
-    with pytest.raises(MemfitError, match="torchrun --nproc-per-node 8") as info:
-        apply_config(model, cfg, num_gpus=8)
+    with pytest.raises(MemfitError, match="torchrun --nproc-per-node 16") as info:
+        apply_config(model, cfg, num_gpus=16)
     assert "\n" not in str(info.value)
-    with fake_world(8, 0), pytest.raises(MemfitError, match="cannot run this pipeline plan") \
+    with fake_world(16, 0), pytest.raises(MemfitError, match="cannot run this pipeline plan") \
             as info:
-        apply_config(model, cfg, num_gpus=8)
+        apply_config(model, cfg, num_gpus=16)
     assert "\n" not in str(info.value) and "fsdp = gpus / (pp * tp)" in str(info.value)
 
 
