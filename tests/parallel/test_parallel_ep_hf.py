@@ -182,27 +182,65 @@ def _parity_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.slow
-def test_expert_parallel_step_computes_what_transformers_computes() -> None:
+def test_expert_parallel_step_computes_what_transformers_computes(gloo_runs: tuple) -> None:
     """With capacity = tokens (capacity_factor=None, no assignment dropped), each rank's loss on
     its own tokens equals the unsharded transformers model's, and its experts' gradients equal
     that model's gradients of those experts for the sum of both ranks' losses (the reverse
     all-to-all brings the other rank's tokens' gradients home)."""
-    from memfit.parallel.gloo import spawn
-
-    spawn(_parity_worker, 2)
+    failures = [f"rank {r}: {text}" for r, text in enumerate(gloo_runs[1]) if text]
+    assert not failures, "\n".join(failures)
 
 
 # -- the truth: real ranks over gloo -------------------------------------------------------------
 
 
+def _gloo_cases() -> list:
+    return [_case(kind, Parallel(gpus=2, ep=2)) for kind in KINDS]
+
+
+def _gloo_worker(rank: int, world: int, out: str) -> None:
+    """A rank of :func:`gloo_runs`: every kind's measurement (memfit.parallel.measure's own
+    worker's work, first, in a fresh process), then :func:`_parity_worker`, whose failed
+    assertion (raised after its last collective) is written for the parity test to report."""
+    import json
+    import traceback
+
+    from memfit.parallel.measure import rank_peaks
+
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rank_peaks(_gloo_cases())))
+    try:
+        _parity_worker(rank, world)
+        failure = ""
+    except AssertionError:
+        failure = traceback.format_exc()
+    Path(out, f"rank{rank}.parity.txt").write_text(failure)
+
+
 @pytest.fixture(scope="module")
-def measured() -> dict[str, list]:
+def gloo_runs() -> tuple[list[list[dict]], list[str]]:
+    """One set of 2 gloo ranks for the module (as tests/parallel/test_parallel_combos.py and
+    tests/fitting/test_fit_parallel.py share theirs): the measurement's first run, per case and
+    rank, and each rank's parity failure ("" if it passed)."""
+    import json
+    import tempfile
+
+    from memfit.parallel.gloo import spawn
+
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_gloo_worker, 2, out)
+        peaks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+        parity = [Path(out, f"rank{r}.parity.txt").read_text() for r in range(2)]
+    return [[peaks[r][i] for r in range(2)] for i in range(len(KINDS))], parity
+
+
+@pytest.fixture(scope="module")
+def measured(gloo_runs: tuple) -> dict[str, list]:
     """Every kind's ep=2 step on one set of 2 gloo ranks; a case whose trace is off by more than
     1% is measured again and each rank's lowest kept (Note: [gloo's timing] in
     memfit/parallel/measure.py: a free on gloo's thread the profiler misses only adds bytes)."""
     from memfit.parallel.measure import measure_until
 
-    cases = [_case(kind, Parallel(gpus=2, ep=2)) for kind in KINDS]
+    cases = _gloo_cases()
     roles = {id(c): _estimate(c).per_rank[0] for c in cases}
 
     def off(case, got) -> bool:  # type: ignore[no-untyped-def]
@@ -211,7 +249,7 @@ def measured() -> dict[str, list]:
             not _close(role.phase_peaks[(int(k.split(":")[0]), k.split(":")[1])], v)
             for k, v in r["phases"].items()) for r in got)
 
-    results = measure_until(cases, world=2, off=off)
+    results = measure_until(cases, world=2, off=off, first=gloo_runs[0])
     return {kind: [roles[id(c)], got] for kind, c, got in zip(KINDS, cases, results, strict=True)}
 
 

@@ -175,7 +175,24 @@ def traced() -> dict[str, memfit.Estimate]:
 
 
 @pytest.fixture(scope="module")
-def measured(traced: dict[str, memfit.Estimate]) -> dict[str, list[dict]]:
+def gloo_runs() -> tuple[list[list[dict]], list[dict[str, Any]]]:
+    """One set of 2 gloo ranks for the whole module (as tests/parallel/test_parallel_combos.py
+    and tests/fitting/test_fit_parallel.py share theirs): each rank measures every case's step
+    first, in a fresh process as measure() would, then runs the Plan.apply parity training.
+    Returns the first measurement (per case, per rank) and each rank's parity run."""
+    import json
+
+    from memfit.parallel.gloo import spawn
+
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_gloo_worker, 2, out)
+        peaks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+        parity = [torch.load(Path(out, f"rank{r}.pt")) for r in range(2)]
+    return [[peaks[r][i] for r in range(2)] for i in range(len(CASES))], parity
+
+
+@pytest.fixture(scope="module")
+def measured(traced: dict[str, memfit.Estimate], gloo_runs: tuple) -> dict[str, list[dict]]:
     from memfit.parallel.measure import measure_until
 
     def off(case: Any, got: list[dict]) -> bool:
@@ -183,7 +200,7 @@ def measured(traced: dict[str, memfit.Estimate]) -> dict[str, list[dict]]:
         return any(abs(est.peak_bytes - got[r]["peak"]) > 0.01 * got[r]["peak"]
                    for est in traced[name].per_rank for r in est.ranks)
 
-    peaks = measure_until([_case(p) for p in CASES.values()], 2, off)
+    peaks = measure_until([_case(p) for p in CASES.values()], 2, off, first=gloo_runs[0])
     return dict(zip(CASES, peaks, strict=True))
 
 
@@ -227,17 +244,21 @@ def _train(parallel: Parallel | None, world: int) -> dict[str, Any]:
     return {"losses": losses, "weights": full}
 
 
-def _parity_worker(rank: int, world: int, out: str) -> None:
+def _gloo_worker(rank: int, world: int, out: str) -> None:
+    """A rank of :func:`gloo_runs`: the measurement (memfit.parallel.measure's own worker's
+    work), then the parity run."""
+    import json
+
+    from memfit.parallel.measure import rank_peaks
+
+    peaks = rank_peaks([_case(p) for p in CASES.values()])
+    Path(out, f"rank{rank}.json").write_text(json.dumps(peaks))
     torch.save(_train(CASES["plan-with-root"], world), Path(out, f"rank{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
-def parity_runs() -> list[dict[str, Any]]:
-    from memfit.parallel.gloo import spawn
-
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_parity_worker, 2, out)
-        return [torch.load(Path(out, f"rank{r}.pt")) for r in range(2)]
+def parity_runs(gloo_runs: tuple) -> list[dict[str, Any]]:
+    return gloo_runs[1]
 
 
 @pytest.mark.slow

@@ -386,9 +386,16 @@ def lowest(a: Any, b: Any) -> Any:
     return min(a, b)
 
 
+def rank_peaks(cases: list[Case], repeats: int = 1) -> list[dict[str, int]]:
+    """This rank's peaks of each case (:func:`_repeated`), inside a rank of a gloo group
+    already started (:func:`memfit.parallel.gloo.spawn`): for a test's own worker that
+    measures the cases and runs more in the same ranks. Its ranks' results, as
+    ``[[rank0, rank1, ...] for each case]``, are :func:`measure_until`'s ``first``."""
+    return [_repeated(case, repeats) for case in cases]
+
+
 def _worker(rank: int, world: int, cases: list[Case], out: str, repeats: int) -> None:
-    peaks = [_repeated(case, repeats) for case in cases]
-    Path(out, f"rank{rank}.json").write_text(json.dumps(peaks))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rank_peaks(cases, repeats)))
 
 
 def measure(cases: list[Case], world: int, repeats: int = 3) -> list[list[dict[str, int]]]:
@@ -408,12 +415,15 @@ def measure(cases: list[Case], world: int, repeats: int = 3) -> list[list[dict[s
 
 
 def measure_until(cases: list[Case], world: int, off: Callable[[Case, list[dict[str, Any]]], bool],
-                  tries: int = 3) -> list[list[dict[str, Any]]]:
+                  tries: int = 3, first: list[list[dict[str, Any]]] | None = None,
+                  ) -> list[list[dict[str, Any]]]:
     """:func:`measure` once, then the cases that ``off(case, measured)`` still finds off again,
     up to ``tries`` runs in all, keeping each rank's :func:`lowest` (Note: [gloo's timing]: a
     free on gloo's thread that the profiler does not see only ever adds bytes, so a lower run is
-    the truer one; the tests' tolerance never loosens)."""
-    results = measure(cases, world, repeats=1)
+    the truer one; the tests' tolerance never loosens). ``first``: the first run's results,
+    already measured (:func:`rank_peaks` in ranks that also did other work), instead of
+    :func:`measure`'s."""
+    results = list(first) if first is not None else measure(cases, world, repeats=1)
     for _ in range(tries - 1):
         bad = [i for i, (case, got) in enumerate(zip(cases, results, strict=True))
                if off(case, got)]
