@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from memfit._compat import torch_internals
 from memfit._loss import LossFn
@@ -83,7 +84,33 @@ def _optimizer_modes(opt: torch.optim.Optimizer) -> Any:
     from memfit.trace.autocast import _CudaAutocastOnCpu
     from memfit.trace.sdpa import CudaRouting
 
-    return torch_internals.without_function_modes((_CudaAutocastOnCpu, CudaRouting))
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch_internals.without_function_modes((_CudaAutocastOnCpu, CudaRouting)))
+    stack.enter_context(_HostScalars())
+    return stack
+
+
+class _HostScalars(TorchFunctionMode):
+    """``torch.tensor(...)`` without a device, or on the CPU, is host memory on a CUDA target.
+
+    Note: [optimizer step counters on the host] torch's Adam family (and Adagrad, NAdam, RAdam,
+    Adamax, ASGD) keep each parameter's ``state["step"]`` as a CPU scalar unless the group is
+    ``capturable`` or ``fused`` (``torch/optim/adam.py: _init_group``: ``torch.tensor(0.0,
+    dtype=_get_scalar_dtype(), device="cpu")``, else ``device=p.device``). On a CPU-only torch a
+    CUDA target's parameters are fake CPU tensors, so the counter looked like one more device
+    block per parameter (512 B each). A capturable or fused group names ``p.device`` and stays
+    on the device."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.tensor:
+            device = kwargs.get("device")
+            if device is None or torch.device(device).type == "cpu":
+                from memfit.trace.host import host_memory
+
+                with host_memory():
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
