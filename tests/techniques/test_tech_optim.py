@@ -213,7 +213,9 @@ def test_estimate_predicts_offload_device_saving_and_host_memory() -> None:
     # and the for-loop step's temporaries, at most a few copies of one 256x256 matrix.
     one = DIM * DIM * 4
     assert 16 * P <= off.host_peak_bytes <= 16 * P + 4 * one
-    assert plain.host_peak_bytes == 0
+    # without offload the host holds only AdamW's 4-byte step counters, one per parameter
+    # tensor, and foreach's 1.0 increment (Note: [optimizer step counters on the host])
+    assert plain.host_peak_bytes == 4 * len(list(model.parameters())) + 4
 
 
 @pytest.mark.skipif(not HAS_BNB, reason="needs bitsandbytes")
