@@ -15,26 +15,34 @@ OUT=${1:?usage: bench/gpu_session.sh OUTDIR}
   done
 } >"$LOG" 2>&1
 
-timeout "${FACTS_S:-60}" python3 bench/cuda_facts.py --out "$OUT/cuda-facts.json" >>"$LOG" 2>&1
-step cuda_facts $?
-# Phase 1, memory only, side by side: the validation matrix and the GPU-marked tests.
-( timeout "${VALIDATE_S:-240}" python3 bench/validate_gpu.py --json "$OUT/validate.json" \
+# Phase 1, memory only, side by side: the validation matrix, every GPU-marked test (and the
+# CUDA tests that skip without CUDA), the parallel wrappers over NCCL, 2:4 compression.
+( timeout "${VALIDATE_S:-220}" python3 bench/validate_gpu.py --json "$OUT/validate.json" \
     >"$OUT/validate.log" 2>&1; step validate $? ) &
-( timeout "${PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="-ra" \
-    tests/fitting/test_batch_size.py tests/guard/test_guard.py tests/profiling/test_profile.py \
-    tests/profiling/test_profile_peak.py tests/techniques/test_tech_allocator.py \
-    tests/techniques/test_tech_loss.py tests/techniques/test_tech_optim.py \
-    tests/techniques/test_tech_precision.py tests/techniques/test_tech_quant.py \
-    tests/techniques/test_tech_offload.py >"$OUT/pytest.log" 2>&1; step pytest $? ) &
+GPU_TESTS=$(grep -rlE "mark\.gpu|cuda\.is_available\(\)" tests | sort)
+( timeout "${PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" -m gpu \
+    $GPU_TESTS --junitxml="$OUT/pytest-gpu.xml" >"$OUT/pytest.log" 2>&1; step pytest_gpu $?
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" -m "not gpu" -k cuda \
+    $GPU_TESTS >>"$OUT/pytest.log" 2>&1; step pytest_cuda $? ) &
+( timeout "${PARALLEL_S:-150}" python3 bench/parallel_cuda.py --out "$OUT/parallel-cuda.json" \
+    >"$OUT/parallel.log" 2>&1; step parallel_cuda $?
+  timeout 60 python3 bench/semi_structured.py --out "$OUT/semi-structured.json" \
+    >>"$OUT/parallel.log" 2>&1; step semi_structured $? ) &
 wait
-# The CUDA offload test is not marked gpu (it skips without CUDA): run it too.
-timeout 40 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" \
-  tests/techniques/test_tech_offload.py -k cuda >>"$OUT/pytest.log" 2>&1
-step pytest_offload $?
 # Phase 2, timed, alone on the GPU.
-timeout "${TECH_S:-130}" python3 bench/techniques.py --device cuda --out "$OUT/techniques.json" \
+timeout "${TECH_S:-80}" python3 bench/techniques.py --device cuda --out "$OUT/techniques.json" \
   >>"$LOG" 2>&1
 step techniques $?
-timeout "${FIT_S:-110}" python3 bench/fit.py --device cuda --out "$OUT/fit.json" >>"$LOG" 2>&1
-step fit $?
-tail -40 "$OUT/validate.log"; tail -15 "$OUT/pytest.log"; tail -60 "$LOG"
+if [ "${FIT_S:-170}" != 0 ]; then  # FIT_S=0 leaves the fit grid for another call
+  timeout "${FIT_S:-170}" python3 bench/fit.py --device cuda --out "$OUT/fit.json" >>"$LOG" 2>&1
+  step fit $?
+fi
+python3 - "$OUT/validate.json" <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["results"]:
+    print(f'{r["config"]:58s} {100 * (r.get("error_allocated") or 0):+7.2f}% '
+          f'{100 * (r.get("error_reserved") or 0):+7.2f}%')
+print(d.get("summary"))
+PY
+tail -25 "$OUT/pytest.log"; cat "$OUT/parallel.log" | grep -v "^\[rank"; tail -70 "$LOG"

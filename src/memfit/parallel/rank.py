@@ -91,7 +91,8 @@ class RankRole:
 
                     mesh = tp_device_mesh(self.parallel, "cpu")
                 else:
-                    mesh = device_mesh(self.parallel, "cpu") if self.parallel.dp > 1 else None
+                    mesh = (device_mesh(self.parallel, "cpu") if self.parallel.strategy != "none"
+                            else None)
             return offloaded(apply_model(model, self.parallel, "cpu", mesh), tracker,
                              self.parallel)
         if self.parallel.ep > 1:  # the experts' shards are weights: made before tracking
