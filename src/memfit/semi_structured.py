@@ -182,6 +182,12 @@ TILE_THREAD = (8, 8)
 (``sparse_semi_structured_tile_typed``)."""
 
 
+TRAINING_BYTES_PER_WEIGHT = Fraction(19, 8)
+"""What 2:4 training adds per fp16/bf16 weight and forward: W and W^T at 9/8 bytes each (as
+:func:`bytes_per_weight`) plus the 1-bit-per-weight bitmask, where the dimensions are multiples
+of 128 (:func:`training_bytes` counts exactly)."""
+
+
 @dataclass(frozen=True)
 class TrainingBytes:
     """What one forward of torchao's ``SemiSparseLinear`` allocates for an ``[out, in]`` weight
