@@ -81,7 +81,8 @@ class SemiStructuredReport:
     skipped: dict[str, str] = field(default_factory=dict)
     """Linear layers left as they were, with why."""
     dense_bytes: int = 0
-    """Bytes of the pruned layers' weights as dense tensors."""
+    """Bytes of the pruned layers' weights as dense tensors (training: of the swapped layers'
+    weights, which stay dense)."""
     compressed_bytes: int = 0
     """Bytes of the same weights in the compressed layout, for the layers whose dtype and
     shape the backend takes (:func:`memfit.semi_structured.compressed_bytes`); the layers
