@@ -22,6 +22,11 @@ A 2:4 weight keeps 2 values in every group of 4 along the input dimension. torch
   values plus ``numel / 16`` (``numel / 8`` for 1-byte types) elements of metadata.
 
 For fp16 and bf16 both layouts hold ``9/8`` bytes per weight instead of 2 (56.25%).
+
+2:4 **training** (torchao's ``SemiSparseLinear``) saves compute, not memory: the dense weight,
+its gradient and its optimizer states stay, and every forward compresses the weight again and
+keeps the result for backward (:func:`training_bytes`: ``19/8`` bytes per fp16/bf16 weight, on
+top of the dense ``2``).
 """
 
 from __future__ import annotations
@@ -145,6 +150,105 @@ def bytes_per_weight(dtype: str) -> Fraction:
         raise MemfitError(f"2:4 sparsity is planned for {' and '.join(PLAN_FORMATS)} weights, "
                           f"not {dtype}")
     return Fraction(ELEMENT_BYTES[dtype] * CUSPARSELT_COMPRESSION_FACTOR[dtype], 16)
+
+
+# 2:4 training: torchao's SemiSparseLinear.forward (torchao/sparsity/training/__init__.py, 0.18)
+# calls semi_structured_sparsify(self.weight, backend="cusparselt")
+# (torchao/sparsity/training/autograd.py: _SparsifyFunc.forward), which is
+# torch._sparse_semi_structured_tile(weight, algorithm="", use_cutlass=False)
+# (aten/src/ATen/native/sparse/cuda/SparseSemiStructuredTile.cu): it returns W and W^T
+# compressed in cuSPARSELt's layout plus a bitmask, wrapped in one
+# SparseSemiStructuredTensorCUSPARSELT that F.linear's autograd saves for backward.
+
+TRAINING_FORMATS: tuple[str, ...] = ("fp16", "bf16")
+"""The weight dtypes the tile kernel takes (SparseSemiStructuredTile.cu:
+``_sparse_semi_structured_tile``'s ``TORCH_CHECK`` of Half or BFloat16)."""
+
+TRAINING_TILE = 128
+"""Both dimensions of the weight must be multiples of 128: ``MetadataCuSparseLt::
+getMetadataSize`` checks ``rows % 128 == 0 && cols % 128 == 0`` for W and again for W^T."""
+
+TILE_META_ELEMENT_BYTES = 2
+"""The metadata element, ``ElementInputE = uint16_t`` (SparseSemiStructuredPack.h); the
+metadata is one bit per dense value: ``rows * cols / (8 * sizeof(ElementInputE))`` elements of
+the weight's 2-byte dtype (``MetadataCuSparseLt::getMetadataSize``)."""
+
+TILE_WARP = (32, 64)
+"""``kWarpX, kWarpY`` (SparseSemiStructuredPack.h): one thread block per 32 x 64 of the input."""
+
+TILE_THREAD = (8, 8)
+"""``kThreadX, kThreadY``: one thread per 8 x 8 tile, which writes one ``uint64`` of masks
+(``Tile8x8Masks``, 8 bytes) into ``threads_masks``, the bitmask tensor
+(``sparse_semi_structured_tile_typed``)."""
+
+
+TRAINING_BYTES_PER_WEIGHT = Fraction(19, 8)
+"""What 2:4 training adds per fp16/bf16 weight and forward: W and W^T at 9/8 bytes each (as
+:func:`bytes_per_weight`) plus the 1-bit-per-weight bitmask, where the dimensions are multiples
+of 128 (:func:`training_bytes` counts exactly)."""
+
+
+@dataclass(frozen=True)
+class TrainingBytes:
+    """What one forward of torchao's ``SemiSparseLinear`` allocates for an ``[out, in]`` weight
+    and keeps (in the autograd graph) until that layer's backward, besides what a dense
+    ``nn.Linear`` allocates."""
+
+    compressed: int
+    """W in cuSPARSELt's layout: ``rows * ceil(cols / 2)`` kept values plus the metadata, in one
+    storage of the weight's dtype (``MetadataCuSparseLt::create_compressed_representation``)."""
+    compressed_t: int
+    """W^T, the same for ``[in, out]`` (what the backward's ``grad @ W`` multiplies by)."""
+    bitmask: int
+    """``threads_masks``: 8 bytes per 8 x 8 tile of the (warp-rounded) weight."""
+
+    @property
+    def total(self) -> int:
+        return self.compressed + self.compressed_t + self.bitmask
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tile_compressed(rows: int, cols: int, size: int) -> int:
+    data_scalars = rows * _ceil_div(cols, 2)
+    meta_scalars = rows * cols // (8 * TILE_META_ELEMENT_BYTES)
+    return (data_scalars + meta_scalars) * size
+
+
+def training_bytes(out_features: int, in_features: int, dtype: str = "bf16") -> TrainingBytes:
+    """The bytes one forward of torchao's ``SemiSparseLinear`` adds for an ``[out_features,
+    in_features]`` weight, held until the layer's backward when its input needs a gradient
+    (else freed after the matmul). ``19/8`` bytes per fp16/bf16 weight.
+
+    >>> training_bytes(4096, 4096, "bf16").total  # 4096*4096 * (9/8 + 9/8 + 1/8)
+    39845888
+    """
+    if dtype not in TRAINING_FORMATS:
+        raise MemfitError(f"2:4 training (torch's _sparse_semi_structured_tile) takes "
+                          f"{' and '.join(TRAINING_FORMATS)} weights, not {dtype}")
+    m, k = out_features, in_features
+    size = ELEMENT_BYTES[dtype]
+    warp_x, warp_y = TILE_WARP
+    thread_x, thread_y = TILE_THREAD
+    bitmask = (_ceil_div(m, warp_x) * (warp_x // thread_x)
+               * _ceil_div(k, warp_y) * (warp_y // thread_y) * 8)
+    return TrainingBytes(_tile_compressed(m, k, size), _tile_compressed(k, m, size), bitmask)
+
+
+def training_shape_problem(out_features: int, in_features: int, dtype: str) -> str | None:
+    """Why torchao's ``SemiSparseLinear`` cannot run an ``[out_features, in_features]`` weight
+    of ``dtype`` (the checks of ``_sparse_semi_structured_tile``), or None when it can."""
+    if dtype not in TRAINING_FORMATS:
+        return (f"{dtype}: torch's 2:4 tile kernel takes {' and '.join(TRAINING_FORMATS)} "
+                "weights")
+    if out_features % TRAINING_TILE or in_features % TRAINING_TILE or not out_features \
+            or not in_features:
+        return (f"shape [{out_features}, {in_features}] is not a multiple of "
+                f"({TRAINING_TILE}, {TRAINING_TILE}), the minimum of torch's 2:4 tile kernel "
+                "(cuSPARSELt metadata) that torchao's SemiSparseLinear runs")
+    return None
 
 
 def shape_problem(out_features: int, in_features: int, dtype: str, backend: str) -> str | None:

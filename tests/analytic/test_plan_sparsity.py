@@ -91,7 +91,7 @@ REFUSED = [
     (["--mode", "inference", "--precision", "fp32", "--sparsity", "2:4"], "fp16 or bf16"),
     (["--mode", "inference", "--precision", "fp8", "--gpu", "h100-sxm-80gb", "--sparsity",
       "2:4"], "fp16 or bf16"),
-    (["--sparsity", "2:4"], "--mode inference"),
+    (["--mode", "lora", "--sparsity", "2:4"], "--mode inference"),
     (["--mode", "inference", "--quant", "int4", "--sparsity", "2:4"], "--quant int4"),
     (["--mode", "inference", "--sparsity", "2:4", "--method", "trace"], "formulas"),
 ]

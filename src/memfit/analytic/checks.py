@@ -107,19 +107,34 @@ ROW_PARALLEL = ("o", "down")
 others are split along their output (ColumnParallelLinear)."""
 
 
-def _check_sparse_shapes(model: TransformerSpec, run: RunConfig) -> None:
-    """Refuse 2:4 for a projection (its tensor-parallel shard) that torch's cuSPARSELt backend
-    cannot convert: rows and columns each a multiple of its minimum (16 for fp16/bf16)."""
-    fmt = vocab.precision(run.precision).matmul
+def sparse_shard_shapes(model: TransformerSpec, run: RunConfig) -> list[tuple[str, int, int, int]]:
+    """``(role, rows, cols, count)`` of each projection's weight on one GPU (its tensor-parallel
+    shard): what 2:4 compresses."""
     tp = run.parallel.tp
+    shapes = []
     for s in model.linear_shapes():
         rows, cols = s.out_features, s.in_features
         if s.role in ROW_PARALLEL:
             cols //= tp
         else:
             rows //= tp
-        why = semi_structured.shape_problem(rows, cols, fmt, "cusparselt")
+        shapes.append((s.role, rows, cols, s.count))
+    return shapes
+
+
+def _check_sparse_shapes(model: TransformerSpec, run: RunConfig) -> None:
+    """Refuse 2:4 for a projection (its tensor-parallel shard) that torch's kernels cannot
+    take: for inference, cuSPARSELt's conversion (rows and columns multiples of 16 for
+    fp16/bf16); for training, the tile kernel torchao's SemiSparseLinear runs (multiples of
+    128)."""
+    fmt = vocab.precision(run.precision).matmul
+    tp = run.parallel.tp
+    for role, rows, cols, _ in sparse_shard_shapes(model, run):
+        why = (semi_structured.training_shape_problem(rows, cols, fmt) if run.training
+               else semi_structured.shape_problem(rows, cols, fmt, "cusparselt"))
         if why is not None:
             shard = f" (its --tp {tp} shard)" if tp > 1 else ""
-            raise MemfitError(f"--sparsity {run.sparsity}: {model.name}'s {s.role} projection"
-                              f"{shard} {why}, so torch cannot compress it; drop --sparsity")
+            raise MemfitError(f"--sparsity {run.sparsity}: {model.name}'s {role} projection"
+                              f"{shard} {why}, so torch cannot "
+                              f"{'sparsify it in training' if run.training else 'compress it'}"
+                              "; drop --sparsity")

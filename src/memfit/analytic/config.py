@@ -113,8 +113,12 @@ class RunConfig:
     sparsity: Sparsity = "none"
     """Inference: ``2:4`` stores the blocks' linear weights as torch's 2:4 semi-structured
     tensors (half the values plus 4-bit position codes: 9/8 bytes per fp16/bf16 weight;
-    :mod:`memfit.semi_structured`); embeddings, head and norms stay dense. Needs fp16/bf16 and
-    a GPU of compute capability 8.0 or later."""
+    :mod:`memfit.semi_structured`); embeddings, head and norms stay dense. Training
+    (``mode="train"``): torchao's ``SemiSparseLinear`` keeps the dense weights, gradients and
+    optimizer states and adds, per forward, compressed copies of W and W^T held until backward
+    (19/8 bytes per weight: :func:`memfit.semi_structured.training_bytes`): it saves compute,
+    not memory. Needs fp16/bf16 weights in the forward and a GPU of compute capability 8.0 or
+    later."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
@@ -175,16 +179,17 @@ class RunConfig:
                               f"--mode {self.mode}")
 
     def _check_sparsity(self) -> None:
-        """2:4 weights: inference, in fp16/bf16, without weight quantization (the GPU is
-        checked with the model, in :func:`memfit.analytic.checks._check_compatible`)."""
+        """2:4 weights: inference or full training, in fp16/bf16, without weight quantization
+        (the GPU and the shapes are checked with the model, in
+        :func:`memfit.analytic.checks._check_compatible`)."""
         check_pattern(self.sparsity)
         if self.sparsity == "none":
             return
-        if self.mode != "inference":
-            raise MemfitError(f"--sparsity {self.sparsity} is planned for --mode inference: in "
-                              "training, torchao's SemiSparseLinear keeps the dense weights, "
-                              "gradients and optimizer states and compresses the weights anew "
-                              "each step (a speed-up, not a saving); drop --sparsity")
+        if self.mode not in ("inference", "train"):
+            raise MemfitError(f"--sparsity {self.sparsity} is planned for --mode inference "
+                              "(compressed weights) and --mode train (torchao's "
+                              f"SemiSparseLinear), not --mode {self.mode}: LoRA's base weights "
+                              "are frozen; drop --sparsity")
         if vocab.precision(self.precision).matmul not in PLAN_FORMATS:
             raise MemfitError(f"--sparsity {self.sparsity} with --precision {self.precision}: "
                               f"torch's 2:4 kernels take fp16 or bf16 weights (fp32 is 1:2 on "
@@ -192,6 +197,18 @@ class RunConfig:
         if self.weight_quant != "none":
             raise MemfitError(f"--sparsity {self.sparsity} with --quant {self.weight_quant}: "
                               "memfit plans 2:4 for fp16/bf16 weights only; drop one of them")
+        if self.mode != "train":
+            return
+        if self.layout == "megatron":
+            raise MemfitError(f"--sparsity {self.sparsity} --engine megatron: torchao's "
+                              "SemiSparseLinear replaces nn.Linear, and Megatron-LM runs its "
+                              "own parallel linear layers; use another --engine")
+        if self.layout == "ddp" and vocab.precision(self.precision).mixed:
+            raise MemfitError(f"--sparsity {self.sparsity} --engine ddp --precision "
+                              f"{self.precision}: autocast keeps fp32 weights, and torch's 2:4 "
+                              "tile kernel (torchao's SemiSparseLinear) takes fp16/bf16 "
+                              "weights; use --precision bf16 or fp16, or --engine fsdp2 "
+                              "(16-bit parameters in the forward)")
 
     def _check_engine(self) -> None:
         """What each engine can run (one line each, with the fix)."""

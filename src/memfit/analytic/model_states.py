@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from memfit import semi_structured, vocab
+from memfit.analytic.checks import sparse_shard_shapes
 from memfit.analytic.config import RunConfig
 from memfit.dtypes import nbytes
 from memfit.errors import MemfitError
@@ -221,6 +222,28 @@ def _weights(split: ParamSplit, run: RunConfig, compute_bytes: int, frozen: int,
         # Mixed precision: the 16-bit working copy; the fp32 master is an optimizer state.
         weights = (frozen + split.trainable) * compute_bytes
     return weights
+
+
+def sparse_training_copies(model: TransformerSpec, run: RunConfig, *,
+                           stage: int = 0) -> tuple[int, str]:
+    """2:4 training (torchao's ``SemiSparseLinear``): the bytes of the compressed W, W^T and
+    bitmask that each forward makes of every block projection (its tensor-parallel shard) and
+    autograd keeps until that layer's backward (:func:`memfit.semi_structured.training_bytes`),
+    at the backward peak on one GPU of ``stage``, and the note that says so. The dense
+    weights, gradients and optimizer states are unchanged: 2:4 training saves compute, not
+    memory. Under full checkpointing a block's copies are dropped in its forward and remade
+    when it is recomputed: one block's worth; 1F1B holds one set per micro-batch in flight."""
+    fmt = vocab.precision(run.precision).matmul
+    per_block = sum(semi_structured.training_bytes(rows, cols, fmt).total * count
+                    for _, rows, cols, count in sparse_shard_shapes(model, run))
+    in_flight = min(run.parallel.pp - stage, run.grad_accum)
+    blocks = 1 if run.checkpointing == "full" else stage_layers(model, run) * in_flight
+    return blocks * per_block, (
+        "2:4 training (torchao's SemiSparseLinear): the dense weights, gradients and optimizer "
+        "states stay; each forward adds compressed copies of every block projection's W and "
+        f"W^T and a bitmask ({semi_structured.TRAINING_BYTES_PER_WEIGHT} bytes per weight), "
+        f"held until its backward and counted in activations (for {blocks} block(s)): it "
+        "saves compute, not memory")
 
 
 def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelStates:

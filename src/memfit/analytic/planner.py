@@ -28,7 +28,7 @@ from memfit.analytic.engine_buffers import (
     optimizer_step_temporaries,
 )
 from memfit.analytic.kv_cache import kv_cache_bytes
-from memfit.analytic.model_states import model_states, split_params
+from memfit.analytic.model_states import model_states, sparse_training_copies, split_params
 from memfit.analytic.table import (
     Column,
     MemoryTable,
@@ -378,6 +378,10 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
             breakdown[MemoryCategory.KV_CACHE] = kv_cache_bytes(model, run, seq + run.new_tokens)
         notes.extend(acts.notes)
         breakdown[MemoryCategory.ACTIVATIONS] = acts.activations
+        if run.training and run.sparsity == "2:4":
+            copies, copies_note = sparse_training_copies(model, run, stage=stage)
+            breakdown[MemoryCategory.ACTIVATIONS] += copies
+            notes.append(copies_note)
         gathered, gathered_notes = _zero_paper_temporaries(
             model, run, stage, breakdown[MemoryCategory.GRADIENTS])
         notes.extend(gathered_notes)

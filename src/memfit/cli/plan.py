@@ -122,8 +122,10 @@ def register(sub: Any) -> None:
     p.add_argument("--quant", default="none",
                    help=f"inference weight quantization: {', '.join(WEIGHT_QUANTS)}")
     p.add_argument("--sparsity", help="inference: 2:4 stores the blocks' linear weights as "
-                   "torch's semi-structured sparse tensors (9/8 bytes per fp16/bf16 weight; "
-                   "needs compute capability 8.0+; docs/sparse.md)")
+                   "torch's semi-structured sparse tensors (9/8 bytes per fp16/bf16 weight); "
+                   "--mode train: torchao's SemiSparseLinear, dense weights plus compressed "
+                   "copies held for backward (19/8 bytes per weight: saves compute, not "
+                   "memory); needs compute capability 8.0+; docs/sparse.md")
     p.add_argument("--kv-cache-dtype", help=f"inference KV cache format: {', '.join(KV_DTYPES)}")
     p.add_argument("--new-tokens", help="inference: tokens generated after the "
                    "prompt (the KV cache holds seq + new tokens; default 0)")

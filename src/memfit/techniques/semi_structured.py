@@ -8,15 +8,17 @@ then, where the backend runs, converts the weight:
   4-bit position codes (9/8 bytes per fp16/bf16 weight instead of 2; the layouts and their
   sources are in :mod:`memfit.semi_structured`);
 - training: torchao's ``SemiSparseLinear`` (torchao/sparsity/training/__init__.py), which keeps
-  the dense weight (its gradient and optimizer states too) and compresses it at run time in each
-  forward; the compressed weight and its transpose are saved for backward. It speeds the matmuls
-  up; it saves no memory.
+  the dense weight (its gradient and optimizer states too) and, in every forward, prunes and
+  compresses it again with torch's tile kernel; the compressed W, W^T and a bitmask are saved
+  for backward (:func:`memfit.semi_structured.training_bytes`: 19/8 bytes per weight). It
+  speeds the matmuls up; it saves no memory, it costs some. The weight is not pruned up front:
+  the kernel chooses the kept values each step (see ``mode`` below).
 
-The backends need a CUDA weight in fp16 or bf16 on compute capability 8.0 or later, with
-torch's shape minimums (``_DTYPE_SHAPE_CONSTRAINTS`` of torch/sparse/semi_structured.py:
+The inference backends need a CUDA weight in fp16 or bf16 on compute capability 8.0 or later,
+with torch's shape minimums (``_DTYPE_SHAPE_CONSTRAINTS`` of torch/sparse/semi_structured.py:
 ``SparseSemiStructuredTensorCUSPARSELT`` / ``SparseSemiStructuredTensorCUTLASS``). Elsewhere,
 on CPU for one, the pruned weights stay dense (the mask applied) and the report says why: the
-compressed form needs CUDA.
+compressed form needs CUDA. Training cannot run at all without them, so it is refused.
 """
 
 from __future__ import annotations
@@ -29,8 +31,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from memfit._noise import require
 from memfit.errors import MemfitError
-from memfit.semi_structured import MIN_COMPUTE_CAPABILITY, compressed_bytes, shape_problem
+from memfit.semi_structured import (
+    MIN_COMPUTE_CAPABILITY,
+    compressed_bytes,
+    shape_problem,
+    training_bytes,
+    training_shape_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +81,16 @@ class SemiStructuredReport:
     skipped: dict[str, str] = field(default_factory=dict)
     """Linear layers left as they were, with why."""
     dense_bytes: int = 0
-    """Bytes of the pruned layers' weights as dense tensors."""
+    """Bytes of the pruned layers' weights as dense tensors (training: of the swapped layers'
+    weights, which stay dense)."""
     compressed_bytes: int = 0
     """Bytes of the same weights in the compressed layout, for the layers whose dtype and
     shape the backend takes (:func:`memfit.semi_structured.compressed_bytes`); the layers
     that cannot be compressed count their dense bytes."""
+    training_bytes: int = 0
+    """Training: what each forward of the swapped layers adds and keeps until their backward
+    (the compressed W, W^T and bitmask; :func:`memfit.semi_structured.training_bytes`), on top
+    of the dense weights, which stay."""
 
 
 def _default_targets(name: str, module: nn.Linear) -> bool:
@@ -111,17 +125,82 @@ def _compress(weight: torch.Tensor, backend: str) -> torch.Tensor:
     return cls.from_dense(weight.detach().contiguous())
 
 
+def _training_refusal(name: str, weight: torch.Tensor) -> str | None:
+    """Why torchao's SemiSparseLinear cannot run at all for this weight (the whole call is
+    refused), or None."""
+    if weight.device.type != "cuda":
+        return (f"2:4 training runs torchao's SemiSparseLinear, whose kernels (torch's "
+                f"_sparse_semi_structured_tile, cuSPARSELt) need CUDA; the weight of {name!r} is "
+                f"on {weight.device.type}: move the model to an NVIDIA GPU of compute capability "
+                "8.0+ first")
+    if weight.dtype not in _FORMATS:
+        return (f"2:4 training: the weight of {name!r} is {weight.dtype}; torch's 2:4 tile kernel "
+                "takes fp16 and bf16 weights (not fp32 under autocast): convert the model with "
+                ".half() or .bfloat16() first")
+    if torch.cuda.get_device_capability(weight.device) < MIN_COMPUTE_CAPABILITY:
+        return ("2:4 training: this GPU has compute capability below 8.0, no sparse tensor "
+                "cores; use an A100, H100 or later, or drop 2:4 sparsity")
+    from torch.backends import cusparselt
+
+    if not cusparselt.is_available():
+        return ("2:4 training: this torch build has no cuSPARSELt "
+                "(torch.backends.cusparselt.is_available() is False), which torchao's "
+                "SemiSparseLinear calls; install a CUDA build of torch from pytorch.org")
+    return None
+
+
+def _swap_for_training(model: nn.Module, layers: list[tuple[str, nn.Linear]],
+                       report: SemiStructuredReport) -> None:
+    """Swap each layer whose shape the tile kernel takes to torchao's ``SemiSparseLinear``
+    (shared parameters, no copy); the rest go to ``report.skipped``."""
+    runnable: list[tuple[str, nn.Linear]] = []
+    for name, mod in layers:
+        why_not = _training_refusal(name, mod.weight)
+        if why_not is not None:
+            raise MemfitError(why_not)
+        why = training_shape_problem(mod.out_features, mod.in_features,
+                                     _FORMATS[mod.weight.dtype])
+        if why is not None:
+            report.skipped[name] = why
+        else:
+            runnable.append((name, mod))
+    if not runnable:
+        first = next(iter(report.skipped.items()), None)
+        raise MemfitError("2:4 training: no linear layer torchao's SemiSparseLinear can run"
+                          + (f" ({first[0]}: {first[1]})" if first else ""))
+    training = require("torchao.sparsity.training", "quant",
+                       "2:4 training (torchao's SemiSparseLinear)")
+    for name, mod in runnable:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr,
+                training.SemiSparseLinear.from_dense(mod))
+        report.converted.append(name)
+        fmt = _FORMATS[mod.weight.dtype]
+        report.dense_bytes += mod.weight.numel() * mod.weight.element_size()
+        report.training_bytes += training_bytes(mod.out_features, mod.in_features, fmt).total
+
+
 def apply_semi_structured_sparsity(
         model: nn.Module, *, mode: SparseMode = "inference", backend: Backend = "auto",
         targets: Callable[[str, nn.Linear], bool] | None = None) -> SemiStructuredReport:
     """Prune the linear layers of ``model`` to 2:4 by magnitude and, where torch's kernels run,
-    store them compressed (``mode="inference"``) or swap in torchao's ``SemiSparseLinear``
+    store them compressed (``mode="inference"``), or swap them to torchao's ``SemiSparseLinear``
     (``mode="training"``). In place; returns a :class:`SemiStructuredReport`.
 
     ``targets(name, linear)`` chooses the layers (default: every ``nn.Linear`` but a head named
     ``lm_head``, ``head``, ``classifier`` or ``score``); a layer whose input features are not a
     multiple of 4, or whose weight another module shares, is skipped. ``backend="auto"`` is
     cuSPARSELt where torch has it, else CUTLASS (what ``to_sparse_semi_structured`` picks).
+
+    ``mode="training"`` needs the model on a CUDA GPU of compute capability 8.0+, in fp16 or
+    bf16 (inputs too), torch with cuSPARSELt and torchao; otherwise it is refused in one line.
+    Layers whose dimensions are not multiples of 128 stay ``nn.Linear`` (``report.skipped``).
+    The weights are not pruned up front: each forward, torch's ``_sparse_semi_structured_tile``
+    (``algorithm=""``: ``LargestValuesGreedy<IdentityOp>``, ComputeSparseTile.h) keeps in every
+    4 x 4 tile the largest values, by signed value, not magnitude, at most 2 per row and per
+    column, so that W and W^T are both 2:4; the dense weight gets the whole gradient (straight-
+    through, torchao/sparsity/training/autograd.py: ``_SparsifyFunc.backward``). ``backend``
+    does not apply: torchao's ``SemiSparseLinear`` always runs cuSPARSELt.
 
     >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
     >>> report = apply_semi_structured_sparsity(model)   # on CPU: pruned, kept dense
@@ -139,8 +218,7 @@ def apply_semi_structured_sparsity(
         for p in mod.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     report = SemiStructuredReport()
-    kernel_backend = _backend(backend)
-    swaps: list[tuple[nn.Module, str, nn.Linear]] = []
+    layers: list[tuple[str, nn.Linear]] = []
     for name, mod in list(model.named_modules()):
         if not isinstance(mod, nn.Linear) or not chosen(name, mod):
             continue
@@ -150,6 +228,15 @@ def apply_semi_structured_sparsity(
         if owners.get(id(mod.weight), 0) > 1:
             report.skipped[name] = "its weight is shared (tied) with another module"
             continue
+        layers.append((name, mod))
+    if mode == "training":
+        _swap_for_training(model, layers, report)
+        log.info("memfit: 2:4 training: %d linear layer(s) on torchao's SemiSparseLinear "
+                 "(+%d bytes per forward, held for backward)", len(report.converted),
+                 report.training_bytes)
+        return report
+    kernel_backend = _backend(backend)
+    for name, mod in layers:
         w = mod.weight
         with torch.no_grad():
             w.mul_(mask_2_4(w))
@@ -166,23 +253,10 @@ def apply_semi_structured_sparsity(
         if why is not None:
             report.dense[name] = why
             continue
-        if mode == "inference":
-            mod.weight = nn.Parameter(_compress(w, kernel_backend), requires_grad=False)
-        else:
-            parent, _, attr = name.rpartition(".")
-            swaps.append((model.get_submodule(parent) if parent else model, attr, mod))
+        mod.weight = nn.Parameter(_compress(w, kernel_backend), requires_grad=False)
         report.converted.append(name)
-    if swaps:
-        try:
-            from torchao.sparsity.training import SemiSparseLinear
-        except ImportError as exc:
-            raise MemfitError("2:4 training needs torchao's SemiSparseLinear: pip install "
-                              f"torchao ({exc})") from None
-        for parent_mod, attr, linear in swaps:
-            setattr(parent_mod, attr, SemiSparseLinear.from_dense(linear))
-    log.info("memfit: 2:4 sparsity: %d linear layer(s) pruned, %d %s%s", len(report.pruned),
-             len(report.converted),
-             "compressed" if mode == "inference" else "on SemiSparseLinear",
+    log.info("memfit: 2:4 sparsity: %d linear layer(s) pruned, %d compressed%s",
+             len(report.pruned), len(report.converted),
              f"; {len(report.dense)} kept dense ({next(iter(report.dense.values()))})"
              if report.dense else "")
     return report
