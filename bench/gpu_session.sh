@@ -27,7 +27,9 @@ GPU_TESTS=$(grep -rlE "mark\.gpu|cuda\.is_available\(\)" tests | sort)
 ( timeout "${PARALLEL_S:-150}" python3 bench/parallel_cuda.py --out "$OUT/parallel-cuda.json" \
     >"$OUT/parallel.log" 2>&1; step parallel_cuda $?
   timeout 60 python3 bench/semi_structured.py --out "$OUT/semi-structured.json" \
-    >>"$OUT/parallel.log" 2>&1; step semi_structured $? ) &
+    >>"$OUT/parallel.log" 2>&1; step semi_structured $?
+  timeout 60 python3 bench/semi_structured_training.py --out "$OUT/semi-structured-training.json" \
+    >>"$OUT/parallel.log" 2>&1; step semi_structured_training $? ) &
 wait
 # Phase 2, timed, alone on the GPU.
 timeout "${TECH_S:-80}" python3 bench/techniques.py --device cuda --out "$OUT/techniques.json" \
