@@ -25,8 +25,9 @@ import torch
 from memfit import validate as V
 from memfit.trace import estimate
 
-KEEP = ("memfit/", "torch/optim", "torch/nn/modules", "torch/utils/checkpoint",
-        "torch/autograd", "torch/nn/functional", "torch/_tensor", "bench/")
+KEEP = ("memfit/", "torch/optim", "torch/distributed", "torch/amp", "torch/nn/modules",
+        "torch/utils/checkpoint", "torch/autograd", "torch/nn/functional", "torch/_tensor",
+        "bench/")
 
 
 def _where(frames: list[dict[str, Any]]) -> str:
@@ -42,18 +43,13 @@ def _config(name: str) -> V.Config:
     raise SystemExit(f"unknown config {name!r}; see memfit.validate.matrix('medium')")
 
 
-def anatomy(name: str) -> dict[str, Any]:
-    config = _config(name)
-    factory = V.zoo("medium")[config.family](config.batch)
-    V._reset_cuda()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    measured, _, _ = V._measure(config, factory, "cuda", 2)
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+def replay_peak(events: list[dict[str, Any]]) -> tuple[int, list[tuple[str, list[int]]], int]:
+    """Replay the allocator's events to their peak: the peak's bytes, the blocks alive then
+    grouped by the frames that allocated them (largest 25: where, [bytes, blocks]), and the
+    index of the event at the peak."""
     live: dict[int, tuple[int, str, int]] = {}
-    now = peak = 0
+    now = peak = peak_at = 0
     peak_live: dict[int, tuple[int, str, int]] = {}
-    events = snap["device_traces"][torch.cuda.current_device()]
     for i, ev in enumerate(events):
         if ev["action"] == "alloc":
             live[ev["addr"]] = (ev["size"], _where(ev.get("frames", [])), i)
@@ -66,7 +62,19 @@ def anatomy(name: str) -> dict[str, Any]:
     for size, where, _ in peak_live.values():
         groups[where][0] += size
         groups[where][1] += 1
-    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:25]
+    return peak, sorted(groups.items(), key=lambda kv: -kv[1][0])[:25], peak_at
+
+
+def anatomy(name: str) -> dict[str, Any]:
+    config = _config(name)
+    factory = V.zoo("medium")[config.family](config.batch)
+    V._reset_cuda()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    measured, _, _ = V._measure(config, factory, "cuda", 2)
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    events = snap["device_traces"][torch.cuda.current_device()]
+    peak, top, peak_at = replay_peak(events)
     last = events[peak_at]
     torch.manual_seed(0)
     meta_model, meta_inputs, meta_loss = factory("meta")

@@ -81,6 +81,11 @@ def _reset(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+SETTLE = 0.0
+"""--settle: seconds to wait (device synchronized) after each step, so that NCCL's watchdog
+has released the finished collectives' stashed tensors before the next step."""
+
+
 def _steps(model: torch.nn.Module, inputs: dict, opt: torch.optim.Optimizer, precision: str,
            device: str, steps: int) -> None:
     for _ in range(steps):
@@ -90,10 +95,13 @@ def _steps(model: torch.nn.Module, inputs: dict, opt: torch.optim.Optimizer, pre
         del loss
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if SETTLE and device == "cuda":
+            torch.cuda.synchronize()
+            time.sleep(SETTLE)
 
 
 def measure(parallel: Parallel, precision: str, device: str, batch: int, seq: int,
-            steps: int) -> tuple[int, int | None]:
+            steps: int, anatomy: dict | None = None) -> tuple[int, int | None]:
     from memfit.cpu_peak import measure_cpu_peak
 
     def run() -> None:
@@ -108,8 +116,21 @@ def measure(parallel: Parallel, precision: str, device: str, batch: int, seq: in
 
     _reset(device)
     if device == "cuda":
+        if anatomy is not None:  # what is alive at the real peak (bench/cuda_peak_anatomy.py)
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         run()
         torch.cuda.synchronize()
+        if anatomy is not None:
+            from cuda_peak_anatomy import _where, replay_peak
+
+            events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            torch.cuda.memory._record_memory_history(enabled=None)
+            peak, top, at = replay_peak(events)
+            anatomy.update(
+                replayed_peak=peak, events=len(events), peak_event_index=at,
+                allocation_at_peak={"size": events[at]["size"],
+                                    "where": _where(events[at].get("frames", []))},
+                alive_at_peak=[{"where": w, "bytes": b, "blocks": n} for w, (b, n) in top])
         return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     # On the CPU (a check of the script) the model is built inside the measurement too: FSDP2's
     # resharded parameters have no storage to count from outside.
@@ -117,12 +138,18 @@ def measure(parallel: Parallel, precision: str, device: str, batch: int, seq: in
 
 
 def predict(parallel: Parallel, precision: str, device: str, batch: int, seq: int,
-            steps: int, gpu: str | None) -> tuple[int, int | None]:
+            steps: int, gpu: str | None, anatomy: dict | None = None) -> tuple[int, int | None]:
     torch.manual_seed(0)
     model = build_model(SPEC, backend="builtin", device="meta")
     inputs = example_inputs(SPEC, batch=batch, seq=seq, device="meta")
     est = memfit.estimate(model, inputs, optimizer="adamw", precision=precision, device=device,
                           gpu=gpu, steps=steps, parallel=parallel)
+    if anatomy is not None:
+        anatomy.update(
+            predicted_peak_at=(f"{est.peak_op} ({est.peak_phase}, step {est.peak_step}, "
+                               f"{est.peak_module})"),
+            predicted_phase_peaks={f"{s}/{p}": b for (s, p), b in est.phase_peaks.items()},
+            predicted_breakdown={str(k.value): v for k, v in est.breakdown.items()})
     return est.peak_bytes, est.peak_reserved_bytes
 
 
@@ -133,8 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--only", nargs="*", help="case names (default: all)")
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds to wait after each step (the device synchronized)")
+    ap.add_argument("--anatomy", action="store_true",
+                    help="CUDA: record the allocator's history and list what is alive at the "
+                         "peak, beside the trace's peak op and categories")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    global SETTLE
+    SETTLE = args.settle
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/parallel_cuda.py: no CUDA GPU here; run with --device cpu", file=sys.stderr)
         return 2
@@ -153,16 +187,19 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             parallel = OneRank(gpus=1, wrapper=wrapper, **kw)  # type: ignore[arg-type]
             row: dict = {"case": name, "parallel": repr(parallel), "precision": precision}
+            anatomy: dict | None = {} if args.anatomy else None
             try:
                 t = time.perf_counter()
                 row["measured_allocated"], row["measured_reserved"] = measure(
-                    parallel, precision, args.device, args.batch, args.seq, args.steps)
+                    parallel, precision, args.device, args.batch, args.seq, args.steps,
+                    anatomy if args.device == "cuda" else None)
                 row["seconds_real"] = round(time.perf_counter() - t, 2)
                 # The trace runs in its own fake world: leave NCCL's group for it, then rejoin.
                 dist.destroy_process_group()
                 t = time.perf_counter()
                 row["predicted_allocated"], row["predicted_reserved"] = predict(
-                    parallel, precision, args.device, args.batch, args.seq, args.steps, gpu)
+                    parallel, precision, args.device, args.batch, args.seq, args.steps, gpu,
+                    anatomy)
                 row["seconds_trace"] = round(time.perf_counter() - t, 2)
                 row["error_allocated"] = (row["predicted_allocated"]
                                           / row["measured_allocated"] - 1)
@@ -177,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                 if not dist.is_initialized():
                     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                                             rank=0, world_size=1)
+            if anatomy:
+                row["anatomy"] = anatomy
+                print(json.dumps(anatomy, indent=1), flush=True)
             rows.append(row)
             err = row.get("error") or (
                 f"measured {row['measured_allocated']:>14,} predicted "

@@ -404,7 +404,12 @@ def _sync(device: str) -> None:
 
 def _release(device: str) -> None:
     gc.collect()
-    gc.freeze()  # Note: [frozen heap]: what survived is alive, and later collections skip it
+    if device == "cpu":
+        # Note: [frozen heap]: what survived is alive, and later collections skip it. Not on
+        # CUDA: a frozen row's reference cycles (hooks, closures) would never be collected, and
+        # their device blocks would count in every later row's max_memory_allocated (the H100
+        # run of 2026-11-27 had ~0.55 GiB of earlier rows alive from the offload row on).
+        gc.freeze()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -424,6 +429,9 @@ class Measured:
     time_rel: float | None = None
     """Median of (step / the baseline step just before it), when paired with the baseline."""
     cpu_time_rel: float | None = None
+    leftover_bytes: int = 0
+    """CUDA: bytes allocated before the row was built (the inputs, unless an earlier row
+    leaked)."""
 
 
 def _timed(step: Callable[[], bool], device: str) -> tuple[float, float, bool]:
@@ -458,6 +466,7 @@ def measure(ctx: Context, build: Callable[[Context], Setup], steps: int,
         run = measure_cpu_peak(setup.step)
         peak, updated = alive + run.peak_delta_bytes, [warm, run.result]
     else:
+        leftover = torch.cuda.memory_allocated()  # the inputs alone, unless earlier rows leak
         setup = build(ctx)
         updated = [setup.step()]
         _release(ctx.device)
@@ -481,7 +490,8 @@ def measure(ctx: Context, build: Callable[[Context], Setup], steps: int,
         peak_bytes=peak, step_seconds=statistics.median(times),
         step_cpu_seconds=statistics.median(cpu_times), alive_bytes=alive, alive_walk_bytes=walk,
         updated=updated, time_rel=statistics.median(ratios) if ratios else None,
-        cpu_time_rel=statistics.median(cpu_ratios) if cpu_ratios else None)
+        cpu_time_rel=statistics.median(cpu_ratios) if cpu_ratios else None,
+        leftover_bytes=leftover if ctx.device == "cuda" else 0)
 
 
 def _budget(ctx: Context) -> tuple[int, str]:
@@ -551,10 +561,12 @@ def run_rows(ctx: Context, rows: Sequence[Row], steps: int, log: Callable[[str],
             predicted_bytes=predicted,
             pred_over_measured=None if predicted is None else predicted / m.peak_bytes,
             predicted_na_reason=predicted_na, alive_bytes=m.alive_bytes,
-            alive_walk_bytes=m.alive_walk_bytes, note=note)
+            leftover_bytes=m.leftover_bytes, alive_walk_bytes=m.alive_walk_bytes, note=note)
         results.append(entry)
         log(f"  {row.key}: {_mib(m.peak_bytes)}, {m.step_seconds * 1e3:.0f} ms/step "
-            f"({time.perf_counter() - started:.1f} s)")
+            f"({time.perf_counter() - started:.1f} s)"
+            + (f", {_mib(m.leftover_bytes)} allocated before the build" if m.leftover_bytes
+               else ""))
         del setup  # freed before the next row's measurement (which collects garbage first)
     return results
 

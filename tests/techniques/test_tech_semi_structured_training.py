@@ -104,7 +104,7 @@ def test_training_swaps_the_runnable_layers_and_counts_their_bytes(
     report = apply_semi_structured_sparsity(model, mode="training")
     assert report.converted == ["0"] and report.pruned == []
     assert "(128, 128)" in report.skipped["2"] and "groups of 4" in report.skipped["3"]
-    assert type(model[0]) is SemiSparseLinear and type(model[2]) is nn.Linear
+    assert isinstance(model[0], SemiSparseLinear) and type(model[2]) is nn.Linear
     # The same parameters (an optimizer built before still updates them), not pruned up front.
     assert model[0].weight is weights[0] and model[0].bias is weights[1]
     assert torch.equal(model[0].weight, before)
@@ -203,9 +203,10 @@ def test_training_memory_is_the_predicted_compressed_copies(dtype: torch.dtype) 
           f"({predicted_held / MiB:.3f} MiB), per layer {per_layer}")
     assert s["held"] - d["held"] == predicted_held, (d, s, predicted_held)
     assert s["after"] == d["after"] == 0, (d, s)
-    # Peaks: the held copies (57 MiB here), plus at most cuSPARSELt's transient matmul
-    # workspace and a contiguous copy of a transposed operand (up to 4 MiB here): 8 MiB slack.
-    slack = 8 * MiB
+    # Peaks: the held copies (57 MiB here), plus cuSPARSELt's transient matmul workspace and a
+    # contiguous copy of a transposed operand: measured on an H200 (torch 2.11.0+cu130) 4.0 MiB
+    # over the held copies for bf16 and 12.2 MiB for fp16 at the forward's peak: 16 MiB slack.
+    slack = 16 * MiB
     assert predicted_held <= s["forward_peak"] - d["forward_peak"] <= predicted_held + slack, \
         (d, s, predicted_held)
     assert 0 <= s["peak"] - d["peak"] <= predicted_held + slack, (d, s, predicted_held)
@@ -228,12 +229,12 @@ def _distinct_tiles(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
 def test_training_matches_the_dense_layer_with_the_same_pruned_weights(
         dtype: torch.dtype, tol: float) -> None:
     """Output, loss and gradients (input, weights, biases) of the swapped model equal, within
-    ``rtol = atol = tol``, those of a dense model whose weights torch's Python reference of the
-    tile kernel pruned (``_sparse_semi_structured_tile`` of _semi_structured_conversions.py:
-    greedy by signed value in each 4 x 4 tile, at most 2 per row and column). The weight
-    gradient is the dense one in both (torchao's straight-through backward)."""
-    from torch.sparse._semi_structured_conversions import _sparse_semi_structured_tile
-
+    ``rtol = atol = tol``, those of a dense model whose weights carry the tile kernel's own
+    pattern: ``torch._sparse_semi_structured_apply_dense`` of the weight with the bitmask that
+    ``torch._sparse_semi_structured_tile`` returns. (torch's Python reference of the kernel,
+    ``_semi_structured_conversions._sparse_semi_structured_tile``, "does not have the same
+    sorting semantics as our CUDA backend": the first H200 run compared against it and found 96%
+    of the outputs off.) The weight gradient is the dense one in both (straight-through)."""
     gen = torch.Generator().manual_seed(0)
     dims = (128, 256, 128)
     sparse = _Mlp(dims)
@@ -241,12 +242,14 @@ def test_training_matches_the_dense_layer_with_the_same_pruned_weights(
         for layer in sparse.layers:
             layer.weight.copy_(_distinct_tiles(*layer.weight.shape, gen))
     reference = copy.deepcopy(sparse)
+    sparse, reference = sparse.to("cuda", dtype), reference.to("cuda", dtype)
     with torch.no_grad():
         for layer in reference.layers:
-            layer.weight.copy_(_sparse_semi_structured_tile(layer.weight.detach().clone()))
+            bitmask = torch._sparse_semi_structured_tile(
+                layer.weight, algorithm="", use_cutlass=False)[4]
+            layer.weight.copy_(torch._sparse_semi_structured_apply_dense(layer.weight, bitmask))
             kept = (layer.weight != 0).reshape(-1, 4).sum(-1)
             assert bool((kept <= 2).all())
-    sparse, reference = sparse.to("cuda", dtype), reference.to("cuda", dtype)
     report = apply_semi_structured_sparsity(sparse, mode="training")
     assert report.converted == ["layers.0", "layers.1"]
     x = torch.randn(64, dims[0], generator=gen).to("cuda", dtype)

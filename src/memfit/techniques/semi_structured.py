@@ -23,6 +23,7 @@ compressed form needs CUDA. Training cannot run at all without them, so it is re
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,9 +104,21 @@ def _why_dense(weight: torch.Tensor, backend: str) -> str | None:
                 "cuSPARSELt kernels); the pruned weight stays dense")
     if weight.dtype not in _FORMATS:
         return f"{weight.dtype}: the 2:4 kernels memfit uses take fp16 and bf16 weights"
-    if torch.cuda.get_device_capability(weight.device) < MIN_COMPUTE_CAPABILITY:
+    capability = torch.cuda.get_device_capability(weight.device)
+    if capability < MIN_COMPUTE_CAPABILITY:
         return "compute capability below 8.0: no sparse tensor cores"
+    if backend == "cutlass" and capability[0] != 8:
+        return _CUTLASS_SM8X.format(cc=f"{capability[0]}.{capability[1]}")
     return shape_problem(weight.shape[0], weight.shape[1], _FORMATS[weight.dtype], backend)
+
+
+# Note: [CUTLASS 2:4 is sm8x only] torch's CUTLASS 2:4 matmul refuses any other compute
+# capability at the first product ("sparse_semi_structured_mad_op : Supported only on GPUs with
+# compute capability 8.x"), though the conversion itself succeeds: measured on an H100 (9.0),
+# torch 2.11.0+cu130, bench/results/semi-structured-kernels-h100-2026-11-27.json. cuSPARSELt
+# runs there.
+_CUTLASS_SM8X = ("torch's CUTLASS 2:4 kernels run on compute capability 8.x only, not {cc}; "
+                 "use backend='cusparselt' (or 'auto')")
 
 
 def _backend(backend: Backend) -> str:
@@ -149,6 +162,45 @@ def _training_refusal(name: str, weight: torch.Tensor) -> str | None:
     return None
 
 
+class _SparsifyStraightThrough(torch.autograd.Function):
+    """The weight as a cuSPARSELt 2:4 tensor, built by torch's own
+    ``SparseSemiStructuredTensorCUSPARSELT.prune_dense_static_sort`` (the same tile kernel and
+    algorithm as torchao's ``_SparsifyFunc``); the gradient passes straight through, as
+    torchao's does.
+
+    Note: [torchao's 2:4 training on torch 2.11] torchao 0.17's ``_SparsifyFunc`` passes the
+    tile kernel's packed values to the tensor as they come, 1-D, and torch 2.11's
+    ``_cslt_sparse_mm`` asserts a 2-D matrix ("compressed_A.dim() == 2 INTERNAL ASSERT FAILED",
+    aten/src/ATen/native/sparse/cuda/cuSPARSELtOps.cpp:302): its ``SemiSparseLinear`` fails at
+    the first forward. torch's constructor views them as 2-D; measured on an H100 and an H200,
+    torch 2.11.0+cu130 (bench/results/semi-structured-kernels-h200-2026-11-27.json)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        from torch.sparse import SparseSemiStructuredTensorCUSPARSELT
+
+        return SparseSemiStructuredTensorCUSPARSELT.prune_dense_static_sort(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+@functools.cache
+def _semi_sparse_linear(base: type[Any]) -> Any:
+    """torchao's ``SemiSparseLinear`` (``base``) with its weight sparsified by
+    :class:`_SparsifyStraightThrough` (Note: [torchao's 2:4 training on torch 2.11])."""
+
+    class SemiSparseLinear(base):  # type: ignore[valid-type, misc]
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, _SparsifyStraightThrough.apply(self.weight),
+                                        self.bias)
+
+    SemiSparseLinear.__qualname__ = SemiSparseLinear.__name__ = "SemiSparseLinear"
+    SemiSparseLinear.__module__ = __name__
+    return SemiSparseLinear
+
+
 def _swap_for_training(model: nn.Module, layers: list[tuple[str, nn.Linear]],
                        report: SemiStructuredReport) -> None:
     """Swap each layer whose shape the tile kernel takes to torchao's ``SemiSparseLinear``
@@ -170,10 +222,10 @@ def _swap_for_training(model: nn.Module, layers: list[tuple[str, nn.Linear]],
                           + (f" ({first[0]}: {first[1]})" if first else ""))
     training = require("torchao.sparsity.training", "quant",
                        "2:4 training (torchao's SemiSparseLinear)")
+    cls = _semi_sparse_linear(training.SemiSparseLinear)
     for name, mod in runnable:
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr,
-                training.SemiSparseLinear.from_dense(mod))
+        setattr(model.get_submodule(parent) if parent else model, attr, cls.from_dense(mod))
         report.converted.append(name)
         fmt = _FORMATS[mod.weight.dtype]
         report.dense_bytes += mod.weight.numel() * mod.weight.element_size()
@@ -236,6 +288,10 @@ def apply_semi_structured_sparsity(
                  report.training_bytes)
         return report
     kernel_backend = _backend(backend)
+    if backend == "cutlass" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        if capability[0] != 8 and capability >= MIN_COMPUTE_CAPABILITY:
+            raise MemfitError(_CUTLASS_SM8X.format(cc=f"{capability[0]}.{capability[1]}"))
     for name, mod in layers:
         w = mod.weight
         with torch.no_grad():
