@@ -20,7 +20,7 @@ from memfit.cli._common import nonneg_int, positive_int
 from memfit.errors import MemfitError
 from memfit.parallel.config import Parallel
 
-__all__ = ["parallel_from_args"]
+__all__ = ["parallel_from_args", "tp_plan_from_arg"]
 
 
 def parallel_from_args(args: argparse.Namespace) -> Parallel:
