@@ -2,9 +2,9 @@
 
 ``memfit plan`` and ``memfit fit`` read ``--gpus --gpus-per-node --fsdp --zero --tp --pp --ep
 --sp --loss-parallel --pp-schedule --microbatches --tp-plan --pp-split`` here (a command
-without a flag gets its default), so a flag means the same in each, and the layout they build is the one the Python
-API takes (``memfit.RunConfig(parallel=...)``, ``memfit.estimate(..., parallel=...)``,
-``Plan.parallel``); ``memfit export`` reads it back from the plan file
+without a flag gets its default), so a flag means the same in each, and the layout they build
+is the one the Python API takes (``memfit.RunConfig(parallel=...)``, ``memfit.estimate(...,
+parallel=...)``, ``Plan.parallel``); ``memfit export`` reads it back from the plan file
 (``memfit.export.PlanSettings.parallel``). Pure data: no torch import.
 """
 
