@@ -14,9 +14,11 @@ over all of them, no tp; alone or on each pipeline stage:
 
 Known limitations: tensor parallelism is Megatron's split of the attention and MLP projections,
 as :func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must name their
-projections as Llama does (``q_proj`` ... ``down_proj``). Pipelines (``pp > 1``) split memfit's
-builtin decoders only (:mod:`memfit.parallel.pipeline`) and run alone, with tp and with FSDP2
-(not beside DDP, ZeRO-1 or HSDP), with the 1F1B schedule and ``accumulation`` micro-batches.
+projections as Llama does (``q_proj`` ... ``down_proj``), unless ``fit(tp_plan=...)`` gives a
+plan (then the formulas split the linear layers it names, before the per-rank trace checks).
+Pipelines (``pp > 1``) split memfit's builtin decoders only (:mod:`memfit.parallel.pipeline`)
+and run alone, with tp and with FSDP2 (not beside DDP, ZeRO-1 or HSDP), with the 1F1B
+schedule and ``accumulation`` micro-batches.
 """
 
 from __future__ import annotations
