@@ -29,7 +29,8 @@ def _plan(capsys: Any, tmp_path: Path, *extra: str) -> tuple[int, str, str]:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     try:
-        code = main(["plan", str(path), "--gpus", "2", "--seq", "32", "--precision", "fp32",
+        gpus = "4" if "--tp" in extra else "2"
+        code = main(["plan", str(path), "--gpus", gpus, "--seq", "32", "--precision", "fp32",
                      "--json", *extra])
     except SystemExit as exc:
         code = int(exc.code or 0)
@@ -53,6 +54,23 @@ def test_pp_split_moves_the_named_layers_between_stages(capsys: Any, tmp_path: P
     (first_early, last_early), (first_late, last_late) = _stage_weights(early), _stage_weights(late)
     assert first_late - first_early == 2 * LAYER_BYTES
     assert last_early - last_late == 2 * LAYER_BYTES
+
+
+def test_pp_split_with_a_tp_plan_splits_each_stage(capsys: Any, tmp_path: Path) -> None:
+    """``--tp 2 --tp-plan`` beside the split: each stage's ranks hold half of the attention
+    projections of its 2 layers (q, o: 16 KiB -> 8 KiB; k, v: 8 KiB -> 4 KiB), the rest as
+    without tp."""
+    split = ["--pp", "2", "--pp-split", "model.layers.2"]
+    code, alone, err = _plan(capsys, tmp_path, *split)
+    assert code == 0, err
+    plan = json.dumps({"model.layers.*.self_attn.[qkv]_proj": "colwise",
+                       "model.layers.*.self_attn.o_proj": "rowwise"})
+    code, tp2, err = _plan(capsys, tmp_path, *split, "--tp", "2", "--tp-plan", plan)
+    assert code == 0, err
+    # --gpus 2 gives one rank per stage alone; the tp run's 4 ranks are two per stage
+    halved = 2 * (2 * 8192 + 2 * 4096)
+    assert [a - b for a, b in zip(_stage_weights(alone), _stage_weights(tp2), strict=True)] == \
+        [halved, halved]
 
 
 @pytest.mark.parametrize(("extra", "needle"), [
