@@ -58,7 +58,8 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
       ``dp`` ranks (of each stage) with FSDP2 (zero2 / zero3), and with DDP where ``ep = dp``;
     - with ``tp_plan`` (the user's, ``shape`` measured with it: :func:`model_shape`) every
       tp > 1 layout splits the model with that plan (``Parallel.tp_plan``), not under a
-      pipeline (``memfit/parallel/apply.py: tp_plan`` splits each stage by memfit's names).
+      pipeline (fit's pipelines are memfit's own split of its builtin decoders, whose stages
+      the plan does not name).
     """
     node = gpus_per_node or gpus
     for name in ("tp", "pp"):
@@ -90,8 +91,9 @@ def _with_plan(found: list[Parallel], tp_plan: Mapping[str, Any], space: dict[st
     staged = [p for p in found if p.tp > 1 and p.pp > 1]
     if staged:
         rejected.append(Rejected(what="tp_plan under a pipeline", reason=(
-            "a user tp_plan splits the whole model; pipeline stages split memfit's projection "
-            "names only (memfit/parallel/apply.py: tp_plan), so tp x pp is not searched")))
+            "fit's pipelines split memfit's builtin decoders by its own rule, whose stages a "
+            "user tp_plan does not name (a model split at pp_split_points takes one: "
+            "memfit/parallel/tp_plans.py: stage_plan), so tp x pp is not searched")))
     out = [dataclasses.replace(p, tp_plan=tp_plan) if p.tp > 1 else p
            for p in found if not (p.tp > 1 and p.pp > 1)]
     if not any(p.tp > 1 for p in out) and "tp" in space:
