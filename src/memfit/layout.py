@@ -86,7 +86,8 @@ class Parallel:
     ``ModuleList`` / ``Sequential`` that its forward iterates, the modules before it on the
     first stage and after it on the last (``nn.Identity`` elsewhere), one tensor between the
     stages and the logits' next-token cross-entropy as the loss
-    (``memfit/parallel/pipeline_split.py``); data parallelism beside it, not tp or ep.
+    (``memfit/parallel/pipeline_split.py``); data parallelism beside it, and tp from a
+    ``tp_plan`` of the user's (each stage its part: ``tp_plans.stage_plan``), not ep.
     ``Plan.apply`` runs pp beside DDP, ZeRO-1, FSDP2, HSDP (without tp) and tp with FSDP2.
     """
 

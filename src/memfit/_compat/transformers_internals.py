@@ -20,11 +20,13 @@ at each call, so replacing the module attribute reaches every caller."""
 
 
 @contextlib.contextmanager
-def fake_tensors_look_eager() -> Iterator[None]:
+def fake_tensors_look_eager(answer: bool = False) -> Iterator[None]:
     """Within the context ``transformers.utils.import_utils.is_fake_tensor`` answers False, so
     that ``is_tracing(fake_tensor)`` is False and transformers takes its eager code paths (see
     Note: [libraries that detect fake tensors] in ``memfit/trace/fake_rules.py``); restored on exit.
-    Nothing is patched when transformers is not imported or has no ``is_fake_tensor``."""
+    Nothing is patched when transformers is not imported or has no ``is_fake_tensor``.
+    ``answer=True``: every tensor looks traced, so a forward on meta tensors skips the
+    data-dependent shortcuts (``.all()`` of a mask) that a meta tensor cannot answer."""
     module = sys.modules.get(IMPORT_UTILS)
     original = getattr(module, "is_fake_tensor", None)
     if module is None or original is None:
@@ -32,7 +34,7 @@ def fake_tensors_look_eager() -> Iterator[None]:
         return
 
     def is_fake_tensor(_x: Any) -> bool:
-        return False
+        return answer
 
     module.is_fake_tensor = is_fake_tensor  # type: ignore[attr-defined]
     try:

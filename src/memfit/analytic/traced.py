@@ -67,7 +67,8 @@ def parallel_layout(run: RunConfig, ep: int = 1, gpus_per_node: int | None = Non
     ep, gpus_per_node = (ep if ep > 1 else base.ep), gpus_per_node or base.gpus_per_node
     fsdp = fsdp or (base.fsdp if base.strategy == "hsdp" else None)
     pipeline = {"pp_schedule": pp_schedule or base.pp_schedule,
-                "microbatches": pipeline_microbatches(run, microbatches or base.microbatches)}
+                "microbatches": pipeline_microbatches(run, microbatches or base.microbatches),
+                "pp_split_points": base.pp_split_points}
     tensor = {"sp": run.sequence_parallel, "loss_parallel": loss_parallel or base.loss_parallel,
               "tp_plan": base.tp_plan}
     if not run.training:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.cli._common import console, positive_int, print_json
-from memfit.cli.layout import parallel_from_args
+from memfit.cli.layout import parallel_from_args, tp_plan_from_arg
 from memfit.errors import MemfitError
 from memfit.gpus import get_gpu
 from memfit.units import parse_bytes
@@ -48,6 +48,11 @@ def register(sub: Any) -> None:
                    "network's rate")
     p.add_argument("--tp", help="fix the tensor-parallel size (default: searched)")
     p.add_argument("--pp", help="fix the number of pipeline stages (default: searched)")
+    p.add_argument("--tp-plan", default=None, metavar="JSON|FILE",
+                   help="with --gpus: the tensor-parallel plan every tp > 1 layout splits the "
+                   "model with, a JSON object (or a file holding one) of module-name patterns "
+                   "to styles (colwise, rowwise, ...: as memfit plan --tp-plan); saved with the "
+                   "plan, applied by Plan.apply")
     p.add_argument("--device", choices=("cuda", "mps", "cpu"), default=None,
                    help="target device (default: with --gpu, mps for Apple silicon, else "
                         "cuda; cpu without --gpu)")
@@ -170,12 +175,17 @@ def run(args: argparse.Namespace) -> int:
     if num_gpus == 1 and (args.gpus_per_node is not None or space):
         raise MemfitError("--gpus-per-node, --tp and --pp lay out several GPUs; add --gpus N")
     # The layout flags as plan reads them (cli/layout.py); --tp / --pp fix the searched degrees.
-    layout = parallel_from_args(args)
+    # --tp-plan goes to the search, which puts it on its tp > 1 layouts (--tp may be searched)
+    layout = parallel_from_args(argparse.Namespace(**{**vars(args), "tp_plan": None}))
+    tp_plan = tp_plan_from_arg(args.tp_plan)
+    if tp_plan is not None and num_gpus == 1:
+        raise MemfitError("--tp-plan splits the model over tensor-parallel ranks; add --gpus N "
+                          "(N > 1)")
     plan = fit(model, sample, optimizer=args.optimizer, global_batch=global_batch,
                gpu=args.gpu, budget_bytes=budget, device=device,
                gpus=num_gpus if num_gpus > 1 else None, gpus_per_node=layout.gpus_per_node,
                space=space or None, measure=args.measure, progress=False if args.quiet
-               or args.json else None, rates=pins)
+               or args.json else None, rates=pins, tp_plan=tp_plan)
     if args.save:
         plan.save(args.save)
     if args.json:

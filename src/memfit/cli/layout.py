@@ -1,10 +1,10 @@
 """The one place the CLI turns its layout flags into a :class:`memfit.Parallel`.
 
 ``memfit plan`` and ``memfit fit`` read ``--gpus --gpus-per-node --fsdp --zero --tp --pp --ep
---sp --loss-parallel --pp-schedule --microbatches`` here (a command without a flag gets its
-default), so a flag means the same in each, and the layout they build is the one the Python
-API takes (``memfit.RunConfig(parallel=...)``, ``memfit.estimate(..., parallel=...)``,
-``Plan.parallel``); ``memfit export`` reads it back from the plan file
+--sp --loss-parallel --pp-schedule --microbatches --tp-plan --pp-split`` here (a command
+without a flag gets its default), so a flag means the same in each, and the layout they build
+is the one the Python API takes (``memfit.RunConfig(parallel=...)``, ``memfit.estimate(...,
+parallel=...)``, ``Plan.parallel``); ``memfit export`` reads it back from the plan file
 (``memfit.export.PlanSettings.parallel``). Pure data: no torch import.
 """
 
@@ -20,7 +20,7 @@ from memfit.cli._common import nonneg_int, positive_int
 from memfit.errors import MemfitError
 from memfit.parallel.config import Parallel
 
-__all__ = ["parallel_from_args"]
+__all__ = ["parallel_from_args", "pp_split_from_arg", "tp_plan_from_arg"]
 
 
 def parallel_from_args(args: argparse.Namespace) -> Parallel:
@@ -59,7 +59,30 @@ def parallel_from_args(args: argparse.Namespace) -> Parallel:
                     pp_schedule=getattr(args, "pp_schedule", None) or "1f1b",
                     microbatches=positive_int(getattr(args, "microbatches", None),
                                               "--microbatches"),
-                    tp_plan=tp_plan_from_arg(getattr(args, "tp_plan", None)))
+                    tp_plan=tp_plan_from_arg(getattr(args, "tp_plan", None)),
+                    pp_split_points=pp_split_from_arg(getattr(args, "pp_split", None), pp,
+                                                      getattr(args, "pp_schedule", None)))
+
+
+def pp_split_from_arg(value: str | None, pp: int, schedule: str | None) -> tuple[str, ...] | None:
+    """``--pp-split``: module names separated by commas, each the first module of a stage
+    (``Parallel.pp_split_points``); one fewer than the stages. A bad value is one line."""
+    if value is None:
+        return None
+    names = tuple(n.strip() for n in value.split(","))
+    example = "e.g. --pp 2 --pp-split model.layers.2"
+    if not all(names):
+        raise MemfitError(f"--pp-split {value!r}: an empty name; give module names separated by "
+                          f"commas, {example}")
+    if pp == 1:
+        raise MemfitError(f"--pp-split {value} does nothing without pipeline stages; add --pp N "
+                          f"(N > 1), {example}")
+    stages = pp * (2 if schedule == "interleaved-1f1b" else 1)
+    if len(names) != stages - 1:
+        raise MemfitError(f"--pp-split names {len(names)} split point(s); --pp {pp} "
+                          f"({schedule or '1f1b'}) runs {stages} stages, which need "
+                          f"{stages - 1} (each the first module of a stage after the first)")
+    return names
 
 
 def tp_plan_from_arg(value: str | None) -> dict[str, Any] | None:

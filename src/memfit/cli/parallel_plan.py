@@ -96,6 +96,7 @@ def trace_flags(args: argparse.Namespace, run: RunConfig) -> list[str]:
     if getattr(args, "tp_plan", None) is not None:
         flags.append("--tp-plan")
     for flag, value in (("--pp-schedule", getattr(args, "pp_schedule", None)),
+                        ("--pp-split", getattr(args, "pp_split", None)),
                         ("--microbatches", getattr(args, "microbatches", None))):
         if value is None:
             continue
@@ -113,7 +114,8 @@ def builtin_needs(parallel: Any, model: Any = None) -> list[str]:
     ``memfit/parallel/hf_pipeline.py``), only ``--ep`` (then every option, as the builtin
     decoder runs them all); for a mixture of experts transformers builds, ``--ep`` alone needs
     nothing (:func:`_hf_moe`)."""
-    needs = [f"--pp {parallel.pp}"] if parallel.pp > 1 else []
+    # a pipeline split at named modules splits the model transformers builds (pipeline_split)
+    needs = [f"--pp {parallel.pp}"] if parallel.pp > 1 and not parallel.pp_split_points else []
     needs += ["--sp"] if parallel.sp else []
     needs += ["--loss-parallel"] if parallel.loss_parallel else []
     needs += [f"--ep {parallel.ep}"] if parallel.ep > 1 else []

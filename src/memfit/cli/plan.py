@@ -165,6 +165,12 @@ def _parallel_options(p: Any) -> None:
     p.add_argument("--pp-schedule", default=None,
                    help=f"with --pp: torch.distributed.pipelining schedule, one of "
                    f"{', '.join(PP_SCHEDULES)} (default 1f1b; traced only)")
+    p.add_argument("--pp-split", default=None, metavar="NAMES",
+                   help="with --pp: where the pipeline splits the model, module names "
+                   "separated by commas, each the first module of a stage (torchtitan's "
+                   "pipeline_parallel_split_points), e.g. --pp 3 --pp-split model.layers.4,"
+                   "model.layers.8 (default: the model's base_model_pp_plan or an even split "
+                   "of its decoder layers; traced only)")
     p.add_argument("--microbatches", default=None, metavar="N",
                    help="with --pp: micro-batches of --batch rows per step (default: "
                    "--grad-accum when above 1, else --pp; traced only)")

@@ -9,6 +9,7 @@ memory are :mod:`memfit.fitting.layouts`'.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from memfit.errors import MemfitError
@@ -36,7 +37,8 @@ def _check_space(name: str, values: list[Any], gpus: int, node: int) -> None:
 
 def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
             shape: ModelShape | None, space: dict[str, list[Any]],
-            rejected: list[Rejected]) -> list[Parallel]:
+            rejected: list[Rejected], tp_plan: Mapping[str, Any] | None = None
+            ) -> list[Parallel]:
     """Every layout of ``gpus`` the search considers (one-line errors for what ``space`` asks
     that cannot be; layouts left out are recorded in ``rejected`` with why):
 
@@ -53,7 +55,11 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
       [sequence and loss parallelism are tp variants]);
     - for MoE models (memfit's builtin ones, transformers' experts modules), without tp, alone
       and beside each pp the model takes: each ``ep`` of :meth:`ModelShape.ep_degrees` over the
-      ``dp`` ranks (of each stage) with FSDP2 (zero2 / zero3), and with DDP where ``ep = dp``.
+      ``dp`` ranks (of each stage) with FSDP2 (zero2 / zero3), and with DDP where ``ep = dp``;
+    - with ``tp_plan`` (the user's, ``shape`` measured with it: :func:`model_shape`) every
+      tp > 1 layout splits the model with that plan (``Parallel.tp_plan``), not under a
+      pipeline (fit's pipelines are memfit's own split of its builtin decoders, whose stages
+      the plan does not name).
     """
     node = gpus_per_node or gpus
     for name in ("tp", "pp"):
@@ -69,10 +75,32 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
             out += _layouts_of(tp, pp, gpus=gpus, gpus_per_node=gpus_per_node,
                                global_batch=global_batch, shape=shape, space=space,
                                shardings=shardings, rejected=rejected)
+    if tp_plan is not None:
+        out = _with_plan(out, tp_plan, space, rejected)
     if not out:
         raise MemfitError(f"no layout of {gpus} GPUs fits the search's limits (global batch "
                           f"{global_batch}, space {space}); pick a global batch that "
                           "divides over the data-parallel ranks")
+    return out
+
+
+def _with_plan(found: list[Parallel], tp_plan: Mapping[str, Any], space: dict[str, list[Any]],
+               rejected: list[Rejected]) -> list[Parallel]:
+    """``found`` with the user's ``tp_plan`` on every tp > 1 layout, those under a pipeline
+    left out (recorded; an error where ``space`` asks for nothing else)."""
+    staged = [p for p in found if p.tp > 1 and p.pp > 1]
+    if staged:
+        rejected.append(Rejected(what="tp_plan under a pipeline", reason=(
+            "fit's pipelines split memfit's builtin decoders by its own rule, whose stages a "
+            "user tp_plan does not name (a model split at pp_split_points takes one: "
+            "memfit/parallel/tp_plans.py: stage_plan), so tp x pp is not searched")))
+    out = [dataclasses.replace(p, tp_plan=tp_plan) if p.tp > 1 else p
+           for p in found if not (p.tp > 1 and p.pp > 1)]
+    if not any(p.tp > 1 for p in out) and "tp" in space:
+        raise MemfitError(f"tp_plan splits the tensor-parallel ranks, but space tp "
+                          f"{space['tp']} (with pp {space.get('pp', 'searched')}) leaves no "
+                          "tp > 1 layout without a pipeline; ask for a tp > 1 with pp 1, or "
+                          "drop tp_plan")
     return out
 
 

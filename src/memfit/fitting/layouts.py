@@ -14,14 +14,17 @@ over all of them, no tp; alone or on each pipeline stage:
 
 Known limitations: tensor parallelism is Megatron's split of the attention and MLP projections,
 as :func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must name their
-projections as Llama does (``q_proj`` ... ``down_proj``). Pipelines (``pp > 1``) split memfit's
-builtin decoders only (:mod:`memfit.parallel.pipeline`) and run alone, with tp and with FSDP2
-(not beside DDP, ZeRO-1 or HSDP), with the 1F1B schedule and ``accumulation`` micro-batches.
+projections as Llama does (``q_proj`` ... ``down_proj``), unless ``fit(tp_plan=...)`` gives a
+plan (then the formulas split the linear layers it names, before the per-rank trace checks).
+Pipelines (``pp > 1``) split memfit's builtin decoders only (:mod:`memfit.parallel.pipeline`)
+and run alone, with tp and with FSDP2 (not beside DDP, ZeRO-1 or HSDP), with the 1F1B
+schedule and ``accumulation`` micro-batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -131,8 +134,12 @@ class ModelShape:
         return block / total, root / total
 
 
-def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
-    """The model's shape for the layout formulas, or None when it has no repeated blocks."""
+def model_shape(base: nn.Module, sample_seq: int | None,
+                tp_plan: Mapping[str, Any] | None = None) -> ModelShape | None:
+    """The model's shape for the layout formulas, or None when it has no repeated blocks. With
+    ``tp_plan`` (the user's, ``Parallel.tp_plan``) tensor parallelism splits the linear
+    layers the plan names, not :data:`TP_SPLIT`'s, and runs no sequence or loss parallelism of
+    memfit's (the plan is applied as given)."""
     from memfit.models.anatomy import find_blocks, model_shape
 
     try:
@@ -140,6 +147,7 @@ def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
     except MemfitError:
         return None
     heads, kv_heads, _ = model_shape(base)
+    planned = _planned(base, tp_plan)
     seen: set[int] = set()
     block_numels = []
     splittable = True
@@ -148,11 +156,15 @@ def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
         block = base.get_submodule(name)
         found = False
         for sub, mod in block.named_modules():
-            for p in mod.parameters(recurse=False):
+            for pname, p in mod.named_parameters(recurse=False):
                 if id(p) in seen:
                     continue
                 seen.add(id(p))
-                if isinstance(mod, nn.Linear) and sub.rsplit(".", 1)[-1] in TP_SPLIT:
+                # a row-wise style keeps its bias whole (tp_plans.check_divisible's styles)
+                if (planned.get(f"{name}.{sub}") in ("colwise", "rowwise" if pname == "weight"
+                                                     else "colwise")
+                        if planned is not None else
+                        isinstance(mod, nn.Linear) and sub.rsplit(".", 1)[-1] in TP_SPLIT):
                     split += p.numel()
                     found = True
                 else:
@@ -178,10 +190,28 @@ def model_shape(base: nn.Module, sample_seq: int | None) -> ModelShape | None:
                       seq=sample_seq, tp_splittable=splittable,
                       block_numels=tuple(block_numels), first_numel=first, last_numel=last,
                       pipeline_splittable=_pipeline_splittable(base),
-                      sp_splittable=_sp_splittable(base),
+                      sp_splittable=planned is None and _sp_splittable(base),
                       vocab=config_int(base, ("vocab_size",)),
                       experts=experts, top_k=top_k,
                       expert_numel=expert_numel)
+
+
+def _planned(base: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """The modules ``tp_plan`` splits, each ``"colwise"`` or ``"rowwise"`` (a plan naming a
+    module the model does not have is :func:`memfit.parallel.tp_plans.expand_plan`'s one-line
+    error); None without a plan."""
+    if tp_plan is None:
+        return None
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from memfit.parallel.tp_plans import expand_plan, torch_style
+
+    out = {}
+    for name, style in expand_plan(base, tp_plan, "fit(tp_plan=...)").items():
+        made = torch_style(style) if isinstance(style, str) else style
+        if isinstance(made, ColwiseParallel | RowwiseParallel):
+            out[name] = "colwise" if isinstance(made, ColwiseParallel) else "rowwise"
+    return out
 
 
 def _sp_splittable(base: nn.Module) -> bool:

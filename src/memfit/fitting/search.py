@@ -67,7 +67,8 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
         progress: bool | None = None, top: int = 5, headroom: float | None = None,
         gpus: int | None = None, gpus_per_node: int | None = None,
         rates: Rates | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-        options: SearchOptions | None = None, prefetch_batches: int = 0) -> Plan:
+        options: SearchOptions | None = None, prefetch_batches: int = 0,
+        tp_plan: Mapping[str, Any] | None = None) -> Plan:
     """Find the fastest training configuration of ``model`` that fits.
 
     ``sample_batch``: one batch as the model takes it (tensor, tuple -> ``model(*b)``, dict ->
@@ -89,7 +90,12 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     stages, and expert parallelism for memfit's MoE models (:mod:`memfit.fitting.layouts`),
     each a :class:`memfit.Parallel` that the plan records (``plan.parallel``) and
     ``Plan.apply`` runs under torchrun; ``space`` takes ``"tp"`` and ``"pp"`` lists. The budget
-    is per GPU. ``num_gpus=N`` is the older search: ZeRO over every GPU, no tp or pp.
+    is per GPU. ``tp_plan``: the user's tensor-parallel plan (``Parallel.tp_plan``: module-name
+    patterns to torch ``ParallelStyle`` s or their names), which every tp > 1 layout the search
+    considers splits the model with (not under a pipeline), the plan records and
+    ``Plan.apply`` applies with ``parallelize_module``; a plan of names is saved with the plan,
+    one of style objects is not (``Plan.save`` says so in one line).
+    ``num_gpus=N`` is the older search: ZeRO over every GPU, no tp or pp.
 
     ``rates``: what the step times are costed at (:func:`memfit.fitting.rates.target_rates`):
     default the catalog's for a GPU and, on ``device="cpu"``, this machine's, measured once and
@@ -113,7 +119,7 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                   reduction=reduction, count_fn=count_fn, num_gpus=num_gpus, measure=measure,
                   space=space, progress=progress, top=top, headroom=headroom, gpus=gpus,
                   gpus_per_node=gpus_per_node, rates=rates, options=options,
-                  prefetch_batches=prefetch_batches).run()
+                  prefetch_batches=prefetch_batches, tp_plan=tp_plan).run()
 
 
 class Search(Pruning, Verification):

@@ -93,7 +93,8 @@ class SearchState:
                  progress: bool | None = None, top: int = 5, headroom: float | None = None,
                  gpus: int | None = None, gpus_per_node: int | None = None,
                  rates: Rates | Mapping[str, Any] | str | os.PathLike[str] | None = None,
-                 options: SearchOptions | None = None, prefetch_batches: int = 0) -> None:
+                 options: SearchOptions | None = None, prefetch_batches: int = 0,
+                 tp_plan: Mapping[str, Any] | None = None) -> None:
         self.started = time.perf_counter()
         if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) \
                 or prefetch_batches < 0:
@@ -130,6 +131,10 @@ class SearchState:
         self.rejected: list[Rejected] = []
         self.shape: ModelShape | None = None
         self.gpus_per_node = gpus_per_node
+        if tp_plan is not None and (gpus is None or gpus < 2):
+            raise MemfitError("tp_plan splits the model over tensor-parallel ranks; search "
+                              "several GPUs with gpus=N (N > 1), or drop tp_plan")
+        self.tp_plan = tp_plan
         if gpus is not None:
             self._layouts(gpus, space)
         elif space and ("tp" in space or "pp" in space):
@@ -157,10 +162,12 @@ class SearchState:
             if value not in LAYOUT_SHARDING:
                 raise MemfitError(f"space sharding {value!r} is not one of "
                                   f"{', '.join(LAYOUT_SHARDING)}")
-        self.shape = model_shape(self.base, seq_of(self.sample_batch))
+        if self.tp_plan is not None:  # Parallel's own checks of the plan, one line each
+            Parallel(gpus=2, tp=2, tp_plan=self.tp_plan)
+        self.shape = model_shape(self.base, seq_of(self.sample_batch), self.tp_plan)
         found = layouts(gpus=gpus, gpus_per_node=self.gpus_per_node,
                         global_batch=self.global_batch, shape=self.shape, space=layout_space,
-                        rejected=self.rejected)
+                        rejected=self.rejected, tp_plan=self.tp_plan)
         if gpus > 1:
             self.layouts = found
             # Micro-batches divide the largest per-rank batch (the fewest data-parallel

@@ -120,9 +120,16 @@ def tp_plan(model: nn.Module, parallel: Parallel, blocks: list[str] | None = Non
 
     if parallel.tp_plan is not None:
         if blocks is not None or root is not None:
-            raise MemfitError(f"Parallel(tp={parallel.tp}, pp={parallel.pp}, tp_plan=...): a "
-                              "plan of your own is traced without pipeline stages so far; drop "
-                              "tp_plan (memfit's projection names split each stage) or pp")
+            from memfit.parallel.pipeline_split import SplitStageModule
+            from memfit.parallel.tp_plans import stage_plan
+
+            if not isinstance(model, SplitStageModule):
+                raise MemfitError(
+                    f"Parallel(tp={parallel.tp}, pp={parallel.pp}, tp_plan=...): a plan of "
+                    "your own splits the stages of a model split at pp_split_points (its names "
+                    "are the model's); name the split points too, or drop tp_plan (memfit's "
+                    "projection names split each stage of its own split)")
+            return stage_plan(model, parallel)
         return user_plan(model, parallel)
     if blocks is None and root is None and not (parallel.sp or parallel.loss_parallel):
         own = hf_plan(model, parallel)

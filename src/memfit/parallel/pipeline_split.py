@@ -183,6 +183,8 @@ class _Shapes:
         """The ids', each split point's input's and the output's (shape, dtype), in order."""
         from torch.utils._python_dispatch import _disable_current_modes
 
+        from memfit._compat.transformers_internals import fake_tensors_look_eager
+
         autocast = next((torch.get_autocast_dtype(d) for d in ("cuda", "cpu")
                          if torch.is_autocast_enabled(d)), None)
         key = (micro, seq, dtype, autocast)
@@ -196,7 +198,9 @@ class _Shapes:
 
             handles = [m.register_forward_pre_hook(hook) for m in self.points]
             try:  # outside the trace's fake mode and tracker: a meta forward holds no bytes
-                with _disable_current_modes(), torch.no_grad():
+                # (transformers' masks: shapes only, without the .all() a meta tensor cannot
+                # answer: Note: [libraries that detect fake tensors], the other way round)
+                with _disable_current_modes(), torch.no_grad(), fake_tensors_look_eager(True):
                     ids = torch.zeros(micro, seq, dtype=torch.long, device="meta")
                     out = output_tensor(self.meta(ids))
             finally:

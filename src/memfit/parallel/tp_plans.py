@@ -9,7 +9,8 @@ Known limitations: a plan's styles are torch's ``ParallelStyle`` s (the user's, 
 of :data:`memfit.layout.TP_STYLE_NAMES`) or, for a transformers model's own plan, transformers'
 styles as transformers applies them (``transformers/distributed/tensor_parallel.py``:
 ``apply_tensor_parallelism``); a split dim must be a multiple of ``tp`` (the trace runs one
-rank's shapes for all), and pipeline stages (``pp > 1``) split memfit's names only.
+rank's shapes for all), and a user's plan splits pipeline stages only where the model is split
+at ``pp_split_points`` (:func:`stage_plan`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from memfit.errors import MemfitError, suggest
 from memfit.layout import TP_STYLE_ALIASES
 from memfit.parallel.config import Parallel
 
-__all__ = ["HfStyle", "expand_plan", "hf_plan", "torch_style", "user_plan"]
+__all__ = ["HfStyle", "expand_plan", "hf_plan", "stage_plan", "torch_style", "user_plan"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,26 @@ def user_plan(model: nn.Module, parallel: Parallel) -> dict[str, Any]:
         if made is not None:
             plan[name] = made
     check_divisible(model, plan, parallel.tp, where)
+    return plan
+
+
+def stage_plan(stage: nn.Module, parallel: Parallel) -> dict[str, Any]:
+    """:func:`user_plan` on one pipeline stage of a model split at ``pp_split_points``
+    (``memfit.parallel.pipeline_split.SplitStageModule``: the model's modules under ``inner.``,
+    their own names): the plan's entries for the modules this stage holds; a module another
+    stage holds is ``nn.Identity`` here, or absent from the split container, and is left to
+    that stage (the whole model's plan was checked: ``pipeline.check_pipeline``)."""
+    assert parallel.tp_plan is not None
+    where = f"Parallel(tp={parallel.tp}, pp={parallel.pp}, tp_plan=...)"
+    names = [n for n, m in stage.named_modules() if n.startswith("inner.")
+             and not isinstance(m, nn.Identity)]
+    plan = {}
+    for pattern, style in parallel.tp_plan.items():
+        made = torch_style(style) if isinstance(style, str) else style
+        if made is None:
+            continue
+        plan.update(dict.fromkeys((n for n in names if _matches(f"inner.{pattern}", n)), made))
+    check_divisible(stage, plan, parallel.tp, where)
     return plan
 
 
