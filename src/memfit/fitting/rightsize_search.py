@@ -178,29 +178,47 @@ def _flops(counted: Any, precision: str, rates: Any) -> float:
     return counted.linear_flops + rest * rates.flops["fp8"] / rates.flops["bf16-mixed"]
 
 
-def _step_seconds(spec: Any, p: Any, gpu: Any, rates: Any, *, m: int, per_rank: int, seq: int,
-                  counted: Any, plain: Any, count: int, tally: list[int]) -> float:
-    """``fit``'s cost model for the planned run ``p`` at micro-batch ``m``."""
-    from memfit.analytic.planner import plan
+class _Ranks:
+    """What fit gives the cost model (search_state.cost), from one plan of the tp x pp group
+    alone (one micro-batch in flight, without checkpointing or offload, no data-parallel
+    sharding), kept by what it depends on: the rank's model states before data-parallel
+    sharding (its tensor-parallel and pipeline-stage share; the optimizer's whether or not they
+    are offloaded), and the activations one micro-batch saves without checkpointing, which
+    scaled by the recompute are the bytes it writes (fit's activation_traffic) and which
+    activation offload moves (fit's ``offloaded``)."""
+
+    def __init__(self, spec: Any, gpu: Any, tally: list[int]) -> None:
+        self.spec, self.gpu, self.tally = spec, gpu, tally
+        self.plans: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(self, run: Any, m: int) -> Any:
+        from memfit.analytic.planner import plan
+        from memfit.layout import Parallel
+
+        par = run.parallel
+        # fp8's plan is bf16-mixed's (Note: [fp8 is planned as bf16-mixed])
+        precision = "bf16-mixed" if run.precision == "fp8" else run.precision
+        key = (precision, run.optimizer, run.chunked_loss, par.tp, par.pp, m)
+        if key not in self.plans:
+            self.tally[0] += 1
+            self.plans[key] = plan(self.spec, dataclasses.replace(
+                run, precision=precision, checkpointing="none", offload_optimizer=False,
+                offload_params=False, offload_activations=False, batch=m, grad_accum=1,
+                parallel=Parallel(gpus=par.tp * par.pp, tp=par.tp, pp=par.pp)), self.gpu)
+        return self.plans[key]
+
+
+def _step_seconds(spec: Any, run: Any, rates: Any, *, m: int, per_rank: int, seq: int,
+                  counted: Any, plain: Any, count: int, ranks: _Ranks) -> float:
+    """``fit``'s cost model for the planned ``run`` at micro-batch ``m``."""
     from memfit.categories import MemoryCategory as Cat
     from memfit.fitting.config import sharding_of
     from memfit.fitting.cost import step_cost
-    from memfit.layout import Parallel
     from memfit.vocab import precision as precision_info
 
-    par, precision = p.run.parallel, p.run.precision
+    par, precision = run.parallel, run.precision
     element = precision_info(precision).compute_bytes
-    # What fit gives the cost model (search_state.cost): the rank's model states before
-    # data-parallel sharding (its tensor-parallel and pipeline-stage share; the optimizer's
-    # whether or not they are offloaded), and the activation bytes one micro-batch writes, the
-    # saved ones without checkpointing scaled by the recompute (fit's activation_traffic): one
-    # plan of the tp x pp group alone, one micro-batch in flight, without checkpointing or
-    # offload; activation offload moves those saved bytes (fit's ``offloaded``).
-    tally[0] += 1
-    rank = plan(spec, dataclasses.replace(
-        p.run, checkpointing="none", offload_optimizer=False, offload_params=False,
-        offload_activations=False, grad_accum=1,
-        parallel=Parallel(gpus=par.tp * par.pp, tp=par.tp, pp=par.pp)), gpu)
+    rank = ranks(run, m)
     saved = rank.breakdown.get(Cat.ACTIVATIONS, 0)
     traffic = int(saved * counted.flops / max(plain.flops, 1.0))
     tokens = m * seq
@@ -211,13 +229,34 @@ def _step_seconds(spec: Any, p: Any, gpu: Any, rates: Any, *, m: int, per_rank: 
         param_bytes=rank.breakdown.get(Cat.WEIGHTS, 0),
         grad_bytes=rank.breakdown.get(Cat.GRADIENTS, 0),
         state_bytes=rank.breakdown.get(Cat.OPTIMIZER_STATES, 0),
-        offload_activations=p.run.offload_activations,
-        offload_states=p.run.offload_optimizer, offload_params=p.run.offload_params,
+        offload_activations=run.offload_activations,
+        offload_states=run.offload_optimizer, offload_params=run.offload_params,
         sharding=sharding_of(par), num_gpus=count,
         parallel=par, boundary_bytes=tokens * spec.hidden_size * element,
         layers=spec.num_layers,
         layout_bytes={"logits_bytes": tokens * spec.vocab_size * element,
                       "tokens": tokens}).total_s
+
+
+def _variant_bound(v: _Variant, run: Any, rates: Any, ranks: _Ranks, compute_s: float) -> float:
+    """A lower bound on the step of variant ``v`` at any micro-batch: ``compute_s`` (the
+    combination's compute alone), the optimizer's step (on the GPU, or on the host at
+    :data:`memfit.fitting.cost.HOST_OPTIMIZER_BYTES_PER_S` when offloaded) and the offloads'
+    transfers at one micro-batch, the terms ``step_cost`` adds whatever the micro-batch."""
+    from memfit.categories import MemoryCategory as Cat
+    from memfit.fitting.cost import HOST_OPTIMIZER_BYTES_PER_S
+
+    rank = ranks(run, 1)
+    weights = rank.breakdown.get(Cat.WEIGHTS, 0)
+    grads = rank.breakdown.get(Cat.GRADIENTS, 0)
+    model = weights + grads + rank.breakdown.get(Cat.OPTIMIZER_STATES, 0)
+    bound = compute_s + 2 * model / (HOST_OPTIMIZER_BYTES_PER_S if v.offload_optimizer
+                                     else rates.bandwidth)
+    if v.offload_optimizer:
+        bound += (grads + weights) / rates.host_link
+    if v.offload_params:
+        bound += 2 * weights / run.parallel.dp / rates.host_link
+    return bound
 
 
 def _precisions(gpu: Any, rates: Any) -> list[str]:
@@ -267,6 +306,7 @@ def search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_b
     kv_heads = getattr(spec, "num_kv_heads", None) or heads
     decoder = getattr(spec, "arch", "decoder") == "decoder"
     best: _Best | None = None
+    ranks = _Ranks(spec, gpu, tally)
     for tp, pp, sharding in _layouts(count, heads, kv_heads, spec.num_layers, global_batch,
                                      gpus_per_node):
         par = Parallel(gpus=count, gpus_per_node=min(count, gpus_per_node), tp=tp, pp=pp,
@@ -275,40 +315,70 @@ def search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_b
         if per_rank < pp:
             continue  # 1F1B needs at least pp micro-batches (fit's pipeline_refusal)
         chunks = [False, True] if decoder and tp == 1 and pp == 1 else [False]
-        for precision in precisions:
-            if pp > 1 and precision == "fp16-mixed":
-                continue  # GradScaler's skipped steps would differ between stages
-            for chunked in chunks:
-                for ckpt in _CKPTS:
-                    counted = counter(ckpt, chunked)
-                    if prune and best is not None and _flops(counted, precision, rates) \
-                            * global_batch / count / rates.flops[precision] >= best.step_s:
-                        continue
-                    best = _search_variants(
-                        spec, base_run, gpu, rates, par, best, precision=precision, ckpt=ckpt,
-                        chunked=chunked, counted=counted, plain=counter("none", chunked),
-                        sharding=sharding, per_rank=per_rank, seq=seq, count=count,
-                        skip_offload=skip_offload, closest=closest, tally=tally,
-                        tie=TIE_TOLERANCE, layout=layout_label(par), shard=sharding_of(par))
+        if pp > 1 and precisions[0] == "fp16-mixed":
+            continue  # GradScaler's skipped steps would differ between stages
+        lowest: dict[tuple[bool, _Variant], bool] = {}  # Note: [full checkpointing is lowest]
+        for chunked in chunks:
+            for ckpt in _CKPTS:
+                counted = counter(ckpt, chunked)
+                compute_s = {pr: _flops(counted, pr, rates) * global_batch / count
+                             / rates.flops[pr] for pr in precisions}
+                if prune and best is not None and min(compute_s.values()) >= best.step_s:
+                    continue
+                best = _search_variants(
+                    spec, base_run, gpu, rates, par, best, ranks, prune=prune, lowest=lowest,
+                    compute_s=compute_s, ckpt=ckpt, chunked=chunked, counted=counted,
+                    plain=counter("none", chunked), sharding=sharding, per_rank=per_rank,
+                    seq=seq, count=count, skip_offload=skip_offload, closest=closest,
+                    tally=tally, tie=TIE_TOLERANCE, layout=layout_label(par),
+                    shard=sharding_of(par))
     return best
 
 
 def _search_variants(spec: Any, base_run: Any, gpu: Any, rates: Any, par: Any,
-                     best: _Best | None, *, precision: str, ckpt: str, chunked: bool,
+                     best: _Best | None, ranks: _Ranks, *, prune: bool,
+                     lowest: dict[tuple[bool, _Variant], bool],
+                     compute_s: dict[str, float], ckpt: str, chunked: bool,
                      counted: Any, plain: Any, sharding: str, per_rank: int, seq: int,
                      count: int, skip_offload: bool, closest: list[tuple[float, str]],
                      tally: list[int], tie: float, layout: str, shard: str) -> _Best | None:
     """:func:`search_gpu_count`'s inner loop: each optimizer / offload variant of one layout,
-    precision, checkpointing policy and loss, at its fitting micro-batches."""
+    checkpointing policy and loss, at its fitting micro-batches, in each precision of
+    ``compute_s`` (the first one's plans serve fp8's too: Note: [fp8 is planned as
+    bf16-mixed]). With ``prune``, a variant whose lower bound (:func:`_variant_bound`) is no
+    faster than the best so far is not planned, nor a precision whose compute alone is not."""
+    # Note: [fp8 is planned as bf16-mixed] memfit plan sizes fp8 training as torchao's float8
+    # linears run it: bf16-mixed storage (fp32 parameters under autocast), fp8 only inside the
+    # matmuls; its casts are transient and not counted, so an fp8 run's plan is the bf16-mixed
+    # run's byte for byte (tested) and the fit is decided once for both.
+    precisions = list(compute_s)
     # each configuration's largest micro-batch without the offload that the next one adds
     largest: dict[tuple[str, bool], int] = {}
     for v in _variants(base_run.optimizer, par.tp, par.pp, sharding, par.dp, ckpt):
-        run = dataclasses.replace(base_run, precision=precision, checkpointing=ckpt,
+        run = dataclasses.replace(base_run, precision=precisions[0], checkpointing=ckpt,
                                   optimizer=v.optimizer, offload_optimizer=v.offload_optimizer,
                                   offload_params=v.offload_params,
                                   offload_activations=v.offload_activations,
                                   chunked_loss=chunked, parallel=par)
+        if prune and best is not None and _variant_bound(
+                v, run, rates, ranks, min(compute_s.values())) >= best.step_s:
+            continue
         tech = v.label() + (", chunked-loss" if chunked else "")
+        what = f"{count} x {gpu.name} ({layout}, ckpt={ckpt}, {tech}"
+        # Note: [full checkpointing is lowest] Of the three policies, full checkpointing keeps
+        # the fewest bytes in the plan for the same variant (tested), so a variant that does
+        # not fit at micro-batch 1 under it fits under none: planned once for each layout,
+        # loss and variant (not for activation offload, which under full checkpointing
+        # moves nothing a checkpointed block keeps).
+        if prune and not v.offload_activations:
+            key = (chunked, v)
+            if key not in lowest:
+                low = dataclasses.replace(run, checkpointing="full")
+                lowest[key] = bool(_fitting(spec, low, gpu, per_rank, tally=tally,
+                                            closest=closest, above=0, most=1,
+                                            what=what.replace(f"ckpt={ckpt}", "ckpt=full")))
+            if not lowest[key]:
+                continue
         # Note: an offload added at a micro-batch the configuration without it reaches only
         # adds time (its transfers; the optimizer's step on the host): planned above it.
         above = 0
@@ -317,23 +387,25 @@ def _search_variants(spec: Any, base_run: Any, gpu: Any, rates: Any, par: Any,
         if skip_offload and v.offload_optimizer:
             above = max(above, largest.get((v.optimizer, False), 0))
         fits = _fitting(spec, run, gpu, per_rank, tally=tally, closest=closest, above=above,
-                        most=per_rank // par.pp,
-                        what=f"{count} x {gpu.name} ({layout}, {precision}, ckpt={ckpt}, "
-                             f"{tech}")
+                        most=per_rank // par.pp, what=what)
         if not fits:
             continue
         if not (v.offload_params or v.offload_activations):
             largest[(v.optimizer, v.offload_optimizer)] = fits[-1][0]
-        extras = (int(v.optimizer != base_run.optimizer) + int(v.offload_optimizer)
-                  + int(v.offload_params) + int(v.offload_activations) + int(chunked)
-                  + int(precision == "fp8") + int(par.pp > 1))
-        for m, p in fits:
-            step_s = _step_seconds(spec, p, gpu, rates, m=m, per_rank=per_rank, seq=seq,
-                                   counted=counted, plain=plain, count=count, tally=tally)
-            margin = tie if best is not None and extras > best.extras else 1e-9
-            if best is None or step_s < best.step_s * (1 - margin):
-                best = _Best(step_s=step_s, run=p.run, peak=p.total_bytes,
-                             label=f"{precision}, ckpt={ckpt}, {tech}, mb={m}x"
-                                   f"{per_rank // m}, {layout}",
-                             sharding=shard, extras=extras)
+        for precision in precisions:
+            if prune and best is not None and compute_s[precision] >= best.step_s:
+                continue
+            extras = (int(v.optimizer != base_run.optimizer) + int(v.offload_optimizer)
+                      + int(v.offload_params) + int(v.offload_activations) + int(chunked)
+                      + int(precision == "fp8") + int(par.pp > 1))
+            for m, p in fits:
+                p_run = dataclasses.replace(p.run, precision=precision)
+                step_s = _step_seconds(spec, p_run, rates, m=m, per_rank=per_rank, seq=seq,
+                                       counted=counted, plain=plain, count=count, ranks=ranks)
+                margin = tie if best is not None and extras > best.extras else 1e-9
+                if best is None or step_s < best.step_s * (1 - margin):
+                    best = _Best(step_s=step_s, run=p_run, peak=p.total_bytes,
+                                 label=f"{precision}, ckpt={ckpt}, {tech}, mb={m}x"
+                                       f"{per_rank // m}, {layout}",
+                                 sharding=shard, extras=extras)
     return best
