@@ -480,3 +480,25 @@ def test_fp8_never_on_catalog_gpus_below_8_9(monkeypatch: pytest.MonkeyPatch) ->
     assert len(r.candidates) == 4
     for c in r.candidates:
         assert (c.config["precision"] == "fp8") == (c.gpu in ("h100-sxm-80gb", "l4")), c
+
+
+def test_parameter_offload_fetches_the_shard_twice_a_micro_batch() -> None:
+    """ZeRO-Infinity's parameter offload in ``step_cost``: each of 4 micro-batches fetches the
+    rank's ZeRO-3 shard (P / dp bytes) from the host in its forward and again in its backward,
+    at the host link: 4 x 2 x P / 8 / 25 GB/s more transfer than the same step without it."""
+    from memfit.fitting.cost import Rates, step_cost
+    from memfit.layout import Parallel
+
+    rates = Rates(flops={"bf16-mixed": 1e12}, bandwidth=1e12, host_link=25e9, gpu_link=450e9,
+                  launch_s=0.0, source="test")
+    p = 4 * 10**9
+
+    def transfer(params: bool) -> float:
+        return step_cost(rates, precision="bf16-mixed", micro_flops=1e9, accumulation=4,
+                         activation_traffic_bytes=0, offloaded_bytes=0, ops_per_micro=0,
+                         param_bytes=p, grad_bytes=p, state_bytes=6 * p,
+                         offload_activations=False, offload_states=True, sharding="zero3",
+                         num_gpus=8, parallel=Parallel(gpus=8, zero=3),
+                         offload_params=params).transfer_s
+
+    assert transfer(True) - transfer(False) == pytest.approx(4 * 2 * p / 8 / 25e9)
