@@ -2,33 +2,34 @@
 the fastest training configuration that fits it, its step time, the job's time and its cost,
 ranked by cost, with the cost-vs-time Pareto front.
 
-For each GPU and count (1, 2, 4, ... up to ``gpus_max``) the search tries each layout (tensor
-parallel 1, 2, 4, 8 inside a node; DDP, ZeRO-1, ZeRO-2, FSDP over the data-parallel ranks; tp
-only under FSDP, as torchtitan) x activation checkpointing (none, selective, full) x optimizer
-(the named one and its 8-bit form, AdamW's ``adamw-8bit``, as ``fit`` searches it) x optimizer
-offload (off, and DeepSpeed's ZeRO-Offload where there is no tensor parallelism and the layout
-is not plain DDP), each at its largest fitting micro-batch (a power of two dividing the
-per-rank batch; memory grows with it and, in the cost model, time never does), and keeps the
-fastest; an 8-bit optimizer or offload replaces a configuration with fewer of them only when
-more than ``fit``'s tie tolerance (:data:`memfit.fitting.plan.TIE_TOLERANCE`, 1%) faster (the
-tie goes to the simpler option, as in ``fit``):
+For each GPU and count (1, 2, 4, ... up to ``gpus_max``) the search
+(:mod:`memfit.fitting.rightsize_search`, whose docstring lists the rules) tries each layout
+(tensor parallel 1, 2, 4, 8 inside a node x 1F1B pipeline stages x DDP, ZeRO-1, ZeRO-2, FSDP
+over the data-parallel ranks) x precision (bf16-mixed, and fp8 from compute capability 8.9) x
+activation checkpointing (none, selective, full) x chunked loss x optimizer (the named one and
+its 8-bit form, as ``fit`` searches it) x offload (of the optimizer, the parameters, the
+activations), each at its largest fitting micro-batch (under a pipeline, at each fitting one),
+and keeps the fastest; a configuration with more of these techniques replaces one with fewer
+only when more than ``fit``'s tie tolerance (:data:`memfit.fitting.plan.TIE_TOLERANCE`, 1%)
+faster (the tie goes to the simpler option, as in ``fit``):
 
 - **Memory:** :func:`memfit.plan`'s formulas (:mod:`memfit.analytic.planner`), which cover
-  LoRA and QLoRA, tensor parallelism and ZeRO; a configuration fits when the plan says so
+  LoRA and QLoRA, tensor and pipeline parallelism, ZeRO and its offloads, the chunked loss and
+  activation offload; a configuration fits when the plan says so
   (:data:`memfit.analytic.planner.FITS_MARGIN` kept free). ``fit`` traces instead; one traced
   ``fit`` of llama-3-8b at seq 4096 took over ten minutes on the 2-core development machine,
   so a traced search of every GPU and count is out of reach here.
 - **Time:** ``fit``'s cost model, :func:`memfit.fitting.cost.step_cost`, at the GPU's catalog
   rates (:func:`memfit.fitting.rates.gpu_rates`), fed what ``fit`` feeds it: the FLOPs of
   forward + backward (+ recompute) counted by ``FlopCounterMode`` on fake tensors with the
-  techniques applied (LoRA adapters and checkpointing, as ``fit``'s ``count_flops``), and the
+  techniques applied (LoRA adapters, checkpointing and the chunked loss, as ``fit``'s
+  ``count_flops``; under fp8 the linear layers' matmuls at the fp8 rate), and the
   aten ops dispatched (the launch term). The model's blocks are identical, so both are counted
   on the model cut to one and to two blocks and extended linearly to all of them (exact for a
   stack of identical blocks); the activation traffic is the plan's saved activations scaled by
   the recompute, as ``fit`` scales its traced ones; the model states are the rank's before
-  data-parallel sharding (its tensor-parallel share), as ``fit`` gives them. A checkpointing
-  policy whose compute alone is slower than a configuration already found is not planned
-  (the answer is the same).
+  data-parallel sharding (its tensor-parallel and pipeline-stage share), as ``fit`` gives
+  them. Bounds prune what cannot win or cannot fit (the answer is the same: tested).
 - **Job:** ``steps = ceil(train_tokens / (global_batch x seq))``; ``job_hours = steps x
   step_seconds / 3600``; ``cost = job_hours x count x price_per_gpu_hour``.
 - **Spot** (``spot=True``): the same configuration priced by :func:`memfit.preempt.spot_plan`:
@@ -39,11 +40,10 @@ tie goes to the simpler option, as in ``fit``):
 
 The Pareto front: the candidates that no other matches or beats on both cost and job time.
 
-Known limitations: no pipeline parallelism, activation offload, parameter offload, chunked
-loss or fp8 searched (the plan's formulas size neither activation offload nor chunked loss; the
-cost model times no parameter fetches); memory from the formulas, not the trace; the LoRA
-adapters' FLOPs are counted but QLoRA's dequantization is not; no data-loading, evaluation or
-checkpoint time in the on-demand job.
+Known limitations: memory from the formulas, not the trace; the host memory that offload needs
+is reported (``host_bytes_per_gpu``), not checked; only the 1F1B schedule (the one the formulas
+size); fp8's casts are not timed; the LoRA adapters' FLOPs are counted but QLoRA's
+dequantization is not; no data-loading, evaluation or checkpoint time in the on-demand job.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _on_demand_row(best: _Best, *, name: str, count: int, price: Any, stale: boo
               "chunked_loss": best.run.chunked_loss, "micro_batch": best.run.batch,
               "accumulation": best.run.grad_accum, "tp": best.run.parallel.tp,
               "pp": best.run.parallel.pp, "dp": best.run.parallel.dp, "sharding": best.sharding,
-              "peak_bytes_per_gpu": best.peak}
+              "peak_bytes_per_gpu": best.peak, "host_bytes_per_gpu": best.host}
     hours = steps * best.step_s / 3600
     return TrainingCandidate(gpu=name, count=count, pricing="on-demand",
                              price_per_gpu_hour=price.price_per_hour, config=config,

@@ -51,6 +51,8 @@ class _Best:
     peak: int
     label: str
     sharding: str
+    host: int = 0
+    """Host bytes per GPU of the offloaded states (the plan's ``host_bytes``)."""
     extras: int = 0
     """The techniques beyond the plain step it uses (8-bit optimizer, offloads, chunked loss,
     fp8, pipeline): a more complex configuration replaces a simpler one only when more than
@@ -288,7 +290,10 @@ def search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_b
     that); and an offload (of the optimizer, the parameters or the activations) is planned
     only at micro-batches larger than the largest of the same configuration without it (at
     one micro-batch an offload only adds time in the cost model: its transfers, and for the
-    optimizer its step at the host's bandwidth, below every GPU's). The answer is the same
+    optimizer its step at the host's bandwidth, below every GPU's); a variant is not planned
+    when its lower bound (:func:`_variant_bound`: the compute, the optimizer's step and the
+    offloads' transfers) is no faster than the best, or when it does not fit at micro-batch 1
+    under full checkpointing (Note: [full checkpointing is lowest]). The answer is the same
     (tested against ``prune=False``). ``tally[0]`` counts the plans made."""
     tally = [0] if tally is None else tally
     from memfit.fitting.config import layout_label, sharding_of
@@ -405,6 +410,7 @@ def _search_variants(spec: Any, base_run: Any, gpu: Any, rates: Any, par: Any,
                 margin = tie if best is not None and extras > best.extras else 1e-9
                 if best is None or step_s < best.step_s * (1 - margin):
                     best = _Best(step_s=step_s, run=p_run, peak=p.total_bytes,
+                                 host=p.host_bytes,
                                  label=f"{precision}, ckpt={ckpt}, {tech}, mb={m}x"
                                        f"{per_rank // m}, {layout}",
                                  sharding=shard, extras=extras)
