@@ -502,3 +502,36 @@ def test_parameter_offload_fetches_the_shard_twice_a_micro_batch() -> None:
                          offload_params=params).transfer_s
 
     assert transfer(True) - transfer(False) == pytest.approx(4 * 2 * p / 8 / 25e9)
+
+
+@pytest.mark.parametrize("config", [TOY, DEEP, WIDE_VOCAB])
+def test_full_checkpointing_keeps_the_fewest_bytes(config: dict[str, object],
+                                                   tmp_path: Path) -> None:
+    """What the search's skip rests on (Note: [full checkpointing is lowest]): for each
+    variant and layout, the plan under full checkpointing is no larger than under selective
+    or none, in full training and LoRA, with the chunked loss or without."""
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
+    from memfit.gpus import get_gpu
+    from memfit.layout import Parallel
+    from memfit.models import resolve_model
+
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(config))
+    spec, gpu = resolve_model(str(path)), get_gpu("toy-a100-big")
+    layouts = [Parallel(gpus=1), Parallel(gpus=1, zero=3), Parallel(gpus=4, zero=1),
+               Parallel(gpus=4, zero=3), Parallel(gpus=4, tp=2, zero=2),
+               Parallel(gpus=4, pp=2)]
+    for mode in ("train", "lora"):
+        for par in layouts:
+            for opt, off, off_p in (("adamw", False, False), ("adamw-8bit", False, False),
+                                    ("adamw", True, False), ("adamw", True, True)):
+                if (off and (par.tp > 1 or par.pp > 1)) or (off_p and par.zero != 3):
+                    continue
+                for chunked in (False, True) if par.tp == 1 and par.pp == 1 else (False,):
+                    total = {c: plan(spec, RunConfig(
+                        mode=mode, seq=256, checkpointing=c, optimizer=opt,  # type: ignore[arg-type]
+                        offload_optimizer=off, offload_params=off_p, chunked_loss=chunked,
+                        grad_accum=2, parallel=par), gpu).total_bytes
+                        for c in ("none", "selective", "full")}
+                    assert total["full"] <= min(total.values()), (mode, par, opt, off, total)
