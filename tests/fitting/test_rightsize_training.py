@@ -535,3 +535,43 @@ def test_full_checkpointing_keeps_the_fewest_bytes(config: dict[str, object],
                         grad_accum=2, parallel=par), gpu).total_bytes
                         for c in ("none", "selective", "full")}
                     assert total["full"] <= min(total.values()), (mode, par, opt, off, total)
+
+
+# A full step whose weights decide the fit: two blocks of hidden 8192 (Llama-3-70B's), 2.2e9
+# parameters, 64 tokens.
+HEAVY = {**TOY, "hidden_size": 8192, "num_hidden_layers": 2, "num_attention_heads": 64,
+         "num_key_value_heads": 8, "intermediate_size": 28_672, "vocab_size": 32_000}
+
+
+def test_parameter_offload_is_found_where_only_it_fits(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
+    from memfit.categories import MemoryCategory as Cat
+    from memfit.layout import Parallel
+
+    model, spec, gpu = _one_gpu(tmp_path, monkeypatch, HEAVY, 64 * 2**30)
+    zero3 = Parallel(gpus=1, zero=3)
+    both = plan(spec, RunConfig(mode="train", seq=64, checkpointing="full", parallel=zero3,
+                                offload_optimizer=True, offload_params=True), gpu)
+    # ZeRO-Infinity: the 16-bit parameters (2 bytes each), the gradients and the optimizer's
+    # fp32 masters and states (16 bytes) live on the host; none of them on the GPU.
+    # Parameters by hand: q and o 8192 x 8192, k and v 8192 x 1024, the gated MLP 3 x 8192 x
+    # 28672 and two norms a block; the embedding and the head 32000 x 8192; the final norm.
+    h, f = 8192, 28_672
+    params = 2 * (2 * h * h + 2 * h * 1024 + 3 * h * f + 2 * h) + 2 * 32_000 * h + h
+    assert both.breakdown[Cat.WEIGHTS] == both.breakdown[Cat.GRADIENTS] \
+        == both.breakdown[Cat.OPTIMIZER_STATES] == 0
+    assert both.host_bytes == 18 * params
+    # Without parameter offload the GPU keeps at least the 16-bit weights (2 bytes a
+    # parameter): every other configuration the search has is larger.
+    others = min(_lowest(spec, gpu, 64, checkpointing=c, chunked_loss=ch)
+                 for c in ("none", "selective", "full") for ch in (False, True))
+    assert both.total_bytes < others
+    model, spec, gpu = _one_gpu(tmp_path, monkeypatch, HEAVY,
+                                int((both.total_bytes + others) / 2 / 0.81))
+    r = rightsize_training(model, mode="train", train_tokens=1e6, seq=64, global_batch=1,
+                           gpus_max=1, gpus=["toy-a100-one"])
+    (row,) = r.candidates
+    assert row.config["offload_params"] is True and "param offload" in row.config["label"]
+    assert row.config["host_bytes_per_gpu"] == both.host_bytes
