@@ -140,6 +140,11 @@ def test_flops_from_one_and_two_blocks_equal_the_whole_models(toy: str) -> None:
         run = RunConfig(mode=mode, seq=64)  # type: ignore[arg-type]
         whole = _count(spec, dataclasses.replace(run, checkpointing=ckpt), 64)
         assert _Counter(spec, run, 64)(ckpt) == whole
+        # the chunked loss's difference, counted once on one block without checkpointing
+        chunked = _count(spec, dataclasses.replace(run, checkpointing=ckpt, chunked_loss=True),
+                         64)
+        assert _Counter(spec, run, 64)(ckpt, True) == chunked
+        assert chunked.flops > whole.flops  # its backward makes each chunk's logits again
 
 
 def test_step_times_match_fits_traced_search_for_the_same_configuration(toy: str) -> None:
