@@ -140,6 +140,11 @@ def test_flops_from_one_and_two_blocks_equal_the_whole_models(toy: str) -> None:
         run = RunConfig(mode=mode, seq=64)  # type: ignore[arg-type]
         whole = _count(spec, dataclasses.replace(run, checkpointing=ckpt), 64)
         assert _Counter(spec, run, 64)(ckpt) == whole
+        # the chunked loss's difference, counted once on one block without checkpointing
+        chunked = _count(spec, dataclasses.replace(run, checkpointing=ckpt, chunked_loss=True),
+                         64)
+        assert _Counter(spec, run, 64)(ckpt, True) == chunked
+        assert chunked.flops > whole.flops  # its backward makes each chunk's logits again
 
 
 def test_step_times_match_fits_traced_search_for_the_same_configuration(toy: str) -> None:
@@ -156,12 +161,13 @@ def test_step_times_match_fits_traced_search_for_the_same_configuration(toy: str
     for c in r.candidates:
         cfg = c.config
         space = {"precision": [cfg["precision"]], "checkpointing": [cfg["checkpointing"]],
-                 "micro_batch": [cfg["micro_batch"]], "chunked_loss": [False],
+                 "micro_batch": [cfg["micro_batch"]], "chunked_loss": [cfg["chunked_loss"]],
                  "attention": ["model"], "optimizer": [cfg["optimizer"]],
                  "offload_states": [cfg["offload_optimizer"]],
-                 "offload_activations": [False], "sharding": [cfg["sharding"]]}
-        layout = {"gpus": 2, "space": {**space, "tp": [1], "pp": [1]}} if c.count == 2 \
-            else {"space": space}
+                 "offload_activations": [cfg["offload_activations"]],
+                 "sharding": [cfg["sharding"]]}
+        layout = {"gpus": 2, "space": {**space, "tp": [cfg["tp"]], "pp": [cfg["pp"]]}} \
+            if c.count == 2 else {"space": space}
         plan = fit(build_model(spec, device="meta"), example_inputs(spec, batch=1, seq=64),
                    global_batch=8, gpu="toy-a100-big", progress=False, **layout)
         assert plan.chosen.config.micro_batch == cfg["micro_batch"]
@@ -173,6 +179,16 @@ def test_pruning_changes_nothing(toy: str) -> None:
     full = _size(toy, gpus_max=4, prune=False)
     assert pruned.candidates == full.candidates and pruned.pareto == full.pareto
     assert pruned.plans < full.plans  # the bound skipped some plans
+
+
+def test_pruning_changes_nothing_with_fp8(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    tflops = {"fp32": 0.001, "tf32": None, "fp16": 0.001, "bf16": 0.001, "fp8": 0.002}
+    model, _, _ = _one_gpu(tmp_path, monkeypatch, TOY, 2**30, fp8=True,
+                           compute_capability="9.0", tflops=tflops)
+    pruned = _size(model, gpus=["toy-a100-one"], gpus_max=4)
+    full = _size(model, gpus=["toy-a100-one"], gpus_max=4, prune=False)
+    assert pruned.candidates == full.candidates and pruned.plans < full.plans
 
 
 def test_an_unpriced_gpu_is_skipped_and_said(toy: str) -> None:
@@ -319,3 +335,248 @@ def test_optimizer_offload_is_found_where_only_it_fits(tmp_path: Path,
     assert plans[("adamw", True)].breakdown[Cat.OPTIMIZER_STATES] == 0
     (row,) = r.candidates
     assert row.config["offload_optimizer"] is True and "offload" in row.config["label"]
+
+
+# -- the techniques the search added: chunked loss, activation offload, fp8 ----------------------
+
+def _one_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, object],
+             memory: int, **gpu: object) -> tuple[str, object, object]:
+    """``config`` as a model file and one toy GPU of ``memory`` bytes (``gpu``: its other
+    catalog fields): (the model path, its spec, the GPU)."""
+    from memfit.gpus import get_gpu
+    from memfit.models import resolve_model
+
+    gpus = tmp_path / "one.json"
+    gpus.write_text(json.dumps({"gpus": [{**_gpu("toy-a100-one", memory, 1.0), **gpu}]}))
+    monkeypatch.setenv("MEMFIT_GPU_FILE", str(gpus))
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(config))
+    return str(model), resolve_model(str(model)), get_gpu("toy-a100-one")
+
+
+def _no_fit_without(spec: object, gpu: object, mode: str, seq: int, **technique: bool) -> None:
+    """Every configuration the search has at micro-batch 1 on one GPU, without ``technique``:
+    each policy, activation offload (no checkpointing), and the optimizer kept, in 8 bits or
+    offloaded; none fits."""
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
+
+    for ckpt in ("none", "selective", "full"):
+        for extra in ({}, {"offload_activations": True}, {"chunked_loss": True}):
+            if set(extra) & set(technique) or ("offload_activations" in extra
+                                               and ckpt != "none"):
+                continue
+            for opt, off in (("adamw", False), ("adamw-8bit", False), ("adamw", True)):
+                run = RunConfig(mode=mode, seq=seq, checkpointing=ckpt,  # type: ignore[arg-type]
+                                optimizer=opt, offload_optimizer=off, **extra)  # type: ignore[arg-type]
+                assert not plan(spec, run, gpu).fits, (ckpt, extra, opt, off)  # type: ignore[arg-type]
+
+
+# A LoRA step whose loss decides the fit: vocabulary 65,536 over hidden 64, 4,096 tokens.
+WIDE_VOCAB = {**TOY, "num_hidden_layers": 2, "vocab_size": 65_536}
+
+
+def test_the_chunked_loss_is_found_where_only_it_fits(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
+    from memfit.categories import MemoryCategory as Cat
+
+    s, v, h, e, c = 4096, 65_536, 64, 2, 1024  # tokens, vocabulary, hidden, bf16, chunk
+    model, spec, gpu = _one_gpu(tmp_path, monkeypatch, WIDE_VOCAB, 4 * 2**30)
+    plain, chunked = (plan(spec, RunConfig(mode="lora", seq=s, checkpointing="full",
+                                           chunked_loss=ch), gpu) for ch in (False, True))
+    # At the loss, by hand (the head frozen: no head input kept, no weight gradient): the
+    # plain loss keeps the fp32 log-softmax (4 s V) and makes the logits' gradient twice in
+    # fp32 (8 s V); the chunked one keeps the head input (e s h), the labels and a log-sum-exp
+    # (8 + 4 bytes a token), and makes one chunk's fp32 and bf16 logits gradient ((4 + e) c V)
+    # and the head input's gradient (e s h).
+    saved = (4 * s * v) - (e * s * h + 12 * s)
+    transient = (8 * s * v) - ((4 + e) * c * v + e * s * h)
+    assert plain.breakdown[Cat.ACTIVATIONS] - chunked.breakdown[Cat.ACTIVATIONS] == saved
+    assert plain.breakdown[Cat.TEMPORARIES] - chunked.breakdown[Cat.TEMPORARIES] == transient
+    # A GPU between the two: only the chunked loss fits it.
+    usable = (plain.total_bytes + chunked.total_bytes) // 2
+    model, spec, gpu = _one_gpu(tmp_path, monkeypatch, WIDE_VOCAB, int(usable / 0.81))
+    _no_fit_without(spec, gpu, "lora", s, chunked_loss=True)
+    r = rightsize_training(model, mode="lora", train_tokens=1e6, seq=s, global_batch=1,
+                           gpus_max=1, gpus=["toy-a100-one"])
+    (row,) = r.candidates
+    assert row.config["chunked_loss"] is True and "chunked-loss" in row.config["label"]
+
+
+# A full step whose blocks' activations decide the fit: 128 blocks of hidden 64, 4,096 tokens.
+DEEP = {**TOY, "num_hidden_layers": 128}
+
+
+def _lowest(spec: object, gpu: object, seq: int, **extra: object) -> int:
+    """The least bytes of a full training step at micro-batch 1 over the optimizer variants
+    the search has (AdamW, 8-bit AdamW, AdamW offloaded)."""
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
+
+    return min(plan(spec, RunConfig(mode="train", seq=seq, optimizer=opt,  # type: ignore[arg-type]
+                                    offload_optimizer=off, **extra), gpu).total_bytes  # type: ignore[arg-type]
+               for opt, off in (("adamw", False), ("adamw-8bit", False), ("adamw", True))
+               if not (off and extra.get("offload_activations")))
+
+
+def test_activation_offload_is_found_where_only_it_fits(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
+    from memfit.categories import MemoryCategory as Cat
+    from memfit.models import resolve_model
+
+    s = 4096
+    model, spec, gpu = _one_gpu(tmp_path, monkeypatch, DEEP, 4 * 2**30)
+    offload = plan(spec, RunConfig(mode="train", seq=s, offload_activations=True), gpu)
+    # With offload, the device keeps two blocks' saved tensors (the one back-propagated and
+    # the one prefetched), and the head's and loss's: what a 2-block step keeps without
+    # offload, less the batch (int64 ids and labels, 16 bytes a token), which offload moves.
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps({**DEEP, "num_hidden_layers": 2}))
+    two_blocks = plan(resolve_model(str(two)), RunConfig(mode="train", seq=s), gpu)
+    assert offload.breakdown[Cat.ACTIVATIONS] == two_blocks.breakdown[Cat.ACTIVATIONS] - 16 * s
+    # Full checkpointing keeps each of the 128 blocks' fp32 input (4 s h bytes): more.
+    others = min(_lowest(spec, gpu, s, checkpointing=c, chunked_loss=ch)
+                 for c in ("none", "selective", "full") for ch in (False, True))
+    best = _lowest(spec, gpu, s, offload_activations=True)
+    assert best < others
+    model, spec, gpu = _one_gpu(tmp_path, monkeypatch, DEEP, int((best + others) / 2 / 0.81))
+    _no_fit_without(spec, gpu, "train", s, offload_activations=True)
+    r = rightsize_training(model, mode="train", train_tokens=1e6, seq=s, global_batch=1,
+                           gpus_max=1, gpus=["toy-a100-one"])
+    (row,) = r.candidates
+    assert row.config["offload_activations"] is True and "act offload" in row.config["label"]
+
+
+@pytest.mark.parametrize(("cc", "chosen"), [("8.9", True), ("9.0", True), ("8.6", False),
+                                            ("8.0", False)])
+def test_fp8_only_on_compute_capability_8_9_and_later(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      cc: str, chosen: bool) -> None:
+    """A toy GPU whose catalog entry claims fp8 at 1000x the bf16 rate (a bf16 step of the toy
+    is compute-bound at this rate, not launch-bound): fp8 wins wherever it is searched, and it
+    is searched only from compute capability 8.9 (Ada, Hopper) on, whatever the entry's flag
+    says."""
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
+
+    tflops = {"fp32": 0.001, "tf32": None, "fp16": 0.001, "bf16": 0.001, "fp8": 1.0}
+    model, spec, gpu = _one_gpu(tmp_path, monkeypatch, TOY, 8 * 2**30, fp8=True,
+                                compute_capability=cc, tflops=tflops)
+    # Note: [fp8 is planned as bf16-mixed]: the same bytes, so the fit is decided once.
+    same = {p: plan(spec, RunConfig(mode="train", seq=64, precision=p), gpu).total_bytes
+            for p in ("bf16-mixed", "fp8")}
+    assert same["bf16-mixed"] == same["fp8"]
+    r = _size(model, gpus=["toy-a100-one"], gpus_max=4)
+    assert r.candidates
+    assert all((c.config["precision"] == "fp8") is chosen for c in r.candidates)
+
+
+def test_fp8_never_on_catalog_gpus_below_8_9(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2 at 64 x 1024 tokens a step is compute-bound on each of these GPUs: fp8 wins on the
+    H100 (compute capability 9.0) and the L4 (8.9), and is never searched on the A100 (8.0) or
+    the A10G (8.6)."""
+    monkeypatch.delenv("MEMFIT_GPU_FILE")
+    r = rightsize_training("gpt2", mode="train", train_tokens=1e8, seq=1024, global_batch=64,
+                           gpus_max=1, gpus=["a100-sxm-80gb", "a10g", "h100-sxm-80gb", "l4"])
+    assert len(r.candidates) == 4
+    for c in r.candidates:
+        assert (c.config["precision"] == "fp8") == (c.gpu in ("h100-sxm-80gb", "l4")), c
+
+
+def test_parameter_offload_fetches_the_shard_twice_a_micro_batch() -> None:
+    """ZeRO-Infinity's parameter offload in ``step_cost``: each of 4 micro-batches fetches the
+    rank's ZeRO-3 shard (P / dp bytes) from the host in its forward and again in its backward,
+    at the host link: 4 x 2 x P / 8 / 25 GB/s more transfer than the same step without it."""
+    from memfit.fitting.cost import Rates, step_cost
+    from memfit.layout import Parallel
+
+    rates = Rates(flops={"bf16-mixed": 1e12}, bandwidth=1e12, host_link=25e9, gpu_link=450e9,
+                  launch_s=0.0, source="test")
+    p = 4 * 10**9
+
+    def transfer(params: bool) -> float:
+        return step_cost(rates, precision="bf16-mixed", micro_flops=1e9, accumulation=4,
+                         activation_traffic_bytes=0, offloaded_bytes=0, ops_per_micro=0,
+                         param_bytes=p, grad_bytes=p, state_bytes=6 * p,
+                         offload_activations=False, offload_states=True, sharding="zero3",
+                         num_gpus=8, parallel=Parallel(gpus=8, zero=3),
+                         offload_params=params).transfer_s
+
+    assert transfer(True) - transfer(False) == pytest.approx(4 * 2 * p / 8 / 25e9)
+
+
+@pytest.mark.parametrize("config", [TOY, DEEP, WIDE_VOCAB])
+def test_full_checkpointing_keeps_the_fewest_bytes(config: dict[str, object],
+                                                   tmp_path: Path) -> None:
+    """What the search's skip rests on (Note: [full checkpointing is lowest]): for each
+    variant and layout, the plan under full checkpointing is no larger than under selective
+    or none, in full training and LoRA, with the chunked loss or without."""
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
+    from memfit.gpus import get_gpu
+    from memfit.layout import Parallel
+    from memfit.models import resolve_model
+
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(config))
+    spec, gpu = resolve_model(str(path)), get_gpu("toy-a100-big")
+    layouts = [Parallel(gpus=1), Parallel(gpus=1, zero=3), Parallel(gpus=4, zero=1),
+               Parallel(gpus=4, zero=3), Parallel(gpus=4, tp=2, zero=2),
+               Parallel(gpus=4, pp=2)]
+    for mode in ("train", "lora"):
+        for par in layouts:
+            for opt, off, off_p in (("adamw", False, False), ("adamw-8bit", False, False),
+                                    ("adamw", True, False), ("adamw", True, True)):
+                if (off and (par.tp > 1 or par.pp > 1)) or (off_p and par.zero != 3):
+                    continue
+                for chunked in (False, True) if par.tp == 1 and par.pp == 1 else (False,):
+                    total = {c: plan(spec, RunConfig(
+                        mode=mode, seq=256, checkpointing=c, optimizer=opt,  # type: ignore[arg-type]
+                        offload_optimizer=off, offload_params=off_p, chunked_loss=chunked,
+                        grad_accum=2, parallel=par), gpu).total_bytes
+                        for c in ("none", "selective", "full")}
+                    assert total["full"] <= min(total.values()), (mode, par, opt, off, total)
+
+
+# A full step whose weights decide the fit: two blocks of hidden 8192 (Llama-3-70B's), 2.2e9
+# parameters, 64 tokens.
+HEAVY = {**TOY, "hidden_size": 8192, "num_hidden_layers": 2, "num_attention_heads": 64,
+         "num_key_value_heads": 8, "intermediate_size": 28_672, "vocab_size": 32_000}
+
+
+def test_parameter_offload_is_found_where_only_it_fits(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from memfit.analytic.config import RunConfig
+    from memfit.analytic.planner import plan
+    from memfit.categories import MemoryCategory as Cat
+    from memfit.layout import Parallel
+
+    model, spec, gpu = _one_gpu(tmp_path, monkeypatch, HEAVY, 64 * 2**30)
+    zero3 = Parallel(gpus=1, zero=3)
+    both = plan(spec, RunConfig(mode="train", seq=64, checkpointing="full", parallel=zero3,
+                                offload_optimizer=True, offload_params=True), gpu)
+    # ZeRO-Infinity: the 16-bit parameters (2 bytes each), the gradients and the optimizer's
+    # fp32 masters and states (16 bytes) live on the host; none of them on the GPU.
+    # Parameters by hand: q and o 8192 x 8192, k and v 8192 x 1024, the gated MLP 3 x 8192 x
+    # 28672 and two norms a block; the embedding and the head 32000 x 8192; the final norm.
+    h, f = 8192, 28_672
+    params = 2 * (2 * h * h + 2 * h * 1024 + 3 * h * f + 2 * h) + 2 * 32_000 * h + h
+    assert both.breakdown[Cat.WEIGHTS] == both.breakdown[Cat.GRADIENTS] \
+        == both.breakdown[Cat.OPTIMIZER_STATES] == 0
+    assert both.host_bytes == 18 * params
+    # Without parameter offload the GPU keeps at least the 16-bit weights (2 bytes a
+    # parameter): every other configuration the search has is larger.
+    others = min(_lowest(spec, gpu, 64, checkpointing=c, chunked_loss=ch)
+                 for c in ("none", "selective", "full") for ch in (False, True))
+    assert both.total_bytes < others
+    model, spec, gpu = _one_gpu(tmp_path, monkeypatch, HEAVY,
+                                int((both.total_bytes + others) / 2 / 0.81))
+    r = rightsize_training(model, mode="train", train_tokens=1e6, seq=64, global_batch=1,
+                           gpus_max=1, gpus=["toy-a100-one"])
+    (row,) = r.candidates
+    assert row.config["offload_params"] is True and "param offload" in row.config["label"]
+    assert row.config["host_bytes_per_gpu"] == both.host_bytes

@@ -20,8 +20,13 @@ it (Note: [op-level selective checkpointing] in ``selective_activations.py``), `
 torchtitan's op-level policy (Note: [torchtitan's policy in the formulas]); Korthikanti's
 score-only recompute is ``selective-attn``.
 
+``chunked_loss`` sizes memfit's chunked cross-entropy (Note: [chunked loss in the formulas]) and
+``offload_activations`` its activation offload (Note: [activation offload in the formulas]).
+
 Known limitations: the logits/loss terms assume Hugging Face's loss (logits upcast to fp32 then
-log-softmax); fused/chunked losses (Liger) need far less. Kernel workspaces are not counted.
+log-softmax), or memfit's chunked loss on its PyTorch path (Liger's fused kernel, which it uses
+on CUDA when installed, needs less). Kernel workspaces are not counted. Activation offload's
+host bytes are not added to the plan's host memory.
 """
 
 from __future__ import annotations
@@ -38,9 +43,31 @@ from memfit.analytic.block_activations import (
 from memfit.analytic.config import RunConfig
 from memfit.analytic.selective_activations import selective_layer_bytes
 from memfit.dtypes import nbytes
+from memfit.errors import MemfitError
 from memfit.models.spec import TransformerSpec
 
 INDEX_BYTES = 8  # token ids and labels are int64
+CHUNKED_LOSS_TOKENS = 1024
+"""Tokens per chunk of memfit's chunked loss (``apply_chunked_loss``'s default chunk_size)."""
+
+# Note: [chunked loss in the formulas] memfit/techniques/loss.py: _ChunkedCrossEntropy keeps, of
+# the loss, only its inputs (the head input, and the shifted int64 labels) and one fp32
+# log-sum-exp per token, not the [tokens, vocab] fp32 log-softmax. Its forward holds one chunk
+# of c = min(CHUNKED_LOSS_TOKENS, tokens) rows at a time: the 16-bit logits and their fp32 copy
+# ((e + 4) c V). Its backward allocates the head input's gradient (e s b h) and, when the head is
+# trained, an fp32 weight-gradient accumulator (4 V h) beside each chunk's fp32 product
+# grad.t() @ h.float() (4 V h, and the 4 c h fp32 copy of the chunk's input), with the chunk's
+# fp32 logits gradient and its 16-bit cast ((4 + e) c V). The 16-bit gradient it returns is the
+# head's gradient (model states). Vocabulary-parallel heads (tp > 1) are not sized chunked.
+
+# Note: [activation offload in the formulas] memfit/techniques/offload.py moves every tensor
+# autograd saves to host memory in the forward and brings each back when backward needs it,
+# prefetching the one saved before it. On the device, at every moment of backward: the saved
+# tensors of the block being back-propagated and of the one being prefetched (an upper bound on
+# "one tensor ahead": two blocks' worth), and at the loss the head's and loss's saved tensors,
+# which backward needs first. A checkpointed block saves nothing through autograd (its inputs
+# and kept outputs stay in the checkpoint's own storage, Note: [offload after checkpointing]),
+# so under checkpointing only the inputs before the first block leave the device.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,12 +103,15 @@ def input_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int) 
 
 
 def output_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int, tp: int,
-                 residual_bytes: int | None = None, trained: bool = True) -> int:
+                 residual_bytes: int | None = None, trained: bool = True,
+                 chunked: bool = False) -> int:
     """Saved bytes after the last block: final norm, head input and the loss's log-softmax.
 
     The logits themselves are not kept: HF upcasts them to fp32 and cross-entropy keeps only
     its log-softmax output, so the 16-bit logits and the fp32 copy are transient (counted as
-    temporaries)."""
+    temporaries). ``chunked``: memfit's chunked loss keeps the head input (frozen head too),
+    the shifted labels and one fp32 log-sum-exp per token instead of the log-softmax (Note:
+    [chunked loss in the formulas])."""
     s, b, e, h = seq, batch, act_bytes, spec.hidden_size
     r = residual_bytes or e
     if spec.arch == "vision":
@@ -89,6 +119,8 @@ def output_terms(spec: TransformerSpec, *, seq: int, batch: int, act_bytes: int,
     if spec.arch == "encoder":
         return e * b * h if spec.pooler else 0
     total = norm_saved_bytes(spec, residual_bytes=r, trained=trained) * s * b * h
+    if chunked:
+        return total + e * s * b * h + (INDEX_BYTES + 4) * s * b
     if trained:
         total += e * s * b * h  # LM head input, for the head's weight gradient
     vocab = -(-spec.vocab_size // tp)  # vocab-parallel head under tensor parallelism
@@ -152,6 +184,11 @@ def _transients(spec: TransformerSpec, run: RunConfig, terms: LayerTerms, *, seq
         # as the log-softmax in output_terms) and its backward turns that saved tensor into the
         # gradient in place: only the 16-bit cast back to the logits' dtype is new.
         loss_grad = e * s * b * vocab
+    if vocab and run.chunked_loss:  # Note: [chunked loss in the formulas]
+        c = min(CHUNKED_LOSS_TOKENS, s * b)
+        trained_head = run.mode == "train"
+        loss_grad = ((4 + e) * c * vocab + e * s * b * h
+                     + ((4 + 4) * vocab * h + 4 * c * h if trained_head else 0))
     f_local = -(-spec.intermediate_size // run.parallel.tp)
     block_grad = 2 * e * s * b * f_local + 2 * e * s * b * h
     if run.attention == "eager":
@@ -161,6 +198,8 @@ def _transients(spec: TransformerSpec, run: RunConfig, terms: LayerTerms, *, seq
     logits_forward = (e + 4 if e != 4 else 4) * s * b * vocab
     if run.layout == "megatron":
         logits_forward = e * s * b * vocab  # the fp32 copy is the exp(logits) it saves
+    if vocab and run.chunked_loss:
+        logits_forward = (e + 4) * min(CHUNKED_LOSS_TOKENS, s * b) * vocab
     return loss_grad, block_grad, logits_forward
 
 
@@ -231,8 +270,20 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     held = in_flight * kept
     if first:
         held += in_flight * input_terms(spec, seq=s, batch=b, act_bytes=e)
+    checkpointed = run.checkpointing in ("selective", "torchtitan", "full")
+    if run.offload_activations:  # Note: [activation offload in the formulas]
+        held = in_flight * kept if checkpointed else min(held, 2 * block_kept)
+        kept = held // max(in_flight * layers, 1)
+        notes.append("activation offload: saved tensors in host memory, "
+                     + ("the checkpointed blocks' kept tensors stay on the device"
+                        if checkpointed else "two blocks' on the device"))
+    chunked = run.chunked_loss and spec.arch == "decoder" and last
+    if run.chunked_loss and run.parallel.tp > 1:
+        raise MemfitError("the chunked loss is sized for a whole LM head (tp 1): "
+                          "drop chunked_loss or tensor parallelism")
     outputs = output_terms(spec, seq=s, batch=b, act_bytes=e, tp=run.parallel.tp,
-                           residual_bytes=norm_input, trained=not lora) if last else 0
+                           residual_bytes=norm_input, trained=not lora,
+                           chunked=chunked) if last else 0
 
     loss_grad, block_grad, logits_forward = _transients(spec, run, terms, seq=s, act_bytes=e,
                                                         last=last)
@@ -240,7 +291,6 @@ def training_activations(spec: TransformerSpec, run: RunConfig, seq: int,
     # the logits' gradient) and in the last block's backward (the head's tensors are freed by
     # then; the recomputed block and its gradients exist).
     casts_per_layer, casts_head = _weight_casts(spec, run, act_bytes=e, lora=lora, last=last)
-    checkpointed = run.checkpointing in ("selective", "torchtitan", "full")
     casts = layers * casts_per_layer + casts_head
     # A third moment, the end of forward (the loss is computed inside the model's forward): the
     # 16-bit logits and their fp32 copy, and the weight casts still in autocast's cache, which a

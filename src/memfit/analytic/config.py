@@ -95,6 +95,15 @@ class RunConfig:
     offload_to: OffloadTo = "cpu"
     """Where offloaded states go: cpu (host memory) or nvme (ZeRO-Infinity's NVMe tier: DeepSpeed
     only; host memory keeps the swap buffers)."""
+    offload_activations: bool = False
+    """The tensors saved for backward live in host memory (``memfit.techniques.
+    apply_activation_offload``): on the device stay the block being back-propagated and the one
+    prefetched, the head's and loss's tensors at the loss, and whatever a checkpointed block
+    keeps (its own storage, which offload does not move: Note: [offload after checkpointing])."""
+    chunked_loss: bool = False
+    """The decoder's cross-entropy over :data:`memfit.analytic.activations.CHUNKED_LOSS_TOKENS`
+    tokens at a time (``memfit.techniques.apply_chunked_loss``, its PyTorch path): no full fp32
+    logits or log-softmax, one chunk's at a time."""
     engine: Engine = "auto"
     """The training engine whose memory layout is planned: fsdp2 (PyTorch fully_shard,
     MixedPrecisionPolicy, CPUOffloadPolicy), ddp (PyTorch DDP under autocast; ZeRO-1 as
@@ -147,6 +156,9 @@ class RunConfig:
         if self.offload_params and self.zero != 3:
             raise MemfitError("parameter offload needs ZeRO-3 / FSDP: add --zero 3, "
                               "or use --offload-optimizer alone")
+        if not self.training and (self.offload_activations or self.chunked_loss):
+            raise MemfitError("activation offload and the chunked loss act on a training step's "
+                              "saved tensors and loss; drop them for --mode inference")
         if self.mode == "inference":
             if self.zero:
                 raise MemfitError("ZeRO shards training state; it does not apply to "
@@ -263,6 +275,8 @@ class RunConfig:
                 "checkpointing": self.checkpointing, "micro_batch": self.batch,
                 "accumulation": self.grad_accum, "offload_states": self.offload_optimizer,
                 "offload_params": self.offload_params, "offload_to": self.offload_to,
+                "offload_activations": self.offload_activations,
+                "chunked_loss": self.chunked_loss,
                 "attention": self.attention, "weight_quant": self.weight_quant,
                 "lora_rank": self.lora_rank if lora else None,
                 "lora_targets": self.lora_targets, "qlora": self.mode == "qlora",

@@ -101,7 +101,28 @@ def split_params(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ParamSp
     """Parameters on one GPU of pipeline stage ``stage`` after tp/pp splitting.
 
     Tensor parallelism divides every weight by tp (norms are replicated; ignored, < 0.01%).
+    Kept by what it reads (the model, the mode, LoRA's rank and targets, tp, pp, the stage): a
+    plan asks for it several times, and a search (``memfit rightsize``) for the same ones again
+    and again.
     """
+    key = (model, run.mode, run.lora_rank, run.lora_targets, run.parallel.tp, run.parallel.pp,
+           stage)
+    try:
+        found = _SPLITS.get(key)
+    except TypeError:  # a model spec with an unhashable field: computed each time
+        return _split_params(model, run, stage=stage)
+    if found is None:
+        if len(_SPLITS) > 4096:
+            _SPLITS.clear()
+        found = _SPLITS[key] = _split_params(model, run, stage=stage)
+    return found
+
+
+_SPLITS: dict[tuple[object, ...], ParamSplit] = {}
+
+
+def _split_params(model: ModelSpec, run: RunConfig, *, stage: int) -> ParamSplit:
+    """:func:`split_params`, computed."""
     if isinstance(model, ParamCountSpec):
         if run.mode in ("lora", "qlora"):
             if isinstance(model, HFModelSpec):  # a config.json the formulas do not cover

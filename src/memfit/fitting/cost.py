@@ -16,8 +16,10 @@ and parameter communication. The terms:
   but writes as much, and its recompute writes again in proportion to the FLOPs it adds), at the
   memory bandwidth; the optimizer step reads and writes parameters, gradients and states once.
 - transfers: activation offload moves the saved bytes to the host and back; state offload moves
-  gradients down and parameters up each step, at the catalog's ``host_link.gbps`` (no overlap
-  assumed: an upper bound on the cost).
+  gradients down and parameters up each step; parameter offload (ZeRO-Infinity's
+  ``offload_param``, under ZeRO-3) fetches the rank's parameter shard from the host in every
+  micro-batch's forward and again in its backward; all at the catalog's ``host_link.gbps`` (no
+  overlap assumed: an upper bound on the cost).
 - communication (``num_gpus``): ring all-reduce of the gradients (``2 (N-1)/N`` of their bytes)
   for DDP, ZeRO-1 and ZeRO-2; ZeRO-3/FSDP adds an all-gather of the parameters in forward and
   backward (``3 x`` ``(N-1)/N``), at ``gpu_link.gbps``, none of it hidden. With a layout
@@ -82,7 +84,8 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
               param_bytes: int, grad_bytes: int, state_bytes: int, offload_activations: bool,
               offload_states: bool, sharding: str, num_gpus: int, parallel: Any = None,
               boundary_bytes: int = 0, layers: int = 1,
-              layout_bytes: dict[str, Any] | None = None) -> StepCost:
+              layout_bytes: dict[str, Any] | None = None,
+              offload_params: bool = False) -> StepCost:
     """Seconds of one optimizer step of a candidate (see the module docstring for each term).
 
     ``micro_flops``: forward + backward (+ recompute) FLOPs of one micro-batch;
@@ -93,7 +96,9 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
     by ``tp * pp``), ``boundary_bytes`` is one block's input for one micro-batch (what a
     tensor-parallel all-reduce and a pipeline send move) and ``layers`` the model's blocks; the
     communication is :func:`layout_comm`'s (``layout_bytes``: its keyword arguments for the
-    head's logits, the loss and the experts), ``num_gpus`` and ``sharding`` are then unused."""
+    head's logits, the loss and the experts), ``num_gpus`` and ``sharding`` are then unused.
+    ``offload_params``: the parameters live on the host, each rank's ZeRO-3 shard (``1 / dp``
+    of ``param_bytes``) fetched twice a micro-batch."""
     rate = rates.flops[precision]
     compute = accumulation * micro_flops / rate
     traffic = accumulation * 3 * activation_traffic_bytes / rates.bandwidth
@@ -112,6 +117,9 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
     transfer = 0.0
     if offload_activations:
         transfer += accumulation * 2 * offloaded_bytes / rates.host_link
+    if offload_params:
+        shards = parallel.dp if parallel is not None else num_gpus
+        transfer += accumulation * 2 * param_bytes / shards / rates.host_link
     model_bytes = param_bytes + grad_bytes + state_bytes
     if offload_states:
         transfer += (grad_bytes + param_bytes) / rates.host_link

@@ -2,33 +2,34 @@
 the fastest training configuration that fits it, its step time, the job's time and its cost,
 ranked by cost, with the cost-vs-time Pareto front.
 
-For each GPU and count (1, 2, 4, ... up to ``gpus_max``) the search tries each layout (tensor
-parallel 1, 2, 4, 8 inside a node; DDP, ZeRO-1, ZeRO-2, FSDP over the data-parallel ranks; tp
-only under FSDP, as torchtitan) x activation checkpointing (none, selective, full) x optimizer
-(the named one and its 8-bit form, AdamW's ``adamw-8bit``, as ``fit`` searches it) x optimizer
-offload (off, and DeepSpeed's ZeRO-Offload where there is no tensor parallelism and the layout
-is not plain DDP), each at its largest fitting micro-batch (a power of two dividing the
-per-rank batch; memory grows with it and, in the cost model, time never does), and keeps the
-fastest; an 8-bit optimizer or offload replaces a configuration with fewer of them only when
-more than ``fit``'s tie tolerance (:data:`memfit.fitting.plan.TIE_TOLERANCE`, 1%) faster (the
-tie goes to the simpler option, as in ``fit``):
+For each GPU and count (1, 2, 4, ... up to ``gpus_max``) the search
+(:mod:`memfit.fitting.rightsize_search`, whose docstring lists the rules) tries each layout
+(tensor parallel 1, 2, 4, 8 inside a node x 1F1B pipeline stages x DDP, ZeRO-1, ZeRO-2, FSDP
+over the data-parallel ranks) x precision (bf16-mixed, and fp8 from compute capability 8.9) x
+activation checkpointing (none, selective, full) x chunked loss x optimizer (the named one and
+its 8-bit form, as ``fit`` searches it) x offload (of the optimizer, the parameters, the
+activations), each at its largest fitting micro-batch (under a pipeline, at each fitting one),
+and keeps the fastest; a configuration with more of these techniques replaces one with fewer
+only when more than ``fit``'s tie tolerance (:data:`memfit.fitting.plan.TIE_TOLERANCE`, 1%)
+faster (the tie goes to the simpler option, as in ``fit``):
 
 - **Memory:** :func:`memfit.plan`'s formulas (:mod:`memfit.analytic.planner`), which cover
-  LoRA and QLoRA, tensor parallelism and ZeRO; a configuration fits when the plan says so
+  LoRA and QLoRA, tensor and pipeline parallelism, ZeRO and its offloads, the chunked loss and
+  activation offload; a configuration fits when the plan says so
   (:data:`memfit.analytic.planner.FITS_MARGIN` kept free). ``fit`` traces instead; one traced
   ``fit`` of llama-3-8b at seq 4096 took over ten minutes on the 2-core development machine,
   so a traced search of every GPU and count is out of reach here.
 - **Time:** ``fit``'s cost model, :func:`memfit.fitting.cost.step_cost`, at the GPU's catalog
   rates (:func:`memfit.fitting.rates.gpu_rates`), fed what ``fit`` feeds it: the FLOPs of
   forward + backward (+ recompute) counted by ``FlopCounterMode`` on fake tensors with the
-  techniques applied (LoRA adapters and checkpointing, as ``fit``'s ``count_flops``), and the
+  techniques applied (LoRA adapters, checkpointing and the chunked loss, as ``fit``'s
+  ``count_flops``; under fp8 the linear layers' matmuls at the fp8 rate), and the
   aten ops dispatched (the launch term). The model's blocks are identical, so both are counted
   on the model cut to one and to two blocks and extended linearly to all of them (exact for a
   stack of identical blocks); the activation traffic is the plan's saved activations scaled by
   the recompute, as ``fit`` scales its traced ones; the model states are the rank's before
-  data-parallel sharding (its tensor-parallel share), as ``fit`` gives them. A checkpointing
-  policy whose compute alone is slower than a configuration already found is not planned
-  (the answer is the same).
+  data-parallel sharding (its tensor-parallel and pipeline-stage share), as ``fit`` gives
+  them. Bounds prune what cannot win or cannot fit (the answer is the same: tested).
 - **Job:** ``steps = ceil(train_tokens / (global_batch x seq))``; ``job_hours = steps x
   step_seconds / 3600``; ``cost = job_hours x count x price_per_gpu_hour``.
 - **Spot** (``spot=True``): the same configuration priced by :func:`memfit.preempt.spot_plan`:
@@ -39,16 +40,14 @@ tie goes to the simpler option, as in ``fit``):
 
 The Pareto front: the candidates that no other matches or beats on both cost and job time.
 
-Known limitations: no pipeline parallelism, activation offload, parameter offload, chunked
-loss or fp8 searched (the plan's formulas size neither activation offload nor chunked loss; the
-cost model times no parameter fetches); memory from the formulas, not the trace; the LoRA
-adapters' FLOPs are counted but QLoRA's dequantization is not; no data-loading, evaluation or
-checkpoint time in the on-demand job.
+Known limitations: memory from the formulas, not the trace; the host memory that offload needs
+is reported (``host_bytes_per_gpu``), not checked; only the 1F1B schedule (the one the formulas
+size); fp8's casts are not timed; the LoRA adapters' FLOPs are counted but QLoRA's
+dequantization is not; no data-loading, evaluation or checkpoint time in the on-demand job.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import math
 import time
@@ -60,6 +59,7 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.fitting.rightsize_args import check_training_args
 from memfit.fitting.rightsize_count import _count, _Counter
+from memfit.fitting.rightsize_search import _Best, search_gpu_count
 
 _ = _count  # re-exported for the tests
 
@@ -69,14 +69,6 @@ __all__ = ["DEFAULT_WRITE_BANDWIDTH", "TrainingCandidate", "TrainingRightsize",
 DEFAULT_WRITE_BANDWIDTH = 1e9
 """Bytes/s the checkpoint is written at on spot (1 GB/s: one NVMe-backed cloud volume's order;
 give yours)."""
-
-_CKPTS = ("none", "selective", "full")
-_TPS = (1, 2, 4, 8)
-_ZERO = {"ddp": None, "zero1": 1, "zero2": 2, "zero3": 3}
-_EIGHT_BIT = {"adamw": "adamw-8bit", "adam": "adamw-8bit"}
-"""The 8-bit form of an optimizer, as ``fit``'s search space names it
-(:func:`memfit.fitting.search_space.default_space`)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingCandidate:
@@ -133,186 +125,6 @@ def job_steps(train_tokens: float, global_batch: int, seq: int) -> int:
     return math.ceil(train_tokens / (global_batch * seq))
 
 
-def _powers_dividing(n: int) -> list[int]:
-    return [m for m in (2 ** k for k in range(n.bit_length())) if n % m == 0]
-
-
-@dataclass(frozen=True)
-class _Best:
-    step_s: float
-    run: Any
-    peak: int
-    label: str
-    sharding: str
-    extras: int = 0
-    """The 8-bit optimizer and offload it uses (0-2): a more complex configuration replaces a
-    simpler one only when more than fit's tie tolerance faster."""
-
-
-def _layouts(count: int, heads: int, kv_heads: int, global_batch: int,
-             gpus_per_node: int) -> list[tuple[int, str]]:
-    out: list[tuple[int, str]] = []
-    for tp in _TPS:
-        if tp > min(count, gpus_per_node) or count % tp or heads % tp or kv_heads % tp:
-            continue
-        dp = count // tp
-        if global_batch % dp:
-            continue
-        if dp == 1:
-            out.append((tp, "none"))
-            continue
-        for sharding in _ZERO:
-            if tp > 1 and sharding in ("ddp", "zero1"):
-                continue  # tp beside DDP / ZeRO-1 is refused (torchtitan refuses it)
-            out.append((tp, sharding))
-    return out
-
-
-def _variants(optimizer: str, tp: int, sharding: str) -> list[tuple[str, bool]]:
-    """(optimizer, optimizer offload) pairs, simplest first: the named optimizer and its 8-bit
-    form where ``fit`` searches one (:data:`_EIGHT_BIT`), each kept on the GPU and offloaded to
-    the host (DeepSpeed's ZeRO-Offload, as the plan's ``auto`` engine lays it out: without
-    tensor parallelism, and not under plain DDP, which does not offload)."""
-    optimizers = [optimizer] + ([_EIGHT_BIT[optimizer]] if optimizer in _EIGHT_BIT else [])
-    offloads = [False, True] if tp == 1 and sharding != "ddp" else [False]
-    return [(o, off) for off in offloads for o in optimizers]
-
-
-def _largest_fitting(spec: Any, run: Any, gpu: Any, per_rank: int, *, above: int,
-                     closest: list[tuple[float, str]], what: str,
-                     tally: list[int]) -> tuple[int, Any] | None:
-    """The largest micro-batch above ``above`` (a power of two dividing ``per_rank``) at which
-    ``run`` fits on ``gpu`` by the plan, with the plan; None where none does. Bisected: the
-    plan's bytes grow with the micro-batch, so the ones that fit are a prefix of the sorted
-    list (when none does, micro-batch 1 is the last one planned, and the closest miss)."""
-    from memfit.analytic.planner import plan
-
-    sizes = [m for m in _powers_dividing(per_rank) if m > above]
-    lo, hi = 0, len(sizes) - 1
-    found: tuple[int, Any] | None = None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        m = sizes[mid]
-        tally[0] += 1
-        try:
-            p = plan(spec, dataclasses.replace(run, batch=m, grad_accum=per_rank // m), gpu)
-        except MemfitError:
-            return None
-        if p.fits:
-            found, lo = (m, p), mid + 1
-            continue
-        hi = mid - 1
-        if m == 1 and p.capacity_bytes:
-            closest.append((p.total_bytes / p.capacity_bytes,
-                            f"{what}, micro-batch 1): {p.total_bytes / 2**30:,.1f} GiB of "
-                            f"{p.capacity_bytes / 2**30:,.1f} GiB"))
-    return found
-
-
-def _step_seconds(spec: Any, p: Any, gpu: Any, rates: Any, *, m: int, per_rank: int, seq: int,
-                  counted: Any, plain: Any, count: int, tally: list[int]) -> float:
-    """``fit``'s cost model for the planned run ``p`` at micro-batch ``m``."""
-    from memfit.analytic.planner import plan
-    from memfit.categories import MemoryCategory as Cat
-    from memfit.fitting.config import sharding_of
-    from memfit.fitting.cost import step_cost
-    from memfit.layout import Parallel
-    from memfit.vocab import precision as precision_info
-
-    par, precision = p.run.parallel, p.run.precision
-    element = precision_info(precision).compute_bytes
-    # What fit gives the cost model (search_state.cost): the rank's model states before
-    # data-parallel sharding (its tensor-parallel share; the optimizer's whether or not they
-    # are offloaded), and the activation bytes one micro-batch writes, the saved ones without
-    # checkpointing scaled by the recompute (fit's activation_traffic): one plan of the tp
-    # group alone, without checkpointing or offload.
-    tally[0] += 1
-    rank = plan(spec, dataclasses.replace(p.run, checkpointing="none", offload_optimizer=False,
-                                          parallel=Parallel(gpus=par.tp, tp=par.tp)), gpu)
-    saved = rank.breakdown.get(Cat.ACTIVATIONS, 0)
-    traffic = int(saved * counted.flops / max(plain.flops, 1.0))
-    tokens = m * seq
-    return step_cost(
-        rates, precision=precision, micro_flops=counted.flops * m,
-        accumulation=per_rank // m, activation_traffic_bytes=traffic,
-        offloaded_bytes=0, ops_per_micro=counted.ops,
-        param_bytes=rank.breakdown.get(Cat.WEIGHTS, 0),
-        grad_bytes=rank.breakdown.get(Cat.GRADIENTS, 0),
-        state_bytes=rank.breakdown.get(Cat.OPTIMIZER_STATES, 0),
-        offload_activations=False, offload_states=p.run.offload_optimizer,
-        sharding=sharding_of(par), num_gpus=count,
-        parallel=par, boundary_bytes=tokens * spec.hidden_size * element,
-        layers=spec.num_layers,
-        layout_bytes={"logits_bytes": tokens * spec.vocab_size * element,
-                      "tokens": tokens}).total_s
-
-
-def _search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_batch: int,
-                      seq: int, counter: _Counter, gpus_per_node: int,
-                      closest: list[tuple[float, str]], prune: bool = True,
-                      tally: list[int] | None = None) -> _Best | None:
-    """The fastest fitting configuration of ``count`` x ``gpu`` (None: none fits).
-
-    With ``prune``, a checkpointing policy is not planned once a configuration already found
-    is faster than its compute alone: ``global_batch / count`` samples of its FLOPs at the
-    GPU's rate, a lower bound on any layout's step (each rank computes ``1 / tp`` of its
-    ``global_batch / dp`` samples; the cost model only adds to that); and an offloaded
-    optimizer is planned only at micro-batches larger than the same optimizer's largest on
-    the GPU (at one micro-batch offload only adds time in the cost model: the transfers, and
-    the optimizer step at the host's bandwidth, below every GPU's). The answer is the same
-    (tested against ``prune=False``). ``tally[0]`` counts the plans made."""
-    tally = [0] if tally is None else tally
-    from memfit.fitting.config import layout_label, sharding_of
-    from memfit.fitting.cost import HOST_OPTIMIZER_BYTES_PER_S
-    from memfit.fitting.plan import TIE_TOLERANCE
-    from memfit.fitting.rates import gpu_rates
-    from memfit.layout import Parallel
-
-    precision = "bf16-mixed" if gpu.bf16 else "fp16-mixed"
-    rates = gpu_rates(gpu)
-    if precision not in rates.flops:
-        return None
-    skip_offload = prune and HOST_OPTIMIZER_BYTES_PER_S <= rates.bandwidth
-    heads = getattr(spec, "num_heads", 1) or 1
-    kv_heads = getattr(spec, "num_kv_heads", None) or heads
-    best: _Best | None = None
-    for tp, sharding in _layouts(count, heads, kv_heads, global_batch, gpus_per_node):
-        par = Parallel(gpus=count, gpus_per_node=min(count, gpus_per_node), tp=tp,
-                       zero=_ZERO.get(sharding))
-        per_rank = global_batch // (count // tp)
-        for ckpt in _CKPTS:
-            if prune and best is not None and \
-                    counter(ckpt).flops * global_batch / count / rates.flops[precision] \
-                    >= best.step_s:
-                continue
-            on_gpu: dict[str, int] = {}  # each optimizer's largest micro-batch without offload
-            for optimizer, offload in _variants(base_run.optimizer, tp, sharding):
-                run = dataclasses.replace(base_run, precision=precision, checkpointing=ckpt,
-                                          optimizer=optimizer, offload_optimizer=offload,
-                                          parallel=par)
-                tech = f"{optimizer}{', offload' if offload else ''}"
-                fits_at = _largest_fitting(
-                    spec, run, gpu, per_rank, tally=tally, closest=closest,
-                    above=on_gpu.get(optimizer, 0) if offload and skip_offload else 0,
-                    what=f"{count} x {gpu.name} ({layout_label(par)}, ckpt={ckpt}, {tech}")
-                if fits_at is None:
-                    continue
-                m, p = fits_at
-                if not offload:
-                    on_gpu[optimizer] = m
-                step_s = _step_seconds(spec, p, gpu, rates, m=m, per_rank=per_rank, seq=seq,
-                                       counted=counter(ckpt), plain=counter("none"),
-                                       count=count, tally=tally)
-                extras = int(optimizer != base_run.optimizer) + int(offload)
-                margin = TIE_TOLERANCE if best is not None and extras > best.extras else 1e-9
-                if best is None or step_s < best.step_s * (1 - margin):
-                    best = _Best(step_s=step_s, run=p.run, peak=p.total_bytes,
-                                 label=f"{precision}, ckpt={ckpt}, {tech}, mb={m}x"
-                                       f"{per_rank // m}, {layout_label(par)}",
-                                 sharding=sharding_of(par), extras=extras)
-    return best
-
-
 def _counts(gpus_max: int) -> list[int]:
     out, n = [], 1
     while n <= gpus_max:
@@ -326,10 +138,13 @@ def _on_demand_row(best: _Best, *, name: str, count: int, price: Any, stale: boo
     """``best`` on ``count`` x ``name`` at the on-demand price: ``steps`` of ``best.step_s``."""
     config = {"label": best.label, "precision": best.run.precision,
               "checkpointing": best.run.checkpointing, "optimizer": best.run.optimizer,
-              "offload_optimizer": best.run.offload_optimizer, "micro_batch": best.run.batch,
+              "offload_optimizer": best.run.offload_optimizer,
+              "offload_params": best.run.offload_params,
+              "offload_activations": best.run.offload_activations,
+              "chunked_loss": best.run.chunked_loss, "micro_batch": best.run.batch,
               "accumulation": best.run.grad_accum, "tp": best.run.parallel.tp,
-              "dp": best.run.parallel.dp, "sharding": best.sharding,
-              "peak_bytes_per_gpu": best.peak}
+              "pp": best.run.parallel.pp, "dp": best.run.parallel.dp, "sharding": best.sharding,
+              "peak_bytes_per_gpu": best.peak, "host_bytes_per_gpu": best.host}
     hours = steps * best.step_s / 3600
     return TrainingCandidate(gpu=name, count=count, pricing="on-demand",
                              price_per_gpu_hour=price.price_per_hour, config=config,
@@ -474,7 +289,7 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
             continue
         stale = price_is_stale(price, today=today, max_age_days=age)
         for count in _counts(gpus_max):
-            best = _search_gpu_count(spec, base_run, gpu, count, global_batch=global_batch,
+            best = search_gpu_count(spec, base_run, gpu, count, global_batch=global_batch,
                                      seq=seq, counter=counter, gpus_per_node=gpus_per_node,
                                      closest=closest, prune=prune, tally=tally)
             if best is None:

@@ -19,6 +19,18 @@ class _Counted:
     """Forward + backward (+ recompute) FLOPs of one sample."""
     ops: int
     """Aten ops dispatched for one micro-batch."""
+    linear_flops: float = 0.0
+    """Of :attr:`flops`, the matmuls of the linear layers (``aten.mm`` / ``aten.addmm``): what
+    fp8 training (torchao's float8 linears) runs at the fp8 rate; attention stays 16-bit."""
+
+    def plus(self, other: _Counted, times: int = 1) -> _Counted:
+        """``self + times x other``, term by term."""
+        return _Counted(flops=self.flops + times * other.flops, ops=self.ops + times * other.ops,
+                        linear_flops=self.linear_flops + times * other.linear_flops)
+
+    def minus(self, other: _Counted) -> _Counted:
+        return _Counted(flops=self.flops - other.flops, ops=self.ops - other.ops,
+                        linear_flops=self.linear_flops - other.linear_flops)
 
 
 def _count(spec: Any, run: Any, seq: int) -> _Counted:
@@ -53,7 +65,13 @@ def _count(spec: Any, run: Any, seq: int) -> _Counted:
         ops = _Ops()
         with FlopCounterMode(display=False) as counter, ops:
             model_loss(model, inputs).backward()
-    return _Counted(flops=float(counter.get_total_flops()), ops=ops.n)
+    linear = sum(f for op, f in counter.get_flop_counts().get("Global", {}).items()
+                 if str(op) in _LINEAR_OPS)
+    return _Counted(flops=float(counter.get_total_flops()), ops=ops.n,
+                    linear_flops=float(linear))
+
+
+_LINEAR_OPS = ("aten.mm", "aten.addmm")
 
 
 _COUNTS: dict[tuple[Any, ...], _Counted] = {}
@@ -61,8 +79,10 @@ _COUNTS: dict[tuple[Any, ...], _Counted] = {}
 
 
 class _Counter:
-    """FLOPs and ops per checkpointing policy, counted on one and two blocks and extended to
-    every block (the blocks are identical: ``total(L) = c(1) + (L - 1) (c(2) - c(1))``)."""
+    """FLOPs and ops per checkpointing policy (and chunked loss), counted on one and two blocks
+    and extended to every block (the blocks are identical: ``total(L) = c(1) + (L - 1) (c(2) -
+    c(1))``). The chunked loss changes only the head and the loss, so its difference is counted
+    once, on one block without checkpointing, and added to each policy's count."""
 
     def __init__(self, spec: Any, run: Any, seq: int) -> None:
         self.spec, self.run, self.seq = spec, run, seq
@@ -71,17 +91,19 @@ class _Counter:
         self.key = (spec, run.mode, run.lora_rank, run.lora_targets, run.attention, seq)
         self.cache = _COUNTS
 
-    def __call__(self, ckpt: str) -> _Counted:
-        key = (*self.key, ckpt)
+    def _raw(self, ckpt: str, chunked: bool, layers: int) -> _Counted:
+        key = (*self.key, ckpt, chunked, layers)
         if key not in self.cache:
-            run = dataclasses.replace(self.run, checkpointing=ckpt)
-            layers = self.spec.num_layers
-            one = _count(dataclasses.replace(self.spec, num_layers=1), run, self.seq)
-            if layers == 1:
-                self.cache[key] = one
-            else:
-                two = _count(dataclasses.replace(self.spec, num_layers=2), run, self.seq)
-                self.cache[key] = _Counted(
-                    flops=one.flops + (layers - 1) * (two.flops - one.flops),
-                    ops=one.ops + (layers - 1) * (two.ops - one.ops))
+            run = dataclasses.replace(self.run, checkpointing=ckpt, chunked_loss=chunked)
+            self.cache[key] = _count(dataclasses.replace(self.spec, num_layers=layers), run,
+                                     self.seq)
         return self.cache[key]
+
+    def __call__(self, ckpt: str, chunked: bool = False) -> _Counted:
+        layers = self.spec.num_layers
+        one = self._raw(ckpt, False, 1)
+        total = one if layers == 1 else one.plus(self._raw(ckpt, False, 2).minus(one),
+                                                 layers - 1)
+        if chunked:
+            total = total.plus(self._raw("none", True, 1).minus(self._raw("none", False, 1)))
+        return total
