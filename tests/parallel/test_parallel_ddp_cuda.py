@@ -44,3 +44,19 @@ def test_a_cpu_target_keeps_one_set(monkeypatch: pytest.MonkeyPatch) -> None:
     with_hook = _estimate("cpu").peak_bytes
     monkeypatch.setattr(rank, "_rebuilt_buckets", lambda *args: pytest.fail("CPU target"))
     assert _estimate("cpu").peak_bytes == with_hook
+
+
+def test_fsdp2_under_autocast_on_cuda_says_what_was_measured() -> None:
+    from memfit.parallel.trace import FSDP_AUTOCAST_NOTE
+
+    with torch.device("meta"):
+        model = _Net()
+    x = torch.randn(32, 256, device="meta")
+    layouts = {"fsdp": memfit.Parallel(gpus=2, fsdp=2), "ddp": memfit.Parallel(gpus=2)}
+    for name, parallel in layouts.items():
+        for precision in ("bf16-mixed", "fp32"):
+            est = memfit.estimate(model, (x,), optimizer="sgd", device="cuda",
+                                  gpu="h100-sxm-80gb", precision=precision, parallel=parallel)
+            said = FSDP_AUTOCAST_NOTE in est.assumptions
+            assert said == (name == "fsdp" and precision == "bf16-mixed"), (name, precision)
+            assert len(est.per_rank) >= 1
