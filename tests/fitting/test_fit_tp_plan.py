@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import memfit
+from _custom_decoder import PLAN, CustomDecoder
 from memfit.errors import MemfitError
 from memfit.fitting import Plan
 from memfit.parallel import Parallel
@@ -34,54 +35,10 @@ from memfit.parallel import Parallel
 VOCAB, HIDDEN, HEADS, BATCH, SEQ, STEPS = 128, 32, 4, 4, 16, 2
 RTOL, ATOL = 1e-5, 5e-5
 
-PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
-        "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
-        "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
-"""Megatron's split on the custom names."""
 
 
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.head_dim = HIDDEN // HEADS
-        # no key bias: its gradient is 0 up to rounding (softmax ignores it), which AdamW
-        # would scale to a full step of noise
-        self.q, self.v = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-        self.k = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape  # -1: a rank's q holds HEADS / tp heads
-        q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-                   for m in (self.q, self.k, self.v))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
-        self.attn = Attention()
-        self.fc1, self.fc2 = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.emb(input_ids)
-        for block in self.blocks:
-            x = block(x)
-        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+def Net() -> CustomDecoder:
+    return CustomDecoder(VOCAB, HIDDEN, HEADS)
 
 
 def make() -> tuple[nn.Module, dict[str, torch.Tensor]]:
@@ -192,7 +149,7 @@ def test_layouts_keep_the_plan_off_pipelines() -> None:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"tp_plan": {**PLAN, "blocks.*.attn.qq": "colwise"}},
-     r"'blocks\.\*\.attn\.qq', which matches no module of Net"),
+     r"'blocks\.\*\.attn\.qq', which matches no module of CustomDecoder"),
     ({"tp_plan": {"blocks.*.fc1": "colwize"}}, "unknown style 'colwize'"),
     ({"gpus": None}, "search several GPUs with gpus=N"),
     ({"space": {"precision": ["fp32"], "tp": [1]}}, "leaves no tp > 1 layout"),
@@ -340,7 +297,8 @@ def test_cli_fit_takes_a_tp_plan_and_saves_it(capsys: Any, tmp_path: Path,
 
 
 @pytest.mark.parametrize(("extra", "needle"), [
-    (["--gpus", "2", "--tp-plan", '{"blocks.*.attn.qq": "colwise"}'], "matches no module of Net"),
+    (["--gpus", "2", "--tp-plan", '{"blocks.*.attn.qq": "colwise"}'],
+     "matches no module of CustomDecoder"),
     (["--gpus", "2", "--tp-plan", "{nope"], "--tp-plan: not JSON"),
     (["--tp-plan", json.dumps(PLAN)], "add --gpus N"),
 ])

@@ -20,63 +20,17 @@ import torch
 from torch import nn
 
 import memfit
+from _custom_decoder import PLAN, PLAN_ROOT, CustomDecoder
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.recipe import Recipe
 
 VOCAB, HIDDEN, HEADS, BATCH, SEQ = 256, 64, 4, 2, 32
 
-PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
-        "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
-        "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
-"""Megatron's split on the custom names."""
-PLAN_ROOT = {**PLAN, "emb": "embedding_rowwise", "head": "colwise_rep"}
-"""Also the vocabulary-split embedding and head (transformers' spellings)."""
 
 
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.head_dim = HIDDEN // HEADS
-        # The key's bias adds q.b to every score of a row, which softmax ignores: its gradient
-        # is 0 up to rounding, which AdamW would scale to a full step of noise (no bias, as
-        # Llama's attention has none).
-        self.q, self.v = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-        self.k = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape  # the local heads: -1 (a rank's q has HEADS / tp of them)
-        q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-                   for m in (self.q, self.k, self.v))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
-        self.attn = Attention()
-        self.fc1, self.fc2 = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, vocab: int = VOCAB) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(HIDDEN, vocab)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.emb(input_ids)
-        for block in self.blocks:
-            x = block(x)
-        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+def Net(vocab: int = VOCAB) -> CustomDecoder:
+    return CustomDecoder(vocab, HIDDEN, HEADS)
 
 
 def make() -> tuple[nn.Module, dict[str, torch.Tensor]]:
@@ -125,7 +79,7 @@ def test_bad_plans_are_one_line_errors(kwargs: dict, match: str) -> None:
 
 def test_plan_naming_a_missing_module_is_one_line() -> None:
     with pytest.raises(MemfitError, match=r"'blocks\.\*\.attn\.qq', which matches no module of "
-                                          r"Net \(did you mean 'blocks\.[01]\.attn\.q'") as info:
+                       r"CustomDecoder \(did you mean 'blocks\.[01]\.attn\.q'") as info:
         _estimate(Parallel(gpus=2, tp=2, tp_plan={**PLAN, "blocks.*.attn.qq": "colwise"}))
     assert "\n" not in str(info.value)
 

@@ -27,61 +27,17 @@ import torch
 from torch import nn
 
 import memfit
+from _custom_decoder import PLAN, PLAN_ROOT, CustomDecoder
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 
 VOCAB, HIDDEN, HEADS, BATCH, SEQ, STEPS = 128, 32, 4, 4, 16, 2
 RTOL, ATOL = 1e-5, 5e-5
 
-PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
-        "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise",
-        "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
-"""Megatron's split on the custom names."""
-PLAN_ROOT = {**PLAN, "emb": "embedding_rowwise", "head": "colwise_rep"}
-"""Also the vocabulary-split embedding (first stage) and head (last stage)."""
 
 
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.head_dim = HIDDEN // HEADS
-        # no key bias: its gradient is 0 up to rounding, which AdamW would make a full step
-        self.q, self.v = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-        self.k = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape  # -1: a rank's q holds HEADS / tp heads
-        q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-                   for m in (self.q, self.k, self.v))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
-        self.attn = Attention()
-        self.fc1, self.fc2 = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(input_ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def Net() -> CustomDecoder:
+    return CustomDecoder(VOCAB, HIDDEN, HEADS, logits=True)
 
 
 def make() -> tuple[nn.Module, dict[str, torch.Tensor]]:
@@ -128,7 +84,7 @@ def test_each_stage_splits_its_own_part_of_the_plan() -> None:
 @pytest.mark.parametrize(("parallel", "match"), [
     (lambda: _par(None), r"use ep=1, and tp=1 or tp_plan="),
     (lambda: _par({**PLAN, "blocks.*.attn.qq": "colwise"}),
-     r"'blocks\.\*\.attn\.qq', which matches no module of Net"),
+     r"'blocks\.\*\.attn\.qq', which matches no module of CustomDecoder"),
     (lambda: _par(PLAN, sp=True), r"no sp or loss_parallel"),
 ])
 def test_bad_stage_plans_are_one_line(parallel: Any, match: str) -> None:
