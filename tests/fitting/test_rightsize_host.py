@@ -94,6 +94,8 @@ def test_host_memory_below_the_offload_changes_the_answer(model: str) -> None:
     # Below 8-bit AdamW's bytes nothing fits: the error says host memory, not the GPU.
     with pytest.raises(MemfitError, match=r"within host memory: .* --host-memory"):
         _size(model, host_memory=EIGHT_BIT_HOST)
+    with pytest.raises(MemfitError, match="--host-memory must be a positive size"):
+        _size(model, host_memory=0)
 
 
 def test_the_catalog_machine_is_the_default(model: str) -> None:
