@@ -44,7 +44,8 @@ def entries(data: Any, where: str) -> list[dict[str, Any]]:
 REQUIRED_NEW = ("name", "memory_bytes", "bandwidth_gbps", "tflops", "bf16", "fp8", "host_link")
 OPTIONAL = ("label", "vendor", "memory_label", "usable_bytes", "compute_capability", "gpu_link",
              "price_per_hour", "price_source", "price_date", "sources", "aliases", "memory_basis",
-             "notes", "unified_memory", "host_reserve_bytes", "recommended_working_set_bytes")
+             "notes", "unified_memory", "host_reserve_bytes", "recommended_working_set_bytes",
+             "host_memory_per_gpu_bytes", "host_memory_source")
 FIELDS = (*REQUIRED_NEW, *OPTIONAL)
 
 
@@ -67,7 +68,7 @@ def validate_entry(entry: dict[str, Any], where: str, *, new: bool) -> None:
                            f"{entry[fld]!r}; fix that value")
 
     for fld in ("memory_bytes", "usable_bytes", "host_reserve_bytes",
-                "recommended_working_set_bytes"):
+                "recommended_working_set_bytes", "host_memory_per_gpu_bytes"):
         if fld in entry and not (fld != "memory_bytes" and entry[fld] is None):
             if not is_number(entry[fld]) or entry[fld] <= 0 or not float(entry[fld]).is_integer():
                 raise bad(fld, "a positive whole number of bytes (e.g. 85520809984)")
@@ -83,7 +84,7 @@ def validate_entry(entry: dict[str, Any], where: str, *, new: bool) -> None:
     for fld in ("label", "vendor", "memory_label", "notes"):
         if fld in entry and not isinstance(entry[fld], str):
             raise bad(fld, "a string")
-    for fld in ("compute_capability", "price_source", "price_date"):
+    for fld in ("compute_capability", "price_source", "price_date", "host_memory_source"):
         if fld in entry and entry[fld] is not None and not isinstance(entry[fld], str):
             raise bad(fld, "a string or null")
     if entry.get("price_date") is not None and not re.fullmatch(

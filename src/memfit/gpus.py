@@ -119,6 +119,12 @@ class GpuSpec:
     host_reserve_source: str = "catalog default"
     """Where ``host_reserve_bytes`` comes from: the catalog (its notes give the basis), a user
     file, or the option that set it for a plan (``--host-reserve``)."""
+    host_memory_per_gpu_bytes: int | None = None
+    """Host RAM per GPU of a cloud machine with this GPU (the machine's RAM over its GPUs), where
+    the catalog knows one; :func:`memfit.fitting.rightsize.rightsize_training` drops the
+    configurations whose offloaded states need more (None: its documented default)."""
+    host_memory_source: str | None = None
+    """The machine ``host_memory_per_gpu_bytes`` comes from, with its published figure."""
     mps_high_watermark_ratio: float | None = None
     """Apple silicon only: the ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` planned for (None: PyTorch's
     default, :data:`memfit.runtime.mps.DEFAULT_HIGH_WATERMARK_RATIO`)."""
@@ -360,6 +366,9 @@ def _build(entry: dict[str, Any], where: str, *, user_reserve: bool = False) -> 
         host_reserve_bytes=None if reserve is None else int(reserve),
         host_reserve_source=f"user file {where}" if user_reserve else "catalog default",
         recommended_working_set_bytes=None if recommended is None else int(recommended),
+        host_memory_per_gpu_bytes=(None if entry.get("host_memory_per_gpu_bytes") is None
+                                   else int(entry["host_memory_per_gpu_bytes"])),
+        host_memory_source=entry.get("host_memory_source"),
     )
 
 
@@ -389,6 +398,8 @@ def _merge(builtin: tuple[tuple[str, dict[str, Any]], ...], user: list[dict[str,
                 base.update(usable_bytes=None, memory_basis="user")
             if "price_per_hour" in entry:
                 base.update(price_source=f"user file {where}", price_date=None)
+            if "host_memory_per_gpu_bytes" in entry:
+                base.update(host_memory_source=f"user file {where}")
             for fld, value in entry.items():
                 if fld == "name":
                     continue

@@ -232,7 +232,8 @@ def test_cli_json_keys_are_the_stable_ones(capsys: pytest.CaptureFixture[str],
                           "toy-a100-big,toy-a100-cheap", "--spot", "--mtbf-hours", "2", "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert set(data) == {"candidates", "pareto"}
+    # the keys, and the host memory check's added beside them (none renamed)
+    assert set(data) == {"candidates", "pareto", "host_memory", "host_rejected"}
     assert len(data["candidates"]) == 8  # 2 GPUs x 2 counts x on-demand, spot
     for c in data["candidates"]:
         assert set(c) == {"gpu", "count", "pricing", "price_per_gpu_hour", "config",
@@ -575,8 +576,10 @@ def test_parameter_offload_is_found_where_only_it_fits(tmp_path: Path,
     assert both.total_bytes < others
     model, spec, gpu = _one_gpu(tmp_path, monkeypatch, HEAVY,
                                 int((both.total_bytes + others) / 2 / 0.81))
+    # 18 B a parameter on the host is more than the toy GPU's own memory, the default share
+    # of host RAM a GPU (memfit.fitting.rightsize_host): give a node of 1 TiB.
     r = rightsize_training(model, mode="train", train_tokens=1e6, seq=64, global_batch=1,
-                           gpus_max=1, gpus=["toy-a100-one"])
+                           gpus_max=1, gpus=["toy-a100-one"], host_memory=2**40)
     (row,) = r.candidates
     assert row.config["offload_params"] is True and "param offload" in row.config["label"]
     assert row.config["host_bytes_per_gpu"] == both.host_bytes

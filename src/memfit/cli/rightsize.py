@@ -45,6 +45,11 @@ def register(sub: Any) -> None:
     t.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")
     t.add_argument("--top", default="20", help="rows shown, cheapest first, plus every row of "
                    "the Pareto front (default 20; --json has all)")
+    t.add_argument("--host-memory", metavar="SIZE",
+                   help="the RAM of one node (8 GPUs), e.g. 1TiB, as memfit plan's: "
+                   "configurations whose offloaded states need more than each GPU's share, "
+                   "less 10%%, are dropped (default: the catalog's machine for each GPU, else "
+                   "1 x the GPU's memory a GPU)")
     t.add_argument("--spot", action="store_true",
                    help="price each configuration on spot too (memfit spot-plan's model)")
     t.add_argument("--interruption", metavar="BAND", help="with --spot: a published "
@@ -105,6 +110,9 @@ def _list(text: str, flag: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if not args.serve:
         return run_training(args)
+    if args.host_memory is not None:
+        raise MemfitError("--host-memory checks a training job's offloaded states: drop it "
+                          "with --serve")
     missing = [f for f, v in (("--qps", args.qps), ("--prompt-tokens", args.prompt_tokens),
                               ("--output-tokens", args.output_tokens)) if v is None]
     if missing:
@@ -144,7 +152,7 @@ def _fraction(text: str | None, flag: str) -> float | None:
 
 def run_training(args: argparse.Namespace) -> int:
     from memfit.fitting.rightsize import rightsize_training
-    from memfit.units import parse_rate
+    from memfit.units import parse_bytes, parse_rate
 
     _training_flags(args)
     try:
@@ -163,7 +171,9 @@ def run_training(args: argparse.Namespace) -> int:
         mtbf_hours=_fraction(args.mtbf_hours, "--mtbf-hours"),
         write_bandwidth=parse_rate(args.write_bandwidth, what="--write-bandwidth", unit="B/s"),
         spot_discount=_fraction(args.discount, "--discount"), prices=args.prices,
-        max_price_age_days=positive_int(args.max_price_age_days, "--max-price-age-days"))
+        max_price_age_days=positive_int(args.max_price_age_days, "--max-price-age-days"),
+        host_memory=None if args.host_memory is None else
+        parse_bytes(args.host_memory, what="--host-memory"))
     if args.json:
         print_json(result.to_json())
         return 0
@@ -204,6 +214,8 @@ def render_training(result: Any, args: argparse.Namespace) -> None:
         con.print(f"{hidden} more rows off the Pareto front (--top N, or --json for all)")
     for s in result.skipped:
         con.print(f"skipped {s}")
+    if result.host_rejected:
+        con.print(host_line(result))
     if result.spot:
         sp = result.spot
         con.print(f"spot: preemptions every {sp['mtbf_hours_per_instance']:,.1f} h per "
@@ -212,6 +224,21 @@ def render_training(result: Any, args: argparse.Namespace) -> None:
                   f"at {sp['write_bandwidth'] / 1e9:g} GB/s; {sp['discount']:.0%} off on-demand")
     con.print("configuration: fit's cost model at the catalog's rates, memory from memfit "
               f"plan's formulas; searched in {result.seconds:.1f} s")
+
+
+def host_line(result: Any) -> str:
+    """One line on the configurations dropped for host memory."""
+    rows = result.host_rejected
+    gone = [f"{r['count']} x {r['gpu']}" for r in rows if r["row_dropped"]]
+    worst = min(rows, key=lambda r: r["limit_bytes_per_gpu"] / r["least_host_bytes_per_gpu"])
+    where = ("--host-memory" if result.host_memory.get("node_bytes") is not None
+             else "the catalog's machines; --host-memory SIZE gives a node's RAM")
+    return (f"host memory: {sum(r['configurations'] for r in rows)} configurations on "
+            f"{len(rows)} GPU x count dropped, their offloaded states over each GPU's share of "
+            f"host RAM less {result.host_memory['margin']:.0%} ({where}); "
+            + (f"{len(gone)} with none left ({', '.join(gone[:4])}"
+               f"{', ...' if len(gone) > 4 else ''}); " if gone else "")
+            + f"e.g. {worst['count']} x {worst['gpu']}: {worst['reason'].split(' (')[0]}")
 
 
 def run_serving(args: argparse.Namespace) -> int:

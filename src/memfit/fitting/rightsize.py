@@ -38,10 +38,17 @@ faster (the tie goes to the simpler option, as in ``fit``):
   preemption and the restarts, at the named preemption rate for ``ceil(count /
   gpus_per_node)`` instances, and the spot discount.
 
+- **Host memory:** a configuration whose offloaded states (the plan's ``host_bytes``) need more
+  than each GPU's share of host RAM, less :data:`memfit.fitting.rightsize_host.HOST_MEMORY_MARGIN`,
+  does not fit (:mod:`memfit.fitting.rightsize_host` says where the share comes from:
+  ``host_memory``, the RAM of a node as ``memfit plan --host-memory`` means it, else the
+  catalog's machine, else a default); what was dropped is in ``host_rejected``.
+
 The Pareto front: the candidates that no other matches or beats on both cost and job time.
 
-Known limitations: memory from the formulas, not the trace; the host memory that offload needs
-is reported (``host_bytes_per_gpu``), not checked; only the 1F1B schedule (the one the formulas
+Known limitations: memory from the formulas, not the trace; the host memory checked is the
+offloaded model states' (not activation offload's host copies, nor the input pipeline's beyond
+the margin); only the 1F1B schedule (the one the formulas
 size); fp8's casts are not timed; the LoRA adapters' FLOPs are counted but QLoRA's
 dequantization is not; no data-loading, evaluation or checkpoint time in the on-demand job.
 """
@@ -59,7 +66,8 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.fitting.rightsize_args import check_training_args
 from memfit.fitting.rightsize_count import _count, _Counter
-from memfit.fitting.rightsize_search import _Best, search_gpu_count
+from memfit.fitting.rightsize_host import HOST_MEMORY_MARGIN, HostLimit, host_limit, rejection
+from memfit.fitting.rightsize_search import _Best, _Host, search_gpu_count
 
 _ = _count  # re-exported for the tests
 
@@ -106,10 +114,19 @@ class TrainingRightsize:
     """Memory plans made (the search's unit of work besides the FLOP counts)."""
     seconds: float = 0.0
     notes: tuple[str, ...] = field(default=())
+    host_memory: dict[str, Any] = field(default_factory=dict)
+    """The host memory checked: ``margin``, ``node_bytes`` (``--host-memory``, or None) and for
+    each GPU sized its ``ram_bytes_per_gpu`` on a full node and their ``source``."""
+    host_rejected: tuple[dict[str, Any], ...] = ()
+    """Each GPU x count where a configuration fit the GPU but not its share of host memory:
+    ``gpu``, ``count``, ``configurations`` (how many the search planned and dropped),
+    ``least_host_bytes_per_gpu``, ``limit_bytes_per_gpu``, ``row_dropped`` (no configuration
+    was left) and ``reason``."""
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": [c.to_json() for c in self.candidates],
-                "pareto": list(self.pareto)}
+                "pareto": list(self.pareto), "host_memory": self.host_memory,
+                "host_rejected": list(self.host_rejected)}
 
 
 def cost_time_front(candidates: Sequence[TrainingCandidate]) -> tuple[int, ...]:
@@ -134,7 +151,7 @@ def _counts(gpus_max: int) -> list[int]:
 
 
 def _on_demand_row(best: _Best, *, name: str, count: int, price: Any, stale: bool,
-                   steps: int) -> TrainingCandidate:
+                   steps: int, host: HostLimit) -> TrainingCandidate:
     """``best`` on ``count`` x ``name`` at the on-demand price: ``steps`` of ``best.step_s``."""
     config = {"label": best.label, "precision": best.run.precision,
               "checkpointing": best.run.checkpointing, "optimizer": best.run.optimizer,
@@ -144,7 +161,8 @@ def _on_demand_row(best: _Best, *, name: str, count: int, price: Any, stale: boo
               "chunked_loss": best.run.chunked_loss, "micro_batch": best.run.batch,
               "accumulation": best.run.grad_accum, "tp": best.run.parallel.tp,
               "pp": best.run.parallel.pp, "dp": best.run.parallel.dp, "sharding": best.sharding,
-              "peak_bytes_per_gpu": best.peak, "host_bytes_per_gpu": best.host}
+              "peak_bytes_per_gpu": best.peak, "host_bytes_per_gpu": best.host,
+              "host_limit_bytes_per_gpu": host.limit_bytes}
     hours = steps * best.step_s / 3600
     return TrainingCandidate(gpu=name, count=count, pricing="on-demand",
                              price_per_gpu_hour=price.price_per_hour, config=config,
@@ -205,8 +223,18 @@ def _spot_row(spec: Any, best: _Best, *, name: str, count: int, price: Any, stal
 
 
 def _nothing_found(gpus_max: int, closest: list[tuple[float, str]],
-                   skipped: list[str]) -> MemfitError:
-    """The error when no GPU x count fits: the closest miss, or why no GPU was sized."""
+                   skipped: list[str], rejected: list[dict[str, Any]]) -> MemfitError:
+    """The error when no GPU x count fits: the host memory that ruled out what fit the GPUs,
+    the closest miss, or why no GPU was sized."""
+    if rejected:
+        least = min(rejected, key=lambda r: r["least_host_bytes_per_gpu"]
+                    / r["limit_bytes_per_gpu"])
+        return MemfitError(f"no configuration fits on any GPU up to {gpus_max} GPUs within "
+                           f"host memory: {sum(r['configurations'] for r in rejected)} "
+                           f"configurations fit a GPU but not its host memory; on "
+                           f"{least['count']} x "
+                           f"{least['gpu']}, {least['reason']}; give the node's RAM with "
+                           "--host-memory, or raise --gpus-max")
     if closest:
         ratio, what = min(closest)
         return MemfitError(f"no configuration fits on any GPU up to {gpus_max} GPUs; the "
@@ -226,6 +254,7 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
                        prices: str | Path | Mapping[str, Any] | None = None,
                        max_price_age_days: int | None = None, today: dt.date | None = None,
                        gpu_file: str | Path | None = None,
+                       host_memory: int | None = None,
                        prune: bool = True) -> TrainingRightsize:
     """Size a training job of ``train_tokens`` tokens (``mode``: train, lora or qlora) at
     ``seq`` tokens a sample and ``global_batch`` samples a step: every GPU (``gpus``, default
@@ -234,7 +263,9 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     a price older than ``max_price_age_days`` is flagged. With ``spot``, each configuration is
     priced on spot too at ``interruption`` (a :data:`memfit.preempt.INTERRUPTION_BANDS` name,
     default :data:`memfit.preempt.spot.DEFAULT_BAND`) or ``mtbf_hours`` per instance.
-    ``prune=False`` plans every policy (the same answer, slower).
+    ``host_memory`` is a node's RAM in bytes (:mod:`memfit.fitting.rightsize_host`; default:
+    the catalog's machine for each GPU). ``prune=False`` plans every policy (the same answer,
+    slower).
 
     >>> r = rightsize_training("llama-3-8b", train_tokens=2e9, seq=4096, global_batch=64)
     >>> r.candidates[0].gpu, r.candidates[0].cost_usd
@@ -253,7 +284,8 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     band, discount = check_training_args(
         train_tokens=train_tokens, seq=seq, global_batch=global_batch, gpus_max=gpus_max,
         gpus_per_node=gpus_per_node, mode=mode, interruption=interruption,
-        mtbf_hours=mtbf_hours, write_bandwidth=write_bandwidth, spot_discount=spot_discount)
+        mtbf_hours=mtbf_hours, write_bandwidth=write_bandwidth, spot_discount=spot_discount,
+        host_memory=host_memory)
     age = DEFAULT_MAX_PRICE_AGE_DAYS if max_price_age_days is None else max_price_age_days
     table = catalog_prices(gpu_file)
     if prices is not None:
@@ -275,6 +307,9 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     skipped: list[str] = []
     closest: list[tuple[float, str]] = []
     tally = [0]
+    rejected: list[dict[str, Any]] = []
+    host_info: dict[str, Any] = {"margin": HOST_MEMORY_MARGIN, "node_bytes": host_memory,
+                                 "gpus": {}}
     spot_info = _spot_info(band, mtbf_hours, gpus_per_node, write_bandwidth, discount) \
         if spot else None
     for name in names:
@@ -288,14 +323,21 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
                            f"{gpu.vendor})")
             continue
         stale = price_is_stale(price, today=today, max_age_days=age)
+        full = host_limit(gpu, gpus_per_node, host_memory=host_memory,
+                          gpus_per_node=gpus_per_node)
+        host_info["gpus"][name] = {"ram_bytes_per_gpu": full.ram_bytes, "source": full.source}
         for count in _counts(gpus_max):
+            limit = host_limit(gpu, count, host_memory=host_memory, gpus_per_node=gpus_per_node)
+            host = _Host(limit=limit.limit_bytes, rejected=[])
             best = search_gpu_count(spec, base_run, gpu, count, global_batch=global_batch,
                                      seq=seq, counter=counter, gpus_per_node=gpus_per_node,
-                                     closest=closest, prune=prune, tally=tally)
+                                     closest=closest, prune=prune, tally=tally, host=host)
+            if host.rejected:
+                rejected.append(rejection(name, count, limit, host.rejected, best is None))
             if best is None:
                 continue
             found.append(_on_demand_row(best, name=name, count=count, price=price, stale=stale,
-                                        steps=steps))
+                                        steps=steps, host=limit))
             if spot:
                 row = _spot_row(spec, best, name=name, count=count, price=price, stale=stale,
                                 config=found[-1].config, steps=steps, band=band,
@@ -305,9 +347,10 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
                 if row is not None:
                     found.append(row)
     if not found:
-        raise _nothing_found(gpus_max, closest, skipped)
+        raise _nothing_found(gpus_max, closest, skipped, rejected)
     found.sort(key=lambda c: (c.cost_usd, c.job_hours))
     front = cost_time_front(found)
     return TrainingRightsize(candidates=tuple(found), pareto=front, skipped=tuple(skipped),
                              steps=steps, spot=spot_info, plans=tally[0],
-                             seconds=time.perf_counter() - started)
+                             seconds=time.perf_counter() - started, host_memory=host_info,
+                             host_rejected=tuple(rejected))

@@ -13,7 +13,8 @@ __all__ = ["check_training_args"]
 def check_training_args(*, train_tokens: float, seq: int, global_batch: int, gpus_max: int,
                         gpus_per_node: int, mode: str, interruption: str | None,
                         mtbf_hours: float | None, write_bandwidth: float,
-                        spot_discount: float | None) -> tuple[str, float]:
+                        spot_discount: float | None,
+                        host_memory: int | None = None) -> tuple[str, float]:
     """Check :func:`memfit.fitting.rightsize.rightsize_training`'s arguments (a
     :class:`MemfitError` naming the flag); return the interruption band and the spot discount,
     the defaults filled in."""
@@ -36,6 +37,10 @@ def check_training_args(*, train_tokens: float, seq: int, global_batch: int, gpu
         raise MemfitError(f"--mtbf-hours must be a positive number, got {mtbf_hours!r}")
     if not (math.isfinite(write_bandwidth) and write_bandwidth > 0):
         raise MemfitError(f"--write-bandwidth must be a positive rate, got {write_bandwidth!r}")
+    if host_memory is not None and (isinstance(host_memory, bool)
+                                    or not isinstance(host_memory, int) or host_memory < 1):
+        raise MemfitError(f"--host-memory must be a positive size such as 1TiB (a node's RAM), "
+                          f"got {host_memory!r}")
     band = interruption or DEFAULT_BAND
     if band not in INTERRUPTION_BANDS:
         raise MemfitError(f"unknown interruption band {band!r}; valid: "

@@ -72,6 +72,15 @@ class _Variant:
             ("act offload", self.offload_activations)) if on)
 
 
+@dataclass(frozen=True)
+class _Host:
+    """The host memory check of one GPU x count: the most host bytes a GPU's plan may need,
+    and the configurations that fit the GPU but needed more (host bytes a GPU, label)."""
+
+    limit: int
+    rejected: list[tuple[int, str]]
+
+
 def fp8_capable(gpu: Any) -> bool:
     """Whether ``gpu`` runs fp8 matmuls: the catalog says so, its compute capability is 8.9 or
     later, and it has an fp8 rate for the cost model."""
@@ -128,13 +137,16 @@ def _variants(optimizer: str, tp: int, pp: int, sharding: str, dp: int,
 
 
 def _fitting(spec: Any, run: Any, gpu: Any, per_rank: int, *, above: int, most: int,
-             closest: list[tuple[float, str]], what: str,
-             tally: list[int]) -> list[tuple[int, Any]]:
+             closest: list[tuple[float, str]], what: str, tally: list[int],
+             host: _Host | None = None) -> list[tuple[int, Any]]:
     """The micro-batches above ``above`` and at most ``most`` (powers of two dividing
     ``per_rank``) at which ``run`` fits on ``gpu`` by the plan, each with its plan, the largest
     last (the pipeline searches all of them; the others take the last). Bisected for the
     largest: the plan's bytes grow with the micro-batch, so those that fit are a prefix of the
-    sorted list (when none does, the smallest is the last one planned, and the closest miss)."""
+    sorted list (when none does, the smallest is the last one planned, and the closest miss).
+    A plan whose offloaded states need more than ``host.limit`` bytes of host memory a GPU does
+    not fit (the bytes only grow with the micro-batch too); the first such is added to
+    ``host.rejected``."""
     from memfit.analytic.planner import plan
 
     sizes = [m for m in _powers_dividing(per_rank) if above < m <= most]
@@ -148,11 +160,17 @@ def _fitting(spec: Any, run: Any, gpu: Any, per_rank: int, *, above: int, most: 
             p = plan(spec, dataclasses.replace(run, batch=m, grad_accum=per_rank // m), gpu)
         except MemfitError:
             return []
-        if p.fits:
+        over_host = host is not None and p.host_bytes > host.limit
+        if p.fits and not over_host:
             found[m] = p
             lo = mid + 1
             continue
         hi = mid - 1
+        if p.fits:  # the GPU holds it, the host does not
+            assert host is not None
+            if not any(label == f"{what})" for _, label in host.rejected):
+                host.rejected.append((p.host_bytes, f"{what})"))
+            continue
         if m == 1 and p.capacity_bytes:
             closest.append((p.total_bytes / p.capacity_bytes,
                             f"{what}, micro-batch {m}): {p.total_bytes / 2**30:,.1f} GiB of "
@@ -280,7 +298,8 @@ def _with_fp8_rate(gpu: Any, rates: Any) -> Any:
 def search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_batch: int,
                      seq: int, counter: Any, gpus_per_node: int,
                      closest: list[tuple[float, str]], prune: bool = True,
-                     tally: list[int] | None = None) -> _Best | None:
+                     tally: list[int] | None = None,
+                     host: _Host | None = None) -> _Best | None:
     """The fastest fitting configuration of ``count`` x ``gpu`` (None: none fits).
 
     With ``prune``, a (precision, checkpointing, chunked loss) combination is not planned once
@@ -294,7 +313,9 @@ def search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_b
     when its lower bound (:func:`_variant_bound`: the compute, the optimizer's step and the
     offloads' transfers) is no faster than the best, or when it does not fit at micro-batch 1
     under full checkpointing (Note: [full checkpointing is lowest]). The answer is the same
-    (tested against ``prune=False``). ``tally[0]`` counts the plans made."""
+    (tested against ``prune=False``). ``tally[0]`` counts the plans made. With ``host``, a
+    configuration whose offloaded states need more host memory a GPU than ``host.limit`` does
+    not fit; it is added to ``host.rejected``."""
     tally = [0] if tally is None else tally
     from memfit.fitting.config import layout_label, sharding_of
     from memfit.fitting.cost import HOST_OPTIMIZER_BYTES_PER_S
@@ -336,7 +357,7 @@ def search_gpu_count(spec: Any, base_run: Any, gpu: Any, count: int, *, global_b
                     plain=counter("none", chunked), sharding=sharding, per_rank=per_rank,
                     seq=seq, count=count, skip_offload=skip_offload, closest=closest,
                     tally=tally, tie=TIE_TOLERANCE, layout=layout_label(par),
-                    shard=sharding_of(par))
+                    shard=sharding_of(par), host=host)
     return best
 
 
@@ -346,7 +367,8 @@ def _search_variants(spec: Any, base_run: Any, gpu: Any, rates: Any, par: Any,
                      compute_s: dict[str, float], ckpt: str, chunked: bool,
                      counted: Any, plain: Any, sharding: str, per_rank: int, seq: int,
                      count: int, skip_offload: bool, closest: list[tuple[float, str]],
-                     tally: list[int], tie: float, layout: str, shard: str) -> _Best | None:
+                     tally: list[int], tie: float, layout: str, shard: str,
+                     host: _Host | None = None) -> _Best | None:
     """:func:`search_gpu_count`'s inner loop: each optimizer / offload variant of one layout,
     checkpointing policy and loss, at its fitting micro-batches, in each precision of
     ``compute_s`` (the first one's plans serve fp8's too: Note: [fp8 is planned as
@@ -374,13 +396,14 @@ def _search_variants(spec: Any, base_run: Any, gpu: Any, rates: Any, par: Any,
         # the fewest bytes in the plan for the same variant (tested), so a variant that does
         # not fit at micro-batch 1 under it fits under none: planned once for each layout,
         # loss and variant (not for activation offload, which under full checkpointing
-        # moves nothing a checkpointed block keeps).
+        # moves nothing a checkpointed block keeps). The host bytes, the offloaded states,
+        # are the same under each policy, so the host check does not change this.
         if prune and not v.offload_activations:
             key = (chunked, v)
             if key not in lowest:
                 low = dataclasses.replace(run, checkpointing="full")
                 lowest[key] = bool(_fitting(spec, low, gpu, per_rank, tally=tally,
-                                            closest=closest, above=0, most=1,
+                                            closest=closest, above=0, most=1, host=host,
                                             what=what.replace(f"ckpt={ckpt}", "ckpt=full")))
             if not lowest[key]:
                 continue
@@ -392,7 +415,7 @@ def _search_variants(spec: Any, base_run: Any, gpu: Any, rates: Any, par: Any,
         if skip_offload and v.offload_optimizer:
             above = max(above, largest.get((v.optimizer, False), 0))
         fits = _fitting(spec, run, gpu, per_rank, tally=tally, closest=closest, above=above,
-                        most=per_rank // par.pp, what=what)
+                        most=per_rank // par.pp, what=what, host=host)
         if not fits:
             continue
         if not (v.offload_params or v.offload_activations):
