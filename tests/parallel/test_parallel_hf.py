@@ -225,7 +225,7 @@ def sp_parity_runs() -> dict[str, list[dict[str, torch.Tensor]]]:
     from memfit.parallel.gloo import spawn
 
     with tempfile.TemporaryDirectory() as out:
-        spawn(_sp_parity_worker, 2, out, start_method="forkserver")  # parity, no peak
+        spawn(_sp_parity_worker, 2, out)
         return {name: [torch.load(Path(out, f"{name}-rank{r}.pt")) for r in range(2)]
                 for name in SP_CASES}
 
