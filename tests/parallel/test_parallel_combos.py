@@ -83,7 +83,7 @@ def test_hsdp_on_a_stage_holds_what_fsdp_over_its_shard_ranks_holds() -> None:
     fsdp/_fully_shard/_fsdp_collectives.py: foreach_reduce``: ``dist.all_reduce(reduce_output,
     group=all_reduce_group)``), so a stage sharded over 2 ranks and replicated twice (pp 2 x
     HSDP 2x2, 8 ranks) holds, rank for rank, what the same stage sharded over 2 ranks holds
-    without replicas (pp 2 x FSDP 2, 4 ranks; checked against gloo in test_parallel_pp.py)."""
+    without replicas (pp 2 x FSDP 2, 4 ranks; checked against gloo below)."""
     hsdp = _per_rank(_case(Parallel(gpus=8, pp=2, fsdp=2, microbatches=4)))
     fsdp = _per_rank(_case(Parallel(gpus=4, pp=2, fsdp=2, microbatches=4)))
     assert [e.ranks for e in hsdp] == [(0, 1, 2, 3), (4, 5, 6, 7)]
