@@ -100,3 +100,37 @@ class Classifier(nn.Module):
         for block in self.blocks:
             h = block(h)
         return nn.functional.cross_entropy(self.head(h), y)
+
+
+class CustomBlock(nn.Module):
+    """``x + fc2(gelu(fc1(ln(x))))``, ``fc1`` from ``dim`` to ``hidden``: a pre-norm GELU MLP
+    block whose names (``ln``, ``fc1``, ``fc2``) are in none of memfit's lists."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class CustomDecoder(nn.Module):
+    """A custom decoder, its names in none of memfit's lists, as a pipeline split at named
+    submodules takes it (``Parallel(pp_split_points=...)``): an embedding ``tok``, a ModuleList
+    ``blocks`` of ``layers`` :class:`CustomBlock` that the forward iterates, a LayerNorm
+    ``ln_f`` and a bias-free head ``out`` over ``vocab`` tokens."""
+
+    def __init__(self, layers: int, *, dim: int, hidden: int, vocab: int = 256) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(CustomBlock(dim, hidden) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.ln_f(x))

@@ -155,7 +155,7 @@ def gloo_runs() -> Callable[[int], dict[tuple[str, str], list[Any]]]:
         if world not in runs:
             jobs = _jobs(world)
             with tempfile.TemporaryDirectory() as out:
-                spawn(_worker, world, out)
+                spawn(_worker, world, out, start_method="forkserver")  # parity, no peak
                 runs[world] = {(kind, _key(layout)): [torch.load(Path(out, f"{i}-rank{r}.pt"))
                                                       for r in range(world)]
                                for i, (kind, layout) in enumerate(jobs)}

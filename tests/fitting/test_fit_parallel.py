@@ -245,7 +245,7 @@ def _run(layouts: list[dict[str, Any]], world: int) -> list[list[dict[str, Any]]
     from memfit.parallel.gloo import spawn
 
     with tempfile.TemporaryDirectory() as out:
-        spawn(_worker, world, layouts, out)
+        spawn(_worker, world, layouts, out, start_method="forkserver")  # no peak: parity
         return [[torch.load(Path(out, f"{i}-rank{r}.pt")) for r in range(world)]
                 for i in range(len(layouts))]
 

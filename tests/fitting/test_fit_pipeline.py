@@ -85,7 +85,7 @@ def _run(cases: list[tuple[dict[str, Any], int]], world: int) -> list[list[dict[
     from memfit.parallel.gloo import spawn
 
     with tempfile.TemporaryDirectory() as out:
-        spawn(_worker, world, cases, out)
+        spawn(_worker, world, cases, out, start_method="forkserver")  # no peak: losses, weights
         return [[torch.load(Path(out, f"case{i}-rank{r}.pt")) for r in range(world)]
                 for i in range(len(cases))]
 

@@ -132,7 +132,8 @@ def test_plan_apply_runs_ep_beside_pp_like_one_process() -> None:
     ref = FitConfig(precision="fp32", micro_batch=1, accumulation=BATCH, optimizer="sgd")
     want_losses, want = _sgd(model, ref, batch, 1)
     with tempfile.TemporaryDirectory() as out:
-        spawn(_worker, 4, LAYOUTS, out)
+        # forked from a server that imported torch once: losses and weights, no memory peak
+        spawn(_worker, 4, LAYOUTS, out, start_method="forkserver")
         runs = [[torch.load(Path(out, f"case{i}-rank{r}.pt")) for r in range(4)]
                 for i in range(len(LAYOUTS))]
     for layout, ranks in zip(LAYOUTS, runs, strict=True):

@@ -83,7 +83,7 @@ def test_hsdp_on_a_stage_holds_what_fsdp_over_its_shard_ranks_holds() -> None:
     fsdp/_fully_shard/_fsdp_collectives.py: foreach_reduce``: ``dist.all_reduce(reduce_output,
     group=all_reduce_group)``), so a stage sharded over 2 ranks and replicated twice (pp 2 x
     HSDP 2x2, 8 ranks) holds, rank for rank, what the same stage sharded over 2 ranks holds
-    without replicas (pp 2 x FSDP 2, 4 ranks; checked against gloo in test_parallel_pp.py)."""
+    without replicas (pp 2 x FSDP 2, 4 ranks; checked against gloo below)."""
     hsdp = _per_rank(_case(Parallel(gpus=8, pp=2, fsdp=2, microbatches=4)))
     fsdp = _per_rank(_case(Parallel(gpus=4, pp=2, fsdp=2, microbatches=4)))
     assert [e.ranks for e in hsdp] == [(0, 1, 2, 3), (4, 5, 6, 7)]
@@ -221,6 +221,11 @@ GLOO_EIGHT = [_case(Parallel(gpus=8, pp=2, fsdp=2, microbatches=4)),
               Case(spec=tiny_moe_spec(4), batch=8, seq=SEQ,
                    recipe=Recipe(parallel=Parallel(gpus=8, pp=2, fsdp=4, ep=2, microbatches=4)))]
 GLOO_EIGHT_TP = _case(Parallel(gpus=8, pp=2, tp=2, fsdp=2, sp=True, microbatches=4))
+GLOO_FOUR_STAGES = _case(Parallel(gpus=4, pp=4, microbatches=4))  # from test_parallel_pp.py
+GLOO_PP_FSDP = [_case(Parallel(gpus=4, pp=2, fsdp=2, microbatches=4, pp_schedule=schedule,
+                               reshard_after_forward=reshard))
+                for schedule, reshard in (("1f1b", False), ("gpipe", True))]
+GLOO_FOUR_PP = [GLOO_FOUR_STAGES, *GLOO_PP_FSDP]
 
 
 def _settled(cases: list[Case], world: int, tries: list[int],
@@ -253,9 +258,18 @@ def _settled(cases: list[Case], world: int, tries: list[int],
 @pytest.fixture(scope="module")
 def gloo_four() -> list[list]:
     """GLOO_FOUR (up to 3 runs each), then GLOO_FOUR_TP (the lowest of 2 runs, as
-    test_parallel_tppp.py's ``measure(repeats=2)`` had), in one set of 4 ranks."""
-    return _settled([*GLOO_FOUR, *GLOO_FOUR_TP], 4, [3] * len(GLOO_FOUR) + [1, 1],
+    test_parallel_tppp.py's ``measure(repeats=2)`` had) and GLOO_FOUR_PP (one run, as
+    test_parallel_pp.py's ``measure(repeats=1)`` had), in one set of 4 ranks."""
+    return _settled([*GLOO_FOUR, *GLOO_FOUR_TP, *GLOO_FOUR_PP], 4,
+                    [3] * len(GLOO_FOUR) + [1] * (len(GLOO_FOUR_TP) + len(GLOO_FOUR_PP)),
                     twice=tuple(GLOO_FOUR_TP))
+
+
+def _four(cases: list[Case], runs: list[list]) -> list[list]:
+    """The runs of ``cases`` (a slice of the gloo_four fixture's cases, in its order)."""
+    order = [*GLOO_FOUR, *GLOO_FOUR_TP, *GLOO_FOUR_PP]
+    start = order.index(cases[0])
+    return runs[start:start + len(cases)]
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +297,7 @@ def test_pp_beside_zero1_loss_parallel_and_ep_matches_four_gloo_ranks_within_1_p
     all-to-alls inside each stage's forward and backward); and FSDP2 4 with CPUOffloadPolicy
     on a CPU target (one memory: the offload copies are the identity). Each role's peak and
     phase high points within 1% of its ranks' lowest measurement."""
-    failures = _failures(GLOO_FOUR, gloo_four[:len(GLOO_FOUR)])
+    failures = _failures(GLOO_FOUR, _four(GLOO_FOUR, gloo_four))
     assert not failures, failures
 
 
@@ -296,8 +310,38 @@ def test_pp_times_tp_matches_four_gloo_ranks_within_1_percent(gloo_four: list) -
     (torch/distributed/pipelining/schedules.py: Schedule1F1B._step_microbatches) over the pp
     group of the (pp, tp) mesh. Each role's peak and each phase's high point (the schedule's
     range; the optimizer's) within 1% of its ranks' lowest of 2 runs."""
-    failures = _failures(GLOO_FOUR_TP, gloo_four[len(GLOO_FOUR):])
+    failures = _failures(GLOO_FOUR_TP, _four(GLOO_FOUR_TP, gloo_four))
     assert not failures, failures
+
+
+@pytest.mark.slow
+def test_four_stages_match_real_gloo_runs_within_1_percent(gloo_four: list) -> None:
+    """(Moved from test_parallel_pp.py, to share this module's 4 ranks.) pp = 4 over 4 gloo
+    processes, 1F1B with 4 micro-batches: the middle stages receive activations and send
+    gradients both ways (stage 1: blocks 1-2, stage 2: block 3), the last holds only the final
+    norm and head (torchtitan's split of 4 blocks + 2 on 4 stages)."""
+    case, measured = GLOO_FOUR_STAGES, _four([GLOO_FOUR_STAGES], gloo_four)[0]
+    for est in _per_rank(case):
+        real = measured[est.ranks[0]]["peak"]
+        assert abs(est.peak_bytes - real) <= 0.01 * real, (
+            f"pp4 stage {est.ranks}: predicted {est.peak_bytes:,} bytes, measured {real:,}")
+
+
+@pytest.mark.slow
+def test_pipeline_with_fsdp_matches_real_gloo_runs_within_1_percent(gloo_four: list) -> None:
+    """(Moved from test_parallel_pp.py, to share this module's 4 ranks.) pp 2 x FSDP2 2 on 4
+    gloo processes (torchtitan's 2-D layout: a (pp, dp) mesh, each stage fully_shard-ed over
+    its dp ranks; PipelineStage's backward_maybe_with_nosync and perform_reduce_grad drive
+    FSDP's gradient reduction): 1F1B without resharding after forward and GPipe with it. The
+    ranks of a stage hold equal shards, so they share a role."""
+    for case, measured in zip(GLOO_PP_FSDP, _four(GLOO_PP_FSDP, gloo_four), strict=True):
+        roles = _per_rank(case)
+        assert [e.ranks for e in roles] == [(0, 1), (2, 3)]
+        for est in roles:
+            real = min(measured[r]["peak"] for r in est.ranks)
+            assert abs(est.peak_bytes - real) <= 0.01 * real, (
+                f"{case.parallel.describe()} ranks {est.ranks}: predicted "
+                f"{est.peak_bytes:,} bytes, measured {real:,}")
 
 
 @pytest.mark.slow

@@ -216,7 +216,7 @@ def test_expert_parallel_step_computes_what_one_process_computes(world: int, fsd
     other parameters under DDP or FSDP2."""
     from memfit.parallel.gloo import spawn
 
-    spawn(_parity_worker, world, fsdp, ep)
+    spawn(_parity_worker, world, fsdp, ep, start_method="forkserver")  # parity, no peak
 
 
 # -- the truth: real ranks over gloo -------------------------------------------------------------

@@ -9,13 +9,13 @@ profiler (memfit/parallel/measure.py), and the stages' parameters counted by han
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from torch import nn
 
 import memfit
+from _models import CustomDecoder
+from _pipeline import per_rank
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, tiny_spec
@@ -25,37 +25,9 @@ from memfit.recipe import Recipe
 SEQ, VOCAB, D = 64, 256, 64
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
-
-
-class Net(nn.Module):
-    """Embedding, a ModuleList of blocks, a norm and a head: the forward iterates the blocks."""
-
-    def __init__(self, layers: int = 4) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList(Block(D) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(D)
-        self.out = nn.Linear(D, VOCAB, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(self.ln_f(x))
-
-
 def net(spec: object) -> nn.Module:
     """The measurement's builder (picklable: module level)."""
-    return Net(4)
+    return CustomDecoder(4, dim=D, hidden=4 * D, vocab=VOCAB)
 
 
 def olmo2(spec: object) -> nn.Module:
@@ -77,20 +49,12 @@ def _case(points: list[str] | None, schedule: str = "1f1b", microbatches: int = 
                 model_fn=model_fn)  # type: ignore[arg-type]
 
 
-@functools.cache
-def _per_rank(case: Case) -> tuple[memfit.Estimate, ...]:
-    model, inputs = build(case)
-    est = memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)
-    assert sorted(r for e in est.per_rank for r in e.ranks) == list(range(case.parallel.gpus))
-    return est.per_rank
-
-
 # -- the layout and the split --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("points", "match"), [
-    (["blocks.9"], "'blocks.9' is not a submodule of Net \\(did you mean 'blocks.3'"),
-    (["blockz.2"], "'blockz.2' is not a submodule of Net"),
+    (["blocks.9"], "'blocks.9' is not a submodule of CustomDecoder \\(did you mean 'blocks.3'"),
+    (["blockz.2"], "'blockz.2' is not a submodule of CustomDecoder"),
     (["blocks.2.fc1"], "not an element of an nn.ModuleList or nn.Sequential"),
     (["ln_f"], "not an element of an nn.ModuleList"),
 ])
@@ -126,7 +90,7 @@ def test_stages_hold_the_modules_before_in_and_after_their_elements() -> None:
     and the head, each parameter on exactly one stage under its own name; the stages run the
     model's own forward (the stage 1 forward of stage 0's output is the model's output)."""
     torch.manual_seed(0)
-    model = Net(4)
+    model = net(None)
     par = Parallel(gpus=2, pp=2, pp_split_points=["blocks.1"])
     first, = stage_modules(model, par, 0)
     last, = stage_modules(model, par, 1)
@@ -169,7 +133,7 @@ def measured() -> dict[str, list[dict[str, int]]]:
 
     def off(case: Case, got: list[dict[str, int]]) -> bool:
         return any(abs(e.peak_bytes - got[e.ranks[0]]["peak"]) > 0.01 * got[e.ranks[0]]["peak"]
-                   for e in _per_rank(case))
+                   for e in per_rank(case))
 
     cases = list(GLOO_CASES.values())
     return dict(zip(GLOO_CASES, measure_until(cases, world=2, off=off), strict=True))
@@ -184,7 +148,7 @@ def test_each_stage_of_a_custom_split_matches_a_real_gloo_run_within_1_percent(
     1F1B split 1 | 3 blocks and GPipe split 3 | 1 (the stages hold different parameters, so the
     two ranks' peaks differ); a transformers Olmo2 split where its ``base_model_pp_plan``
     says."""
-    estimates = _per_rank(GLOO_CASES[name])
+    estimates = per_rank(GLOO_CASES[name])
     assert len({e.peak_bytes for e in estimates}) == 2
     for est in estimates:
         real = measured[name][est.ranks[0]]["peak"]

@@ -91,8 +91,11 @@ def _report(rank: int, errors: str | None) -> None:
         os.replace(path + ".part", path)
 
 
-PRELOAD = ("torch", "torch.distributed", "memfit.parallel.measure")
-"""What the fork server imports once, before it forks a rank (``start_method="forkserver"``)."""
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.pipelining", "memfit.parallel.measure")
+"""What the fork server imports once, before it forks a rank (``start_method="forkserver"``):
+torch and the distributed modules the layouts run (DTensor, FSDP2 and pipelining import sympy
+through ``torch.fx``: 1.8 CPU-seconds a rank that each forked rank would import again)."""
 
 
 def spawn(fn: Callable[..., None], world: int, *args: Any, start_method: str = "spawn") -> None:
