@@ -372,8 +372,9 @@ def parse_pin(key: str, value: Any, what: str) -> Any:
     ``{precision: rate}`` or the text ``"fp32=113G,bf16-mixed=40G"`` (``"*"``: every precision
     not named; returned as such an object); ``bandwidth``,
     ``host_link``, ``gpu_link`` (``None``: no link) and ``inter_node_link`` are bytes/s;
-    ``launch_s`` and ``sac_op_s`` (0: none) seconds per op; ``async_launch`` a bool. Rates are numbers or text with an SI
-    prefix (``20GB/s``, ``8us``). ``what`` names the value in an error."""
+    ``launch_s`` and ``sac_op_s`` (0: none) seconds per op; ``async_launch`` a bool. Rates
+    are numbers or text with an SI prefix (``20GB/s``, ``8us``). ``what`` names the value in
+    an error."""
     if key == "async_launch":
         if not isinstance(value, bool):
             raise MemfitError(f"{what} must be true or false, got {value!r}")

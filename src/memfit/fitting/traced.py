@@ -26,7 +26,8 @@ from memfit.techniques.recipe import apply_techniques
 from memfit.trace.allocator_model import round_size
 from memfit.trace.estimate import TRACKED
 
-__all__ = ["ENGINE_FAILED", "Traced", "count_flops", "per_rank_traced", "sac_ops", "trace_one"]
+__all__ = ["ENGINE_FAILED", "Traced", "count_flops", "per_rank_traced", "sac_ops", "selective_ops",
+           "trace_one"]
 
 TRACKED_INDEX = {cat: i for i, cat in enumerate(TRACKED)}
 ENGINE_FAILED = "the trace engine could not run this combination"
@@ -130,15 +131,23 @@ def trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optimi
 def sac_ops(base: nn.Module, inputs: Any, modes: tuple[str | None, ...], *, chunked: bool,
             attention: str) -> int:
     """Ops selective checkpointing's dispatch modes see in one micro-batch of ``base`` with
-    ``modes`` per block: each selective block's forward ops twice, once in the forward
-    (``_CachingTorchDispatchMode``) and once in the recompute (``_CachedTorchDispatchMode``,
-    which sees every op again, saved or not). Note: [selective checkpointing's dispatch] in
-    :mod:`memfit.fitting.cost`. Counted on a meta copy with the recipe's attention and chunked
-    loss, without autocast (its casts are not counted)."""
-    from memfit.techniques.block_profile import profile_blocks
-
+    ``modes`` per block (:func:`selective_ops`), with the recipe's attention and chunked loss
+    applied to a meta copy."""
     model = meta_copy(base)
     apply_techniques(model, Recipe(attention=attention, chunked_loss=chunked))
+    return selective_ops(model, inputs, modes)
+
+
+def selective_ops(model: nn.Module, inputs: Any, modes: tuple[str | None, ...]) -> int:
+    """Ops selective checkpointing's dispatch modes see in one micro-batch of ``model`` (not
+    checkpointed; techniques that change the blocks' ops applied) with ``modes`` per block:
+    each selective block's forward ops twice, once in the forward
+    (``_CachingTorchDispatchMode``) and once in the recompute (``_CachedTorchDispatchMode``,
+    which sees every op again, saved or not). Note: [selective checkpointing's dispatch] in
+    :mod:`memfit.fitting.cost`. Counted on fake tensors without autocast (its casts are not
+    counted)."""
+    from memfit.techniques.block_profile import profile_blocks
+
     profiles = profile_blocks(model, find_blocks(model), inputs)
     return 2 * sum(p.ops for p, mode in zip(profiles, modes, strict=False)
                    if mode == "selective")
