@@ -156,3 +156,17 @@ def test_cuda_constants_are_the_recorded_calibration() -> None:
     derived = json.loads(path.read_text())["derived"]
     assert CUDA_LAUNCH_S == pytest.approx(derived["host_s_per_eager_op"], rel=0.01)
     assert CUDA_SAC_OP_S == pytest.approx(derived["sac_s_per_op"], rel=0.01)
+
+
+def test_pinning_sac_op_s_zero_turns_the_term_off() -> None:
+    """``rates={"sac_op_s": 0}`` on a CUDA target: no term, the rest the catalog's (a plan
+    saved on a CPU target, ``sac_op_s`` 0, loading back as a pin: test_fit_rates.py)."""
+    model, batch = Toy(), _batch(1)
+    space = {"precision": ["fp32"], "checkpointing": ["selective"], "micro_batch": [4],
+             "optimizer": ["adamw"], "offload_states": [False], "offload_activations": [False]}
+    on = fit(model, batch, global_batch=4, gpu="h100-sxm-80gb", device="cuda",
+             budget_bytes=8 * GiB, progress=False, space=space)
+    off = fit(model, batch, global_batch=4, gpu="h100-sxm-80gb", device="cuda",
+              budget_bytes=8 * GiB, progress=False, space=space, rates={"sac_op_s": 0})
+    assert on.chosen.cost.sac_s > 0 and off.chosen.cost.sac_s == 0.0
+    assert off.chosen.cost.dispatch_s == on.chosen.cost.dispatch_s
