@@ -60,7 +60,8 @@ def register(sub: Any) -> None:
                    help="time real steps of the top candidates and pick the fastest measured")
     p.add_argument("--rates", metavar="FILE",
                    help="pin the rates step times are costed at: a JSON object (flops, "
-                   "bandwidth, host_link, gpu_link, inter_node_link, launch_s; FLOP/s, bytes/s, "
+                   "bandwidth, host_link, gpu_link, inter_node_link, launch_s, sac_op_s; FLOP/s, "
+                   "bytes/s, "
                    "seconds) or a plan saved with --save (default: the GPU catalog's; on cpu "
                    "this machine's, measured once and kept in ~/.cache/memfit)")
     p.add_argument("--flops", help="pin the matmul rate in FLOP/s, e.g. 113e9 or 113G for every "

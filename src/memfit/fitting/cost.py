@@ -33,9 +33,24 @@ and parameter communication. The terms:
   so a group stays inside a node when its span (``tp`` for tp, ``tp * dp`` for data parallel,
   every GPU for the pipeline) fits in ``gpus_per_node``; inside a node the catalog's
   ``gpu_link`` (NVLink), across nodes :data:`INTER_NODE_GBPS`.
-- dispatch: eager PyTorch launches every op from Python (~8 us per op on CUDA, measured on this
-  machine for the CPU). On CUDA launches overlap the kernels (the step takes the longer of the
-  two); on the CPU they add up. Either way small micro-batches pay more of it.
+- dispatch: eager PyTorch launches every op from Python (12.5 us per op the trace counts on
+  CUDA, :data:`memfit.fitting.rates.CUDA_LAUNCH_S`; measured on this machine for the CPU), plus
+  selective checkpointing's dispatch modes (Note: [selective checkpointing's dispatch]). On CUDA
+  launches overlap the kernels (the step takes the longer of the two); on the CPU they add up.
+  Either way small micro-batches pay more of it.
+
+Note: [selective checkpointing's dispatch] memfit's selective checkpointing is torch's
+``create_selective_checkpoint_contexts`` with a Python policy: every op of a selective block runs
+through a Python ``TorchDispatchMode`` in the forward (``_CachingTorchDispatchMode``, which calls
+the policy and stores the output or a marker) and again in the recompute
+(``_CachedTorchDispatchMode``, which returns the stored outputs and reruns the rest). That host
+time is charged as ``sac_s``: twice each selective block's forward ops
+(:func:`memfit.fitting.traced.sac_ops`) times :data:`memfit.fitting.rates.CUDA_SAC_OP_S`
+(34.5 us), on top of the block's launches. Calibrated on one model size on an H100 and an H200
+host (``bench/step_cost_calibration.py``): there selective checkpointing measured 2.8-3.2x the
+step and full checkpointing 1.9x, which the model without it put at 1.5x for both. A CPU target
+charges nothing (``Rates.sac_op_s`` 0): there the kernels dwarf it (selective measured 1.02x the
+step on one CPU thread, ``bench/results/techniques-cpu-2026-11-22.json``).
 
 Known limitations: attention kernels are counted at the matmul rate; no compute/transfer overlap
 is modelled (except data-parallel collectives under a layout, :func:`layout_comm`); the CPU
@@ -65,17 +80,22 @@ class StepCost:
     dispatch_s: float
     optimizer_s: float
     async_launch: bool = True
+    sac_s: float = 0.0
+    """Selective checkpointing's Python dispatch (Note: [selective checkpointing's dispatch]):
+    host time, added to ``dispatch_s``."""
 
     @property
     def total_s(self) -> float:
         work = self.compute_s + self.traffic_s + self.transfer_s
-        launch = max(work, self.dispatch_s) if self.async_launch else work + self.dispatch_s
+        host = self.dispatch_s + self.sac_s
+        launch = max(work, host) if self.async_launch else work + host
         return launch + self.optimizer_s + self.comm_s
 
     def to_dict(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "traffic_s": self.traffic_s,
                 "transfer_s": self.transfer_s, "comm_s": self.comm_s,
-                "dispatch_s": self.dispatch_s, "optimizer_s": self.optimizer_s,
+                "dispatch_s": self.dispatch_s, "sac_s": self.sac_s,
+                "optimizer_s": self.optimizer_s,
                 "async_launch": self.async_launch, "total_s": self.total_s}
 
 
@@ -85,7 +105,7 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
               offload_states: bool, sharding: str, num_gpus: int, parallel: Any = None,
               boundary_bytes: int = 0, layers: int = 1,
               layout_bytes: dict[str, Any] | None = None,
-              offload_params: bool = False) -> StepCost:
+              offload_params: bool = False, sac_ops_per_micro: int = 0) -> StepCost:
     """Seconds of one optimizer step of a candidate (see the module docstring for each term).
 
     ``micro_flops``: forward + backward (+ recompute) FLOPs of one micro-batch;
@@ -98,11 +118,14 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
     communication is :func:`layout_comm`'s (``layout_bytes``: its keyword arguments for the
     head's logits, the loss and the experts), ``num_gpus`` and ``sharding`` are then unused.
     ``offload_params``: the parameters live on the host, each rank's ZeRO-3 shard (``1 / dp``
-    of ``param_bytes``) fetched twice a micro-batch."""
+    of ``param_bytes``) fetched twice a micro-batch. ``sac_ops_per_micro``: the ops selective
+    checkpointing's dispatch modes see in one micro-batch (Note: [selective checkpointing's
+    dispatch])."""
     rate = rates.flops[precision]
     compute = accumulation * micro_flops / rate
     traffic = accumulation * 3 * activation_traffic_bytes / rates.bandwidth
     dispatch = accumulation * ops_per_micro * rates.launch_s
+    sac = accumulation * sac_ops_per_micro * rates.sac_op_s
     if parallel is not None:
         # Each rank runs 1/(tp pp) of the micro-batch's FLOPs, and its stage's work (compute,
         # traffic, launches) waits (pp - 1) micro-batch slots in the pipeline's fill and drain
@@ -114,6 +137,7 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
         compute = compute / (parallel.tp * parallel.pp) * bubble
         traffic *= bubble
         dispatch *= bubble
+        sac *= bubble
     transfer = 0.0
     if offload_activations:
         transfer += accumulation * 2 * offloaded_bytes / rates.host_link
@@ -140,7 +164,8 @@ def step_cost(rates: Rates, *, precision: str, micro_flops: float, accumulation:
         if sharding == "zero3":
             comm += 2 * ring * param_bytes / link
     return StepCost(compute_s=compute, traffic_s=traffic, transfer_s=transfer, comm_s=comm,
-                    dispatch_s=dispatch, optimizer_s=optimizer, async_launch=rates.async_launch)
+                    dispatch_s=dispatch, optimizer_s=optimizer, async_launch=rates.async_launch,
+                    sac_s=sac)
 
 
 def _link(rates: Rates, span: int, gpus_per_node: int | None) -> float:

@@ -55,7 +55,18 @@ __all__ = ["Rates", "cpu_rates", "gpu_rates", "load_rates", "merge_pins", "parse
 # Measured matmul ceiling / datasheet peak (shared/facts.md, bf16 8192^3 matmuls).
 MATMUL_EFFICIENCY = {"a100": 271 / 312, "h100": 794 / 989, "h200": 790 / 989}
 DEFAULT_EFFICIENCY = 0.80
-CUDA_LAUNCH_S = 8e-6
+CUDA_LAUNCH_S = 12.5e-6
+"""Host seconds per eager op on a CUDA target (Python, autograd, the launch): a measured step of
+an eager model too small to keep an H100 busy, over the ops its trace counts (1948 a step:
+24.9 ms on an H100 host, 23.7 ms on an H200 host, 12.8 and 12.2 us an op;
+``bench/step_cost_calibration.py``). It was 8 us, which put that step at 16 ms."""
+CUDA_SAC_OP_S = 34.5e-6
+"""Seconds per op of selective checkpointing's Python dispatch modes on a CUDA target
+(``torch.utils.checkpoint``'s ``_CachingTorchDispatchMode`` in the forward,
+``_CachedTorchDispatchMode`` in the recompute, each op through ``__torch_dispatch__`` and the
+policy): calibrated by ``bench/step_cost_calibration.py`` on one model size (58.5 M parameters,
+8 blocks, 4 x 512 tokens, fp32) on an H100 and an H200 host
+(``bench/results/techniques-h100-2026-11-27.json``, ``techniques-h200-...``)."""
 INTER_NODE_GBPS = 50.0
 """GB/s per direction per GPU between nodes: one 400 Gb/s NDR InfiniBand port (ConnectX-7)
 per GPU, as NVIDIA's DGX H100 / H200 nodes are built (NVIDIA DGX H100 User Guide, §1.2.3
@@ -80,9 +91,9 @@ COPY_SLICES = 8
 """The copy is timed a 4 MiB slice at a time (see ``_measure_cpu``)."""
 CACHE_FORMAT = "memfit-cpu-rates/1"
 _PINNABLE = ("flops", "bandwidth", "host_link", "gpu_link", "inter_node_link", "launch_s",
-             "async_launch")
+             "async_launch", "sac_op_s")
 _UNIT = {"flops": "FLOP/s", "bandwidth": "B/s", "host_link": "B/s", "gpu_link": "B/s",
-         "inter_node_link": "B/s", "launch_s": "s"}
+         "inter_node_link": "B/s", "launch_s": "s", "sac_op_s": "s"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +114,9 @@ class Rates:
     """Bytes/s per direction per GPU between nodes; None: :data:`INTER_NODE_GBPS`."""
     async_launch: bool = True
     """Whether dispatch overlaps the work (CUDA streams) or adds to it (CPU)."""
+    sac_op_s: float = 0.0
+    """Seconds of Python per op that selective checkpointing's dispatch modes add, in the
+    forward and again in the recompute (:data:`CUDA_SAC_OP_S`; 0 on a CPU target)."""
     source: str
     """Where the numbers come from, for the report."""
 
@@ -112,7 +126,8 @@ class Rates:
         return {"flops": dict(self.flops), "bandwidth": self.bandwidth,
                 "host_link": self.host_link, "gpu_link": self.gpu_link,
                 "inter_node_link": self.inter_node_link, "launch_s": self.launch_s,
-                "async_launch": self.async_launch, "source": self.source}
+                "async_launch": self.async_launch, "sac_op_s": self.sac_op_s,
+                "source": self.source}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Rates:
@@ -135,6 +150,7 @@ class Rates:
                    inter_node_link=optional(data.get("inter_node_link")),
                    launch_s=number(data["launch_s"]),
                    async_launch=bool(data.get("async_launch", True)),
+                   sac_op_s=number(data.get("sac_op_s", 0.0)),
                    source=str(data.get("source", "")))
 
 
@@ -158,7 +174,7 @@ def gpu_rates(gpu: GpuSpec) -> Rates:
     return Rates(flops=flops, bandwidth=gpu.bandwidth_gbps * 1e9,
                  host_link=gpu.host_link.gbps * 1e9,
                  gpu_link=gpu.gpu_link.gbps * 1e9 if gpu.gpu_link else None,
-                 launch_s=CUDA_LAUNCH_S,
+                 launch_s=CUDA_LAUNCH_S, sac_op_s=CUDA_SAC_OP_S,
                  inter_node_link=INTER_NODE_GBPS * 1e9,
                  source=f"{gpu.name}: catalog peak TFLOPS x {eff:.2f} (measured matmul "
                         f"ceiling / peak), {gpu.bandwidth_gbps:g} GB/s, host link "
@@ -341,10 +357,10 @@ def forget_measured() -> None:
 
 def _plausible(key: str, value: float, what: str) -> float:
     """Catch a rate written in the wrong unit (GFLOP/s for FLOP/s, microseconds for seconds)."""
-    if key == "launch_s" and value > 1:
+    if key in ("launch_s", "sac_op_s") and value > 1:
         raise MemfitError(f"{what} is {value:g} s per op, over a second: write seconds, e.g. "
                           "8e-6 or '8us'")
-    if key != "launch_s" and value < 1e6:
+    if key not in ("launch_s", "sac_op_s") and value < 1e6:
         unit = _UNIT[key]
         raise MemfitError(f"{what} is {value:g} {unit}, under a million: write {unit}, e.g. "
                           + ("113e9 or '113G'" if key == "flops" else "20e9 or '20GB/s'"))
@@ -356,14 +372,17 @@ def parse_pin(key: str, value: Any, what: str) -> Any:
     ``{precision: rate}`` or the text ``"fp32=113G,bf16-mixed=40G"`` (``"*"``: every precision
     not named; returned as such an object); ``bandwidth``,
     ``host_link``, ``gpu_link`` (``None``: no link) and ``inter_node_link`` are bytes/s;
-    ``launch_s`` seconds per op; ``async_launch`` a bool. Rates are numbers or text with an SI
-    prefix (``20GB/s``, ``8us``). ``what`` names the value in an error."""
+    ``launch_s`` and ``sac_op_s`` (0: none) seconds per op; ``async_launch`` a bool. Rates
+    are numbers or text with an SI prefix (``20GB/s``, ``8us``). ``what`` names the value in
+    an error."""
     if key == "async_launch":
         if not isinstance(value, bool):
             raise MemfitError(f"{what} must be true or false, got {value!r}")
         return value
     if key in ("gpu_link", "inter_node_link") and value is None:
         return None
+    if key == "sac_op_s" and not isinstance(value, bool) and value in (0, "0"):
+        return 0.0  # no selective-checkpointing term (a CPU target's; a saved CPU plan's)
     if key == "flops":
         if isinstance(value, str) and "=" in value:
             pairs = [part.partition("=") for part in value.split(",") if part.strip()]
@@ -444,6 +463,8 @@ def _describe(pins: Mapping[str, Any]) -> str:
             parts.append(f"{label} {pins[key] / 1e9:.1f} GB/s")
     if "launch_s" in pins:
         parts.append(f"dispatch {pins['launch_s'] * 1e6:.1f} us")
+    if "sac_op_s" in pins:
+        parts.append(f"selective checkpointing {pins['sac_op_s'] * 1e6:.1f} us an op")
     return ", ".join(parts)
 
 

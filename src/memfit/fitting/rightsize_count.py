@@ -19,6 +19,9 @@ class _Counted:
     """Forward + backward (+ recompute) FLOPs of one sample."""
     ops: int
     """Aten ops dispatched for one micro-batch."""
+    sac_ops: int = 0
+    """Ops selective checkpointing's dispatch modes see (``memfit.fitting.traced.
+    selective_ops``); 0 without it."""
     linear_flops: float = 0.0
     """Of :attr:`flops`, the matmuls of the linear layers (``aten.mm`` / ``aten.addmm``): what
     fp8 training (torchao's float8 linears) runs at the fp8 rate; attention stays 16-bit."""
@@ -26,16 +29,19 @@ class _Counted:
     def plus(self, other: _Counted, times: int = 1) -> _Counted:
         """``self + times x other``, term by term."""
         return _Counted(flops=self.flops + times * other.flops, ops=self.ops + times * other.ops,
-                        linear_flops=self.linear_flops + times * other.linear_flops)
+                        linear_flops=self.linear_flops + times * other.linear_flops,
+                        sac_ops=self.sac_ops + times * other.sac_ops)
 
     def minus(self, other: _Counted) -> _Counted:
         return _Counted(flops=self.flops - other.flops, ops=self.ops - other.ops,
-                        linear_flops=self.linear_flops - other.linear_flops)
+                        linear_flops=self.linear_flops - other.linear_flops,
+                        sac_ops=self.sac_ops - other.sac_ops)
 
 
 def _count(spec: Any, run: Any, seq: int) -> _Counted:
     """FLOPs and ops of one sample of ``spec`` run as ``run`` says, on fake tensors: the
     techniques applied as ``fit``'s ``count_flops`` applies them."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
@@ -50,7 +56,10 @@ def _count(spec: Any, run: Any, seq: int) -> _Counted:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
-            self.n += 1
+            # A fake tensor's ``.device`` is a dispatched op (two or so per real op) that no
+            # kernel launch answers; the trace does not count it either (``trace/tracker.py``).
+            if func is not torch.ops.prim.device.default:
+                self.n += 1
             return func(*args, **(kwargs or {}))
 
     recipe = dataclasses.replace(run.recipe, qlora=False, parallel=None, micro_batch=1,
@@ -67,8 +76,17 @@ def _count(spec: Any, run: Any, seq: int) -> _Counted:
             model_loss(model, inputs).backward()
     linear = sum(f for op, f in counter.get_flop_counts().get("Global", {}).items()
                  if str(op) in _LINEAR_OPS)
+    sac = 0
+    if recipe.checkpointing == "selective":
+        from memfit.fitting.traced import selective_ops
+
+        plain = build_model(spec, device="meta")
+        apply_techniques(plain, dataclasses.replace(recipe, checkpointing="none",
+                                                    checkpoint_modes=None))
+        sac = selective_ops(plain, example_inputs(spec, batch=1, seq=seq),
+                            ("selective",) * spec.num_layers)
     return _Counted(flops=float(counter.get_total_flops()), ops=ops.n,
-                    linear_flops=float(linear))
+                    linear_flops=float(linear), sac_ops=sac)
 
 
 _LINEAR_OPS = ("aten.mm", "aten.addmm")

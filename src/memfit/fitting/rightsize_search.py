@@ -255,7 +255,8 @@ def _step_seconds(spec: Any, run: Any, rates: Any, *, m: int, per_rank: int, seq
         parallel=par, boundary_bytes=tokens * spec.hidden_size * element,
         layers=spec.num_layers,
         layout_bytes={"logits_bytes": tokens * spec.vocab_size * element,
-                      "tokens": tokens}).total_s
+                      "tokens": tokens},
+        sac_ops_per_micro=-(-counted.sac_ops // par.pp)).total_s
 
 
 def _variant_bound(v: _Variant, run: Any, rates: Any, ranks: _Ranks, compute_s: float) -> float:

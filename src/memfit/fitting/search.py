@@ -261,7 +261,8 @@ class Search(Pruning, Verification):
                 traffic=self.activation_traffic(combo, ref, ref_m, m, micro_flops),
                 offloaded=int(ref.saved_activations * m / ref_m), ops=ref.ops_per_micro,
                 weights=ref.weights, grads=ref.grads, states=ref.states, off_s=off_s,
-                off_a=off_a, shard=shard, par=par, per_rank=per_rank, attention=attention)
+                off_a=off_a, shard=shard, par=par, per_rank=per_rank, attention=attention,
+                sac_ops=ref.sac_ops_per_micro)
             self.candidates.append(Candidate(config=cfg, peak_bytes=peak, cost=cost,
                                              traced=traced))
 

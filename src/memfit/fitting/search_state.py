@@ -359,7 +359,8 @@ class SearchState:
 
     def cost(self, *, precision: str, micro_flops: float, m: int, traffic: int, offloaded: int,
              ops: int, weights: int, grads: int, states: int, off_s: bool, off_a: bool,
-             shard: str, par: Parallel | None, per_rank: int, attention: str) -> StepCost:
+             shard: str, par: Parallel | None, per_rank: int, attention: str,
+             sac_ops: int = 0) -> StepCost:
         """``step_cost`` of a variant; with a layout, of its most loaded rank (the parameter
         share and activation factor of :mod:`memfit.fitting.layouts`)."""
         if par is None:
@@ -368,7 +369,8 @@ class SearchState:
                 accumulation=self.per_gpu // m, activation_traffic_bytes=traffic,
                 offloaded_bytes=offloaded, ops_per_micro=ops, param_bytes=weights,
                 grad_bytes=grads, state_bytes=states, offload_activations=off_a,
-                offload_states=off_s, sharding=shard, num_gpus=self.num_gpus)
+                offload_states=off_s, sharding=shard, num_gpus=self.num_gpus,
+                sac_ops_per_micro=sac_ops)
         share = self.share(par)
         act = self.act_factor(par, attention) / par.pp
         return step_cost(
@@ -380,7 +382,8 @@ class SearchState:
             sharding=shard, num_gpus=self.num_gpus, parallel=par,
             boundary_bytes=self.boundary_bytes(precision, m),
             layers=self.shape.layers if self.shape is not None else 1,
-            layout_bytes=self.layout_bytes(precision, m, par))
+            layout_bytes=self.layout_bytes(precision, m, par),
+            sac_ops_per_micro=-(-sac_ops // par.pp))
 
     # -- time: FLOPs, traffic, bounds ----------------------------------------------------------
 

@@ -4,6 +4,7 @@ and the FLOPs of a step, counted once on fake tensors."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,8 @@ from memfit.techniques.recipe import apply_techniques
 from memfit.trace.allocator_model import round_size
 from memfit.trace.estimate import TRACKED
 
-__all__ = ["ENGINE_FAILED", "Traced", "count_flops", "per_rank_traced", "trace_one"]
+__all__ = ["ENGINE_FAILED", "Traced", "count_flops", "per_rank_traced", "sac_ops", "selective_ops",
+           "trace_one"]
 
 TRACKED_INDEX = {cat: i for i, cat in enumerate(TRACKED)}
 ENGINE_FAILED = "the trace engine could not run this combination"
@@ -57,6 +59,9 @@ class Traced:
     """Host memory the step's offload holds at its peak (traced with offload only)."""
     input_bytes: int = 0
     """Bytes of the traced micro-batch's tensors (the step holds the whole per-GPU batch)."""
+    sac_ops_per_micro: int = 0
+    """Ops selective checkpointing's dispatch modes see in one micro-batch
+    (:func:`sac_ops`)."""
 
 
 def per_rank_traced(par: Parallel) -> bool:
@@ -115,8 +120,37 @@ def trace_one(base: nn.Module, sample: Any, *, precision: str, ckpt: str, optimi
     except (RuntimeError, NotImplementedError) as exc:  # rejected with the reason, not hidden
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"{ENGINE_FAILED}: {first}"
-    return _read(est, model, inputs, device=device, steps=steps, parallel=parallel,
-                 modes=recipe.checkpoint_modes, ckpt_budget=ckpt_budget)
+    traced = _read(est, model, inputs, device=device, steps=steps, parallel=parallel,
+                   modes=recipe.checkpoint_modes, ckpt_budget=ckpt_budget)
+    if recipe.checkpoint_modes and "selective" in recipe.checkpoint_modes:
+        traced = dataclasses.replace(traced, sac_ops_per_micro=sac_ops(
+            base, inputs, recipe.checkpoint_modes, chunked=chunked, attention=attention))
+    return traced
+
+
+def sac_ops(base: nn.Module, inputs: Any, modes: tuple[str | None, ...], *, chunked: bool,
+            attention: str) -> int:
+    """Ops selective checkpointing's dispatch modes see in one micro-batch of ``base`` with
+    ``modes`` per block (:func:`selective_ops`), with the recipe's attention and chunked loss
+    applied to a meta copy."""
+    model = meta_copy(base)
+    apply_techniques(model, Recipe(attention=attention, chunked_loss=chunked))
+    return selective_ops(model, inputs, modes)
+
+
+def selective_ops(model: nn.Module, inputs: Any, modes: tuple[str | None, ...]) -> int:
+    """Ops selective checkpointing's dispatch modes see in one micro-batch of ``model`` (not
+    checkpointed; techniques that change the blocks' ops applied) with ``modes`` per block:
+    each selective block's forward ops twice, once in the forward
+    (``_CachingTorchDispatchMode``) and once in the recompute (``_CachedTorchDispatchMode``,
+    which sees every op again, saved or not). Note: [selective checkpointing's dispatch] in
+    :mod:`memfit.fitting.cost`. Counted on fake tensors without autocast (its casts are not
+    counted)."""
+    from memfit.techniques.block_profile import profile_blocks
+
+    profiles = profile_blocks(model, find_blocks(model), inputs)
+    return 2 * sum(p.ops for p, mode in zip(profiles, modes, strict=False)
+                   if mode == "selective")
 
 
 def _resolve_budget(base: nn.Module, inputs: Any, chunked: bool, attention: str,

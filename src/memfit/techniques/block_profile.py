@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -28,6 +29,8 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
+SAC_IGNORED_OPS: frozenset[Any] = frozenset(
+    getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", {aten.detach.default}))
 
 Mode = Literal["full", "selective"]
 
@@ -63,6 +66,9 @@ class BlockProfile:
     """Matmul/attention FLOPs of one forward of the block (``FlopCounterMode``)."""
     cheap_flops: int = 0
     """Elements written by the block's other ops (the selective recompute, one FLOP each)."""
+    ops: int = 0
+    """Ops one forward of the block dispatches, less those selective checkpointing's modes pass
+    straight through (``torch.utils.checkpoint.SAC_IGNORED_OPS``: ``detach``, size queries)."""
     other: dict[int, int] = field(default_factory=dict)
     """Only on the first profile: storages saved outside every block (embeddings, head, loss)."""
 
@@ -124,6 +130,8 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
                                kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
             block = current[-1] if current else -1
+            if block >= 0 and func not in SAC_IGNORED_OPS:
+                profiles[block].ops += 1
             for t in tensor_leaves(out if isinstance(out, tuple | list) else [out]):
                 alive.append(t)
                 key = _storage_key(t)
