@@ -270,16 +270,9 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
     >>> r = rightsize_training("llama-3-8b", train_tokens=2e9, seq=4096, global_batch=64)
     >>> r.candidates[0].gpu, r.candidates[0].cost_usd
     """
-    from memfit.analytic.config import RunConfig
     from memfit.gpus import get_gpu
-    from memfit.models import resolve_model
-    from memfit.models.spec import TransformerSpec
-    from memfit.serving.prices import (
-        DEFAULT_MAX_PRICE_AGE_DAYS,
-        catalog_prices,
-        load_prices,
-        price_is_stale,
-    )
+    from memfit.serving.prices import DEFAULT_MAX_PRICE_AGE_DAYS, price_is_stale
+
     started = time.perf_counter()
     band, discount = check_training_args(
         train_tokens=train_tokens, seq=seq, global_batch=global_batch, gpus_max=gpus_max,
@@ -287,19 +280,8 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
         mtbf_hours=mtbf_hours, write_bandwidth=write_bandwidth, spot_discount=spot_discount,
         host_memory=host_memory)
     age = DEFAULT_MAX_PRICE_AGE_DAYS if max_price_age_days is None else max_price_age_days
-    table = catalog_prices(gpu_file)
-    if prices is not None:
-        table.update(load_prices(prices, gpu_file))
-    names = list(table) if gpus is None else \
-        list(dict.fromkeys(get_gpu(g, gpu_file).name for g in gpus))
-    spec = resolve_model(model)
-    if not isinstance(spec, TransformerSpec) or spec.arch == "vision":
-        raise MemfitError(f"{model}: rightsize sizes decoder language models (a preset or a "
-                          "config.json); see `memfit models`")
-    base_run = RunConfig(mode=mode, optimizer=optimizer, seq=seq)  # type: ignore[arg-type]
-    from memfit.analytic.checks import check_context
-
-    check_context(spec, base_run)
+    table, names = _priced_gpus(gpus, prices, gpu_file)
+    spec, base_run = _training_model(model, mode, optimizer, seq)
     steps = job_steps(train_tokens, global_batch, seq)
     counter = _Counter(spec, base_run, seq)
     today = today or dt.date.today()
@@ -354,3 +336,34 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
                              steps=steps, spot=spot_info, plans=tally[0],
                              seconds=time.perf_counter() - started, host_memory=host_info,
                              host_rejected=tuple(rejected))
+
+
+def _priced_gpus(gpus: Sequence[str] | None, prices: str | Path | Mapping[str, Any] | None,
+                 gpu_file: str | Path | None) -> tuple[dict[str, Any], list[str]]:
+    """The price table (the catalog's, ``prices`` over it) and the GPUs to size: ``gpus``
+    (catalog names, each once) or every priced one."""
+    from memfit.gpus import get_gpu
+    from memfit.serving.prices import catalog_prices, load_prices
+
+    table = catalog_prices(gpu_file)
+    if prices is not None:
+        table.update(load_prices(prices, gpu_file))
+    names = list(table) if gpus is None else \
+        list(dict.fromkeys(get_gpu(g, gpu_file).name for g in gpus))
+    return table, names
+
+
+def _training_model(model: str | Path, mode: str, optimizer: str, seq: int) -> tuple[Any, Any]:
+    """The decoder's spec and the run every candidate starts from, checked (one line)."""
+    from memfit.analytic.checks import check_context
+    from memfit.analytic.config import RunConfig
+    from memfit.models import resolve_model
+    from memfit.models.spec import TransformerSpec
+
+    spec = resolve_model(model)
+    if not isinstance(spec, TransformerSpec) or spec.arch == "vision":
+        raise MemfitError(f"{model}: rightsize sizes decoder language models (a preset or a "
+                          "config.json); see `memfit models`")
+    base_run = RunConfig(mode=mode, optimizer=optimizer, seq=seq)  # type: ignore[arg-type]
+    check_context(spec, base_run)
+    return spec, base_run

@@ -188,8 +188,16 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
         finally:
             for h in handles:
                 h.remove()
-    counts = flops.get_flop_counts()
-    root = type(fmodel).__name__
+    _finish(profiles, flops.get_flop_counts(), type(fmodel).__name__, producer,
+            any(t.device.type == "cpu" for t in tensor_leaves(finputs)), outside)
+    return profiles
+
+
+def _finish(profiles: list[BlockProfile], counts: Any, root: str,
+            producer: dict[int, tuple[Any, int, int]], on_cpu: bool,
+            outside: dict[int, int]) -> None:
+    """The profiles' FLOPs, selective checkpointing's saved set and the RNG state copies, from
+    what :func:`profile_blocks`'s forward recorded."""
     for p in profiles:
         p.forward_flops = int(sum(counts.get(f"{root}.{p.name}", {}).values()))
         p.selective = dict(p.inputs)
@@ -201,11 +209,9 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
     # Note: [checkpoint RNG state] checkpoint(preserve_rng_state=True) keeps a copy of the CPU
     # generator's state per checkpointed call (``torch.get_rng_state()``, about 5 KB): device
     # memory when the model runs on the CPU, host memory otherwise.
-    on_cpu = any(t.device.type == "cpu" for t in tensor_leaves(finputs))
     rng = torch.get_rng_state().untyped_storage().nbytes() if on_cpu else 0
     for i, p in enumerate(profiles):
         if rng:
             p.inputs[-1 - i] = p.selective[-1 - i] = rng
     if profiles:
         profiles[0].other = outside
-    return profiles
