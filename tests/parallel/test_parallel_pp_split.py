@@ -17,6 +17,7 @@ import memfit
 from _models import CustomDecoder
 from _pipeline import per_rank
 from memfit.errors import MemfitError
+from memfit.models.build import example_inputs
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, tiny_spec
 from memfit.parallel.pipeline import stage_modules
@@ -41,12 +42,25 @@ def olmo2(spec: object) -> nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
-def _case(points: list[str] | None, schedule: str = "1f1b", microbatches: int = 4,
-          model_fn: object = net) -> Case:
-    par = Parallel(gpus=2, pp=2, pp_schedule=schedule, microbatches=microbatches,
-                   pp_split_points=points)
-    return Case(spec=tiny_spec(4), batch=2 * microbatches, seq=SEQ, recipe=Recipe(parallel=par),
-                model_fn=model_fn)  # type: ignore[arg-type]
+BATCH = 8
+"""2 samples in each of the 4 micro-batches."""
+
+
+def make_net() -> tuple[nn.Module, object]:
+    """The measurement's model and inputs (picklable: module level; seeded by the caller)."""
+    return net(None), example_inputs(tiny_spec(4), batch=BATCH, seq=SEQ, device="cpu")
+
+
+def make_olmo2() -> tuple[nn.Module, object]:
+    """:func:`olmo2` and its inputs, as :func:`make_net`."""
+    return olmo2(None), example_inputs(tiny_spec(4), batch=BATCH, seq=SEQ, device="cpu")
+
+
+def _case(points: list[str] | None, schedule: str = "1f1b",
+          make: object = make_net) -> Case:
+    par = Parallel(gpus=2, pp=2, pp_schedule=schedule, microbatches=4, pp_split_points=points)
+    return Case(spec=tiny_spec(4), batch=BATCH, seq=SEQ, recipe=Recipe(parallel=par),
+                make=make)  # type: ignore[arg-type]
 
 
 # -- the layout and the split --------------------------------------------------------------------
@@ -124,7 +138,7 @@ def test_transformers_base_model_pp_plan_splits_a_model_without_split_points() -
 
 GLOO_CASES = {"1f1b at blocks.1": _case(["blocks.1"]),
               "gpipe at blocks.3": _case(["blocks.3"], "gpipe"),
-              "olmo2 by its base_model_pp_plan": _case(None, model_fn=olmo2)}
+              "olmo2 by its base_model_pp_plan": _case(None, make=make_olmo2)}
 
 
 @pytest.fixture(scope="module")

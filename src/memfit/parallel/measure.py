@@ -66,9 +66,6 @@ class Case:
     backend: str = "builtin"
     """The builder of :func:`memfit.models.build.build_model`: ``"builtin"`` or
     ``"transformers"`` (Hugging Face's module of the same spec)."""
-    model_fn: Callable[[Any], torch.nn.Module] | None = None
-    """A picklable function (module level) building the model from ``spec`` in place of
-    ``build_model``: a custom module (the inputs are still ``example_inputs(spec)``)."""
     make: Callable[[], tuple[torch.nn.Module, Any]] | None = None
     """A model of your own in place of ``spec``'s: a module-level function (it travels to the
     ranks by name) returning the model (real, CPU) and its inputs; called after
@@ -119,9 +116,6 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
     if case.make is not None:
         model, inputs = case.make()
-    elif case.model_fn is not None:
-        model = case.model_fn(case.spec)
-        inputs = example_inputs(case.spec, batch=case.batch, seq=case.seq, device="cpu")
     elif isinstance(case.spec, HFModelSpec):  # a config the formulas do not cover
         model = case.spec.build(device="cpu")
         inputs = case.spec.example_inputs(case.batch, case.seq, device="cpu")
