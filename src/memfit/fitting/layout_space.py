@@ -108,14 +108,19 @@ def _split_space(space: dict[str, list[Any]], pp: int, gpus: int) -> dict[str, l
 def _with_split(found: list[Parallel], points: tuple[str, ...],
                 rejected: list[Rejected]) -> list[Parallel]:
     """``found`` with the user's split points on every pipeline layout; the interleaved
-    schedule left out (recorded: it runs ``2 pp`` stages, which the points do not name)."""
+    schedule (it runs ``2 pp`` stages, which the points do not name) and ep beside the split
+    left out (recorded)."""
     if any(p.pp_schedule == "interleaved-1f1b" for p in found):
         rejected.append(Rejected(what="interleaved 1F1B with pp_split_points", reason=(
             f"the {len(points)} split point(s) make {len(points) + 1} stages, one a rank; "
             "interleaved 1F1B runs two a rank (Parallel(pp_split_points=...) with 2 pp - 1 "
             "points), so it is not searched")))
+    if any(p.ep > 1 and p.pp > 1 for p in found):
+        rejected.append(Rejected(what="ep with pp_split_points", reason=(
+            "expert parallelism beside a pipeline split at named points is refused "
+            "(memfit/parallel/pipeline.py); ep is searched without the pipeline")))
     return [dataclasses.replace(p, pp_split_points=points) if p.pp > 1 else p
-            for p in found if p.pp_schedule != "interleaved-1f1b" or p.pp == 1]
+            for p in found if p.pp == 1 or (p.pp_schedule != "interleaved-1f1b" and p.ep == 1)]
 
 
 def _with_plan(found: list[Parallel], tp_plan: Mapping[str, Any], space: dict[str, list[Any]],
