@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.cli._common import console, positive_int, print_json
-from memfit.cli.layout import parallel_from_args, tp_plan_from_arg
+from memfit.cli.layout import parallel_from_args, pp_split_from_arg, tp_plan_from_arg
 from memfit.errors import MemfitError
 from memfit.gpus import get_gpu
 from memfit.units import parse_bytes
@@ -53,6 +53,12 @@ def register(sub: Any) -> None:
                    "model with, a JSON object (or a file holding one) of module-name patterns "
                    "to styles (colwise, rowwise, ...: as memfit plan --tp-plan); saved with the "
                    "plan, applied by Plan.apply")
+    p.add_argument("--pp-split", default=None, metavar="NAMES",
+                   help="with --gpus: where the pipeline layouts split the model, module names "
+                   "separated by commas, each the first element of a stage in one ModuleList / "
+                   "Sequential (torchtitan's pipeline_parallel_split_points); the stages are "
+                   "one more than the names, any module splits, with --tp-plan inside each "
+                   "stage; saved with the plan, applied by Plan.apply")
     p.add_argument("--device", choices=("cuda", "mps", "cpu"), default=None,
                    help="target device (default: with --gpu, mps for Apple silicon, else "
                         "cuda; cpu without --gpu)")
@@ -140,6 +146,18 @@ def _pinned_rates(args: argparse.Namespace) -> dict[str, Any] | None:
     return pins
 
 
+def _pp_split(value: str | None, pp: int | None, num_gpus: int | None
+              ) -> tuple[str, ...] | None:
+    """``--pp-split``: the split points of every pipeline layout searched, ``pp`` (``--pp``,
+    else searched) one more than the names; one line without ``--gpus N``."""
+    if value is None:
+        return None
+    if not num_gpus or num_gpus == 1:
+        raise MemfitError(f"--pp-split {value} splits the model into pipeline stages over "
+                          "several GPUs; add --gpus N (N > 1)")
+    return pp_split_from_arg(value, pp or len(value.split(",")) + 1, None)
+
+
 def run(args: argparse.Namespace) -> int:
     from memfit.fitting import fit
 
@@ -148,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     space = {name: [value] for name in ("tp", "pp")
              if (value := positive_int(getattr(args, name), f"--{name}")) is not None}
     seq = positive_int(args.seq, "--seq")
+    pp_split = _pp_split(args.pp_split, space.get("pp", [None])[0], num_gpus)
     budget = parse_bytes(args.budget, what="--budget") if args.budget else None
     if args.gpu is None and budget is None:
         raise MemfitError("give --gpu NAME (see `memfit gpus`) or --budget SIZE (e.g. 2GB)")
@@ -177,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         raise MemfitError("--gpus-per-node, --tp and --pp lay out several GPUs; add --gpus N")
     # The layout flags as plan reads them (cli/layout.py); --tp / --pp fix the searched degrees.
     # --tp-plan goes to the search, which puts it on its tp > 1 layouts (--tp may be searched)
-    layout = parallel_from_args(argparse.Namespace(**{**vars(args), "tp_plan": None}))
+    layout = parallel_from_args(argparse.Namespace(**{**vars(args), "tp_plan": None,
+                                                      "pp_split": None}))
     tp_plan = tp_plan_from_arg(args.tp_plan)
     if tp_plan is not None and num_gpus == 1:
         raise MemfitError("--tp-plan splits the model over tensor-parallel ranks; add --gpus N "
@@ -186,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
                gpu=args.gpu, budget_bytes=budget, device=device,
                gpus=num_gpus if num_gpus > 1 else None, gpus_per_node=layout.gpus_per_node,
                space=space or None, measure=args.measure, progress=False if args.quiet
-               or args.json else None, rates=pins, tp_plan=tp_plan)
+               or args.json else None, rates=pins, tp_plan=tp_plan,
+               pp_split_points=pp_split)
     if args.save:
         plan.save(args.save)
     if args.json:

@@ -37,8 +37,8 @@ def _check_space(name: str, values: list[Any], gpus: int, node: int) -> None:
 
 def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
             shape: ModelShape | None, space: dict[str, list[Any]],
-            rejected: list[Rejected], tp_plan: Mapping[str, Any] | None = None
-            ) -> list[Parallel]:
+            rejected: list[Rejected], tp_plan: Mapping[str, Any] | None = None,
+            pp_split_points: tuple[str, ...] | None = None) -> list[Parallel]:
     """Every layout of ``gpus`` the search considers (one-line errors for what ``space`` asks
     that cannot be; layouts left out are recorded in ``rejected`` with why):
 
@@ -59,12 +59,18 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     - with ``tp_plan`` (the user's, ``shape`` measured with it: :func:`model_shape`) every
       tp > 1 layout splits the model with that plan (``Parallel.tp_plan``), not under a
       pipeline (fit's pipelines are memfit's own split of its builtin decoders, whose stages
-      the plan does not name).
+      the plan does not name) unless the pipeline is the user's split;
+    - with ``pp_split_points`` (the user's, ``Parallel.pp_split_points``) the pipeline layouts
+      are those of ``pp = len(pp_split_points) + 1`` stages split there, on any module, with
+      the 1F1B and GPipe schedules (interleaved 1F1B runs two stages a rank, ``2 pp - 1``
+      points: not searched), with ``tp_plan`` inside each stage where given (tp x pp).
     """
     node = gpus_per_node or gpus
     for name in ("tp", "pp"):
         if name in space:
             _check_space(name, space[name], gpus, node)
+    if pp_split_points is not None:
+        space = _split_space(space, len(pp_split_points) + 1, gpus)
     tps, pps = _degrees(gpus, node, shape, space, rejected)
     shardings = [s for s in space.get("sharding", LAYOUT_SHARDING)]
     out: list[Parallel] = []
@@ -75,6 +81,8 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
             out += _layouts_of(tp, pp, gpus=gpus, gpus_per_node=gpus_per_node,
                                global_batch=global_batch, shape=shape, space=space,
                                shardings=shardings, rejected=rejected)
+    if pp_split_points is not None:
+        out = _with_split(out, pp_split_points, rejected)
     if tp_plan is not None:
         out = _with_plan(out, tp_plan, space, rejected)
     if not out:
@@ -84,18 +92,52 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     return out
 
 
+def _split_space(space: dict[str, list[Any]], pp: int, gpus: int) -> dict[str, list[Any]]:
+    """``space`` with the pipeline degrees the user's split points allow: 1 and ``pp`` (one
+    line where ``space`` or ``gpus`` asks for another)."""
+    if gpus % pp:
+        raise MemfitError(f"pp_split_points make {pp} pipeline stages, which do not divide "
+                          f"gpus={gpus}; name {pp - 1} split point(s) for a pp that divides it")
+    asked = space.get("pp")
+    if asked is not None and any(p not in (1, pp) for p in asked):
+        raise MemfitError(f"space pp {asked} but pp_split_points make {pp} stages; ask for pp "
+                          f"[{pp}] (or 1), or name one split point fewer than the stages")
+    return {**space, "pp": asked or [1, pp]}
+
+
+def _with_split(found: list[Parallel], points: tuple[str, ...],
+                rejected: list[Rejected]) -> list[Parallel]:
+    """``found`` with the user's split points on every pipeline layout; the interleaved
+    schedule (it runs ``2 pp`` stages, which the points do not name) and ep beside the split
+    left out (recorded)."""
+    if any(p.pp_schedule == "interleaved-1f1b" for p in found):
+        rejected.append(Rejected(what="interleaved 1F1B with pp_split_points", reason=(
+            f"the {len(points)} split point(s) make {len(points) + 1} stages, one a rank; "
+            "interleaved 1F1B runs two a rank (Parallel(pp_split_points=...) with 2 pp - 1 "
+            "points), so it is not searched")))
+    if any(p.ep > 1 and p.pp > 1 for p in found):
+        rejected.append(Rejected(what="ep with pp_split_points", reason=(
+            "expert parallelism beside a pipeline split at named points is refused "
+            "(memfit/parallel/pipeline.py); ep is searched without the pipeline")))
+    return [dataclasses.replace(p, pp_split_points=points) if p.pp > 1 else p
+            for p in found if p.pp == 1 or (p.pp_schedule != "interleaved-1f1b" and p.ep == 1)]
+
+
 def _with_plan(found: list[Parallel], tp_plan: Mapping[str, Any], space: dict[str, list[Any]],
                rejected: list[Rejected]) -> list[Parallel]:
     """``found`` with the user's ``tp_plan`` on every tp > 1 layout, those under a pipeline
-    left out (recorded; an error where ``space`` asks for nothing else)."""
-    staged = [p for p in found if p.tp > 1 and p.pp > 1]
+    of memfit's own split left out (recorded; an error where ``space`` asks for nothing else);
+    a pipeline split at the user's points takes the plan in each stage (``stage_plan``)."""
+    found = [dataclasses.replace(p, tp_plan=tp_plan) if p.tp > 1 and p.pp_split_points else p
+             for p in found]
+    staged = [p for p in found if p.tp > 1 and p.pp > 1 and not p.pp_split_points]
     if staged:
         rejected.append(Rejected(what="tp_plan under a pipeline", reason=(
             "fit's pipelines split memfit's builtin decoders by its own rule, whose stages a "
             "user tp_plan does not name (a model split at pp_split_points takes one: "
             "memfit/parallel/tp_plans.py: stage_plan), so tp x pp is not searched")))
     out = [dataclasses.replace(p, tp_plan=tp_plan) if p.tp > 1 else p
-           for p in found if not (p.tp > 1 and p.pp > 1)]
+           for p in found if not (p.tp > 1 and p.pp > 1 and not p.pp_split_points)]
     if not any(p.tp > 1 for p in out) and "tp" in space:
         raise MemfitError(f"tp_plan splits the tensor-parallel ranks, but space tp "
                           f"{space['tp']} (with pp {space.get('pp', 'searched')}) leaves no "

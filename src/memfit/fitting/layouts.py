@@ -16,9 +16,10 @@ Known limitations: tensor parallelism is Megatron's split of the attention and M
 as :func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must name their
 projections as Llama does (``q_proj`` ... ``down_proj``), unless ``fit(tp_plan=...)`` gives a
 plan (then the formulas split the linear layers it names, before the per-rank trace checks).
-Pipelines (``pp > 1``) split memfit's builtin decoders only (:mod:`memfit.parallel.pipeline`)
-and run alone, with tp and with FSDP2 (not beside DDP, ZeRO-1 or HSDP), with the 1F1B
-schedule and ``accumulation`` micro-batches.
+Pipelines (``pp > 1``) split memfit's builtin decoders (:mod:`memfit.parallel.pipeline`), or
+any module at ``fit(pp_split_points=...)`` (1F1B and GPipe, not interleaved), and run alone,
+with tp and with FSDP2 (not beside DDP, ZeRO-1 or HSDP), with the 1F1B schedule and
+``accumulation`` micro-batches.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ class ModelShape:
     """Experts per token of the MoE layers."""
     expert_numel: int = 0
     """Parameters of the MoE layers' experts (what ``ep`` splits), all layers."""
+    stage_blocks: tuple[int, ...] = ()
+    """The blocks of each stage of the user's pipeline split (``pp_split_points``); empty:
+    memfit's even split."""
 
     def param_share(self, tp: int, pp: int, root_split: tuple[bool, bool] = (False, False)
                     ) -> float:
@@ -91,9 +95,12 @@ class ModelShape:
         first = self.first_numel / (tp if root_split[0] else 1)
         last = self.last_numel / (tp if root_split[1] else 1)
         per_stage = -(-len(self.block_numels) // pp)
+        starts = [stage * per_stage for stage in range(pp + 1)]
+        if len(self.stage_blocks) == pp:
+            starts = [sum(self.stage_blocks[:stage]) for stage in range(pp + 1)]
         worst = 0.0
         for stage in range(pp):
-            blocks = self.block_numels[stage * per_stage:(stage + 1) * per_stage]
+            blocks = self.block_numels[starts[stage]:starts[stage + 1]]
             held = sum(s / tp + r for s, r in blocks)
             held += (first if stage == 0 else 0)
             held += (last if stage == pp - 1 else 0)
@@ -135,11 +142,14 @@ class ModelShape:
 
 
 def model_shape(base: nn.Module, sample_seq: int | None,
-                tp_plan: Mapping[str, Any] | None = None) -> ModelShape | None:
+                tp_plan: Mapping[str, Any] | None = None,
+                pp_split_points: tuple[str, ...] | None = None) -> ModelShape | None:
     """The model's shape for the layout formulas, or None when it has no repeated blocks. With
     ``tp_plan`` (the user's, ``Parallel.tp_plan``) tensor parallelism splits the linear
     layers the plan names, not :data:`TP_SPLIT`'s, and runs no sequence or loss parallelism of
-    memfit's (the plan is applied as given)."""
+    memfit's (the plan is applied as given). With ``pp_split_points`` (the user's,
+    ``Parallel.pp_split_points``; one line for a name that does not split the model) any
+    model splits into those stages."""
     from memfit.models.anatomy import find_blocks, model_shape
 
     try:
@@ -189,11 +199,32 @@ def model_shape(base: nn.Module, sample_seq: int | None,
     return ModelShape(heads=heads, kv_heads=kv_heads, layers=len(blocks), hidden=hidden,
                       seq=sample_seq, tp_splittable=splittable,
                       block_numels=tuple(block_numels), first_numel=first, last_numel=last,
-                      pipeline_splittable=_pipeline_splittable(base),
+                      pipeline_splittable=(pp_split_points is not None
+                                           or _pipeline_splittable(base)),
+                      stage_blocks=_stage_blocks(base, blocks, pp_split_points),
                       sp_splittable=planned is None and _sp_splittable(base),
                       vocab=config_int(base, ("vocab_size",)),
                       experts=experts, top_k=top_k,
                       expert_numel=expert_numel)
+
+
+def _stage_blocks(base: nn.Module, blocks: list[str],
+                  points: tuple[str, ...] | None) -> tuple[int, ...]:
+    """The blocks on each stage of ``base`` split at ``points``
+    (:func:`memfit.parallel.pipeline_split.split_points`' one-line errors); empty without
+    points, or where the blocks are not the split container's elements."""
+    if points is None:
+        return ()
+    from memfit.parallel.pipeline_split import split_points
+
+    container, starts = split_points(base, points)
+    stage_of = []
+    for name in blocks:
+        parent, _, index = name.rpartition(".")
+        if parent != container or not index.isdigit():
+            return ()
+        stage_of.append(sum(int(index) >= s for s in starts))
+    return tuple(stage_of.count(stage) for stage in range(len(points) + 1))
 
 
 def _planned(base: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, str] | None:

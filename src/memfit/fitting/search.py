@@ -68,7 +68,8 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
         gpus: int | None = None, gpus_per_node: int | None = None,
         rates: Rates | Mapping[str, Any] | str | os.PathLike[str] | None = None,
         options: SearchOptions | None = None, prefetch_batches: int = 0,
-        tp_plan: Mapping[str, Any] | None = None) -> Plan:
+        tp_plan: Mapping[str, Any] | None = None,
+        pp_split_points: list[str] | tuple[str, ...] | None = None) -> Plan:
     """Find the fastest training configuration of ``model`` that fits.
 
     ``sample_batch``: one batch as the model takes it (tensor, tuple -> ``model(*b)``, dict ->
@@ -94,7 +95,13 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     patterns to torch ``ParallelStyle`` s or their names), which every tp > 1 layout the search
     considers splits the model with (not under a pipeline), the plan records and
     ``Plan.apply`` applies with ``parallelize_module``; a plan of names is saved with the plan,
-    one of style objects is not (``Plan.save`` says so in one line).
+    one of style objects is not (``Plan.save`` says so in one line). ``pp_split_points``:
+    where the user's pipeline splits the model (``Parallel.pp_split_points``: names of elements
+    of one ``ModuleList`` / ``Sequential``, torchtitan's ``pipeline_parallel_split_points``),
+    so that any module gets pipeline layouts: the search's pipelines are those of
+    ``len(pp_split_points) + 1`` stages split there (1F1B and GPipe; interleaved 1F1B, two
+    stages a rank, is not searched), with ``tp_plan`` in each stage where given (tp x pp);
+    the plan records them and ``Plan.apply`` splits there.
     ``num_gpus=N`` is the older search: ZeRO over every GPU, no tp or pp.
 
     ``rates``: what the step times are costed at (:func:`memfit.fitting.rates.target_rates`):
@@ -119,7 +126,8 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
                   reduction=reduction, count_fn=count_fn, num_gpus=num_gpus, measure=measure,
                   space=space, progress=progress, top=top, headroom=headroom, gpus=gpus,
                   gpus_per_node=gpus_per_node, rates=rates, options=options,
-                  prefetch_batches=prefetch_batches, tp_plan=tp_plan).run()
+                  prefetch_batches=prefetch_batches, tp_plan=tp_plan,
+                  pp_split_points=pp_split_points).run()
 
 
 class Search(Pruning, Verification):

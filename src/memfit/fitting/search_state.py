@@ -94,7 +94,8 @@ class SearchState:
                  gpus: int | None = None, gpus_per_node: int | None = None,
                  rates: Rates | Mapping[str, Any] | str | os.PathLike[str] | None = None,
                  options: SearchOptions | None = None, prefetch_batches: int = 0,
-                 tp_plan: Mapping[str, Any] | None = None) -> None:
+                 tp_plan: Mapping[str, Any] | None = None,
+                 pp_split_points: list[str] | tuple[str, ...] | None = None) -> None:
         self.started = time.perf_counter()
         if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) \
                 or prefetch_batches < 0:
@@ -135,6 +136,18 @@ class SearchState:
             raise MemfitError("tp_plan splits the model over tensor-parallel ranks; search "
                               "several GPUs with gpus=N (N > 1), or drop tp_plan")
         self.tp_plan = tp_plan
+        self.pp_split_points: tuple[str, ...] | None = None
+        if pp_split_points is not None:
+            if gpus is None or gpus < 2:
+                raise MemfitError("pp_split_points split the model into pipeline stages over "
+                                  "several GPUs; search them with gpus=N (N > 1), or drop "
+                                  "pp_split_points")
+            if not isinstance(pp_split_points, list | tuple) or not pp_split_points:
+                raise MemfitError(f"pp_split_points={pp_split_points!r}: give a list of module "
+                                  "names, each the first of a stage, e.g. ['blocks.2']")
+            stages = len(pp_split_points) + 1  # Parallel's own check of the names, one line
+            self.pp_split_points = Parallel(gpus=stages, pp=stages,
+                                            pp_split_points=tuple(pp_split_points)).pp_split_points
         if gpus is not None:
             self._layouts(gpus, space)
         elif space and ("tp" in space or "pp" in space):
@@ -164,10 +177,12 @@ class SearchState:
                                   f"{', '.join(LAYOUT_SHARDING)}")
         if self.tp_plan is not None:  # Parallel's own checks of the plan, one line each
             Parallel(gpus=2, tp=2, tp_plan=self.tp_plan)
-        self.shape = model_shape(self.base, seq_of(self.sample_batch), self.tp_plan)
+        self.shape = model_shape(self.base, seq_of(self.sample_batch), self.tp_plan,
+                                 self.pp_split_points)
         found = layouts(gpus=gpus, gpus_per_node=self.gpus_per_node,
                         global_batch=self.global_batch, shape=self.shape, space=layout_space,
-                        rejected=self.rejected, tp_plan=self.tp_plan)
+                        rejected=self.rejected, tp_plan=self.tp_plan,
+                        pp_split_points=self.pp_split_points)
         if gpus > 1:
             self.layouts = found
             # Micro-batches divide the largest per-rank batch (the fewest data-parallel
