@@ -292,8 +292,11 @@ def test_search_traces_expert_parallel_layouts_per_rank() -> None:
     from memfit.fitting.config import layout_label
 
     model, batch = _moe()
+    # Rates pinned (about what this 2-core Xeon measures): which 10 candidates are listed, and
+    # the comm comparison below (latency against bytes), must not follow the machine's load.
     plan = memfit.fit(model, batch, global_batch=4, budget_bytes=2**30, device="cpu", gpus=2,
                       headroom=0.0, progress=False, top=10,
+                      rates={"flops": 1e11, "bandwidth": 3e10, "launch_s": 6e-6},
                       space=FIXED | {"micro_batch": [2], "tp": [1], "pp": [1]})
     cands = [plan.chosen, *plan.runners_up]
     by_label = {layout_label(c.config.parallel): c for c in cands}
