@@ -30,3 +30,26 @@ def per_rank(case: Case) -> tuple[memfit.Estimate, ...]:
     est = memfit.estimate(model, inputs, device="cpu", parallel=case.parallel)
     assert sorted(r for e in est.per_rank for r in e.ranks) == list(range(case.parallel.gpus))
     return est.per_rank
+
+
+def assert_trains_like_one_process(runs: list[dict], want: dict, steps: int, rtol: float,
+                                   atol: float, holders_each: int) -> None:
+    """A pipeline's ``Plan.apply`` runs (one dict per rank: ``losses`` per step, ``weights`` by
+    name) against one process's ``want``: the ranks' losses add up to its loss at every step,
+    and each parameter is held (a non-empty tensor) by ``holders_each`` ranks, each equal to
+    its weight after the steps."""
+    import pytest
+    import torch
+
+    for step in range(steps):
+        got = sum(r["losses"][step] for r in runs)
+        assert got == pytest.approx(want["losses"][step], rel=rtol, abs=atol)
+    holders: dict[str, int] = {}
+    for r in runs:
+        for key, w in r["weights"].items():
+            if not w.numel():
+                continue
+            torch.testing.assert_close(w, want["weights"][key], rtol=rtol, atol=atol,
+                                       msg=lambda m, k=key: f"{k}: {m}")
+            holders[key] = holders.get(key, 0) + 1
+    assert holders == dict.fromkeys(want["weights"], holders_each)

@@ -28,6 +28,7 @@ from torch import nn
 import memfit
 from _custom_decoder import PLAN, CustomDecoder
 from _models import CustomDecoder as ThreeBlocks
+from _pipeline import assert_trains_like_one_process
 from memfit.errors import MemfitError
 from memfit.fitting import Plan
 from memfit.parallel import Parallel
@@ -275,20 +276,7 @@ def test_plan_apply_of_the_fitted_split_trains_like_one_process(gloo_runs: tuple
     """The saved plan through Plan.apply on 2 gloo ranks: the ranks' returned losses add up to
     the one-process loss, and each parameter, held by the rank of its one stage, equals the
     one-process run's after two AdamW steps (module docstring's tolerance)."""
-    want = _train(None)
-    runs = gloo_runs[1]
-    for step in range(STEPS):
-        got = sum(r["losses"][step] for r in runs)
-        assert got == pytest.approx(want["losses"][step], rel=RTOL, abs=ATOL)
-    holders: dict[str, int] = {}
-    for r in runs:
-        for key, w in r["weights"].items():
-            if not w.numel():
-                continue
-            torch.testing.assert_close(w, want["weights"][key], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, k=key: f"{k}: {m}")
-            holders[key] = holders.get(key, 0) + 1
-    assert holders == dict.fromkeys(want["weights"], 1)
+    assert_trains_like_one_process(gloo_runs[1], _train(None), STEPS, RTOL, ATOL, 1)
 
 
 # -- the CLI: memfit fit --pp-split ---------------------------------------------------------------

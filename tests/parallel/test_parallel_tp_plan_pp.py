@@ -28,6 +28,7 @@ from torch import nn
 
 import memfit
 from _custom_decoder import PLAN, PLAN_ROOT, CustomDecoder
+from _pipeline import assert_trains_like_one_process
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 
@@ -212,15 +213,4 @@ def test_plan_apply_with_stage_plans_trains_like_one_process(gloo_runs: tuple) -
     head split) through Plan.apply on the 4 ranks: the ranks' losses add up to the one-process
     loss, and each parameter, held by the 2 tensor-parallel ranks of its one stage, equals the
     one-process run's (module docstring's tolerance)."""
-    want = _train(None, 1)
-    runs = gloo_runs[1]
-    for step in range(STEPS):
-        got = sum(r["losses"][step] for r in runs)
-        assert got == pytest.approx(want["losses"][step], rel=RTOL, abs=ATOL)
-    holders: dict[str, int] = {}
-    for r in runs:
-        for key, w in r["weights"].items():
-            torch.testing.assert_close(w, want["weights"][key], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, k=key: f"{k}: {m}")
-            holders[key] = holders.get(key, 0) + 1
-    assert holders == dict.fromkeys(want["weights"], 2)
+    assert_trains_like_one_process(gloo_runs[1], _train(None, 1), STEPS, RTOL, ATOL, 2)
