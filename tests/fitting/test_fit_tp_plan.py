@@ -28,6 +28,7 @@ from torch import nn
 
 import memfit
 from _custom_decoder import PLAN, CustomDecoder
+from _fit_cli import fit_cli
 from memfit.errors import MemfitError
 from memfit.fitting import Plan
 from memfit.parallel import Parallel
@@ -269,17 +270,7 @@ def test_plan_apply_of_the_fitted_plan_trains_like_one_process(gloo_runs: tuple)
 
 
 def _cli(capsys: Any, tmp_path: Path, monkeypatch: Any, *extra: str) -> tuple[int, str, str]:
-    from memfit.cli import main
-
-    (tmp_path / "tpfactory.py").write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_fit_tp_plan import make\n")
-    monkeypatch.chdir(tmp_path)
-    code = main(["fit", "tpfactory:make", "--budget", "64MiB", "--device", "cpu",
-                 "--global-batch", str(BATCH), "--quiet", *extra])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return fit_cli(__file__, BATCH, capsys, tmp_path, monkeypatch, *extra)
 
 
 @pytest.mark.slow
