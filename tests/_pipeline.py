@@ -1,8 +1,10 @@
-"""The pipeline tests' tiny case and per-rank trace (one builder, not one per file)."""
+"""The pipeline and per-rank tests' shared pieces: the tiny case, the per-rank trace, the gloo
+measurement against the trace and the one-process parity check (one of each, not one per file)."""
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import memfit
 from memfit.parallel import Parallel
@@ -53,3 +55,20 @@ def assert_trains_like_one_process(runs: list[dict], want: dict, steps: int, rto
                                        msg=lambda m, k=key: f"{k}: {m}")
             holders[key] = holders.get(key, 0) + 1
     assert holders == dict.fromkeys(want["weights"], holders_each)
+
+
+def measured_within_1_percent(traced: dict, cases: dict, make_case: Any, world: int,
+                              first: Any) -> dict[str, list[dict]]:
+    """Each layout of ``cases`` (name -> Parallel) measured on ``world`` gloo ranks, starting
+    from the module's shared set's peaks (``first``), measured again while a rank is more than
+    1% off its traced peak (``memfit.parallel.measure.measure_until``): name -> each rank's
+    peaks."""
+    from memfit.parallel.measure import measure_until
+
+    def off(case: Case, got: list[dict]) -> bool:
+        name = next(n for n, p in cases.items() if p == case.parallel)
+        return any(abs(est.peak_bytes - got[r]["peak"]) > 0.01 * got[r]["peak"]
+                   for est in traced[name].per_rank for r in est.ranks)
+
+    peaks = measure_until([make_case(p) for p in cases.values()], world, off, first=first)
+    return dict(zip(cases, peaks, strict=True))

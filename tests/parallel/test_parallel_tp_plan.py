@@ -21,6 +21,7 @@ from torch import nn
 
 import memfit
 from _custom_decoder import PLAN, PLAN_ROOT, CustomDecoder
+from _pipeline import measured_within_1_percent
 from memfit.errors import MemfitError
 from memfit.parallel import Parallel
 from memfit.recipe import Recipe
@@ -147,15 +148,7 @@ def gloo_runs() -> tuple[list[list[dict]], list[dict[str, Any]]]:
 
 @pytest.fixture(scope="module")
 def measured(traced: dict[str, memfit.Estimate], gloo_runs: tuple) -> dict[str, list[dict]]:
-    from memfit.parallel.measure import measure_until
-
-    def off(case: Any, got: list[dict]) -> bool:
-        name = next(n for n, p in CASES.items() if p == case.parallel)
-        return any(abs(est.peak_bytes - got[r]["peak"]) > 0.01 * got[r]["peak"]
-                   for est in traced[name].per_rank for r in est.ranks)
-
-    peaks = measure_until([_case(p) for p in CASES.values()], 2, off, first=gloo_runs[0])
-    return dict(zip(CASES, peaks, strict=True))
+    return measured_within_1_percent(traced, CASES, _case, 2, gloo_runs[0])
 
 
 @pytest.mark.slow
