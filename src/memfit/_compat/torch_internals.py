@@ -322,7 +322,10 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.nn.modules.batchnorm": ("_NormBase",),
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
     "torch.distributed.tensor._sharding_prop": ("ShardingPropagator",),
-    "torch.distributed._functional_collectives": ("wait_tensor", "all_to_all_single_autograd"),
+    # parallel/measure.py: all_to_all_single, autograd-aware with a Python backward in 2.11-2.13
+    # (Note: [the all-to-all's C++ wait])
+    "torch.distributed._functional_collectives": ("wait_tensor", "all_to_all_single_autograd",
+                                                  "all_to_all_single"),
     # torch_pipelining.py: the schedule's P2P works (Note: [a P2P work keeps its tensor])
     "torch.distributed.pipelining.schedules": ("_batch_p2p",),
     "torch.distributed.tensor._op_schema": ("OpSchema", "OpSpec", "OpStrategy", "TupleStrategy"),

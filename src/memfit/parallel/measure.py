@@ -233,7 +233,9 @@ worker to let go of the work (Note: [gloo's worker lets go])."""
 def _gloo_lets_go() -> Iterator[None]:
     """Inside the block, ``torch.distributed._functional_collectives.wait_tensor`` (what
     DTensor's collectives, tensor parallelism's, wait with) sleeps :data:`GLOO_RELEASE_S` once
-    the collective finished; restored after.
+    the collective finished, and so does ``Work.wait``; ``all_to_all_single_autograd`` (expert
+    parallelism's exchange) is the module's ``all_to_all_single``, whose backward waits with
+    that ``wait_tensor`` (Note: [the all-to-all's C++ wait]); restored after.
 
     Note: [gloo's worker lets go] The profiler records allocator events only on the threads it
     profiles, so a block freed on gloo's worker thread is never seen freed: it stays in the
@@ -246,11 +248,32 @@ def _gloo_lets_go() -> Iterator[None]:
     CI run held one in all nine runs. In 4 of 18 waits the worker still held the output
     (``Tensor._use_count()`` 7, then 3) and let go within 0.2 ms of sleep. NCCL keeps no
     reference to the tensors once the collective is enqueued, which is what the trace
-    models."""
+    models.
+
+    Note: [the all-to-all's C++ wait] In torch 2.11 and 2.12, ``all_to_all_single_autograd``
+    calls ``_c10d_functional_autograd::all_to_all_single``, a C++ autograd node
+    (``torch/csrc/distributed/c10d/Functional.cpp: AllToAllSingle``) whose backward waits for
+    the reverse exchange with the dispatcher's ``_c10d_functional::wait_tensor``, which the
+    patch above cannot reach; torch 2.13 (pytorch#172792, "Remove custom
+    _c10d_functional_autograd implementations, use redirects") made it ``all_to_all_single``,
+    whose backward is Python (``_functional_collectives.py: all_to_all_single_backward``) and
+    waits with the module's ``wait_tensor``. Read in the 2.11.0, 2.12.0 and 2.13.0 wheels. So
+    on 2.11 each backward exchange of an expert layer could leave its input or output (each a
+    ``[experts * capacity, hidden]`` buffer: 65,536 bytes in the tests' tiny MoE) to be freed
+    on gloo's worker, unseen: the gloo check of pp 2 x DDP 2 x ep 2 measured 2-7% above the
+    trace on 2.11, a different amount each run, and within 64 bytes on 2.13. The measurement
+    runs 2.13's function on every version: on 2.11 and 2.12 ``all_to_all_single`` has the same
+    Python backward (pytorch#168140, in both releases) and the same forward, and the
+    exchange's blocks are the same (the gradient made contiguous, the output from
+    ``new_empty``). bench/gloo_alltoall_wait.py runs 2.11's shape on the installed torch: 10
+    runs on 4 ranks (torch 2.13, loaded 2-core machine) left unseen 64 KiB blocks in 16 of 40
+    rank-runs without this, 3 of 40 with it (2.13's own path: 5 of 40, the 2 ms wait's rest,
+    which the lowest of a role's ranks and runs removes)."""
     from torch.distributed import Work
     from torch.distributed import _functional_collectives as funcol
 
     wait_tensor, wait_work = funcol.wait_tensor, Work.wait
+    all_to_all = funcol.all_to_all_single_autograd
 
     def tensor_then_let_go(tensor: torch.Tensor) -> torch.Tensor:
         out = wait_tensor(tensor)
@@ -263,10 +286,12 @@ def _gloo_lets_go() -> Iterator[None]:
         return out
 
     funcol.wait_tensor, Work.wait = tensor_then_let_go, work_then_let_go
+    funcol.all_to_all_single_autograd = funcol.all_to_all_single
     try:
         yield
     finally:
         funcol.wait_tensor, Work.wait = wait_tensor, wait_work
+        funcol.all_to_all_single_autograd = all_to_all
 
 
 def _in_collective(event: Any) -> bool:
