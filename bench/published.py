@@ -104,7 +104,43 @@ def validate_case(case: dict[str, Any]) -> list[str]:
         problems.append(f"{cid}: empty config")
     if not case["exercises"]:
         problems.append(f"{cid}: say which memfit feature the case exercises")
+    if not problems and case["quantity"] in ALLOCATOR_QUANTITIES:
+        problems += _gpu_problems(case)
     return problems
+
+
+def case_gpu(config: dict[str, Any]) -> Any:
+    """The GPU a case ran on (a :class:`memfit.GpuSpec`, or None): ``config["gpu"]``, a catalog
+    name or one that ``config["gpu_file"]`` adds (a ``--gpu-file`` JSON, relative to
+    ``bench/published/``: a board memfit's catalog does not list)."""
+    import memfit
+
+    if not config.get("gpu"):
+        return None
+    extra = CASES_DIR / config["gpu_file"] if config.get("gpu_file") else None
+    return memfit.get_gpu(config["gpu"], extra)
+
+
+def _gpu_problems(case: dict[str, Any]) -> list[str]:
+    """An allocator statistic larger than the case's GPU: the case names the wrong board. The
+    caching allocator holds device memory only (``cudaMalloc``, or ``cuMemCreate`` pages with
+    expandable segments: ``c10/cuda/CUDACachingAllocator.cpp``), so no allocated or reserved
+    peak exceeds the device's ``total_memory``; a simulator given a smaller device empties its
+    cache to stay under it (``release_cached_blocks``) and reserves less than the run did."""
+    from memfit.errors import MemfitError
+
+    cid = case["id"]
+    try:
+        gpu = case_gpu(case["config"])
+    except MemfitError as exc:
+        return [f"{cid}: config.gpu: {exc}"]
+    published = case["published"]["bytes"]
+    if gpu is not None and published > gpu.usable_bytes:
+        return [f"{cid}: the published {published} bytes of {case['quantity']} exceed the "
+                f"{gpu.usable_bytes} bytes of the {gpu.label} (config.gpu); name the board the "
+                f"run was measured on (one outside memfit's catalog in a --gpu-file JSON, "
+                f"config.gpu_file)"]
+    return []
 
 
 def load_cases(directory: Path = CASES_DIR) -> list[dict[str, Any]]:
@@ -641,7 +677,7 @@ def predict_plan(case: dict[str, Any]) -> int:
     if (CASES_DIR / model).is_file():
         model = str(CASES_DIR / model)
     run = memfit.RunConfig.from_dict(spec["run"])
-    gpu = memfit.get_gpu(cfg["gpu"]) if cfg.get("gpu") else None
+    gpu = case_gpu(cfg)
     if spec.get("method") == "trace":
         with _environment(cfg.get("env", {})):
             return _plan_trace(memfit.resolve_model(model), run, gpu, case["quantity"])

@@ -199,3 +199,18 @@ def test_torchtitan_case_is_table_1(published: Any) -> None:
     assert case["published"]["bytes"] == round(82.4 * 2**30)
     assert case["config"]["plan"]["run"]["checkpointing"] == "torchtitan"
     assert case["config"]["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def test_a_case_cannot_publish_more_than_its_gpu_holds(published: Any) -> None:
+    """The caching allocator holds device memory only, so a published reserved peak above the
+    case's GPU names the wrong board: torchtitan's 82.4 GiB (88,476,326,298 bytes) were
+    reserved on H100s with "96GB HBM2e" (its docs/performance.md), more than the 80 GB H100
+    SXM's 85,017,493,504 bytes (torch's total_memory, gpus.json), which the case named before
+    and on which the simulated allocator emptied its cache and reserved 72.7 GiB."""
+    case = copy.deepcopy(_case(published, "torchtitan-llama3.1-8b-fsdp8-selective-op"))
+    assert published.validate_case(case) == []
+    assert published.case_gpu(case["config"]).usable_bytes == 96 * 10**9
+    case["config"]["gpu"] = "h100-sxm"
+    del case["config"]["gpu_file"]
+    [problem] = published.validate_case(case)
+    assert "88476326298 bytes of max_memory_reserved exceed the 85017493504 bytes" in problem

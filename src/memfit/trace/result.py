@@ -1,6 +1,6 @@
 """The :class:`~memfit.trace.estimate.Estimate` of a finished trace: the tracker's ledger
 replayed into the timeline, the peak and its breakdown by category and module, and the notes
-the trace adds (:data:`CONV_NOTE`).
+the trace adds (:data:`CONV_NOTE`, :func:`retries_note`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,21 @@ CONV_NOTE = (
     "memfit validate on an H100 (torch 2.11) measured convolutional nets 4-16% above this "
     "trace's allocated peak and up to 33% above its reserved peak "
     "(bench/results/validate-h100-2026-11-27.json): leave that much room")
+
+
+def retries_note(retries: int) -> str:
+    """What an estimate says when the simulated caching allocator ran out of device memory
+    ``retries`` times and went on: PyTorch's ``malloc`` then frees every cached segment of every
+    stream and tries again (``c10/cuda/CUDACachingAllocator.cpp``: ``release_cached_blocks``;
+    ``torch.cuda.memory_stats()['num_alloc_retries']``: "number of failed cudaMalloc calls that
+    result in a cache flush and retry"). The step fits, but its reserved peak is this GPU's: on
+    a GPU with more memory the same step reserves more (torchtitan's Llama 3.1 8B run: 72.7 GiB
+    on an 80 GB H100, 79.4 GiB on its 96 GB one; docs/evidence.md)."""
+    times = "once" if retries == 1 else f"{retries} times"
+    return (f"the caching allocator filled the GPU {times} in the traced steps and freed its "
+            f"cache to go on (num_alloc_retries {retries}: a cache flush and retry, each a "
+            f"cudaFree of every unused cached segment); the reserved peak is bounded by this "
+            f"GPU's memory, and a GPU with more memory reserves more for the same step")
 
 
 def _result(tracker: Tracker, allocator: Any, runtime: dict[str, int],
@@ -59,6 +74,8 @@ def _result(tracker: Tracker, allocator: Any, runtime: dict[str, int],
         optimizer, "__name__", "custom")
     if device == "cuda" and any(op[0] in _CONVOLUTIONS for op in ops):
         notes = [*notes, CONV_NOTE]
+    if allocator is not None and allocator.num_alloc_retries:
+        notes = [*notes, retries_note(allocator.num_alloc_retries)]
     return Estimate(peak_bytes=peak_bytes, peak_reserved_bytes=peak_reserved, breakdown=breakdown,
                     runtime=runtime, device=device, precision=precision, optimizer=opt_name,
                     steps=steps, peak_op=peak_op, peak_phase=peak_phase, peak_step=peak_step,
