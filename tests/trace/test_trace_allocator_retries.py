@@ -34,18 +34,18 @@ class _TwoTemporaries(nn.Module):
         return x.sum() + s + second.sum()
 
 
-def _gpu(tmp_path: Path, allocator_bytes: int) -> memfit.GpuSpec:
+def _gpu(tmp_path: Path, allocator_bytes: int, name: str = "tiny-test") -> memfit.GpuSpec:
     """A made-up GPU whose caching allocator may hold ``allocator_bytes``: the device's memory
     minus the CUDA context memfit puts outside the allocator (one GPU: no NCCL buffers). Its
-    name holds a family memfit's runtime knows (``compute_capability_for``: the cuBLAS
-    workspace's size is read from the name)."""
+    name holds no family memfit's runtime knows: the entry's compute capability is what the
+    runtime reads (the cuBLAS workspace's size)."""
     path = tmp_path / "gpus.json"
     path.write_text(json.dumps({"gpus": [{
-        "name": "h100-tiny-test", "memory_bytes": cuda_context_bytes() + allocator_bytes,
+        "name": name, "memory_bytes": cuda_context_bytes() + allocator_bytes,
         "bandwidth_gbps": 100, "tflops": {"fp32": 1.0}, "bf16": True, "fp8": False,
         "compute_capability": "9.0",
         "host_link": {"kind": "PCIe 4.0 x16", "gbps": 31.5}}]}))
-    return memfit.get_gpu("h100-tiny-test", path)
+    return memfit.get_gpu(name, path)
 
 
 def _estimate(gpu: memfit.GpuSpec | str) -> memfit.Estimate:
@@ -66,3 +66,13 @@ def test_a_step_that_flushes_the_cache_says_so(tmp_path: Path) -> None:
     assert roomy.peak_reserved_bytes == 2 * MiB + FIRST + SECOND
     assert not any("filled the GPU" in note for note in roomy.assumptions)
     assert small.peak_bytes == roomy.peak_bytes  # allocated bytes do not depend on the GPU
+
+
+def test_a_gpu_files_compute_capability_stands_for_its_name(tmp_path: Path) -> None:
+    """A GPU file's entry whose name has no family memfit knows traces on its own compute
+    capability; it failed before ("unknown GPU 'tiny-test'": the allocator's capacity looked
+    the name up and ignored the entry's ``compute_capability``). The same entry named as an
+    H100 gives the same bytes."""
+    unknown = _estimate(_gpu(tmp_path, 250 * MiB))
+    named = _estimate(_gpu(tmp_path, 250 * MiB, name="h100-tiny-test"))
+    assert unknown.peak_reserved_bytes == named.peak_reserved_bytes == 2 * MiB + SECOND

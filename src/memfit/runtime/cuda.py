@@ -339,17 +339,19 @@ def cuda_runtime_bytes(gpu_name: str | None = None, *, num_gpus: int = 1,
 
 
 def allocator_capacity(usable_bytes: int, gpu_name: str | None = None, *, num_gpus: int = 1,
-                       cuda_version: str | None = None, lazy_loading: bool | None = None) -> int:
+                       cuda_version: str | None = None, lazy_loading: bool | None = None,
+                       compute_capability: str | None = None) -> int:
     """Bytes PyTorch's caching allocator can reserve before ``cudaMalloc`` fails: the device's
     ``total_memory`` (``GpuSpec.usable_bytes``) minus what :func:`cuda_runtime_bytes` puts
     outside the allocator (CUDA context, NCCL). The capacity for
-    :class:`memfit.trace.allocator.CachingAllocatorSim`.
+    :class:`memfit.trace.allocator.CachingAllocatorSim`. ``compute_capability`` (a GPU file's
+    entry's) overrides the lookup of ``gpu_name``, as in :func:`cuda_runtime_bytes`.
 
     >>> allocator_capacity(80 * 2**30) == 80 * 2**30 - CUDA_CONTEXT_BYTES
     True
     """
     parts = cuda_runtime_bytes(gpu_name, num_gpus=num_gpus, cuda_version=cuda_version,
-                               lazy_loading=lazy_loading)
+                               lazy_loading=lazy_loading, compute_capability=compute_capability)
     outside = sum(v for k, v in parts.items() if k not in ALLOCATOR_PARTS)
     if usable_bytes <= outside:
         raise MemfitError(f"a GPU of {usable_bytes} bytes cannot hold its CUDA runtime "

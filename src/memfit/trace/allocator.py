@@ -212,7 +212,8 @@ class CachingAllocatorSim(_ExpandableSegments):
         capacity = None
         if gpu is not None:
             capacity = allocator_capacity(device_budget(gpu).budget_bytes, gpu.name,
-                                          num_gpus=num_gpus)
+                                          num_gpus=num_gpus,
+                                          compute_capability=gpu.compute_capability)
         return cls(capacity=capacity, **options)
 
     # ----------------------------------------------------------------- malloc / free
