@@ -22,7 +22,7 @@ from torch import nn
 
 import memfit
 from _fit_cli import fit_cli
-from _models import CustomDecoder
+from _models import CustomDecoder, CustomMoE
 from memfit.errors import MemfitError
 from memfit.fitting import Plan
 
@@ -170,6 +170,29 @@ def test_ep_is_searched_beside_the_split() -> None:
     assert any(p.ep == 2 and p.pp == 2 and p.pp_split_points == points for p in found)
     assert any(p.ep == 2 and p.pp == 1 for p in found)
     assert not any(r.what == "ep with pp_split_points" for r in rejected)
+
+
+def test_fit_picks_ep_beside_the_split_and_its_peak_is_the_per_rank_trace() -> None:
+    """A custom MoE module (4 blocks of 4 experts) on 4 GPUs split at blocks.2: fit picks
+    pp 2 x ep 2 (each stage's 2 ranks keeping half the experts: the least memory), traced per
+    rank, its peak ``memfit.estimate``'s per-rank trace of the same layout."""
+    from memfit.fitting.layouts import traced_step
+
+    torch.manual_seed(0)
+    model = CustomMoE(4)
+    ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    plan = memfit.fit(model, batch, global_batch=BATCH, budget_bytes=64 * 2**20, device="cpu",
+                      gpus=4, progress=False, pp_split_points=["blocks.2"],
+                      space={"precision": ["fp32"], "checkpointing": ["none"],
+                             "micro_batch": [2], "pp": [2]})
+    par = plan.parallel
+    assert par is not None and (par.pp, par.ep) == (2, 2) and plan.chosen.per_rank
+    assert par.pp_split_points == ("blocks.2",)
+    rows, traced = traced_step(plan.chosen.config)
+    est = memfit.estimate(model, {k: v[:rows] for k, v in batch.items()}, device="cpu",
+                          parallel=traced)
+    assert plan.chosen.peak_bytes == est.peak_bytes
 
 
 # -- the CLI -------------------------------------------------------------------------------------

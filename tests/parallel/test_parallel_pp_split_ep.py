@@ -3,11 +3,12 @@
 transformers' MoE models (Mixtral, Qwen3-MoE) under pp x ep, split where their config's
 ``base_model_pp_plan`` says or at named points.
 
-The custom model's names are in none of memfit's lists (``tok``, ``blocks``, ``ln_f``, ``out``;
-blocks of ``ln`` and ``moe``, the MoE being memfit's builtin capacity-dispatch layer). The truth
-is a real run: one gloo process per rank (4: 2 stages x 2 expert-parallel ranks) running the same
-stages, expert exchange and ``torch.distributed.pipelining`` schedule under the profiler
-(memfit/parallel/measure.py); the weights each rank drops are counted by hand.
+The custom model (tests/_models.py: CustomMoE) has names in none of memfit's lists (``tok``,
+``blocks``, ``ln_f``, ``out``; blocks of ``ln`` and ``moe``, the MoE being memfit's builtin
+capacity-dispatch layer). The truth is a real run: one gloo process per rank (4: 2 stages x 2
+expert-parallel ranks) running the same stages, expert exchange and
+``torch.distributed.pipelining`` schedule under the profiler (memfit/parallel/measure.py); the
+weights each rank drops are counted by hand.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import torch
 from torch import nn
 
 import memfit
+from _models import CustomMoE
 from _pipeline import per_rank
 from memfit.categories import MemoryCategory
 from memfit.models.build import example_inputs
-from memfit.models.builtin_layers import MoE
 from memfit.parallel import Parallel
 from memfit.parallel.measure import Case, build, tiny_moe_spec
 from memfit.recipe import Recipe
@@ -30,45 +31,15 @@ from memfit.recipe import Recipe
 pytest.importorskip("transformers")
 
 SEQ, VOCAB, D, LAYERS, EXPERTS = 32, 256, 64, 4, 4
+"""tests/_models.py's CustomMoE: hidden 64, 4 blocks of 4 experts, vocabulary 256."""
 BATCH = 8
 """2 samples in each of the 4 micro-batches."""
 
 
-class MoEBlock(nn.Module):
-    """``x + moe(ln(x))``: a pre-norm residual block around memfit's builtin MoE (4 SwiGLU
-    experts of width ``F``, top 2, capacity factor 1.0)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(D)
-        self.moe = MoE(tiny_moe_spec(LAYERS, EXPERTS), 1.0)
-        for p in self.moe.parameters():
-            nn.init.normal_(p, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.moe(self.ln(x))
-
-
-class CustomMoE(nn.Module):
-    """An embedding, ``LAYERS`` :class:`MoEBlock`, a final LayerNorm and a bias-free head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList(MoEBlock() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(D)
-        self.out = nn.Linear(D, VOCAB, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(self.ln_f(x))
-
-
 def make_custom() -> tuple[nn.Module, object]:
     """The measurement's model and inputs (picklable: module level; seeded by the caller)."""
-    return CustomMoE(), example_inputs(tiny_moe_spec(LAYERS), batch=BATCH, seq=SEQ, device="cpu")
+    model = CustomMoE(LAYERS, dim=D, vocab=VOCAB, experts=EXPERTS)
+    return model, example_inputs(tiny_moe_spec(LAYERS), batch=BATCH, seq=SEQ, device="cpu")
 
 
 def _hf_spec(kind: str):  # type: ignore[no-untyped-def]
