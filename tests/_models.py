@@ -134,3 +134,48 @@ class CustomDecoder(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.out(self.ln_f(x))
+
+
+class MoEBlock(nn.Module):
+    """``x + moe(ln(x))``: a pre-norm residual block around memfit's builtin MoE
+    (``memfit.models.builtin_layers.MoE``: ``experts`` SwiGLU experts of width ``2 * dim``,
+    top 2, capacity factor 1.0), its weights drawn from N(0, 0.02)."""
+
+    def __init__(self, dim: int, experts: int) -> None:
+        import dataclasses
+
+        from memfit.models.builtin_layers import MoE
+        from memfit.parallel.measure import tiny_moe_spec
+
+        super().__init__()
+        spec = dataclasses.replace(tiny_moe_spec(1, experts), hidden_size=dim,
+                                   intermediate_size=2 * dim)
+        self.ln = nn.LayerNorm(dim)
+        self.moe = MoE(spec, 1.0)
+        for p in self.moe.parameters():
+            nn.init.normal_(p, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.ln(x))
+
+
+class CustomMoE(nn.Module):
+    """A custom mixture-of-experts decoder (names in none of memfit's lists): an embedding
+    ``tok``, a ModuleList ``blocks`` of ``layers`` :class:`MoEBlock`, a LayerNorm ``ln_f`` and a
+    bias-free head ``out``; ``forward(ids)`` returns the logits (``labels`` ignored: fit calls
+    ``model(**batch)``)."""
+
+    def __init__(self, layers: int, *, dim: int = 64, vocab: int = 256,
+                 experts: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(MoEBlock(dim, experts) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.tok(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.ln_f(x))

@@ -79,8 +79,7 @@ class Parallel:
     DDP and ZeRO-1 beside ``pp x tp`` are refused as torchtitan refuses them), and with ep
     (above), on
     memfit's builtin decoders (``memfit.models.build_model``) and Hugging Face's Llama,
-    Mistral, Qwen2 and Qwen3 modules (``memfit/parallel/hf_pipeline.py``; pp with ep: builtin
-    only),
+    Mistral, Qwen2 and Qwen3 modules (``memfit/parallel/hf_pipeline.py``),
     with the model's own loss on the
     last stage (a ``loss_fn`` is not used) and the batch as ``example_inputs`` gives it
     (``input_ids``, ``labels``); each pipeline rank is one rank role. Any other module is split
@@ -88,8 +87,9 @@ class Parallel:
     ``ModuleList`` / ``Sequential`` that its forward iterates, the modules before it on the
     first stage and after it on the last (``nn.Identity`` elsewhere), one tensor between the
     stages and the logits' next-token cross-entropy as the loss
-    (``memfit/parallel/pipeline_split.py``); data parallelism beside it, and tp from a
-    ``tp_plan`` of the user's (each stage its part: ``tp_plans.stage_plan``), not ep.
+    (``memfit/parallel/pipeline_split.py``); data parallelism beside it, ep on the stages'
+    MoE layers (builtin or transformers', e.g. Mixtral split at its ``base_model_pp_plan``),
+    and tp from a ``tp_plan`` of the user's (each stage its part: ``tp_plans.stage_plan``).
     ``Plan.apply`` runs pp beside DDP, ZeRO-1, FSDP2, HSDP (without tp) and tp with FSDP2.
     """
 

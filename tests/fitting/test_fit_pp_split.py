@@ -96,29 +96,6 @@ def test_without_split_points_fit_finds_no_pipeline() -> None:
     assert all(p.pp_split_points == ("blocks.1",) for p in staged)
 
 
-def test_expert_parallelism_is_not_searched_beside_the_split() -> None:
-    """A model with experts (its shape says 4 a layer) on 4 GPUs: ep 2 is searched alone, not
-    on the stages of a named split (which the per-rank trace refuses), and the reason is
-    recorded."""
-    import dataclasses
-
-    from memfit.fitting.layout_space import layouts
-    from memfit.fitting.layouts import model_shape
-
-    model, _ = make()
-    points = ("blocks.1",)
-    shape = model_shape(model, SEQ, None, points)
-    assert shape is not None
-    moe = dataclasses.replace(shape, experts=(4, 4), top_k=2, expert_numel=1)
-    rejected: list = []
-    found = layouts(gpus=4, gpus_per_node=None, global_batch=BATCH, shape=moe, space={},
-                    rejected=rejected, pp_split_points=points)
-    assert any(p.ep == 2 and p.pp == 1 for p in found)
-    assert not any(p.ep > 1 and p.pp > 1 for p in found)
-    assert any(p.pp == 2 and p.pp_split_points == points for p in found)
-    assert any(r.what == "ep with pp_split_points" for r in rejected)
-
-
 def test_fit_searches_the_users_split_and_saves_it(fitted: Plan, tmp_path: Path) -> None:
     """The chosen layout is pp 2 split at blocks.1, traced per rank, and the plan file
     round-trips the split points."""
@@ -181,7 +158,8 @@ def test_uneven_split_sets_the_stage_shares() -> None:
      r"make 2 pipeline stages, which do not divide gpus=3"),
     ({"pp_split_points": "blocks.1"}, "give a list of module names"),
     ({"gpus": None}, "search them with gpus=N"),
-    ({"space": {"precision": ["fp32"], "pp": [4]}, "gpus": 4}, r"space pp \[4\] but"),
+    ({"space": {"precision": ["fp32"], "pp": [4]}, "gpus": 4},
+     r"space pp 4: pp_split_points make 2 stages, not a multiple of pp=4"),
 ])
 def test_bad_fit_split_points_are_one_line(kwargs: dict, match: str) -> None:
     with pytest.raises(MemfitError, match=match) as info:

@@ -83,7 +83,7 @@ def test_each_stage_splits_its_own_part_of_the_plan() -> None:
 
 
 @pytest.mark.parametrize(("parallel", "match"), [
-    (lambda: _par(None), r"use ep=1, and tp=1 or tp_plan="),
+    (lambda: _par(None), r"use tp=1 or tp_plan="),
     (lambda: _par({**PLAN, "blocks.*.attn.qq": "colwise"}),
      r"'blocks\.\*\.attn\.qq', which matches no module of CustomDecoder"),
     (lambda: _par(PLAN, sp=True), r"no sp or loss_parallel"),

@@ -57,8 +57,9 @@ def register(sub: Any) -> None:
                    help="with --gpus: where the pipeline layouts split the model, module names "
                    "separated by commas, each the first element of a stage in one ModuleList / "
                    "Sequential (torchtitan's pipeline_parallel_split_points); the stages are "
-                   "one more than the names, any module splits, with --tp-plan inside each "
-                   "stage; saved with the plan, applied by Plan.apply")
+                   "one more than the names, one a rank (1F1B, GPipe) or two (interleaved "
+                   "1F1B over half as many ranks), any module splits, with --tp-plan inside "
+                   "each stage; saved with the plan, applied by Plan.apply")
     p.add_argument("--device", choices=("cuda", "mps", "cpu"), default=None,
                    help="target device (default: with --gpu, mps for Apple silicon, else "
                         "cuda; cpu without --gpu)")
@@ -149,13 +150,16 @@ def _pinned_rates(args: argparse.Namespace) -> dict[str, Any] | None:
 def _pp_split(value: str | None, pp: int | None, num_gpus: int | None
               ) -> tuple[str, ...] | None:
     """``--pp-split``: the split points of every pipeline layout searched, ``pp`` (``--pp``,
-    else searched) one more than the names; one line without ``--gpus N``."""
+    else searched) one more than the names, or half one more (interleaved 1F1B, two stages a
+    rank); one line without ``--gpus N``."""
     if value is None:
         return None
     if not num_gpus or num_gpus == 1:
         raise MemfitError(f"--pp-split {value} splits the model into pipeline stages over "
                           "several GPUs; add --gpus N (N > 1)")
-    return pp_split_from_arg(value, pp or len(value.split(",")) + 1, None)
+    stages = len(value.split(",")) + 1
+    schedule = "interleaved-1f1b" if pp is not None and pp > 1 and stages == 2 * pp else None
+    return pp_split_from_arg(value, pp or stages, schedule)
 
 
 def run(args: argparse.Namespace) -> int:

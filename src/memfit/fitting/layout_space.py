@@ -61,9 +61,10 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
       pipeline (fit's pipelines are memfit's own split of its builtin decoders, whose stages
       the plan does not name) unless the pipeline is the user's split;
     - with ``pp_split_points`` (the user's, ``Parallel.pp_split_points``) the pipeline layouts
-      are those of ``pp = len(pp_split_points) + 1`` stages split there, on any module, with
-      the 1F1B and GPipe schedules (interleaved 1F1B runs two stages a rank, ``2 pp - 1``
-      points: not searched), with ``tp_plan`` inside each stage where given (tp x pp).
+      are those of the ``len(pp_split_points) + 1`` stages split there, on any module: one a
+      rank with the 1F1B and GPipe schedules (``pp`` = the stages), two a rank with
+      interleaved 1F1B (``pp`` = half the stages), beside data parallelism and ep, with
+      ``tp_plan`` inside each stage where given (tp x pp).
     """
     node = gpus_per_node or gpus
     for name in ("tp", "pp"):
@@ -92,35 +93,48 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     return out
 
 
-def _split_space(space: dict[str, list[Any]], pp: int, gpus: int) -> dict[str, list[Any]]:
-    """``space`` with the pipeline degrees the user's split points allow: 1 and ``pp`` (one
-    line where ``space`` or ``gpus`` asks for another)."""
-    if gpus % pp:
-        raise MemfitError(f"pp_split_points make {pp} pipeline stages, which do not divide "
-                          f"gpus={gpus}; name {pp - 1} split point(s) for a pp that divides it")
+def _split_space(space: dict[str, list[Any]], stages: int, gpus: int) -> dict[str, list[Any]]:
+    """``space`` with the pipeline degrees the user's split points allow: 1, ``stages`` (one
+    stage a rank) and ``stages / 2`` (interleaved 1F1B, two a rank, where that is 2 or more);
+    one line where ``space`` or ``gpus`` asks for another."""
+    interleaved = [stages // 2] if stages % 2 == 0 and stages >= 4 else []
+    fits = [pp for pp in (stages, *interleaved) if gpus % pp == 0]
+    if not fits:
+        raise MemfitError(f"pp_split_points make {stages} pipeline stages, which do not divide "
+                          f"gpus={gpus}{' (nor half of them, interleaved)' if interleaved else ''}"
+                          f"; name split points for a number of stages that divides it")
     asked = space.get("pp")
-    if asked is not None and any(p not in (1, pp) for p in asked):
-        raise MemfitError(f"space pp {asked} but pp_split_points make {pp} stages; ask for pp "
-                          f"[{pp}] (or 1), or name one split point fewer than the stages")
-    return {**space, "pp": asked or [1, pp]}
+    for pp in asked or ():
+        if pp != 1 and stages % pp:
+            raise MemfitError(f"space pp {pp}: pp_split_points make {stages} stages, not a "
+                              f"multiple of pp={pp}; name pp - 1 split points (1F1B, GPipe) or "
+                              "2 pp - 1 (interleaved 1F1B)")
+        if pp != 1 and stages // pp > 2:
+            raise MemfitError(f"space pp {pp}: pp_split_points make {stages} stages, "
+                              f"{stages // pp} a rank; memfit's interleaved 1F1B runs 2 a rank: "
+                              f"name {2 * pp - 1} split points, or ask for pp {stages}")
+    return {**space, "pp": asked or [1, *fits]}
 
 
 def _with_split(found: list[Parallel], points: tuple[str, ...],
                 rejected: list[Rejected]) -> list[Parallel]:
-    """``found`` with the user's split points on every pipeline layout; the interleaved
-    schedule (it runs ``2 pp`` stages, which the points do not name) and ep beside the split
-    left out (recorded)."""
-    if any(p.pp_schedule == "interleaved-1f1b" for p in found):
+    """``found`` with the user's split points on every pipeline layout whose stages they name:
+    1F1B and GPipe at ``pp`` = the points' stages, interleaved 1F1B at half of them (two a
+    rank); the other schedules are left out, the interleaved one recorded where the stages do
+    not halve."""
+    stages = len(points) + 1
+
+    def named(p: Parallel) -> bool:
+        return p.pp * (2 if p.pp_schedule == "interleaved-1f1b" else 1) == stages
+
+    interleaved = [named(p) for p in found if p.pp_schedule == "interleaved-1f1b"]
+    if interleaved and not any(interleaved):
         rejected.append(Rejected(what="interleaved 1F1B with pp_split_points", reason=(
-            f"the {len(points)} split point(s) make {len(points) + 1} stages, one a rank; "
-            "interleaved 1F1B runs two a rank (Parallel(pp_split_points=...) with 2 pp - 1 "
-            "points), so it is not searched")))
-    if any(p.ep > 1 and p.pp > 1 for p in found):
-        rejected.append(Rejected(what="ep with pp_split_points", reason=(
-            "expert parallelism beside a pipeline split at named points is refused "
-            "(memfit/parallel/pipeline.py); ep is searched without the pipeline")))
+            f"the {len(points)} split point(s) make {stages} stages; interleaved 1F1B runs "
+            "two a rank over pp ranks (2 pp - 1 split points, pp >= 2, dividing the GPUs), "
+            "so it is not searched here")))
     return [dataclasses.replace(p, pp_split_points=points) if p.pp > 1 else p
-            for p in found if p.pp == 1 or (p.pp_schedule != "interleaved-1f1b" and p.ep == 1)]
+            for p in found if p.pp == 1 or named(p)]
 
 
 def _with_plan(found: list[Parallel], tp_plan: Mapping[str, Any], space: dict[str, list[Any]],

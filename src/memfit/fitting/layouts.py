@@ -17,7 +17,8 @@ as :func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must
 projections as Llama does (``q_proj`` ... ``down_proj``), unless ``fit(tp_plan=...)`` gives a
 plan (then the formulas split the linear layers it names, before the per-rank trace checks).
 Pipelines (``pp > 1``) split memfit's builtin decoders (:mod:`memfit.parallel.pipeline`), or
-any module at ``fit(pp_split_points=...)`` (1F1B and GPipe, not interleaved), and run alone,
+any module at ``fit(pp_split_points=...)`` (1F1B, GPipe, interleaved 1F1B at half the stages),
+and run alone,
 with tp and with FSDP2 (not beside DDP, ZeRO-1 or HSDP), with the 1F1B schedule and
 ``accumulation`` micro-batches.
 """
@@ -96,11 +97,17 @@ class ModelShape:
         last = self.last_numel / (tp if root_split[1] else 1)
         per_stage = -(-len(self.block_numels) // pp)
         starts = [stage * per_stage for stage in range(pp + 1)]
-        if len(self.stage_blocks) == pp:
-            starts = [sum(self.stage_blocks[:stage]) for stage in range(pp + 1)]
+        rank_blocks = [self.block_numels[starts[stage]:starts[stage + 1]] for stage in range(pp)]
+        if len(self.stage_blocks) in (pp, 2 * pp):  # the user's split; 2 pp: interleaved, rank
+            # r holds stages r and r + pp (memfit/parallel/pipeline.py: stage_modules)
+            bounds = [sum(self.stage_blocks[:stage]) for stage in range(len(self.stage_blocks)
+                                                                         + 1)]
+            rank_blocks = [[b for s in range(r, len(self.stage_blocks), pp)
+                            for b in self.block_numels[bounds[s]:bounds[s + 1]]]
+                           for r in range(pp)]
         worst = 0.0
         for stage in range(pp):
-            blocks = self.block_numels[starts[stage]:starts[stage + 1]]
+            blocks = rank_blocks[stage]
             held = sum(s / tp + r for s, r in blocks)
             held += (first if stage == 0 else 0)
             held += (last if stage == pp - 1 else 0)

@@ -99,8 +99,9 @@ def fit(model: nn.Module, sample_batch: Any, *, optimizer: str = "adamw", global
     where the user's pipeline splits the model (``Parallel.pp_split_points``: names of elements
     of one ``ModuleList`` / ``Sequential``, torchtitan's ``pipeline_parallel_split_points``),
     so that any module gets pipeline layouts: the search's pipelines are those of
-    ``len(pp_split_points) + 1`` stages split there (1F1B and GPipe; interleaved 1F1B, two
-    stages a rank, is not searched), with ``tp_plan`` in each stage where given (tp x pp);
+    ``len(pp_split_points) + 1`` stages split there (1F1B and GPipe one a rank, interleaved
+    1F1B two a rank over half as many ranks), beside data parallelism and ep, with ``tp_plan``
+    in each stage where given (tp x pp);
     the plan records them and ``Plan.apply`` splits there.
     ``num_gpus=N`` is the older search: ZeRO over every GPU, no tp or pp.
 

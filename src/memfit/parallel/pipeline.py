@@ -174,13 +174,12 @@ def check_pipeline(model: nn.Module, parallel: Parallel, batch: int | None) -> N
         from memfit.parallel.pipeline_split import split_points
 
         split_points(model, points)
-        if parallel.ep > 1 or (parallel.tp > 1 and (parallel.tp_plan is None or parallel.sp
-                                                    or parallel.loss_parallel)):
-            raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}, ep={parallel.ep}) "
-                              "on a model split at pp_split_points: the split runs with data "
-                              "parallelism (FSDP2, HSDP, DDP, ZeRO-1) and with tp from a "
-                              "tp_plan of your own (no sp or loss_parallel); use ep=1, and tp=1 "
-                              "or tp_plan=")
+        if parallel.tp > 1 and (parallel.tp_plan is None or parallel.sp
+                                or parallel.loss_parallel):
+            raise MemfitError(f"Parallel(pp={parallel.pp}, tp={parallel.tp}) on a model split "
+                              "at pp_split_points: the split runs with data parallelism (FSDP2, "
+                              "HSDP, DDP, ZeRO-1), ep, and tp from a tp_plan of your own (no sp "
+                              "or loss_parallel); use tp=1 or tp_plan=")
         if parallel.tp > 1:  # the whole model's plan: each stage takes its part (stage_plan)
             from memfit.parallel.tp_plans import user_plan
 

@@ -129,7 +129,7 @@ def apply_ep_stages(modules: list[StageModule], parallel: Parallel, mesh: Any,
             apply_ep(module, parallel, experts_mesh)
     if parallel.strategy == "fsdp":
         for module in modules:
-            blocks = [f"layers.{k}" for k in module.layers]
+            blocks = stage_blocks(module)
             names = expert_parameter_names(module)
             if parallel.ep == parallel.dp:
                 apply_fsdp(module, parallel, mesh["dp"], blocks=blocks,

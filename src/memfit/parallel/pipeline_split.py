@@ -184,6 +184,7 @@ class _Shapes:
         from torch.utils._python_dispatch import _disable_current_modes
 
         from memfit._compat.transformers_internals import fake_tensors_look_eager
+        from memfit.trace.fake_rules import grouped_mm_on_meta
 
         autocast = next((torch.get_autocast_dtype(d) for d in ("cuda", "cpu")
                          if torch.is_autocast_enabled(d)), None)
@@ -199,8 +200,10 @@ class _Shapes:
             handles = [m.register_forward_pre_hook(hook) for m in self.points]
             try:  # outside the trace's fake mode and tracker: a meta forward holds no bytes
                 # (transformers' masks: shapes only, without the .all() a meta tensor cannot
-                # answer: Note: [libraries that detect fake tensors], the other way round)
-                with _disable_current_modes(), torch.no_grad(), fake_tensors_look_eager(True):
+                # answer: Note: [libraries that detect fake tensors], the other way round;
+                # transformers' MoE experts' fp32 grouped matmuls: grouped_mm_on_meta)
+                with _disable_current_modes(), torch.no_grad(), fake_tensors_look_eager(True), \
+                        grouped_mm_on_meta():
                     ids = torch.zeros(micro, seq, dtype=torch.long, device="meta")
                     out = output_tensor(self.meta(ids))
             finally:

@@ -64,35 +64,72 @@ def grouped_mm_rule() -> Iterator[None]:
         yield
         return
     ops = {torch.ops.aten._grouped_mm.default}
-    allowed = (torch.float32, torch.bfloat16, torch.float16)
 
-    def rule(fake_mode: Any, func: Any, mat_a: torch.Tensor, mat_b: torch.Tensor,
-             offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None) -> Any:
-        for name, m in (("mat_a", mat_a), ("mat_b", mat_b)):
-            if m.dtype not in allowed:
-                raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, "
-                                   f"got {m.dtype}")
-        if mat_a.dim() not in (2, 3) or mat_b.dim() not in (2, 3):
-            raise RuntimeError("mat_a and mat_b have to be 2 or 3d")
-        a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
-        if not (a2 and b2) and mat_a.shape[-1] != mat_b.shape[-2]:
-            raise RuntimeError("contraction dimension of mat_a and mat_b must match")
-        if a2 and b2:
-            size = [offs.shape[0] if offs is not None else 1, mat_a.shape[0], mat_b.shape[1]]
-        elif a2:
-            size = [mat_a.shape[0], mat_b.shape[-1]]
-        elif b2:
-            size = [mat_a.shape[1], mat_b.shape[1]]
-        else:
-            size = [mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1]]
-        dtype = out_dtype or mat_a.dtype
-        align = 16 // dtype.itemsize
-        padded = -(-size[-1] // align) * align
-        stride = [padded, 1] if a2 != b2 else [size[1] * padded, padded, 1]
+    def rule(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        size, stride, dtype = _grouped_mm_layout(*args, **kwargs)
         with in_kernel_invocation_manager(fake_mode):
             out = torch.empty_strided(size, stride, dtype=dtype, device="meta")
-        return FakeTensor(fake_mode, out, mat_a.device)
+        return FakeTensor(fake_mode, out, args[0].device)
 
     with torch_internals.fake_op_rule(ops, rule):
+        yield
+
+
+def _grouped_mm_layout(mat_a: torch.Tensor, mat_b: torch.Tensor,
+                       offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None,
+                       ) -> tuple[list[int], list[int], torch.dtype]:
+    """The (size, stride, dtype) of ``aten._grouped_mm``'s output as
+    ``create_grouped_gemm_output_tensor`` makes it (Note: [grouped_mm on fake tensors]), or the
+    kernels' errors for inputs they refuse."""
+    for name, m in (("mat_a", mat_a), ("mat_b", mat_b)):
+        if m.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, "
+                               f"got {m.dtype}")
+    if mat_a.dim() not in (2, 3) or mat_b.dim() not in (2, 3):
+        raise RuntimeError("mat_a and mat_b have to be 2 or 3d")
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if not (a2 and b2) and mat_a.shape[-1] != mat_b.shape[-2]:
+        raise RuntimeError("contraction dimension of mat_a and mat_b must match")
+    if a2 and b2:
+        size = [offs.shape[0] if offs is not None else 1, mat_a.shape[0], mat_b.shape[1]]
+    elif a2:
+        size = [mat_a.shape[0], mat_b.shape[-1]]
+    elif b2:
+        size = [mat_a.shape[1], mat_b.shape[1]]
+    else:
+        size = [mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1]]
+    dtype = out_dtype or mat_a.dtype
+    align = 16 // dtype.itemsize
+    padded = -(-size[-1] // align) * align
+    stride = [padded, 1] if a2 != b2 else [size[1] * padded, padded, 1]
+    return size, stride, dtype
+
+
+@contextlib.contextmanager
+def grouped_mm_on_meta() -> Iterator[None]:
+    """Plain meta tensors (not fake ones) take ``aten._grouped_mm`` with the dtypes the real
+    kernels take, as :func:`grouped_mm_rule` does for fake tensors (Note: [grouped_mm on fake
+    tensors]): for a forward on a meta copy of a model that only reads shapes (the stages'
+    boundaries of a split pipeline, ``memfit.parallel.pipeline_split``), outside any fake
+    mode. Fake tensors pass through to their mode."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    op = getattr(torch.ops.aten, "_grouped_mm", None)
+    if op is None:  # torch < 2.8 has no such op: nothing to fix
+        yield
+        return
+    target = op.default
+
+    class _MetaGroupedMM(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is target and not any(isinstance(a, FakeTensor) for a in args[:2]):
+                size, stride, dtype = _grouped_mm_layout(*args, **kwargs)
+                return torch.empty_strided(size, stride, dtype=dtype, device="meta")
+            return func(*args, **kwargs)
+
+    with _MetaGroupedMM():
         yield
