@@ -215,9 +215,11 @@ class Parallel:
         if dp % self.fsdp:
             raise MemfitError(f"Parallel: fsdp={self.fsdp} does not divide the {dp} data-parallel "
                               f"ranks (gpus={self.gpus} / (tp*pp)={model_parallel})")
-        if dp % self.ep:
-            raise MemfitError(f"Parallel: ep={self.ep} does not divide the {dp} data-parallel "
-                              f"ranks (gpus={self.gpus} / (tp*pp)={model_parallel})")
+        if (dp * self.tp) % self.ep:  # the ranks ep borrows from (torchtitan's dp_shard * tp)
+            ranks = (f"{dp} data-parallel ranks (gpus={self.gpus} / (tp*pp)={model_parallel})"
+                     if self.tp == 1 else f"{dp * self.tp} data- and tensor-parallel ranks "
+                     f"(gpus={self.gpus} / pp={self.pp})")
+            raise MemfitError(f"Parallel: ep={self.ep} does not divide the {ranks}")
         if self.reshard_after_forward is None:
             object.__setattr__(self, "reshard_after_forward", self.zero != 2)
         if (self.cpu_offload or self.param_dtype or self.reduce_dtype) and self.fsdp == 1:

@@ -113,11 +113,8 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
             raise MemfitError(f"Parallel(ep={parallel.ep}) does not divide the {experts} experts "
                               f"of {name}; choose an ep that divides {experts}")
     if parallel.tp > 1:
-        raise MemfitError(f"Parallel(ep={parallel.ep}, tp={parallel.tp}): expert parallelism "
-                          "beside tensor parallelism is not traced yet (torchtitan runs it with "
-                          "the experts tensor-parallel too, etp = tp, or ep over the tp ranks, "
-                          "etp = 1); use tp=1 with ep, or ep=1")
-    if parallel.strategy not in ("ddp", "fsdp") or (
+        _check_tp_experts(parallel, layers)
+    elif parallel.strategy not in ("ddp", "fsdp") or (
             parallel.strategy == "ddp" and parallel.ep != parallel.dp):
         raise MemfitError(f"Parallel(ep={parallel.ep}) on {parallel.describe()}: expert "
                           "parallelism is traced with FSDP2 over every data-parallel rank "
@@ -125,16 +122,51 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
                           f"zero=1); use Parallel(gpus={parallel.gpus}, fsdp={parallel.dp}, "
                           f"ep={parallel.ep}) or ep={parallel.dp}")
     for name, moe in layers:
-        local, shards = _experts(moe) // parallel.ep, parallel.dp // parallel.ep
+        local, shards = _experts(moe) // parallel.ep, _sparse(parallel) // parallel.ep
         if local % shards:
+            where = "dp * tp / ep" if parallel.tp > 1 else "dp / ep"
             raise MemfitError(f"Parallel(ep={parallel.ep}): the {local} experts each rank of "
                               f"{name} keeps do not split evenly over the {shards} ranks that "
-                              f"shard them (dp / ep); choose an ep with {_experts(moe)} "
-                              f"/ ep divisible by {parallel.dp} / ep")
+                              f"shard them ({where}); choose an ep with {_experts(moe)} "
+                              f"/ ep divisible by {_sparse(parallel)} / ep")
     if parallel.param_dtype or parallel.reduce_dtype or parallel.cpu_offload:
         raise MemfitError(f"Parallel(ep={parallel.ep}) with FSDP2's param_dtype, reduce_dtype or "
                           "cpu_offload is not traced yet (the experts, outside FSDP, would keep "
                           "their own dtype); use precision= for mixed precision instead")
+
+
+def _sparse(parallel: Parallel) -> int:
+    """The ranks one pipeline stage's experts spread over (torchtitan's sparse region,
+    ``dp_shard * cp * tp``: ``parallel_dims.py``): ``ep`` of them exchange tokens, the others
+    (``dp * tp / ep``, "efsdp") hold the same experts."""
+    return parallel.dp * parallel.tp
+
+
+def _check_tp_experts(parallel: Parallel, layers: list[tuple[str, nn.Module]]) -> None:
+    """One line for a tp x ep layout other than the one traced (Note: [expert parallelism beside
+    tensor parallelism] in :class:`ExpertParallelMoE`): memfit's builtin MoE layers, no pp, no
+    sequence parallelism, FSDP2 (or nothing) over the data-parallel ranks, ``tp`` dividing
+    ``ep``."""
+    run = (f"use Parallel(gpus={parallel.gpus}, tp={parallel.tp}, "
+           + (f"fsdp={parallel.dp}, " if parallel.dp > 1 else "")
+           + f"ep={parallel.tp * parallel.dp if parallel.ep % parallel.tp else parallel.ep})")
+    why = None
+    if any(not isinstance(moe, MoE) for _, moe in layers):
+        why = "runs on memfit's builtin MoE layers, not transformers' experts modules"
+        run = "use tp=1 with ep, or ep=1"
+    elif parallel.pp > 1 or parallel.sp:
+        why = "runs without pp and sequence parallelism"
+        run = "use pp=1 and sp=False with tp and ep, or tp=1"
+    elif parallel.ep % parallel.tp or parallel.strategy not in ("fsdp", "none"):
+        why = ("runs with ep a multiple of tp (each expert group whole tensor-parallel groups) "
+               "and FSDP2 over every data-parallel rank")
+    elif parallel.param_dtype or parallel.reduce_dtype or parallel.cpu_offload:
+        why = "runs without FSDP2's param_dtype, reduce_dtype or cpu_offload"
+        run = "use precision= for mixed precision instead"
+    if why is not None:
+        raise MemfitError(f"Parallel(tp={parallel.tp}, ep={parallel.ep}) on "
+                          f"{parallel.describe()}: expert parallelism beside tensor parallelism "
+                          f"{why}; {run}")
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
@@ -149,13 +181,13 @@ def ep_mesh(parallel: Parallel, device_type: str) -> Any:
     the 2-D DeviceMesh ``(efsdp, ep)`` = ``(dp // ep, ep)`` (torchtitan's sparse mesh, "ep"
     innermost: ranks ``0..ep-1`` exchange tokens, and rank ``r`` holds the same experts as
     ``r + ep``, ``r + 2 ep``..., which shard them with FSDP2 over "efsdp")."""
-    if parallel.ep == parallel.dp:
+    if parallel.ep == _sparse(parallel):
         return None
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
 
     with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
-        return init_device_mesh(device_type, (parallel.dp // parallel.ep, parallel.ep),
+        return init_device_mesh(device_type, (_sparse(parallel) // parallel.ep, parallel.ep),
                                 mesh_dim_names=("efsdp", "ep"))
 
 
@@ -174,13 +206,16 @@ class Experts(nn.Module):
         return MoE.run_experts(self, tokens)  # type: ignore[arg-type]
 
 
-def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Module:
+def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None,
+             tp_mesh: Any = None) -> nn.Module:
     """Expert parallelism on every MoE layer of ``model`` (in place; transformers' experts
     modules: :func:`memfit.parallel.hf_expert.apply_hf_ep`): in the expert group
     (``mesh["ep"]``, or every rank when ``mesh`` is None), the rank of index ``i`` keeps experts
     ``[i * E / ep, (i + 1) * E / ep)`` of each layer's stacked weights, moved to an
     :class:`Experts` child, and runs them on the tokens the group sends it
-    (:class:`ExpertParallelMoE`). Applying it twice changes nothing."""
+    (:class:`ExpertParallelMoE`). ``tp_mesh``: the tensor-parallel mesh beside it, whose ranks
+    each route their own share of the tokens (Note: [expert parallelism beside tensor
+    parallelism]). Applying it twice changes nothing."""
     import torch.distributed as dist
 
     check_experts(model, parallel)
@@ -203,6 +238,7 @@ def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Modul
         moe.__class__ = ExpertParallelMoE
         moe.experts = experts
         moe.ep_group, moe.ep_size = group, ep  # type: ignore[assignment]
+        moe.ep_mesh, moe.tp_mesh = mesh, tp_mesh  # type: ignore[assignment]
     return model
 
 
@@ -214,6 +250,52 @@ class ExpertParallelMoE(MoE):
     experts: Experts
     ep_group: Any
     ep_size: int
+    ep_mesh: Any = None
+    """The ``(efsdp, ep)`` mesh of :func:`ep_mesh` (None: the expert group is every rank)."""
+    tp_mesh: Any = None
+    """The tensor-parallel mesh beside expert parallelism, or None."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """:class:`~memfit.models.builtin_layers.MoE`'s forward; beside tensor parallelism
+        (``tp_mesh``), on this tensor-parallel rank's share of the tokens.
+
+        Note: [expert parallelism beside tensor parallelism] torchtitan's layout with the
+        experts not tensor-parallel (etp = 1; torchtitan at commit a2b5ee66, before #3167
+        deprecated etp > 1: ``torchtitan/models/llama4/parallelize.py: apply_moe_ep_tp``, the
+        ``ExpertParallel`` branch; the mesh: ``torchtitan/distributed/parallel_dims.py``, where
+        ep borrows from ``dp_shard * cp * tp``, "ep" innermost). The MoE layer's input is
+        replicated over the tp ranks (``PrepareModuleInputOutput(desired_input_layouts=
+        Replicate())``) and the router runs on every token on each of them (``NoParallel``);
+        then each tp rank keeps its ``tp_index``-th chunk of the tokens and their routing
+        (``AllToAllTokenDispatcher._split_along_sp``, ``sp_size = tp``), which the expert group
+        exchanges as without tp. The chunk is taken as DTensor's ``Replicate -> Shard(0)`` (a
+        local slice; its backward all-gathers the gradients, so that the router's weight gets
+        every token's: torchtitan #2416 "Force all reduce in bwd for router at MoE boundary")
+        and the output comes back as ``Shard(0) -> Replicate`` (an all-gather, its backward a
+        local slice), where torchtitan scatters its chunk into zeros and all-reduces the
+        ``Partial`` sum: the same values, one ``[tokens, hidden]`` output either way. Each
+        rank's expert buffers hold ``capacity(tokens / tp)`` slots."""
+        if self.tp_mesh is None:
+            return super().forward(x)
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        mesh, tp = self.tp_mesh, self.tp_mesh.size()
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if x.shape[0] % tp:
+            raise MemfitError(f"Parallel(tp={tp}, ep={self.ep_size}): the {x.shape[0]} tokens "
+                              f"of a step do not split evenly over the {tp} tensor-parallel "
+                              f"ranks that route them; use batch * sequence divisible by {tp}")
+        weights, expert = self.route(x)
+
+        def chunk(t: torch.Tensor) -> torch.Tensor:
+            return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
+                mesh, [Shard(0)]).to_local()
+
+        local = expert.chunk(tp)[mesh.get_local_rank()]
+        out = self.dispatch_combine(chunk(x), chunk(weights), local)
+        return DTensor.from_local(out, mesh, [Shard(0)], run_check=False).redistribute(
+            mesh, [Replicate()]).to_local().view(shape)
 
     def run_experts(self, expert_in: torch.Tensor) -> torch.Tensor:
         from torch.distributed import _functional_collectives as funcol
