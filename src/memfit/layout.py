@@ -64,10 +64,14 @@ class Parallel:
     fixed-capacity exchange, dropping tokens past an expert's capacity where transformers drops
     none), with FSDP2 over every data-parallel rank for the other
     parameters (the ``dp / ep`` ranks that hold the same experts shard them), or DDP when ``ep``
-    is every data-parallel rank; HSDP, ZeRO-1, DDP with ``ep`` below the data-parallel ranks,
-    FSDP2's dtype and offload policies and tp beside it are refused; beside pp the same runs on
-    each stage over its data-parallel ranks (a ``(pp, efsdp, ep)`` mesh). ``ep`` must divide the
-    experts, and ``dp / ep`` each rank's experts. Its token exchange has fixed sizes (each
+    is every data-parallel rank; HSDP, ZeRO-1, DDP with ``ep`` below the data-parallel ranks
+    and FSDP2's dtype and offload policies are refused; beside pp the same runs on
+    each stage over its data-parallel ranks (a ``(pp, efsdp, ep)`` mesh). Beside tp (no pp, no
+    sp, memfit's builtin MoE and tp plan) it runs as torchtitan does with whole experts (etp =
+    1): ``ep``, a multiple of ``tp``, spans whole tp groups of the ``dp * tp`` ranks, each tp
+    rank routing its ``1/tp`` of the tokens (``Parallel(gpus=4, tp=2, fsdp=2, ep=2)``; FSDP2
+    or nothing over dp). ``ep`` must divide the experts, and ``dp * tp / ep`` each rank's
+    experts. Its token exchange has fixed sizes (each
     expert's buffer holds ``capacity`` slots, balanced routing at the default capacity factor
     1.0), so a rank's bytes do not depend on the router.
     Pipeline parallelism is traced alone (``pp == gpus``), with FSDP2, DDP or ZeRO-1 on each

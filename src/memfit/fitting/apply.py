@@ -117,8 +117,9 @@ def apply_layout(model: nn.Module, config: FitConfig) -> nn.Module:
             raise
         raise MemfitError(
             f"Plan.apply cannot run {par.describe()} yet: it runs the data-parallel family "
-            "(DDP, ZeRO-1, FSDP2, HSDP), tensor parallelism, tp x FSDP / HSDP, ep without tp "
-            "(memfit.parallel.apply.apply_model) and pipelines alone, with tp and with DDP, "
+            "(DDP, ZeRO-1, FSDP2, HSDP), tensor parallelism, tp x FSDP / HSDP, ep alone and "
+            "beside tp (memfit.parallel.apply.apply_model) and pipelines alone, with tp and with "
+            "DDP, "
             "ZeRO-1 or FSDP2 (apply_pipeline); export the plan (memfit export plan.json "
             "--to torchtitan) or choose one of these layouts") from None
 

@@ -9,8 +9,9 @@ loss parallelism (``sp=True, loss_parallel=True``; loss parallelism not under a 
 untied embeddings, rotary positions and dense MLPs); a mixture-of-experts model (memfit's builtin
 MoE, transformers' experts modules) also gets expert-parallel layouts (``ep`` dividing its
 experts and the data-parallel ranks, with DDP when ``ep`` is every data-parallel rank or FSDP2
-over all of them, no tp; alone or on each pipeline stage:
-:func:`memfit.parallel.expert.check_experts`).
+over all of them; alone or on each pipeline stage; and, on memfit's builtin MoE without a
+pipeline, beside tp: ``ep`` a multiple of ``tp`` dividing the ``dp * tp`` ranks, FSDP2 over the
+data-parallel ones: :func:`memfit.parallel.expert.check_experts`).
 
 Known limitations: tensor parallelism is Megatron's split of the attention and MLP projections,
 as :func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must name their
@@ -77,6 +78,9 @@ class ModelShape:
     """Experts per token of the MoE layers."""
     expert_numel: int = 0
     """Parameters of the MoE layers' experts (what ``ep`` splits), all layers."""
+    ep_beside_tp: bool = False
+    """Whether expert parallelism runs beside tensor parallelism on the model (memfit's
+    builtin MoE layers, memfit's tp plan: :func:`memfit.parallel.expert.check_experts`)."""
     stage_blocks: tuple[int, ...] = ()
     """The blocks of each stage of the user's pipeline split (``pp_split_points``); empty:
     memfit's even split."""
@@ -116,14 +120,16 @@ class ModelShape:
         """The experts' share of the model's parameters."""
         return self.expert_numel / self.numel if self.numel else 0.0
 
-    def ep_degrees(self, dp: int) -> list[int]:
+    def ep_degrees(self, dp: int, tp: int = 1) -> list[int]:
         """The ``ep > 1`` that :func:`memfit.parallel.expert.check_experts` takes over ``dp``
-        data-parallel ranks: dividing ``dp`` and every layer's experts, each rank's experts
-        splitting evenly over the ``dp / ep`` ranks that hold the same ones."""
-        if not self.experts:
+        data-parallel ranks (beside ``tp``: over the ``dp * tp`` ranks, ``ep`` a multiple of
+        ``tp``): dividing them and every layer's experts, each rank's experts splitting evenly
+        over the ``dp * tp / ep`` ranks that hold the same ones."""
+        if not self.experts or (tp > 1 and not self.ep_beside_tp):
             return []
-        return [ep for ep in range(2, dp + 1) if dp % ep == 0
-                and all(e % ep == 0 and (e // ep) % (dp // ep) == 0 for e in self.experts)]
+        ranks = dp * tp
+        return [ep for ep in range(2, ranks + 1) if ranks % ep == 0 and ep % tp == 0
+                and all(e % ep == 0 and (e // ep) % (ranks // ep) == 0 for e in self.experts)]
 
     def unit_shares(self, tp: int, pp: int, root_split: tuple[bool, bool] = (False, False)
                     ) -> tuple[float, float]:
@@ -193,7 +199,7 @@ def model_shape(base: nn.Module, sample_seq: int | None,
         else:
             last += p.numel()
     hidden = config_int(base, ("hidden_size", "n_embd", "d_model"))
-    from memfit.parallel.expert import moe_shape
+    from memfit.parallel.expert import ep_beside_tp, moe_shape
 
     experts, top_k, expert_numel = moe_shape(base)
     return ModelShape(heads=heads, kv_heads=kv_heads, layers=len(blocks), hidden=hidden,
@@ -205,7 +211,8 @@ def model_shape(base: nn.Module, sample_seq: int | None,
                       sp_splittable=planned is None and _sp_splittable(base),
                       vocab=config_int(base, ("vocab_size",)),
                       experts=experts, top_k=top_k,
-                      expert_numel=expert_numel)
+                      expert_numel=expert_numel,
+                      ep_beside_tp=planned is None and ep_beside_tp(base))
 
 
 def _stage_blocks(base: nn.Module, blocks: list[str],

@@ -94,6 +94,13 @@ def moe_shape(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
     return tuple(_experts(layer) for layer in layers), top_k, numel
 
 
+def ep_beside_tp(model: nn.Module) -> bool:
+    """Whether expert parallelism runs beside tensor parallelism on ``model``: its MoE layers
+    are memfit's builtin ones (:func:`check_experts`)."""
+    layers = moe_layers(model)
+    return bool(layers) and all(isinstance(layer, MoE) for _, layer in layers)
+
+
 def check_experts(model: nn.Module, parallel: Parallel) -> None:
     """One-line errors for an ``ep`` the model or the layout cannot take: the model has
     memfit's builtin MoE layers, ``ep`` divides their experts, and the layout is the one traced
@@ -154,9 +161,9 @@ def _check_tp_experts(parallel: Parallel, layers: list[tuple[str, nn.Module]]) -
     if any(not isinstance(moe, MoE) for _, moe in layers):
         why = "runs on memfit's builtin MoE layers, not transformers' experts modules"
         run = "use tp=1 with ep, or ep=1"
-    elif parallel.pp > 1 or parallel.sp:
-        why = "runs without pp and sequence parallelism"
-        run = "use pp=1 and sp=False with tp and ep, or tp=1"
+    elif parallel.pp > 1 or parallel.sp or parallel.tp_plan is not None:
+        why = "runs without pp, sequence parallelism and a tp_plan of your own"
+        run = "use pp=1, sp=False and memfit's plan with tp and ep, or tp=1"
     elif parallel.ep % parallel.tp or parallel.strategy not in ("fsdp", "none"):
         why = ("runs with ep a multiple of tp (each expert group whole tensor-parallel groups) "
                "and FSDP2 over every data-parallel rank")
