@@ -134,6 +134,19 @@ def test_tokens_that_do_not_split_over_the_tp_ranks_are_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
+def test_experts_every_rank_keeps_whole_on_a_cuda_target_get_a_one_line_error() -> None:
+    """With ep = dp * tp every rank keeps its own experts as plain tensors (out of FSDP2),
+    beside tensor parallelism's DTensors, which the CUDA target's foreach AdamW refuses at its
+    first step, as PyTorch does on a GPU ("got mixed torch.Tensor and DTensor":
+    torch/distributed/tensor/_dispatch.py); ep below dp * tp, whose experts FSDP2 shards, runs
+    (the CPU target's for-loop AdamW runs both: the gloo tests)."""
+    model, inputs = build(_case(Parallel(gpus=1)))
+    with pytest.raises(MemfitError, match=r"use an ep below dp \* tp = 2 .* or tp=1") as info:
+        memfit.estimate(model, inputs, device="cuda", gpu="h100-80gb",
+                        parallel=Parallel(gpus=2, tp=2, ep=2))
+    assert "\n" not in str(info.value)
+
+
 # -- the truth: one set of 4 gloo ranks ----------------------------------------------------------
 
 GLOO = {"tp2-fsdp2-ep2": Parallel(gpus=4, tp=2, fsdp=2, ep=2),
