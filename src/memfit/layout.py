@@ -66,11 +66,11 @@ class Parallel:
     parameters (the ``dp / ep`` ranks that hold the same experts shard them), or DDP when ``ep``
     is every data-parallel rank; HSDP, ZeRO-1, DDP with ``ep`` below the data-parallel ranks
     and FSDP2's dtype and offload policies are refused; beside pp the same runs on
-    each stage over its data-parallel ranks (a ``(pp, efsdp, ep)`` mesh). Beside tp (no pp, no
-    sp, memfit's builtin MoE and tp plan) it runs as torchtitan does with whole experts (etp =
-    1): ``ep``, a multiple of ``tp``, spans whole tp groups of the ``dp * tp`` ranks, each tp
-    rank routing its ``1/tp`` of the tokens (``Parallel(gpus=4, tp=2, fsdp=2, ep=2)``; FSDP2
-    or nothing over dp). ``ep`` must divide the experts, and ``dp * tp / ep`` each rank's
+    each stage over its data-parallel ranks (a ``(pp, efsdp, ep)`` mesh). Beside tp (alone or
+    with pp; no sp, no ``tp_plan`` or ``pp_split_points`` of the user's) it runs as torchtitan
+    does with whole experts (etp = 1): ``ep``, a multiple of ``tp``, spans whole tp groups of
+    the ``dp * tp`` ranks (of a stage), each tp rank routing its ``1/tp`` of the tokens
+    (``Parallel(gpus=4, tp=2, fsdp=2, ep=2)``; FSDP2 or nothing over dp). ``ep`` must divide the experts, and ``dp * tp / ep`` each rank's
     experts. Its token exchange has fixed sizes (each
     expert's buffer holds ``capacity`` slots, balanced routing at the default capacity factor
     1.0), so a rank's bytes do not depend on the router.

@@ -9,9 +9,9 @@ loss parallelism (``sp=True, loss_parallel=True``; loss parallelism not under a 
 untied embeddings, rotary positions and dense MLPs); a mixture-of-experts model (memfit's builtin
 MoE, transformers' experts modules) also gets expert-parallel layouts (``ep`` dividing its
 experts and the data-parallel ranks, with DDP when ``ep`` is every data-parallel rank or FSDP2
-over all of them; alone or on each pipeline stage; and, on memfit's builtin MoE without a
-pipeline, beside tp: ``ep`` a multiple of ``tp`` dividing the ``dp * tp`` ranks, FSDP2 over the
-data-parallel ones: :func:`memfit.parallel.expert.check_experts`).
+over all of them; alone or on each pipeline stage; and, without a ``tp_plan``, beside tp:
+``ep`` a multiple of ``tp`` dividing the ``dp * tp`` ranks, FSDP2 over the data-parallel ones:
+:func:`memfit.parallel.expert.check_experts`).
 
 Known limitations: tensor parallelism is Megatron's split of the attention and MLP projections,
 as :func:`memfit.parallel.apply.apply_tp` applies it, so the model's blocks must name their
@@ -79,8 +79,8 @@ class ModelShape:
     expert_numel: int = 0
     """Parameters of the MoE layers' experts (what ``ep`` splits), all layers."""
     ep_beside_tp: bool = False
-    """Whether expert parallelism runs beside tensor parallelism on the model (memfit's
-    builtin MoE layers, memfit's tp plan: :func:`memfit.parallel.expert.check_experts`)."""
+    """Whether expert parallelism runs beside tensor parallelism on the model (MoE layers and
+    no ``tp_plan`` of the user's: :func:`memfit.parallel.expert.check_experts`)."""
     stage_blocks: tuple[int, ...] = ()
     """The blocks of each stage of the user's pipeline split (``pp_split_points``); empty:
     memfit's even split."""
@@ -199,7 +199,7 @@ def model_shape(base: nn.Module, sample_seq: int | None,
         else:
             last += p.numel()
     hidden = config_int(base, ("hidden_size", "n_embd", "d_model"))
-    from memfit.parallel.expert import ep_beside_tp, moe_shape
+    from memfit.parallel.expert import moe_shape
 
     experts, top_k, expert_numel = moe_shape(base)
     return ModelShape(heads=heads, kv_heads=kv_heads, layers=len(blocks), hidden=hidden,
@@ -212,7 +212,7 @@ def model_shape(base: nn.Module, sample_seq: int | None,
                       vocab=config_int(base, ("vocab_size",)),
                       experts=experts, top_k=top_k,
                       expert_numel=expert_numel,
-                      ep_beside_tp=planned is None and ep_beside_tp(base))
+                      ep_beside_tp=planned is None and bool(experts))
 
 
 def _stage_blocks(base: nn.Module, blocks: list[str],
@@ -285,10 +285,13 @@ def pipeline_runs(par: Parallel) -> bool:
     ranks (torchtitan's ``(pp, dp, tp)`` mesh), with DDP or ZeRO-1 on each stage without tp
     (``memfit/parallel/pipeline_parallelize.py: replicate_stages``) or HSDP on each stage
     without tp (``shard_stages`` over the ``(pp, replicate, shard)`` mesh), and with ep on each
-    stage beside DDP (ep = dp) or FSDP2 without tp (``apply_ep_stages``)."""
+    stage beside DDP (ep = dp) or FSDP2 without tp (``apply_ep_stages``), and beside tp with
+    FSDP2 or no data parallelism, ``ep`` a multiple of ``tp`` (``apply_tp_stages``)."""
     if par.ep > 1:
-        return par.tp == 1 and (par.strategy == "fsdp"
-                                or (par.strategy == "ddp" and par.ep == par.dp))
+        if par.tp > 1:
+            return (par.ep % par.tp == 0 and par.strategy in ("none", "fsdp")
+                    and not par.pp_split_points)
+        return par.strategy == "fsdp" or (par.strategy == "ddp" and par.ep == par.dp)
     return par.strategy in ("none", "fsdp") or (par.tp == 1
                                                 and par.strategy in ("ddp", "zero1", "hsdp"))
 

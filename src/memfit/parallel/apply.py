@@ -285,6 +285,9 @@ def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any, blocks: list[str] 
     from memfit.parallel.tp_plans import HfStyle, apply_hf_styles
 
     plan = tp_plan(model, parallel, blocks, root)
+    if leave:  # a model's own plan may split them (transformers' moe_tp_experts)
+        plan = {name: style for name, style in plan.items()
+                if not any(name == lv or name.startswith(f"{lv}.") for lv in leave)}
     own = {name: style for name, style in plan.items() if isinstance(style, HfStyle)}
     if len(own) < len(plan):
         parallelize_module(model, mesh, {n: s for n, s in plan.items() if n not in own})
@@ -427,7 +430,8 @@ def apply_tp_beside_ep(model: nn.Module, parallel: Parallel, device_type: str,
     """``apply_ep`` on the ``(efsdp, ep)`` mesh over the ``dp * tp`` ranks (each tp rank routing
     its chunk of the tokens: Note: [expert parallelism beside tensor parallelism] in
     memfit/parallel/expert.py), then tensor parallelism on ``mesh["tp"]`` for the rest (the
-    experts left plain tensors), in place."""
+    experts left plain tensors, out of the plan: transformers' own plans split them,
+    ``moe_tp_experts``), in place."""
     from memfit.parallel.expert import apply_ep, ep_mesh, moe_layers
 
     tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
@@ -446,7 +450,7 @@ def apply_fsdp_beside_ep(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.
     if parallel.dp == 1:
         return model
     layers = moe_layers(model)
-    experts_mesh = layers[0][1].ep_mesh if layers else None
+    experts_mesh = getattr(layers[0][1].experts, "ep_mesh", None) if layers else None
     if experts_mesh is None:
         return apply_fsdp(model, parallel, mesh["dp"], ignored_params={
             model.get_parameter(n) for n in expert_parameter_names(model)})

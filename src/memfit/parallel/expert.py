@@ -94,17 +94,10 @@ def moe_shape(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
     return tuple(_experts(layer) for layer in layers), top_k, numel
 
 
-def ep_beside_tp(model: nn.Module) -> bool:
-    """Whether expert parallelism runs beside tensor parallelism on ``model``: its MoE layers
-    are memfit's builtin ones (:func:`check_experts`)."""
-    layers = moe_layers(model)
-    return bool(layers) and all(isinstance(layer, MoE) for _, layer in layers)
-
-
 def check_experts(model: nn.Module, parallel: Parallel) -> None:
     """One-line errors for an ``ep`` the model or the layout cannot take: the model has
-    memfit's builtin MoE layers, ``ep`` divides their experts, and the layout is the one traced
-    (every data-parallel rank in the expert group, DDP or FSDP2 for the rest, no tp)."""
+    MoE layers, ``ep`` divides their experts, and the layout is the one traced (DDP or FSDP2
+    for the rest; beside tp: :func:`_check_tp_experts`)."""
     if parallel.ep == 1:
         return
     layers = moe_layers(model)
@@ -120,7 +113,7 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
             raise MemfitError(f"Parallel(ep={parallel.ep}) does not divide the {experts} experts "
                               f"of {name}; choose an ep that divides {experts}")
     if parallel.tp > 1:
-        _check_tp_experts(parallel, layers)
+        _check_tp_experts(parallel)
     elif parallel.strategy not in ("ddp", "fsdp") or (
             parallel.strategy == "ddp" and parallel.ep != parallel.dp):
         raise MemfitError(f"Parallel(ep={parallel.ep}) on {parallel.describe()}: expert "
@@ -149,21 +142,19 @@ def _sparse(parallel: Parallel) -> int:
     return parallel.dp * parallel.tp
 
 
-def _check_tp_experts(parallel: Parallel, layers: list[tuple[str, nn.Module]]) -> None:
+def _check_tp_experts(parallel: Parallel) -> None:
     """One line for a tp x ep layout other than the one traced (Note: [expert parallelism beside
-    tensor parallelism] in :class:`ExpertParallelMoE`): memfit's builtin MoE layers, no pp, no
-    sequence parallelism, FSDP2 (or nothing) over the data-parallel ranks, ``tp`` dividing
-    ``ep``."""
+    tensor parallelism] in :class:`ExpertParallelMoE`): no sequence parallelism, no tp_plan or
+    pp_split_points of the user's, FSDP2 (or nothing) over the data-parallel ranks (of each
+    pipeline stage), ``tp`` dividing ``ep``."""
     run = (f"use Parallel(gpus={parallel.gpus}, tp={parallel.tp}, "
+           + (f"pp={parallel.pp}, " if parallel.pp > 1 else "")
            + (f"fsdp={parallel.dp}, " if parallel.dp > 1 else "")
            + f"ep={parallel.tp * parallel.dp if parallel.ep % parallel.tp else parallel.ep})")
     why = None
-    if any(not isinstance(moe, MoE) for _, moe in layers):
-        why = "runs on memfit's builtin MoE layers, not transformers' experts modules"
-        run = "use tp=1 with ep, or ep=1"
-    elif parallel.pp > 1 or parallel.sp or parallel.tp_plan is not None:
-        why = "runs without pp, sequence parallelism and a tp_plan of your own"
-        run = "use pp=1, sp=False and memfit's plan with tp and ep, or tp=1"
+    if parallel.sp or parallel.tp_plan is not None or parallel.pp_split_points:
+        why = "runs without sequence parallelism, a tp_plan of your own and pp_split_points"
+        run = "use sp=False and memfit's plan and split with tp and ep, or tp=1"
     elif parallel.ep % parallel.tp or parallel.strategy not in ("fsdp", "none"):
         why = ("runs with ep a multiple of tp (each expert group whole tensor-parallel groups) "
                "and FSDP2 over every data-parallel rank")
@@ -203,6 +194,9 @@ class Experts(nn.Module):
     that FSDP2 can shard them on another mesh than the layer's other parameters; its forward is
     :meth:`memfit.models.builtin_layers.MoE.run_experts` on its own parameters."""
 
+    ep_mesh: Any = None
+    """The ``(efsdp, ep)`` mesh of :func:`ep_mesh` (None: the expert group is every rank)."""
+
     def __init__(self, act: nn.Module) -> None:
         super().__init__()
         self.act = act
@@ -230,7 +224,8 @@ def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None,
     index, ep = dist.get_rank(group), parallel.ep
     for _, moe in moe_layers(model):
         if not isinstance(moe, MoE):  # transformers' experts module (hf_expert.py)
-            apply_hf_ep(moe, group, index, ep)
+            apply_hf_ep(moe, group, index, ep, tp_mesh=tp_mesh)
+            moe.experts.ep_mesh = mesh
             continue
         if isinstance(moe, ExpertParallelMoE):
             continue
@@ -245,7 +240,8 @@ def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None,
         moe.__class__ = ExpertParallelMoE
         moe.experts = experts
         moe.ep_group, moe.ep_size = group, ep  # type: ignore[assignment]
-        moe.ep_mesh, moe.tp_mesh = mesh, tp_mesh  # type: ignore[assignment]
+        moe.tp_mesh = tp_mesh  # type: ignore[assignment]
+        experts.ep_mesh = mesh  # the (efsdp, ep) mesh FSDP2 shards the experts over
     return model
 
 
@@ -257,8 +253,6 @@ class ExpertParallelMoE(MoE):
     experts: Experts
     ep_group: Any
     ep_size: int
-    ep_mesh: Any = None
-    """The ``(efsdp, ep)`` mesh of :func:`ep_mesh` (None: the expert group is every rank)."""
     tp_mesh: Any = None
     """The tensor-parallel mesh beside expert parallelism, or None."""
 
@@ -284,8 +278,6 @@ class ExpertParallelMoE(MoE):
         rank's expert buffers hold ``capacity(tokens / tp)`` slots."""
         if self.tp_mesh is None:
             return super().forward(x)
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
         mesh, tp = self.tp_mesh, self.tp_mesh.size()
         shape = x.shape
         x = x.reshape(-1, shape[-1])
@@ -294,15 +286,9 @@ class ExpertParallelMoE(MoE):
                               f"of a step do not split evenly over the {tp} tensor-parallel "
                               f"ranks that route them; use batch * sequence divisible by {tp}")
         weights, expert = self.route(x)
-
-        def chunk(t: torch.Tensor) -> torch.Tensor:
-            return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
-                mesh, [Shard(0)]).to_local()
-
         local = expert.chunk(tp)[mesh.get_local_rank()]
-        out = self.dispatch_combine(chunk(x), chunk(weights), local)
-        return DTensor.from_local(out, mesh, [Shard(0)], run_check=False).redistribute(
-            mesh, [Replicate()]).to_local().view(shape)
+        out = self.dispatch_combine(tp_chunk(x, mesh), tp_chunk(weights, mesh), local)
+        return tp_gather(out, mesh).view(shape)
 
     def run_experts(self, expert_in: torch.Tensor) -> torch.Tensor:
         from torch.distributed import _functional_collectives as funcol
@@ -322,3 +308,21 @@ class ExpertParallelMoE(MoE):
             experts * capacity, hidden)
         returned = funcol.all_to_all_single_autograd(back, None, None, self.ep_group)
         return returned.view(experts, capacity, hidden)
+
+
+def tp_chunk(t: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """This tensor-parallel rank's chunk (dim 0) of ``t``, which every rank of ``mesh`` holds
+    whole: DTensor's ``Replicate -> Shard(0)``, whose backward all-gathers the gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
+        mesh, [Shard(0)]).to_local()
+
+
+def tp_gather(t: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """The ranks' chunks ``t`` of ``mesh`` all-gathered on dim 0: DTensor's ``Shard(0) ->
+    Replicate``, whose backward keeps this rank's chunk of the (replicated) gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, mesh, [Shard(0)], run_check=False).redistribute(
+        mesh, [Replicate()]).to_local()
