@@ -261,10 +261,12 @@ class ExpertParallelMoE(MoE):
         (``tp_mesh``), on this tensor-parallel rank's share of the tokens.
 
         Note: [expert parallelism beside tensor parallelism] torchtitan's layout with the
-        experts not tensor-parallel (etp = 1; torchtitan at commit a2b5ee66, before #3167
-        deprecated etp > 1: ``torchtitan/models/llama4/parallelize.py: apply_moe_ep_tp``, the
-        ``ExpertParallel`` branch; the mesh: ``torchtitan/distributed/parallel_dims.py``, where
-        ep borrows from ``dp_shard * cp * tp``, "ep" innermost). The MoE layer's input is
+        experts not tensor-parallel (etp = 1; read at torchtitan commit a2b5ee66ccb7, the parent
+        of c4b409af2 "#3167 deprecate expert tensor parallel": ``torchtitan/models/llama4/
+        parallelize.py: apply_moe_ep_tp``, its ``ExpertParallel`` branch, and
+        ``torchtitan/models/common/token_dispatcher.py``; the mesh as in
+        ``torchtitan/distributed/parallel_dims.py`` at b5bcd76c: ep borrows from the sparse
+        region ``dp_shard * cp * tp``, ``efsdp = fsdp * tp // ep``, "ep" innermost). The MoE layer's input is
         replicated over the tp ranks (``PrepareModuleInputOutput(desired_input_layouts=
         Replicate())``) and the router runs on every token on each of them (``NoParallel``);
         then each tp rank keeps its ``tp_index``-th chunk of the tokens and their routing
