@@ -70,10 +70,10 @@ class Parallel:
     with pp; no sp, no ``tp_plan`` or ``pp_split_points`` of the user's) it runs as torchtitan
     does with whole experts (etp = 1): ``ep``, a multiple of ``tp``, spans whole tp groups of
     the ``dp * tp`` ranks (of a stage), each tp rank routing its ``1/tp`` of the tokens
-    (``Parallel(gpus=4, tp=2, fsdp=2, ep=2)``; FSDP2 or nothing over dp). ``ep`` must divide the experts, and ``dp * tp / ep`` each rank's
-    experts. Its token exchange has fixed sizes (each
-    expert's buffer holds ``capacity`` slots, balanced routing at the default capacity factor
-    1.0), so a rank's bytes do not depend on the router.
+    (``Parallel(gpus=4, tp=2, fsdp=2, ep=2)``; FSDP2 or nothing over dp). ``ep`` must divide
+    the experts, and ``dp * tp / ep`` each rank's experts. Its token exchange has fixed sizes
+    (each expert's buffer holds ``capacity`` slots, balanced routing at the default capacity
+    factor 1.0), so a rank's bytes do not depend on the router.
     Pipeline parallelism is traced alone (``pp == gpus``), with FSDP2, DDP or ZeRO-1 on each
     stage over the other ranks (a ``(pp, dp)`` mesh), HSDP (a ``(pp, replicate, shard)``
     mesh), and with tensor (and sequence, and loss) parallelism inside each stage (a

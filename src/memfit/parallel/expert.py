@@ -266,9 +266,10 @@ class ExpertParallelMoE(MoE):
         parallelize.py: apply_moe_ep_tp``, its ``ExpertParallel`` branch, and
         ``torchtitan/models/common/token_dispatcher.py``; the mesh as in
         ``torchtitan/distributed/parallel_dims.py`` at b5bcd76c: ep borrows from the sparse
-        region ``dp_shard * cp * tp``, ``efsdp = fsdp * tp // ep``, "ep" innermost). The MoE layer's input is
-        replicated over the tp ranks (``PrepareModuleInputOutput(desired_input_layouts=
-        Replicate())``) and the router runs on every token on each of them (``NoParallel``);
+        region ``dp_shard * cp * tp``, ``efsdp = fsdp * tp // ep``, "ep" innermost). The MoE
+        layer's input is replicated over the tp ranks (``PrepareModuleInputOutput(
+        desired_input_layouts=Replicate())``) and the router runs on every token on each of
+        them (``NoParallel``);
         then each tp rank keeps its ``tp_index``-th chunk of the tokens and their routing
         (``AllToAllTokenDispatcher._split_along_sp``, ``sp_size = tp``), which the expert group
         exchanges as without tp. The chunk is taken as DTensor's ``Replicate -> Shard(0)`` (a
