@@ -64,14 +64,19 @@ class Parallel:
     fixed-capacity exchange, dropping tokens past an expert's capacity where transformers drops
     none), with FSDP2 over every data-parallel rank for the other
     parameters (the ``dp / ep`` ranks that hold the same experts shard them), or DDP when ``ep``
-    is every data-parallel rank; HSDP, ZeRO-1, DDP with ``ep`` below the data-parallel ranks,
-    FSDP2's dtype and offload policies and tp beside it are refused; beside pp the same runs on
-    each stage over its data-parallel ranks (a ``(pp, efsdp, ep)`` mesh). ``ep`` must divide the
-    experts, and ``dp / ep`` each rank's experts. Its token exchange has fixed sizes (each
-    expert's buffer holds ``capacity`` slots, balanced routing at the default capacity factor
-    1.0), so a rank's bytes do not depend on the router. Its gloo check needs the measurement's
-    own all-to-all backward on torch 2.11 and 2.12, whose C++ one freed blocks unseen (Note:
-    [the all-to-all's C++ wait] in memfit/parallel/measure.py); the trace is the same.
+    is every data-parallel rank; HSDP, ZeRO-1, DDP with ``ep`` below the data-parallel ranks
+    and FSDP2's dtype and offload policies are refused; beside pp the same runs on
+    each stage over its data-parallel ranks (a ``(pp, efsdp, ep)`` mesh). Beside tp (alone or
+    with pp; no sp, no ``tp_plan`` or ``pp_split_points`` of the user's) it runs as torchtitan
+    does with whole experts (etp = 1): ``ep``, a multiple of ``tp``, spans whole tp groups of
+    the ``dp * tp`` ranks (of a stage), each tp rank routing its ``1/tp`` of the tokens
+    (``Parallel(gpus=4, tp=2, fsdp=2, ep=2)``; FSDP2 or nothing over dp). ``ep`` must divide
+    the experts, and ``dp * tp / ep`` each rank's experts. Its token exchange has fixed sizes
+    (each expert's buffer holds ``capacity`` slots, balanced routing at the default capacity
+    factor 1.0), so a rank's bytes do not depend on the router. Its gloo check needs the
+    measurement's own all-to-all backward on torch 2.11 and 2.12, whose C++ one freed blocks
+    unseen (Note: [the all-to-all's C++ wait] in memfit/parallel/measure.py); the trace is the
+    same.
     Pipeline parallelism is traced alone (``pp == gpus``), with FSDP2, DDP or ZeRO-1 on each
     stage over the other ranks (a ``(pp, dp)`` mesh), HSDP (a ``(pp, replicate, shard)``
     mesh), and with tensor (and sequence, and loss) parallelism inside each stage (a
@@ -217,9 +222,11 @@ class Parallel:
         if dp % self.fsdp:
             raise MemfitError(f"Parallel: fsdp={self.fsdp} does not divide the {dp} data-parallel "
                               f"ranks (gpus={self.gpus} / (tp*pp)={model_parallel})")
-        if dp % self.ep:
-            raise MemfitError(f"Parallel: ep={self.ep} does not divide the {dp} data-parallel "
-                              f"ranks (gpus={self.gpus} / (tp*pp)={model_parallel})")
+        if (dp * self.tp) % self.ep:  # the ranks ep borrows from (torchtitan's dp_shard * tp)
+            ranks = (f"{dp} data-parallel ranks (gpus={self.gpus} / (tp*pp)={model_parallel})"
+                     if self.tp == 1 else f"{dp * self.tp} data- and tensor-parallel ranks "
+                     f"(gpus={self.gpus} / pp={self.pp})")
+            raise MemfitError(f"Parallel: ep={self.ep} does not divide the {ranks}")
         if self.reshard_after_forward is None:
             object.__setattr__(self, "reshard_after_forward", self.zero != 2)
         if (self.cpu_offload or self.param_dtype or self.reduce_dtype) and self.fsdp == 1:

@@ -130,18 +130,17 @@ def test_layouts_beside_pp_that_are_not_traced_get_one_line_errors(
 
 
 @pytest.mark.parametrize(("layout", "match"), [
-    ({"gpus": 4, "tp": 2, "ep": 2, "fsdp": 2}, "beside tensor parallelism is not traced yet"),
-    ({"gpus": 8, "pp": 2, "tp": 2, "ep": 2, "fsdp": 2}, "beside tensor parallelism"),
+    ({"gpus": 16, "pp": 2, "tp": 2, "ep": 2, "fsdp": 2}, "beside tensor parallelism runs "
+                                                          "with ep a multiple of tp"),
     ({"gpus": 8, "pp": 2, "ep": 2}, "DDP when ep is all of them"),
     ({"gpus": 4, "pp": 2, "ep": 2, "zero": 1}, "no hsdp, zero=1"),
 ])
 def test_ep_beside_tp_and_the_ep_layouts_not_traced_get_one_line_errors(
         layout: dict, match: str) -> None:
-    """Expert parallelism beside tensor parallelism is refused (torchtitan runs it with expert
-    tensor parallelism, ``torchtitan/distributed/parallel_dims.py``: "Currently we only support
-    ETP=TP or ETP=1", which memfit's builtin MoE does not model); beside pp the same data
-    parallelism as without it is traced (DDP with ep = every data-parallel rank of a stage, or
-    FSDP2)."""
+    """Expert parallelism beside tensor and pipeline parallelism runs with FSDP2 (or nothing)
+    over each stage's data-parallel ranks, not HSDP (tests/parallel/test_parallel_ep_tp.py);
+    beside pp alone the same data parallelism as without it is traced (DDP with ep = every
+    data-parallel rank of a stage, or FSDP2)."""
     model, inputs = build(Case(spec=tiny_moe_spec(2), batch=4, seq=16,
                                recipe=Recipe(parallel=Parallel(gpus=1))))
     with pytest.raises(MemfitError, match=match) as info:

@@ -64,7 +64,7 @@ def test_ep_must_divide_the_experts_and_needs_a_moe_model() -> None:
     (Parallel(gpus=4, ep=4, fsdp=2), "no hsdp, zero=1"),
     (Parallel(gpus=2, ep=2, zero=1), "no hsdp, zero=1"),
     (Parallel(gpus=2, ep=2, fsdp=2, param_dtype="bf16"), "param_dtype, reduce_dtype or cpu"),
-    (Parallel(gpus=4, ep=2, tp=2), "beside tensor parallelism is not traced yet"),
+    (Parallel(gpus=4, ep=2, tp=2), "beside tensor parallelism runs with ep a multiple of tp"),
 ])
 def test_layouts_not_traced_yet_are_refused_in_one_line(parallel: Parallel, match: str) -> None:
     from memfit.parallel.measure import build

@@ -117,8 +117,9 @@ def apply_layout(model: nn.Module, config: FitConfig) -> nn.Module:
             raise
         raise MemfitError(
             f"Plan.apply cannot run {par.describe()} yet: it runs the data-parallel family "
-            "(DDP, ZeRO-1, FSDP2, HSDP), tensor parallelism, tp x FSDP / HSDP, ep without tp "
-            "(memfit.parallel.apply.apply_model) and pipelines alone, with tp and with DDP, "
+            "(DDP, ZeRO-1, FSDP2, HSDP), tensor parallelism, tp x FSDP / HSDP, ep alone and "
+            "beside tp (memfit.parallel.apply.apply_model) and pipelines alone, with tp and with "
+            "DDP, "
             "ZeRO-1 or FSDP2 (apply_pipeline); export the plan (memfit export plan.json "
             "--to torchtitan) or choose one of these layouts") from None
 
@@ -138,16 +139,18 @@ def expert_gradients_as_dense(model: nn.Module, parallel: Any,
     parallelize.py: apply_fsdp``, ``moe.experts.set_gradient_divide_factor``). That factor
     reduce-scatters with ``ReduceOp.PREMUL_SUM``, which gloo refuses ("Cannot use
     ReduceOp.PREMUL_SUM with Gloo"), so the same division is done here on the reduced
-    gradients, on any backend: experts sharded by FSDP2 over the ``dp / ep`` ranks that hold
-    them were averaged over those, and are divided by ``ep`` more; experts outside DDP / FSDP2
-    (``ep = dp``, each on one rank) by ``dp``. A division of the gradients commutes with the
+    gradients, on any backend: experts sharded by FSDP2 over the ``dp * tp / ep`` ranks that
+    hold them were averaged over those, and are divided by ``ep / tp`` more (the data-parallel
+    ranks whose tokens one expert group routes: beside tp, each tp rank routes its share of its
+    data-parallel rank's tokens); experts outside DDP / FSDP2 (``ep = dp * tp``, each on one
+    rank) by ``dp``. A division of the gradients commutes with the
     GradScaler's unscaling; a gradient clipping placed before the step sees them undivided."""
     from memfit.parallel.expert import moe_layers
 
     grads: list[tuple[nn.Parameter, float]] = []
     for _, moe in moe_layers(getattr(model, "module", model)):
         sharded = hasattr(moe.experts, "set_gradient_divide_factor")  # an FSDPModule
-        factor = float(parallel.ep if sharded else parallel.dp)
+        factor = float(parallel.ep // parallel.tp if sharded else parallel.dp)
         grads += [(p, factor) for p in moe.experts.parameters() if p.requires_grad]
 
     def divide(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -168,7 +171,7 @@ def apply_tensor_parallel(model: nn.Module, config: FitConfig) -> Any:
     par = config.parallel
     assert par is not None
     check_world(config)
-    if par.pp > 1 or par.ep > 1:
+    if par.pp > 1:
         return apply_layout(model, config)  # raises: not applied yet
     if par.dp > 1 and par.strategy not in ("fsdp", "hsdp"):
         raise MemfitError(f"Plan.apply: {par.describe()} puts {par.strategy} beside tensor "
@@ -176,6 +179,11 @@ def apply_tensor_parallel(model: nn.Module, config: FitConfig) -> Any:
                           f"(fsdp={par.dp}) or HSDP beside tp")
     device = next(model.parameters()).device
     mesh = tp_device_mesh(par, device.type)
+    if par.ep > 1:  # the experts first, left out of tensor parallelism
+        from memfit.parallel.apply import apply_tp_beside_ep
+
+        apply_tp_beside_ep(model, par, device.type, mesh)
+        return mesh
     apply_tp(model, par, mesh["tp"] if mesh.ndim > 1 else mesh)
     return mesh
 
@@ -187,6 +195,10 @@ def apply_fsdp_beside_tp(model: nn.Module, config: FitConfig, mesh: Any) -> nn.M
 
     par = config.parallel
     assert par is not None
+    if par.ep > 1:
+        from memfit.parallel.apply import apply_fsdp_beside_ep
+
+        return apply_fsdp_beside_ep(model, par, mesh)
     return apply_fsdp(model, par, mesh["replicate", "shard"] if par.strategy == "hsdp"
                       else mesh["dp"])
 

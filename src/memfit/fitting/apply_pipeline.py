@@ -182,7 +182,8 @@ def _pipeline_parallel(config: FitConfig, loss_fn: Any, count_fn: Any, reduction
     if not pipeline_runs(par):
         why = (f"{par.describe()}: a pipeline runs alone, with tp (and FSDP2 over the other "
                "ranks: torchtitan's (pp, dp, tp) mesh), with DDP, ZeRO-1, FSDP2 or HSDP "
-               "without tp, and with ep beside DDP (ep = dp) or FSDP2 without tp; use "
+               "without tp, and with ep beside DDP (ep = dp) or FSDP2 without tp, or beside "
+               "tp (ep a multiple of tp, FSDP2 over dp); use "
                "fsdp = gpus / (pp * tp)")
     elif par.tp > 1 and par.loss_parallel:
         why = "loss parallelism on the last stage; use loss_parallel=False"

@@ -56,6 +56,9 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     - for MoE models (memfit's builtin ones, transformers' experts modules), without tp, alone
       and beside each pp the model takes: each ``ep`` of :meth:`ModelShape.ep_degrees` over the
       ``dp`` ranks (of each stage) with FSDP2 (zero2 / zero3), and with DDP where ``ep = dp``;
+      and beside each tp > 1 (without ``tp_plan``), alone and beside each pp: each ``ep`` (a
+      multiple of ``tp``) over the ``dp * tp`` ranks (of each stage), with FSDP2 over
+      ``dp > 1``;
     - with ``tp_plan`` (the user's, ``shape`` measured with it: :func:`model_shape`) every
       tp > 1 layout splits the model with that plan (``Parallel.tp_plan``), not under a
       pipeline (fit's pipelines are memfit's own split of its builtin decoders, whose stages
@@ -259,8 +262,10 @@ def _layouts_of(tp: int, pp: int, *, gpus: int, gpus_per_node: int | None, globa
             out.append(dataclasses.replace(par, sp=True))
             if pp == 1:
                 out.append(dataclasses.replace(par, sp=True, loss_parallel=True))
-    if tp == 1 and shape is not None and shape.experts:
-        experts = _expert_layouts(gpus, gpus_per_node, dp, shape, shardings, rejected, pp)
+    if shape is not None and shape.experts:
+        experts = (_expert_tp_layouts(gpus, gpus_per_node, tp, pp, dp, shape, shardings,
+                                      rejected) if tp > 1 else
+                   _expert_layouts(gpus, gpus_per_node, dp, shape, shardings, rejected, pp))
         if pp > 1:  # each schedule, as the pipeline layouts above (Note: [pipeline schedules])
             experts += [dataclasses.replace(par, pp_schedule=sched) for par in experts
                         for sched in PIPELINE_SCHEDULES[1:]
@@ -287,15 +292,36 @@ def _expert_layouts(gpus: int, gpus_per_node: int | None, dp: int, shape: ModelS
                 "split evenly over the ranks that hold the same ones")))
         return []
     if any(z in shardings for z in ("zero1", "hsdp")):
-        rejected.append(Rejected(what="ep with zero1 / hsdp, or beside tp", reason=(
+        rejected.append(Rejected(what="ep with zero1 / hsdp", reason=(
             "memfit.parallel.expert runs expert parallelism with DDP (ep = dp) or FSDP2 over "
-            "every data-parallel rank (of each pipeline stage), without tp")))
+            "every data-parallel rank (of each pipeline stage)")))
     out = []
     for ep in degrees:
         if ep == dp and "none" in shardings:
             out.append(Parallel(gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, ep=ep))
         out += [Parallel(gpus=gpus, gpus_per_node=gpus_per_node, pp=pp, ep=ep, zero=z)
                 for z in (2, 3) if f"zero{z}" in shardings]
+    return out
+
+
+def _expert_tp_layouts(gpus: int, gpus_per_node: int | None, tp: int, pp: int, dp: int,
+                       shape: ModelShape, shardings: list[str], rejected: list[Rejected]
+                       ) -> list[Parallel]:
+    """The layouts of expert parallelism beside ``tp`` (and ``pp``: on each stage) that
+    :func:`memfit.parallel.expert.check_experts` takes: each ``ep`` of
+    :meth:`ModelShape.ep_degrees` over the ``dp * tp`` ranks (of a stage), with FSDP2 over the
+    ``dp > 1`` data-parallel ranks (zero2 / zero3), or nothing more where ``dp`` is 1."""
+    if not shape.ep_beside_tp:
+        rejected.append(Rejected(what=f"ep beside tp {tp}", reason=(
+            "expert parallelism beside tensor parallelism runs with memfit's tp plan or the "
+            "model's own, not a tp_plan of yours (memfit/parallel/expert.py: check_experts)")))
+        return []
+    out = []
+    for ep in shape.ep_degrees(dp, tp):
+        if dp == 1:
+            out.append(Parallel(gpus=gpus, gpus_per_node=gpus_per_node, tp=tp, pp=pp, ep=ep))
+        out += [Parallel(gpus=gpus, gpus_per_node=gpus_per_node, tp=tp, pp=pp, ep=ep, zero=z)
+                for z in (2, 3) if dp > 1 and f"zero{z}" in shardings]
     return out
 
 

@@ -9,7 +9,8 @@ loss parallelism (``sp=True, loss_parallel=True``; loss parallelism not under a 
 untied embeddings, rotary positions and dense MLPs); a mixture-of-experts model (memfit's builtin
 MoE, transformers' experts modules) also gets expert-parallel layouts (``ep`` dividing its
 experts and the data-parallel ranks, with DDP when ``ep`` is every data-parallel rank or FSDP2
-over all of them, no tp; alone or on each pipeline stage:
+over all of them; alone or on each pipeline stage; and, without a ``tp_plan``, beside tp:
+``ep`` a multiple of ``tp`` dividing the ``dp * tp`` ranks, FSDP2 over the data-parallel ones:
 :func:`memfit.parallel.expert.check_experts`).
 
 Known limitations: tensor parallelism is Megatron's split of the attention and MLP projections,
@@ -78,6 +79,9 @@ class ModelShape:
     """Experts per token of the MoE layers."""
     expert_numel: int = 0
     """Parameters of the MoE layers' experts (what ``ep`` splits), all layers."""
+    ep_beside_tp: bool = False
+    """Whether expert parallelism runs beside tensor parallelism on the model (MoE layers and
+    no ``tp_plan`` of the user's: :func:`memfit.parallel.expert.check_experts`)."""
     stage_blocks: tuple[int, ...] = ()
     """The blocks of each stage of the user's pipeline split (``pp_split_points``); empty:
     memfit's even split."""
@@ -123,14 +127,16 @@ class ModelShape:
         """The experts' share of the model's parameters."""
         return self.expert_numel / self.numel if self.numel else 0.0
 
-    def ep_degrees(self, dp: int) -> list[int]:
+    def ep_degrees(self, dp: int, tp: int = 1) -> list[int]:
         """The ``ep > 1`` that :func:`memfit.parallel.expert.check_experts` takes over ``dp``
-        data-parallel ranks: dividing ``dp`` and every layer's experts, each rank's experts
-        splitting evenly over the ``dp / ep`` ranks that hold the same ones."""
-        if not self.experts:
+        data-parallel ranks (beside ``tp``: over the ``dp * tp`` ranks, ``ep`` a multiple of
+        ``tp``): dividing them and every layer's experts, each rank's experts splitting evenly
+        over the ``dp * tp / ep`` ranks that hold the same ones."""
+        if not self.experts or (tp > 1 and not self.ep_beside_tp):
             return []
-        return [ep for ep in range(2, dp + 1) if dp % ep == 0
-                and all(e % ep == 0 and (e // ep) % (dp // ep) == 0 for e in self.experts)]
+        ranks = dp * tp
+        return [ep for ep in range(2, ranks + 1) if ranks % ep == 0 and ep % tp == 0
+                and all(e % ep == 0 and (e // ep) % (ranks // ep) == 0 for e in self.experts)]
 
     def unit_shares(self, tp: int, pp: int, root_split: tuple[bool, bool] = (False, False)
                     ) -> tuple[float, float]:
@@ -212,7 +218,8 @@ def model_shape(base: nn.Module, sample_seq: int | None,
                       sp_splittable=planned is None and _sp_splittable(base),
                       vocab=config_int(base, ("vocab_size",)),
                       experts=experts, top_k=top_k,
-                      expert_numel=expert_numel)
+                      expert_numel=expert_numel,
+                      ep_beside_tp=planned is None and bool(experts))
 
 
 def _stage_blocks(base: nn.Module, blocks: list[str],
@@ -285,10 +292,13 @@ def pipeline_runs(par: Parallel) -> bool:
     ranks (torchtitan's ``(pp, dp, tp)`` mesh), with DDP or ZeRO-1 on each stage without tp
     (``memfit/parallel/pipeline_parallelize.py: replicate_stages``) or HSDP on each stage
     without tp (``shard_stages`` over the ``(pp, replicate, shard)`` mesh), and with ep on each
-    stage beside DDP (ep = dp) or FSDP2 without tp (``apply_ep_stages``)."""
+    stage beside DDP (ep = dp) or FSDP2 without tp (``apply_ep_stages``), and beside tp with
+    FSDP2 or no data parallelism, ``ep`` a multiple of ``tp`` (``apply_tp_stages``)."""
     if par.ep > 1:
-        return par.tp == 1 and (par.strategy == "fsdp"
-                                or (par.strategy == "ddp" and par.ep == par.dp))
+        if par.tp > 1:
+            return (par.ep % par.tp == 0 and par.strategy in ("none", "fsdp")
+                    and not par.pp_split_points)
+        return par.strategy == "fsdp" or (par.strategy == "ddp" and par.ep == par.dp)
     return par.strategy in ("none", "fsdp") or (par.tp == 1
                                                 and par.strategy in ("ddp", "zero1", "hsdp"))
 

@@ -331,7 +331,8 @@ class SearchState:
             # memfit/models/build.py: MoE.capacity (capacity factor 1.0): each expert's buffer
             # holds ceil(tokens k / E) slots; one layer's buffers, E x capacity x hidden.
             experts = max(shape.experts)
-            capacity = max(1, min(tokens, -(-tokens * shape.top_k // experts)))
+            routed = tokens // par.tp  # beside tp, each tp rank routes its share of the tokens
+            capacity = max(1, min(routed, -(-routed * shape.top_k // experts)))
             # The experts' share of the rank's parameter bytes the cost is given (self.share:
             # under DDP the rank holds 1/ep of the experts, under FSDP2 all before sharding).
             share = shape.expert_share()

@@ -73,7 +73,9 @@ def per_rank_traced(par: Parallel) -> bool:
     if par.pp > 1:
         return pipeline_runs(par)
     if par.ep > 1:  # memfit/parallel/expert.py: check_experts
-        return par.tp == 1 and par.strategy in ("ddp", "fsdp")
+        if par.tp > 1:  # beside tp: ep over whole tp groups, FSDP2 or no data parallelism
+            return par.ep % par.tp == 0 and par.strategy in ("fsdp", "none")
+        return par.strategy in ("ddp", "fsdp")
     return par.tp == 1 or par.dp == 1 or par.strategy in ("fsdp", "hsdp")
 
 

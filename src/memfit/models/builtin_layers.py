@@ -236,21 +236,30 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        weights, expert = self.route(x)
+        return self.dispatch_combine(x, weights, expert).view(shape)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router on ``[tokens, hidden]``: each token's top-k weights (renormalised) and
+        experts, ``[tokens, k]`` each."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, expert = torch.topk(probs, self.top_k, dim=-1)  # [tokens, k]
+        return weights / weights.sum(dim=-1, keepdim=True), expert
+
+    def dispatch_combine(self, x: torch.Tensor, weights: torch.Tensor,
+                         expert: torch.Tensor) -> torch.Tensor:
+        """The routed tokens ``x`` (``[tokens, hidden]``) into the capacity buffers, through the
+        experts (:meth:`run_experts`) and back, weighted: ``[tokens, hidden]``."""
         tokens, h = x.shape
         e, k = self.num_experts, self.top_k
         capacity = self.capacity(tokens)
-
-        probs = F.softmax(self.router(x).float(), dim=-1)
-        weights, expert = torch.topk(probs, k, dim=-1)  # [tokens, k]
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-
         dest, token = dispatch_slots(expert.reshape(-1), k, e, capacity)
         buffers = x.new_zeros(e * capacity + 1, h).index_add(0, dest, x.index_select(0, token))
         expert_in = buffers[: e * capacity].view(e, capacity, h)
         out = self.run_experts(expert_in).reshape(e * capacity, h)
         out = torch.cat((out, out.new_zeros(1, h)))  # the scratch row reads back as zero
         y = out.index_select(0, dest) * weights.reshape(-1, 1).to(out.dtype)
-        return y.view(tokens, k, h).sum(dim=1).view(shape)
+        return y.view(tokens, k, h).sum(dim=1)
 
     def run_experts(self, expert_in: torch.Tensor) -> torch.Tensor:
         """Each expert on its buffer: ``[experts, capacity, hidden]`` in and out (expert

@@ -274,21 +274,26 @@ def tp_split_dims(model: nn.Module, parallel: Parallel, blocks: list[str] | None
 
 
 def apply_tp(model: nn.Module, parallel: Parallel, mesh: Any, blocks: list[str] | None = None,
-             root: tuple[str | None, str | None, str | None] | None = None) -> nn.Module:
+             root: tuple[str | None, str | None, str | None] | None = None,
+             leave: tuple[str, ...] = ()) -> nn.Module:
     """Tensor (and, with ``parallel.sp``, sequence) parallelism with ``parallelize_module`` over
     the 1-D tensor-parallel ``mesh``, the plan of :func:`tp_plan` (``blocks``, ``root``: as
-    there)."""
+    there); ``leave``: modules whose parameters stay plain tensors, not replicated over ``mesh``
+    (expert parallelism's experts: :func:`apply_ep_tp`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from memfit.parallel.tp_plans import HfStyle, apply_hf_styles
 
     plan = tp_plan(model, parallel, blocks, root)
+    if leave:  # a model's own plan may split them (transformers' moe_tp_experts)
+        plan = {name: style for name, style in plan.items()
+                if not any(name == lv or name.startswith(f"{lv}.") for lv in leave)}
     own = {name: style for name, style in plan.items() if isinstance(style, HfStyle)}
     if len(own) < len(plan):
         parallelize_module(model, mesh, {n: s for n, s in plan.items() if n not in own})
     if own:  # a transformers model's own plan, applied as transformers applies it
         apply_hf_styles(model, mesh, own)
-    replicate_the_rest(model, mesh, plan)
+    replicate_the_rest(model, mesh, {**plan, **dict.fromkeys(leave)})
     if parallel.sp:
         model.register_forward_pre_hook(_even_sequence(parallel.tp), with_kwargs=True)
         from memfit.parallel.hf_pipeline import full_positions, is_hf_decoder
@@ -362,10 +367,12 @@ def apply_model(model: nn.Module, parallel: Parallel, device_type: str,
                 mesh: Any = None, init_sync: bool = True) -> nn.Module:
     """The model as this rank runs it: FSDP2/HSDP-sharded (on ``mesh``, default
     :func:`device_mesh`), DDP-wrapped, or itself."""
-    if parallel.tp > 1 and parallel.pp == 1 and parallel.ep == 1:
+    if parallel.tp > 1 and parallel.pp == 1:
         _check_tp_dp(parallel)  # before a mesh is made
-        return apply_tp_dp(model, parallel,
-                           tp_device_mesh(parallel, device_type) if mesh is None else mesh)
+        mesh = tp_device_mesh(parallel, device_type) if mesh is None else mesh
+        if parallel.ep > 1:
+            return apply_ep_tp(model, parallel, device_type, mesh)
+        return apply_tp_dp(model, parallel, mesh)
     if parallel.ep > 1:
         return apply_ep_dp(model, parallel, device_type, mesh, init_sync)
     if parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1:
@@ -408,6 +415,48 @@ def apply_ep_dp(model: nn.Module, parallel: Parallel, device_type: str, mesh: An
         return apply_fsdp(model, parallel, dp_mesh)
     ddp_ignore(model, names)
     return apply_ddp(model, parallel, init_sync)
+
+
+def apply_ep_tp(model: nn.Module, parallel: Parallel, device_type: str, mesh: Any) -> nn.Module:
+    """Expert parallelism beside tensor parallelism (torchtitan's order in
+    ``parallelize_llama``: the dense tensor parallelism, then ``apply_moe_ep_tp``, then FSDP2):
+    :func:`apply_tp_beside_ep`, then :func:`apply_fsdp_beside_ep`."""
+    apply_tp_beside_ep(model, parallel, device_type, mesh)
+    return apply_fsdp_beside_ep(model, parallel, mesh)
+
+
+def apply_tp_beside_ep(model: nn.Module, parallel: Parallel, device_type: str,
+                       mesh: Any) -> nn.Module:
+    """``apply_ep`` on the ``(efsdp, ep)`` mesh over the ``dp * tp`` ranks (each tp rank routing
+    its chunk of the tokens: Note: [expert parallelism beside tensor parallelism] in
+    memfit/parallel/expert.py), then tensor parallelism on ``mesh["tp"]`` for the rest (the
+    experts left plain tensors, out of the plan: transformers' own plans split them,
+    ``moe_tp_experts``), in place."""
+    from memfit.parallel.expert import apply_ep, ep_mesh, moe_layers
+
+    tp_mesh = mesh["tp"] if mesh.ndim > 1 else mesh
+    apply_ep(model, parallel, ep_mesh(parallel, device_type), tp_mesh)
+    return apply_tp(model, parallel, tp_mesh,
+                    leave=tuple(f"{name}.experts" for name, _ in moe_layers(model)))
+
+
+def apply_fsdp_beside_ep(model: nn.Module, parallel: Parallel, mesh: Any) -> nn.Module:
+    """Over ``dp > 1`` data-parallel ranks (the ``mesh["dp"]`` of :func:`tp_device_mesh`): FSDP2
+    on each MoE layer's experts over the ranks that hold the same ones ("efsdp" of the mesh
+    ``apply_ep`` got; left out of FSDP2 when ``ep`` is every rank), then on each block and the
+    root (:func:`apply_fsdp`)."""
+    from memfit.parallel.expert import expert_parameter_names, moe_layers
+
+    if parallel.dp == 1:
+        return model
+    layers = moe_layers(model)
+    experts_mesh = getattr(layers[0][1].experts, "ep_mesh", None) if layers else None
+    if experts_mesh is None:
+        return apply_fsdp(model, parallel, mesh["dp"], ignored_params={
+            model.get_parameter(n) for n in expert_parameter_names(model)})
+    for _, moe in layers:
+        apply_fsdp(moe.experts, parallel, experts_mesh["efsdp"], blocks=[])
+    return apply_fsdp(model, parallel, mesh["dp"])
 
 
 def apply_optimizer(optimizer: torch.optim.Optimizer, parallel: Parallel,

@@ -96,8 +96,8 @@ def moe_shape(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
 
 def check_experts(model: nn.Module, parallel: Parallel) -> None:
     """One-line errors for an ``ep`` the model or the layout cannot take: the model has
-    memfit's builtin MoE layers, ``ep`` divides their experts, and the layout is the one traced
-    (every data-parallel rank in the expert group, DDP or FSDP2 for the rest, no tp)."""
+    MoE layers, ``ep`` divides their experts, and the layout is the one traced (DDP or FSDP2
+    for the rest; beside tp: :func:`_check_tp_experts`)."""
     if parallel.ep == 1:
         return
     layers = moe_layers(model)
@@ -113,11 +113,8 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
             raise MemfitError(f"Parallel(ep={parallel.ep}) does not divide the {experts} experts "
                               f"of {name}; choose an ep that divides {experts}")
     if parallel.tp > 1:
-        raise MemfitError(f"Parallel(ep={parallel.ep}, tp={parallel.tp}): expert parallelism "
-                          "beside tensor parallelism is not traced yet (torchtitan runs it with "
-                          "the experts tensor-parallel too, etp = tp, or ep over the tp ranks, "
-                          "etp = 1); use tp=1 with ep, or ep=1")
-    if parallel.strategy not in ("ddp", "fsdp") or (
+        _check_tp_experts(parallel)
+    elif parallel.strategy not in ("ddp", "fsdp") or (
             parallel.strategy == "ddp" and parallel.ep != parallel.dp):
         raise MemfitError(f"Parallel(ep={parallel.ep}) on {parallel.describe()}: expert "
                           "parallelism is traced with FSDP2 over every data-parallel rank "
@@ -125,16 +122,49 @@ def check_experts(model: nn.Module, parallel: Parallel) -> None:
                           f"zero=1); use Parallel(gpus={parallel.gpus}, fsdp={parallel.dp}, "
                           f"ep={parallel.ep}) or ep={parallel.dp}")
     for name, moe in layers:
-        local, shards = _experts(moe) // parallel.ep, parallel.dp // parallel.ep
+        local, shards = _experts(moe) // parallel.ep, _sparse(parallel) // parallel.ep
         if local % shards:
+            where = "dp * tp / ep" if parallel.tp > 1 else "dp / ep"
             raise MemfitError(f"Parallel(ep={parallel.ep}): the {local} experts each rank of "
                               f"{name} keeps do not split evenly over the {shards} ranks that "
-                              f"shard them (dp / ep); choose an ep with {_experts(moe)} "
-                              f"/ ep divisible by {parallel.dp} / ep")
+                              f"shard them ({where}); choose an ep with {_experts(moe)} "
+                              f"/ ep divisible by {_sparse(parallel)} / ep")
     if parallel.param_dtype or parallel.reduce_dtype or parallel.cpu_offload:
         raise MemfitError(f"Parallel(ep={parallel.ep}) with FSDP2's param_dtype, reduce_dtype or "
                           "cpu_offload is not traced yet (the experts, outside FSDP, would keep "
                           "their own dtype); use precision= for mixed precision instead")
+
+
+def _sparse(parallel: Parallel) -> int:
+    """The ranks one pipeline stage's experts spread over (torchtitan's sparse region,
+    ``dp_shard * cp * tp``: ``parallel_dims.py``): ``ep`` of them exchange tokens, the others
+    (``dp * tp / ep``, "efsdp") hold the same experts."""
+    return parallel.dp * parallel.tp
+
+
+def _check_tp_experts(parallel: Parallel) -> None:
+    """One line for a tp x ep layout other than the one traced (Note: [expert parallelism beside
+    tensor parallelism] in :class:`ExpertParallelMoE`): no sequence parallelism, no tp_plan or
+    pp_split_points of the user's, FSDP2 (or nothing) over the data-parallel ranks (of each
+    pipeline stage), ``tp`` dividing ``ep``."""
+    run = (f"use Parallel(gpus={parallel.gpus}, tp={parallel.tp}, "
+           + (f"pp={parallel.pp}, " if parallel.pp > 1 else "")
+           + (f"fsdp={parallel.dp}, " if parallel.dp > 1 else "")
+           + f"ep={parallel.tp * parallel.dp if parallel.ep % parallel.tp else parallel.ep})")
+    why = None
+    if parallel.sp or parallel.tp_plan is not None or parallel.pp_split_points:
+        why = "runs without sequence parallelism, a tp_plan of your own and pp_split_points"
+        run = "use sp=False and memfit's plan and split with tp and ep, or tp=1"
+    elif parallel.ep % parallel.tp or parallel.strategy not in ("fsdp", "none"):
+        why = ("runs with ep a multiple of tp (each expert group whole tensor-parallel groups) "
+               "and FSDP2 over every data-parallel rank")
+    elif parallel.param_dtype or parallel.reduce_dtype or parallel.cpu_offload:
+        why = "runs without FSDP2's param_dtype, reduce_dtype or cpu_offload"
+        run = "use precision= for mixed precision instead"
+    if why is not None:
+        raise MemfitError(f"Parallel(tp={parallel.tp}, ep={parallel.ep}) on "
+                          f"{parallel.describe()}: expert parallelism beside tensor parallelism "
+                          f"{why}; {run}")
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
@@ -149,13 +179,13 @@ def ep_mesh(parallel: Parallel, device_type: str) -> Any:
     the 2-D DeviceMesh ``(efsdp, ep)`` = ``(dp // ep, ep)`` (torchtitan's sparse mesh, "ep"
     innermost: ranks ``0..ep-1`` exchange tokens, and rank ``r`` holds the same experts as
     ``r + ep``, ``r + 2 ep``..., which shard them with FSDP2 over "efsdp")."""
-    if parallel.ep == parallel.dp:
+    if parallel.ep == _sparse(parallel):
         return None
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
 
     with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
-        return init_device_mesh(device_type, (parallel.dp // parallel.ep, parallel.ep),
+        return init_device_mesh(device_type, (_sparse(parallel) // parallel.ep, parallel.ep),
                                 mesh_dim_names=("efsdp", "ep"))
 
 
@@ -163,6 +193,9 @@ class Experts(nn.Module):
     """One MoE layer's local experts, a module of their own (torchtitan: ``GroupedExperts``) so
     that FSDP2 can shard them on another mesh than the layer's other parameters; its forward is
     :meth:`memfit.models.builtin_layers.MoE.run_experts` on its own parameters."""
+
+    ep_mesh: Any = None
+    """The ``(efsdp, ep)`` mesh of :func:`ep_mesh` (None: the expert group is every rank)."""
 
     def __init__(self, act: nn.Module) -> None:
         super().__init__()
@@ -174,13 +207,16 @@ class Experts(nn.Module):
         return MoE.run_experts(self, tokens)  # type: ignore[arg-type]
 
 
-def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Module:
+def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None,
+             tp_mesh: Any = None) -> nn.Module:
     """Expert parallelism on every MoE layer of ``model`` (in place; transformers' experts
     modules: :func:`memfit.parallel.hf_expert.apply_hf_ep`): in the expert group
     (``mesh["ep"]``, or every rank when ``mesh`` is None), the rank of index ``i`` keeps experts
     ``[i * E / ep, (i + 1) * E / ep)`` of each layer's stacked weights, moved to an
     :class:`Experts` child, and runs them on the tokens the group sends it
-    (:class:`ExpertParallelMoE`). Applying it twice changes nothing."""
+    (:class:`ExpertParallelMoE`). ``tp_mesh``: the tensor-parallel mesh beside it, whose ranks
+    each route their own share of the tokens (Note: [expert parallelism beside tensor
+    parallelism]). Applying it twice changes nothing."""
     import torch.distributed as dist
 
     check_experts(model, parallel)
@@ -188,7 +224,8 @@ def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Modul
     index, ep = dist.get_rank(group), parallel.ep
     for _, moe in moe_layers(model):
         if not isinstance(moe, MoE):  # transformers' experts module (hf_expert.py)
-            apply_hf_ep(moe, group, index, ep)
+            apply_hf_ep(moe, group, index, ep, tp_mesh=tp_mesh)
+            moe.experts.ep_mesh = mesh
             continue
         if isinstance(moe, ExpertParallelMoE):
             continue
@@ -203,6 +240,8 @@ def apply_ep(model: nn.Module, parallel: Parallel, mesh: Any = None) -> nn.Modul
         moe.__class__ = ExpertParallelMoE
         moe.experts = experts
         moe.ep_group, moe.ep_size = group, ep  # type: ignore[assignment]
+        moe.tp_mesh = tp_mesh  # type: ignore[assignment]
+        experts.ep_mesh = mesh  # the (efsdp, ep) mesh FSDP2 shards the experts over
     return model
 
 
@@ -214,6 +253,45 @@ class ExpertParallelMoE(MoE):
     experts: Experts
     ep_group: Any
     ep_size: int
+    tp_mesh: Any = None
+    """The tensor-parallel mesh beside expert parallelism, or None."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """:class:`~memfit.models.builtin_layers.MoE`'s forward; beside tensor parallelism
+        (``tp_mesh``), on this tensor-parallel rank's share of the tokens.
+
+        Note: [expert parallelism beside tensor parallelism] torchtitan's layout with the
+        experts not tensor-parallel (etp = 1; read at torchtitan commit a2b5ee66ccb7, the parent
+        of c4b409af2 "#3167 deprecate expert tensor parallel": ``torchtitan/models/llama4/
+        parallelize.py: apply_moe_ep_tp``, its ``ExpertParallel`` branch, and
+        ``torchtitan/models/common/token_dispatcher.py``; the mesh as in
+        ``torchtitan/distributed/parallel_dims.py`` at b5bcd76c: ep borrows from the sparse
+        region ``dp_shard * cp * tp``, ``efsdp = fsdp * tp // ep``, "ep" innermost). The MoE
+        layer's input is replicated over the tp ranks (``PrepareModuleInputOutput(
+        desired_input_layouts=Replicate())``) and the router runs on every token on each of
+        them (``NoParallel``);
+        then each tp rank keeps its ``tp_index``-th chunk of the tokens and their routing
+        (``AllToAllTokenDispatcher._split_along_sp``, ``sp_size = tp``), which the expert group
+        exchanges as without tp. The chunk is taken as DTensor's ``Replicate -> Shard(0)`` (a
+        local slice; its backward all-gathers the gradients, so that the router's weight gets
+        every token's: torchtitan #2416 "Force all reduce in bwd for router at MoE boundary")
+        and the output comes back as ``Shard(0) -> Replicate`` (an all-gather, its backward a
+        local slice), where torchtitan scatters its chunk into zeros and all-reduces the
+        ``Partial`` sum: the same values, one ``[tokens, hidden]`` output either way. Each
+        rank's expert buffers hold ``capacity(tokens / tp)`` slots."""
+        if self.tp_mesh is None:
+            return super().forward(x)
+        mesh, tp = self.tp_mesh, self.tp_mesh.size()
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if x.shape[0] % tp:
+            raise MemfitError(f"Parallel(tp={tp}, ep={self.ep_size}): the {x.shape[0]} tokens "
+                              f"of a step do not split evenly over the {tp} tensor-parallel "
+                              f"ranks that route them; use batch * sequence divisible by {tp}")
+        weights, expert = self.route(x)
+        local = expert.chunk(tp)[mesh.get_local_rank()]
+        out = self.dispatch_combine(tp_chunk(x, mesh), tp_chunk(weights, mesh), local)
+        return tp_gather(out, mesh).view(shape)
 
     def run_experts(self, expert_in: torch.Tensor) -> torch.Tensor:
         from torch.distributed import _functional_collectives as funcol
@@ -233,3 +311,21 @@ class ExpertParallelMoE(MoE):
             experts * capacity, hidden)
         returned = funcol.all_to_all_single_autograd(back, None, None, self.ep_group)
         return returned.view(experts, capacity, hidden)
+
+
+def tp_chunk(t: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """This tensor-parallel rank's chunk (dim 0) of ``t``, which every rank of ``mesh`` holds
+    whole: DTensor's ``Replicate -> Shard(0)``, whose backward all-gathers the gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(
+        mesh, [Shard(0)]).to_local()
+
+
+def tp_gather(t: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """The ranks' chunks ``t`` of ``mesh`` all-gathered on dim 0: DTensor's ``Shard(0) ->
+    Replicate``, whose backward keeps this rank's chunk of the (replicated) gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, mesh, [Shard(0)], run_check=False).redistribute(
+        mesh, [Replicate()]).to_local()

@@ -99,8 +99,35 @@ class HFExpertParallel(nn.Module):
     _apply_gate: Any
     post_expert_norm: Any
 
+    tp_mesh: Any = None
+    """The tensor-parallel mesh beside expert parallelism (each tp rank exchanges its share of
+    the tokens), or None."""
+    ep_mesh: Any = None
+    """The ``(efsdp, ep)`` mesh of ``memfit.parallel.expert.ep_mesh``, or None."""
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The exchange below; beside tensor parallelism on this tp rank's chunk of the tokens
+        and their routing, the output all-gathered (Note: [expert parallelism beside tensor
+        parallelism] in memfit/parallel/expert.py)."""
+        if self.tp_mesh is None:
+            return self.exchange(hidden_states, top_k_index, top_k_weights)
+        from memfit.parallel.expert import tp_chunk, tp_gather
+
+        mesh = self.tp_mesh
+        if hidden_states.shape[0] % mesh.size():
+            from memfit.errors import MemfitError
+
+            raise MemfitError(f"Parallel(tp={mesh.size()}, ep={self.ep_size}): the "
+                              f"{hidden_states.shape[0]} tokens of a step do not split evenly "
+                              f"over the {mesh.size()} tensor-parallel ranks that route them; "
+                              f"use batch * sequence divisible by {mesh.size()}")
+        local = top_k_index.chunk(mesh.size())[mesh.get_local_rank()]
+        out = self.exchange(tp_chunk(hidden_states, mesh), local, tp_chunk(top_k_weights, mesh))
+        return tp_gather(out, mesh)
+
+    def exchange(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
         from torch.distributed import _functional_collectives as funcol
 
         tokens, hidden = hidden_states.shape
@@ -159,7 +186,7 @@ def _ep_class(cls: type) -> type:
 
 
 def apply_hf_ep(block: nn.Module, group: Any, index: int, ep: int,
-                capacity_factor: float | None = 1.0) -> None:
+                capacity_factor: float | None = 1.0, tp_mesh: Any = None) -> None:
     """Expert parallelism on one transformers MoE ``block`` (in place): its experts module keeps
     experts ``[index * E / ep, (index + 1) * E / ep)`` of each parameter stacked on dim 0 (the
     weights and their biases) and runs the expert-parallel forward over ``group``. Applying it
@@ -177,3 +204,4 @@ def apply_hf_ep(block: nn.Module, group: Any, index: int, ep: int,
     experts.ep_group, experts.ep_size, experts.ep_experts = group, ep, total
     experts.capacity_factor = capacity_factor
     experts.num_experts = local
+    experts.tp_mesh = tp_mesh

@@ -101,7 +101,8 @@ def ep_pipeline_mesh(parallel: Parallel, device_type: str = "cpu") -> Any:
     holds the same experts as ``r + ep``, ... of its stage, which shard them over ``efsdp``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (parallel.pp, parallel.dp // parallel.ep, parallel.ep),
+    ranks = parallel.dp * parallel.tp  # beside tp: ep borrows the tp ranks too (whole groups)
+    return init_device_mesh(device_type, (parallel.pp, ranks // parallel.ep, parallel.ep),
                             mesh_dim_names=("pp", "efsdp", "ep"))
 
 
@@ -196,6 +197,8 @@ def apply_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -
     ``apply_fsdp``)."""
     from memfit.parallel.apply import apply_tp
 
+    if parallel.ep > 1:
+        return _apply_ep_tp_stages(modules, parallel, mesh)
     for module in modules:
         apply_tp(module, parallel, mesh["tp"], blocks=stage_blocks(module),
                  root=stage_root(module))
@@ -203,3 +206,34 @@ def apply_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -
             module.seq_shards = parallel.tp
     if parallel.dp > 1:
         shard_stages(modules, parallel, mesh)
+    return None
+
+
+def _apply_ep_tp_stages(modules: list[StageModule], parallel: Parallel, mesh: Any) -> None:
+    """Expert parallelism beside tensor parallelism on each stage (as without a pipeline:
+    ``memfit.parallel.apply.apply_ep_tp``, over each stage's ``dp * tp`` ranks): ``apply_ep``
+    on :func:`ep_pipeline_mesh`, tensor parallelism for the rest (the experts left out), then
+    over ``dp > 1`` FSDP2 on the experts over "efsdp" (left out where ``ep`` is every rank of
+    the stage) and on each block and the stage over "dp"."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from memfit.parallel.apply import apply_fsdp, apply_tp
+    from memfit.parallel.expert import apply_ep, expert_parameter_names, moe_layers
+
+    with unset_fake_temporarily():  # the mesh's rank map is read with .tolist()
+        experts_mesh = ep_pipeline_mesh(parallel, mesh.device_type)
+    for module in modules:
+        layers = moe_layers(module)
+        if layers:
+            apply_ep(module, parallel, experts_mesh, mesh["tp"])
+        apply_tp(module, parallel, mesh["tp"], blocks=stage_blocks(module),
+                 root=stage_root(module), leave=tuple(f"{name}.experts" for name, _ in layers))
+        if parallel.dp == 1:
+            continue
+        every = parallel.ep == parallel.dp * parallel.tp
+        if not every:
+            for _, moe in layers:
+                apply_fsdp(moe.experts, parallel, experts_mesh["efsdp"], blocks=[])
+        apply_fsdp(module, parallel, mesh["dp"], blocks=stage_blocks(module),
+                   ignored_params={module.get_parameter(n) for n in expert_parameter_names(module)}
+                   if every else None)

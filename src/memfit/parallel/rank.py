@@ -129,6 +129,13 @@ def check_foreach_kinds(optimizer: torch.optim.Optimizer, parallel: Parallel) ->
 
     for group in optimizer.param_groups:
         kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if group.get("foreach") and len(kinds) == 2 and parallel.tp > 1:
+            raise MemfitError(
+                f"Parallel: {parallel.describe()} keeps every rank's own experts as plain "
+                "tensors beside tensor parallelism's DTensors, and a foreach optimizer (the "
+                "CUDA target's) refuses DTensor and plain parameters together; use an ep "
+                f"below dp * tp = {parallel.dp * parallel.tp} with FSDP2 over dp > 1 (which "
+                "shards the experts over the ranks that hold the same ones), or tp=1")
         if group.get("foreach") and len(kinds) == 2:
             raise MemfitError(
                 f"Parallel: {parallel.describe()} leaves the experts out of FSDP2 as plain "
