@@ -15,12 +15,13 @@ def fit_cli(test_file: str, batch: int, capsys: Any, tmp_path: Path, monkeypatch
     from memfit.cli import main
 
     module = Path(test_file).stem
-    (tmp_path / "factory_of_test.py").write_text(
+    factory = f"factory_of_{module}"  # one name per test module: a process imports each once
+    (tmp_path / f"{factory}.py").write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(Path(test_file).parent)!r})\n"
         f"from {module} import make\n")
     monkeypatch.chdir(tmp_path)
-    code = main(["fit", "factory_of_test:make", "--budget", "64MiB", "--device", "cpu",
+    code = main(["fit", f"{factory}:make", "--budget", "64MiB", "--device", "cpu",
                  "--global-batch", str(batch), "--quiet", *extra])
     out, err = capsys.readouterr()
     return code, out, err
