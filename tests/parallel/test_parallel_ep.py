@@ -231,7 +231,7 @@ def measured() -> dict[str, list]:
     from memfit.parallel.measure import measure
 
     cases = [_case(p) for p in LAYOUTS.values()]
-    return dict(zip(LAYOUTS, measure(cases, world=2, repeats=2), strict=True))
+    return dict(zip(LAYOUTS, measure(cases, world=2, repeats=1), strict=True))
 
 
 @pytest.mark.slow

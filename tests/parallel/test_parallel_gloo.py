@@ -82,6 +82,23 @@ def test_forkserver_ranks_take_the_callers_environment_and_report_their_tracebac
     assert "[rank1] Traceback" in err and "rank 1 fails on purpose" in err
 
 
+def test_a_changed_import_time_environment_spawns_fresh_ranks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch reads ``ATEN_CPU_CAPABILITY`` when it is imported, and a forked rank has the fork
+    server's torch: once the variable differs from the server's, ranks are spawned (fresh
+    interpreters that read it); a variable torch does not read at import keeps the server."""
+    from memfit.parallel import gloo
+
+    monkeypatch.setattr(gloo, "_server_env", None)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert gloo._method("forkserver") == "forkserver"  # the server's environment recorded
+    monkeypatch.setenv("MEMFIT_GLOO_TEST", "not read at import")
+    assert gloo._method("forkserver") == "forkserver"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert gloo._method("forkserver") == "spawn"
+    assert gloo._method("spawn") == "spawn"
+
+
 def test_an_unknown_start_method_is_refused() -> None:
     with pytest.raises(ValueError, match="'spawn' or 'forkserver'"):
         spawn(_sum_ranks, 2, "/nonexistent", start_method="fork")

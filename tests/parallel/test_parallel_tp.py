@@ -214,9 +214,9 @@ def _off(roles: tuple, measured: list) -> list[str]:
 
 def _check_against_gloo(cases: list, world: int, repeats: int) -> None:
     """Each case's roles within 1% of real gloo ranks, per peak and per phase. A case off by
-    more is measured once more from scratch and the lower kept: gloo's worker thread can hold a
-    finished collective's output past its last use, which only adds bytes (Note: [gloo's
-    timing] in memfit/parallel/measure.py)."""
+    more is measured again from scratch, up to twice, and the lowest kept: gloo's worker
+    thread can hold a finished collective's output past its last use, which only adds bytes
+    (Note: [gloo's timing] in memfit/parallel/measure.py)."""
     from memfit.parallel.measure import lowest, measure
 
     measured = measure(cases, world=world, repeats=repeats)
@@ -224,7 +224,9 @@ def _check_against_gloo(cases: list, world: int, repeats: int) -> None:
     for case, peaks in zip(cases, measured, strict=True):
         roles = _estimate(case).per_rank
         assert sorted(r for e in roles for r in e.ranks) == list(range(world))
-        if _off(roles, peaks):
+        for _ in range(2):  # measured again from scratch while off, the lowest kept
+            if not _off(roles, peaks):
+                break
             peaks = lowest(peaks, measure([case], world=world, repeats=repeats)[0])
         failures += [f"{case.parallel.describe()} {line}" for line in _off(roles, peaks)]
     assert not failures, "; ".join(failures)
@@ -239,7 +241,7 @@ def test_tp_with_sequence_parallelism_matches_two_gloo_ranks_within_1_percent() 
     their input: torch/csrc/distributed/c10d/Functional.cpp: wait_tensor)."""
     _check_against_gloo([_case(P(gpus=2, tp=2, sp=True)),
                          _case(P(gpus=2, tp=2, sp=True, loss_parallel=True))],
-                        world=2, repeats=3)
+                        world=2, repeats=1)
 
 
 @pytest.mark.slow
@@ -249,4 +251,4 @@ def test_tp_times_fsdp_matches_four_gloo_ranks_within_1_percent() -> None:
     with sp the dp index-1 ranks hold shorter embedding and head shards (two roles)."""
     _check_against_gloo([_case(P(gpus=4, tp=2, fsdp=2), vocab_size=250),
                          _case(P(gpus=4, tp=2, fsdp=2, sp=True), vocab_size=250)],
-                        world=4, repeats=2)
+                        world=4, repeats=1)

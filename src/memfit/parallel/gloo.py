@@ -98,33 +98,69 @@ torch and the distributed modules the layouts run (DTensor, FSDP2 and pipelining
 through ``torch.fx``: 1.8 CPU-seconds a rank that each forked rank would import again)."""
 
 
-def spawn(fn: Callable[..., None], world: int, *args: Any, start_method: str = "spawn") -> None:
+_IMPORT_TIME_ENV = ("ATEN_", "ONEDNN_", "DNNL_", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH",
+                    "PYTORCH_", "PYTHON", "LD_")
+"""Prefixes of the environment variables that torch and the interpreter read when they start
+or import (``ATEN_CPU_CAPABILITY`` picks the CPU kernels at torch's import, ``OMP_NUM_THREADS``
+sizes the thread pool, ...): a forked rank inherits their effect from the fork server, whatever
+its own environment says."""
+
+_server_env: dict[str, str] | None = None
+"""The import-time variables of this process when it started its fork server (the server
+inherits the environment of that moment)."""
+
+
+def _import_time_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
+
+
+def _method(start_method: str) -> str:
+    """``start_method``, or ``"spawn"`` where a fork server cannot stand for a fresh
+    interpreter: none on this platform, or this process's server started under other
+    import-time variables than the caller's now (a test that set ``ATEN_CPU_CAPABILITY``)."""
+    import multiprocessing
+
+    global _server_env
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
+    if start_method == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    if _server_env is None:
+        _server_env = _import_time_env()
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    return "forkserver" if _import_time_env() == _server_env else "spawn"
+
+
+def spawn(fn: Callable[..., None], world: int, *args: Any,
+          start_method: str = "forkserver") -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; raise
     ``torch.multiprocessing.ProcessExitedException`` if any rank failed, after printing each
     failed rank's traceback to this process's stderr. ``fn`` must be importable (a
     module-level function): it travels to the ranks by name.
 
-    ``start_method="spawn"`` (the default) starts each rank as a fresh interpreter, as
-    ``torch.multiprocessing.spawn`` does: it imports torch first (about 2.5 CPU-seconds a rank)
-    and inherits this process's environment and standard streams as they are at the call.
-    ``"forkserver"`` forks each rank from a server that imported :data:`PRELOAD` once (0.5 s
-    for 4 ranks instead of 6 s on a 2-core machine, measured in a 4-rank all-reduce); the rank
-    is given this process's environment at the call, but writes to the server's streams (those
-    of this process when the server started). It is not the default: once, in a whole-suite
-    run, a forked rank's measured peak came out 32 KB above a spawned one's (commit b342997),
-    which was never explained."""
-    import multiprocessing
+    ``start_method="forkserver"`` (the default) forks each rank from a server that imported
+    :data:`PRELOAD` once: 3.1-4.2 s for a 2-rank measurement of seven layouts instead of
+    7.2-8.5 s spawned (a 2-core Xeon; a spawned rank imports torch and its distributed modules
+    again, about 2 CPU-seconds). The rank is given this process's environment at the call, but
+    writes to the server's streams (those of this process when the server started), and it
+    runs with what torch read from the environment at the server's import: where those
+    variables (:data:`_IMPORT_TIME_ENV`) changed since, the ranks are spawned.
+    ``"spawn"`` starts each rank as a fresh interpreter, as ``torch.multiprocessing.spawn``
+    does, with this process's environment and standard streams as they are at the call.
+
+    Note: [forked and spawned ranks measure the same] Commit b342997 went back to spawn after a
+    forked rank measured 32 KB above a spawned one once in a whole-suite run. Measured since
+    (the same seven 2-rank layouts, FSDP2, DDP, ZeRO-1, TP, 1F1B, GPipe and EP, three rounds of
+    spawn, forkserver, forkserver, spawn): the two give the same peaks and the same spread of
+    gloo's timing, which both show (DDP +4 and +596 B, ZeRO-1's second rank up to +457 KB,
+    EP +64 KiB, in runs of either kind). A 32 KiB block is what gloo's worker holds past a
+    tensor-parallel collective (Note: [gloo's worker lets go] in memfit/parallel/measure.py),
+    so that one run was that delay, not the fork."""
     import tempfile
 
     import torch.multiprocessing as mp
 
-    if start_method not in ("spawn", "forkserver"):
-        raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
-    if start_method == "forkserver":
-        if "forkserver" not in multiprocessing.get_all_start_methods():
-            start_method = "spawn"
-        else:
-            multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    start_method = _method(start_method)
     with tempfile.TemporaryDirectory(prefix="memfit-gloo-") as errors:
         try:
             environ = dict(os.environ) if start_method == "forkserver" else None
