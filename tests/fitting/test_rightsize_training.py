@@ -583,3 +583,21 @@ def test_parameter_offload_is_found_where_only_it_fits(tmp_path: Path,
     (row,) = r.candidates
     assert row.config["offload_params"] is True and "param offload" in row.config["label"]
     assert row.config["host_bytes_per_gpu"] == both.host_bytes
+
+
+def test_the_counts_of_one_architecture_are_shared_by_its_config_files(tmp_path: Path) -> None:
+    """The FLOP and op counts (one per policy and block count, ~0.5 s each) are kept for the
+    process by architecture: the same config in two folders (two spec names) counts once; a
+    wider model has counts of its own."""
+    from memfit.fitting.rightsize_count import _architecture
+    from memfit.models import resolve_model
+
+    paths = []
+    for folder, hidden in (("a", 64), ("b", 64), ("c", 32)):
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "config.json"
+        path.write_text(json.dumps({**TOY, "hidden_size": hidden}))
+        paths.append(str(path))
+    a, b, c = (resolve_model(p) for p in paths)
+    assert a != b  # their names and sources differ
+    assert _architecture(a) == _architecture(b) != _architecture(c)

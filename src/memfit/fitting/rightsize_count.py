@@ -92,6 +92,18 @@ def _count(spec: Any, run: Any, seq: int) -> _Counted:
 _LINEAR_OPS = ("aten.mm", "aten.addmm")
 
 
+def _architecture(spec: Any) -> Any:
+    """What of ``spec`` the counts depend on: a builtin :class:`~memfit.models.spec.
+    TransformerSpec` without its name and source (labels: two config files of the same
+    architecture in two folders count the same), any other spec whole (a Hugging Face spec's
+    equality leaves its config out, so its source stays in the key)."""
+    from memfit.models.spec import TransformerSpec
+
+    if isinstance(spec, TransformerSpec):
+        return dataclasses.replace(spec, name="", source=None)
+    return spec
+
+
 _COUNTS: dict[tuple[Any, ...], _Counted] = {}
 """The counts of every search in this process, by model, LoRA, attention, seq and policy."""
 
@@ -106,7 +118,8 @@ class _Counter:
         self.spec, self.run, self.seq = spec, run, seq
         # What the counts depend on (not the precision, optimizer, batch or layout), so that
         # later searches in the process reuse them.
-        self.key = (spec, run.mode, run.lora_rank, run.lora_targets, run.attention, seq)
+        self.key = (_architecture(spec), run.mode, run.lora_rank, run.lora_targets,
+                    run.attention, seq)
         self.cache = _COUNTS
 
     def _raw(self, ckpt: str, chunked: bool, layers: int) -> _Counted:
