@@ -102,12 +102,16 @@ of tests/parallel/test_parallel_pp_split_ep.py (Mixtral, Qwen3-MoE) took 0.6 CPU
 start and 2.8-3.8 to measure with it, 1.3-1.7 and 3.6-4.7 without."""
 
 
-_IMPORT_TIME_ENV = ("ATEN_", "ONEDNN_", "DNNL_", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH",
-                    "PYTORCH_", "PYTHON", "LD_")
-"""Prefixes of the environment variables that torch and the interpreter read when they start
-or import (``ATEN_CPU_CAPABILITY`` picks the CPU kernels at torch's import, ``OMP_NUM_THREADS``
-sizes the thread pool, ...): a forked rank inherits their effect from the fork server, whatever
-its own environment says."""
+_IMPORT_TIME_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                    "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""The environment variables that pick torch's CPU kernels and thread pools when torch starts
+(``ATEN_CPU_CAPABILITY`` at its import, oneDNN's ISA and the OpenMP/MKL pools at their first
+use, which the server's imports may have made): a forked rank inherits their effect from the
+fork server, whatever its own environment says. Variables read later (``PYTORCH_*`` at the
+allocator's first use, ``MEMFIT_*``) are the rank's own, set before ``fn`` runs. A check of
+every ``TORCH*``/``PYTORCH_*``/``PYTHON*`` variable too sent one whole-suite run's later ranks
+to spawn (test_parallel_gloo.py's tiny ranks 4.1-4.7 s instead of 0.8-1.3 s forked): some
+test or library had set one of them; which one was not found."""
 
 _server_env: dict[str, str] | None = None
 """The import-time variables of this process when it started its fork server (the server
@@ -115,7 +119,7 @@ inherits the environment of that moment)."""
 
 
 def _import_time_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
+    return {k: os.environ[k] for k in _IMPORT_TIME_ENV if k in os.environ}
 
 
 def _method(start_method: str) -> str:
