@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from memfit._tensors import call_model, fake_inputs, fake_model, tensor_leaves
+from memfit.trace.fake_rules import grouped_mm_rule
 
 __all__ = [
     "SAVE_OPS",
@@ -181,7 +182,10 @@ def profile_blocks(model: nn.Module, blocks: Sequence[str], inputs: Any) -> list
             handles.append(fmods[name].register_forward_hook(post, with_kwargs=True))
         flops = FlopCounterMode(display=False)
         try:
-            with (torch.enable_grad(), flops, Producers(),
+            # grouped_mm_rule: transformers' MoE experts' fp32 grouped matmuls, as the trace
+            # runs them (Note: [grouped_mm on fake tensors]; `memfit fit mixtral-8x7b` failed
+            # here on torch's bf16-only meta check)
+            with (torch.enable_grad(), flops, Producers(), grouped_mm_rule(),
                   torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
                 out = call_model(fmodel, finputs)
                 del out
