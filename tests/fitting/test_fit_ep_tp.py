@@ -7,6 +7,8 @@ per-rank trace tests/parallel/test_parallel_ep_tp.py checks against real gloo ra
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -81,6 +83,19 @@ def test_transformers_experts_get_ep_beside_tp_and_a_user_plan_does_not() -> Non
     assert any(r.what == "ep beside tp 2" and "tp_plan of yours" in r.reason for r in rejected)
 
 
+def _fitted(model: Any, batch: Any, gpus: int, pp: int) -> dict[str, Any]:
+    """fit over ``gpus`` GPUs, tp 2 and ``pp`` only, micro-batches of 2 (a global batch of 2 a
+    pipeline stage): each candidate of the top 10 by its layout's label."""
+    import memfit
+    from memfit.fitting.config import layout_label
+
+    plan = memfit.fit(model, batch, global_batch=2 * pp, budget_bytes=2**30, device="cpu",
+                      gpus=gpus, headroom=0.0, progress=False, top=10,
+                      rates={"flops": 1e11, "bandwidth": 3e10, "launch_s": 6e-6},
+                      space=FIXED | {"micro_batch": [2], "tp": [2], "pp": [pp]})
+    return {layout_label(c.config.parallel): c for c in [plan.chosen, *plan.runners_up]}
+
+
 def test_search_traces_tp_ep_per_rank_as_memfit_estimate_does() -> None:
     """2 GPUs, tp 2 only, global batch 2 (one micro-batch of 2 x 16, no accumulation): the
     search offers tp 2 x ep 2 (the expert group is the tp group), traces it per rank, and the
@@ -89,14 +104,9 @@ def test_search_traces_tp_ep_per_rank_as_memfit_estimate_does() -> None:
     on the CPU and adds the states, Note: [one traced step on CPU] in
     memfit/fitting/traced.py)."""
     import memfit
-    from memfit.fitting.config import layout_label
 
     model, batch = _moe()
-    plan = memfit.fit(model, batch, global_batch=2, budget_bytes=2**30, device="cpu", gpus=2,
-                      headroom=0.0, progress=False, top=10,
-                      rates={"flops": 1e11, "bandwidth": 3e10, "launch_s": 6e-6},
-                      space=FIXED | {"micro_batch": [2], "tp": [2], "pp": [1]})
-    by_label = {layout_label(c.config.parallel): c for c in [plan.chosen, *plan.runners_up]}
+    by_label = _fitted(model, batch, gpus=2, pp=1)
     cand = by_label["tp 2, ep 2"]
     assert cand.config.parallel == Parallel(gpus=2, tp=2, ep=2)
     assert cand.per_rank
@@ -116,14 +126,9 @@ def test_search_traces_tp_ep_beside_pp_per_rank_as_memfit_estimate_does() -> Non
     import dataclasses
 
     import memfit
-    from memfit.fitting.config import layout_label
 
     model, batch = _moe()
-    plan = memfit.fit(model, batch, global_batch=4, budget_bytes=2**30, device="cpu", gpus=4,
-                      headroom=0.0, progress=False, top=10,
-                      rates={"flops": 1e11, "bandwidth": 3e10, "launch_s": 6e-6},
-                      space=FIXED | {"micro_batch": [2], "tp": [2], "pp": [2]})
-    by_label = {layout_label(c.config.parallel): c for c in [plan.chosen, *plan.runners_up]}
+    by_label = _fitted(model, batch, gpus=4, pp=2)
     cand = by_label["tp 2, ep 2, pp 2"]
     par = cand.config.parallel
     assert (par.tp, par.pp, par.ep, par.dp) == (2, 2, 2, 1) and cand.per_rank
