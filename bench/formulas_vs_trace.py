@@ -177,8 +177,8 @@ def compare(name: str, mode: str, checkpointing: str, batch: int, seq: int,
                gpus=gpus)
     tracer = tracer or TRACERS.get(gpus)
     if tracer is None:
-        return Row(**{**asdict(base), "why": "pending: the multi-GPU per-rank trace "
-                      "(issue 14 §1) is not available yet"})
+        return Row(**{**asdict(base), "why": f"no tracer for {gpus} GPUs in this bench "
+                      f"(TRACERS: {', '.join(map(str, sorted(TRACERS)))} GPUs)"})
     start = time.perf_counter()
     try:
         est = tracer(spec, run, gpu)

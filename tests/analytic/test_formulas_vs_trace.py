@@ -52,15 +52,15 @@ def test_formulas_agree_with_the_trace(bench: Any, preset: str, mode: str,
     assert abs(row.error) <= 0.05, (row.error, row.why)
 
 
-def test_eight_gpu_rows_are_a_pending_hook(bench: Any) -> None:
-    """Until the per-rank trace lands the 8-GPU FSDP rows are listed, not compared."""
+def test_a_gpu_count_without_a_tracer_is_listed_not_compared(bench: Any) -> None:
+    """A GPU count the bench has no tracer for (TRACERS: 1 and 8) gives a row that says so,
+    with no error and no trace (the 8-GPU rows are compared in the test below)."""
     from memfit.gpus import get_gpu
 
-    row = bench.compare("gpt2", "train", "none", 1, 512, get_gpu("h100-sxm-80gb"), gpus=8)
-    if bench.TRACERS[8] is None:
-        assert row.error is None and row.why.startswith("pending")
-    else:
-        assert row.error is not None
+    assert bench.TRACERS.get(4) is None
+    row = bench.compare("gpt2", "train", "none", 1, 512, get_gpu("h100-sxm-80gb"), gpus=4)
+    assert row.error is None and row.trace_live_bytes is None
+    assert row.why == "no tracer for 4 GPUs in this bench (TRACERS: 1, 8 GPUs)"
 
 
 @pytest.mark.slow
