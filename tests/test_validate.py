@@ -33,12 +33,14 @@ def test_matrix_holds_every_family_and_the_offload_configs() -> None:
 @pytest.mark.parametrize("offload", ["activations", "states"])
 def test_offload_configs_match_real_cpu_runs(offload: str) -> None:
     # On the CPU, activation offload moves nothing (host memory is the device's) and state
-    # offload adds the host copies of parameters and gradients: both must be predicted.
-    config = next(c for c in matrix("small", families=["llama"])
+    # offload adds the host copies of parameters and gradients: both must be predicted. Tiny:
+    # 16.0 and 23.0 MB measured (state offload 7 MB more); bf16 at "small" took 47 + 32 s
+    # on an AVX2-only CPU (emulated), for the same check.
+    config = next(c for c in matrix("tiny", families=["llama"])
                   if c.offload == offload and c.checkpointing == "full")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = run_config(config, size="small", device="cpu", gpu=None)
+        result = run_config(config, size="tiny", device="cpu", gpu=None)
     assert abs(result.error_allocated) <= 0.01, result
 
 
