@@ -35,6 +35,12 @@ REFUSED = [
      "--mode lora"),
     (["plan", "llama-3-8b", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8",
      "--mode inference"),
+    # inference has no backward to recompute in and no gradients to accumulate: both were
+    # accepted and dropped (the same bytes as without them, and the header left them out)
+    (["plan", "llama-3-8b", "--mode", "inference", "--checkpointing", "full"],
+     "--checkpointing full", "training mode"),
+    (["plan", "llama-3-8b", "--mode", "inference", "--grad-accum", "4"], "--grad-accum 4",
+     "training mode"),
     (["fit", "gpt2", "--budget", "8GB", "--global-batch", "8", "--seq", "4096"], "--seq 4096",
      "1024"),
     (["fit", "mypkg.train:make", "--budget", "8GB", "--global-batch", "8", "--seq", "128"],
@@ -75,6 +81,10 @@ def test_python_api_refuses_too() -> None:
         RunConfig(mode="inference", optimizer="sgd")
     with pytest.raises(MemfitError, match="lora-rank 8"):
         RunConfig(mode="train", lora_rank=8)
+    with pytest.raises(MemfitError, match="checkpointing selective"):
+        RunConfig(mode="inference", checkpointing="selective")
+    with pytest.raises(MemfitError, match="grad-accum 2"):
+        RunConfig(mode="inference", grad_accum=2)
     with pytest.raises(MemfitError, match="full rank 1024"):
         memfit.plan(llama, RunConfig(mode="lora", lora_rank=100000))
     with pytest.raises(MemfitError, match="context of 8192"):

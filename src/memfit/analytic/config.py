@@ -182,6 +182,14 @@ class RunConfig:
         if self.mode == "inference" and self.optimizer != "adamw":
             raise MemfitError(f"--optimizer {self.optimizer} does nothing in --mode inference (no "
                               "optimizer state); drop it or use a training mode")
+        if self.mode == "inference" and self.checkpointing != "none":
+            raise MemfitError(f"--checkpointing {self.checkpointing} does nothing in --mode "
+                              "inference (no backward recomputes activations); drop it or use a "
+                              "training mode")
+        if self.mode == "inference" and self.grad_accum != 1:
+            raise MemfitError(f"--grad-accum {self.grad_accum} does nothing in --mode inference "
+                              "(no gradients to accumulate; the rows of one forward are --batch): "
+                              "drop it or use a training mode")
         if self.kv_cache_dtype is not None and self.mode != "inference":
             raise MemfitError(f"--kv-cache-dtype {self.kv_cache_dtype} is for --mode inference; "
                               f"--mode {self.mode} keeps no KV cache")
