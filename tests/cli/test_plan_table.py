@@ -342,3 +342,28 @@ def test_json_has_one_seq_the_one_planned(capsys) -> None:
     assert "seq" not in data and data["run"]["seq"] == 2048
     code, out, err = run(capsys, "plan", "llama-3-8b", "--seq", "512", "--json")
     assert json.loads(out)["run"]["seq"] == 512
+
+
+@pytest.mark.parametrize(("precision", "weights_note"), [("bf16-mixed", True), ("bf16", False)])
+def test_inference_trace_footnotes_weights_and_kv_cache(tmp_path, precision: str,
+                                                        weights_note: bool) -> None:
+    """An inference trace differs from the formulas in two rows that had no footnote: under
+    bf16-mixed it holds the fp32 weights torch.autocast runs on (the formulas a bf16 model),
+    and it runs one forward without a KV cache (use_cache=False), where the formulas keep the
+    cache generation holds. Fake trace numbers: only the footnotes are checked (no trace)."""
+    from types import SimpleNamespace
+
+    from memfit.cli.trace_plan import trace_footnotes
+
+    run_config = RunConfig(mode="inference", precision=precision, batch=2, seq=128)
+    analytic = plan_of(small_llama(tmp_path), run_config)
+    # KV cache by hand: K and V x layers x KV width (2 heads x 32) x 2 bytes x 128 tokens x 2
+    kv = 2 * LAYERS * KV * 2 * 128 * 2
+    assert analytic.breakdown["kv_cache"] == kv
+    est = SimpleNamespace(breakdown={"weights": 4 * PSI, "activations": 1},
+                          peak_phase="forward", peak_op="aten.mm.default")
+    notes = {n.rows: n.text for n in trace_footnotes(est, analytic, run_config)}
+    assert ("kv_cache",) in notes and format_bytes(kv) in notes[("kv_cache",)]
+    assert (("weights",) in notes) is weights_note
+    if weights_note:
+        assert "fp32 weights" in notes[("weights",)] and "--precision bf16" in notes[("weights",)]

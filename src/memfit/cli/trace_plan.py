@@ -88,6 +88,18 @@ def trace_footnotes(est: Any, analytic: MemoryPlan, run: RunConfig) -> list[Foot
             "different rows when every state is live at the peak (weights + gradients + "
             f"optimizer_states: trace {format_bytes(traced)}, analytic "
             f"{format_bytes(planned)})")))
+    if not run.training and run.mixed:
+        notes.append(Footnote(rows=(MemoryCategory.WEIGHTS.value,), text=(
+            f"the trace runs the model in fp32 under torch.autocast, as --precision "
+            f"{run.precision} means, so it holds fp32 weights; the analytic plan counts a model "
+            f"cast to {run.compute_format} (--precision {run.compute_format} traces that)")))
+    traced_kv = int(est.breakdown.get(MemoryCategory.KV_CACHE, 0))
+    if traced_kv == 0 and analytic.breakdown[MemoryCategory.KV_CACHE] > 0:
+        notes.append(Footnote(rows=(MemoryCategory.KV_CACHE.value,), text=(
+            "the trace runs one forward of the whole sequence without a KV cache (the model is "
+            "built with use_cache=False), so its total leaves out the cache that generation "
+            f"keeps: the analytic plan's {format_bytes(analytic.breakdown[MemoryCategory.KV_CACHE])}"
+            " (seq + --new-tokens)")))
     if int(est.breakdown.get(MemoryCategory.RUNTIME, 0)) != analytic.breakdown[
             MemoryCategory.RUNTIME]:
         notes.append(Footnote(rows=("runtime",), text=(
