@@ -131,3 +131,18 @@ def test_rope_stretch_is_read_in_both_spellings_and_every_rope_family(
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = resolve_model(tmp_path / "config.json")
     assert spec.position == "rope" and spec.rope_scaling is scaled
+
+
+def test_python_plan_takes_names_as_the_cli_does() -> None:
+    """``memfit.plan("gpt2", run, "t4")`` (names, as the README's estimate(gpu="...") takes
+    them) plans the preset on the catalog GPU; it raised AttributeError ('str' object has no
+    attribute 'num_layers' / 'bf16') deep inside the planner."""
+    run_config = RunConfig(precision="fp16-mixed")
+    by_name = memfit.plan("gpt2", run_config, "t4")
+    by_spec = memfit.plan(resolve_model("gpt2"), run_config, memfit.get_gpu("t4"))
+    assert by_name.total_bytes == by_spec.total_bytes and by_name.gpu == by_spec.gpu
+    assert by_name.model.param_count() == 124_439_808  # GPT-2 (facts.md)
+    with pytest.raises(MemfitError, match="did you mean 'gpt2'"):
+        memfit.plan("gpt3")
+    with pytest.raises(MemfitError, match="unknown GPU 't5'"):
+        memfit.plan("gpt2", run_config, "t5")

@@ -439,8 +439,11 @@ def _plan_stage(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None, seq: int 
                       engine_buffers=buffers)
 
 
-def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = None) -> MemoryPlan:
+def plan(model: ModelSpec | str, run: RunConfig | None = None,
+         gpu: GpuSpec | str | None = None) -> MemoryPlan:
     """Plan one step of ``model`` run as ``run`` on ``gpu``; returns the most loaded GPU.
+    ``model`` and ``gpu`` may be names, as ``memfit plan`` takes them (resolved with
+    :func:`memfit.models.resolve_model` and :func:`memfit.gpus.get_gpu`).
 
     >>> from memfit.models.spec import ParamCountSpec
     >>> from memfit.parallel import Parallel
@@ -450,6 +453,14 @@ def plan(model: ModelSpec, run: RunConfig | None = None, gpu: GpuSpec | None = N
     >>> p.breakdown[MemoryCategory.WEIGHTS] + p.breakdown[MemoryCategory.OPTIMIZER_STATES] > 0
     True
     """
+    if isinstance(model, str):
+        from memfit.models import resolve_model
+
+        model = resolve_model(model)
+    if isinstance(gpu, str):
+        from memfit.gpus import get_gpu
+
+        gpu = get_gpu(gpu)
     run = run or RunConfig()
     _check_compatible(model, run, gpu)
     seq = None
