@@ -90,9 +90,13 @@ def layouts(*, gpus: int, gpus_per_node: int | None, global_batch: int,
     if tp_plan is not None:
         out = _with_plan(out, tp_plan, space, rejected)
     if not out:
+        # the layouts left out say why (a tp that splits no head count, a pp beyond the
+        # blocks); the global batch is the fix only where none of them was
+        why = "; ".join(dict.fromkeys(f"{r.what}: {r.reason}" for r in rejected))
         raise MemfitError(f"no layout of {gpus} GPUs fits the search's limits (global batch "
-                          f"{global_batch}, space {space}); pick a global batch that "
-                          "divides over the data-parallel ranks")
+                          f"{global_batch}, space {space}); "
+                          + (why if why else "pick a global batch that divides over the "
+                             "data-parallel ranks"))
     return out
 
 
@@ -170,6 +174,14 @@ def _degrees(gpus: int, node: int, shape: ModelShape | None, space: dict[str, li
     tps = space.get("tp") or [t for t in range(1, node + 1) if gpus % t == 0]
     pps = space.get("pp") or [p for p in range(1, gpus + 1) if gpus % p == 0]
     if shape is None or not shape.tp_splittable:
+        if "tp" in space and any(t > 1 for t in space["tp"]):
+            # as for pp below: a tp the user fixed is not swapped for tp 1 without a word
+            raise MemfitError(
+                f"space tp {max(space['tp'])}: "
+                + (f"the model's blocks have no projections apply_tp splits "
+                   f"({', '.join(TP_SPLIT)})" if shape is not None else
+                   "the model has no repeated blocks to split")
+                + "; use tp=1 for this model (or a tp_plan naming its own layers)")
         if any(t > 1 for t in tps):
             rejected.append(Rejected(what="tensor parallelism", reason=(
                 "the model's blocks have no projections apply_tp splits "
