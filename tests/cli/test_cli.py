@@ -7,6 +7,7 @@ import json
 import pytest
 
 from memfit.cli import main
+from memfit.units import format_bytes
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -262,3 +263,18 @@ def test_fit_verdict_keeps_the_margin() -> None:
                                           "trace")
     assert verdict(86 * 2**20).endswith("14.00 MiB headroom")
     assert verdict(110 * 2**20) == "does not fit: 10.00 MiB over"
+
+
+def test_gpus_marks_usable_figures_that_are_not_pytorchs(capsys) -> None:
+    """The table's 'usable' column is titled "what PyTorch can allocate"; for a GPU whose
+    total_memory the catalog lacks it shows the driver's total or the label's GB (h100-pcie-80gb:
+    80e9 bytes = 74.51 GiB, the marketing fallback), so that cell is marked and explained.
+    The T4's 15,843,721,216 bytes are a published total_memory: unmarked."""
+    code, out, _ = run(capsys, "gpus")
+    assert code == 0
+    cells = {line.split("│")[1].strip(): line.split("│")[3].strip()
+             for line in out.splitlines() if line.startswith("│") and line.split("│")[1].strip()}
+    assert cells["t4"] == format_bytes(15_843_721_216)
+    assert cells["h100-pcie-80gb"] == format_bytes(80_000_000_000) + "*"
+    assert "* not measured: PyTorch's total_memory for this GPU is not in the catalog" in " ".join(
+        out.split())

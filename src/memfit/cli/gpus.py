@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from memfit.cli._common import name_column, print_json, print_table
+from memfit.cli._common import console, name_column, print_json, print_table
 from memfit.units import format_bytes
 
 
@@ -38,9 +38,15 @@ def run(args: argparse.Namespace) -> int:
                          no_wrap=col == "usable")
     for g in gpus:
         price = "-" if g.price_per_hour is None else f"{g.price_per_hour:.2f}"
-        table.add_row(g.name, g.memory_label, format_bytes(g.usable_bytes),
+        usable = format_bytes(g.usable_bytes) + ("" if g.usable_measured else "*")
+        table.add_row(g.name, g.memory_label, usable,
                       f"{g.bandwidth_gbps:,.0f}", _tf(g.tflops.get("bf16")),
                       _tf(g.tflops.get("fp8")), g.host_link.kind, price)
     print_table(table, drop=("$/h", "host link", "fp8 TF", "bf16 TF", "GB/s", "memory",
                              "usable"))
+    if not all(g.usable_measured for g in gpus):
+        console().print(
+            "* not measured: PyTorch's total_memory for this GPU is not in the catalog; shown "
+            "is the driver's total (PyTorch allocates 1-2% less), or the label's GB where no "
+            "driver figure was found (--json: memory_basis, usable_measured)", soft_wrap=True)
     return 0
