@@ -207,3 +207,17 @@ def test_cpu_offload_config_warns_nothing() -> None:
         warnings.simplefilter("always")
         run_config(config, size="tiny", device="cpu", gpu=None)
     assert not [w for w in caught if "offload_activations" in str(w.message)]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    # --limit -1 sliced the matrix to all configs but the last; 0 ran none and exited 0
+    (["--limit", "-1"], "--limit must be a positive integer, got -1"),
+    (["--limit", "0"], "--limit must be a positive integer, got 0"),
+    # --gpu went to a CPU trace that ignores it, and into the JSON as the catalog entry
+    (["--gpu", "h100"], "--gpu h100 names the CUDA GPU"),
+])
+def test_validate_refuses_options_that_would_not_act(capsys, argv: list[str], needle: str) -> None:
+    assert main(["validate", "--device", "cpu", "--quiet", *argv]) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], captured.err

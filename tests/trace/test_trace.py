@@ -308,3 +308,12 @@ def test_default_loss_choices() -> None:
     assert summed.shape == () and float(summed.detach()) == 15.0
     with pytest.raises(MemfitError, match="loss_fn"):
         default_loss(torch.ones(3))
+
+
+@pytest.mark.parametrize("gpu", ["nonsense-gpu", "h100-sxm-80gb"])
+def test_a_gpu_with_a_cpu_target_is_refused(gpu: str) -> None:
+    # device="cpu" models the host; gpu= was dropped without a word, whatever it named
+    with torch.device("meta"):
+        net = nn.Linear(8, 8)
+    with pytest.raises(MemfitError, match="device='cpu' models this machine's host memory"):
+        estimate(net, (torch.empty(2, 8, device="meta"),), device="cpu", gpu=gpu)

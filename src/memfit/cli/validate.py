@@ -73,6 +73,13 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise MemfitError("no CUDA device here: run `memfit validate --device cpu`, or run on a "
                           "GPU machine")
+    if args.limit is not None and args.limit <= 0:
+        raise MemfitError(f"--limit must be a positive integer, got {args.limit}; leave it out "
+                          "to run every config")
+    if args.gpu and args.device == "cpu":
+        raise MemfitError(f"--gpu {args.gpu} names the CUDA GPU the prediction is for; "
+                          "--device cpu runs and predicts this machine's CPU: drop --gpu, or "
+                          "use --device cuda on a GPU machine")
     size = args.size or ("medium" if args.device == "cuda" else "tiny")
     # The quick matrix is the CPU default for the whole zoo; named families run their whole
     # matrix (a user who narrows to a family wants all of it).

@@ -77,6 +77,10 @@ def check_target(device: str, gpu: str | GpuSpec | None, *, precision: str,
     with ``device="mps"``, ``device="mps"`` without CUDA's features (fp8, expandable
     segments, NCCL over several GPUs). One MemfitError line each."""
     if device == "cpu":
+        if gpu is not None:  # it was dropped without a word: the trace models the host
+            name = gpu.name if isinstance(gpu, GpuSpec) else gpu
+            raise MemfitError(f"device='cpu' models this machine's host memory, not a GPU: drop "
+                              f"gpu={name!r}, or use device='cuda' to model that GPU")
         return None
     spec = _resolve_gpu(gpu)
     if device == "cuda" and spec is not None and spec.target == "mps":
