@@ -367,3 +367,19 @@ def test_inference_trace_footnotes_weights_and_kv_cache(tmp_path, precision: str
     assert (("weights",) in notes) is weights_note
     if weights_note:
         assert "fp32 weights" in notes[("weights",)] and "--precision bf16" in notes[("weights",)]
+
+
+def test_host_line_names_step_counters_without_offload() -> None:
+    """Without offloading, a trace's host memory is the Adam family's CPU step counters (a few
+    bytes); the line called it 'offloaded states'. With --offload-optimizer it is those."""
+    from types import SimpleNamespace
+
+    from memfit.cli.trace_plan import host_line
+
+    est = SimpleNamespace(host_peak_bytes=596)
+    plain = host_line(est, RunConfig())
+    assert plain is not None and "offloaded" not in plain and "step counters" in plain
+    assert plain.endswith(format_bytes(596))
+    offloaded = host_line(est, RunConfig(offload_optimizer=True))
+    assert offloaded == f"host memory for offloaded states (peak): {format_bytes(596)}"
+    assert host_line(SimpleNamespace(host_peak_bytes=0), RunConfig()) is None

@@ -317,3 +317,15 @@ def test_a_gpu_with_a_cpu_target_is_refused(gpu: str) -> None:
         net = nn.Linear(8, 8)
     with pytest.raises(MemfitError, match="device='cpu' models this machine's host memory"):
         estimate(net, (torch.empty(2, 8, device="meta"),), device="cpu", gpu=gpu)
+
+
+def test_host_memory_without_offload_is_adams_step_counters() -> None:
+    # torch's foreach AdamW keeps state["step"] as a 4-byte CPU tensor per parameter (2 here)
+    # and adds a 4-byte CPU tensor(1.0) to them each step: 12 bytes, not offloaded states
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(),
+                            nn.Linear(64, 64, bias=False))
+    est = estimate(net, (torch.empty(8, 64, device="meta"),), optimizer="adamw", device="cuda")
+    assert est.host_peak_bytes == 2 * 4 + 4
+    text = str(est)
+    assert "host memory (peak)" in text and "offload" not in text

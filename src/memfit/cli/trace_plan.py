@@ -109,6 +109,18 @@ def trace_footnotes(est: Any, analytic: MemoryPlan, run: RunConfig) -> list[Foot
     return notes
 
 
+def host_line(est: Any, run: RunConfig) -> str | None:
+    """The trace's host memory, named for what holds it: without offloading it is only the
+    Adam family's step counters (Note: [optimizer step counters on the host] in
+    trace/step.py), not offloaded states."""
+    if not est.host_peak_bytes:
+        return None
+    offloads = run.offload_optimizer or run.offload_params or run.offload_activations
+    what = ("offloaded states" if offloads else
+            "the optimizer's step counters, CPU tensors in torch's Adam family")
+    return f"host memory for {what} (peak): {format_bytes(est.host_peak_bytes)}"
+
+
 def trace_suggestions(est: Any, analytic: MemoryPlan, capacity: int | None,
                       limit: int = 6) -> list[SuggestionRow]:
     """The analytic plan's single-option changes with their saving applied to the trace's total
@@ -335,9 +347,8 @@ def run_trace(args: argparse.Namespace, model: ModelSpec, run: RunConfig,
     if scale_line:  # a change of options comes before more hardware (as in ``plan.render``)
         closing = ((f"or, with none of these changes: {scale_line}"
                     if any(s.fits for s in suggestions) else scale_line),)
-    if est.host_peak_bytes:
-        after.append(f"host memory for offloaded states (peak): "
-                     f"{format_bytes(est.host_peak_bytes)}")
+    if (host := host_line(est, run)) is not None:
+        after.append(host)
     after += [f"assumed: {note}" for note in est.assumptions]
     column = trace_column(est)
     table = MemoryTable(

@@ -80,10 +80,12 @@ class Estimate:
     """The high point inside an op, by its ``timeline`` index, for the ops whose kernel's
     transients were measured (CPU targets): live bytes before the op plus the kernel's peak."""
     host_peak_bytes: int = 0
-    """Peak host (CPU) memory held by offloading on a CUDA target: activation offload's copies,
+    """Peak host (CPU) memory the step holds on a CUDA target: activation offload's copies,
     offloaded optimizer states and the host copies their step works on (tensor bytes, before
-    the pinned-memory allocator rounds them up). 0 for a CPU target, where it is device memory
-    and part of ``peak_bytes``."""
+    the pinned-memory allocator rounds them up), and the Adam family's step counters, a 4-byte
+    CPU tensor per parameter unless the optimizer is capturable or fused (Note: [optimizer step
+    counters on the host] in step.py); so a few bytes without offloading. 0 for a CPU target,
+    where it is device memory and part of ``peak_bytes``."""
     ranks: tuple[int, ...] = ()
     """With ``parallel=``: the ranks this estimate is for (they hold the same shapes)."""
     parallel: Any = None
@@ -132,7 +134,7 @@ class Estimate:
                             format_bytes(self.runtime_outside_allocator_bytes))
             summary.add_row("total (reserved + runtime)", format_bytes(self.total_bytes))
         if self.host_peak_bytes:
-            summary.add_row("host memory for offload (peak)", format_bytes(self.host_peak_bytes))
+            summary.add_row("host memory (peak)", format_bytes(self.host_peak_bytes))
         if self.input_pipeline is not None:
             pipe = self.input_pipeline
             if pipe.device_bytes:
