@@ -94,12 +94,12 @@ def trace_footnotes(est: Any, analytic: MemoryPlan, run: RunConfig) -> list[Foot
             f"{run.precision} means, so it holds fp32 weights; the analytic plan counts a model "
             f"cast to {run.compute_format} (--precision {run.compute_format} traces that)")))
     traced_kv = int(est.breakdown.get(MemoryCategory.KV_CACHE, 0))
-    if traced_kv == 0 and analytic.breakdown[MemoryCategory.KV_CACHE] > 0:
+    planned_kv = analytic.breakdown[MemoryCategory.KV_CACHE]
+    if traced_kv == 0 and planned_kv > 0:
         notes.append(Footnote(rows=(MemoryCategory.KV_CACHE.value,), text=(
             "the trace runs one forward of the whole sequence without a KV cache (the model is "
             "built with use_cache=False), so its total leaves out the cache that generation "
-            f"keeps: the analytic plan's {format_bytes(analytic.breakdown[MemoryCategory.KV_CACHE])}"
-            " (seq + --new-tokens)")))
+            f"keeps: the analytic plan's {format_bytes(planned_kv)} (seq + --new-tokens)")))
     if int(est.breakdown.get(MemoryCategory.RUNTIME, 0)) != analytic.breakdown[
             MemoryCategory.RUNTIME]:
         notes.append(Footnote(rows=("runtime",), text=(
