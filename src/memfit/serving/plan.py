@@ -226,6 +226,7 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
 
         capability = spec_gpu.compute_capability or compute_capability_for(spec_gpu.name)
     name, config = load_config(model)
+    _check_multimodal_flags(name, config, max_images, max_videos, max_pixels)
     layers = kv_spec(config, tp=tp, kv_cache_dtype=kv_cache_dtype)
     speculative, layers = _with_draft(
         layers, config, speculative_method, num_speculative_tokens, draft_layers, draft_model,
@@ -301,6 +302,19 @@ def _check_budget_args(kv_cache_memory: int | None, gpu: str | None,
         raise MemfitError("pass --gpu NAME (the KV budget from --gpu-memory-utilization) or "
                           "--kv-cache-memory BYTES")
     requested_memory(1, gpu_memory_utilization)  # (0, 1] or one line
+
+
+def _check_multimodal_flags(name: str, config: Mapping[str, Any], max_images: int | None,
+                            max_videos: int | None, max_pixels: int | None) -> None:
+    """Refuse the image/video limits on a model without a vision tower: vLLM refuses them
+    (``vllm/config/model.py``: "`limit_mm_per_prompt` is only supported for multimodal
+    models", and the same for ``mm_processor_kwargs``), and nothing here could use them."""
+    given = [flag for flag, value in (("--max-images", max_images), ("--max-videos", max_videos),
+                                      ("--max-pixels", max_pixels)) if value is not None]
+    if given and not isinstance(config.get("vision_config"), Mapping):
+        raise MemfitError(f"{', '.join(given)}: {name} has no vision encoder (no "
+                          "vision_config); vLLM refuses --limit-mm-per-prompt and "
+                          "--mm-processor-kwargs for a text-only model: drop the option")
 
 
 def _gpu_and_limits(gpu: str | None, quant: str | None, max_num_batched_tokens: int | None,
