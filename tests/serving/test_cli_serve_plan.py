@@ -50,6 +50,10 @@ def test_json_from_a_config_file(capsys, tmp_path) -> None:
     # a text-only model: vLLM refuses --limit-mm-per-prompt, nothing here could use them
     (["--max-images", "2"], "--max-images: llama-3-8b has no vision encoder"),
     (["--max-videos", "0", "--max-pixels", "100"], "--max-videos, --max-pixels: llama-3-8b"),
+    # vLLM's SchedulerConfig: max_num_batched_tokens >= max_num_seqs (default 1024 here)
+    (["--max-num-batched-tokens", "512"], "--max-num-batched-tokens 512 is below --max-num-seqs "
+                                          "1024"),
+    (["--max-num-batched-tokens", "512", "--max-num-seqs", "513"], "below --max-num-seqs 513"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv: list[str], words: str) -> None:
     base = ["serve-plan", "llama-3-8b", "--kv-cache-memory", "1GiB"]

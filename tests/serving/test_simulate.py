@@ -33,10 +33,11 @@ ONE_SECOND = Roofline(peak_flops=1e15, bandwidth=1000.0, params=1, weights_bytes
 
 
 def plan(blocks: int, *, block_size: int = 4, budget: int = 64, max_model_len: int = 16,
-         max_num_seqs: int = 64):
+         max_num_seqs: int | None = None):
+    # vLLM refuses max_num_seqs above max_num_batched_tokens: at most 64, at most the budget
     p = serve_plan("llama-3-8b", kv_cache_memory=blocks * block_size * LLAMA_KV_TOKEN,
                    block_size=block_size, max_model_len=max_model_len,
-                   max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+                   max_num_batched_tokens=budget, max_num_seqs=max_num_seqs or min(64, budget))
     assert p.num_gpu_blocks == blocks
     return p
 

@@ -335,9 +335,16 @@ def _gpu_and_limits(gpu: str | None, quant: str | None, max_num_batched_tokens: 
     seqs_default, tokens_default = default_batch_limits(
         spec_gpu.usable_bytes, spec_gpu.name) if spec_gpu else (1024,
                                                                 DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    return (spec_gpu,
-            _positive(max_num_batched_tokens or tokens_default, "--max-num-batched-tokens"),
-            _positive(max_num_seqs or seqs_default, "--max-num-seqs"))
+    tokens = _positive(max_num_batched_tokens or tokens_default, "--max-num-batched-tokens")
+    seqs = _positive(max_num_seqs or seqs_default, "--max-num-seqs")
+    # every running request takes at least one token a step (a default budget is left to
+    # vLLM's own defaults, which may raise it)
+    if max_num_batched_tokens is not None and tokens < seqs:
+        raise MemfitError(f"--max-num-batched-tokens {tokens} is below --max-num-seqs {seqs}; "
+                          "vLLM refuses it (vllm/config/scheduler.py: SchedulerConfig "
+                          "'must be greater than or equal to max_num_seqs'): raise "
+                          "--max-num-batched-tokens or lower --max-num-seqs")
+    return spec_gpu, tokens, seqs
 
 
 def _with_draft(layers: list[LayerKV], config: Mapping[str, Any], method: str | None,
