@@ -54,6 +54,8 @@ def test_json_from_a_config_file(capsys, tmp_path) -> None:
     (["--max-num-batched-tokens", "512"], "--max-num-batched-tokens 512 is below --max-num-seqs "
                                           "1024"),
     (["--max-num-batched-tokens", "512", "--max-num-seqs", "513"], "below --max-num-seqs 513"),
+    # an Apple GPU is not ROCm
+    (["--gpu", "m2-max-32gb"], "m2-max-32gb is apple (Metal (MPS):"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv: list[str], words: str) -> None:
     base = ["serve-plan", "llama-3-8b", "--kv-cache-memory", "1GiB"]

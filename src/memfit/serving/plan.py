@@ -327,10 +327,12 @@ def _gpu_and_limits(gpu: str | None, quant: str | None, max_num_batched_tokens: 
 
         spec_gpu = get_gpu(gpu)
         if spec_gpu.vendor not in ("nvidia", "custom"):
-            raise MemfitError(f"serve-plan restates vLLM's CUDA platform; {spec_gpu.name} is "
-                              f"{spec_gpu.vendor} (ROCm: other attention backends and block "
-                              "sizes), not modelled yet: pick an NVIDIA GPU or pass "
-                              "--kv-cache-memory BYTES")
+            platform = {"amd": "ROCm", "apple": "Metal (MPS)"}.get(spec_gpu.vendor,
+                                                                   spec_gpu.vendor)
+            raise MemfitError(f"the vLLM plan restates vLLM's CUDA platform; {spec_gpu.name} "
+                              f"is {spec_gpu.vendor} ({platform}: other attention backends "
+                              "and block sizes), not modelled yet: pick an NVIDIA GPU (or, "
+                              "in serve-plan, pass --kv-cache-memory BYTES)")
     check_quant(quant, spec_gpu.compute_capability if spec_gpu else None)
     seqs_default, tokens_default = default_batch_limits(
         spec_gpu.usable_bytes, spec_gpu.name) if spec_gpu else (1024,
