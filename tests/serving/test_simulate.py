@@ -212,12 +212,19 @@ def test_cli_json(capsys):
     (["--trace", "EMPTY"], "empty trace"),
     (["--trace", "BAD"], "not JSON"),
     ([], "--qps"),
+    # the trace's rows set each request: the generator's flags were ignored
+    (["--trace", "GOOD", "--num-requests", "50"], "--num-requests shape generated requests"),
+    (["--trace", "GOOD", "--prompt-tokens", "9", "--seed", "1"], "--prompt-tokens, --seed"),
+    # fixed lengths (the default) have no spread
+    (["--qps", "2", "--spread", "0.3"], "--spread varies the lengths"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, args, message):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text("{arrival_time: 0}\n")
-    args = [{"EMPTY": str(tmp_path / "empty.jsonl"), "BAD": str(tmp_path / "bad.jsonl")}.get(a, a)
-            for a in args]
+    (tmp_path / "good.jsonl").write_text(
+        '{"arrival_time": 0, "prompt_tokens": 10, "output_tokens": 5}\n')
+    args = [{"EMPTY": str(tmp_path / "empty.jsonl"), "BAD": str(tmp_path / "bad.jsonl"),
+             "GOOD": str(tmp_path / "good.jsonl")}.get(a, a) for a in args]
     code = main(["simulate", "llama-3-8b", "--gpu", "h100-sxm-80gb", "--kv-cache-memory",
                  "1GiB", "--max-model-len", "2048", *args])
     err = capsys.readouterr().err
