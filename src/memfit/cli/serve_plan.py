@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         engine_version=args.engine_version or VLLM_VERSION)
     if log is not None:
         from memfit.serving import check_plan
+        from memfit.serving.check import length_mismatch
 
         rows = check_plan(plan, log, from_log=tuple(
             k if k != "kv_cache_memory" else "kv_cache_bytes" for k, v in given.items()
@@ -194,6 +195,12 @@ def run(args: argparse.Namespace) -> int:
             return 0
         render(plan)
         render_check(log, rows, str(args.check))
+        mismatch = length_mismatch(plan, log)
+        if mismatch is not None:
+            console().print(f"  max concurrency and KV cache tokens not compared: the plan's "
+                            f"are for --max-model-len {mismatch[0]:,}, the log's for "
+                            f"{mismatch[1]:,} tokens a request (drop --max-model-len to "
+                            "compare them)", soft_wrap=True)
         return 0
     if args.json:
         print_json(plan.to_json())
