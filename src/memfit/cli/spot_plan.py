@@ -105,8 +105,10 @@ def _checkpoint_bytes(args: argparse.Namespace) -> tuple[int, str]:
             raise MemfitError(f"{', '.join(sizing)}: only a model or --params is sized by "
                               "them; --checkpoint-bytes gives the size itself (drop one)")
         return parse_bytes(args.checkpoint_bytes, what="--checkpoint-bytes"), "given"
-    mode, precision = args.mode or "train", args.precision or "bf16-mixed"
-    optimizer = args.optimizer or "adamw"
+    # RunConfig checks the names (one line on a bad one)
+    mode: Any = args.mode or "train"
+    precision: Any = args.precision or "bf16-mixed"
+    optimizer: Any = args.optimizer or "adamw"
     model: ModelSpec
     if args.params:
         params = parse_count(args.params, what="--params")
