@@ -304,6 +304,19 @@ def _check_budget_args(kv_cache_memory: int | None, gpu: str | None,
     requested_memory(1, gpu_memory_utilization)  # (0, 1] or one line
 
 
+def _multimodal(config: Mapping[str, Any]) -> bool:
+    """Whether vLLM may treat the model as multimodal: a vision tower in the config, or a
+    multimodal family or architecture (vLLM decides by the architecture, not the config's
+    keys, so a VL model type without its ``vision_config`` counts)."""
+    from memfit.serving.multimodal import MULTIMODAL_FAMILIES
+
+    model_type = str(config.get("model_type", ""))
+    archs = config.get("architectures") or []
+    return (isinstance(config.get("vision_config"), Mapping)
+            or model_type in MULTIMODAL_FAMILIES or "vl" in model_type.split("_")
+            or any(str(a).endswith("ForConditionalGeneration") for a in archs))
+
+
 def _check_multimodal_flags(name: str, config: Mapping[str, Any], max_images: int | None,
                             max_videos: int | None, max_pixels: int | None) -> None:
     """Refuse the image/video limits on a model without a vision tower: vLLM refuses them
@@ -311,7 +324,7 @@ def _check_multimodal_flags(name: str, config: Mapping[str, Any], max_images: in
     models", and the same for ``mm_processor_kwargs``), and nothing here could use them."""
     given = [flag for flag, value in (("--max-images", max_images), ("--max-videos", max_videos),
                                       ("--max-pixels", max_pixels)) if value is not None]
-    if given and not isinstance(config.get("vision_config"), Mapping):
+    if given and not _multimodal(config):
         raise MemfitError(f"{', '.join(given)}: {name} has no vision encoder (no "
                           "vision_config); vLLM refuses --limit-mm-per-prompt and "
                           "--mm-processor-kwargs for a text-only model: drop the option")
