@@ -54,6 +54,9 @@ def test_json_from_a_config_file(capsys, tmp_path) -> None:
     (["--max-num-batched-tokens", "512"], "--max-num-batched-tokens 512 is below --max-num-seqs "
                                           "1024"),
     (["--max-num-batched-tokens", "512", "--max-num-seqs", "513"], "below --max-num-seqs 513"),
+    # `vllm serve --block-size` takes 1, 8, 16, ..., 256 only
+    (["--block-size", "7"], "--block-size 7 is not one vLLM takes"),
+    (["--block-size", "48"], "choose one of 1, 8, 16, 32, 64, 128, 256"),
     # an Apple GPU is not ROCm
     (["--gpu", "m2-max-32gb"], "m2-max-32gb is apple (Metal (MPS):"),
 ])

@@ -103,7 +103,7 @@ def _workload_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.cli.serve_plan import _budget, _utilization
+    from memfit.cli.serve_plan import _budget, _utilization, block_size_flag
     from memfit.serving import poisson_requests, read_trace, serve_plan, simulate
 
     if (args.qps is None) == (args.trace is None):
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_memory=None if args.kv_cache_memory is None else _budget(args.kv_cache_memory),
         gpu_memory_utilization=_utilization(args.gpu_memory_utilization),
         tp=positive_int(args.tp, "--tp") or 1, quant=args.quant,
-        block_size=positive_int(args.block_size, "--block-size"),
+        block_size=block_size_flag(args.block_size),
         max_model_len=positive_int(args.max_model_len, "--max-model-len"),
         max_num_seqs=positive_int(args.max_num_seqs, "--max-num-seqs"),
         max_num_batched_tokens=positive_int(args.max_num_batched_tokens,
