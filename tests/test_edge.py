@@ -282,6 +282,8 @@ def test_fp8_on_a_jetson_is_refused(capsys) -> None:
     (["--gpu", "orin-nano-8gb", "--mps-high-watermark", "1.2"], ("Apple silicon",)),
     (["--gpu", "m2-max-32gb", "--mps-high-watermark", "2.5"], ("outside 0..2",)),
     (["--gpu", "m2-max-32gb", "--mps-high-watermark", "lots"], ("not a number",)),
+    # a Mac has no compute capability: the message said "(compute capability None)"
+    (["--gpu", "m2-max-32gb", "--precision", "bf16"], ("no bf16 support (not in its catalog",)),
 ])
 def test_edge_options_refused(capsys, argv: list[str], words: tuple[str, ...]) -> None:
     _refused(capsys, ["plan", "llama-3.2-1b", "--mode", "inference", *argv], *words)

@@ -117,6 +117,9 @@ def parse_rate(text: str | float | int, *, what: str, unit: str) -> float:
         match = _RATE_RE.match(text)
         if not match or (match.group(3) and match.group(3).lower() not in _RATE_UNITS[unit]):
             raise MemfitError(f"{what} {text!r} is not a rate in {unit}; write e.g. {example}")
+        if unit == "B/s" and match.group(3).startswith("b"):  # b/s is bits, 8x fewer bytes
+            raise MemfitError(f"{what} {text!r} reads as bits per second; give bytes per "
+                              f"second (capital B: 8 Gb/s = 1 GB/s), e.g. {example}")
         value = float(match.group(1)) * _RATE_PREFIX[match.group(2)]
     if not math.isfinite(value) or value <= 0:
         raise MemfitError(f"{what} must be a positive number in {unit}, e.g. {example}; "

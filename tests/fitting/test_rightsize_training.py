@@ -253,6 +253,11 @@ def test_cli_json_keys_are_the_stable_ones(capsys: pytest.CaptureFixture[str],
     (["--train-tokens", "1e6", "--gpus", "toy-a100-tiny"], "closest is"),
     (["--train-tokens", "1e6", "--qps", "3"], "add --serve"),
     (["--seq", "64"], "needs --train-tokens"),
+    # serving's search dimensions, and a spot-only rate, were ignored by a training search
+    (["--train-tokens", "1e6", "--tp", "2"], "--tp size a serving deployment: add --serve"),
+    (["--train-tokens", "1e6", "--quant", "fp8"], "--quant size a serving deployment"),
+    (["--train-tokens", "1e6", "--num-requests", "5"], "--num-requests size a serving"),
+    (["--train-tokens", "1e6", "--write-bandwidth", "2GB/s"], "price spot: add --spot"),
 ])
 def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], toy: str,
                                    extra: list[str], message: str) -> None:

@@ -112,12 +112,28 @@ def test_cli_text_and_default_band(capsys: pytest.CaptureFixture[str]) -> None:
     ["--write-bandwidth", "1GB/s", "--mtbf-hours", "0"],
     ["--write-bandwidth", "1GB/s", "--mtbf-hours=-2"],
     ["--write-bandwidth", "1GB/s", "--discount", "1.5"],
+    # gigabits, not gigabytes: read as bytes it was 8x too fast a write
+    ["--write-bandwidth", "8Gb/s"],
+    # --gpus multiplies --gpu's price; alone it did nothing
+    ["--write-bandwidth", "1GB/s", "--gpus", "8"],
+    ["--write-bandwidth", "1GB/s", "--gpus", "8", "--price-per-hour", "10"],
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv: list[str],
                                           capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["spot-plan", "--params", "1e9", "--work-hours", "10", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("memfit: error:")
+
+
+@pytest.mark.parametrize("flag", [["--mode", "lora"], ["--optimizer", "sgd"],
+                                  ["--precision", "fp32"], ["--engine", "fsdp2"]])
+def test_cli_sizing_flags_with_checkpoint_bytes_are_refused(
+        flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # they size a model's checkpoint; with the size given they did nothing
+    assert main(["spot-plan", "--checkpoint-bytes", "10GB", "--work-hours", "10",
+                 "--write-bandwidth", "1GB/s", *flag]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag[0]}: only a model or --params" in err
 
 
 def test_spot_plan_imports_no_torch() -> None:

@@ -47,6 +47,18 @@ def test_json_from_a_config_file(capsys, tmp_path) -> None:
     (["--max-model-len", "9000"], "above llama-3-8b's context of 8192 tokens"),
     (["--kv-cache-memory", "-5"], "--kv-cache-memory must be a number of bytes >= 0"),
     (["--kv-cache-dtype", "int4"], "unknown --kv-cache-dtype 'int4'"),
+    # a text-only model: vLLM refuses --limit-mm-per-prompt, nothing here could use them
+    (["--max-images", "2"], "--max-images: llama-3-8b has no vision encoder"),
+    (["--max-videos", "0", "--max-pixels", "100"], "--max-videos, --max-pixels: llama-3-8b"),
+    # vLLM's SchedulerConfig: max_num_batched_tokens >= max_num_seqs (default 1024 here)
+    (["--max-num-batched-tokens", "512"], "--max-num-batched-tokens 512 is below --max-num-seqs "
+                                          "1024"),
+    (["--max-num-batched-tokens", "512", "--max-num-seqs", "513"], "below --max-num-seqs 513"),
+    # `vllm serve --block-size` takes 1, 8, 16, ..., 256 only
+    (["--block-size", "7"], "--block-size 7 is not one vLLM takes"),
+    (["--block-size", "48"], "choose one of 1, 8, 16, 32, 64, 128, 256"),
+    # an Apple GPU is not ROCm
+    (["--gpu", "m2-max-32gb"], "m2-max-32gb is apple (Metal (MPS):"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv: list[str], words: str) -> None:
     base = ["serve-plan", "llama-3-8b", "--kv-cache-memory", "1GiB"]

@@ -62,6 +62,11 @@ def _json(capsys: pytest.CaptureFixture[str]) -> str:
     ("--gpu", "h100-sxm-80gb", "--gpu-memory-utilization", "0.8"),
     ("--gpu", "h100-sxm-80gb", "--mem-fraction-static", "x"),
     ("--gpu", "h100-sxm-80gb", "--mem-fraction-static", "1.5"),
+    # sized in the vLLM plan only: refused rather than ignored
+    ("--gpu", "h100-sxm-80gb", "--activation-peak", "5GiB"),
+    ("--gpu", "h100-sxm-80gb", "--max-images", "0"),
+    ("--gpu", "h100-sxm-80gb", "--max-pixels", "1000000"),
+    ("--gpu", "h100-sxm-80gb", "--draft-layers", "2"),
     (),
 ])
 def test_vllms_flags_and_bad_input_are_one_line(capsys, extra) -> None:

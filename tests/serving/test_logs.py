@@ -313,6 +313,21 @@ def test_cli_check_json(capsys, tmp_path) -> None:
     assert data["plan"]["kv_cache_bytes"] == round(6.51 * GIB)
 
 
+def test_cli_check_skips_the_rows_of_another_request_length(capsys, tmp_path) -> None:
+    # the log's 1.30x is for 32,768 tokens a request; at 8,192 the plan's is 4x that: the row
+    # would have shown a +300% "error" that is only the two lengths
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_14B))
+    (tmp_path / "startup.log").write_text(V1_QWEN3_14B)
+    argv = ("serve-plan", str(tmp_path), "--check", str(tmp_path / "startup.log"),
+            "--max-model-len", "8192")
+    code, out, err = cli(capsys, *argv, "--json")
+    assert code == 0, err
+    assert [row["what"] for row in json.loads(out)["check"]] == ["kv_cache_bytes"]
+    code, out, err = cli(capsys, *argv)
+    assert code == 0, err
+    assert "not compared: the plan's are for --max-model-len 8,192, the log's for 32,768" in out
+
+
 def test_cli_check_text(capsys, tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_14B))
     (tmp_path / "startup.log").write_text(V1_QWEN3_14B)

@@ -303,6 +303,12 @@ def test_some_tenants_unplaced_exit_1(tmp_path, capsys) -> None:
      "{name: a, model: gpt2, qps: 1, prompt_tokens: 10, output_tokens: 10}]",
      "1xh100-sxm-80gb", "repeated: a"),
     ("tenants: {name: a}", "1xh100-sxm-80gb", "non-empty list of tenants"),
+    # bool("false") is True: a quoted flag would have dropped the CUDA graphs
+    ("[{name: a, model: llama-3-8b, qps: 1, prompt_tokens: 10, output_tokens: 10, "
+     "enforce_eager: 'false'}]", "1xh100-sxm-80gb", "enforce_eager must be true or false"),
+    # YAML 1.1 reads 1e3 (no dot) as a string
+    ("[{name: a, model: llama-3-8b, qps: 1e3, prompt_tokens: 10, output_tokens: 10}]",
+     "1xh100-sxm-80gb", "write 1.0e+9 or 1000000000"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, capsys, text: str, gpus: str,
                                    message: str) -> None:

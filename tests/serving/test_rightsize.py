@@ -193,6 +193,10 @@ def test_cli_json_and_table(capsys: pytest.CaptureFixture[str], toy_config: str)
     (["--qps", "5", "--gpus", "no-such-gpu"], "unknown GPU 'no-such-gpu'"),
     (["--qps", "5", "--p95-ttft", "fast"], "--p95-ttft must be a time > 0"),
     (["--qps", "30", "--p95-ttft", "1ms"], "closest is toy-gpu-8gb tp1 none"),
+    # training options were ignored with --serve
+    (["--qps", "5", "--train-tokens", "1e9"], "--train-tokens: training options, not read"),
+    (["--qps", "5", "--mode", "lora", "--spot"], "--mode, --spot: training options"),
+    (["--qps", "5", "--gpus-max", "4"], "--gpus-max: training options"),
 ])
 def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], toy_config: str,
                                    extra: list[str], message: str) -> None:

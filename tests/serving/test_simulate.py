@@ -33,10 +33,11 @@ ONE_SECOND = Roofline(peak_flops=1e15, bandwidth=1000.0, params=1, weights_bytes
 
 
 def plan(blocks: int, *, block_size: int = 4, budget: int = 64, max_model_len: int = 16,
-         max_num_seqs: int = 64):
+         max_num_seqs: int | None = None):
+    # vLLM refuses max_num_seqs above max_num_batched_tokens: at most 64, at most the budget
     p = serve_plan("llama-3-8b", kv_cache_memory=blocks * block_size * LLAMA_KV_TOKEN,
                    block_size=block_size, max_model_len=max_model_len,
-                   max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+                   max_num_batched_tokens=budget, max_num_seqs=max_num_seqs or min(64, budget))
     assert p.num_gpu_blocks == blocks
     return p
 
@@ -211,12 +212,19 @@ def test_cli_json(capsys):
     (["--trace", "EMPTY"], "empty trace"),
     (["--trace", "BAD"], "not JSON"),
     ([], "--qps"),
+    # the trace's rows set each request: the generator's flags were ignored
+    (["--trace", "GOOD", "--num-requests", "50"], "--num-requests shape generated requests"),
+    (["--trace", "GOOD", "--prompt-tokens", "9", "--seed", "1"], "--prompt-tokens, --seed"),
+    # fixed lengths (the default) have no spread
+    (["--qps", "2", "--spread", "0.3"], "--spread varies the lengths"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, args, message):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text("{arrival_time: 0}\n")
-    args = [{"EMPTY": str(tmp_path / "empty.jsonl"), "BAD": str(tmp_path / "bad.jsonl")}.get(a, a)
-            for a in args]
+    (tmp_path / "good.jsonl").write_text(
+        '{"arrival_time": 0, "prompt_tokens": 10, "output_tokens": 5}\n')
+    args = [{"EMPTY": str(tmp_path / "empty.jsonl"), "BAD": str(tmp_path / "bad.jsonl"),
+             "GOOD": str(tmp_path / "good.jsonl")}.get(a, a) for a in args]
     code = main(["simulate", "llama-3-8b", "--gpu", "h100-sxm-80gb", "--kv-cache-memory",
                  "1GiB", "--max-model-len", "2048", *args])
     err = capsys.readouterr().err

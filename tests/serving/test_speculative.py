@@ -123,7 +123,7 @@ def test_multi_module_mtp_retains_k_minus_one_sliding_tokens() -> None:
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--speculative-method", "eagle"], "--num-speculative-tokens"),
     (["--speculative-method", "eagle", "--num-speculative-tokens", "4",
-      "--max-num-batched-tokens", "4"], "must exceed"),
+      "--max-num-batched-tokens", "4", "--max-num-seqs", "4"], "must exceed"),
     (["--num-speculative-tokens", "2"], "need --speculative-method"),
     (["--speculative-method", "ngram", "--num-speculative-tokens", "2", "--draft-layers", "2"],
      "--draft-layers is for"),

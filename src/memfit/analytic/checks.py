@@ -26,8 +26,10 @@ def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> 
     if gpu is not None:
         if vocab.precision(run.precision).needs == "bf16" and not gpu.bf16:
             raise MemfitError(
-                f"{gpu.label} has no bf16 support (compute capability "
-                f"{gpu.compute_capability}); use --precision fp16-mixed (fp16 for inference), "
+                f"{gpu.label} has no bf16 support ("
+                + (f"compute capability {gpu.compute_capability}" if gpu.compute_capability
+                   else "not in its catalog entry")
+                + "); use --precision fp16-mixed (fp16 for inference), "
                 "or leave --precision out for the best this GPU supports")
         needs_fp8 = vocab.precision(run.precision).needs == "fp8" or run.kv_cache_dtype == "fp8"
         if needs_fp8 and not gpu.fp8:

@@ -36,14 +36,14 @@ def register(sub: Any) -> None:
     p.add_argument("--serve", action="store_true",
                    help="size a serving deployment (default: a training job)")
     t = p.add_argument_group("training (without --serve)")
-    t.add_argument("--mode", default="train", help="train, lora or qlora (default train)")
+    t.add_argument("--mode", help="train, lora or qlora (default train)")
     t.add_argument("--train-tokens", help="tokens the job trains on, e.g. 2e9 or 2B")
     t.add_argument("--seq", help="tokens per sample")
     t.add_argument("--global-batch", help="samples per optimizer step")
-    t.add_argument("--gpus-max", default="16", help="the most GPUs tried: 1, 2, 4, ... up to "
+    t.add_argument("--gpus-max", help="the most GPUs tried: 1, 2, 4, ... up to "
                    "it (default 16)")
-    t.add_argument("--optimizer", default="adamw", help="optimizer (default adamw)")
-    t.add_argument("--top", default="20", help="rows shown, cheapest first, plus every row of "
+    t.add_argument("--optimizer", help="optimizer (default adamw)")
+    t.add_argument("--top", help="rows shown, cheapest first, plus every row of "
                    "the Pareto front (default 20; --json has all)")
     t.add_argument("--host-memory", metavar="SIZE",
                    help="the RAM of one node (8 GPUs), e.g. 1TiB, as memfit plan's: "
@@ -57,7 +57,7 @@ def register(sub: Any) -> None:
                    "gcp-preemptible)")
     t.add_argument("--mtbf-hours", help="with --spot: mean hours between preemptions of one "
                    "instance (instead of --interruption)")
-    t.add_argument("--write-bandwidth", default="1GB/s",
+    t.add_argument("--write-bandwidth",
                    help="with --spot: checkpoint write bandwidth (default 1GB/s)")
     t.add_argument("--discount", help="with --spot: spot discount off on-demand, 0-1 "
                    "(default 0.6)")
@@ -68,8 +68,8 @@ def register(sub: Any) -> None:
     s.add_argument("--p95-ttft", help="p95 time to first token target (2s, 500ms)")
     s.add_argument("--p95-tpot", help="p95 time per output token target (50ms)")
     p.add_argument("--gpus", help="comma-separated catalog GPUs (default: every priced one)")
-    s.add_argument("--tp", default="1,2,4,8", help="TP sizes to try (default 1,2,4,8)")
-    s.add_argument("--quant", default="none,fp8",
+    s.add_argument("--tp", help="TP sizes to try (default 1,2,4,8)")
+    s.add_argument("--quant",
                    help="quantizations to try: none, fp8, awq, gptq, ... (default none,fp8)")
     s.add_argument("--max-model-len", help="vLLM's --max-model-len (default: the model's "
                    "context)")
@@ -80,7 +80,7 @@ def register(sub: Any) -> None:
                    "catalog's: {gpu: {price_per_hour, source, date}}")
     p.add_argument("--max-price-age-days", default="365",
                    help="flag prices older than this (default 365)")
-    s.add_argument("--num-requests", default="200",
+    s.add_argument("--num-requests",
                    help="requests simulated per replica count (default 200)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
@@ -107,12 +107,31 @@ def _list(text: str, flag: str) -> list[str]:
     return items
 
 
+# the defaults of the flags one side only reads: None on the command line, so that a flag given
+# to the other side is refused rather than ignored
+_TRAINING_DEFAULTS = {"mode": "train", "gpus_max": "16", "optimizer": "adamw", "top": "20",
+                      "write_bandwidth": "1GB/s"}
+_SERVING_DEFAULTS = {"tp": "1,2,4,8", "quant": "none,fp8", "num_requests": "200"}
+
+
+def _flag(attr: str) -> str:
+    return "--" + attr.replace("_", "-")
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.serve:
         return run_training(args)
     if args.host_memory is not None:
         raise MemfitError("--host-memory checks a training job's offloaded states: drop it "
                           "with --serve")
+    training = [_flag(a) for a in (*_TRAINING_DEFAULTS, "train_tokens", "seq", "global_batch",
+                                   "interruption", "mtbf_hours", "discount")
+                if getattr(args, a) is not None] + (["--spot"] if args.spot else [])
+    if training:
+        raise MemfitError(f"{', '.join(training)}: training options, not read with --serve; "
+                          "drop them (or drop --serve to size a training job)")
+    for attr, default in _SERVING_DEFAULTS.items():
+        setattr(args, attr, default if getattr(args, attr) is None else getattr(args, attr))
     missing = [f for f, v in (("--qps", args.qps), ("--prompt-tokens", args.prompt_tokens),
                               ("--output-tokens", args.output_tokens)) if v is None]
     if missing:
@@ -125,7 +144,9 @@ def _training_flags(args: argparse.Namespace) -> None:
                               ("--output-tokens", args.output_tokens),
                               ("--p95-ttft", args.p95_ttft), ("--p95-tpot", args.p95_tpot),
                               ("--max-model-len", args.max_model_len),
-                              ("--activation-peak", args.activation_peak)) if v is not None]
+                              ("--activation-peak", args.activation_peak),
+                              *((_flag(a), getattr(args, a)) for a in _SERVING_DEFAULTS))
+               if v is not None]
     if serving:
         raise MemfitError(f"{', '.join(serving)} size a serving deployment: add --serve")
     missing = [f for f, v in (("--train-tokens", args.train_tokens), ("--seq", args.seq),
@@ -134,8 +155,11 @@ def _training_flags(args: argparse.Namespace) -> None:
         raise MemfitError(f"a training job needs {', '.join(missing)} (or --serve to size "
                           "serving)")
     if not args.spot and any(v is not None for v in (args.interruption, args.mtbf_hours,
-                                                     args.discount)):
-        raise MemfitError("--interruption, --mtbf-hours and --discount price spot: add --spot")
+                                                     args.discount, args.write_bandwidth)):
+        raise MemfitError("--interruption, --mtbf-hours, --discount and --write-bandwidth "
+                          "price spot: add --spot")
+    for attr, default in _TRAINING_DEFAULTS.items():
+        setattr(args, attr, default if getattr(args, attr) is None else getattr(args, attr))
 
 
 def _fraction(text: str | None, flag: str) -> float | None:

@@ -113,6 +113,20 @@ def _utilization(text: str) -> float:
     return value
 
 
+# vllm/config/cache.py: BlockSize = Literal[1, 8, 16, 32, 64, 128, 256], the choices of
+# `vllm serve --block-size` (a hybrid model's larger page is vLLM's own, never the flag's)
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+
+
+def block_size_flag(text: str | None) -> int | None:
+    """``--block-size`` as ``vllm serve`` takes it: one of :data:`VLLM_BLOCK_SIZES`."""
+    value = positive_int(text, "--block-size")
+    if value is not None and value not in VLLM_BLOCK_SIZES:
+        raise MemfitError(f"--block-size {value} is not one vLLM takes (vllm/config/cache.py: "
+                          f"BlockSize); choose one of {', '.join(map(str, VLLM_BLOCK_SIZES))}")
+    return value
+
+
 def _count(text: str | None, flag: str) -> int | None:
     if text is None:
         return None
@@ -143,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     given: dict[str, Any] = dict(
         kv_cache_memory=None if args.kv_cache_memory is None else _budget(args.kv_cache_memory),
         tp=positive_int(args.tp, "--tp"), kv_cache_dtype=args.kv_cache_dtype,
-        block_size=positive_int(args.block_size, "--block-size"),
+        block_size=block_size_flag(args.block_size),
         max_model_len=positive_int(args.max_model_len, "--max-model-len"),
         max_num_batched_tokens=positive_int(args.max_num_batched_tokens,
                                             "--max-num-batched-tokens"))
@@ -183,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         engine_version=args.engine_version or VLLM_VERSION)
     if log is not None:
         from memfit.serving import check_plan
+        from memfit.serving.check import length_mismatch
 
         rows = check_plan(plan, log, from_log=tuple(
             k if k != "kv_cache_memory" else "kv_cache_bytes" for k, v in given.items()
@@ -194,6 +209,12 @@ def run(args: argparse.Namespace) -> int:
             return 0
         render(plan)
         render_check(log, rows, str(args.check))
+        mismatch = length_mismatch(plan, log)
+        if mismatch is not None:
+            console().print(f"  max concurrency and KV cache tokens not compared: the plan's "
+                            f"are for --max-model-len {mismatch[0]:,}, the log's for "
+                            f"{mismatch[1]:,} tokens a request (drop --max-model-len to "
+                            "compare them)", soft_wrap=True)
         return 0
     if args.json:
         print_json(plan.to_json())

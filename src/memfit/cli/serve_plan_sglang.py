@@ -18,6 +18,11 @@ _VLLM_ONLY = (("kv_cache_memory", "--kv-cache-memory"), ("block_size", "--block-
               ("max_num_batched_tokens", "--max-num-batched-tokens"),
               ("max_num_seqs", "--max-num-seqs"), ("concurrency", "--concurrency"),
               ("check", "--check"))
+# serve-plan's options that size parts of a vLLM plan the SGLang plan does not model
+_VLLM_MODELLED = (("activation_peak", "--activation-peak"), ("max_images", "--max-images"),
+                  ("max_videos", "--max-videos"), ("max_pixels", "--max-pixels"),
+                  ("num_speculative_tokens", "--num-speculative-tokens"),
+                  ("draft_layers", "--draft-layers"), ("draft_model", "--draft-model"))
 
 
 def run_sglang(args: argparse.Namespace) -> int:
@@ -27,6 +32,10 @@ def run_sglang(args: argparse.Namespace) -> int:
         if getattr(args, attr) is not None:
             raise MemfitError(f"{flag} is vLLM's; with --engine sglang pass --gpu and, if "
                               "needed, --mem-fraction-static")
+    for attr, flag in _VLLM_MODELLED:
+        if getattr(args, attr) is not None:
+            raise MemfitError(f"{flag} is modelled for vLLM only (the SGLang plan is weights, "
+                              "CUDA context and the KV pool); drop it or pass --engine vllm")
     if args.enforce_eager or args.no_async_scheduling or args.no_prefix_caching \
             or args.gpu_memory_utilization != "0.9":
         raise MemfitError("--enforce-eager, --gpu-memory-utilization, --no-async-scheduling "

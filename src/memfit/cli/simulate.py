@@ -40,14 +40,14 @@ def register(sub: Any) -> None:
     src = p.add_argument_group("workload")
     src.add_argument("--qps", help="Poisson arrival rate, requests per second (inf: all at once)")
     src.add_argument("--trace", metavar="FILE", help="requests from a .jsonl or .csv file")
-    src.add_argument("--num-requests", default="200", help="requests to generate (default 200)")
-    src.add_argument("--prompt-tokens", default="1000", help="mean prompt tokens (default 1000)")
-    src.add_argument("--output-tokens", default="300", help="mean output tokens (default 300)")
-    src.add_argument("--lengths", default="fixed", choices=("fixed", "uniform", "lognormal"),
+    src.add_argument("--num-requests", help="requests to generate (default 200)")
+    src.add_argument("--prompt-tokens", help="mean prompt tokens (default 1000)")
+    src.add_argument("--output-tokens", help="mean output tokens (default 300)")
+    src.add_argument("--lengths", choices=("fixed", "uniform", "lognormal"),
                      help="length distribution (default fixed)")
-    src.add_argument("--spread", default="0.5", help="uniform: range ratio; lognormal: sigma "
+    src.add_argument("--spread", help="uniform: range ratio; lognormal: sigma "
                      "(default 0.5)")
-    src.add_argument("--seed", default="0", help="random seed (default 0)")
+    src.add_argument("--seed", help="random seed (default 0)")
     src.add_argument("--max-concurrency", help="client-side limit on requests in flight (as "
                      "vllm bench serve --max-concurrency)")
     rf = p.add_argument_group("roofline")
@@ -83,19 +83,39 @@ def _overhead(text: str) -> float:
     return value
 
 
+# the generator's flags and their defaults: None on the command line, so that one given with
+# --trace (whose rows set them) is refused rather than ignored
+_GENERATOR_DEFAULTS = {"num_requests": "200", "prompt_tokens": "1000", "output_tokens": "300",
+                       "lengths": "fixed", "spread": "0.5", "seed": "0"}
+
+
+def _workload_flags(args: argparse.Namespace) -> None:
+    given = ["--" + a.replace("_", "-") for a in _GENERATOR_DEFAULTS
+             if getattr(args, a) is not None]
+    if args.trace is not None and given:
+        raise MemfitError(f"{', '.join(given)} shape generated requests; the --trace file's "
+                          "rows give each request: drop them (or --trace for --qps)")
+    if args.spread is not None and (args.lengths or "fixed") == "fixed":
+        raise MemfitError("--spread varies the lengths: add --lengths uniform or lognormal "
+                          "(fixed lengths have none)")
+    for attr, default in _GENERATOR_DEFAULTS.items():
+        setattr(args, attr, default if getattr(args, attr) is None else getattr(args, attr))
+
+
 def run(args: argparse.Namespace) -> int:
-    from memfit.cli.serve_plan import _budget, _utilization
+    from memfit.cli.serve_plan import _budget, _utilization, block_size_flag
     from memfit.serving import poisson_requests, read_trace, serve_plan, simulate
 
     if (args.qps is None) == (args.trace is None):
         raise MemfitError("pass one workload: --qps RATE (generated requests) or --trace FILE")
     qps = None if args.qps is None else _number(args.qps, "--qps", inf=True)
+    _workload_flags(args)
     plan = serve_plan(
         args.model, gpu=args.gpu,
         kv_cache_memory=None if args.kv_cache_memory is None else _budget(args.kv_cache_memory),
         gpu_memory_utilization=_utilization(args.gpu_memory_utilization),
         tp=positive_int(args.tp, "--tp") or 1, quant=args.quant,
-        block_size=positive_int(args.block_size, "--block-size"),
+        block_size=block_size_flag(args.block_size),
         max_model_len=positive_int(args.max_model_len, "--max-model-len"),
         max_num_seqs=positive_int(args.max_num_seqs, "--max-num-seqs"),
         max_num_batched_tokens=positive_int(args.max_num_batched_tokens,

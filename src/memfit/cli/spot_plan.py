@@ -45,12 +45,12 @@ def register(sub: Any) -> None:
     p.add_argument("--params", help="a parameter count instead of a model, e.g. 7e9")
     p.add_argument("--checkpoint-bytes", help="the checkpoint's size instead of a model, "
                    "e.g. 150GB")
-    p.add_argument("--mode", default="train", help=f"one of {', '.join(MODES)} (default train)")
-    p.add_argument("--precision", default="bf16-mixed",
+    p.add_argument("--mode", help=f"one of {', '.join(MODES)} (default train)")
+    p.add_argument("--precision",
                    help=f"one of {', '.join(PRECISIONS)} (default bf16-mixed)")
-    p.add_argument("--optimizer", default="adamw",
+    p.add_argument("--optimizer",
                    help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
-    p.add_argument("--engine", default="auto", help=f"one of {', '.join(ENGINES)} (default "
+    p.add_argument("--engine", help=f"one of {', '.join(ENGINES)} (default "
                    "auto): which copies of the weights the optimizer keeps")
     p.add_argument("--work-hours", required=True,
                    help="hours of computing the job needs without preemptions")
@@ -69,7 +69,7 @@ def register(sub: Any) -> None:
     p.add_argument("--step-seconds", help="one training step's time: with the band's notice, "
                    "says whether a checkpoint on notice (memfit.preemptible) saves the work")
     p.add_argument("--gpu", help="a catalog GPU: its on-demand price (`memfit gpus`)")
-    p.add_argument("--gpus", default="1", help="GPUs the job runs on (for the price; default 1)")
+    p.add_argument("--gpus", help="GPUs the job runs on, with --gpu (for the price; default 1)")
     p.add_argument("--price-per-hour", help="the whole job's on-demand $/hour (instead of --gpu)")
     p.add_argument("--discount", default=str(DEFAULT_SPOT_DISCOUNT),
                    help="spot discount off on-demand, 0-1 (default 0.6: the low end of Google "
@@ -97,8 +97,18 @@ def _checkpoint_bytes(args: argparse.Namespace) -> tuple[int, str]:
     if len(given) != 1:
         raise MemfitError("give exactly one of a model, --params or --checkpoint-bytes"
                           + (f" (got {', '.join(given)})" if given else ""))
+    sizing = [f for f, v in (("--mode", args.mode), ("--precision", args.precision),
+                             ("--optimizer", args.optimizer), ("--engine", args.engine))
+              if v is not None]
     if args.checkpoint_bytes:
+        if sizing:
+            raise MemfitError(f"{', '.join(sizing)}: only a model or --params is sized by "
+                              "them; --checkpoint-bytes gives the size itself (drop one)")
         return parse_bytes(args.checkpoint_bytes, what="--checkpoint-bytes"), "given"
+    # RunConfig checks the names (one line on a bad one)
+    mode: Any = args.mode or "train"
+    precision: Any = args.precision or "bf16-mixed"
+    optimizer: Any = args.optimizer or "adamw"
     model: ModelSpec
     if args.params:
         params = parse_count(args.params, what="--params")
@@ -107,10 +117,10 @@ def _checkpoint_bytes(args: argparse.Namespace) -> tuple[int, str]:
         from memfit.models import resolve_model
 
         model = resolve_model(args.model)
-    run = RunConfig(mode=args.mode, precision=args.precision, optimizer=args.optimizer,
-                    engine=args.engine)
+    run = RunConfig(mode=mode, precision=precision, optimizer=optimizer,
+                    engine=args.engine or "auto")
     return checkpoint_bytes(model, run), (f"{model.name}: weights + optimizer states, "
-                                          f"{args.mode} {args.precision} {args.optimizer}")
+                                          f"{mode} {precision} {optimizer}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         notice = INTERRUPTION_BANDS[band][1]
         source = INTERRUPTION_BANDS[band][2]
     price = _number(args.price_per_hour, "--price-per-hour", zero_ok=True)
+    if args.gpus is not None and not args.gpu:
+        raise MemfitError("--gpus multiplies --gpu's catalog price; pass --gpu NAME, or give "
+                          "the whole job's --price-per-hour without --gpus")
     if args.gpu:
         if price is not None:
             raise MemfitError("give --gpu or --price-per-hour, not both")

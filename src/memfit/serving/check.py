@@ -14,7 +14,7 @@ from typing import Any
 
 from memfit.serving.logs import EngineLog
 
-__all__ = ["CheckRow", "check_plan", "log_inputs"]
+__all__ = ["CheckRow", "check_plan", "length_mismatch", "log_inputs"]
 
 # (plan key, log key, what): the figures compared, in the order the engine prints them.
 _ROWS = (
@@ -91,19 +91,39 @@ def log_inputs(log: EngineLog, **given: Any) -> dict[str, Any]:
     return out
 
 
+# the figures that depend on the request length (vllm/v1/core/kv_cache_utils.py)
+_BY_LENGTH = ("kv_cache_tokens", "max_concurrency")
+
+
+def length_mismatch(plan: Any, log: EngineLog) -> tuple[int, int] | None:
+    """(the plan's ``max_model_len``, the log's "Maximum concurrency for L tokens") when both
+    are known and differ, else None."""
+    predicted = plan if isinstance(plan, dict) else plan.to_json()
+    ours, theirs = predicted.get("max_model_len"), log.concurrency_len
+    if isinstance(ours, int) and theirs is not None and ours != theirs:
+        return ours, theirs
+    return None
+
+
 def check_plan(plan: Any, log: EngineLog, *, from_log: tuple[str, ...] = ()) -> list[CheckRow]:
     """The rows where both the plan (its ``to_json()`` keys, or a dict of them) and the log
     give a figure; ``from_log`` names the plan keys that were taken from the log.
 
     A figure the plan leaves None (the weights, activation peak, memory outside torch and CUDA
-    graphs until serve-plan predicts them) has no row.
+    graphs until serve-plan predicts them) has no row; neither have the concurrency and the
+    "GPU KV cache size" tokens (``int(concurrency x max_model_len)``) when the plan's
+    ``max_model_len`` is not the length the log's concurrency line is for
+    (:func:`length_mismatch`): they would compare two different request lengths.
     """
     predicted = plan if isinstance(plan, dict) else plan.to_json()
     logged = log.measured()
+    by_length = length_mismatch(predicted, log) is not None
     rows = []
     for plan_key, log_key, what in _ROWS:
         p, g = predicted.get(plan_key), logged.get(log_key)
         if p is None or g is None or isinstance(p, bool):
+            continue
+        if by_length and plan_key in _BY_LENGTH:
             continue
         rows.append(CheckRow(what=what, key=plan_key, predicted=p, logged=g,
                              from_log=plan_key in from_log))

@@ -226,6 +226,7 @@ def serve_plan(model: str | Path | Mapping[str, Any], *, kv_cache_memory: int | 
 
         capability = spec_gpu.compute_capability or compute_capability_for(spec_gpu.name)
     name, config = load_config(model)
+    _check_multimodal_flags(name, config, max_images, max_videos, max_pixels)
     layers = kv_spec(config, tp=tp, kv_cache_dtype=kv_cache_dtype)
     speculative, layers = _with_draft(
         layers, config, speculative_method, num_speculative_tokens, draft_layers, draft_model,
@@ -303,6 +304,32 @@ def _check_budget_args(kv_cache_memory: int | None, gpu: str | None,
     requested_memory(1, gpu_memory_utilization)  # (0, 1] or one line
 
 
+def _multimodal(config: Mapping[str, Any]) -> bool:
+    """Whether vLLM may treat the model as multimodal: a vision tower in the config, or a
+    multimodal family or architecture (vLLM decides by the architecture, not the config's
+    keys, so a VL model type without its ``vision_config`` counts)."""
+    from memfit.serving.multimodal import MULTIMODAL_FAMILIES
+
+    model_type = str(config.get("model_type", ""))
+    archs = config.get("architectures") or []
+    return (isinstance(config.get("vision_config"), Mapping)
+            or model_type in MULTIMODAL_FAMILIES or "vl" in model_type.split("_")
+            or any(str(a).endswith("ForConditionalGeneration") for a in archs))
+
+
+def _check_multimodal_flags(name: str, config: Mapping[str, Any], max_images: int | None,
+                            max_videos: int | None, max_pixels: int | None) -> None:
+    """Refuse the image/video limits on a model without a vision tower: vLLM refuses them
+    (``vllm/config/model.py``: "`limit_mm_per_prompt` is only supported for multimodal
+    models", and the same for ``mm_processor_kwargs``), and nothing here could use them."""
+    given = [flag for flag, value in (("--max-images", max_images), ("--max-videos", max_videos),
+                                      ("--max-pixels", max_pixels)) if value is not None]
+    if given and not _multimodal(config):
+        raise MemfitError(f"{', '.join(given)}: {name} has no vision encoder (no "
+                          "vision_config); vLLM refuses --limit-mm-per-prompt and "
+                          "--mm-processor-kwargs for a text-only model: drop the option")
+
+
 def _gpu_and_limits(gpu: str | None, quant: str | None, max_num_batched_tokens: int | None,
                     max_num_seqs: int | None) -> tuple[Any, int, int]:
     """The catalog GPU (or None), the quantization checked against it, and the scheduler's
@@ -313,17 +340,26 @@ def _gpu_and_limits(gpu: str | None, quant: str | None, max_num_batched_tokens: 
 
         spec_gpu = get_gpu(gpu)
         if spec_gpu.vendor not in ("nvidia", "custom"):
-            raise MemfitError(f"serve-plan restates vLLM's CUDA platform; {spec_gpu.name} is "
-                              f"{spec_gpu.vendor} (ROCm: other attention backends and block "
-                              "sizes), not modelled yet: pick an NVIDIA GPU or pass "
-                              "--kv-cache-memory BYTES")
+            platform = {"amd": "ROCm", "apple": "Metal (MPS)"}.get(spec_gpu.vendor,
+                                                                   spec_gpu.vendor)
+            raise MemfitError(f"the vLLM plan restates vLLM's CUDA platform; {spec_gpu.name} "
+                              f"is {spec_gpu.vendor} ({platform}: other attention backends "
+                              "and block sizes), not modelled yet: pick an NVIDIA GPU (or, "
+                              "in serve-plan, pass --kv-cache-memory BYTES)")
     check_quant(quant, spec_gpu.compute_capability if spec_gpu else None)
     seqs_default, tokens_default = default_batch_limits(
         spec_gpu.usable_bytes, spec_gpu.name) if spec_gpu else (1024,
                                                                 DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    return (spec_gpu,
-            _positive(max_num_batched_tokens or tokens_default, "--max-num-batched-tokens"),
-            _positive(max_num_seqs or seqs_default, "--max-num-seqs"))
+    tokens = _positive(max_num_batched_tokens or tokens_default, "--max-num-batched-tokens")
+    seqs = _positive(max_num_seqs or seqs_default, "--max-num-seqs")
+    # every running request takes at least one token a step (a default budget is left to
+    # vLLM's own defaults, which may raise it)
+    if max_num_batched_tokens is not None and tokens < seqs:
+        raise MemfitError(f"--max-num-batched-tokens {tokens} is below --max-num-seqs {seqs}; "
+                          "vLLM refuses it (vllm/config/scheduler.py: SchedulerConfig "
+                          "'must be greater than or equal to max_num_seqs'): raise "
+                          "--max-num-batched-tokens or lower --max-num-seqs")
+    return spec_gpu, tokens, seqs
 
 
 def _with_draft(layers: list[LayerKV], config: Mapping[str, Any], method: str | None,

@@ -113,7 +113,15 @@ class Tenant:
 
 def _number(value: Any, key: str, where: str, *, integer: bool) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise MemfitError(f"{where}: {key} must be a number, got {value!r}")
+        hint = ""
+        if isinstance(value, str):
+            try:
+                float(value)
+                hint = (" (YAML 1.1 reads an exponent without a dot, like 1e9, as text: "
+                        "write 1.0e+9 or 1000000000)")
+            except ValueError:
+                pass
+        raise MemfitError(f"{where}: {key} must be a number, got {value!r}{hint}")
     if integer:
         if not float(value).is_integer() or value <= 0:
             raise MemfitError(f"{where}: {key} must be a positive integer, got {value!r}")
@@ -164,7 +172,10 @@ def tenant_from_dict(data: Mapping[str, Any], index: int = 0) -> Tenant:
         if data.get(key) is not None:
             kw[key] = str(data[key])
     if data.get("enforce_eager") is not None:
-        kw["enforce_eager"] = bool(data["enforce_eager"])
+        eager = data["enforce_eager"]
+        if not isinstance(eager, bool):  # bool("false") is True
+            raise MemfitError(f"{where}: enforce_eager must be true or false, got {eager!r}")
+        kw["enforce_eager"] = eager
     mig = data.get("mig")
     if mig is not None and mig is not False:
         kw["mig"] = "auto" if mig is True else str(mig).strip().lower()
