@@ -60,6 +60,8 @@ def _json(capsys: pytest.CaptureFixture[str]) -> str:
     ("--gpu", "h100-sxm-80gb", "--kv-cache-memory", "1GiB"),
     ("--gpu", "h100-sxm-80gb", "--block-size", "32"),
     ("--gpu", "h100-sxm-80gb", "--gpu-memory-utilization", "0.8"),
+    # vLLM's default written out is still vLLM's flag (it was compared as text with "0.9")
+    ("--gpu", "h100-sxm-80gb", "--gpu-memory-utilization", "0.9"),
     ("--gpu", "h100-sxm-80gb", "--mem-fraction-static", "x"),
     ("--gpu", "h100-sxm-80gb", "--mem-fraction-static", "1.5"),
     # sized in the vLLM plan only: refused rather than ignored

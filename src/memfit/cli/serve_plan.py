@@ -26,7 +26,7 @@ def register(sub: Any) -> None:
                    "or a hub id in the local cache")
     p.add_argument("--gpu", help="the GPU (`memfit gpus`): the budget from "
                    "--gpu-memory-utilization, as vLLM profiles it")
-    p.add_argument("--gpu-memory-utilization", default="0.9",
+    p.add_argument("--gpu-memory-utilization",
                    help="vLLM's fraction of the GPU's memory, in (0, 1] (default 0.9)")
     p.add_argument("--kv-cache-memory", metavar="BYTES",
                    help="the KV budget per GPU, as vLLM's --kv-cache-memory (bytes, or 20GiB): "
@@ -102,7 +102,11 @@ def _budget(text: str, flag: str = "--kv-cache-memory") -> int:
     return parse_bytes(text, what=flag)
 
 
-def _utilization(text: str) -> float:
+def _utilization(text: str | None) -> float:
+    """``--gpu-memory-utilization``, vLLM's default 0.9 when not given (None: the SGLang path
+    refuses the flag only when it was given)."""
+    if text is None:
+        return 0.9
     try:
         value = float(text)
     except ValueError:

@@ -37,7 +37,7 @@ def run_sglang(args: argparse.Namespace) -> int:
             raise MemfitError(f"{flag} is modelled for vLLM only (the SGLang plan is weights, "
                               "CUDA context and the KV pool); drop it or pass --engine vllm")
     if args.enforce_eager or args.no_async_scheduling or args.no_prefix_caching \
-            or args.gpu_memory_utilization != "0.9":
+            or args.gpu_memory_utilization is not None:
         raise MemfitError("--enforce-eager, --gpu-memory-utilization, --no-async-scheduling "
                           "and --no-prefix-caching are vLLM's; with --engine sglang the share "
                           "is --mem-fraction-static")
