@@ -197,6 +197,12 @@ def test_cli_json_and_table(capsys: pytest.CaptureFixture[str], toy_config: str)
     (["--qps", "5", "--train-tokens", "1e9"], "--train-tokens: training options, not read"),
     (["--qps", "5", "--mode", "lora", "--spot"], "--mode, --spot: training options"),
     (["--qps", "5", "--gpus-max", "4"], "--gpus-max: training options"),
+    # names that hold on every GPU are refused before the search (each GPU skipped them)
+    (["--qps", "5", "--quant", "foo"], "error: unknown --quant 'foo'"),
+    (["--qps", "5", "--quant", "none,bnb-4bit"],
+     "error: --quant bnb-4bit: vLLM 0.33.0 has no bitsandbytes"),
+    (["--qps", "5", "--tp", "3"], "error: --tp 3 does not divide num_attention_heads (4)"),
+    (["--qps", "5", "--tp", "3,6"], "no --tp size fits the model: --tp 3 does not divide"),
 ])
 def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], toy_config: str,
                                    extra: list[str], message: str) -> None:
@@ -205,6 +211,15 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], toy_confi
                         "--output-tokens", "1", "--tp", "1", "--quant", "none",
                         "--activation-peak", "0", *gpus, *extra)
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_tp_the_heads_cannot_take_beside_one_they_can_is_skipped() -> None:
+    """tp 1 and 3 on 4 heads: the search runs tp 1 and lists tp 3 with vLLM's refusal."""
+    result = _size(tp=[1, 3])
+    assert {c.tp for c in result.candidates} == {1}
+    assert [s.reason for s in result.skipped if s.tp == 3] == [
+        "--tp 3 does not divide num_attention_heads (4); vLLM refuses it (vllm/config/model.py: "
+        "verify_with_parallel_config); pick a --tp that divides it"]
 
 
 def test_cli_unknown_gpu_in_the_prices_file(capsys: pytest.CaptureFixture[str],

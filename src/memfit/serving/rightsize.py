@@ -295,6 +295,31 @@ def _check(qps: float, prompt_tokens: int, output_tokens: int, ttft: float | Non
             raise MemfitError(f"{flag} must be a time > 0, got {target!r}")
 
 
+def _check_model_options(config: Mapping[str, Any], tp: Sequence[int],
+                         quant: Sequence[str]) -> None:
+    """Refuse, before any GPU is sized, a ``--quant`` name vLLM does not serve, and ``--tp``
+    sizes of which the model's heads take none: both hold on every GPU. A tp size the heads
+    cannot take beside one they can (the default 1, 2, 4, 8 on a model of 28 heads) stays in
+    the search's skipped list, with the per-GPU reasons (a capability below a format's minimum,
+    a pool too small)."""
+    from memfit.serving.kv_spec import kv_spec
+    from memfit.serving.weights import check_quant
+
+    for q in dict.fromkeys(quant):
+        check_quant(q)
+    refusals = []
+    for size in dict.fromkeys(tp):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise MemfitError(f"--tp must be whole numbers >= 1, got {size!r}")
+        try:
+            kv_spec(config, tp=size)
+        except MemfitError as exc:
+            refusals.append(str(exc))
+    if refusals and len(refusals) == len(dict.fromkeys(tp)):
+        raise MemfitError(refusals[0] if len(refusals) == 1 else
+                          f"no --tp size fits the model: {'; '.join(refusals)}")
+
+
 def _closest(skipped: Sequence[Skipped], ttft: float | None, tpot: float | None) -> str:
     near = [s for s in skipped if s.p95_ttft_s is not None]
     if not near:
@@ -350,6 +375,7 @@ def rightsize_serving(model: str | Path | Mapping[str, Any], *, qps: float, prom
     names, table = _prices(gpus, prices, gpu_file)
     today = today or dt.date.today()
     _, config = load_config(model)
+    _check_model_options(config, tp, quant)
     w = _Workload(qps=float(qps), prompt=prompt_tokens, output=output_tokens, ttft=p95_ttft_s,
                   tpot=p95_tpot_s, num_requests=num_requests, seed=seed,
                   max_replicas=max_replicas)
