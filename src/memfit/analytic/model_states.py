@@ -48,6 +48,8 @@ INT4_BYTES_PER_PARAM = Fraction(1, 2) + Fraction(2 + 2, 128)
 
 
 def _ceil(x: Fraction | int) -> int:
+    if isinstance(x, int):  # already whole: no Fraction arithmetic
+        return x
     x = Fraction(x)
     return -(-x.numerator // x.denominator)
 

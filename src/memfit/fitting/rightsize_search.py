@@ -157,7 +157,7 @@ def _fitting(spec: Any, run: Any, gpu: Any, per_rank: int, *, above: int, most: 
         m = sizes[mid]
         tally[0] += 1
         try:
-            p = plan(spec, dataclasses.replace(run, batch=m, grad_accum=per_rank // m), gpu)
+            p = plan(spec, run.with_batch(m, per_rank // m), gpu)
         except MemfitError:
             return []
         over_host = host is not None and p.host_bytes > host.limit
@@ -183,7 +183,7 @@ def _fitting(spec: Any, run: Any, gpu: Any, per_rank: int, *, above: int, most: 
     for m in sizes:  # the pipeline: every smaller micro-batch fits too (the prefix)
         if m < top and m not in found:
             tally[0] += 1
-            found[m] = plan(spec, dataclasses.replace(run, batch=m, grad_accum=per_rank // m),
+            found[m] = plan(spec, run.with_batch(m, per_rank // m),
                             gpu)
     return sorted(found.items())
 
