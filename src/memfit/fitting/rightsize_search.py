@@ -428,7 +428,8 @@ def _search_variants(spec: Any, base_run: Any, gpu: Any, rates: Any, par: Any,
                       + int(v.offload_params) + int(v.offload_activations) + int(chunked)
                       + int(precision == "fp8") + int(par.pp > 1))
             for m, p in fits:
-                p_run = dataclasses.replace(p.run, precision=precision)
+                p_run = (p.run if precision == p.run.precision
+                         else dataclasses.replace(p.run, precision=precision))
                 step_s = _step_seconds(spec, p_run, rates, m=m, per_rank=per_rank, seq=seq,
                                        counted=counted, plain=plain, count=count, ranks=ranks)
                 margin = tie if best is not None and extras > best.extras else 1e-9
