@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from memfit.analytic.config import RunConfig
+from memfit.analytic.model_states import model_states
 from memfit.errors import MemfitError
 from memfit.layout import Parallel
 from memfit.models import get_preset
@@ -50,3 +51,19 @@ def test_a_caller_cannot_change_the_cached_runtime_parts() -> None:
     # two matmul threads x cuBLAS's default :4096:2:16:8 workspace (4096 KiB x 2 + 16 KiB x 8)
     assert target_runtime_bytes("cuda", "8.0")["cublas_workspace"] == 2 * 8_519_680
     assert target_runtime_bytes("cuda", "9.0")["cublas_workspace"] == 2 * 32 * 2**20
+
+
+def test_the_model_states_are_kept_by_everything_but_the_micro_batch() -> None:
+    spec = get_preset("llama-3-8b")
+    psi = spec.param_count()
+    adamw = model_states(spec, RunConfig(precision="bf16-mixed", optimizer="adamw", batch=4))
+    sgd = model_states(spec, RunConfig(precision="bf16-mixed", optimizer="sgd", batch=4))
+    # AdamW's two fp32 moments, 8 bytes a parameter, that plain SGD does not keep
+    assert adamw.optimizer_states - sgd.optimizer_states == 8 * psi
+    # ZeRO-3 over 8 GPUs: the same run sharded, not the one-GPU states again
+    sharded = model_states(spec, RunConfig(precision="bf16-mixed", optimizer="adamw", batch=4,
+                                           parallel=Parallel(gpus=8, zero=3)))
+    assert sharded.optimizer_states == -(-adamw.optimizer_states // 8)
+    # the states do not depend on the micro-batch and accumulation: one entry serves them all
+    assert model_states(spec, RunConfig(precision="bf16-mixed", optimizer="adamw", batch=16,
+                                        grad_accum=4)) == adamw
