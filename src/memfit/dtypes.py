@@ -31,6 +31,8 @@ def nbytes(count: int, fmt: str) -> int:
         raise MemfitError(
             f"unknown number format {fmt!r}{suggest(fmt, BYTES_PER_ELEMENT)}; "
             f"valid: {', '.join(BYTES_PER_ELEMENT)}") from None
+    if per.denominator == 1 and isinstance(count, int):  # whole bytes: no Fraction arithmetic
+        return count * per.numerator
     total = count * per
     return int(-(-total.numerator // total.denominator))
 

@@ -19,6 +19,7 @@ Layers: ``plan`` (the analytic planner, ``memfit plan``), ``trace`` (``memfit.es
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError, suggest
@@ -155,10 +156,12 @@ _KINDS: dict[str, dict[str, frozenset[str]]] = {
 }
 
 
+@functools.cache
 def names(kind: str, layer: str | None) -> tuple[str, ...]:
     """The names of ``kind`` (precision, optimizer, checkpointing) that ``layer`` takes, in
     order: ``names("precision", "fit") == ("fp32", "bf16-mixed", "fp16-mixed", "bf16")``;
-    ``layer=None``: every name of ``kind`` (what a :class:`memfit.Recipe` may hold)."""
+    ``layer=None``: every name of ``kind`` (what a :class:`memfit.Recipe` may hold). Cached:
+    the tables are constants, and every run config checks its names through here."""
     return tuple(n for n, layers in _KINDS[kind].items() if layer is None or layer in layers)
 
 

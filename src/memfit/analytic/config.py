@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -34,6 +36,30 @@ WEIGHT_QUANTS: tuple[str, ...] = get_args(WeightQuant)
 KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
 ENGINES: tuple[str, ...] = get_args(Engine)
 OFFLOAD_TARGETS: tuple[str, ...] = get_args(OffloadTo)
+
+
+def _check_recipe(fields: dict[str, Any]) -> None:
+    """``Recipe.for_layer("plan", **fields)``, once per distinct fields: a search builds
+    thousands of runs from a few recipes. Keyed by each value's type too, so that ``1`` does
+    not pass for ``True`` (the recipe refuses a flag that is not a bool); fields that do not
+    hash (a list of LoRA targets) are checked each time."""
+    key = tuple((name, type(value), value) for name, value in fields.items())
+    try:
+        hash(key)
+    except TypeError:
+        Recipe.for_layer("plan", **fields)
+        return
+    _check_recipe_key(key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_recipe_key(key: tuple[tuple[str, type, Any], ...]) -> None:
+    Recipe.for_layer("plan", **{name: value for name, _, value in key})
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise MemfitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
 def _check_choice(what: str, value: str, valid: tuple[str, ...]) -> None:
@@ -137,16 +163,13 @@ class RunConfig:
             raise MemfitError(f"RunConfig(parallel={self.parallel!r}): give a memfit.Parallel, "
                               "e.g. parallel=Parallel(gpus=8, zero=3)")
         for name in ("batch", "grad_accum", "lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise MemfitError(f"--{name.replace('_', '-')} must be a positive integer, "
-                                  f"got {value!r}")
+            _check_positive(name, getattr(self, name))
         if self.seq is not None and (not isinstance(self.seq, int) or self.seq <= 0):
             raise MemfitError(f"--seq must be a positive integer, got {self.seq!r}")
         if self.new_tokens < 0:
             raise MemfitError(f"--new-tokens must be >= 0, got {self.new_tokens}")
         try:  # the recipe's names (precision, optimizer, ..., LoRA targets), checked there
-            Recipe.for_layer("plan", **self._recipe_fields())
+            _check_recipe(self._recipe_fields())
         except MemfitError as exc:
             raise MemfitError(str(exc).removeprefix(f"{Recipe.where}: ")) from None
         if self.engine == "fsdp2" and self.zero == 0 and self.training:
@@ -340,6 +363,18 @@ class RunConfig:
     def relayout(self, **changes: Any) -> RunConfig:
         """This run on another layout: :func:`relayout` of :attr:`parallel`."""
         return dataclasses.replace(self, parallel=relayout(self.parallel, **changes))
+
+    def with_batch(self, batch: int, grad_accum: int = 1) -> RunConfig:
+        """This run at micro-batch ``batch`` with ``grad_accum`` micro-batches per step, as
+        ``dataclasses.replace(run, batch=..., grad_accum=...)`` gives it, checking only those
+        two: nothing else :meth:`__post_init__` checks depends on them, so a search over
+        micro-batches does not validate the rest again for each one."""
+        _check_positive("batch", batch)
+        _check_positive("grad_accum", grad_accum)
+        new = copy.copy(self)
+        object.__setattr__(new, "batch", batch)  # frozen dataclass, as __post_init__ does
+        object.__setattr__(new, "grad_accum", grad_accum)
+        return new
 
     def to_dict(self) -> dict[str, Any]:
         """The run as a JSON object (``memfit plan --json``'s ``"run"``), its layout nested as

@@ -48,6 +48,8 @@ INT4_BYTES_PER_PARAM = Fraction(1, 2) + Fraction(2 + 2, 128)
 
 
 def _ceil(x: Fraction | int) -> int:
+    if isinstance(x, int):  # already whole: no Fraction arithmetic
+        return x
     x = Fraction(x)
     return -(-x.numerator // x.denominator)
 
@@ -268,7 +270,28 @@ def sparse_training_copies(model: TransformerSpec, run: RunConfig, *,
 
 
 def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelStates:
-    """Weights, gradients and optimizer states on one GPU of pipeline stage ``stage``."""
+    """Weights, gradients and optimizer states on one GPU of pipeline stage ``stage``.
+
+    Kept by the model, the run without its micro-batch and accumulation (the states do not
+    depend on them) and the stage: a search (``memfit rightsize``) plans the same run at each
+    micro-batch it tries."""
+    key = (model, run.with_batch(1, 1), stage)
+    try:
+        found = _STATES.get(key)
+    except TypeError:  # an unhashable field (a model spec's, a list of LoRA targets)
+        return _model_states(model, run, stage=stage)
+    if found is None:
+        if len(_STATES) > 4096:
+            _STATES.clear()
+        found = _STATES[key] = _model_states(model, run, stage=stage)
+    return found
+
+
+_STATES: dict[tuple[object, ...], ModelStates] = {}
+
+
+def _model_states(model: ModelSpec, run: RunConfig, *, stage: int) -> ModelStates:
+    """:func:`model_states`, computed."""
     split = split_params(model, run, stage=stage)
     compute_bytes = nbytes(1, run.compute_format)
     notes: list[str] = []

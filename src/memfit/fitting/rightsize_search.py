@@ -157,7 +157,7 @@ def _fitting(spec: Any, run: Any, gpu: Any, per_rank: int, *, above: int, most: 
         m = sizes[mid]
         tally[0] += 1
         try:
-            p = plan(spec, dataclasses.replace(run, batch=m, grad_accum=per_rank // m), gpu)
+            p = plan(spec, run.with_batch(m, per_rank // m), gpu)
         except MemfitError:
             return []
         over_host = host is not None and p.host_bytes > host.limit
@@ -183,7 +183,7 @@ def _fitting(spec: Any, run: Any, gpu: Any, per_rank: int, *, above: int, most: 
     for m in sizes:  # the pipeline: every smaller micro-batch fits too (the prefix)
         if m < top and m not in found:
             tally[0] += 1
-            found[m] = plan(spec, dataclasses.replace(run, batch=m, grad_accum=per_rank // m),
+            found[m] = plan(spec, run.with_batch(m, per_rank // m),
                             gpu)
     return sorted(found.items())
 
@@ -428,7 +428,8 @@ def _search_variants(spec: Any, base_run: Any, gpu: Any, rates: Any, par: Any,
                       + int(v.offload_params) + int(v.offload_activations) + int(chunked)
                       + int(precision == "fp8") + int(par.pp > 1))
             for m, p in fits:
-                p_run = dataclasses.replace(p.run, precision=precision)
+                p_run = (p.run if precision == p.run.precision
+                         else dataclasses.replace(p.run, precision=precision))
                 step_s = _step_seconds(spec, p_run, rates, m=m, per_rank=per_rank, seq=seq,
                                        counted=counted, plain=plain, count=count, ranks=ranks)
                 margin = tie if best is not None and extras > best.extras else 1e-9

@@ -7,6 +7,7 @@ them against the published counts exactly.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -142,19 +143,7 @@ class TransformerSpec:
 
     def linear_shapes(self) -> list[LinearShape]:
         """The linear layers of one block, by role (fused projections listed per role)."""
-        h, f = self.hidden_size, self.intermediate_size
-        experts = max(self.num_experts, 1)
-        shapes = [
-            LinearShape(role="q", in_features=h, out_features=self.q_dim),
-            LinearShape(role="k", in_features=h, out_features=self.kv_dim),
-            LinearShape(role="v", in_features=h, out_features=self.kv_dim),
-            LinearShape(role="o", in_features=self.q_dim, out_features=h),
-        ]
-        if self.mlp in ("swiglu", "geglu"):
-            shapes.append(LinearShape(role="gate", in_features=h, out_features=f, count=experts))
-        shapes.append(LinearShape(role="up", in_features=h, out_features=f, count=experts))
-        shapes.append(LinearShape(role="down", in_features=f, out_features=h, count=experts))
-        return shapes
+        return list(_linear_shapes(self))
 
     # ----------------------------------------------------------- param counts
     def _norm_params(self) -> int:
@@ -223,6 +212,25 @@ class TransformerSpec:
         per_expert = h * f * (3 if self.mlp != "gelu" else 2)
         idle = (self.num_experts - self.experts_per_token) * per_expert
         return self.param_count() - self.num_layers * idle
+
+
+@functools.lru_cache(maxsize=256)
+def _linear_shapes(spec: TransformerSpec) -> tuple[LinearShape, ...]:
+    """:meth:`TransformerSpec.linear_shapes`, cached by the (frozen) spec: the formulas ask
+    for them several times in every plan, and a search makes tens of thousands of plans."""
+    h, f = spec.hidden_size, spec.intermediate_size
+    experts = max(spec.num_experts, 1)
+    shapes = [
+        LinearShape(role="q", in_features=h, out_features=spec.q_dim),
+        LinearShape(role="k", in_features=h, out_features=spec.kv_dim),
+        LinearShape(role="v", in_features=h, out_features=spec.kv_dim),
+        LinearShape(role="o", in_features=spec.q_dim, out_features=h),
+    ]
+    if spec.mlp in ("swiglu", "geglu"):
+        shapes.append(LinearShape(role="gate", in_features=h, out_features=f, count=experts))
+    shapes.append(LinearShape(role="up", in_features=h, out_features=f, count=experts))
+    shapes.append(LinearShape(role="down", in_features=f, out_features=h, count=experts))
+    return tuple(shapes)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,8 @@ included), ``rocm`` (AMD: HIP, :mod:`memfit.runtime.rocm`) and ``mps`` (Apple si
 
 from __future__ import annotations
 
+import functools
+
 from memfit.errors import MemfitError
 from memfit.runtime.cuda import cuda_runtime_bytes
 from memfit.runtime.mps import mps_runtime_bytes
@@ -31,6 +33,14 @@ def target_runtime_bytes(target: str, arch: str | None = None, *, num_gpus: int 
     >>> target_runtime_bytes("mps")
     {}
     """
+    return dict(_runtime_parts(target, arch, num_gpus, matmul_threads))
+
+
+@functools.lru_cache(maxsize=256)
+def _runtime_parts(target: str, arch: str | None, num_gpus: int,
+                   matmul_threads: int) -> dict[str, int]:
+    """:func:`target_runtime_bytes`, cached (callers get a copy): a pure function of its
+    arguments and the installed torch's version (itself cached), asked by every plan."""
     if target == "mps":
         return mps_runtime_bytes()
     if target == "rocm":
