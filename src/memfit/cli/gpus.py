@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 from dataclasses import asdict
 from typing import Any
 
@@ -45,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
     print_table(table, drop=("$/h", "host link", "fp8 TF", "bf16 TF", "GB/s", "memory",
                              "usable"))
     if not all(g.usable_measured for g in gpus):
-        console().print(
+        out = console()  # wrapped at the table's width, also when piped (whole lines)
+        out.print(textwrap.fill(
             "* not measured: PyTorch's total_memory for this GPU is not in the catalog; shown "
             "is the driver's total (PyTorch allocates 1-2% less), or the label's GB where no "
-            "driver figure was found (--json: memory_basis, usable_measured)", soft_wrap=True)
+            "driver figure was found (--json: memory_basis, usable_measured)", width=out.width))
     return 0
