@@ -13,8 +13,10 @@ Each engine keeps its own layout (RunConfig.layout; Note: [engine layouts]).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TypeVar
 
 from memfit import semi_structured, vocab
 from memfit.analytic.checks import sparse_shard_shapes
@@ -109,18 +111,27 @@ def split_params(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ParamSp
     """
     key = (model, run.mode, run.lora_rank, run.lora_targets, run.parallel.tp, run.parallel.pp,
            stage)
-    try:
-        found = _SPLITS.get(key)
-    except TypeError:  # a model spec with an unhashable field: computed each time
-        return _split_params(model, run, stage=stage)
-    if found is None:
-        if len(_SPLITS) > 4096:
-            _SPLITS.clear()
-        found = _SPLITS[key] = _split_params(model, run, stage=stage)
-    return found
+    return _kept(_SPLITS, key, lambda: _split_params(model, run, stage=stage))
 
 
 _SPLITS: dict[tuple[object, ...], ParamSplit] = {}
+_T = TypeVar("_T")
+
+
+def _kept(cache: dict[tuple[object, ...], _T], key: tuple[object, ...],
+          compute: Callable[[], _T]) -> _T:
+    """``cache[key]``, computed by ``compute`` the first time; computed each time when a field
+    of the key does not hash (a model spec's, a list of LoRA targets). Emptied past 4,096
+    entries."""
+    try:
+        found = cache.get(key)
+    except TypeError:
+        return compute()
+    if found is None:
+        if len(cache) > 4096:
+            cache.clear()
+        found = cache[key] = compute()
+    return found
 
 
 def _split_params(model: ModelSpec, run: RunConfig, *, stage: int) -> ParamSplit:
@@ -276,15 +287,7 @@ def model_states(model: ModelSpec, run: RunConfig, *, stage: int = 0) -> ModelSt
     depend on them) and the stage: a search (``memfit rightsize``) plans the same run at each
     micro-batch it tries."""
     key = (model, run.with_batch(1, 1), stage)
-    try:
-        found = _STATES.get(key)
-    except TypeError:  # an unhashable field (a model spec's, a list of LoRA targets)
-        return _model_states(model, run, stage=stage)
-    if found is None:
-        if len(_STATES) > 4096:
-            _STATES.clear()
-        found = _STATES[key] = _model_states(model, run, stage=stage)
-    return found
+    return _kept(_STATES, key, lambda: _model_states(model, run, stage=stage))
 
 
 _STATES: dict[tuple[object, ...], ModelStates] = {}
