@@ -291,3 +291,18 @@ def test_every_preset_plans_in_every_mode() -> None:
         for run in runs:
             p = plan(spec, run, gpu)
             assert p.total_bytes == sum(p.breakdown.values()) > 0
+
+
+@pytest.mark.parametrize(("mode", "fix"), [("train", "fp16-mixed"), ("inference", "fp16")])
+def test_bf16_on_a_t4_from_python_names_runconfigs_fix(mode: str, fix: str) -> None:
+    # The planner cannot know its caller: the message keeps the CLI's flag and adds the
+    # Python spelling, with the precision the T4 runs for this mode; that fix then plans.
+    from memfit.gpus import get_gpu
+
+    model = ParamCountSpec(name="1B", params=10**9)
+    t4 = get_gpu("t4")
+    with pytest.raises(MemfitError, match="no bf16 support") as info:
+        plan(model, RunConfig(mode=mode), t4)
+    assert f'RunConfig(precision="{fix}")' in str(info.value)
+    assert "--precision fp16-mixed (fp16 for inference)" in str(info.value)
+    assert plan(model, RunConfig(mode=mode, precision=fix), t4).total_bytes > 0

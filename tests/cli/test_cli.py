@@ -125,6 +125,33 @@ def test_bad_input_is_one_line_exit_2(capsys, argv: list[str], needle: str) -> N
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["plan", "--params", "-5b"],  # a minus and a digit is a value, not an option (3.11-3.12)
+    ["plan", "--params=-5b"],
+    ["plan", "--params", "-7.5e9"],
+    ["plan", "--params", "0"],
+    ["spot-plan", "--params", "-5b", "--work-hours", "5", "--write-bandwidth", "10GB/s"],
+    ["plan", "llama-3-8b", "--seq", "-5k"],
+])
+def test_negative_count_is_refused_by_its_own_check(capsys, argv: list[str]) -> None:
+    code, _, err = run_or_exit(capsys, argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "positive" in err and "expected one argument" not in err
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    ("1e15", True), ("1000T", True),  # the bound itself: 10**15 parameters
+    ("1.0000001e15", False), ("1001T", False), ("1e30", False)])
+def test_params_above_1e15_is_refused(capsys, text: str, ok: bool) -> None:
+    code, out, err = run_or_exit(capsys, ["plan", "--params", text, "--json"])
+    if ok:
+        assert code == 0, err
+        assert json.loads(out)["model"]["params"] == 10**15
+    else:
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "above 1e15" in err and "check the exponent" in err
+
+
 def test_malformed_config_file(capsys, tmp_path) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("{not json")

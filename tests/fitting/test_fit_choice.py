@@ -111,6 +111,16 @@ def test_same_simplicity_goes_to_the_lower_peak() -> None:
     assert rank([hi, lo]) == [lo, hi]
 
 
+def test_split_ties_go_to_the_lower_peak_then_fewer_accumulation_steps() -> None:
+    """docs/fit.md "How it chooses": one configuration at two micro-batch splits that tie on
+    time ranks the lower peak (the smaller micro-batch) first; at equal peaks, fewer steps."""
+    small = _cand(10.0, 1.0, precision="fp16-mixed", micro_batch=2, accumulation=4)
+    large = _cand(10.0, 2.0, precision="fp16-mixed", micro_batch=8, accumulation=1)
+    assert rank([large, small]) == [small, large]
+    same_peak = _cand(10.0, 1.0, precision="fp16-mixed", micro_batch=8, accumulation=1)
+    assert rank([small, same_peak]) == [same_peak, small]
+
+
 def test_measured_seconds_rank_the_same_way() -> None:
     a = _cand(1.0, 1.0, checkpointing="full").with_measured(2.000)
     b = _cand(2.0, 1.0).with_measured(2.010)

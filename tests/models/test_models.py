@@ -663,3 +663,14 @@ def test_transformers_meta_model_matches_variants(tmp_path: Path) -> None:
     for i, config in enumerate(variants):
         spec = load_hf_config(_write(tmp_path, config, f"c{i}.json"))
         assert spec.param_count() == _hf_param_count(config), config["model_type"]
+
+
+@pytest.mark.parametrize(("params", "needle"), [
+    (0, "must be positive"), (-5, "must be positive"), (10**15 + 1, "above 1e15")])
+def test_param_count_spec_bounds_name_both_spellings(params: int, needle: str) -> None:
+    from memfit.models.spec import ParamCountSpec
+
+    with pytest.raises(MemfitError, match=needle) as info:
+        ParamCountSpec(name="x", params=params)
+    assert "params=" in str(info.value) and "--params" in str(info.value)
+    assert ParamCountSpec(name="x", params=10**15).param_count() == 10**15

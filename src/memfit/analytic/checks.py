@@ -30,7 +30,9 @@ def _check_compatible(model: ModelSpec, run: RunConfig, gpu: GpuSpec | None) -> 
                 + (f"compute capability {gpu.compute_capability}" if gpu.compute_capability
                    else "not in its catalog entry")
                 + "); use --precision fp16-mixed (fp16 for inference), "
-                "or leave --precision out for the best this GPU supports")
+                "or leave --precision out for the best this GPU supports; in Python, "
+                # the caller may be the CLI or Python: both spellings, Python's exact for the mode
+                f'RunConfig(precision="{"fp16" if run.mode == "inference" else "fp16-mixed"}")')
         needs_fp8 = vocab.precision(run.precision).needs == "fp8" or run.kv_cache_dtype == "fp8"
         if needs_fp8 and not gpu.fp8:
             raise MemfitError(

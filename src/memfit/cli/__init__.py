@@ -33,6 +33,12 @@ class _Parser(argparse.ArgumentParser):
         for key in ("description", "epilog"):
             kwargs[key] = plain_text(kwargs.get(key))
         super().__init__(*args, **kwargs)
+        # Note: [negative values] A value that starts with a minus and a digit (`--params -5b`,
+        # `--seq -5k`, `--batch -1e3`) is a value, so that its own check answers ("must be
+        # positive") rather than argparse's "expected one argument". argparse 3.13+ matches
+        # this way (r"-\.?\d"); 3.11-3.12 took only plain numbers such as -5 or -.5. No memfit
+        # option is spelled like a negative number, so nothing else changes.
+        self._negative_number_matcher = re.compile(r"-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"memfit: error: {message} (see `{self.prog} --help`)\n")

@@ -233,6 +233,13 @@ def _linear_shapes(spec: TransformerSpec) -> tuple[LinearShape, ...]:
     return tuple(shapes)
 
 
+# A bound on a bare parameter count: 1e15 (1000T) is over 5x the largest model ever reported
+# (BaGuaLu, 174T, on the Sunway supercomputer, 2022) and ~500x today's largest open models
+# (~1-2T); its bf16 weights alone are 2 PB. A count above it is a typo (an exponent or a
+# suffix), not a plan: the reports would print numbers no one can use.
+MAX_PARAMS = 10**15
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParamCountSpec:
     """A model known only by its parameter count: model states can be planned, activations
@@ -242,8 +249,16 @@ class ParamCountSpec:
     params: int
 
     def __post_init__(self) -> None:
+        # The caller may be the CLI (--params) or Python (params=): the message names both.
         if self.params <= 0:
-            raise MemfitError(f"--params must be positive, got {self.params}")
+            raise MemfitError(f"a parameter count (--params / params=) must be positive, "
+                              f"got {self.params:,}")
+        if self.params > MAX_PARAMS:
+            raise MemfitError(
+                f"a parameter count (--params / params=) of {self.params:.10g} is above "
+                "1e15 (1000T), over 5x the largest model ever reported (BaGuaLu, 174T) and "
+                "2 PB of bf16 weights alone; check the exponent or the suffix "
+                "(7.5e9 = 7.5B)")
 
     def param_count(self) -> int:
         return self.params
