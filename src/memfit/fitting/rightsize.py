@@ -280,11 +280,11 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
         mtbf_hours=mtbf_hours, write_bandwidth=write_bandwidth, spot_discount=spot_discount,
         host_memory=host_memory)
     age = DEFAULT_MAX_PRICE_AGE_DAYS if max_price_age_days is None else max_price_age_days
-    table, names = _priced_gpus(gpus, prices, gpu_file)
+    today = today or dt.date.today()
+    table, names = _priced_gpus(gpus, prices, gpu_file, today)
     spec, base_run = _training_model(model, mode, optimizer, seq)
     steps = job_steps(train_tokens, global_batch, seq)
     counter = _Counter(spec, base_run, seq)
-    today = today or dt.date.today()
     found: list[TrainingCandidate] = []
     skipped: list[str] = []
     closest: list[tuple[float, str]] = []
@@ -339,7 +339,8 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
 
 
 def _priced_gpus(gpus: Sequence[str] | None, prices: str | Path | Mapping[str, Any] | None,
-                 gpu_file: str | Path | None) -> tuple[dict[str, Any], list[str]]:
+                 gpu_file: str | Path | None,
+                 today: dt.date) -> tuple[dict[str, Any], list[str]]:
     """The price table (the catalog's, ``prices`` over it) and the GPUs to size: ``gpus``
     (catalog names, each once) or every priced one."""
     from memfit.gpus import get_gpu
@@ -347,7 +348,7 @@ def _priced_gpus(gpus: Sequence[str] | None, prices: str | Path | Mapping[str, A
 
     table = catalog_prices(gpu_file)
     if prices is not None:
-        table.update(load_prices(prices, gpu_file))
+        table.update(load_prices(prices, gpu_file, today=today))
     names = list(table) if gpus is None else \
         list(dict.fromkeys(get_gpu(g, gpu_file).name for g in gpus))
     return table, names
