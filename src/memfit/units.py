@@ -90,6 +90,9 @@ def parse_count(text: str | float | int, *, what: str) -> int:
                 f"{what} {text!r} is not a number; write e.g. 7.5e9 or 7.5B") from None
     if not math.isfinite(value) or value <= 0:
         raise MemfitError(f"{what} must be a positive number, got {text!r}")
+    if value < 1:  # rounded, 0.5 was 0 and the refusal said "got 0"
+        raise MemfitError(f"{what} is a count of at least 1, got {text!r}; write a suffix for "
+                          "billions, millions or thousands: 0.5B is 500,000,000")
     return round(value)
 
 
