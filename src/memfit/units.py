@@ -19,6 +19,11 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, with an ``s`` unless ``count`` is 1: ``1 GPU``, ``4 GPUs``."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def format_bytes(n: int | None, *, binary: bool = True) -> str:
     """``1.50 GiB`` (binary) or ``1.61 GB`` (decimal); ``unknown`` for None."""
     if n is None:

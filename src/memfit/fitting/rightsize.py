@@ -68,6 +68,7 @@ from memfit.fitting.rightsize_args import check_training_args
 from memfit.fitting.rightsize_count import _count, _Counter
 from memfit.fitting.rightsize_host import HOST_MEMORY_MARGIN, HostLimit, host_limit, rejection
 from memfit.fitting.rightsize_search import _Best, _Host, search_gpu_count
+from memfit.units import plural
 
 _ = _count  # re-exported for the tests
 
@@ -229,15 +230,16 @@ def _nothing_found(gpus_max: int, closest: list[tuple[float, str]],
     if rejected:
         least = min(rejected, key=lambda r: r["least_host_bytes_per_gpu"]
                     / r["limit_bytes_per_gpu"])
-        return MemfitError(f"no configuration fits on any GPU up to {gpus_max} GPUs within "
-                           f"host memory: {sum(r['configurations'] for r in rejected)} "
-                           f"configurations fit a GPU but not its host memory; on "
+        configs = sum(r["configurations"] for r in rejected)
+        return MemfitError(f"no configuration fits on any GPU up to {plural(gpus_max, 'GPU')} "
+                           f"within host memory: {plural(configs, 'configuration')} "
+                           f"fit{'s' if configs == 1 else ''} a GPU but not its host memory; on "
                            f"{least['count']} x "
                            f"{least['gpu']}, {least['reason']}; give the node's RAM with "
                            "--host-memory, or raise --gpus-max")
     if closest:
         ratio, what = min(closest)
-        return MemfitError(f"no configuration fits on any GPU up to {gpus_max} GPUs; the "
+        return MemfitError(f"no configuration fits on any GPU up to {plural(gpus_max, 'GPU')}; the "
                            f"closest is {what} ({ratio:.2f}x); raise --gpus-max, shorten "
                            "--seq, or use --mode lora / qlora")
     return MemfitError("no GPU to size: " + ("; ".join(skipped[:3]) or "none priced")

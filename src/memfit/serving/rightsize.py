@@ -51,6 +51,7 @@ from memfit.serving.prices import (
 from memfit.serving.roofline import Roofline
 from memfit.serving.simulate import Simulation, percentile, roofline_for, simulate
 from memfit.serving.workload import Request, poisson_requests
+from memfit.units import plural
 
 __all__ = ["DEFAULT_NUM_REQUESTS", "RightsizeResult", "ServingCandidate", "Skipped",
            "pareto_front", "rightsize_serving"]
@@ -210,8 +211,8 @@ def _search(plan: Any, roofline: Roofline, w: _Workload) -> _Found:
     fail, r = low - 1, low
     while not _meets(p95_at(r), w.ttft, w.tpot):
         if r >= w.max_replicas:
-            return None, p95_at(r), r, f"misses the latency target at {r} replicas (the most " \
-                "searched)"
+            return None, p95_at(r), r, (f"misses the latency target at {plural(r, 'replica')} "
+                                        "(the most searched)")
         fail, r = r, min(2 * r, w.max_replicas)
     while r - fail > 1:  # the fewest that meet: in (fail, r]
         mid = (fail + r) // 2
