@@ -17,6 +17,12 @@ class MemfitError(ValueError):
     """Bad input: unknown names, impossible sizes, conflicting options, malformed files."""
 
 
+class DoesNotFitError(MemfitError):
+    """The model does not fit the GPU as asked (the engine would refuse to start), found before
+    a plan exists: bad input, except where the caller gates on fit (``memfit serve-plan
+    --check-fit`` exits 1 on it, as on a plan that does not fit)."""
+
+
 def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:
     """`` (did you mean 'a', 'b'?)`` for the closest choices, or an empty string."""
     close = difflib.get_close_matches(name.lower(), list(choices), n=n, cutoff=0.5)

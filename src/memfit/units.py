@@ -19,6 +19,11 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, with an ``s`` unless ``count`` is 1: ``1 GPU``, ``4 GPUs``."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def format_bytes(n: int | None, *, binary: bool = True) -> str:
     """``1.50 GiB`` (binary) or ``1.61 GB`` (decimal); ``unknown`` for None."""
     if n is None:
@@ -90,6 +95,9 @@ def parse_count(text: str | float | int, *, what: str) -> int:
                 f"{what} {text!r} is not a number; write e.g. 7.5e9 or 7.5B") from None
     if not math.isfinite(value) or value <= 0:
         raise MemfitError(f"{what} must be a positive number, got {text!r}")
+    if value < 1:  # rounded, 0.5 was 0 and the refusal said "got 0"
+        raise MemfitError(f"{what} is a count of at least 1, got {text!r}; write a suffix for "
+                          "billions, millions or thousands: 0.5B is 500,000,000")
     return round(value)
 
 

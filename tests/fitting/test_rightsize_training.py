@@ -212,11 +212,13 @@ def test_prices_override_and_a_stale_one_is_flagged(toy: str) -> None:
         assert c.cost_usd == pytest.approx(c.job_hours * 3.0)
 
 
-def test_no_fit_anywhere_names_the_closest(toy: str) -> None:
+@pytest.mark.parametrize(("gpus_max", "up_to"), [(2, "2 GPUs"), (1, "1 GPU")])
+def test_no_fit_anywhere_names_the_closest(toy: str, gpus_max: int, up_to: str) -> None:
     # 1 GPU holds less runtime (no NCCL) than 2: full checkpointing at micro-batch 1 on one.
     closest = r"closest is 1 x toy-a100-tiny \(1 GPU, ckpt=full, adamw, offload, micro-batch 1\)"
-    with pytest.raises(MemfitError, match=r"no configuration fits .*" + closest):
-        _size(toy, gpus=["toy-a100-tiny"])
+    with pytest.raises(MemfitError, match=f"no configuration fits on any GPU up to {up_to}; the "
+                                          + closest):
+        _size(toy, gpus=["toy-a100-tiny"], gpus_max=gpus_max)
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str, str]:

@@ -125,6 +125,24 @@ def test_cli_bad_input_is_one_line_exit_2(argv: list[str],
     assert err.count("\n") == 1 and err.startswith("memfit: error:")
 
 
+@pytest.mark.parametrize("command", [["spot-plan", "--work-hours", "10", "--write-bandwidth",
+                                      "1GB/s"], ["plan"]])
+@pytest.mark.parametrize("params", ["0.5", "0.6"])
+def test_cli_params_below_one_names_what_was_typed(command: list[str], params: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # 0.5 was rounded to 0 before the check, which then said "got 0"; 0.6 became 1 parameter
+    assert main([*command, "--params", params]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"got '{params}'" in err and "0.5B" in err, err
+
+
+def test_cli_params_with_a_suffix_as_plan_reads_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["spot-plan", "--params", "0.5b", "--work-hours", "10",
+                 "--write-bandwidth", "1GB/s"]) == 0
+    # 5e8 parameters x 14 bytes (bf16-mixed AdamW) = 7 GB
+    assert "7.00 GB" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flag", [["--mode", "lora"], ["--optimizer", "sgd"],
                                   ["--precision", "fp32"], ["--engine", "fsdp2"]])
 def test_cli_sizing_flags_with_checkpoint_bytes_are_refused(

@@ -78,3 +78,34 @@ def test_no_async_scheduling_keeps_one_batch_in_flight(capsys) -> None:
     # a 4096-token window over 32768 tokens: cdiv(4095 + in flight, 16) + 1 blocks per layer
     assert two["max_concurrency"] == round(blocks / (1280 + 1), 2)
     assert one["max_concurrency"] == round(blocks / (768 + 1), 2)
+
+
+@pytest.mark.parametrize(("argv", "code"), [
+    # 511 usable blocks of 16 tokens beside the null block: 8,176 tokens, not 8,192
+    (["llama-3-8b", "--kv-cache-memory", "1GiB"], 1),
+    (["llama-3-8b", "--kv-cache-memory", "1GiB", "--json"], 1),
+    (["llama-3-8b", "--kv-cache-memory", "1GiB", "--max-model-len", "4096"], 0),
+    # 70B bf16 weights (~138 GB) on a 48 GB L40S: no KV pool, vLLM fails at startup
+    (["llama-2-70b", "--gpu", "l40s", "--max-model-len", "4096", "--activation-peak", "1GiB"],
+     1),
+    # SGLang: 16 GB of 8B bf16 weights leave 80 GB of room on an H100; on a 24 GB L4 the
+    # default --mem-fraction-static leaves none; 70B on an L40S fills the card before the pool
+    (["llama-3.1-8b", "--engine", "sglang", "--gpu", "h100-sxm-80gb"], 0),
+    (["llama-3.1-8b", "--engine", "sglang", "--gpu", "l4"], 1),
+    (["llama-3-70b", "--engine", "sglang", "--gpu", "l40s"], 1),
+])
+def test_check_fit_exits_1_when_the_plan_does_not_fit(capsys, argv: list[str],
+                                                      code: int) -> None:
+    got, out, err = run(capsys, "serve-plan", *argv, "--check-fit")
+    assert got == code, err
+    if code and not out:  # found before a plan exists: one line saying so, not "error"
+        assert err.startswith("memfit: does not fit: ") and err.count("\n") == 1, err
+    # without --check-fit a plan answered exits 0 (SGLang's no-room-at-all stays bad input)
+    plain, _, _ = run(capsys, "serve-plan", *argv)
+    assert plain == (2 if code and not out else 0)
+
+
+def test_check_fit_bad_input_is_still_exit_2(capsys) -> None:
+    code, _, err = run(capsys, "serve-plan", "llama-3-8b", "--kv-cache-memory", "1GiB",
+                       "--tp", "3", "--check-fit")
+    assert code == 2 and err.count("\n") == 1, err

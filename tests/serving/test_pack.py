@@ -269,6 +269,15 @@ def test_cli_text_and_the_python_export(tmp_path, capsys) -> None:
     assert "of 4 GPUs used, optimal" in out and "code (3g.40gb)" in out
 
 
+@pytest.mark.parametrize(("pool", "line"), [("1xh100-sxm-80gb", "1 of 1 GPU used, optimal"),
+                                            ("2xh100-sxm-80gb", "1 of 2 GPUs used, optimal")])
+def test_cli_the_gpu_count_line_is_singular_for_one(tmp_path, capsys, pool: str,
+                                                    line: str) -> None:
+    text = "[{name: a, model: llama-3-8b, qps: 1, prompt_tokens: 100, output_tokens: 10}]"
+    assert main(["pack", _file(tmp_path, text), "--gpus", pool]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(line)
+
+
 def test_some_tenants_unplaced_exit_1(tmp_path, capsys) -> None:
     text = TENANTS.replace("  - {name: code, model: qwen2.5-7b, qps: 2, mig: 3g.40gb}\n", "")
     assert main(["pack", _file(tmp_path, text), "--gpus", "1xh100-sxm-80gb"]) == 1

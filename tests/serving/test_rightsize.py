@@ -133,8 +133,18 @@ def test_price_age_edges() -> None:
 def test_a_prices_file_in_yaml(tmp_path: Path) -> None:
     path = tmp_path / "prices.yaml"
     path.write_text("toy-gpu-8gb: {price_per_hour: 0.5, source: quote, date: 2026-11-01}\n")
-    assert load_prices(path)["toy-gpu-8gb"] == GpuPrice(price_per_hour=0.5, source="quote",
-                                                        date="2026-11-01")
+    got = load_prices(path, today=dt.date(2026, 11, 1))["toy-gpu-8gb"]  # dated today: taken
+    assert got == GpuPrice(price_per_hour=0.5, source="quote", date="2026-11-01")
+
+
+@pytest.mark.parametrize("date", ["2026-11-02", "2026-12"])
+def test_a_price_dated_after_today_is_refused(date: str) -> None:
+    prices = {"toy-gpu-8gb": {"price_per_hour": 1.0, "date": date}}
+    with pytest.raises(MemfitError, match=f"toy-gpu-8gb: price date {date} is after today "
+                                          r"\(2026-11-01\)"):
+        load_prices(prices, today=dt.date(2026, 11, 1))
+    with pytest.raises(MemfitError, match="after today"):  # the search passes its today on
+        _size(prices=prices, today=dt.date(2026, 11, 1))
 
 
 def test_pareto_front_on_a_hand_made_list() -> None:
@@ -229,6 +239,16 @@ def test_cli_unknown_gpu_in_the_prices_file(capsys: pytest.CaptureFixture[str],
     code, _, err = _cli(capsys, toy_config, "--serve", "--qps", "5", "--prompt-tokens", "16",
                         "--output-tokens", "4", "--prices", str(prices))
     assert code == 2 and "unknown GPU 'h999'" in err and err.count("\n") == 1, err
+
+
+def test_cli_a_price_dated_in_2062_is_one_line(capsys: pytest.CaptureFixture[str],
+                                               toy_config: str, tmp_path: Path) -> None:
+    prices = tmp_path / "prices.yaml"  # 2062 for 2026; YAML reads it as a date
+    prices.write_text("toy-gpu-8gb: {price_per_hour: 1.0, date: 2062-11-01}\n")
+    code, _, err = _cli(capsys, toy_config, "--serve", "--qps", "5", "--prompt-tokens", "16",
+                        "--output-tokens", "4", "--prices", str(prices))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "toy-gpu-8gb: price date 2062-11-01 is after today" in err, err
 
 
 def test_a_gpu_without_a_price_is_skipped_with_the_reason() -> None:

@@ -73,6 +73,13 @@ def exit_status(args: Any, capacity: int | None, total: int, margin: float) -> i
     return 0 if capacity - total >= margin * capacity else EXIT_DOES_NOT_FIT
 
 
+def fit_status(args: Any, fits: bool) -> int:
+    """``memfit serve-plan``'s exit code: :data:`EXIT_DOES_NOT_FIT` under ``--check-fit`` when
+    the plan does not fit, else 0 (without ``--check-fit`` a plan that was answered exits 0;
+    its ``--check`` is the startup log to compare with)."""
+    return EXIT_DOES_NOT_FIT if getattr(args, "check_fit", False) and not fits else 0
+
+
 def took(args: Any, traced_seconds: float) -> str:
     """How long a traced plan took, for its header: the command's wall time since ``memfit
     plan`` started (importing torch and transformers, building the model on meta, tracing),

@@ -47,12 +47,12 @@ def run(args: argparse.Namespace) -> int:
 def render(result: Any) -> None:
     from rich.table import Table
 
-    from memfit.units import format_bytes
+    from memfit.units import format_bytes, plural
 
     out = console()
     how = ("optimal (exhaustive search)" if result.packing.method == "exhaustive"
            else "first-fit decreasing (too large to search exhaustively)")
-    out.print(f"{result.gpus_used} of {len(result.pool)} GPUs used, {how}")
+    out.print(f"{result.gpus_used} of {plural(len(result.pool), 'GPU')} used, {how}")
     table = Table(title="Assignment", title_justify="left")
     for col in ("gpu", "type", "tenants", "memory used", "TB/s used"):
         table.add_column(col, justify="left" if col in ("type", "tenants") else "right")

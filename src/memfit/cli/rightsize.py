@@ -23,6 +23,7 @@ from typing import Any
 
 from memfit.cli._common import console, name_column, positive_int, print_json, print_table
 from memfit.errors import MemfitError
+from memfit.units import plural
 
 _UNITS = {"ms": 1e-3, "s": 1.0, "": 1.0}
 
@@ -243,7 +244,8 @@ def render_training(result: Any, args: argparse.Namespace) -> None:
     if result.spot:
         sp = result.spot
         con.print(f"spot: preemptions every {sp['mtbf_hours_per_instance']:,.1f} h per "
-                  f"instance of {sp['gpus_per_instance']} GPUs ({sp['source']}), a job of n "
+                  f"instance of {plural(sp['gpus_per_instance'], 'GPU')} ({sp['source']}), "
+                  f"a job of n "
                   f"instances every 1/n of it; checkpoints (weights + optimizer states) written "
                   f"at {sp['write_bandwidth'] / 1e9:g} GB/s; {sp['discount']:.0%} off on-demand")
     con.print("configuration: fit's cost model at the catalog's rates, memory from memfit "
@@ -257,9 +259,9 @@ def host_line(result: Any) -> str:
     worst = min(rows, key=lambda r: r["limit_bytes_per_gpu"] / r["least_host_bytes_per_gpu"])
     where = ("--host-memory" if result.host_memory.get("node_bytes") is not None
              else "the catalog's machines; --host-memory SIZE gives a node's RAM")
-    return (f"host memory: {sum(r['configurations'] for r in rows)} configurations on "
-            f"{len(rows)} GPU x count dropped, their offloaded states over each GPU's share of "
-            f"host RAM less {result.host_memory['margin']:.0%} ({where}); "
+    return (f"host memory: {plural(sum(r['configurations'] for r in rows), 'configuration')} "
+            f"on {plural(len(rows), 'GPU x count')} dropped, their offloaded states over each "
+            f"GPU's share of host RAM less {result.host_memory['margin']:.0%} ({where}); "
             + (f"{len(gone)} with none left ({', '.join(gone[:4])}"
                f"{', ...' if len(gone) > 4 else ''}); " if gone else "")
             + f"e.g. {worst['count']} x {worst['gpu']}: {worst['reason'].split(' (')[0]}")

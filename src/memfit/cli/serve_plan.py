@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.cli._common import console, positive_int, print_json
+from memfit.cli._common import console, fit_status, positive_int, print_json
 from memfit.errors import MemfitError
 
 
@@ -88,6 +88,10 @@ def register(sub: Any) -> None:
     p.add_argument("--check", metavar="LOGFILE",
                    help="a vLLM or SGLang startup log: fill the settings not given from it and "
                    "print the plan against the engine's figures, line by line")
+    p.add_argument("--check-fit", action="store_true",
+                   help="exit 1 when the plan does not fit (the weights leave no KV pool, or "
+                   "one request of --max-model-len tokens does not fit in it), 0 when it fits, "
+                   "as memfit plan --check; without it a plan answered exits 0")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -210,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
             print_json({"engine": log.engine, "engine_version": log.engine_version,
                         "log": str(args.check), "plan": plan.to_json(),
                         "check": [row.to_json() for row in rows]})
-            return 0
+            return fit_status(args, plan.fits and plan.startup_oom is None)
         render(plan)
         render_check(log, rows, str(args.check))
         mismatch = length_mismatch(plan, log)
@@ -219,12 +223,12 @@ def run(args: argparse.Namespace) -> int:
                             f"are for --max-model-len {mismatch[0]:,}, the log's for "
                             f"{mismatch[1]:,} tokens a request (drop --max-model-len to "
                             "compare them)", soft_wrap=True)
-        return 0
+        return fit_status(args, plan.fits and plan.startup_oom is None)
     if args.json:
         print_json(plan.to_json())
-        return 0
-    render(plan)
-    return 0
+    else:
+        render(plan)
+    return fit_status(args, plan.fits and plan.startup_oom is None)
 
 
 def render(plan: Any) -> None:

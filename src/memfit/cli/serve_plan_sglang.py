@@ -7,10 +7,17 @@ vLLM, refuses vLLM's own, and prints the plan.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-from memfit.cli._common import console, positive_int, print_json
-from memfit.errors import MemfitError
+from memfit.cli._common import (
+    EXIT_DOES_NOT_FIT,
+    console,
+    fit_status,
+    positive_int,
+    print_json,
+)
+from memfit.errors import DoesNotFitError, MemfitError
 
 # vLLM's options that SGLang has no counterpart for in serve-plan (its page is --page-size 1,
 # its budget --mem-fraction-static, it always captures CUDA graphs within that share)
@@ -51,16 +58,22 @@ def run_sglang(args: argparse.Namespace) -> int:
         except ValueError:
             raise MemfitError(f"--mem-fraction-static must be a number in (0, 1), got "
                               f"{args.mem_fraction_static!r}") from None
-    plan = sglang_serve_plan(
-        args.model, gpu=args.gpu, tp=positive_int(args.tp, "--tp") or 1,
-        quant=args.quant, kv_cache_dtype=args.kv_cache_dtype or "auto",
-        mem_fraction_static=fraction,
-        max_model_len=positive_int(args.max_model_len, "--max-model-len"))
+    try:
+        plan = sglang_serve_plan(
+            args.model, gpu=args.gpu, tp=positive_int(args.tp, "--tp") or 1,
+            quant=args.quant, kv_cache_dtype=args.kv_cache_dtype or "auto",
+            mem_fraction_static=fraction,
+            max_model_len=positive_int(args.max_model_len, "--max-model-len"))
+    except DoesNotFitError as exc:
+        if not args.check_fit:
+            raise
+        print(f"memfit: does not fit: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     if args.json:
         print_json(plan.to_json())
-        return 0
-    render_sglang(plan)
-    return 0
+    else:
+        render_sglang(plan)
+    return fit_status(args, plan.kv_cache_tokens >= plan.context_len)
 
 
 def render_sglang(plan: Any) -> None:

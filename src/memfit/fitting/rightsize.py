@@ -68,6 +68,7 @@ from memfit.fitting.rightsize_args import check_training_args
 from memfit.fitting.rightsize_count import _count, _Counter
 from memfit.fitting.rightsize_host import HOST_MEMORY_MARGIN, HostLimit, host_limit, rejection
 from memfit.fitting.rightsize_search import _Best, _Host, search_gpu_count
+from memfit.units import plural
 
 _ = _count  # re-exported for the tests
 
@@ -229,15 +230,16 @@ def _nothing_found(gpus_max: int, closest: list[tuple[float, str]],
     if rejected:
         least = min(rejected, key=lambda r: r["least_host_bytes_per_gpu"]
                     / r["limit_bytes_per_gpu"])
-        return MemfitError(f"no configuration fits on any GPU up to {gpus_max} GPUs within "
-                           f"host memory: {sum(r['configurations'] for r in rejected)} "
-                           f"configurations fit a GPU but not its host memory; on "
+        configs = sum(r["configurations"] for r in rejected)
+        return MemfitError(f"no configuration fits on any GPU up to {plural(gpus_max, 'GPU')} "
+                           f"within host memory: {plural(configs, 'configuration')} "
+                           f"fit{'s' if configs == 1 else ''} a GPU but not its host memory; on "
                            f"{least['count']} x "
                            f"{least['gpu']}, {least['reason']}; give the node's RAM with "
                            "--host-memory, or raise --gpus-max")
     if closest:
         ratio, what = min(closest)
-        return MemfitError(f"no configuration fits on any GPU up to {gpus_max} GPUs; the "
+        return MemfitError(f"no configuration fits on any GPU up to {plural(gpus_max, 'GPU')}; the "
                            f"closest is {what} ({ratio:.2f}x); raise --gpus-max, shorten "
                            "--seq, or use --mode lora / qlora")
     return MemfitError("no GPU to size: " + ("; ".join(skipped[:3]) or "none priced")
@@ -280,11 +282,11 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
         mtbf_hours=mtbf_hours, write_bandwidth=write_bandwidth, spot_discount=spot_discount,
         host_memory=host_memory)
     age = DEFAULT_MAX_PRICE_AGE_DAYS if max_price_age_days is None else max_price_age_days
-    table, names = _priced_gpus(gpus, prices, gpu_file)
+    today = today or dt.date.today()
+    table, names = _priced_gpus(gpus, prices, gpu_file, today)
     spec, base_run = _training_model(model, mode, optimizer, seq)
     steps = job_steps(train_tokens, global_batch, seq)
     counter = _Counter(spec, base_run, seq)
-    today = today or dt.date.today()
     found: list[TrainingCandidate] = []
     skipped: list[str] = []
     closest: list[tuple[float, str]] = []
@@ -339,7 +341,8 @@ def rightsize_training(model: str | Path, *, mode: str = "lora", train_tokens: f
 
 
 def _priced_gpus(gpus: Sequence[str] | None, prices: str | Path | Mapping[str, Any] | None,
-                 gpu_file: str | Path | None) -> tuple[dict[str, Any], list[str]]:
+                 gpu_file: str | Path | None,
+                 today: dt.date) -> tuple[dict[str, Any], list[str]]:
     """The price table (the catalog's, ``prices`` over it) and the GPUs to size: ``gpus``
     (catalog names, each once) or every priced one."""
     from memfit.gpus import get_gpu
@@ -347,7 +350,7 @@ def _priced_gpus(gpus: Sequence[str] | None, prices: str | Path | Mapping[str, A
 
     table = catalog_prices(gpu_file)
     if prices is not None:
-        table.update(load_prices(prices, gpu_file))
+        table.update(load_prices(prices, gpu_file, today=today))
     names = list(table) if gpus is None else \
         list(dict.fromkeys(get_gpu(g, gpu_file).name for g in gpus))
     return table, names

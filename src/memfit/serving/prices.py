@@ -6,7 +6,8 @@ A prices file maps catalog GPU names to ``{price_per_hour, source, date}`` (JSON
 
     h100-sxm-80gb: {price_per_hour: 2.99, source: "my provider's list", date: 2026-11-01}
 
-A name the catalog does not know is refused (one line naming the closest ones).
+A name the catalog does not know is refused (one line naming the closest ones), and so is a date
+after today (a typo: 2062 for 2026).
 """
 
 from __future__ import annotations
@@ -89,10 +90,12 @@ def _read(path: Path) -> Any:
 
 
 def load_prices(source: str | Path | Mapping[str, Any],
-                extra_gpu_file: str | Path | None = None) -> dict[str, GpuPrice]:
+                extra_gpu_file: str | Path | None = None, *,
+                today: dt.date | None = None) -> dict[str, GpuPrice]:
     """The prices of a prices file (or its parsed mapping) by canonical GPU name. Each entry
     needs ``price_per_hour`` (>= 0); ``source`` and ``date`` (YYYY-MM-DD) are optional (an
-    undated price is flagged stale). An unknown GPU or field is a MemfitError."""
+    undated price is flagged stale). An unknown GPU or field, or a date after ``today``
+    (default: today's), is a MemfitError."""
     from memfit.gpus import get_gpu
 
     where = "prices"
@@ -104,6 +107,7 @@ def load_prices(source: str | Path | Mapping[str, Any],
     if not isinstance(data, Mapping) or not data:
         raise MemfitError(f"{where}: expected a mapping of GPU names to "
                           "{price_per_hour, source, date}")
+    today = today or dt.date.today()
     out: dict[str, GpuPrice] = {}
     for name, entry in data.items():
         try:
@@ -124,8 +128,9 @@ def load_prices(source: str | Path | Mapping[str, Any],
         date = entry.get("date")
         if isinstance(date, dt.date):  # YAML reads 2026-11-01 as a date
             date = date.isoformat()
-        if date is not None:
-            _parse_date(str(date))
+        if date is not None and _parse_date(str(date)) > today:
+            raise MemfitError(f"{where}: {name}: price date {date} is after today ({today}); "
+                              "write the date the price was quoted (a typo for a past year?)")
         src = entry.get("source")
         out[gpu.name] = GpuPrice(price_per_hour=float(price),
                                  source=None if src is None else str(src),

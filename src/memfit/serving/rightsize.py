@@ -51,6 +51,7 @@ from memfit.serving.prices import (
 from memfit.serving.roofline import Roofline
 from memfit.serving.simulate import Simulation, percentile, roofline_for, simulate
 from memfit.serving.workload import Request, poisson_requests
+from memfit.units import plural
 
 __all__ = ["DEFAULT_NUM_REQUESTS", "RightsizeResult", "ServingCandidate", "Skipped",
            "pareto_front", "rightsize_serving"]
@@ -210,8 +211,8 @@ def _search(plan: Any, roofline: Roofline, w: _Workload) -> _Found:
     fail, r = low - 1, low
     while not _meets(p95_at(r), w.ttft, w.tpot):
         if r >= w.max_replicas:
-            return None, p95_at(r), r, f"misses the latency target at {r} replicas (the most " \
-                "searched)"
+            return None, p95_at(r), r, (f"misses the latency target at {plural(r, 'replica')} "
+                                        "(the most searched)")
         fail, r = r, min(2 * r, w.max_replicas)
     while r - fail > 1:  # the fewest that meet: in (fail, r]
         mid = (fail + r) // 2
@@ -269,12 +270,13 @@ def _plan(serve_plan: Any, model: Any, config: Mapping[str, Any], *,
 
 
 def _prices(gpus: Sequence[str] | None, prices: str | Path | Mapping[str, Any] | None,
-            gpu_file: str | Path | None) -> tuple[list[str], dict[str, GpuPrice]]:
+            gpu_file: str | Path | None,
+            today: dt.date) -> tuple[list[str], dict[str, GpuPrice]]:
     from memfit.gpus import get_gpu
 
     table = catalog_prices(gpu_file)
     if prices is not None:
-        table.update(load_prices(prices, gpu_file))
+        table.update(load_prices(prices, gpu_file, today=today))
     names = list(table) if gpus is None else [get_gpu(g, gpu_file).name for g in gpus]
     if not names:
         raise MemfitError("no GPUs to size: pass --gpus NAME,... (`memfit gpus` lists them)")
@@ -372,8 +374,8 @@ def rightsize_serving(model: str | Path | Mapping[str, Any], *, qps: float, prom
     started = time.perf_counter()
     _check(qps, prompt_tokens, output_tokens, p95_ttft_s, p95_tpot_s, num_requests,
            max_replicas)
-    names, table = _prices(gpus, prices, gpu_file)
     today = today or dt.date.today()
+    names, table = _prices(gpus, prices, gpu_file, today)
     _, config = load_config(model)
     _check_model_options(config, tp, quant)
     w = _Workload(qps=float(qps), prompt=prompt_tokens, output=output_tokens, ttft=p95_ttft_s,

@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.errors import MemfitError
+from memfit.errors import DoesNotFitError, MemfitError
 from memfit.serving.kv_spec import LayerKV, text_config
 
 __all__ = [
@@ -397,14 +397,14 @@ def sglang_kv_tokens(layers: Sequence[LayerKV], *, available_bytes_after_weights
         budget = rest * mamba_full_memory_ratio / (1 + mamba_full_memory_ratio) * GIB
         max_mamba = int((budget - per_req) // per_req)
         if max_mamba <= 0:
-            raise MemfitError(
+            raise DoesNotFitError(
                 f"not enough GPU memory for the Mamba state cache (max_mamba_cache_size="
                 f"{max_mamba}); SGLang refuses to start: raise --mem-fraction-static or use a "
                 "GPU with more memory")
         rest -= (max_mamba + 1) * per_req / GIB
     if rest <= 0:
         minimum = 1 - avail / pre_load if pre_load else 1.0
-        raise MemfitError(
+        raise DoesNotFitError(
             f"the weights leave no GPU memory for the KV cache under --mem-fraction-static="
             f"{fraction}; SGLang refuses to start: raise --mem-fraction-static above "
             f"{math.ceil(minimum * 1000) / 1000:.3f}")

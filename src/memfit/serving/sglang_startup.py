@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import MemfitError
+from memfit.errors import DoesNotFitError, MemfitError
 from memfit.serving.kv_spec import LayerKV, kv_spec, model_context_length, text_config
 from memfit.serving.sglang import (
     SGLANG_HYBRID_SWA_ARCHS,
@@ -158,7 +158,7 @@ def sglang_plan(config_or_model: str | Path | Mapping[str, Any], *, total_bytes:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise MemfitError(f"{flag} must be a number of bytes >= 0, got {value!r}")
     if total_bytes <= weights_bytes + non_torch_bytes:
-        raise MemfitError(f"the weights ({weights_bytes:,} B) and the memory outside torch "
+        raise DoesNotFitError(f"the weights ({weights_bytes:,} B) and the memory outside torch "
                           f"({non_torch_bytes:,} B) fill the GPU ({total_bytes:,} B); use more "
                           "GPUs (--tp) or a smaller model")
     optional: tuple[tuple[int | None, str], ...] = (
