@@ -37,9 +37,13 @@ def test_nested_freezes_unfreeze_once(unfrozen: None) -> None:
     with heap.frozen_heap():
         frozen = gc.get_freeze_count()
         assert frozen > 0
+        made = [[] for _ in range(1000)]  # tracked objects a second freeze would add
+        # Frozen objects that die (refcount) leave the count: it may drop by a few (2 once,
+        # under xdist), never rise without a freeze. An inner freeze would add `made`; an
+        # inner unfreeze would empty it.
         with heap.frozen_heap():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen  # the inner exit keeps the outer freeze
+            assert gc.get_freeze_count() <= frozen
+        assert frozen - len(made) < gc.get_freeze_count() <= frozen  # the outer freeze kept
     assert gc.get_freeze_count() == 0
 
 
