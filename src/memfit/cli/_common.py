@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich.console import Console
@@ -23,6 +24,21 @@ def positive_int(text: str | None, flag: str) -> int | None:
     if value <= 0:
         raise MemfitError(f"{flag} must be a positive integer, got {text!r}")
     return value
+
+
+def given_flags(args: Any, dests: Iterable[str]) -> list[str]:
+    """The flags among ``dests`` (argparse destinations) given on the command line, spelled as
+    typed (``gpus_max`` -> ``--gpus-max``): those whose value is not None. A flag that only one
+    kind of run reads has no argparse default, so that the other kind can refuse it."""
+    return ["--" + d.replace("_", "-") for d in dests if getattr(args, d) is not None]
+
+
+def fill_defaults(args: Any, defaults: Mapping[str, str]) -> None:
+    """Set each flag of ``defaults`` that was not given to its default (see
+    :func:`given_flags`)."""
+    for dest, default in defaults.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
 
 
 def nonneg_int(text: str | None, flag: str) -> int | None:

@@ -21,7 +21,15 @@ import math
 import re
 from typing import Any
 
-from memfit.cli._common import console, name_column, positive_int, print_json, print_table
+from memfit.cli._common import (
+    console,
+    fill_defaults,
+    given_flags,
+    name_column,
+    positive_int,
+    print_json,
+    print_table,
+)
 from memfit.errors import MemfitError
 from memfit.units import plural
 
@@ -115,24 +123,19 @@ _TRAINING_DEFAULTS = {"mode": "train", "gpus_max": "16", "optimizer": "adamw", "
 _SERVING_DEFAULTS = {"tp": "1,2,4,8", "quant": "none,fp8", "num_requests": "200"}
 
 
-def _flag(attr: str) -> str:
-    return "--" + attr.replace("_", "-")
-
-
 def run(args: argparse.Namespace) -> int:
     if not args.serve:
         return run_training(args)
     if args.host_memory is not None:
         raise MemfitError("--host-memory checks a training job's offloaded states: drop it "
                           "with --serve")
-    training = [_flag(a) for a in (*_TRAINING_DEFAULTS, "train_tokens", "seq", "global_batch",
-                                   "interruption", "mtbf_hours", "discount")
-                if getattr(args, a) is not None] + (["--spot"] if args.spot else [])
+    training = given_flags(args, (*_TRAINING_DEFAULTS, "train_tokens", "seq", "global_batch",
+                                  "interruption", "mtbf_hours", "discount")
+                           ) + (["--spot"] if args.spot else [])
     if training:
         raise MemfitError(f"{', '.join(training)}: training options, not read with --serve; "
                           "drop them (or drop --serve to size a training job)")
-    for attr, default in _SERVING_DEFAULTS.items():
-        setattr(args, attr, default if getattr(args, attr) is None else getattr(args, attr))
+    fill_defaults(args, _SERVING_DEFAULTS)
     missing = [f for f, v in (("--qps", args.qps), ("--prompt-tokens", args.prompt_tokens),
                               ("--output-tokens", args.output_tokens)) if v is None]
     if missing:
@@ -141,13 +144,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _training_flags(args: argparse.Namespace) -> None:
-    serving = [f for f, v in (("--qps", args.qps), ("--prompt-tokens", args.prompt_tokens),
-                              ("--output-tokens", args.output_tokens),
-                              ("--p95-ttft", args.p95_ttft), ("--p95-tpot", args.p95_tpot),
-                              ("--max-model-len", args.max_model_len),
-                              ("--activation-peak", args.activation_peak),
-                              *((_flag(a), getattr(args, a)) for a in _SERVING_DEFAULTS))
-               if v is not None]
+    serving = given_flags(args, ("qps", "prompt_tokens", "output_tokens", "p95_ttft",
+                                 "p95_tpot", "max_model_len", "activation_peak",
+                                 *_SERVING_DEFAULTS))
     if serving:
         raise MemfitError(f"{', '.join(serving)} size a serving deployment: add --serve")
     missing = [f for f, v in (("--train-tokens", args.train_tokens), ("--seq", args.seq),
@@ -159,8 +158,7 @@ def _training_flags(args: argparse.Namespace) -> None:
                                                      args.discount, args.write_bandwidth)):
         raise MemfitError("--interruption, --mtbf-hours, --discount and --write-bandwidth "
                           "price spot: add --spot")
-    for attr, default in _TRAINING_DEFAULTS.items():
-        setattr(args, attr, default if getattr(args, attr) is None else getattr(args, attr))
+    fill_defaults(args, _TRAINING_DEFAULTS)
 
 
 def _fraction(text: str | None, flag: str) -> float | None:

@@ -15,7 +15,7 @@ import argparse
 import math
 from typing import Any
 
-from memfit.cli._common import console, positive_int, print_json
+from memfit.cli._common import console, fill_defaults, given_flags, positive_int, print_json
 from memfit.errors import MemfitError
 
 
@@ -90,16 +90,14 @@ _GENERATOR_DEFAULTS = {"num_requests": "200", "prompt_tokens": "1000", "output_t
 
 
 def _workload_flags(args: argparse.Namespace) -> None:
-    given = ["--" + a.replace("_", "-") for a in _GENERATOR_DEFAULTS
-             if getattr(args, a) is not None]
+    given = given_flags(args, _GENERATOR_DEFAULTS)
     if args.trace is not None and given:
         raise MemfitError(f"{', '.join(given)} shape generated requests; the --trace file's "
                           "rows give each request: drop them (or --trace for --qps)")
     if args.spread is not None and (args.lengths or "fixed") == "fixed":
         raise MemfitError("--spread varies the lengths: add --lengths uniform or lognormal "
                           "(fixed lengths have none)")
-    for attr, default in _GENERATOR_DEFAULTS.items():
-        setattr(args, attr, default if getattr(args, attr) is None else getattr(args, attr))
+    fill_defaults(args, _GENERATOR_DEFAULTS)
 
 
 def run(args: argparse.Namespace) -> int:
